@@ -1,0 +1,248 @@
+"""The ELMo biLM (Peters et al. 2018) in plain PyTorch, in bilm-tf's conventions.
+
+token encoder (char CNN + highway + projection, or a word-embedding table)
+  -> n_layers LSTMs with cell clip, projection and projection clip, per direction
+  -> per layer: concat(forward, backward)
+
+Parameters are stored in bilm-tf's own layout (gate order, carry gate, forget bias at run time),
+so loading and saving the published HDF5 files is a transpose and nothing else (model/weights.py).
+
+Sequences run in torch's packed layout (time-major, longest first): each LSTM layer's input
+projection is one GEMM over the real tokens only, the time loop touches only sentences still
+running, and every sentence's result is independent of the others in its batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.options import BiLMOptions
+
+N_CHAR_ROWS = 262  # 261 trained character rows + row 0, all zeros, for padded positions
+
+
+class Highway(nn.Module):
+    """y = t * relu(x @ W_transform + b_transform) + (1 - t) * x,  t = sigmoid(x @ W_carry + b_carry).
+
+    bilm-tf's convention: its "carry" gate t weighs the transformed path. (AllenNLP flips the sign
+    of W_carry/b_carry to use g * x + (1 - g) * f(x); we keep TF's form and its weights as they are.)
+    The two linear maps are one GEMM: weight rows [:d] = transform, [d:] = carry.
+    """
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: Tensor) -> Tensor:  # (N, d) -> (N, d)
+        transform, carry = self.linear(x).split(self.dim, dim=-1)
+        t = torch.sigmoid(carry)
+        return t * F.relu(transform) + (1.0 - t) * x
+
+
+class CharCNNEncoder(nn.Module):
+    """Token vectors from character ids: (N, max_chars) int64 (+1 shifted, 0 = padding) -> (N, P)."""
+
+    def __init__(self, opts: BiLMOptions):
+        super().__init__()
+        cc = opts.char_cnn
+        char_dim = int(cc["embedding"]["dim"])
+        self.char_embed = nn.Embedding(N_CHAR_ROWS, char_dim, padding_idx=0)
+        # TF's conv2d over (1, width) with VALID padding is a plain cross-correlation: Conv1d.
+        self.convs = nn.ModuleList(nn.Conv1d(char_dim, n, w) for w, n in opts.filters)
+        self.activation = torch.tanh if cc.get("activation", "relu") == "tanh" else F.relu
+        n_filters = opts.n_filters
+        self.highways = nn.ModuleList(Highway(n_filters) for _ in range(int(cc.get("n_highway") or 0)))
+        # bilm-tf projects only when the widths differ, after the highway layers.
+        self.proj = nn.Linear(n_filters, opts.projection_dim) if n_filters != opts.projection_dim else None
+
+    def forward(self, char_ids: Tensor) -> Tensor:
+        x = self.char_embed(char_ids).transpose(1, 2)            # (N, E, C)
+        # bilm-tf max-pools over time, then applies the activation (the same, both monotonic).
+        h = torch.cat([self.activation(conv(x).amax(dim=-1)) for conv in self.convs], dim=-1)
+        for hw in self.highways:
+            h = hw(h)
+        return self.proj(h) if self.proj is not None else h     # (N, P)
+
+
+class WordEncoder(nn.Module):
+    """Token vectors from a word-embedding table: (N,) int64 ids -> (N, P)."""
+
+    def __init__(self, opts: BiLMOptions):
+        super().__init__()
+        self.embedding = nn.Embedding(opts.n_tokens_vocab, opts.projection_dim)
+
+    def forward(self, token_ids: Tensor) -> Tensor:
+        return self.embedding(token_ids)
+
+
+class LstmProjection(nn.Module):
+    """One LSTM layer with projected output, as TF's LSTMCell(num_proj, cell_clip, proj_clip).
+
+    Gate rows of w_in / w_rec / bias are in TF's order: i (input), j (candidate), f (forget),
+    o (output). TF keeps forget_bias=1.0 out of the weights and adds it at run time; so do we.
+      c' = clip(sigmoid(f + 1) * c + sigmoid(i) * tanh(j), cell_clip)
+      h' = clip((sigmoid(o) * tanh(c')) @ w_proj.T, proj_clip)
+    Shapes: w_in (4H, D_in), w_rec (4H, P), bias (4H,), w_proj (P, H).
+    """
+
+    def __init__(self, input_dim: int, dim: int, proj_dim: int, cell_clip: float | None, proj_clip: float | None):
+        super().__init__()
+        self.dim, self.proj_dim = dim, proj_dim
+        self.cell_clip, self.proj_clip = cell_clip, proj_clip
+        self.w_in = nn.Parameter(torch.empty(4 * dim, input_dim))
+        self.w_rec = nn.Parameter(torch.empty(4 * dim, proj_dim))
+        self.bias = nn.Parameter(torch.zeros(4 * dim))
+        self.w_proj = nn.Parameter(torch.empty(proj_dim, dim))
+        forget = torch.zeros(4 * dim)
+        forget[2 * dim: 3 * dim] = 1.0
+        self.register_buffer("forget_bias", forget, persistent=False)
+        for w in (self.w_in, self.w_rec, self.w_proj):
+            nn.init.xavier_uniform_(w)
+
+    def forward(self, x: Tensor, batch_sizes: list[int], h0: Tensor, c0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x: packed inputs (N, D_in); batch_sizes[t] = sequences still running at step t (non-increasing);
+        h0 (B, P), c0 (B, H) in packed (longest-first) row order.
+        Returns packed outputs (N, P) and the final (h, c), each sequence's state after its last token."""
+        xw = torch.addmm(self.bias + self.forget_bias, x, self.w_in.t())   # (N, 4H): one GEMM, all steps
+        w_rec_t, w_proj_t = self.w_rec.t(), self.w_proj.t()
+        H = self.dim
+        h, c = h0, c0
+        outs, done_h, done_c = [], [], []
+        offset = 0
+        for n in batch_sizes:
+            if n < h.shape[0]:                     # sequences [n:] have ended: keep their final state
+                done_h.append(h[n:])
+                done_c.append(c[n:])
+                h, c = h[:n], c[:n]
+            gates = torch.addmm(xw[offset: offset + n], h, w_rec_t)
+            offset += n
+            c = torch.sigmoid(gates[:, 2 * H: 3 * H]) * c + torch.sigmoid(gates[:, :H]) * torch.tanh(gates[:, H: 2 * H])
+            if self.cell_clip is not None:
+                c = c.clamp(-self.cell_clip, self.cell_clip)
+            h = (torch.sigmoid(gates[:, 3 * H:]) * torch.tanh(c)).mm(w_proj_t)
+            if self.proj_clip is not None:
+                h = h.clamp(-self.proj_clip, self.proj_clip)
+            outs.append(h)
+        if not outs:
+            return x.new_zeros(0, self.proj_dim), h, c
+        h_final = torch.cat([h, *reversed(done_h)]) if done_h else h
+        c_final = torch.cat([c, *reversed(done_c)]) if done_c else c
+        return torch.cat(outs), h_final, c_final
+
+
+class PackedBatch:
+    """Index maps between a padded (B, T) batch and the packed layouts of both directions.
+
+    Packed element k of the forward direction is flat position fwd_index[k] (= row * T + t);
+    of the backward direction, bwd_index[k] (each sequence reversed within its own length).
+    `order` is the packed row order (longest first, stable) in terms of batch rows.
+    """
+
+    def __init__(self, lengths: Tensor, max_len: int, device: torch.device):
+        lengths = lengths.to("cpu", torch.int64)
+        self.lengths = lengths
+        sorted_len, order = torch.sort(lengths, descending=True, stable=True)
+        self.order = order.to(device)
+        T = max_len
+        steps = torch.arange(T)
+        active = steps[:, None] < sorted_len[None, :]                   # (T, B)
+        self.batch_sizes = active.sum(dim=1).tolist()
+        while self.batch_sizes and self.batch_sizes[-1] == 0:
+            self.batch_sizes.pop()
+        rows = order[None, :].expand(T, -1)[active]                     # time-major, longest first
+        t = steps[:, None].expand(-1, len(lengths))[active]
+        self.fwd_index = (rows * T + t).to(device)
+        self.bwd_index = (rows * T + (lengths[rows] - 1 - t)).to(device)
+
+
+class BiLM(nn.Module):
+    """The bidirectional LM. forward(inputs, lengths, state) -> (layers, state).
+
+    inputs: (B, T, max_chars) char ids (char CNN) or (B, T) token ids (word encoder), boundary
+    tokens <S> </S> included, 0 at padded positions; lengths (B,) >= 1.
+    layers: (n_layers + 1, B, T, 2P): [0] the token vectors duplicated, [k] concat(fwd_k, bwd_k);
+    zeros at padded positions.
+    state: (h, c) with h (2, n_layers, B, P), c (2, n_layers, B, H) in batch-row order; index 0 is the
+    forward direction. None means zeros. The returned state is each row's state after its sequence.
+    """
+
+    def __init__(self, opts: BiLMOptions, dropout: float = 0.0):
+        super().__init__()
+        self.opts = opts
+        self.dropout = dropout
+        self.token_encoder = CharCNNEncoder(opts) if opts.char_cnn is not None else WordEncoder(opts)
+        P, H = opts.projection_dim, opts.lstm_dim
+
+        def stack():
+            return nn.ModuleList(LstmProjection(P, H, P, opts.cell_clip, opts.proj_clip) for _ in range(opts.n_layers))
+
+        self.forward_layers = stack()
+        self.backward_layers = stack()
+
+    @property
+    def n_layers(self) -> int:
+        return self.opts.n_layers
+
+    @property
+    def output_dim(self) -> int:
+        return self.opts.output_dim
+
+    def zero_state(self, batch_size: int, device=None, dtype=None) -> tuple[Tensor, Tensor]:
+        p = next(self.parameters())
+        device, dtype = device or p.device, dtype or p.dtype
+        L, P, H = self.opts.n_layers, self.opts.projection_dim, self.opts.lstm_dim
+        return (torch.zeros(2, L, batch_size, P, device=device, dtype=dtype),
+                torch.zeros(2, L, batch_size, H, device=device, dtype=dtype))
+
+    def encode_tokens(self, inputs: Tensor) -> Tensor:
+        """Token vectors for (N, max_chars) char ids or (N,) token ids -> (N, P).
+        The encoder runs once per distinct token: repeated words cost nothing extra."""
+        if inputs.shape[0] == 0:
+            return inputs.new_zeros((0, self.opts.projection_dim), dtype=next(self.parameters()).dtype)
+        uniq, inverse = torch.unique(inputs, dim=0, return_inverse=True)
+        return self.token_encoder(uniq)[inverse]
+
+    def _drop(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
+
+    def forward(self, inputs: Tensor, lengths: Tensor, state: tuple[Tensor, Tensor] | None = None):
+        B, T = inputs.shape[:2]
+        device = inputs.device
+        if state is None:
+            state = self.zero_state(B, device)
+        h0, c0 = state
+        pb = PackedBatch(lengths, T, device)
+        flat_inputs = inputs.reshape(B * T, *inputs.shape[2:])
+        emb = self.encode_tokens(flat_inputs[pb.fwd_index])               # (N, P) forward packed order
+        P = emb.shape[-1]
+        emb_flat = emb.new_zeros(B * T, P).index_copy(0, pb.fwd_index, emb)
+        layers = [torch.cat([emb_flat, emb_flat], dim=-1)]
+        h_out, c_out = [], []
+        for d, (stack, index) in enumerate(((self.forward_layers, pb.fwd_index), (self.backward_layers, pb.bwd_index))):
+            x = emb_flat[index]
+            outs, hs, cs = [], [], []
+            for k, layer in enumerate(stack):
+                y, h, c = layer(self._drop(x), pb.batch_sizes, h0[d, k][pb.order], c0[d, k][pb.order])
+                if self.opts.use_skip_connections and k > 0:
+                    y = y + x          # bilm-tf's ResidualWrapper: on every layer but the first
+                outs.append(emb.new_zeros(B * T, P).index_copy(0, index, y))
+                hs.append(h)
+                cs.append(c)
+                x = y
+            h_out.append(torch.stack(hs))
+            c_out.append(torch.stack(cs))
+            if d == 0:
+                fwd_outs = outs
+            else:
+                bwd_outs = outs
+        for f, b in zip(fwd_outs, bwd_outs):
+            layers.append(torch.cat([f, b], dim=-1))
+        out = torch.stack(layers).view(self.opts.n_layers + 1, B, T, 2 * P)
+        # final states back from packed row order to batch-row order
+        inv = torch.empty_like(pb.order)
+        inv[pb.order] = torch.arange(B, device=device)
+        h_final = torch.stack(h_out)[:, :, inv]
+        c_final = torch.stack(c_out)[:, :, inv]
+        return out, (h_final, c_final)

@@ -1,0 +1,188 @@
+"""Embed tokenized sentences with a biLM: AllenNLP's ElmoEmbedder API, plus three state modes.
+
+State modes (what each sentence's LSTMs start from):
+  stateless  zeros. A sentence's vectors depend on nothing but the sentence. DEFAULT.
+  warm       one fixed state, computed once by running WARMUP_TEXT through the model. Just as
+             deterministic; closer to the carried-over state the model saw in training.
+  stateful   each batch row carries its state over to the same row of the next batch, exactly like
+             bilm-tf / AllenNLP (batches are consecutive input sentences, never reordered). For parity
+             and compatibility only: results depend on batch size and on what came before.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from model.bilm import BiLM
+from model.char_ids import BOS_TOKEN, EOS_TOKEN, batch_char_ids
+
+STATE_MODES = ("stateless", "warm", "stateful")
+
+# Fixed warm-up text for the `warm` mode: ordinary English, run sentence by sentence from zeros.
+WARMUP_TEXT = [
+    "The first time I saw the city , it was early in the morning and the streets were still empty .",
+    "She said that the report would be published next week , after the committee had met .",
+    "In 1998 , the company moved its headquarters to a larger building near the river .",
+    "It is not clear whether the new rules will change anything for most people .",
+    "He played for the team for six seasons before he retired .",
+]
+
+
+def resolve_device(device: str | int | torch.device | None) -> torch.device:
+    """'cpu' | 'cuda' | 'cuda:N' | 'auto' | N (>= 0 is a GPU, -1 the CPU). A missing GPU is an error."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, int) or (isinstance(device, str) and device.lstrip("-").isdigit()):
+        n = int(device)
+        device = "cpu" if n < 0 else f"cuda:{n}"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {device!r} requested but no CUDA GPU is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RuntimeError(f"device {device!r} requested but only {torch.cuda.device_count()} GPU(s) exist")
+    return dev
+
+
+class ElmoEmbedder:
+    """Per-sentence ELMo vectors: float32 arrays (n_layers + 1, T, 2P).
+
+    Layer 0 is the token vector duplicated to 2P (AllenNLP compatible); layer k the concatenated
+    forward and backward outputs of LSTM layer k. <S> and </S> are added and removed internally.
+    """
+
+    def __init__(self, options_file: str | None = None, weight_file: str | None = None, *,
+                 device: str | int | torch.device | None = "cpu", state: str = "stateless",
+                 batch_size: int = 64, model: BiLM | None = None, vocab_file: str | None = None):
+        if state not in STATE_MODES:
+            raise ValueError(f"state must be one of {STATE_MODES}, got {state!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.device = resolve_device(device)
+        if model is None:
+            from model.weights import load_bilm
+            if options_file is None and weight_file is None:
+                from model.pretrained import default_model_files
+                options_file, weight_file, vocab_file = default_model_files()
+            elif options_file is None or weight_file is None:
+                raise ValueError("give both options_file and weight_file, or neither (the shipped default)")
+            model = load_bilm(options_file, weight_file)
+        self.model = model.to(self.device).eval()
+        self.state_mode = state
+        self.batch_size = batch_size
+        self.vocab = None
+        if self.model.opts.char_cnn is None:
+            if vocab_file is None:
+                raise ValueError("a word-encoder biLM needs its vocabulary: pass vocab_file")
+            from model.vocab import Vocabulary
+            self.vocab = Vocabulary.load(vocab_file)
+        self._carried: tuple[torch.Tensor, torch.Tensor] | None = None   # stateful: per-row state
+        self._warm: tuple[torch.Tensor, torch.Tensor] | None = None
+        if state == "warm":
+            self._warm = self._compute_warm_state()
+
+    @property
+    def output_dim(self) -> int:
+        return self.model.output_dim
+
+    @property
+    def n_layers(self) -> int:
+        return self.model.n_layers + 1
+
+    # --- inputs -----------------------------------------------------------------------------
+    def batch_inputs(self, sentences: Sequence[Sequence[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model inputs with <S> ... </S> added: (B, T+2, max_chars) or (B, T+2) ids, and lengths (B,)."""
+        if self.vocab is not None:
+            ids = [self.vocab.encode([BOS_TOKEN, *s, EOS_TOKEN]) for s in sentences]
+            lengths = np.array([len(i) for i in ids], dtype=np.int64)
+            arr = np.zeros((len(ids), int(lengths.max())), dtype=np.int64)
+            for b, i in enumerate(ids):
+                arr[b, : len(i)] = i
+        else:
+            arr, lengths = batch_char_ids(sentences, self.model.opts.max_characters_per_token)
+        return torch.from_numpy(arr).to(self.device), torch.from_numpy(lengths)
+
+    # --- states -----------------------------------------------------------------------------
+    def reset_states(self) -> None:
+        """Forget the carried state (stateful mode)."""
+        self._carried = None
+
+    def _compute_warm_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        state = None
+        for sentence in WARMUP_TEXT:
+            _, state = self._forward([sentence.split()], state)
+        return state
+
+    def _initial_state(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.state_mode == "stateless":
+            return None
+        if self.state_mode == "warm":
+            h, c = self._warm
+            return h.expand(-1, -1, batch_size, -1), c.expand(-1, -1, batch_size, -1)
+        # stateful, as AllenNLP: rows beyond what was carried start from zeros
+        zh, zc = self.model.zero_state(batch_size, self.device)
+        if self._carried is not None:
+            h, c = self._carried
+            n = min(batch_size, h.shape[2])
+            zh[:, :, :n], zc[:, :, :n] = h[:, :, :n], c[:, :, :n]
+        return zh, zc
+
+    def _keep_state(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        h, c = state
+        if self._carried is None or self._carried[0].shape[2] <= h.shape[2]:
+            self._carried = (h, c)
+        else:  # a smaller batch updates its rows; rows beyond keep their older state
+            ch, cc = (t.clone() for t in self._carried)
+            ch[:, :, : h.shape[2]], cc[:, :, : h.shape[2]] = h, c
+            self._carried = (ch, cc)
+
+    # --- running ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, sentences, state):
+        inputs, lengths = self.batch_inputs(sentences)
+        return self.model(inputs, lengths, state)
+
+    def embed_batch(self, sentences: Sequence[Sequence[str]]) -> list[np.ndarray]:
+        """One batch, as given. Returns one float32 array (n_layers+1, T_i, 2P) per sentence."""
+        sentences = [list(s) for s in sentences]
+        if not sentences:
+            return []
+        out, state = self._forward(sentences, self._initial_state(len(sentences)))
+        if self.state_mode == "stateful":
+            self._keep_state(state)
+        out = out.float().cpu().numpy()
+        return [np.ascontiguousarray(out[:, b, 1: len(s) + 1]) for b, s in enumerate(sentences)]
+
+    def embed_sentence(self, tokens: Sequence[str]) -> np.ndarray:
+        """(n_layers+1, T, 2P) for one sentence; T = 0 for an empty one."""
+        return self.embed_batch([tokens])[0]
+
+    def embed_sentences(self, sentences: Iterable[Sequence[str]], batch_size: int | None = None) -> Iterator[np.ndarray]:
+        """Arrays for an iterable of sentences, in input order.
+
+        Stateful: consecutive batches in input order. Otherwise results do not depend on batching,
+        so sentences are length-sorted within a window of 16 batches to cut padding."""
+        bs = batch_size or self.batch_size
+        window = bs if self.state_mode == "stateful" else 16 * bs
+        buf: list[list[str]] = []
+        for s in sentences:
+            buf.append(list(s))
+            if len(buf) == window:
+                yield from self._embed_window(buf, bs)
+                buf = []
+        if buf:
+            yield from self._embed_window(buf, bs)
+
+    def _embed_window(self, sents: list[list[str]], bs: int) -> list[np.ndarray]:
+        if self.state_mode == "stateful":
+            order = list(range(len(sents)))
+        else:
+            order = sorted(range(len(sents)), key=lambda i: len(sents[i]))
+        results: list[np.ndarray | None] = [None] * len(sents)
+        for start in range(0, len(order), bs):
+            idx = order[start: start + bs]
+            for i, arr in zip(idx, self.embed_batch([sents[i] for i in idx])):
+                results[i] = arr
+        return results

@@ -1,0 +1,172 @@
+"""Load and save the biLM in the bilm-tf / AllenNLP file layout: options.json + weights.hdf5.
+
+HDF5 datasets (TF variable layout, float32):
+  char_embed                                   (261, E)   no row for padding: we add a zero row 0
+  CNN/W_cnn_{i}                                (1, width, E, n_filters_i)   conv2d kernel
+  CNN/b_cnn_{i}                                (n_filters_i,)
+  CNN_high_{k}/W_transform, W_carry            (F, F)     x @ W (TF: input on the left)
+  CNN_high_{k}/b_transform, b_carry            (F,)
+  CNN_proj/W_proj (F, P), CNN_proj/b_proj (P,)            only when F != P
+  embedding                                    (V, P)     word token encoder instead of the CNN
+  RNN_{d}/RNN/MultiRNNCell/Cell{k}/LSTMCell/W_0    (D_in + P, 4H)  [input; recurrent] rows, gates i,j,f,o
+                                         .../B      (4H,)           without TF's run-time forget bias +1
+                                         .../W_P_0  (H, P)
+  d = 0 forward, 1 backward; k = layer.
+No pickle anywhere: a weights file is plain arrays.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import h5py
+import numpy as np
+import torch
+
+from model.bilm import N_CHAR_ROWS, BiLM
+from model.io import local_path, open_url
+from model.options import BiLMOptions, load_options, parse_options
+
+
+class WeightsError(ValueError):
+    """A weights file is unreadable, lacks a dataset, or has a wrong shape."""
+
+
+def _cell(d: int, k: int) -> str:
+    return f"RNN_{d}/RNN/MultiRNNCell/Cell{k}/LSTMCell"
+
+
+def _read(f: h5py.File, name: str, shape: tuple, where: str) -> np.ndarray:
+    if name not in f:
+        raise WeightsError(f"{where}: missing dataset '{name}'")
+    ds = f[name]
+    if not isinstance(ds, h5py.Dataset):
+        raise WeightsError(f"{where}: '{name}' is a group, expected a dataset")
+    if tuple(ds.shape) != tuple(shape):
+        raise WeightsError(f"{where}: dataset '{name}' has shape {tuple(ds.shape)}, expected {tuple(shape)}")
+    try:
+        return np.asarray(ds[...], dtype=np.float32)
+    except OSError as e:
+        raise WeightsError(f"{where}: dataset '{name}' cannot be read ({e})") from None
+
+
+def _copy(param: torch.Tensor, array: np.ndarray) -> None:
+    with torch.no_grad():
+        param.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+
+
+def load_weights_into(model: BiLM, weight_file: str, sha256: str | None = None) -> BiLM:
+    """Fill `model` from an HDF5 weights file (path or URL). Raises WeightsError naming the problem."""
+    path = local_path(weight_file, sha256=sha256)
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise WeightsError(f"{weight_file}: not a readable HDF5 file ({e})") from None
+    with f:
+        _load(model, f, str(weight_file))
+    return model
+
+
+def _load(model: BiLM, f: h5py.File, where: str) -> None:
+    o = model.opts
+    P, H = o.projection_dim, o.lstm_dim
+    enc = model.token_encoder
+    if o.char_cnn is not None:
+        E = enc.char_embed.embedding_dim
+        n_rows = f["char_embed"].shape[0] if "char_embed" in f else None
+        # Trained files have 261 rows (ids 0..260); ids are +1 shifted at inference, so row 0 is a
+        # zero row for padded positions (options say n_characters 262). A 262-row file has it already.
+        rows = N_CHAR_ROWS if n_rows == N_CHAR_ROWS else N_CHAR_ROWS - 1
+        char_embed = _read(f, "char_embed", (rows, E), where)
+        full = np.zeros((N_CHAR_ROWS, E), np.float32)
+        full[N_CHAR_ROWS - rows:] = char_embed
+        _copy(enc.char_embed.weight, full)
+        for i, ((width, num), conv) in enumerate(zip(o.filters, enc.convs)):
+            w = _read(f, f"CNN/W_cnn_{i}", (1, width, E, num), where)
+            _copy(conv.weight, w[0].transpose(2, 1, 0))                # (num, E, width)
+            _copy(conv.bias, _read(f, f"CNN/b_cnn_{i}", (num,), where))
+        F_ = o.n_filters
+        for k, hw in enumerate(enc.highways):
+            g = f"CNN_high_{k}"
+            w = np.concatenate([_read(f, f"{g}/W_transform", (F_, F_), where).T,
+                                _read(f, f"{g}/W_carry", (F_, F_), where).T])
+            b = np.concatenate([_read(f, f"{g}/b_transform", (F_,), where),
+                                _read(f, f"{g}/b_carry", (F_,), where)])
+            _copy(hw.linear.weight, w)
+            _copy(hw.linear.bias, b)
+        if enc.proj is not None:
+            _copy(enc.proj.weight, _read(f, "CNN_proj/W_proj", (F_, P), where).T)
+            _copy(enc.proj.bias, _read(f, "CNN_proj/b_proj", (P,), where))
+    else:
+        _copy(enc.embedding.weight, _read(f, "embedding", (o.n_tokens_vocab, P), where))
+    for d, stack in enumerate((model.forward_layers, model.backward_layers)):
+        for k, layer in enumerate(stack):
+            g = _cell(d, k)
+            d_in = layer.w_in.shape[1]
+            w0 = _read(f, f"{g}/W_0", (d_in + P, 4 * H), where)
+            _copy(layer.w_in, w0[:d_in].T)
+            _copy(layer.w_rec, w0[d_in:].T)
+            _copy(layer.bias, _read(f, f"{g}/B", (4 * H,), where))
+            _copy(layer.w_proj, _read(f, f"{g}/W_P_0", (H, P), where).T)
+
+
+def load_bilm(options_file: str, weight_file: str, device: str | torch.device = "cpu",
+              sha256: str | None = None) -> BiLM:
+    """A BiLM (eval mode) from options.json + weights.hdf5, each a path or fsspec URL."""
+    opts = load_options(options_file)
+    model = BiLM(opts)
+    load_weights_into(model, weight_file, sha256=sha256)
+    return model.to(device).eval()
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float32).numpy()
+
+
+def save_weights(model: BiLM, weight_file: str) -> None:
+    """Write `model` as an HDF5 file in the bilm-tf layout (exact inverse of load_weights_into)."""
+    o = model.opts
+    enc = model.token_encoder
+    tmp = weight_file + ".tmp" if "://" not in weight_file else None
+    target = tmp or weight_file
+    if tmp is None:
+        raise ValueError("save_weights writes local files; upload the result with fsspec")
+    with h5py.File(target, "w") as f:
+        if o.char_cnn is not None:
+            f["char_embed"] = _np(enc.char_embed.weight)[1:]         # drop the inference-only zero row
+            for i, conv in enumerate(enc.convs):
+                f[f"CNN/W_cnn_{i}"] = _np(conv.weight).transpose(2, 1, 0)[None]
+                f[f"CNN/b_cnn_{i}"] = _np(conv.bias)
+            for k, hw in enumerate(enc.highways):
+                w, b = _np(hw.linear.weight), _np(hw.linear.bias)
+                d = hw.dim
+                f[f"CNN_high_{k}/W_transform"] = w[:d].T
+                f[f"CNN_high_{k}/W_carry"] = w[d:].T
+                f[f"CNN_high_{k}/b_transform"] = b[:d]
+                f[f"CNN_high_{k}/b_carry"] = b[d:]
+            if enc.proj is not None:
+                f["CNN_proj/W_proj"] = _np(enc.proj.weight).T
+                f["CNN_proj/b_proj"] = _np(enc.proj.bias)
+        else:
+            f["embedding"] = _np(enc.embedding.weight)
+        for d, stack in enumerate((model.forward_layers, model.backward_layers)):
+            for k, layer in enumerate(stack):
+                g = _cell(d, k)
+                f[f"{g}/W_0"] = np.concatenate([_np(layer.w_in).T, _np(layer.w_rec).T])
+                f[f"{g}/B"] = _np(layer.bias)
+                f[f"{g}/W_P_0"] = _np(layer.w_proj).T
+    os.replace(tmp, weight_file)
+
+
+def save_bilm(model: BiLM, options_file: str, weight_file: str) -> None:
+    """Write options.json + weights.hdf5 (local paths) that AllenNLP, bilm-tf and load_bilm read."""
+    save_weights(model, weight_file)
+    raw = dict(model.opts.raw)
+    if raw.get("char_cnn") is not None:
+        raw["char_cnn"] = {**raw["char_cnn"], "n_characters": N_CHAR_ROWS}
+    with open(options_file, "w") as f:
+        json.dump(raw, f, indent=2, sort_keys=True)
+
+
+__all__ = ["WeightsError", "load_bilm", "load_weights_into", "save_bilm", "save_weights",
+           "BiLMOptions", "parse_options", "open_url"]

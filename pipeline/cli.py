@@ -1,0 +1,36 @@
+"""The `elmo-pipeline` command: subcommands elmo, run (the Beam pipeline), train, evaluate, probe."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module, help). Modules are imported only when their subcommand runs.
+SUBCOMMANDS = {
+    "elmo": ("pipeline.elmo_command", "embed a file of tokenized sentences into HDF5 (allennlp elmo)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elmo-pipeline", description="ELMo contextual word vectors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    # `run` forwards everything to the Beam pipeline's own parser (Beam options included).
+    if argv and argv[0] == "run" and "run" in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS["run"][0]).main(argv[1:])
+    args = build_parser().parse_args(argv)
+    return importlib.import_module(args._module).run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""`elmo-pipeline elmo`: the removed `allennlp elmo` command, same flags and HDF5 layout.
+
+INPUT_FILE: one whitespace-tokenized sentence per line (path or fsspec URL).
+OUTPUT_FILE: HDF5 with one dataset per line index ("0", "1", ...): (n_layers+1, T, D) for --all,
+(T, D) for --top / --average; plus "sentence_to_index", a JSON object {sentence: index} in a
+1-element variable-length string dataset, unless --forget-sentences. A blank line gives a
+zero-length dataset and a warning.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+logger = logging.getLogger("elmo-pipeline.elmo")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("input_file", help="one whitespace-tokenized sentence per line (path or URL)")
+    p.add_argument("output_file", help="HDF5 file to write")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--all", action="store_true", help="all layers: (n_layers+1, T, D) per sentence")
+    what.add_argument("--top", action="store_true", help="top LSTM layer: (T, D)")
+    what.add_argument("--average", action="store_true", help="average of all layers: (T, D)")
+    p.add_argument("--options-file", help="options.json (default: the shipped model)")
+    p.add_argument("--weight-file", help="weights.hdf5 (default: the shipped model)")
+    p.add_argument("--vocab-file", help="vocabulary, for word-encoder models only")
+    p.add_argument("--batch-size", type=int, default=64, help="sentences per batch (default 64)")
+    p.add_argument("--cuda-device", type=int, default=-1, help="GPU index; -1 for the CPU (default)")
+    p.add_argument("--forget-sentences", action="store_true", help="do not write sentence_to_index")
+    p.add_argument("--use-sentence-keys", action="store_true", help="key datasets by the sentence text, not the line index")
+    p.add_argument("--state", choices=("stateless", "warm", "stateful"), default="stateless",
+                   help="LSTM state mode (default stateless; stateful = AllenNLP/bilm-tf behaviour)")
+
+
+def read_lines(url: str) -> list[str]:
+    """Lines of a text file, stripped; split on '\\n' only (not on U+2028 etc.)."""
+    from model.io import open_url
+    with open_url(url, "rt", encoding="utf-8", newline="\n") as f:
+        return [line.strip() for line in f]
+
+
+def run(args: argparse.Namespace) -> int:
+    import h5py
+    import numpy as np
+
+    from model.embedder import ElmoEmbedder
+
+    if args.batch_size < 1:
+        raise SystemExit("error: --batch-size must be >= 1")
+    if (args.options_file is None) != (args.weight_file is None):
+        raise SystemExit("error: give both --options-file and --weight-file, or neither (the shipped default model)")
+    lines = read_lines(args.input_file)
+    if args.use_sentence_keys:
+        bad = [s for s in lines if "/" in s or s in ("", "sentence_to_index")]
+        if bad or len(set(lines)) != len(lines):
+            raise SystemExit("error: --use-sentence-keys needs unique, non-blank sentences without '/'; "
+                             f"first offending line: {bad[0] if bad else 'a duplicate sentence'!r}")
+    embedder = ElmoEmbedder(args.options_file, args.weight_file, device=args.cuda_device,
+                            state=args.state, batch_size=args.batch_size, vocab_file=args.vocab_file)
+    for i, line in enumerate(lines):
+        if not line:
+            logger.warning("line %d is blank: writing a zero-length dataset", i)
+    sentences = [line.split() for line in lines]
+    with h5py.File(args.output_file, "w") as fout:
+        for i, vectors in enumerate(embedder.embed_sentences(sentences, args.batch_size)):
+            if args.top:
+                vectors = vectors[-1]
+            elif args.average:
+                vectors = np.average(vectors, axis=0) if vectors.shape[1] else vectors[-1]
+            key = lines[i] if args.use_sentence_keys else str(i)
+            fout.create_dataset(key, data=vectors.astype(np.float32, copy=False))
+        if not args.forget_sentences:
+            ds = fout.create_dataset("sentence_to_index", (1,), dtype=h5py.special_dtype(vlen=str))
+            ds[0] = json.dumps({line: str(i) for i, line in enumerate(lines)})
+    print(f"wrote {len(lines)} sentences to {args.output_file}", file=sys.stderr)
+    return 0

@@ -1,0 +1,30 @@
+"""elmo-pipeline: ELMo contextual word vectors for large corpora with Apache Beam.
+
+Beam ships this file to remote workers with --setup_file. Install torch (CPU or CUDA build)
+before this package; see constraints.txt for the pinned, tested versions.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="elmo-pipeline",
+    version="0.1.0",
+    description="Batch ELMo feature extraction: an exact PyTorch biLM in an Apache Beam pipeline",
+    python_requires=">=3.10",
+    packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*"]),
+    package_data={"model": ["pretrained/*/*.json", "pretrained/*/*.hdf5", "pretrained/*/*.txt", "pretrained/*/*.md"]},
+    include_package_data=True,
+    install_requires=[
+        "apache-beam>=2.77,<3",   # never the [torch]/[ml-cpu] extras: they pull an old Beam
+        "torch>=2.2",
+        "numpy>=1.24,<2.5",
+        "pyarrow>=17,<26",
+        "h5py>=3.10",
+        "fsspec>=2024.6",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "s3": ["s3fs>=2024.6", "boto3>=1.34"],
+        "test": ["pytest>=8", "duckdb>=1.1", "moto[server]>=5", "s3fs>=2024.6", "boto3>=1.34"],
+    },
+    entry_points={"console_scripts": ["elmo-pipeline=pipeline.cli:main"]},
+)

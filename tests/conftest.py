@@ -1,0 +1,27 @@
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(os.path.dirname(REPO), "shared")
+FIXTURES = os.path.join(SHARED, "fixtures", "bilm-tf")
+
+
+def shared_path(*parts: str) -> str:
+    """Path under ../shared, or skip the test with the reason when it is absent."""
+    path = os.path.join(SHARED, *parts)
+    if not os.path.exists(path):
+        pytest.skip(f"needs {path} (the shared material beside the checkout) which is absent")
+    return path
+
+
+@pytest.fixture(scope="session")
+def fixture_dir() -> str:
+    return shared_path("fixtures", "bilm-tf")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_files(tmp_path_factory):
+    """options.json + weights.hdf5 of a random tiny biLM with skip connections ON."""
+    from model.synthetic import write_random_bilm
+    return write_random_bilm("tiny", str(tmp_path_factory.mktemp("tiny")), seed=1)

@@ -1,0 +1,129 @@
+"""Loading and saving the bilm-tf / AllenNLP layout: round trips and clear errors."""
+import json
+import os
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from model import ElmoEmbedder, OptionsError, WeightsError, load_bilm, save_bilm
+from model.synthetic import PUBLISHED_OPTIONS, random_bilm, write_random_bilm
+
+SENTS = [["The", "quick", "brown", "fox", "."], ["Über", "naïve", "café"], ["a"]]
+
+
+def test_published_layout_with_skip_connections_loads_and_runs(tmp_path):
+    # the published small model's shapes (skip connections ON), random weights
+    options, weights = write_random_bilm("small", str(tmp_path), seed=3)
+    with h5py.File(weights, "r") as f:
+        assert f["char_embed"].shape == (261, 16)
+        assert f["CNN/W_cnn_6"].shape == (1, 7, 16, 1024)
+        assert f["RNN_1/RNN/MultiRNNCell/Cell1/LSTMCell/W_0"].shape == (256, 4096)
+    e = ElmoEmbedder(options, weights)
+    assert e.model.opts.use_skip_connections
+    out = e.embed_batch(SENTS)
+    assert [o.shape for o in out] == [(3, 5, 256), (3, 3, 256), (3, 1, 256)]
+    assert all(np.isfinite(o).all() for o in out)
+
+
+def test_skip_connections_change_the_output(tmp_path):
+    on = random_bilm("tiny", seed=2)
+    raw = json.loads(json.dumps(PUBLISHED_OPTIONS["tiny"]))
+    raw["lstm"]["use_skip_connections"] = False
+    off = random_bilm(raw, seed=2)
+    a = ElmoEmbedder(model=on).embed_sentence(SENTS[0])
+    b = ElmoEmbedder(model=off).embed_sentence(SENTS[0])
+    np.testing.assert_array_equal(a[:2], b[:2])            # first layer has no residual
+    assert np.abs(a[2] - b[2]).max() > 1e-3
+
+
+def test_save_load_round_trip_is_bit_exact(tmp_path):
+    model = random_bilm("tiny", seed=5)
+    save_bilm(model, str(tmp_path / "o.json"), str(tmp_path / "w.hdf5"))
+    loaded = load_bilm(str(tmp_path / "o.json"), str(tmp_path / "w.hdf5"))
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and np.array_equal(p1.numpy(), p2.numpy()), n1
+    a = ElmoEmbedder(model=model).embed_batch(SENTS)
+    b = ElmoEmbedder(model=loaded).embed_batch(SENTS)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    # and saving again writes the same arrays
+    save_bilm(loaded, str(tmp_path / "o2.json"), str(tmp_path / "w2.hdf5"))
+    with h5py.File(tmp_path / "w.hdf5") as f1, h5py.File(tmp_path / "w2.hdf5") as f2:
+        names = []
+        f1.visit(names.append)
+        for n in names:
+            if isinstance(f1[n], h5py.Dataset):
+                assert np.array_equal(f1[n][...], f2[n][...]), n
+
+
+def test_fixture_round_trip(fixture_dir, tmp_path):
+    m = load_bilm(os.path.join(fixture_dir, "options.json"), os.path.join(fixture_dir, "lm_weights.hdf5"))
+    save_bilm(m, str(tmp_path / "o.json"), str(tmp_path / "w.hdf5"))
+    with h5py.File(os.path.join(fixture_dir, "lm_weights.hdf5")) as f1, h5py.File(tmp_path / "w.hdf5") as f2:
+        names = []
+        f1.visit(names.append)
+        for n in names:
+            if isinstance(f1[n], h5py.Dataset):
+                assert np.array_equal(f1[n][...], f2[n][...]), n
+
+
+def test_missing_dataset_names_its_path(tiny_model_files, tmp_path):
+    options, weights = tiny_model_files
+    broken = str(tmp_path / "w.hdf5")
+    shutil.copy(weights, broken)
+    with h5py.File(broken, "a") as f:
+        del f["RNN_1/RNN/MultiRNNCell/Cell0/LSTMCell/W_P_0"]
+    with pytest.raises(WeightsError, match="missing dataset 'RNN_1/RNN/MultiRNNCell/Cell0/LSTMCell/W_P_0'"):
+        load_bilm(options, broken)
+
+
+def test_wrong_shape_names_expected_and_found(tiny_model_files, tmp_path):
+    options, weights = tiny_model_files
+    broken = str(tmp_path / "w.hdf5")
+    shutil.copy(weights, broken)
+    with h5py.File(broken, "a") as f:
+        del f["CNN_proj/W_proj"]
+        f["CNN_proj/W_proj"] = np.zeros((20, 9), np.float32)
+    with pytest.raises(WeightsError, match=r"'CNN_proj/W_proj' has shape \(20, 9\), expected \(20, 8\)"):
+        load_bilm(options, broken)
+
+
+def test_options_weights_mismatch(tiny_model_files, tmp_path):
+    _, weights = tiny_model_files
+    raw = json.loads(json.dumps(PUBLISHED_OPTIONS["tiny"]))
+    raw["lstm"]["dim"] = 64
+    (tmp_path / "o.json").write_text(json.dumps(raw))
+    with pytest.raises(WeightsError, match="expected"):
+        load_bilm(str(tmp_path / "o.json"), weights)
+
+
+def test_not_hdf5(tiny_model_files, tmp_path):
+    (tmp_path / "w.hdf5").write_bytes(b"this is not hdf5")
+    with pytest.raises(WeightsError, match="not a readable HDF5 file"):
+        load_bilm(tiny_model_files[0], str(tmp_path / "w.hdf5"))
+
+
+@pytest.mark.parametrize("edit,key", [
+    (lambda r: r["lstm"].pop("dim"), "lstm.dim"),
+    (lambda r: r["lstm"].__setitem__("n_layers", "two"), "lstm.n_layers"),
+    (lambda r: r["char_cnn"].__setitem__("activation", "gelu"), "char_cnn.activation"),
+    (lambda r: r["char_cnn"].__setitem__("filters", [7]), "char_cnn.filters"),
+])
+def test_bad_options_name_the_key(tiny_model_files, tmp_path, edit, key):
+    raw = json.loads(json.dumps(PUBLISHED_OPTIONS["tiny"]))
+    edit(raw)
+    (tmp_path / "o.json").write_text(json.dumps(raw))
+    with pytest.raises(OptionsError, match=f"'{key}'"):
+        load_bilm(str(tmp_path / "o.json"), tiny_model_files[1])
+
+
+def test_bad_json(tiny_model_files, tmp_path):
+    (tmp_path / "o.json").write_text("{not json")
+    with pytest.raises(OptionsError, match="not valid JSON"):
+        load_bilm(str(tmp_path / "o.json"), tiny_model_files[1])
+
+
+def test_sha256_verified(tiny_model_files):
+    with pytest.raises(ValueError, match="sha256 mismatch"):
+        load_bilm(*tiny_model_files, sha256="0" * 64)
