@@ -1,0 +1,54 @@
+"""Distance of each state mode from the TensorFlow reference vectors (../shared/fixtures/bilm-tf).
+
+The reference is stateful (batches of 3, state carried per row); see the fixture's README.txt.
+Prints a table and writes benchmarks/results/fixture_parity.json.
+    .venv/bin/python benchmarks/fixture_parity.py [--fixtures ../shared/fixtures/bilm-tf]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+
+import h5py
+import numpy as np
+
+from model import ElmoEmbedder
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mode_diffs(fixtures: str, state: str) -> np.ndarray:
+    lists = json.load(open(os.path.join(fixtures, "lm_embeddings_sentences.json")))
+    order = [(k, i) for i in range(10) for k in range(3)]          # batch i = sentence i of each list
+    e = ElmoEmbedder(os.path.join(fixtures, "options.json"), os.path.join(fixtures, "lm_weights.hdf5"),
+                     state=state, batch_size=3)
+    out = e.embed_sentences([lists[k][i].split() for k, i in order], batch_size=3)
+    diffs = []
+    for (k, i), v in zip(order, out):
+        with h5py.File(os.path.join(fixtures, f"lm_embeddings_{k}.hdf5"), "r") as f:
+            ref = np.concatenate(f[str(i)][...], axis=-1)
+        diffs.append(np.abs(v[-1] - ref).ravel())
+    return np.concatenate(diffs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fixtures", default=os.path.join(HERE, "..", "..", "shared", "fixtures", "bilm-tf"))
+    args = ap.parse_args()
+    rows = []
+    for state in ("stateful", "stateless", "warm"):
+        d = mode_diffs(args.fixtures, state)
+        rows.append({"state": state, "max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()),
+                     "values": int(d.size)})
+    print(f"{'state':<10} {'max |diff|':>12} {'mean |diff|':>12}   (top layer, 30 sentences, vs TensorFlow)")
+    for r in rows:
+        print(f"{r['state']:<10} {r['max_abs_diff']:>12.3g} {r['mean_abs_diff']:>12.3g}")
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "fixture_parity.json"), "w") as f:
+        json.dump({"machine": platform.platform(), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
