@@ -105,31 +105,54 @@ class LstmProjection(nn.Module):
         """x: packed inputs (N, D_in); batch_sizes[t] = sequences still running at step t (non-increasing);
         h0 (B, P), c0 (B, H) in packed (longest-first) row order.
         Returns packed outputs (N, P) and the final (h, c), each sequence's state after its last token."""
-        xw = torch.addmm(self.bias + self.forget_bias, x, self.w_in.t())   # (N, 4H): one GEMM, all steps
-        w_rec_t, w_proj_t = self.w_rec.t(), self.w_proj.t()
-        H = self.dim
-        h, c = h0, c0
-        outs, done_h, done_c = [], [], []
-        offset = 0
-        for n in batch_sizes:
-            if n < h.shape[0]:                     # sequences [n:] have ended: keep their final state
-                done_h.append(h[n:])
-                done_c.append(c[n:])
-                h, c = h[:n], c[:n]
-            gates = torch.addmm(xw[offset: offset + n], h, w_rec_t)
-            offset += n
-            c = torch.sigmoid(gates[:, 2 * H: 3 * H]) * c + torch.sigmoid(gates[:, :H]) * torch.tanh(gates[:, H: 2 * H])
-            if self.cell_clip is not None:
-                c = c.clamp(-self.cell_clip, self.cell_clip)
-            h = (torch.sigmoid(gates[:, 3 * H:]) * torch.tanh(c)).mm(w_proj_t)
-            if self.proj_clip is not None:
-                h = h.clamp(-self.proj_clip, self.proj_clip)
-            outs.append(h)
-        if not outs:
-            return x.new_zeros(0, self.proj_dim), h, c
-        h_final = torch.cat([h, *reversed(done_h)]) if done_h else h
-        c_final = torch.cat([c, *reversed(done_c)]) if done_c else c
-        return torch.cat(outs), h_final, c_final
+        y, h, c = run_lstm_layers([self], stack_weights([self]), x[None], batch_sizes, h0[None], c0[None])
+        return y[0], h[0], c[0]
+
+
+def stack_weights(layers: list[LstmProjection]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The G layers' weights stacked for batched GEMMs: bias with TF's forget bias (G, 1, 4H),
+    w_in (G, D_in, 4H), w_rec (G, P, 4H), w_proj (G, H, P)."""
+    return (torch.stack([l.bias + l.forget_bias for l in layers])[:, None],
+            torch.stack([l.w_in.t() for l in layers]),
+            torch.stack([l.w_rec.t() for l in layers]),
+            torch.stack([l.w_proj.t() for l in layers]))
+
+
+def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor, Tensor, Tensor], x: Tensor,
+                    batch_sizes: list[int], h0: Tensor, c0: Tensor):
+    """Run G independent LSTM layers of equal shapes in lock-step (e.g. the forward and the backward
+    direction, which share the packed step sizes), one batched GEMM per step for all of them.
+
+    weights from stack_weights(layers); x (G, N, D_in) packed; h0 (G, B, P), c0 (G, B, H) in packed
+    row order. Returns outputs (G, N, P) and final states h (G, B, P), c (G, B, H).
+    """
+    first = layers[0]
+    H, cell_clip, proj_clip = first.dim, first.cell_clip, first.proj_clip
+    bias, w_in, w_rec, w_proj = weights
+    xw = torch.baddbmm(bias, x, w_in)          # (G, N, 4H): the input projection of all steps at once
+    h, c = h0, c0
+    outs, done_h, done_c = [], [], []
+    offset = 0
+    for n in batch_sizes:
+        if n < h.shape[1]:                     # sequences [n:] have ended: keep their final state
+            done_h.append(h[:, n:])
+            done_c.append(c[:, n:])
+            h, c = h[:, :n], c[:, :n]
+        gates = torch.baddbmm(xw[:, offset: offset + n], h, w_rec)            # (G, n, 4H)
+        offset += n
+        i, j, f, o = gates.split(H, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(j)
+        if cell_clip is not None:
+            c = c.clamp(-cell_clip, cell_clip)
+        h = torch.bmm(torch.sigmoid(o) * torch.tanh(c), w_proj)
+        if proj_clip is not None:
+            h = h.clamp(-proj_clip, proj_clip)
+        outs.append(h)
+    if not outs:
+        return x.new_zeros(len(layers), 0, first.proj_dim), h, c
+    h_final = torch.cat([h, *reversed(done_h)], dim=1) if done_h else h
+    c_final = torch.cat([c, *reversed(done_c)], dim=1) if done_c else c
+    return torch.cat(outs, dim=1), h_final, c_final
 
 
 class PackedBatch:
@@ -204,6 +227,18 @@ class BiLM(nn.Module):
         uniq, inverse = torch.unique(inputs, dim=0, return_inverse=True)
         return self.token_encoder(uniq)[inverse]
 
+    def _pair_weights(self, k: int):
+        """Stacked weights of layer k's two directions. Without autograd they are cached (re-stacked
+        only when a parameter changes: its storage or in-place version counter)."""
+        layers = [self.forward_layers[k], self.backward_layers[k]]
+        if torch.is_grad_enabled():
+            return stack_weights(layers)
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for l in layers for p in (l.w_in, l.w_rec, l.bias, l.w_proj))
+        cache = self.__dict__.setdefault("_weight_cache", {})
+        if k not in cache or cache[k][0] != key:
+            cache[k] = (key, stack_weights(layers))
+        return cache[k][1]
+
     def _drop(self, x: Tensor) -> Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
@@ -219,30 +254,24 @@ class BiLM(nn.Module):
         P = emb.shape[-1]
         emb_flat = emb.new_zeros(B * T, P).index_copy(0, pb.fwd_index, emb)
         layers = [torch.cat([emb_flat, emb_flat], dim=-1)]
+        index = torch.stack([pb.fwd_index, pb.bwd_index])                      # (2, N)
+        x = emb_flat[index]                                                     # (2, N, P)
         h_out, c_out = [], []
-        for d, (stack, index) in enumerate(((self.forward_layers, pb.fwd_index), (self.backward_layers, pb.bwd_index))):
-            x = emb_flat[index]
-            outs, hs, cs = [], [], []
-            for k, layer in enumerate(stack):
-                y, h, c = layer(self._drop(x), pb.batch_sizes, h0[d, k][pb.order], c0[d, k][pb.order])
-                if self.opts.use_skip_connections and k > 0:
-                    y = y + x          # bilm-tf's ResidualWrapper: on every layer but the first
-                outs.append(emb.new_zeros(B * T, P).index_copy(0, index, y))
-                hs.append(h)
-                cs.append(c)
-                x = y
-            h_out.append(torch.stack(hs))
-            c_out.append(torch.stack(cs))
-            if d == 0:
-                fwd_outs = outs
-            else:
-                bwd_outs = outs
-        for f, b in zip(fwd_outs, bwd_outs):
-            layers.append(torch.cat([f, b], dim=-1))
+        for k, (fl, bl) in enumerate(zip(self.forward_layers, self.backward_layers)):
+            y, h, c = run_lstm_layers([fl, bl], self._pair_weights(k), self._drop(x), pb.batch_sizes,
+                                      h0[:, k][:, pb.order], c0[:, k][:, pb.order])
+            if self.opts.use_skip_connections and k > 0:
+                y = y + x          # bilm-tf's ResidualWrapper: on every layer but the first
+            fwd = emb.new_zeros(B * T, P).index_copy(0, pb.fwd_index, y[0])
+            bwd = emb.new_zeros(B * T, P).index_copy(0, pb.bwd_index, y[1])
+            layers.append(torch.cat([fwd, bwd], dim=-1))
+            h_out.append(h)
+            c_out.append(c)
+            x = y
         out = torch.stack(layers).view(self.opts.n_layers + 1, B, T, 2 * P)
         # final states back from packed row order to batch-row order
         inv = torch.empty_like(pb.order)
         inv[pb.order] = torch.arange(B, device=device)
-        h_final = torch.stack(h_out)[:, :, inv]
-        c_final = torch.stack(c_out)[:, :, inv]
+        h_final = torch.stack(h_out, dim=1)[:, :, inv]                          # (2, L, B, P)
+        c_final = torch.stack(c_out, dim=1)[:, :, inv]
         return out, (h_final, c_final)

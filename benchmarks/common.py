@@ -1,0 +1,84 @@
+"""Shared pieces of the benchmarks: real sentences, FLOP counts, a GEMM ceiling, token-budget batches."""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+from model.options import BiLMOptions
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.join(HERE, "..", "..", "shared")
+RESULTS = os.path.join(HERE, "results")
+
+
+def wikitext_sentences(n: int, split: str = "valid") -> list[list[str]]:
+    """The first n sentences (lines cut at ' . ', headings and blanks skipped) of WikiText-2."""
+    path = os.path.join(SHARED, "data", "wikitext-2", f"{split}.txt")
+    out: list[list[str]] = []
+    with open(path, encoding="utf-8", newline="\n") as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("="):
+                continue
+            for part in line.split(" . "):
+                toks = part.split()
+                if toks:
+                    out.append(toks + ["."] if toks[-1] != "." else toks)
+                if len(out) == n:
+                    return out
+    return out
+
+
+def flops_per_token(o: BiLMOptions) -> int:
+    """Ideal multiply-add FLOPs (x2) per token: char CNN over max_chars characters, highway,
+    projection and both LSTM directions; no padding, no boundary tokens, elementwise ops ignored."""
+    total = 0
+    if o.char_cnn is not None:
+        E, C, F = int(o.char_cnn["embedding"]["dim"]), o.max_characters_per_token, o.n_filters
+        total += sum(2 * (C - w + 1) * w * E * n for w, n in o.filters)
+        total += int(o.char_cnn.get("n_highway") or 0) * 2 * F * 2 * F
+        if F != o.projection_dim:
+            total += 2 * F * o.projection_dim
+    P, H = o.projection_dim, o.lstm_dim
+    total += 2 * o.n_layers * (2 * (P + P) * 4 * H + 2 * H * P)
+    return total
+
+
+def gemm_ceiling_gflops(threads: int, n: int = 2048, seconds: float = 2.0, dtype=torch.float32,
+                        device: str = "cpu") -> float:
+    """Measured square-GEMM GFLOP/s on this device with `threads` threads (best of the runs)."""
+    torch.set_num_threads(threads)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    best = 0.0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        torch.mm(a, b)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = max(best, 2 * n ** 3 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def token_budget_batches(sentences: list[list[str]], max_tokens: int) -> list[list[int]]:
+    """Indices grouped into batches of length-sorted sentences with at most max_tokens padded tokens."""
+    order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
+    batches, cur, longest = [], [], 0
+    for i in order:
+        n = len(sentences[i]) + 2
+        if cur and max(longest, n) * (len(cur) + 1) > max_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def machine() -> str:
+    return f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}"
