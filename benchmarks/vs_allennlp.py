@@ -1,0 +1,91 @@
+"""Side by side with AllenNLP's ELMo (../shared/tools/allennlp-reference) on the same weights and sentences.
+
+For each config: random weights of the published shapes, the same WikiText-2 sentences, the same
+thread count; AllenNLP's `elmo --all` driver, then ours (`elmo-pipeline elmo --all`, stateful with the
+same consecutive batches, and stateless, our default, which length-sorts). Reports tokens/s, the
+ratio pair by pair, and the max |diff| of our stateful output from AllenNLP's (all layers).
+
+    bash ../shared/tools/allennlp-reference/setup.sh ../.venv-allennlp-ref      # once
+    .venv/bin/python -m benchmarks.vs_allennlp --configs small medium original --sentences 2000 --threads 2
+Writes benchmarks/results/vs_allennlp.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import h5py
+import numpy as np
+
+from benchmarks.common import RESULTS, SHARED, machine, wikitext_sentences
+from model.synthetic import write_random_bilm
+
+TOOL = os.path.join(SHARED, "tools", "allennlp-reference", "allennlp_embed.py")
+
+
+def run_allennlp(venv: str, options: str, weights: str, inp: str, out: str, batch: int, threads: int) -> float:
+    r = subprocess.run([os.path.join(venv, "bin", "python"), TOOL, "--options", options, "--weights", weights,
+                        "--input", inp, "--batch-size", str(batch), "--threads", str(threads), "--out", out],
+                       capture_output=True, text=True, check=True)
+    return float(re.search(r"tokens_per_s=([\d.]+)", r.stdout.strip().splitlines()[-1]).group(1))
+
+
+def run_ours(options: str, weights: str, inp: str, out: str, batch: int, threads: int, state: str, n_tokens: int) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "ELMO_THREADS": str(threads)}
+    code = ("import sys, torch; torch.set_num_threads(%d); from pipeline.cli import main; "
+            "sys.exit(main(sys.argv[1:]))" % threads)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code, "elmo", inp, out, "--all", "--state", state, "--batch-size", str(batch),
+                    "--options-file", options, "--weight-file", weights], check=True, env=env, capture_output=True)
+    return n_tokens / (time.perf_counter() - t)   # includes interpreter start and model load: conservative
+
+
+def max_diff(a: str, b: str) -> float:
+    with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
+        return max(float(np.abs(fa[k][...] - fb[k][...]).max(initial=0)) for k in fa if k != "sentence_to_index")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", nargs="+", default=["small", "medium", "original"])
+    ap.add_argument("--sentences", type=int, default=2000)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--venv", default=os.path.join(SHARED, "..", ".venv-allennlp-ref"))
+    args = ap.parse_args()
+    sentences = wikitext_sentences(args.sentences)
+    n_tokens = sum(len(s) for s in sentences)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        inp = os.path.join(tmp, "in.txt")
+        with open(inp, "w", encoding="utf-8") as f:
+            f.write("".join(" ".join(s) + "\n" for s in sentences))
+        for config in args.configs:
+            options, weights = write_random_bilm(config, os.path.join(tmp, config))
+            ref = os.path.join(tmp, f"{config}-allennlp.hdf5")
+            a = run_allennlp(args.venv, options, weights, inp, ref, args.batch_size, args.threads)
+            row = {"config": config, "allennlp_tokens_per_s": a}
+            for state in ("stateful", "stateless"):
+                out = os.path.join(tmp, f"{config}-{state}.hdf5")
+                row[f"ours_{state}_tokens_per_s"] = run_ours(options, weights, inp, out, args.batch_size,
+                                                             args.threads, state, n_tokens)
+                row[f"ratio_{state}"] = row[f"ours_{state}_tokens_per_s"] / a
+            row["max_abs_diff_stateful_vs_allennlp"] = max_diff(ref, os.path.join(tmp, f"{config}-stateful.hdf5"))
+            rows.append(row)
+            print(f"{config:<9} AllenNLP {a:8.0f} tok/s | ours stateful {row['ours_stateful_tokens_per_s']:8.0f} "
+                  f"({row['ratio_stateful']:.2f}x) stateless {row['ours_stateless_tokens_per_s']:8.0f} "
+                  f"({row['ratio_stateless']:.2f}x) | max|diff| {row['max_abs_diff_stateful_vs_allennlp']:.2g}", flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "vs_allennlp.json"), "w") as f:
+        json.dump({"machine": machine(), "sentences": len(sentences), "tokens": n_tokens,
+                   "batch_size": args.batch_size, "threads": args.threads, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
