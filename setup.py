@@ -11,7 +11,7 @@ setup(
     description="Batch ELMo feature extraction: an exact PyTorch biLM in an Apache Beam pipeline",
     python_requires=">=3.10",
     packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*"]),
-    package_data={"model": ["pretrained/*/*.json", "pretrained/*/*.hdf5", "pretrained/*/*.txt", "pretrained/*/*.md"]},
+    package_data={"model": ["pretrained/*/*.json", "pretrained/*/*.hdf5", "pretrained/*/*.txt", "pretrained/*/*.md", "pretrained/*/*.csv", "pretrained/*/*.png"]},
     include_package_data=True,
     install_requires=[
         "apache-beam>=2.77,<3",   # never the [torch]/[ml-cpu] extras: they pull an old Beam
@@ -21,6 +21,9 @@ setup(
         "h5py>=3.10",
         "fsspec>=2024.6",
         "tqdm>=4.66",
+        "sacremoses>=0.1",        # Moses word tokenization (transforms/tokenize.py)
+        "blingfire>=0.1.8",       # sentence splitting with offsets
+        "zstandard>=0.22",        # .zst inputs through fsspec
     ],
     extras_require={
         "s3": ["s3fs>=2024.6", "boto3>=1.34"],

@@ -9,6 +9,10 @@ import sys
 # subcommand -> (module, help). Modules are imported only when their subcommand runs.
 SUBCOMMANDS = {
     "elmo": ("pipeline.elmo_command", "embed a file of tokenized sentences into HDF5 (allennlp elmo)"),
+    "run": ("pipeline.run", "run the Beam pipeline"),
+    "train": ("pipeline.train_command", "train or fine-tune a biLM (torchrun for several processes)"),
+    "evaluate": ("pipeline.evaluate_command", "forward, backward and mean perplexity of a biLM on held-out text"),
+    "export": ("pipeline.export_command", "export a training checkpoint to options.json + weights.hdf5 + vocab.txt"),
 }
 
 

@@ -1,0 +1,72 @@
+"""Training checkpoints as plain HDF5: tensors as datasets, everything else as one JSON attribute.
+
+Layout of a checkpoint file:
+  model/<parameter name>                 the BiLM's state_dict (PyTorch layout, float32)
+  softmax/<parameter name>               the shared LM softmax
+  optimizer/state/<param index>/<key>    optimizer state tensors (Adam: step, exp_avg, exp_avg_sq)
+  rng/torch                              torch's CPU generator state (uint8) for dropout
+  attrs["meta"]                          JSON: step, epoch, batch position, optimizer param_groups, options, ...
+Loading reads arrays and JSON only: nothing is unpickled.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import h5py
+import numpy as np
+import torch
+
+
+def _put(group: h5py.Group, name: str, t: torch.Tensor) -> None:
+    group[name] = t.detach().cpu().numpy()
+
+
+def save_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, meta: dict) -> None:
+    """Write atomically (tmp file + rename)."""
+    tmp = path + ".tmp"
+    opt = optimizer.state_dict()
+    with h5py.File(tmp, "w") as f:
+        for prefix, module in (("model", model), ("softmax", softmax)):
+            g = f.create_group(prefix)
+            for name, t in module.state_dict().items():
+                _put(g, name, t)
+        g = f.create_group("optimizer/state")
+        for idx, state in opt["state"].items():
+            for key, value in state.items():
+                _put(g, f"{idx}/{key}", value if torch.is_tensor(value) else torch.tensor(value))
+        f["rng/torch"] = torch.get_rng_state().numpy()
+        f.attrs["meta"] = json.dumps({**meta, "param_groups": opt["param_groups"]})
+    os.replace(tmp, path)
+
+
+def read_meta(path: str) -> dict:
+    with h5py.File(path, "r") as f:
+        return json.loads(f.attrs["meta"])
+
+
+def _tensors(group: h5py.Group) -> dict[str, torch.Tensor]:
+    out = {}
+    group.visititems(lambda name, obj: out.__setitem__(name, torch.from_numpy(np.asarray(obj[()])))
+                     if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def load_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> dict:
+    """Restore everything saved by save_checkpoint into the given objects; returns the meta dict."""
+    with h5py.File(path, "r") as f:
+        meta = json.loads(f.attrs["meta"])
+        model.load_state_dict(_tensors(f["model"]))
+        softmax.load_state_dict(_tensors(f["softmax"]))
+        if optimizer is not None:
+            state: dict[int, dict] = {}
+            if "optimizer/state" in f:
+                for name, t in _tensors(f["optimizer/state"]).items():
+                    idx, key = name.split("/")
+                    state.setdefault(int(idx), {})[key] = t
+            optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        if restore_rng:
+            torch.set_rng_state(torch.from_numpy(np.asarray(f["rng/torch"][()])))
+    return meta

@@ -1,0 +1,57 @@
+"""`elmo-pipeline evaluate`: forward, backward and mean perplexity of a biLM on held-out text.
+
+The model is an exported folder (options.json, weights.hdf5 with its softmax datasets, vocab.txt) or a
+training checkpoint. Text is windowed as in training (model/lm_data.py), LSTM state zero per window.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="+", help="held-out text: paths, fsspec URLs or globs")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--model", help="exported folder (default: the shipped model)")
+    what.add_argument("--checkpoint", help="a training checkpoint (.h5)")
+    p.add_argument("--tokenizer", choices=("whitespace", "raw"), default="whitespace")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--unigram-baseline", help="also report the add-one unigram perplexity estimated on this training text")
+    p.add_argument("--json", help="also write the result as JSON to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from model.train import evaluate, head_from_checkpoint, load_corpus_for, load_exported
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.checkpoint:
+        head, vocab, meta = head_from_checkpoint(args.checkpoint)
+        options = meta["options"]
+    else:
+        folder = args.model
+        if folder is None:
+            from model.pretrained import default_model_files
+            folder = os.path.dirname(default_model_files()[0])
+        head, vocab, _ = load_exported(folder)
+        with open(os.path.join(folder, "options.json")) as f:
+            options = json.load(f)
+    corpus = load_corpus_for(args.files, vocab, options, args.tokenizer)
+    result = evaluate(head, corpus, batch_size=args.batch_size).as_dict()
+    if args.unigram_baseline:
+        from model.lm_data import unigram_perplexity
+        train = load_corpus_for(args.unigram_baseline, vocab, options, args.tokenizer)
+        result["unigram_ppl"] = unigram_perplexity(train, corpus, len(vocab))
+    print(f"perplexity fwd {result['ppl_fwd']:.2f}  bwd {result['ppl_bwd']:.2f}  mean {result['ppl_mean']:.2f}  "
+          f"({result['n_tokens']} tokens per direction)", file=sys.stderr)
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

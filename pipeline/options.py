@@ -1,0 +1,61 @@
+"""The pipeline's own flags, as a Beam PipelineOptions subclass (Beam's standard flags go alongside)."""
+from __future__ import annotations
+
+import os
+
+from apache_beam.options.pipeline_options import PipelineOptions
+
+
+class ElmoOptions(PipelineOptions):
+    @classmethod
+    def _add_argparse_args(cls, parser):
+        g = parser.add_argument
+        g("--input", action="append", default=None,
+          help="input file, glob or URL (repeatable); .gz/.bz2/.zst/.xz decompressed by name")
+        g("--input-format", choices=("text", "lines", "jsonl", "parquet"), default="text",
+          help="text: one document per line; lines: one sentence per line; jsonl; parquet (default text)")
+        g("--text-field", default="text", help="JSONL field / Parquet column holding the text (default text)")
+        g("--id-field", default=None, help="JSONL field / Parquet column holding the document id "
+          "(default: <file>:<line or row>)")
+        g("--output", default=None, help="output folder (path or URL)")
+        g("--overwrite", action="store_true", help="replace a finished run in --output")
+        g("--format", default="parquet,hdf5", help="comma-separated: parquet, hdf5 (default both)")
+        g("--parquet-layout", choices=("sentence", "token"), default="sentence",
+          help="sentence: one row per sentence (default); token: one row per token (BigQuery)")
+        g("--tokenizer", choices=("raw", "whitespace"), default="raw",
+          help="raw: sentence split + Moses tokens (default); whitespace: pre-tokenized, no sentence split")
+        g("--max-sentence-tokens", type=int, default=1000,
+          help="longer sentences go to the dead letters (default 1000)")
+        g("--max-tokens-per-batch", type=int, default=4096,
+          help="token budget of a batch, padding and <S> </S> included (default 4096)")
+        g("--sort-buffer", type=int, default=2000,
+          help="sentences buffered and length-sorted before batching (default 2000)")
+        g("--options-file", default=None, help="biLM options.json (path or URL)")
+        g("--weight-file", default=None, help="biLM weights.hdf5 (path or URL)")
+        g("--vocab-file", default=None, help="vocabulary, for word-encoder models only")
+        g("--model", default=None, help="a shipped model by name (default: the shipped default)")
+        g("--device", default="auto", help="auto | cpu | cuda | cuda:N (a missing GPU is an error)")
+        g("--state", choices=("stateless", "warm", "stateful"), default="stateless",
+          help="LSTM state mode (default stateless; stateful needs one worker and keeps input order)")
+        g("--layers", default="all", help="all | top | average | comma-separated indices (default all)")
+        g("--dtype", choices=("float32", "float16"), default="float32", help="storage precision (default float32)")
+        g("--duplicate-layer0", action="store_true",
+          help="Parquet: store layer 0 as [x, x] (2P wide) as AllenNLP does, instead of x once")
+        g("--row-group-bytes", type=int, default=64 << 20, help="Parquet row-group size in bytes (default 64 MiB)")
+        g("--shard-sentences", type=int, default=20000, help="max sentences per output shard (default 20000)")
+        g("--torch-threads", type=int, default=0,
+          help="torch intra-op threads per worker process (default: cores / local worker processes)")
+        g("--progress", choices=("auto", "on", "off"), default="auto",
+          help="progress bar with tokens/s (auto: on for local runs with a terminal)")
+
+    def formats(self) -> list[str]:
+        fmts = [f.strip() for f in self.format.split(",") if f.strip()]
+        bad = [f for f in fmts if f not in ("parquet", "hdf5")]
+        if not fmts or bad:
+            raise ValueError(f"--format takes parquet and/or hdf5, got {self.format!r}")
+        return fmts
+
+
+def default_torch_threads(num_workers: int) -> int:
+    """Cores / local worker processes (at least 1): more threads than cores make LSTMs crawl."""
+    return max(1, (os.cpu_count() or 1) // max(1, num_workers))

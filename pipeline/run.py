@@ -1,0 +1,193 @@
+"""`python -m pipeline.run`: corpus in, per-layer ELMo vectors out (Parquet + HDF5), on any Beam runner.
+
+Graph: ListFiles -> ReadFiles -> [Reshuffle] -> Tokenize -> SortAndBatch -> Embed -> WriteShards
+       -> Finalize (after all shards: move to final names, manifest.json, _SUCCESS); dead letters
+       from Read/Tokenize/Embed -> WriteDeadLetters -> Finalize.
+The local default runner is FnApiRunner (never Prism, which Beam would try to download).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import uuid
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions, S3Options,
+                                                  SetupOptions, StandardOptions)
+
+from pipeline.options import ElmoOptions, default_torch_threads
+
+logger = logging.getLogger("elmo-pipeline.run")
+LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
+
+
+def storage_options(opts: PipelineOptions) -> dict:
+    """fsspec storage options {protocol: {...}} from Beam's standard --s3_* flags (one config for both)."""
+    s3 = opts.view_as(S3Options)
+    so = {}
+    if s3.s3_endpoint_url:
+        so["endpoint_url"] = s3.s3_endpoint_url
+    if s3.s3_access_key_id:
+        so["key"], so["secret"] = s3.s3_access_key_id, s3.s3_secret_access_key
+    if s3.s3_region_name:
+        so["client_kwargs"] = {"region_name": s3.s3_region_name}
+    return {"s3": so} if so else {}
+
+
+def resolve_model(o: ElmoOptions) -> tuple[str, str, str | None, str]:
+    """(options, weights, vocab, name) from --options-file/--weight-file or --model (default: shipped)."""
+    if o.options_file or o.weight_file:
+        if not (o.options_file and o.weight_file) or o.model:
+            raise ValueError("give --options-file and --weight-file together, or --model NAME, not both")
+        return o.options_file, o.weight_file, o.vocab_file, "custom"
+    from model.pretrained import DEFAULT_MODEL, model_files
+    name = o.model or DEFAULT_MODEL
+    options, weights, vocab = model_files(name)
+    return options, weights, o.vocab_file or vocab, name
+
+
+def _num_local_workers(opts: PipelineOptions) -> int:
+    d = opts.view_as(DirectOptions)
+    return (d.direct_num_workers or 1) if d.direct_running_mode == "multi_processing" else 1
+
+
+def build(p: beam.Pipeline, opts: PipelineOptions) -> dict:
+    """Add the graph to `p`; returns the manifest skeleton (model identity, options)."""
+    from model.options import load_options
+    from transforms import embed as E
+    from transforms.dofns import (DEAD, Embed, ReadFiles, SortAndBatch, Tokenize, WriteDeadLetters,
+                                  WriteShards)
+    from transforms.read import expand_inputs, file_labels
+    from transforms.write import check_output, finalize
+
+    o = opts.view_as(ElmoOptions)
+    if not o.input or not o.output:
+        raise ValueError("--input and --output are required")
+    formats = o.formats()
+    so = storage_options(opts)
+    files = expand_inputs(o.input, so)
+    labels = file_labels(files)
+    options_file, weight_file, vocab_file, model_name = resolve_model(o)
+    bilm_opts = load_options(options_file)
+    n_layers, dim = bilm_opts.n_layers + 1, bilm_opts.output_dim
+    selection = E.parse_layers(o.layers, n_layers)
+    columns = E.layer_columns(selection, dim, o.duplicate_layer0)
+    runner = opts.view_as(StandardOptions).runner or "FnApiRunner"
+    local = runner in LOCAL_RUNNERS
+    workers = _num_local_workers(opts)
+    if o.state == "stateful" and workers > 1:
+        raise ValueError("--state stateful keeps input order in consecutive batches: run it with one worker")
+    threads = o.torch_threads or (default_torch_threads(workers) if local else 0)
+    spec = E.ModelSpec(options_file, weight_file, vocab_file, o.device, o.state, threads)
+    if local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
+        from model.embedder import resolve_device
+        resolve_device(o.device)
+    progress = o.progress == "on" or (o.progress == "auto" and local and sys.stderr.isatty())
+    check_output(o.output, o.overwrite, so)
+    staging = o.output.rstrip("/") + "/_staging/" + uuid.uuid4().hex
+    manifest = {
+        "model": {"name": model_name, **E.model_identity(spec)},
+        "layers": [c for c, _ in columns], "layer_dims": {c: d for c, d in columns},
+        "hdf5_layout": E.hdf5_layout(selection, n_layers),
+        "dtype": o.dtype, "state": o.state, "tokenizer": o.tokenizer, "formats": formats,
+        "parquet_layout": o.parquet_layout, "duplicate_layer0": o.duplicate_layer0,
+        "inputs": files, "input_format": o.input_format,
+        "options": {k: v for k, v in vars(o).items() if not k.startswith("_")},
+    }
+
+    names = p | "ListFiles" >> beam.Create(files)
+    read = (names | "SpreadFiles" >> beam.Reshuffle()
+            | "ReadFiles" >> beam.ParDo(ReadFiles(o.input_format, labels, o.text_field, o.id_field, so))
+            .with_outputs(DEAD, main="docs"))
+    docs = read.docs
+    if o.state != "stateful":
+        docs = docs | "SpreadDocuments" >> beam.Reshuffle()
+    tok = docs | "Tokenize" >> beam.ParDo(Tokenize(o.tokenizer, o.max_sentence_tokens)).with_outputs(DEAD, main="items")
+    batches = tok.items | "SortAndBatch" >> beam.ParDo(
+        SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=o.state != "stateful"))
+    emb = batches | "Embed" >> beam.ParDo(
+        Embed(spec, selection, o.duplicate_layer0, o.dtype, formats, progress)).with_outputs(DEAD, main="rows")
+    shards = emb.rows | "WriteShards" >> beam.ParDo(WriteShards(
+        staging, formats, o.parquet_layout, columns, o.dtype, o.row_group_bytes, o.shard_sentences, so))
+    dead = ((read[DEAD], tok[DEAD], emb[DEAD]) | "CollectDeadLetters" >> beam.Flatten()
+            | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetters(staging, so)))
+    n_docs = docs | "CountDocuments" >> beam.combiners.Count.Globally()
+
+    def _finalize(_, shard_infos, dead_infos, documents):
+        m = json.loads(json.dumps(manifest, default=str))
+        m.setdefault("counts", {})["documents"] = documents
+        yield finalize(o.output, staging, shard_infos, dead_infos, m, so)
+
+    (p | "FinalizeTrigger" >> beam.Create([None])
+       | "Finalize" >> beam.ParDo(_finalize, beam.pvalue.AsList(shards), beam.pvalue.AsList(dead),
+                                  beam.pvalue.AsSingleton(n_docs)))
+    return manifest
+
+
+def run(argv: list[str] | None = None, save_main_session: bool = False):
+    """Build and run the pipeline; waits for it and returns the PipelineResult."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--runner" or a.startswith("--runner=") for a in argv):
+        argv.append("--runner=FnApiRunner")
+    opts = PipelineOptions(argv)
+    opts.view_as(SetupOptions).save_main_session = save_main_session
+    t0 = time.perf_counter()
+    p = beam.Pipeline(options=opts)
+    build(p, opts)
+    result = p.run()
+    result.wait_until_finish()
+    result.elapsed_seconds = time.perf_counter() - t0
+    return result
+
+
+def counters(result) -> dict[str, int]:
+    """Our Beam counters by name (committed values, or attempted where the runner has no committed)."""
+    out = {}
+    for c in result.metrics().query(beam.metrics.MetricsFilter().with_namespace("elmo"))["counters"]:
+        v = c.committed if c.committed is not None else c.attempted
+        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + (v or 0)
+    return out
+
+
+def summary(result, output: str) -> str:
+    """The one-line summary printed at the end of a run."""
+    c = counters(result)
+    secs = getattr(result, "elapsed_seconds", 0.0) or 0.0
+    slots = c.get("batch_token_slots", 0)
+    pad = 1 - c.get("batch_tokens", 0) / slots if slots else 0.0
+    return (f"elmo-pipeline: {c.get('documents', 0)} documents, {c.get('sentences', 0)} sentences, "
+            f"{c.get('tokens', 0)} tokens, {c.get('batches', 0)} batches (padding {pad:.1%}), "
+            f"{c.get('dead_letters', 0)} dead letters, {c.get('shards', 0)} shards in {secs:.1f} s "
+            f"({c.get('tokens', 0) / secs if secs else 0:.0f} tokens/s) -> {output}")
+
+
+def add_arguments(parser) -> None:
+    """Our flags on an argparse parser (for `elmo-pipeline --help`; `run` itself is parsed by Beam)."""
+    ElmoOptions._add_argparse_args(parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        import argparse
+        parser = argparse.ArgumentParser(prog="python -m pipeline.run",
+                                         description="ELMo vectors for a corpus with Apache Beam. "
+                                         "Beam's standard options (--runner, --direct_num_workers, ...) also apply.")
+        add_arguments(parser)
+        parser.print_help()
+        return 0
+    try:
+        result = run(argv)
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    output = PipelineOptions(argv).view_as(ElmoOptions).output
+    print(("\n" if sys.stderr.isatty() else "") + summary(result, output), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""`elmo-pipeline train`: train or fine-tune a biLM (model/train.py). Under torchrun: data parallel.
+
+    elmo-pipeline train 'data/*.txt' --valid valid.txt --output runs/x
+    elmo-pipeline train new.txt --init-from model/pretrained/wikitext2-small --output runs/ft   # fine-tune
+    elmo-pipeline train ... --output runs/x --resume        # continue exactly from the last checkpoint
+    python -m torch.distributed.run --nproc_per_node 2 -m pipeline.cli train ...  # 2 processes
+Flags override the options file (default: model/train.py DEFAULT_OPTIONS).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("train_files", nargs="+", help="training text: paths, fsspec URLs or globs; one sentence/paragraph per line")
+    p.add_argument("--output", required=True, help="run folder: checkpoints, curves, vocab, export in OUTPUT/model")
+    p.add_argument("--valid", nargs="+", help="held-out text, evaluated at every checkpoint")
+    p.add_argument("--options", help="options.json with architecture and training keys (missing keys: defaults)")
+    p.add_argument("--token-encoder", choices=("char", "word"), default="char", help="char CNN (default) or word embeddings")
+    p.add_argument("--tokenizer", choices=("whitespace", "raw"), default="whitespace",
+                   help="whitespace: pre-tokenized text (default); raw: the project's tokenizer")
+    p.add_argument("--vocab-file", help="use this vocabulary (one token per line) instead of building one")
+    p.add_argument("--vocab-size", type=int, help="keep the most frequent words (specials included)")
+    p.add_argument("--min-count", type=int, help="drop words seen fewer times")
+    p.add_argument("--n-layers", type=int)
+    p.add_argument("--lstm-dim", type=int, help="LSTM cell size H")
+    p.add_argument("--projection-dim", type=int, help="LSTM output and token-vector size P")
+    p.add_argument("--softmax", choices=("adaptive", "full"))
+    p.add_argument("--batch-size", type=int, help="windows per optimizer step (over all processes)")
+    p.add_argument("--unroll-steps", type=int, help="longest window in tokens; longer lines are cut")
+    p.add_argument("--n-epochs", type=int)
+    p.add_argument("--max-steps", type=int, help="stop after this many steps (the learning-rate schedule ends there)")
+    p.add_argument("--lr", type=float, help="learning rate")
+    p.add_argument("--optimizer", choices=("adam", "adagrad"))
+    p.add_argument("--lr-decay", choices=("linear", "none"))
+    p.add_argument("--dropout", type=float)
+    p.add_argument("--clip-norm", type=float, help="clip the global gradient norm (0: off)")
+    p.add_argument("--init-from", help="fine-tune: folder with options.json + weights.hdf5 [+ vocab.txt]")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
+    p.add_argument("--stop-after", type=int, help="end this session at this step (checkpointed; continue with --resume)")
+    p.add_argument("--checkpoint-every", type=int, default=1000, help="steps between checkpoints (default 1000)")
+    p.add_argument("--checkpoint-minutes", type=float, help="also checkpoint after this many minutes")
+    p.add_argument("--log-every", type=int, default=50, help="steps per train row in curves.csv (default 50)")
+    p.add_argument("--valid-max-windows", type=int, help="evaluate only the first N held-out windows")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch CPU threads per process")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-export", action="store_true", help="do not export OUTPUT/model at the end")
+
+
+def build_options(args: argparse.Namespace) -> dict:
+    from model.train import default_options
+    opts = default_options(args.token_encoder)
+    if args.options:
+        with open(args.options) as f:
+            given = json.load(f)
+        opts.update(given)
+        if "char_cnn" not in given and args.token_encoder == "word":
+            opts.pop("char_cnn", None)
+    if args.token_encoder == "word":
+        opts.pop("char_cnn", None)
+    lstm = opts.setdefault("lstm", {})
+    for flag, key in (("n_layers", "n_layers"), ("lstm_dim", "dim"), ("projection_dim", "projection_dim")):
+        if getattr(args, flag) is not None:
+            lstm[key] = getattr(args, flag)
+    for flag, key in (("batch_size", "batch_size"), ("unroll_steps", "unroll_steps"), ("n_epochs", "n_epochs"),
+                      ("dropout", "dropout"), ("clip_norm", "all_clip_norm_val")):
+        if getattr(args, flag) is not None:
+            opts[key] = getattr(args, flag)
+    if args.softmax:
+        opts["softmax"] = {**(opts.get("softmax") or {}), "type": args.softmax}
+    opt = opts.setdefault("optimizer", {})
+    for flag, key in (("lr", "learning_rate"), ("optimizer", "name"), ("lr_decay", "lr_decay")):
+        if getattr(args, flag) is not None:
+            opt[key] = getattr(args, flag)
+    voc = opts.setdefault("vocab", {})
+    if args.vocab_size is not None:
+        voc["max_size"] = args.vocab_size
+    if args.min_count is not None:
+        voc["min_count"] = args.min_count
+    return opts
+
+
+def run(args: argparse.Namespace) -> int:
+    from model.train import TrainConfig, train
+
+    cfg = TrainConfig(train_files=args.train_files, out_dir=args.output, options=build_options(args),
+                      valid_files=args.valid, tokenizer=args.tokenizer, vocab_file=args.vocab_file,
+                      init_from=args.init_from, resume=args.resume, max_steps=args.max_steps, stop_after_steps=args.stop_after,
+                      checkpoint_every=args.checkpoint_every, checkpoint_minutes=args.checkpoint_minutes,
+                      log_every=args.log_every, seed=args.seed, threads=args.threads,
+                      progress=not args.no_progress, valid_max_windows=args.valid_max_windows,
+                      export=not args.no_export)
+    summary = train(cfg)
+    from model.train import dist_info
+    if dist_info()[0] == 0:
+        print(json.dumps(summary, indent=2), file=sys.stderr)
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point without the other subcommands' imports: python -m pipeline.train_command ... (torchrun)."""
+    parser = argparse.ArgumentParser(prog="elmo-pipeline train")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Run the Beam pipeline (python -m pipeline.run) with the same flags; bootstraps .venv first.
+# With no arguments: the shipped default model on samples/sample.txt, output in out/sample/.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+scripts/bootstrap.sh
+if [[ $# -gt 0 ]]; then
+  exec .venv/bin/python -m pipeline.run "$@"
+fi
+if ! .venv/bin/python -c "from model.pretrained import default_model_files; default_model_files()" 2>/dev/null; then
+  echo "error: the shipped default model (model/pretrained/wikitext2-small) is not in this checkout;" >&2
+  echo "       pass --options-file F --weight-file F and --input/--output to run on your own model." >&2
+  exit 2
+fi
+out=out/sample
+.venv/bin/python -m pipeline.run --input samples/sample.txt --output "$out" --overwrite
+cat <<MSG
+Output: $out/  (manifest.json, parquet/, hdf5/)
+Query it:
+  .venv/bin/python -c "import duckdb; print(duckdb.sql(\"SELECT id, tokens[1:5] AS first_tokens, len(layer_2) AS n FROM '$out/parquet/*.parquet' ORDER BY id\"))"
+  .venv/bin/python -c "import pyarrow.dataset as ds; print(ds.dataset('$out/parquet').to_table(columns=['id', 'tokens']))"
+  .venv/bin/python -c "import h5py, glob; f = h5py.File(sorted(glob.glob('$out/hdf5/*.hdf5'))[0]); print({k: f[k].shape for k in f})"
+MSG

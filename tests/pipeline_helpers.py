@@ -1,0 +1,41 @@
+"""Helpers for the pipeline tests: run the pipeline, read its outputs back."""
+import json
+import os
+
+import h5py
+import numpy as np
+import pyarrow.dataset as ds
+
+from pipeline.run import run
+
+
+def run_pipeline(model_files, inp, out, *extra):
+    """Run pipeline.run on FnApiRunner with the given model files; returns (result, manifest)."""
+    options, weights = model_files
+    argv = ["--input", *([inp] if isinstance(inp, str) else inp), "--output", out,
+            "--options-file", options, "--weight-file", weights, "--torch-threads", "1", "--progress", "off", *extra]
+    if isinstance(inp, list):  # several inputs: repeat the flag
+        argv = [a for x in inp for a in ("--input", x)] + argv[1 + len(inp):]
+    result = run(argv)
+    with open(os.path.join(out, "manifest.json")) as f:
+        return result, json.load(f)
+
+
+def parquet_rows(out, manifest):
+    """{sentence id: row dict} from the manifest's Parquet shards (read with pyarrow.dataset)."""
+    files = [os.path.join(out, s["parquet"]) for s in manifest["shards"]]
+    table = ds.dataset(files, format="parquet").to_table()
+    return {r["id"]: r for r in table.to_pylist()}
+
+
+def hdf5_arrays(out, manifest):
+    arrays = {}
+    for s in manifest["shards"]:
+        with h5py.File(os.path.join(out, s["hdf5"])) as f:
+            for k in f:
+                arrays[k] = f[k][...]
+    return arrays
+
+
+def layer_arrays(row, names):
+    return [np.array(row[n], dtype=np.float32) for n in names]

@@ -1,0 +1,152 @@
+"""End-to-end pipeline runs on FnApiRunner with a tiny random biLM and small real files."""
+import gzip
+import json
+import os
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from model.embedder import ElmoEmbedder
+from pipeline.run import main
+from tests.pipeline_helpers import hdf5_arrays, layer_arrays, parquet_rows, run_pipeline
+from transforms.write import hdf5_key
+
+DOCS = [
+    "The lighthouse keeper counted the ships every evening. Most nights there were none!",
+    "",
+    "Rain fell on the well-known harbour for three days; the fishermen stayed home.",
+    "A short one.",
+]
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, tiny_model_files):
+    tmp = tmp_path_factory.mktemp("small")
+    inp = tmp / "docs.txt"
+    inp.write_text("\n".join(DOCS) + "\n")
+    out = str(tmp / "out")
+    result, manifest = run_pipeline(tiny_model_files, str(inp), out, "--max-tokens-per-batch", "40")
+    return inp, out, result, manifest
+
+
+def test_vectors_ids_offsets_and_counts(small_run, tiny_model_files):
+    inp, out, result, manifest = small_run
+    lines = inp.read_text().split("\n")
+    rows = parquet_rows(out, manifest)
+    h5 = hdf5_arrays(out, manifest)
+    emb = ElmoEmbedder(*tiny_model_files)
+    assert manifest["counts"]["documents"] == 3 and len(rows) == manifest["counts"]["sentences"] == 4
+    assert manifest["counts"]["tokens_written"] == sum(len(r["tokens"]) for r in rows.values())
+    assert sorted(rows) == ["docs.txt:1#0", "docs.txt:1#1", "docs.txt:3#0", "docs.txt:4#0"]
+    for sid, r in rows.items():
+        doc = lines[int(r["doc_id"].split(":")[1]) - 1]
+        assert [doc[a:b] for a, b in r["token_offsets"]] == [{"@-@": "-"}.get(t, t) for t in r["tokens"]]
+        alone = emb.embed_sentence(r["tokens"])
+        l0, l1, l2 = layer_arrays(r, ["layer_0", "layer_1", "layer_2"])
+        assert np.abs(l0 - alone[0, :, : alone.shape[2] // 2]).max() <= 1e-5
+        assert np.abs(np.stack([l1, l2]) - alone[1:]).max() <= 1e-5
+        assert np.abs(h5[hdf5_key(sid)] - alone).max() <= 1e-5
+    assert not os.path.exists(os.path.join(out, "_staging")) and os.path.exists(os.path.join(out, "_SUCCESS"))
+    assert manifest["model"]["weights_sha256"] and manifest["layers"] == ["layer_0", "layer_1", "layer_2"]
+
+
+def test_beam_metrics(small_run):
+    from pipeline.run import counters, summary
+    _, out, result, manifest = small_run
+    c = counters(result)
+    assert c["documents"] == 3 and c["sentences"] == 4 and c["tokens"] == manifest["counts"]["tokens_written"]
+    assert c["batches"] >= 2 and c["batch_token_slots"] >= c["batch_tokens"] == c["tokens"]
+    assert "4 sentences" in summary(result, out)
+
+
+def test_readers_with_no_glue(small_run):
+    """The README's queries: pyarrow.dataset, DuckDB and h5py read the output as written."""
+    _, out, _, manifest = small_run
+    t = ds.dataset(os.path.join(out, "parquet"), format="parquet").to_table(columns=["id", "layer_2"])
+    assert t.num_rows == 4 and t.schema.field("layer_2").type == pa.list_(pa.list_(pa.float32(), 16))
+    n, dim = duckdb.sql(f"SELECT count(*), max(len(layer_2[1])) FROM '{out}/parquet/*.parquet'").fetchall()[0]
+    assert (n, dim) == (4, 16)
+    import h5py
+    with h5py.File(os.path.join(out, manifest["shards"][0]["hdf5"])) as f:
+        assert f[hdf5_key("docs.txt:4#0")].shape == (3, 4, 16)
+    md = pq.ParquetFile(os.path.join(out, manifest["shards"][0]["parquet"])).metadata
+    cols = {md.row_group(0).column(i).path_in_schema: md.row_group(0).column(i) for i in range(md.num_columns)}
+    assert cols["layer_2.list.element.list.element"].compression == "ZSTD"
+    assert cols["layer_2.list.element.list.element"].statistics is None and cols["id"].statistics is not None
+
+
+def test_jsonl_zst_parquet_inputs_token_layout_and_dead_letters(tmp_path, tiny_model_files):
+    import zstandard
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        b'{"id": "n1", "body": "Short text here."}\n{"broken\n'
+        b'{"id": "n2", "body": "This sentence has far too many tokens for the limit. Fine."}\n'))
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(b'{"id": "n3", "body": "Another one."}\n'))
+    out = str(tmp_path / "out")
+    _, m = run_pipeline(tiny_model_files, [str(tmp_path / "*.jsonl.*")], out, "--input-format", "jsonl",
+                        "--text-field", "body", "--id-field", "id", "--max-sentence-tokens", "5",
+                        "--parquet-layout", "token", "--layers", "0,2", "--dtype", "float16", "--format", "parquet")
+    dead = [json.loads(x) for f in m["dead_letter_files"] for x in open(os.path.join(out, f["path"]))]
+    assert sorted(d["id"] for d in dead) == ["a.jsonl.zst:2", "n2#0"]
+    assert dead[0]["reason"] and dead[0]["excerpt"]
+    t = pq.read_table(os.path.join(out, m["shards"][0]["parquet"]))
+    assert set(t.column("id").to_pylist()) == {"n1#0", "n2#1", "n3#0"}
+    assert t.schema.field("layer_0").type == pa.list_(pa.float16(), 8) and "layer_1" not in t.column_names
+    assert m["counts"]["sentences"] == 4 and m["counts"]["dead_letter_sentences"] == 1
+    assert m["counts"]["sentences_written"] == 3 and m["counts"]["tokens_written"] == t.num_rows
+    assert not os.path.exists(os.path.join(out, "hdf5"))
+
+    # a Parquet input with a text and an id column
+    pq.write_table(pa.table({"txt": ["One here. Two here."], "key": ["k"]}), tmp_path / "c.parquet")
+    out2 = str(tmp_path / "out2")
+    _, m2 = run_pipeline(tiny_model_files, str(tmp_path / "c.parquet"), out2, "--input-format", "parquet",
+                         "--text-field", "txt", "--id-field", "key", "--layers", "top", "--format", "hdf5")
+    assert m2["counts"]["sentences"] == 2 and m2["hdf5_layout"] == "(T, D)"
+    assert {k: v.shape for k, v in hdf5_arrays(out2, m2).items()} == {"k#0": (3, 16), "k#1": (3, 16)}
+
+
+def test_cli_errors(tmp_path, tiny_model_files, small_run):
+    inp, out, _, _ = small_run
+    base = ["--input", str(inp), "--options-file", tiny_model_files[0], "--weight-file", tiny_model_files[1]]
+    assert main(base + ["--output", out]) == 2                       # a finished run is not overwritten
+    assert main(base + ["--output", str(tmp_path / "x"), "--layers", "7"]) == 2
+    assert main(base + ["--output", str(tmp_path / "z"), "--state", "stateful", "--direct_num_workers", "2",
+                        "--direct_running_mode", "multi_processing"]) == 2
+    import torch
+    if not torch.cuda.is_available():
+        assert main(base + ["--output", str(tmp_path / "y"), "--device", "cuda"]) == 2
+
+
+def test_cli_run_and_run_pipeline_sh(tmp_path, tiny_model_files, small_run):
+    import subprocess
+
+    from pipeline.cli import build_parser
+    from pipeline.cli import main as cli_main
+    build_parser()  # every subcommand's module gives its arguments
+    inp = str(small_run[0])
+    base = ["--input", inp, "--options-file", tiny_model_files[0], "--weight-file", tiny_model_files[1],
+            "--torch-threads", "1"]
+    assert cli_main(["run", *base, "--output", str(tmp_path / "a")]) == 0
+    assert json.load(open(tmp_path / "a" / "manifest.json"))["counts"]["sentences"] == 4
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([os.path.join(repo, "run_pipeline.sh"), *base, "--output", str(tmp_path / "b")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "4 sentences" in p.stderr and (tmp_path / "b" / "_SUCCESS").exists()
+
+
+def test_stateful_keeps_input_order_in_consecutive_batches(small_run, tiny_model_files, tmp_path):
+    inp = str(small_run[0])
+    out = str(tmp_path / "s")
+    _, m = run_pipeline(tiny_model_files, inp, out, "--state", "stateful", "--max-tokens-per-batch", "1")
+    rows = parquet_rows(out, m)
+    ids = sorted(rows, key=lambda s: (int(s.split(":")[1].split("#")[0]), int(s.split("#")[1])))
+    emb = ElmoEmbedder(*tiny_model_files, state="stateful")
+    expected = list(emb.embed_sentences([rows[s]["tokens"] for s in ids], batch_size=1))
+    stateless = ElmoEmbedder(*tiny_model_files).embed_sentence(rows[ids[-1]]["tokens"])
+    for sid, want in zip(ids, expected):
+        assert np.abs(np.stack(layer_arrays(rows[sid], ["layer_1", "layer_2"])) - want[1:]).max() <= 1e-5
+    assert np.abs(expected[-1] - stateless).max() > 1e-3   # the carried state did change the vectors

@@ -1,0 +1,169 @@
+"""Unit tests of the pipeline's plain functions: read, tokenize, batch, select layers, write, finalize."""
+import bz2
+import gzip
+import json
+import os
+
+import h5py
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from transforms import embed as E
+from transforms.batching import Item, padding, plan_batches
+from transforms.read import DeadLetter, Document, expand_inputs, file_labels, read_documents
+from transforms.tokenize import align_tokens, tokenize_document, tokenize_text
+from transforms.write import Row, ShardInfo, finalize, hdf5_key, sentence_table, stage_shard, token_table
+
+TEXT = 'Dr. Smith left the U.S. in 2001. He said "hello, world" -- it\'s a well-known <unk> fact!'
+
+
+def test_raw_tokenizer_is_moses_style_with_exact_offsets():
+    sents = tokenize_document(TEXT)
+    assert [list(s.tokens) for s in sents] == [
+        ["Dr.", "Smith", "left", "the", "U.S.", "in", "2001", "."],
+        ["He", "said", '"', "hello", ",", "world", '"', "--", "it", "'s", "a", "well", "@-@", "known", "<unk>", "fact", "!"]]
+    for s in sents:
+        for tok, (a, b) in zip(s.tokens, s.offsets):
+            assert TEXT[a:b] == {"@-@": "-"}.get(tok, tok)
+    assert tokenize_text(TEXT) == [list(s.tokens) for s in sents]
+
+
+def test_whitespace_tokenizer_and_no_split():
+    text = "  a  b\tc . d  "
+    (s,) = tokenize_document(text, "whitespace")
+    assert s.tokens == ("a", "b", "c", ".", "d") and [text[x:y] for x, y in s.offsets] == list(s.tokens)
+    assert len(tokenize_document("One. Two.", "raw", split_sentences=False)) == 1
+    assert tokenize_document("   ") == [] and tokenize_document(" ", "whitespace") == []
+    with pytest.raises(ValueError):
+        tokenize_document("x", "spacy")
+
+
+def test_align_tokens_unfound_token_gets_empty_span():
+    assert align_tokens("ab cd", ["ab", "zz", "cd"]) == [(0, 2), (2, 2), (3, 5)]
+
+
+def test_read_text_lines_jsonl_parquet_compressed(tmp_path):
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"First doc.\n\nSecond doc.\n"))
+    (tmp_path / "b.txt.bz2").write_bytes(bz2.compress(b"Third.\n"))
+    files = expand_inputs([str(tmp_path / "*.txt.*")])
+    labels = file_labels(files)
+    assert labels == {str(tmp_path / "a.txt.gz"): "a.txt.gz", str(tmp_path / "b.txt.bz2"): "b.txt.bz2"}
+    docs = [d for f in files for d in read_documents(f, "text", labels[f])]
+    assert docs == [Document("a.txt.gz:1", "First doc."), Document("a.txt.gz:3", "Second doc."), Document("b.txt.bz2:1", "Third.")]
+    assert list(read_documents(files[1], "lines", "b"))[0].split_sentences is False
+
+    j = tmp_path / "d.jsonl"
+    j.write_text('{"id": "x", "body": "Hi there."}\nnot json\n{"id": "y"}\n{"id": "z", "body": 5}\n')
+    recs = list(read_documents(str(j), "jsonl", "d.jsonl", text_field="body", id_field="id"))
+    assert recs[0] == Document("x", "Hi there.")
+    assert [type(r) for r in recs[1:]] == [DeadLetter] * 3 and recs[1].id == "d.jsonl:2"
+
+    pq.write_table(pa.table({"t": ["One.", None, "Two."], "k": ["p", "q", "r"]}), tmp_path / "e.parquet")
+    recs = list(read_documents(str(tmp_path / "e.parquet"), "parquet", "e", text_field="t", id_field="k"))
+    assert recs[0] == Document("p", "One.") and isinstance(recs[1], DeadLetter) and recs[2].doc_id == "r"
+    with pytest.raises(FileNotFoundError):
+        expand_inputs([str(tmp_path / "nothing*")])
+
+
+def test_plan_batches_respects_budget_and_sorts():
+    lengths = [5, 30, 6, 29, 1, 100]
+    batches = plan_batches(lengths, max_tokens=64)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        assert len(b) == 1 or len(b) * (max(lengths[i] for i in b) + 2) <= 64
+    assert [lengths[b[0]] for b in batches] == sorted(lengths[b[0]] for b in batches)
+    assert plan_batches(lengths, 1000, sort=False) == [[0, 1, 2, 3, 4, 5]]
+    assert padding([2, 4]) == (6, 8)
+
+
+def test_layer_selection():
+    v = np.arange(3 * 2 * 4, dtype=np.float32).reshape(3, 2, 4)
+    v[0, :, 2:] = v[0, :, :2]
+    assert E.parse_layers("all", 3) == [0, 1, 2] and E.parse_layers("top", 3) == [2]
+    assert E.parse_layers("0,2", 3) == [0, 2] and E.parse_layers("average", 3) == "average"
+    for bad in ("3", "x", "1,1"):
+        with pytest.raises(ValueError):
+            E.parse_layers(bad, 3)
+    assert E.layer_columns([0, 2], 4, False) == [("layer_0", 2), ("layer_2", 4)]
+    l0, l2 = E.select(v, [0, 2], False, "float16")
+    assert l0.shape == (2, 2) and l0.dtype == np.float16 and np.array_equal(l2, v[2].astype(np.float16))
+    assert E.hdf5_array(v, [2], "float32").shape == (2, 4) and E.hdf5_array(v, [0, 1], "float32").shape == (2, 2, 4)
+    assert np.allclose(E.hdf5_array(v, "average", "float32"), v.mean(0))
+
+
+def test_pick_device_never_falls_back_to_cpu():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert E.pick_device("auto") == "cpu"
+    for d in ("cuda", "cuda:1"):
+        with pytest.raises(RuntimeError):
+            E.pick_device(d)
+
+
+def test_claim_gpu_gives_each_holder_its_own(tmp_path):
+    import subprocess
+    import sys
+    code = ("import sys, time; from transforms.embed import claim_gpu; "
+            f"print(claim_gpu(2, {str(tmp_path)!r}), flush=True); time.sleep(3)")
+    p1 = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    first = p1.stdout.readline().strip()
+    second = subprocess.run([sys.executable, "-c", code.replace("time.sleep(3)", "0")], capture_output=True, text=True).stdout.strip()
+    p1.wait()
+    assert {first, second} == {"0", "1"}
+
+
+def _rows():
+    rng = np.random.default_rng(0)
+    rows = []
+    for i, n in enumerate([3, 1]):
+        item = Item(f"d/x:1#{i}", "d/x:1", i, tuple(f"t{k}" for k in range(n)), tuple((2 * k, 2 * k + 1) for k in range(n)))
+        full = rng.standard_normal((3, n, 4)).astype(np.float32)
+        rows.append(Row(item, E.select(full, [0, 1, 2], False, "float32"), full))
+    return rows
+
+
+def test_tables_sentence_and_token_layout():
+    rows = _rows()
+    cols = [("layer_0", 2), ("layer_1", 4), ("layer_2", 4)]
+    t = sentence_table(rows, cols, "float32")
+    assert t.schema.field("layer_1").type == pa.list_(pa.list_(pa.float32(), 4))
+    assert t.column("tokens").to_pylist() == [["t0", "t1", "t2"], ["t0"]]
+    assert np.array_equal(np.array(t.column("layer_2")[0].as_py()), rows[0].columns[2])
+    assert t.column("token_offsets").to_pylist()[0] == [[0, 1], [2, 3], [4, 5]]
+    tt = token_table(rows, cols, "float16")
+    assert tt.num_rows == 4 and tt.schema.field("layer_0").type == pa.list_(pa.float16(), 2)
+    assert tt.column("token_index").to_pylist() == [0, 1, 2, 0] and tt.column("end").to_pylist() == [1, 3, 5, 1]
+
+
+def test_stage_and_finalize(tmp_path):
+    out = str(tmp_path / "out")
+    staging = out + "/_staging/run1"
+    rows = _rows()
+    cols = [("layer_0", 2), ("layer_1", 4), ("layer_2", 4)]
+    s1 = stage_shard(rows[1:], staging, ["parquet", "hdf5"], "sentence", cols, "float32", 1 << 20)
+    s0 = stage_shard(rows[:1], staging, ["parquet", "hdf5"], "sentence", cols, "float32", 1 << 20)
+    orphan = stage_shard(rows, staging, ["parquet"], "sentence", cols, "float32", 1 << 20)  # a retried bundle
+    assert os.path.exists(orphan.files["parquet"])
+    m = finalize(out, staging, [s1, s0], [], {"counts": {"documents": 1}})
+    assert sorted(os.listdir(out)) == ["_SUCCESS", "hdf5", "manifest.json", "parquet"]
+    assert m["counts"]["sentences"] == 2 and m["counts"]["tokens_written"] == 4
+    assert [s["parquet"] for s in m["shards"]] == ["parquet/part-00000-of-00002.parquet", "parquet/part-00001-of-00002.parquet"]
+    assert pq.read_table(os.path.join(out, m["shards"][0]["parquet"])).column("id").to_pylist() == ["d/x:1#0"]
+    with h5py.File(os.path.join(out, m["shards"][1]["hdf5"])) as f:
+        assert list(f) == [hdf5_key("d/x:1#1")] == ["d%2Fx:1#1"]
+        assert np.array_equal(f["d%2Fx:1#1"][...], rows[1].h5)
+    assert json.load(open(os.path.join(out, "manifest.json")))["schema_version"] == 1
+
+
+def test_finalize_lists_dead_letters(tmp_path):
+    from transforms.write import stage_dead_letters
+    out = str(tmp_path / "o")
+    d = stage_dead_letters([DeadLetter("f:1#0", "too long", "x"), DeadLetter("f:2", "unreadable record", "{")], out + "/_staging/r")
+    assert isinstance(d, ShardInfo)
+    m = finalize(out, out + "/_staging/r", [], [d], {})
+    assert m["counts"]["dead_letters"] == 2 and m["counts"]["dead_letter_sentences"] == 1
+    lines = open(os.path.join(out, "dead_letters/part-00000-of-00001.jsonl")).read().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == ["f:1#0", "f:2"]

@@ -1,0 +1,206 @@
+"""Beam shells over the plain functions of transforms.read/tokenize/batching/embed/write."""
+from __future__ import annotations
+
+import os
+import time
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.transforms.window import GlobalWindow
+from apache_beam.utils import shared
+from apache_beam.utils.windowed_value import WindowedValue
+
+from transforms import embed as E
+from transforms.batching import Item, padding, plan_batches, sentence_id
+from transforms.read import EXCERPT_CHARS, DeadLetter, Document, read_documents
+from transforms.tokenize import tokenize_document
+from transforms.write import Row, stage_dead_letters, stage_shard
+
+NS = "elmo"
+DEAD = "dead"
+
+
+def _windowed(x):
+    return WindowedValue(x, GlobalWindow().max_timestamp(), [GlobalWindow()])
+
+
+class ReadFiles(beam.DoFn):
+    """file URL -> Document ...; unreadable records to the DEAD output."""
+
+    def __init__(self, fmt, labels, text_field, id_field, storage_options):
+        self.args = (fmt, labels, text_field, id_field, storage_options)
+        self.docs = Metrics.counter(NS, "documents")
+        self.dead = Metrics.counter(NS, "dead_letters")
+
+    def process(self, url):
+        fmt, labels, text_field, id_field, so = self.args
+        for rec in read_documents(url, fmt, labels[url], text_field, id_field, so):
+            if isinstance(rec, DeadLetter):
+                self.dead.inc()
+                yield beam.pvalue.TaggedOutput(DEAD, rec)
+            else:
+                self.docs.inc()
+                yield rec
+
+
+class Tokenize(beam.DoFn):
+    """Document -> Item per sentence; sentences over max_tokens to the DEAD output."""
+
+    def __init__(self, mode: str, max_tokens: int):
+        self.mode, self.max_tokens = mode, max_tokens
+        self.sentences = Metrics.counter(NS, "sentences")
+        self.tokens = Metrics.counter(NS, "tokens")
+        self.dead = Metrics.counter(NS, "dead_letters")
+
+    def process(self, doc: Document):
+        sentences = tokenize_document(doc.text, self.mode, doc.split_sentences)
+        for i, s in enumerate(sentences):
+            sid = sentence_id(doc.doc_id, i)
+            self.sentences.inc()
+            if len(s.tokens) > self.max_tokens:
+                self.dead.inc()
+                start, end = s.offsets[0][0], s.offsets[-1][1]
+                yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(
+                    sid, f"too long: {len(s.tokens)} tokens > --max-sentence-tokens {self.max_tokens}",
+                    doc.text[start:end][:EXCERPT_CHARS]))
+                continue
+            self.tokens.inc(len(s.tokens))
+            yield Item(sid, doc.doc_id, i, s.tokens, s.offsets)
+
+
+class SortAndBatch(beam.DoFn):
+    """Items -> lists of Items: a bounded buffer, sorted by length (unless stateful), cut by a token budget."""
+
+    def __init__(self, max_tokens: int, buffer_size: int, sort: bool = True):
+        self.max_tokens, self.buffer_size, self.sort = max_tokens, buffer_size, sort
+        self.batches = Metrics.counter(NS, "batches")
+        self.real = Metrics.counter(NS, "batch_tokens")
+        self.slots = Metrics.counter(NS, "batch_token_slots")
+
+    def start_bundle(self):
+        self.buf = []
+
+    def _flush(self):
+        items, self.buf = self.buf, []
+        lengths = [len(i.tokens) for i in items]
+        for idx in plan_batches(lengths, self.max_tokens, self.sort):
+            real, slots = padding([lengths[i] for i in idx])
+            self.batches.inc()
+            self.real.inc(real)
+            self.slots.inc(slots)
+            yield [items[i] for i in idx]
+
+    def process(self, item: Item):
+        self.buf.append(item)
+        if len(self.buf) >= self.buffer_size:
+            yield from self._flush()
+
+    def finish_bundle(self):
+        for batch in self._flush():
+            yield _windowed(batch)
+
+
+_BAR = None
+
+
+def _progress(tokens: int) -> None:
+    global _BAR
+    if _BAR is None:
+        from tqdm import tqdm
+        _BAR = tqdm(unit="tok", unit_scale=True, desc=f"embedding (pid {os.getpid()})", mininterval=1.0,
+                    dynamic_ncols=True)
+    _BAR.update(tokens)
+
+
+class _Holder:
+    """Shared needs a weak-referenceable object."""
+    def __init__(self, embedder):
+        self.embedder = embedder
+
+
+class Embed(beam.DoFn):
+    """list[Item] -> Row per sentence; the model is loaded once per process (Shared) for all threads.
+
+    A failing batch is retried sentence by sentence; sentences that still fail go to DEAD."""
+
+    def __init__(self, spec: E.ModelSpec, selection, duplicate_layer0: bool, dtype: str, formats: list[str],
+                 progress: bool = False):
+        self.spec, self.selection, self.dup0, self.dtype = spec, selection, duplicate_layer0, dtype
+        self.formats, self.progress = formats, progress
+        self._shared = shared.Shared()
+        self.seconds = Metrics.counter(NS, "embed_milliseconds")
+        self.dead = Metrics.counter(NS, "dead_letters")
+
+    def setup(self):
+        key = repr(self.spec)
+        self.embedder = self._shared.acquire(lambda: _Holder(E.load_embedder(self.spec)), tag=key).embedder
+
+    def _row(self, item, vectors):
+        cols = E.select(vectors, self.selection, self.dup0, self.dtype) if "parquet" in self.formats else []
+        h5 = E.hdf5_array(vectors, self.selection, self.dtype) if "hdf5" in self.formats else None
+        return Row(item, cols, h5)
+
+    def process(self, batch: list[Item]):
+        t0 = time.perf_counter()
+        try:
+            outs = list(zip(batch, self.embedder.embed_batch([i.tokens for i in batch])))
+        except Exception:  # noqa: BLE001 - isolate the failing sentence(s), below
+            outs = []
+            for item in batch:
+                try:
+                    outs.append((item, self.embedder.embed_batch([item.tokens])[0]))
+                except Exception as e:  # noqa: BLE001
+                    self.dead.inc()
+                    yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(
+                        item.id, f"embedding failed: {type(e).__name__}: {e}"[:500], " ".join(item.tokens)[:EXCERPT_CHARS]))
+        self.seconds.inc(int(1000 * (time.perf_counter() - t0)))
+        if self.progress:
+            _progress(sum(len(i.tokens) for i, _ in outs))
+        for item, vectors in outs:
+            yield self._row(item, vectors)
+
+
+class WriteShards(beam.DoFn):
+    """Rows -> staged shard files (one per `shard_sentences` rows or bundle end) -> ShardInfo."""
+
+    def __init__(self, staging, formats, layout, columns, dtype, row_group_bytes, shard_sentences, storage_options):
+        self.args = (staging, formats, layout, columns, dtype, row_group_bytes)
+        self.shard_sentences, self.so = shard_sentences, storage_options
+        self.shards = Metrics.counter(NS, "shards")
+
+    def start_bundle(self):
+        self.buf = []
+
+    def _flush(self):
+        rows, self.buf = self.buf, []
+        if rows:
+            self.shards.inc()
+            staging, formats, layout, columns, dtype, rgb = self.args
+            yield stage_shard(rows, staging, formats, layout, columns, dtype, rgb, self.so)
+
+    def process(self, row: Row):
+        self.buf.append(row)
+        if len(self.buf) >= self.shard_sentences:
+            yield from self._flush()
+
+    def finish_bundle(self):
+        for info in self._flush():
+            yield _windowed(info)
+
+
+class WriteDeadLetters(beam.DoFn):
+    """DeadLetters -> one staged JSONL file per bundle -> ShardInfo."""
+
+    def __init__(self, staging, storage_options):
+        self.staging, self.so = staging, storage_options
+
+    def start_bundle(self):
+        self.buf = []
+
+    def process(self, d):
+        self.buf.append(d)
+
+    def finish_bundle(self):
+        if self.buf:
+            letters, self.buf = self.buf, []
+            yield _windowed(stage_dead_letters(letters, self.staging, self.so))
