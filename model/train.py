@@ -1,5 +1,8 @@
 """Train, fine-tune, evaluate and export biLMs (plain PyTorch; torchrun for data parallel).
 
+Modules: model/lm_data.py (corpus, vocabulary, batches), model/lm_head.py (biLM + softmax, perplexity),
+model/lm_export.py (bilm-tf export), model/checkpoint.py (HDF5 checkpoints), model/curves.py (PNG).
+
 One options.json holds the architecture (bilm-tf keys: lstm, char_cnn, n_tokens_vocab) and the training
 settings (bilm-tf keys: batch_size, unroll_steps, n_epochs, dropout, all_clip_norm_val; ours: softmax,
 optimizer, vocab). The forward and backward LMs share the token encoder and the softmax; the training
@@ -25,20 +28,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import h5py
-import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from model.bilm import BiLM
 from model.checkpoint import load_checkpoint, read_meta, save_checkpoint
-from model.lm_data import (BatchMaker, Corpus, build_vocabulary, encode_corpus, epoch_batches, eval_batches,
-                           get_tokenizer, read_lines)
-from model.options import parse_options
-from model.padded_forward import top_layer
-from model.softmax import build_softmax
+from model.lm_data import Corpus, build_vocabulary, encode_corpus, epoch_batches, get_tokenizer, read_lines
+from model.lm_export import export_model, head_from_checkpoint, load_exported, load_softmax  # noqa: F401 (API)
+from model.lm_head import LMHead, Perplexity, batch_maker, build_model, evaluate  # noqa: F401 (API)
 from model.vocab import Vocabulary
-from model.weights import load_weights_into, save_bilm
+from model.weights import load_weights_into
 
 CHAR_CNN = {"activation": "relu", "embedding": {"dim": 16},
             "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 256]],
@@ -99,142 +97,6 @@ def _all_reduce_grads(params: list[nn.Parameter]) -> None:
         offset += n
 
 
-# --- the model with its softmax -----------------------------------------------------------------
-
-class LMHead(nn.Module):
-    """A BiLM plus the softmax both directions share. nll_sums(batch) -> (sum fwd, sum bwd) in nats."""
-
-    def __init__(self, options: dict, vocab_size: int):
-        super().__init__()
-        self.opts = parse_options(options)
-        self.bilm = BiLM(self.opts, dropout=float(options.get("dropout", 0.0)))
-        self.softmax = build_softmax(options.get("softmax"), self.opts.projection_dim, vocab_size)
-
-    def nll_sums(self, inputs: Tensor, lengths: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        top_f, top_b = top_layer(self.bilm, inputs, lengths)         # (B, T, P) each
-        T = top_f.shape[1]
-        # position t predicts t + 1 (forward) and t + 1 predicts t (backward), for t + 1 < length
-        m = torch.arange(T - 1, device=top_f.device)[None, :] < (lengths.to(top_f.device)[:, None] - 1)
-        fwd = self.softmax.nll(top_f[:, :-1][m], targets[:, 1:][m])
-        bwd = self.softmax.nll(top_b[:, 1:][m], targets[:, :-1][m])
-        return fwd.sum(), bwd.sum()
-
-
-def build_model(options: dict, vocab: Vocabulary) -> LMHead:
-    options = dict(options)
-    options["n_tokens_vocab"] = len(vocab)
-    return LMHead(options, len(vocab))
-
-
-# --- evaluation ---------------------------------------------------------------------------------
-
-@dataclass
-class Perplexity:
-    loss_fwd: float
-    loss_bwd: float
-    n_tokens: int
-
-    @property
-    def ppl_fwd(self) -> float:
-        return math.exp(self.loss_fwd)
-
-    @property
-    def ppl_bwd(self) -> float:
-        return math.exp(self.loss_bwd)
-
-    @property
-    def ppl_mean(self) -> float:
-        """exp of the mean of both directions' losses (the geometric mean of the two perplexities)."""
-        return math.exp((self.loss_fwd + self.loss_bwd) / 2)
-
-    def as_dict(self) -> dict:
-        return {"ppl_fwd": self.ppl_fwd, "ppl_bwd": self.ppl_bwd, "ppl_mean": self.ppl_mean,
-                "loss_fwd": self.loss_fwd, "loss_bwd": self.loss_bwd, "n_tokens": self.n_tokens}
-
-
-@torch.no_grad()
-def evaluate(head: LMHead, corpus: Corpus, batch_size: int = 64, max_windows: int | None = None) -> Perplexity:
-    """Exact perplexities of both directions over every window of `corpus` (state starts at zero per window)."""
-    was_training = head.training
-    head.eval()
-    maker = batch_maker(head, corpus)
-    lengths = corpus.lengths if max_windows is None else corpus.lengths[:max_windows]
-    sf = sb = 0.0
-    n = 0
-    for ids in eval_batches(lengths, batch_size):
-        b = maker(ids)
-        f, bw = head.nll_sums(b.inputs, b.lengths, b.targets)
-        sf, sb, n = sf + float(f), sb + float(bw), n + b.n_predicted
-    head.train(was_training)
-    return Perplexity(sf / max(n, 1), sb / max(n, 1), n)
-
-
-def _max_chars(head: LMHead) -> int:
-    return head.opts.max_characters_per_token if head.opts.char_cnn is not None else 50
-
-
-def batch_maker(head: LMHead, corpus: Corpus) -> BatchMaker:
-    char = head.opts.char_cnn is not None
-    return BatchMaker(corpus, char, _max_chars(head), max(w for w, _ in head.opts.filters) if char else None)
-
-
-# --- export / import ----------------------------------------------------------------------------
-
-def export_model(head: LMHead, vocab: Vocabulary, folder: str, include_softmax: bool = True) -> tuple[str, str, str]:
-    """options.json + weights.hdf5 (bilm-tf layout; the softmax as extra 'softmax/...' datasets that
-    inference loaders ignore) + vocab.txt. Returns the three paths."""
-    os.makedirs(folder, exist_ok=True)
-    opts_path, weights_path, vocab_path = (os.path.join(folder, n) for n in ("options.json", "weights.hdf5", "vocab.txt"))
-    save_bilm(head.bilm, opts_path, weights_path)
-    if include_softmax:
-        with h5py.File(weights_path, "a") as f:
-            for name, t in head.softmax.state_dict().items():
-                f[f"softmax/{name}"] = t.detach().cpu().float().numpy()
-    vocab.save(vocab_path)
-    return opts_path, weights_path, vocab_path
-
-
-def load_exported(folder: str, require_softmax: bool = True) -> tuple[LMHead, Vocabulary, bool]:
-    """(head, vocab, softmax_loaded) from an exported folder (options.json, weights.hdf5, vocab.txt)."""
-    with open(os.path.join(folder, "options.json")) as f:
-        options = json.load(f)
-    vocab_path = os.path.join(folder, "vocab.txt")
-    if not os.path.isfile(vocab_path):
-        raise FileNotFoundError(f"{folder}: no vocab.txt (needed for the softmax)")
-    vocab = Vocabulary.load(vocab_path)
-    head = build_model(options, vocab)
-    weights = os.path.join(folder, "weights.hdf5")
-    load_weights_into(head.bilm, weights)
-    loaded = load_softmax(head, weights)
-    if require_softmax and not loaded:
-        raise ValueError(f"{weights} holds no softmax (an inference-only export): perplexity needs it")
-    return head, vocab, loaded
-
-
-def load_softmax(head: LMHead, weights_path: str) -> bool:
-    """Fill head.softmax from a weights.hdf5's 'softmax/...' datasets when present and of the right shapes."""
-    want = head.softmax.state_dict()
-    with h5py.File(weights_path, "r") as f:
-        if "softmax" not in f:
-            return False
-        got = {}
-        f["softmax"].visititems(lambda n, o: got.__setitem__(n, torch.from_numpy(o[()])) if isinstance(o, h5py.Dataset) else None)
-    if set(got) != set(want) or any(got[k].shape != want[k].shape for k in want):
-        return False
-    head.softmax.load_state_dict(got)
-    return True
-
-
-def head_from_checkpoint(path: str) -> tuple[LMHead, Vocabulary, dict]:
-    """(head, vocab, meta) from a checkpoint file; its vocab.txt is the run folder's (one level up)."""
-    meta = read_meta(path)
-    vocab = Vocabulary(meta["vocab"]) if "vocab" in meta else Vocabulary.load(
-        os.path.join(os.path.dirname(os.path.dirname(path)), "vocab.txt"))
-    head = build_model(meta["options"], vocab)
-    load_checkpoint(path, head.bilm, head.softmax, restore_rng=False)
-    return head.eval(), vocab, meta
-
-
 # --- training -----------------------------------------------------------------------------------
 
 @dataclass
@@ -285,7 +147,8 @@ def _prepare_vocab_and_options(cfg: TrainConfig, tokenize) -> tuple[dict, Vocabu
             options.pop(key, None)
             if key in init_opts:
                 options[key] = init_opts[key]
-        options.setdefault("softmax", init_opts.get("softmax"))
+        if init_opts.get("softmax"):      # so that the model's trained softmax can be reused
+            options["softmax"] = init_opts["softmax"]
         if vocab is None and os.path.isfile(os.path.join(cfg.init_from, "vocab.txt")):
             vocab = Vocabulary.load(os.path.join(cfg.init_from, "vocab.txt"))
         if vocab is None and "char_cnn" not in options:

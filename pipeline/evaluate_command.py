@@ -27,7 +27,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from model.train import evaluate, head_from_checkpoint, load_corpus_for, load_exported
+    from model.lm_export import head_from_checkpoint, load_exported
+    from model.lm_head import evaluate
+    from model.train import load_corpus_for
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -43,6 +43,8 @@ class ElmoOptions(PipelineOptions):
           help="Parquet: store layer 0 as [x, x] (2P wide) as AllenNLP does, instead of x once")
         g("--row-group-bytes", type=int, default=64 << 20, help="Parquet row-group size in bytes (default 64 MiB)")
         g("--shard-sentences", type=int, default=20000, help="max sentences per output shard (default 20000)")
+        g("--shard-bytes", type=int, default=256 << 20,
+          help="a shard also ends when its buffered vectors reach this many bytes (default 256 MiB): bounds memory")
         g("--torch-threads", type=int, default=0,
           help="torch intra-op threads per worker process (default: cores / local worker processes)")
         g("--progress", choices=("auto", "on", "off"), default="auto",

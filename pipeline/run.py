@@ -102,7 +102,9 @@ def build(p: beam.Pipeline, opts: PipelineOptions) -> dict:
             | "ReadFiles" >> beam.ParDo(ReadFiles(o.input_format, labels, o.text_field, o.id_field, so))
             .with_outputs(DEAD, main="docs"))
     docs = read.docs
-    if o.state != "stateful":
+    # Spreading documents over workers pays on a cluster; a local runner materializes a Reshuffle in
+    # memory (peak RSS grew with the corpus: benchmarks/pipeline_memory.py), so one local worker skips it.
+    if o.state != "stateful" and not (local and workers == 1):
         docs = docs | "SpreadDocuments" >> beam.Reshuffle()
     tok = docs | "Tokenize" >> beam.ParDo(Tokenize(o.tokenizer, o.max_sentence_tokens)).with_outputs(DEAD, main="items")
     batches = tok.items | "SortAndBatch" >> beam.ParDo(
@@ -110,7 +112,7 @@ def build(p: beam.Pipeline, opts: PipelineOptions) -> dict:
     emb = batches | "Embed" >> beam.ParDo(
         Embed(spec, selection, o.duplicate_layer0, o.dtype, formats, progress)).with_outputs(DEAD, main="rows")
     shards = emb.rows | "WriteShards" >> beam.ParDo(WriteShards(
-        staging, formats, o.parquet_layout, columns, o.dtype, o.row_group_bytes, o.shard_sentences, so))
+        staging, formats, o.parquet_layout, columns, o.dtype, o.row_group_bytes, o.shard_sentences, so, o.shard_bytes))
     dead = ((read[DEAD], tok[DEAD], emb[DEAD]) | "CollectDeadLetters" >> beam.Flatten()
             | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetters(staging, so)))
     n_docs = docs | "CountDocuments" >> beam.combiners.Count.Globally()

@@ -258,3 +258,15 @@ def test_shipped_default_model():
     opts = json.load(open(os.path.join(folder, "options.json")))
     ppl = evaluate(head, encode_corpus(lines, vocab, opts["unroll_steps"]))
     assert ppl.ppl_mean < 1.5 * stated, (ppl.as_dict(), stated)
+
+
+def test_read_lines_globs_urls_and_gzip(tmp_path):
+    import gzip
+    from model.lm_data import read_lines
+    (tmp_path / "a.txt").write_text("one two\n\n three \n", encoding="utf-8")
+    with gzip.open(tmp_path / "b.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("four five six\n")
+    assert list(read_lines(str(tmp_path / "*.txt*"))) == [["one", "two"], ["three"], ["four", "five", "six"]]
+    assert list(read_lines(f"file://{tmp_path}/a.txt")) == [["one", "two"], ["three"]]
+    with pytest.raises(FileNotFoundError):
+        list(read_lines(str(tmp_path / "nothing-*.txt")))

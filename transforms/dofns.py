@@ -161,18 +161,20 @@ class Embed(beam.DoFn):
 
 
 class WriteShards(beam.DoFn):
-    """Rows -> staged shard files (one per `shard_sentences` rows or bundle end) -> ShardInfo."""
+    """Rows -> staged shard files -> ShardInfo. A shard ends at `shard_sentences` rows, at `shard_bytes`
+    of buffered vectors (so memory is bounded whatever the model's width), or at the bundle's end."""
 
-    def __init__(self, staging, formats, layout, columns, dtype, row_group_bytes, shard_sentences, storage_options):
+    def __init__(self, staging, formats, layout, columns, dtype, row_group_bytes, shard_sentences, storage_options,
+                 shard_bytes=256 << 20):
         self.args = (staging, formats, layout, columns, dtype, row_group_bytes)
-        self.shard_sentences, self.so = shard_sentences, storage_options
+        self.shard_sentences, self.shard_bytes, self.so = shard_sentences, shard_bytes, storage_options
         self.shards = Metrics.counter(NS, "shards")
 
     def start_bundle(self):
-        self.buf = []
+        self.buf, self.nbytes = [], 0
 
     def _flush(self):
-        rows, self.buf = self.buf, []
+        rows, self.buf, self.nbytes = self.buf, [], 0
         if rows:
             self.shards.inc()
             staging, formats, layout, columns, dtype, rgb = self.args
@@ -180,7 +182,8 @@ class WriteShards(beam.DoFn):
 
     def process(self, row: Row):
         self.buf.append(row)
-        if len(self.buf) >= self.shard_sentences:
+        self.nbytes += sum(c.nbytes for c in row.columns) + (row.h5.nbytes if row.h5 is not None else 0)
+        if len(self.buf) >= self.shard_sentences or self.nbytes >= self.shard_bytes:
             yield from self._flush()
 
     def finish_bundle(self):
