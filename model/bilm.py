@@ -129,7 +129,8 @@ def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor,
     first = layers[0]
     H, cell_clip, proj_clip = first.dim, first.cell_clip, first.proj_clip
     bias, w_in, w_rec, w_proj = weights
-    xw = torch.baddbmm(bias, x, w_in)          # (G, N, 4H): the input projection of all steps at once
+    xw = torch.baddbmm(bias, x, w_in)
+    in_place = not torch.is_grad_enabled()          # (G, N, 4H): the input projection of all steps at once
     h, c = h0, c0
     outs, done_h, done_c = [], [], []
     offset = 0
@@ -138,7 +139,10 @@ def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor,
             done_h.append(h[:, n:])
             done_c.append(c[:, n:])
             h, c = h[:, :n], c[:, :n]
-        gates = torch.baddbmm(xw[:, offset: offset + n], h, w_rec)            # (G, n, 4H)
+        if in_place:   # accumulate into xw's own rows: no copy of the input projection per step
+            gates = xw[:, offset: offset + n].baddbmm_(h, w_rec)               # (G, n, 4H)
+        else:
+            gates = torch.baddbmm(xw[:, offset: offset + n], h, w_rec)
         offset += n
         i, j, f, o = gates.split(H, dim=-1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(j)
@@ -178,6 +182,36 @@ class PackedBatch:
         t = steps[:, None].expand(-1, len(lengths))[active]
         self.fwd_index = (rows * T + t).to(device)
         self.bwd_index = (rows * T + (lengths[rows] - 1 - t)).to(device)
+
+
+class TokenCache:
+    """Token-encoder outputs by token (its char-id row), so frequent words skip the char CNN."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.vectors: dict[bytes, Tensor] = {}
+        self.params_key = None
+
+    def encode(self, uniq: Tensor, encoder: nn.Module) -> Tensor:
+        """uniq: distinct token inputs (U, ...) -> (U, P), computing only the tokens not cached."""
+        key = tuple((p.data_ptr(), p._version) for p in encoder.parameters())
+        if key != self.params_key:          # weights changed: forget everything
+            self.vectors, self.params_key = {}, key
+        keys = [row.tobytes() for row in uniq.to("cpu", torch.int16).numpy()]
+        missing = [i for i, k in enumerate(keys) if k not in self.vectors]
+        if len(missing) == len(keys):
+            out = encoder(uniq)
+        else:
+            hits = [i for i, k in enumerate(keys) if k in self.vectors]
+            cached = torch.stack([self.vectors[keys[i]] for i in hits])
+            out = cached.new_empty(len(keys), cached.shape[1])
+            out[torch.tensor(hits, device=out.device)] = cached
+            if missing:
+                idx = torch.tensor(missing, device=out.device)
+                out[idx] = encoder(uniq[idx])
+        for i in missing[: max(0, self.max_tokens - len(self.vectors))]:
+            self.vectors[keys[i]] = out[i].clone()
+        return out
 
 
 class BiLM(nn.Module):
@@ -225,7 +259,15 @@ class BiLM(nn.Module):
         if inputs.shape[0] == 0:
             return inputs.new_zeros((0, self.opts.projection_dim), dtype=next(self.parameters()).dtype)
         uniq, inverse = torch.unique(inputs, dim=0, return_inverse=True)
-        return self.token_encoder(uniq)[inverse]
+        cache = self.__dict__.get("token_cache")
+        if cache is None or torch.is_grad_enabled():
+            return self.token_encoder(uniq)[inverse]
+        return cache.encode(uniq, self.token_encoder)[inverse]
+
+    def enable_token_cache(self, max_tokens: int) -> None:
+        """Keep the vectors of up to max_tokens distinct tokens across batches (inference only).
+        The first max_tokens distinct tokens seen are kept; in Zipfian text these are the frequent ones."""
+        self.__dict__["token_cache"] = TokenCache(max_tokens) if max_tokens > 0 else None
 
     def _pair_weights(self, k: int):
         """Stacked weights of layer k's two directions. Without autograd they are cached (re-stacked

@@ -47,7 +47,8 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
 
 
 class ElmoEmbedder:
-    """Per-sentence ELMo vectors: float32 arrays (n_layers + 1, T, 2P).
+    """Per-sentence ELMo vectors: float32 arrays (n_layers + 1, T, 2P). token_cache: how many distinct
+    tokens' char-CNN vectors to keep across batches (0: none).
 
     Layer 0 is the token vector duplicated to 2P (AllenNLP compatible); layer k the concatenated
     forward and backward outputs of LSTM layer k. <S> and </S> are added and removed internally.
@@ -55,7 +56,8 @@ class ElmoEmbedder:
 
     def __init__(self, options_file: str | None = None, weight_file: str | None = None, *,
                  device: str | int | torch.device | None = "cpu", state: str = "stateless",
-                 batch_size: int = 64, model: BiLM | None = None, vocab_file: str | None = None):
+                 batch_size: int = 64, model: BiLM | None = None, vocab_file: str | None = None,
+                 token_cache: int = 50_000):
         if state not in STATE_MODES:
             raise ValueError(f"state must be one of {STATE_MODES}, got {state!r}")
         if batch_size < 1:
@@ -70,6 +72,8 @@ class ElmoEmbedder:
                 raise ValueError("give both options_file and weight_file, or neither (the shipped default)")
             model = load_bilm(options_file, weight_file)
         self.model = model.to(self.device).eval()
+        if self.model.opts.char_cnn is not None:   # char-CNN vectors of up to `token_cache` distinct tokens are reused
+            self.model.enable_token_cache(token_cache)
         self.state_mode = state
         self.batch_size = batch_size
         self.vocab = None
