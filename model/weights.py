@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from model.bilm import N_CHAR_ROWS, BiLM
-from model.io import local_path, open_url
-from model.options import BiLMOptions, load_options, parse_options
+from model.io import local_path
+from model.options import load_options
 
 
 class WeightsError(ValueError):
@@ -127,11 +127,10 @@ def save_weights(model: BiLM, weight_file: str) -> None:
     """Write `model` as an HDF5 file in the bilm-tf layout (exact inverse of load_weights_into)."""
     o = model.opts
     enc = model.token_encoder
-    tmp = weight_file + ".tmp" if "://" not in weight_file else None
-    target = tmp or weight_file
-    if tmp is None:
-        raise ValueError("save_weights writes local files; upload the result with fsspec")
-    with h5py.File(target, "w") as f:
+    if "://" in weight_file:
+        raise ValueError("save_weights writes local files (h5py needs a seekable file); upload the result with fsspec")
+    tmp = weight_file + ".tmp"          # written whole, then renamed: readers never see half a file
+    with h5py.File(tmp, "w") as f:
         if o.char_cnn is not None:
             f["char_embed"] = _np(enc.char_embed.weight)[1:]         # drop the inference-only zero row
             for i, conv in enumerate(enc.convs):
@@ -168,5 +167,4 @@ def save_bilm(model: BiLM, options_file: str, weight_file: str) -> None:
         json.dump(raw, f, indent=2, sort_keys=True)
 
 
-__all__ = ["WeightsError", "load_bilm", "load_weights_into", "save_bilm", "save_weights",
-           "BiLMOptions", "parse_options", "open_url"]
+__all__ = ["WeightsError", "load_bilm", "load_weights_into", "save_bilm", "save_weights"]
