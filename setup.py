@@ -10,7 +10,8 @@ setup(
     version="0.1.0",
     description="Batch ELMo feature extraction: an exact PyTorch biLM in an Apache Beam pipeline",
     python_requires=">=3.10",
-    packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*"]),
+    packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*",
+                                    "downstream", "downstream.*"]),
     package_data={"model": ["pretrained/*/*.json", "pretrained/*/*.hdf5", "pretrained/*/*.txt", "pretrained/*/*.md", "pretrained/*/*.csv", "pretrained/*/*.png"]},
     include_package_data=True,
     install_requires=[
@@ -27,7 +28,10 @@ setup(
     ],
     extras_require={
         "s3": ["s3fs>=2024.6", "boto3>=1.34"],
-        "test": ["pytest>=8", "duckdb>=1.1", "moto[server]>=5", "s3fs>=2024.6", "boto3>=1.34"],
+        # downstream/: Hugging Face datasets loader, PNG charts of the probe (Pillow fallback without matplotlib)
+        "downstream": ["datasets>=3", "matplotlib>=3.7"],
+        "test": ["pytest>=8", "duckdb>=1.1", "moto[server]>=5", "s3fs>=2024.6", "boto3>=1.34",
+                 "datasets>=3", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["elmo-pipeline=pipeline.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: real sentences, FLOP counts, a GEMM ceiling, token-budget batches."""
+"""Shared pieces of the benchmarks: real sentences, FLOP counts, a GEMM ceiling."""
 from __future__ import annotations
 
 import os
@@ -62,22 +62,6 @@ def gemm_ceiling_gflops(threads: int, n: int = 2048, seconds: float = 2.0, dtype
             torch.cuda.synchronize()
         best = max(best, 2 * n ** 3 / (time.perf_counter() - t) / 1e9)
     return best
-
-
-def token_budget_batches(sentences: list[list[str]], max_tokens: int) -> list[list[int]]:
-    """Indices grouped into batches of length-sorted sentences with at most max_tokens padded tokens."""
-    order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
-    batches, cur, longest = [], [], 0
-    for i in order:
-        n = len(sentences[i]) + 2
-        if cur and max(longest, n) * (len(cur) + 1) > max_tokens:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 def machine() -> str:

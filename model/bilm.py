@@ -110,50 +110,92 @@ class LstmProjection(nn.Module):
 
 
 def stack_weights(layers: list[LstmProjection]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The G layers' weights stacked for batched GEMMs: bias with TF's forget bias (G, 1, 4H),
-    w_in (G, D_in, 4H), w_rec (G, P, 4H), w_proj (G, H, P)."""
-    return (torch.stack([l.bias + l.forget_bias for l in layers])[:, None],
-            torch.stack([l.w_in.t() for l in layers]),
-            torch.stack([l.w_rec.t() for l in layers]),
+    """The G layers' weights stacked for batched GEMMs, gate columns reordered from TF's (i, j, f, o)
+    to (i, f, o, j) so that the three sigmoid gates are one contiguous slice:
+    bias with TF's forget bias (G, 1, 4H), w_in (G, D_in, 4H), w_rec (G, P, 4H), w_proj (G, H, P)."""
+    H = layers[0].dim
+    perm = torch.cat([torch.arange(0, H), torch.arange(2 * H, 4 * H), torch.arange(H, 2 * H)])
+    perm = perm.to(layers[0].bias.device)
+    return (torch.stack([(l.bias + l.forget_bias)[perm] for l in layers])[:, None],
+            torch.stack([l.w_in[perm].t() for l in layers]),
+            torch.stack([l.w_rec[perm].t() for l in layers]),
             torch.stack([l.w_proj.t() for l in layers]))
 
 
+# Rows of the input projection computed at once: (G, rows, 4H) floats of about 2**24 elements
+# (64 MB in fp32), so a batch of any size needs bounded memory and each GEMM is still large.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(batch_sizes: list[int], max_rows: int) -> list[tuple[int, int, int]]:
+    """Consecutive steps grouped so each group has <= max_rows packed rows (at least one step).
+    Returns (first step, end step, rows) per group."""
+    out, t = [], 0
+    while t < len(batch_sizes):
+        end, rows = t + 1, batch_sizes[t]
+        while end < len(batch_sizes) and rows + batch_sizes[end] <= max_rows:
+            rows += batch_sizes[end]
+            end += 1
+        out.append((t, end, rows))
+        t = end
+    return out
+
+
 def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor, Tensor, Tensor], x: Tensor,
-                    batch_sizes: list[int], h0: Tensor, c0: Tensor):
+                    batch_sizes: list[int], h0: Tensor, c0: Tensor, chunk_elements: int | None = None):
     """Run G independent LSTM layers of equal shapes in lock-step (e.g. the forward and the backward
     direction, which share the packed step sizes), one batched GEMM per step for all of them.
 
-    weights from stack_weights(layers); x (G, N, D_in) packed; h0 (G, B, P), c0 (G, B, H) in packed
-    row order. Returns outputs (G, N, P) and final states h (G, B, P), c (G, B, H).
+    weights from stack_weights(layers) (gates ordered i, f, o, j); x (G, N, D_in) packed; h0 (G, B, P),
+    c0 (G, B, H) in packed row order. The input projection is computed for chunks of consecutive
+    steps (about chunk_elements floats each, default CHUNK_ELEMENTS). Returns outputs (G, N, P) and final states h (G, B, P),
+    c (G, B, H).
     """
     first = layers[0]
-    H, cell_clip, proj_clip = first.dim, first.cell_clip, first.proj_clip
+    G, H, cell_clip, proj_clip = len(layers), first.dim, first.cell_clip, first.proj_clip
     bias, w_in, w_rec, w_proj = weights
-    xw = torch.baddbmm(bias, x, w_in)
-    in_place = not torch.is_grad_enabled()          # (G, N, 4H): the input projection of all steps at once
+    in_place = not torch.is_grad_enabled()
     h, c = h0, c0
     outs, done_h, done_c = [], [], []
     offset = 0
-    for n in batch_sizes:
-        if n < h.shape[1]:                     # sequences [n:] have ended: keep their final state
-            done_h.append(h[:, n:])
-            done_c.append(c[:, n:])
-            h, c = h[:, :n], c[:, :n]
-        if in_place:   # accumulate into xw's own rows: no copy of the input projection per step
-            gates = xw[:, offset: offset + n].baddbmm_(h, w_rec)               # (G, n, 4H)
-        else:
-            gates = torch.baddbmm(xw[:, offset: offset + n], h, w_rec)
-        offset += n
-        i, j, f, o = gates.split(H, dim=-1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(j)
-        if cell_clip is not None:
-            c = c.clamp(-cell_clip, cell_clip)
-        h = torch.bmm(torch.sigmoid(o) * torch.tanh(c), w_proj)
-        if proj_clip is not None:
-            h = h.clamp(-proj_clip, proj_clip)
-        outs.append(h)
+    max_rows = max(1, (chunk_elements or CHUNK_ELEMENTS) // (G * 4 * H))
+    for t0, t1, rows in _chunks(batch_sizes, max_rows):
+        xw = torch.baddbmm(bias, x[:, offset: offset + rows], w_in)        # (G, rows, 4H)
+        offset += rows
+        r = 0
+        for n in batch_sizes[t0:t1]:
+            if n < h.shape[1]:                 # sequences [n:] have ended: keep their final state
+                done_h.append(h[:, n:])
+                done_c.append(c[:, n:].clone() if in_place else c[:, n:])   # c may be a view into xw
+                h, c = h[:, :n], c[:, :n]
+            gates = xw[:, r: r + n]
+            r += n
+            if in_place:   # everything in xw's own rows: no per-step copies or temporaries but two
+                gates.baddbmm_(h, w_rec)
+                sig = gates[..., : 3 * H].sigmoid_()
+                j = gates[..., 3 * H:].tanh_()
+                i, f, o = sig.split(H, dim=-1)
+                c = f.mul_(c).addcmul_(i, j)
+                if cell_clip is not None:
+                    c.clamp_(-cell_clip, cell_clip)
+                h = torch.bmm(torch.tanh(c).mul_(o), w_proj)
+                if proj_clip is not None:
+                    h.clamp_(-proj_clip, proj_clip)
+            else:
+                gates = torch.baddbmm(gates, h, w_rec)
+                sig = torch.sigmoid(gates[..., : 3 * H])
+                i, f, o = sig.split(H, dim=-1)
+                c = torch.addcmul(f * c, i, torch.tanh(gates[..., 3 * H:]))
+                if cell_clip is not None:
+                    c = c.clamp(-cell_clip, cell_clip)
+                h = torch.bmm(o * torch.tanh(c), w_proj)
+                if proj_clip is not None:
+                    h = h.clamp(-proj_clip, proj_clip)
+            outs.append(h)
     if not outs:
         return x.new_zeros(len(layers), 0, first.proj_dim), h, c
+    if in_place:
+        c = c.clone()
     h_final = torch.cat([h, *reversed(done_h)], dim=1) if done_h else h
     c_final = torch.cat([c, *reversed(done_c)], dim=1) if done_c else c
     return torch.cat(outs, dim=1), h_final, c_final
@@ -294,23 +336,23 @@ class BiLM(nn.Module):
         flat_inputs = inputs.reshape(B * T, *inputs.shape[2:])
         emb = self.encode_tokens(flat_inputs[pb.fwd_index])               # (N, P) forward packed order
         P = emb.shape[-1]
-        emb_flat = emb.new_zeros(B * T, P).index_copy(0, pb.fwd_index, emb)
-        layers = [torch.cat([emb_flat, emb_flat], dim=-1)]
-        index = torch.stack([pb.fwd_index, pb.bwd_index])                      # (2, N)
-        x = emb_flat[index]                                                     # (2, N, P)
+        L = self.opts.n_layers
+        out = emb.new_zeros(L + 1, B * T, 2 * P)     # written in place: no per-layer cat/stack copies
+        out[0, :, :P].index_copy_(0, pb.fwd_index, emb)
+        out[0, :, P:] = out[0, :, :P]
+        x = torch.stack([emb, out[0, :, :P][pb.bwd_index]])                     # (2, N, P)
         h_out, c_out = [], []
         for k, (fl, bl) in enumerate(zip(self.forward_layers, self.backward_layers)):
             y, h, c = run_lstm_layers([fl, bl], self._pair_weights(k), self._drop(x), pb.batch_sizes,
                                       h0[:, k][:, pb.order], c0[:, k][:, pb.order])
             if self.opts.use_skip_connections and k > 0:
                 y = y + x          # bilm-tf's ResidualWrapper: on every layer but the first
-            fwd = emb.new_zeros(B * T, P).index_copy(0, pb.fwd_index, y[0])
-            bwd = emb.new_zeros(B * T, P).index_copy(0, pb.bwd_index, y[1])
-            layers.append(torch.cat([fwd, bwd], dim=-1))
+            out[k + 1, :, :P].index_copy_(0, pb.fwd_index, y[0])
+            out[k + 1, :, P:].index_copy_(0, pb.bwd_index, y[1])
             h_out.append(h)
             c_out.append(c)
             x = y
-        out = torch.stack(layers).view(self.opts.n_layers + 1, B, T, 2 * P)
+        out = out.view(L + 1, B, T, 2 * P)
         # final states back from packed row order to batch-row order
         inv = torch.empty_like(pb.order)
         inv[pb.order] = torch.arange(B, device=device)

@@ -36,7 +36,7 @@ def _cell(d: int, k: int) -> str:
     return f"RNN_{d}/RNN/MultiRNNCell/Cell{k}/LSTMCell"
 
 
-def _read(f: h5py.File, name: str, shape: tuple, where: str) -> np.ndarray:
+def _read(f, name: str, shape: tuple, where: str) -> np.ndarray:
     if name not in f:
         raise WeightsError(f"{where}: missing dataset '{name}'")
     ds = f[name]
@@ -45,9 +45,13 @@ def _read(f: h5py.File, name: str, shape: tuple, where: str) -> np.ndarray:
     if tuple(ds.shape) != tuple(shape):
         raise WeightsError(f"{where}: dataset '{name}' has shape {tuple(ds.shape)}, expected {tuple(shape)}")
     try:
-        return np.asarray(ds[...], dtype=np.float32)
-    except OSError as e:
-        raise WeightsError(f"{where}: dataset '{name}' cannot be read ({e})") from None
+        arr = np.asarray(ds[...], dtype=np.float32)
+    except (OSError, ValueError, TypeError) as e:
+        raise WeightsError(f"{where}: dataset '{name}' cannot be read ({' '.join(str(e).split())})") from None
+    bad = arr.size - int(np.isfinite(arr).sum())
+    if bad:
+        raise WeightsError(f"{where}: dataset '{name}' has {bad} non-finite value(s) (NaN/Inf): corrupted weights")
+    return arr
 
 
 def _copy(param: torch.Tensor, array: np.ndarray) -> None:
@@ -61,10 +65,43 @@ def load_weights_into(model: BiLM, weight_file: str, sha256: str | None = None) 
     try:
         f = h5py.File(path, "r")
     except OSError as e:
-        raise WeightsError(f"{weight_file}: not a readable HDF5 file ({e})") from None
+        size = os.path.getsize(path)
+        raise WeightsError(f"{weight_file}: not a valid HDF5 file (truncated or corrupted?): {size} bytes, "
+                           f"{' '.join(str(e).split())}") from None
     with f:
-        _load(model, f, str(weight_file))
+        used = _Used(f)
+        try:
+            _load(model, used, str(weight_file))
+            names: list[str] = []
+            f.visit(names.append)
+        except WeightsError:
+            raise
+        except (OSError, KeyError, RuntimeError, ValueError) as e:   # h5py on damaged metadata or chunks
+            raise WeightsError(f"{weight_file}: corrupted HDF5 file (truncated or damaged?): "
+                               f"{type(e).__name__}: {' '.join(str(e).split())}") from None
+        unused = sorted(n for n in names if n.startswith(MODEL_PREFIXES) and isinstance(f[n], h5py.Dataset)
+                        and n not in used.names)
+        if unused:
+            raise WeightsError(f"{weight_file}: {len(unused)} dataset(s) the options do not use, e.g. '{unused[0]}' "
+                               f"(options.json does not match the weights: lstm.n_layers, char_cnn or filters?)")
     return model
+
+
+MODEL_PREFIXES = ("char_embed", "CNN", "embedding", "RNN_")   # other datasets (softmax/...) ride along unread
+
+
+class _Used:
+    """An h5py.File view that records which datasets were read."""
+
+    def __init__(self, f: h5py.File):
+        self.f, self.names = f, set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.f
+
+    def __getitem__(self, name: str):
+        self.names.add(name)
+        return self.f[name]
 
 
 def _load(model: BiLM, f: h5py.File, where: str) -> None:

@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "train": ("pipeline.train_command", "train or fine-tune a biLM (torchrun for several processes)"),
     "evaluate": ("pipeline.evaluate_command", "forward, backward and mean perplexity of a biLM on held-out text"),
     "export": ("pipeline.export_command", "export a training checkpoint to options.json + weights.hdf5 + vocab.txt"),
+    "probe": ("pipeline.probe_command", "train and evaluate a classifier on extracted vectors, per layer setting"),
 }
 
 

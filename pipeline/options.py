@@ -24,8 +24,14 @@ class ElmoOptions(PipelineOptions):
           help="sentence: one row per sentence (default); token: one row per token (BigQuery)")
         g("--tokenizer", choices=("raw", "whitespace"), default="raw",
           help="raw: sentence split + Moses tokens (default); whitespace: pre-tokenized, no sentence split")
-        g("--max-sentence-tokens", type=int, default=1000,
-          help="longer sentences go to the dead letters (default 1000)")
+        g("--max-sentence-tokens", type=int, default=100_000,
+          help="hard cap: longer sentences go to the dead letters (default 100000; was 1000)")
+        g("--window-tokens", type=int, default=1000,
+          help="sentences longer than this are embedded as overlapping windows of this many tokens, stitched "
+          "(default 1000; capped at --max-tokens-per-batch - 2)")
+        g("--window-overlap", type=int, default=None,
+          help="tokens shared by consecutive windows; each position's vectors come from the window where it is "
+          "farthest from an edge (default 200, at most --window-tokens / 5)")
         g("--max-tokens-per-batch", type=int, default=4096,
           help="token budget of a batch, padding and <S> </S> included (default 4096)")
         g("--sort-buffer", type=int, default=2000,
@@ -43,12 +49,15 @@ class ElmoOptions(PipelineOptions):
           help="Parquet: store layer 0 as [x, x] (2P wide) as AllenNLP does, instead of x once")
         g("--row-group-bytes", type=int, default=64 << 20, help="Parquet row-group size in bytes (default 64 MiB)")
         g("--shard-sentences", type=int, default=20000, help="max sentences per output shard (default 20000)")
-        g("--shard-bytes", type=int, default=256 << 20,
-          help="a shard also ends when its buffered vectors reach this many bytes (default 256 MiB): bounds memory")
+        g("--shard-bytes", type=int, default=64 << 20,
+          help="a shard also ends when its buffered vectors reach this many bytes (default 64 MiB): bounds memory")
         g("--torch-threads", type=int, default=0,
           help="torch intra-op threads per worker process (default: cores / local worker processes)")
         g("--progress", choices=("auto", "on", "off"), default="auto",
           help="progress bar with tokens/s (auto: on for local runs with a terminal)")
+        g("--s3-max-attempts", type=int, default=10,
+          help="attempts per S3 request, first one included (botocore 'standard' retries with exponential "
+          "backoff on 500/503/throttling/connection errors; default 10)")
 
     def formats(self) -> list[str]:
         fmts = [f.strip() for f in self.format.split(",") if f.strip()]

@@ -11,7 +11,6 @@ import json
 import logging
 import sys
 import time
-import uuid
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions, S3Options,
@@ -24,7 +23,8 @@ LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "Swit
 
 
 def storage_options(opts: PipelineOptions) -> dict:
-    """fsspec storage options {protocol: {...}} from Beam's standard --s3_* flags (one config for both)."""
+    """fsspec storage options {protocol: {...}} from Beam's standard --s3_* flags (one config for both),
+    plus botocore's retry policy from --s3-max-attempts."""
     s3 = opts.view_as(S3Options)
     so = {}
     if s3.s3_endpoint_url:
@@ -33,7 +33,9 @@ def storage_options(opts: PipelineOptions) -> dict:
         so["key"], so["secret"] = s3.s3_access_key_id, s3.s3_secret_access_key
     if s3.s3_region_name:
         so["client_kwargs"] = {"region_name": s3.s3_region_name}
-    return {"s3": so} if so else {}
+    attempts = opts.view_as(ElmoOptions).s3_max_attempts
+    so["config_kwargs"] = {"retries": {"total_max_attempts": max(1, attempts), "mode": "standard"}}
+    return {"s3": so}
 
 
 def resolve_model(o: ElmoOptions) -> tuple[str, str, str | None, str]:
@@ -53,18 +55,25 @@ def _num_local_workers(opts: PipelineOptions) -> int:
     return (d.direct_num_workers or 1) if d.direct_running_mode == "multi_processing" else 1
 
 
-def build(p: beam.Pipeline, opts: PipelineOptions) -> dict:
-    """Add the graph to `p`; returns the manifest skeleton (model identity, options)."""
+def build(p: beam.Pipeline, opts: PipelineOptions) -> dict | None:
+    """Add the graph to `p`; returns the manifest skeleton (model identity, options).
+
+    Returns None, adding nothing, when --output only lacked the end of an interrupted Finalize of the
+    same command (same run key, transforms/resume.py), which is then completed here."""
     from model.options import load_options
     from transforms import embed as E
-    from transforms.dofns import (DEAD, Embed, ReadFiles, SortAndBatch, Tokenize, WriteDeadLetters,
-                                  WriteShards)
-    from transforms.read import expand_inputs, file_labels
-    from transforms.write import check_output, finalize
+    from transforms.dofns import (DEAD, Embed, ReadFiles, SkipCommitted, SortAndBatch, Tokenize,
+                                  WriteDeadLetters, WriteShards)
+    from pipeline.validate import check_model, check_numbers, check_output_writable
+    from transforms.dofns import STATS, SumCounts
+    from transforms.read import expand_inputs, file_labels, record_counts
+    from transforms.resume import input_fingerprints, prepare_output, run_ingredients, run_key
+    from transforms.write import complete_finalize, finalize
 
     o = opts.view_as(ElmoOptions)
     if not o.input or not o.output:
         raise ValueError("--input and --output are required")
+    check_numbers(o)
     formats = o.formats()
     so = storage_options(opts)
     files = expand_inputs(o.input, so)
@@ -85,46 +94,67 @@ def build(p: beam.Pipeline, opts: PipelineOptions) -> dict:
         from model.embedder import resolve_device
         resolve_device(o.device)
     progress = o.progress == "on" or (o.progress == "auto" and local and sys.stderr.isatty())
-    check_output(o.output, o.overwrite, so)
-    staging = o.output.rstrip("/") + "/_staging/" + uuid.uuid4().hex
+    check_model(options_file, weight_file)       # a bad model fails here, not in every worker
+    check_output_writable(o.output, so)          # last check: nothing was created before it
+    identity = E.model_identity(spec)
+    flags = {k: getattr(o, k) for k in o._visible_option_list()}
+    ingredients = run_ingredients(flags, input_fingerprints(files, so), identity)
+    key = run_key(ingredients)
+    state = prepare_output(o.output, key, ingredients, o.overwrite, so, resumable=o.state != "stateful")
+    if state.action == "finalize":
+        complete_finalize(o.output, state.staging, so)
+        return None
+    staging, resumed = state.staging, state.shards
     manifest = {
-        "model": {"name": model_name, **E.model_identity(spec)},
+        "model": {"name": model_name, **identity},
         "layers": [c for c, _ in columns], "layer_dims": {c: d for c, d in columns},
         "hdf5_layout": E.hdf5_layout(selection, n_layers),
         "dtype": o.dtype, "state": o.state, "tokenizer": o.tokenizer, "formats": formats,
         "parquet_layout": o.parquet_layout, "duplicate_layer0": o.duplicate_layer0,
         "inputs": files, "input_format": o.input_format,
-        "options": {k: v for k, v in vars(o).items() if not k.startswith("_")},
+        "options": flags,
+        "run": {"key": key, "resumed_shards": len(resumed), "resumed_sentences": state.sentences},
     }
 
     names = p | "ListFiles" >> beam.Create(files)
     read = (names | "SpreadFiles" >> beam.Reshuffle()
             | "ReadFiles" >> beam.ParDo(ReadFiles(o.input_format, labels, o.text_field, o.id_field, so))
-            .with_outputs(DEAD, main="docs"))
+            .with_outputs(DEAD, STATS, main="docs"))
     docs = read.docs
     # Spreading documents over workers pays on a cluster; a local runner materializes a Reshuffle in
     # memory (peak RSS grew with the corpus: benchmarks/pipeline_memory.py), so one local worker skips it.
     if o.state != "stateful" and not (local and workers == 1):
         docs = docs | "SpreadDocuments" >> beam.Reshuffle()
-    tok = docs | "Tokenize" >> beam.ParDo(Tokenize(o.tokenizer, o.max_sentence_tokens)).with_outputs(DEAD, main="items")
-    batches = tok.items | "SortAndBatch" >> beam.ParDo(
+    # stateful mode embeds sentences whole (windows are not consecutive sentences): longer than the window is dead
+    limit, flag = o.max_sentence_tokens, "--max-sentence-tokens"
+    if o.state == "stateful" and o.window_tokens < limit:
+        limit, flag = o.window_tokens, "--window-tokens (--state stateful embeds sentences whole)"
+    tok = docs | "Tokenize" >> beam.ParDo(Tokenize(o.tokenizer, limit, flag)).with_outputs(DEAD, main="items")
+    items = tok.items
+    if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
+        items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(state.record_paths, so))
+    batches = items | "SortAndBatch" >> beam.ParDo(
         SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=o.state != "stateful"))
     emb = batches | "Embed" >> beam.ParDo(
-        Embed(spec, selection, o.duplicate_layer0, o.dtype, formats, progress)).with_outputs(DEAD, main="rows")
+        Embed(spec, selection, o.duplicate_layer0, o.dtype, formats, progress,
+              window=0 if o.state == "stateful" else o.window_tokens, overlap=o.window_overlap,
+              max_tokens=o.max_tokens_per_batch)).with_outputs(DEAD, main="rows")
     shards = emb.rows | "WriteShards" >> beam.ParDo(WriteShards(
         staging, formats, o.parquet_layout, columns, o.dtype, o.row_group_bytes, o.shard_sentences, so, o.shard_bytes))
     dead = ((read[DEAD], tok[DEAD], emb[DEAD]) | "CollectDeadLetters" >> beam.Flatten()
             | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetters(staging, so)))
     n_docs = docs | "CountDocuments" >> beam.combiners.Count.Globally()
+    n_records = read[STATS] | "CountRecords" >> beam.CombineGlobally(SumCounts())
 
-    def _finalize(_, shard_infos, dead_infos, documents):
+    def _finalize(_, shard_infos, dead_infos, documents, records):
         m = json.loads(json.dumps(manifest, default=str))
         m.setdefault("counts", {})["documents"] = documents
-        yield finalize(o.output, staging, shard_infos, dead_infos, m, so)
+        m["counts"].update(record_counts(records, dead_infos))
+        yield finalize(o.output, staging, resumed + list(shard_infos), dead_infos, m, so)
 
     (p | "FinalizeTrigger" >> beam.Create([None])
        | "Finalize" >> beam.ParDo(_finalize, beam.pvalue.AsList(shards), beam.pvalue.AsList(dead),
-                                  beam.pvalue.AsSingleton(n_docs)))
+                                  beam.pvalue.AsSingleton(n_docs), beam.pvalue.AsSingleton(n_records)))
     return manifest
 
 
@@ -133,15 +163,31 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a == "--runner" or a.startswith("--runner=") for a in argv):
         argv.append("--runner=FnApiRunner")
+    from pipeline.validate import check_flags
+    check_flags(argv)          # unknown flags and bad values: one line, before anything runs
     opts = PipelineOptions(argv)
     opts.view_as(SetupOptions).save_main_session = save_main_session
     t0 = time.perf_counter()
     p = beam.Pipeline(options=opts)
-    build(p, opts)
-    result = p.run()
-    result.wait_until_finish()
+    if build(p, opts) is None:
+        result = FinalizeOnly()
+    else:
+        result = p.run()
+        result.wait_until_finish()
     result.elapsed_seconds = time.perf_counter() - t0
     return result
+
+
+class FinalizeOnly:
+    """run()'s result when only an interrupted Finalize was left to do (no pipeline ran)."""
+    state = "DONE"
+
+    def wait_until_finish(self):
+        return self.state
+
+    def metrics(self):
+        from apache_beam.runners.direct.direct_metrics import DirectMetrics
+        return DirectMetrics()
 
 
 def counters(result) -> dict[str, int]:
@@ -155,6 +201,8 @@ def counters(result) -> dict[str, int]:
 
 def summary(result, output: str) -> str:
     """The one-line summary printed at the end of a run."""
+    if isinstance(result, FinalizeOnly):
+        return f"elmo-pipeline: finished the interrupted finalize of {output} (nothing else was left to do)"
     c = counters(result)
     secs = getattr(result, "elapsed_seconds", 0.0) or 0.0
     slots = c.get("batch_token_slots", 0)
@@ -162,7 +210,9 @@ def summary(result, output: str) -> str:
     return (f"elmo-pipeline: {c.get('documents', 0)} documents, {c.get('sentences', 0)} sentences, "
             f"{c.get('tokens', 0)} tokens, {c.get('batches', 0)} batches (padding {pad:.1%}), "
             f"{c.get('dead_letters', 0)} dead letters, {c.get('shards', 0)} shards in {secs:.1f} s "
-            f"({c.get('tokens', 0) / secs if secs else 0:.0f} tokens/s) -> {output}")
+            f"({c.get('tokens', 0) / secs if secs else 0:.0f} tokens/s) -> {output}"
+            + (f" (resumed: {c['sentences_resumed']} sentences already committed were skipped)"
+               if c.get("sentences_resumed") else ""))
 
 
 def add_arguments(parser) -> None:
@@ -183,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         result = run(argv)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:   # OSError: files, permissions, object stores
         print(f"error: {e}", file=sys.stderr)
         return 2
     output = PipelineOptions(argv).view_as(ElmoOptions).output

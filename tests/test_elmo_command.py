@@ -25,9 +25,10 @@ def _run(model_files, *args):
     return main(["elmo", *map(str, args), "--options-file", options, "--weight-file", weights])
 
 
-def test_all_layers_and_sentence_index(tiny_model_files, input_file, tmp_path, caplog):
+@pytest.mark.parametrize("batching", [["--batch-size", "2"], ["--max-tokens-per-batch", "12"]])
+def test_all_layers_and_sentence_index(tiny_model_files, input_file, tmp_path, caplog, batching):
     out = tmp_path / "all.hdf5"
-    assert _run(tiny_model_files, input_file, out, "--all", "--batch-size", "2") == 0
+    assert _run(tiny_model_files, input_file, out, "--all", *batching) == 0
     e = ElmoEmbedder(*tiny_model_files)
     with h5py.File(out, "r") as f:
         assert sorted(f.keys()) == ["0", "1", "2", "3", "sentence_to_index"]
@@ -64,6 +65,12 @@ def test_sentence_keys(tiny_model_files, tmp_path):
 def test_sentence_keys_refuse_blank_lines(tiny_model_files, input_file, tmp_path):
     with pytest.raises(SystemExit, match="use-sentence-keys"):
         _run(tiny_model_files, input_file, tmp_path / "x.hdf5", "--top", "--use-sentence-keys")
+
+
+def test_token_budget_refused_when_stateful(tiny_model_files, input_file, tmp_path):
+    with pytest.raises(SystemExit, match="max-tokens-per-batch"):
+        _run(tiny_model_files, input_file, tmp_path / "x.hdf5", "--all", "--state", "stateful",
+             "--max-tokens-per-batch", "100")
 
 
 def test_stateful_matches_consecutive_batches(tiny_model_files, input_file, tmp_path):

@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from transforms import embed as E
-from transforms.batching import Item, padding, plan_batches
-from transforms.read import DeadLetter, Document, expand_inputs, file_labels, read_documents
+from model.batching import plan_batches
+from transforms.batching import Item, padding
+from transforms.read import Blank, DeadLetter, Document, expand_inputs, file_labels, read_documents
 from transforms.tokenize import align_tokens, tokenize_document, tokenize_text
 from transforms.write import Row, ShardInfo, finalize, hdf5_key, sentence_table, stage_shard, token_table
 
@@ -51,7 +52,8 @@ def test_read_text_lines_jsonl_parquet_compressed(tmp_path):
     labels = file_labels(files)
     assert labels == {str(tmp_path / "a.txt.gz"): "a.txt.gz", str(tmp_path / "b.txt.bz2"): "b.txt.bz2"}
     docs = [d for f in files for d in read_documents(f, "text", labels[f])]
-    assert docs == [Document("a.txt.gz:1", "First doc."), Document("a.txt.gz:3", "Second doc."), Document("b.txt.bz2:1", "Third.")]
+    assert docs == [Document("a.txt.gz:1", "First doc."), Blank("a.txt.gz:2"), Document("a.txt.gz:3", "Second doc."),
+                    Document("b.txt.bz2:1", "Third.")]      # blank records are reported (and counted), not documents
     assert list(read_documents(files[1], "lines", "b"))[0].split_sentences is False
 
     j = tmp_path / "d.jsonl"

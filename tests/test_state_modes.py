@@ -21,9 +21,10 @@ def test_sentence_independent_of_batch(tiny_model_files, state):
     batch = e.embed_batch(sents)
     rev = e.embed_batch(sents[::-1])[::-1]
     streamed = list(e.embed_sentences(sents, batch_size=7))
-    for a, b, r, s in zip(alone, batch, rev, streamed):
+    budget = list(e.embed_sentences(sents, max_tokens=50))      # token-budget batches, several windows
+    for a, b, r, s, t in zip(alone, batch, rev, streamed, budget):
         assert a.shape == (3, a.shape[1], 16)
-        for other in (b, r, s):
+        for other in (b, r, s, t):
             assert np.abs(a - other).max() <= TOL
     # a second run is identical (nothing carried over)
     assert all(np.array_equal(x, y) for x, y in zip(batch, e.embed_batch(sents)))
@@ -88,3 +89,9 @@ def test_token_cache_reuses_vectors_and_follows_weight_changes(tiny_model_files)
         plain.model.token_encoder.char_embed.weight.mul_(2.0)
     for a, b in zip(plain.embed_batch(sents), cached.embed_batch(sents)):
         assert np.abs(a - b).max() <= TOL
+
+
+def test_token_budget_refused_in_stateful_mode(tiny_model_files):
+    e = ElmoEmbedder(*tiny_model_files, state="stateful")
+    with pytest.raises(ValueError, match="stateful"):
+        list(e.embed_sentences([["a"]], max_tokens=100))

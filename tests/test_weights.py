@@ -100,8 +100,75 @@ def test_options_weights_mismatch(tiny_model_files, tmp_path):
 
 def test_not_hdf5(tiny_model_files, tmp_path):
     (tmp_path / "w.hdf5").write_bytes(b"this is not hdf5")
-    with pytest.raises(WeightsError, match="not a readable HDF5 file"):
+    with pytest.raises(WeightsError, match=r"not a valid HDF5 file \(truncated or corrupted\?\)"):
         load_bilm(tiny_model_files[0], str(tmp_path / "w.hdf5"))
+
+
+@pytest.mark.parametrize("keep", [0, 100, 0.5, -100])
+def test_truncated_file_is_one_line_weights_error(tiny_model_files, tmp_path, keep):
+    options, weights = tiny_model_files
+    data = open(weights, "rb").read()
+    n = int(len(data) * keep) if isinstance(keep, float) else (keep if keep >= 0 else len(data) + keep)
+    (tmp_path / "w.hdf5").write_bytes(data[:n])
+    with pytest.raises(WeightsError, match=r"not a valid HDF5 file \(truncated or corrupted\?\)") as e:
+        load_bilm(options, str(tmp_path / "w.hdf5"))
+    assert "\n" not in str(e.value) and f"{n} bytes" in str(e.value)
+
+
+def test_non_finite_weights_name_the_dataset(tiny_model_files, tmp_path):
+    options, weights = tiny_model_files
+    broken = str(tmp_path / "w.hdf5")
+    shutil.copy(weights, broken)
+    with h5py.File(broken, "a") as f:
+        f["CNN/b_cnn_0"][0] = np.nan
+    with pytest.raises(WeightsError, match=r"'CNN/b_cnn_0' has 1 non-finite value"):
+        load_bilm(options, broken)
+
+
+def test_options_with_fewer_layers_than_the_weights(tiny_model_files, tmp_path):
+    _, weights = tiny_model_files
+    raw = json.loads(json.dumps(PUBLISHED_OPTIONS["tiny"]))
+    raw["lstm"]["n_layers"] = 1
+    (tmp_path / "o.json").write_text(json.dumps(raw))
+    with pytest.raises(WeightsError, match=r"dataset\(s\) the options do not use, e.g. 'RNN_0/RNN/MultiRNNCell/Cell1"):
+        load_bilm(str(tmp_path / "o.json"), weights)
+
+
+def test_options_not_an_object(tiny_model_files, tmp_path):
+    (tmp_path / "o.json").write_text("[1, 2]")
+    with pytest.raises(OptionsError, match="expected a JSON object"):
+        load_bilm(str(tmp_path / "o.json"), tiny_model_files[1])
+
+
+def test_shipped_model_sha256_recorded_and_verified(tmp_path):
+    from model.pretrained import HERE, default_model_files, verify_model_folder
+    default_model_files()                                   # verifies against sha256sums.txt
+    folder = os.path.join(HERE, "wikitext2-small")
+    sums = open(os.path.join(folder, "sha256sums.txt")).read()
+    assert "weights.hdf5" in sums and "options.json" in sums
+    copy = tmp_path / "m"
+    copy.mkdir()
+    for name in ("options.json", "weights.hdf5", "vocab.txt", "sha256sums.txt"):
+        shutil.copy(os.path.join(folder, name), copy / name)
+    verify_model_folder(str(copy))
+    with open(copy / "weights.hdf5", "r+b") as f:          # one flipped byte in the middle of the data
+        f.seek(os.path.getsize(copy / "weights.hdf5") // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ValueError, match="weights.hdf5: sha256 mismatch"):
+        verify_model_folder(str(copy))
+
+
+def test_nothing_is_unpickled():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for pkg in ("model", "transforms", "pipeline"):
+        for dirpath, _, names in os.walk(os.path.join(root, pkg)):
+            for n in names:
+                if n.endswith(".py"):
+                    src = open(os.path.join(dirpath, n), encoding="utf-8").read()
+                    for bad in ("import pickle", "torch.load(", "allow_pickle=True", "import joblib", "import dill"):
+                        assert bad not in src, f"{pkg}/{n} uses {bad}"
 
 
 @pytest.mark.parametrize("edit,key", [

@@ -11,13 +11,18 @@ from apache_beam.utils import shared
 from apache_beam.utils.windowed_value import WindowedValue
 
 from transforms import embed as E
-from transforms.batching import Item, padding, plan_batches, sentence_id
-from transforms.read import EXCERPT_CHARS, DeadLetter, Document, read_documents
+from model.windows import effective_window, embed_long
+from model.batching import plan_batches
+from transforms.batching import Item, padding, sentence_id
+from transforms.faults import crash_point
+from transforms.read import EXCERPT_CHARS, Blank, DeadLetter, Document, read_documents, reason_kind
+from transforms.resume import load_done_ids
 from transforms.tokenize import tokenize_document
 from transforms.write import Row, stage_dead_letters, stage_shard
 
 NS = "elmo"
 DEAD = "dead"
+STATS = "stats"   # ReadFiles: one {"input_records": n, "blank_records": b} per file
 
 
 def _windowed(x):
@@ -25,35 +30,77 @@ def _windowed(x):
 
 
 class ReadFiles(beam.DoFn):
-    """file URL -> Document ...; unreadable records to the DEAD output."""
+    """file URL -> Document ...; unreadable records to the DEAD output; per file, its record counts
+    (input records, blank records) to the STATS output."""
 
     def __init__(self, fmt, labels, text_field, id_field, storage_options):
         self.args = (fmt, labels, text_field, id_field, storage_options)
         self.docs = Metrics.counter(NS, "documents")
         self.dead = Metrics.counter(NS, "dead_letters")
+        self.blank = Metrics.counter(NS, "blank_records")
 
     def process(self, url):
         fmt, labels, text_field, id_field, so = self.args
+        records = blank = 0
         for rec in read_documents(url, fmt, labels[url], text_field, id_field, so):
-            if isinstance(rec, DeadLetter):
+            records += 1
+            if isinstance(rec, Blank):
+                blank += 1
+            elif isinstance(rec, DeadLetter):
                 self.dead.inc()
                 yield beam.pvalue.TaggedOutput(DEAD, rec)
             else:
                 self.docs.inc()
                 yield rec
+        self.blank.inc(blank)
+        yield beam.pvalue.TaggedOutput(STATS, {"input_records": records, "blank_records": blank})
+
+
+class SumCounts(beam.CombineFn):
+    """Sums dicts of counts key by key (an empty input gives {})."""
+
+    def create_accumulator(self):
+        return {}
+
+    def add_input(self, acc, counts):
+        for k, v in counts.items():
+            acc[k] = acc.get(k, 0) + v
+        return acc
+
+    def merge_accumulators(self, accs):
+        out = {}
+        for acc in accs:
+            self.add_input(out, acc)
+        return out
+
+    def extract_output(self, acc):
+        return acc
 
 
 class Tokenize(beam.DoFn):
-    """Document -> Item per sentence; sentences over max_tokens to the DEAD output."""
+    """Document -> Item per sentence; sentences over max_tokens to the DEAD output.
 
-    def __init__(self, mode: str, max_tokens: int):
-        self.mode, self.max_tokens = mode, max_tokens
+    Every document gives at least one sentence: one whose text has no tokens at all (only control
+    characters, say), or that the tokenizer fails on, is dead-lettered as its sentence #0."""
+
+    def __init__(self, mode: str, max_tokens: int, limit_flag: str = "--max-sentence-tokens"):
+        self.mode, self.max_tokens, self.limit_flag = mode, max_tokens, limit_flag
         self.sentences = Metrics.counter(NS, "sentences")
         self.tokens = Metrics.counter(NS, "tokens")
         self.dead = Metrics.counter(NS, "dead_letters")
 
     def process(self, doc: Document):
-        sentences = tokenize_document(doc.text, self.mode, doc.split_sentences)
+        try:
+            sentences = tokenize_document(doc.text, self.mode, doc.split_sentences)
+            reason = "no tokens: the text has no tokens (only control, format or other characters the tokenizer drops)"
+        except Exception as e:  # noqa: BLE001 - one document must not fail the job
+            sentences, reason = [], f"tokenizer failed: {type(e).__name__}: {e}"[:500]
+        if not sentences:
+            self.sentences.inc()
+            self.dead.inc()
+            yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(sentence_id(doc.doc_id, 0), reason,
+                                                            doc.text[:EXCERPT_CHARS]))
+            return
         for i, s in enumerate(sentences):
             sid = sentence_id(doc.doc_id, i)
             self.sentences.inc()
@@ -61,11 +108,30 @@ class Tokenize(beam.DoFn):
                 self.dead.inc()
                 start, end = s.offsets[0][0], s.offsets[-1][1]
                 yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(
-                    sid, f"too long: {len(s.tokens)} tokens > --max-sentence-tokens {self.max_tokens}",
+                    sid, f"too long: {len(s.tokens)} tokens > {self.limit_flag} {self.max_tokens}",
                     doc.text[start:end][:EXCERPT_CHARS]))
                 continue
             self.tokens.inc(len(s.tokens))
             yield Item(sid, doc.doc_id, i, s.tokens, s.offsets)
+
+
+class SkipCommitted(beam.DoFn):
+    """Drops (and counts) the sentences an interrupted run with the same run key already committed.
+
+    The ids come from the commit records prepare_output() kept (transforms/resume.py), loaded once."""
+
+    def __init__(self, record_paths: list[str], storage_options):
+        self.record_paths, self.so = record_paths, storage_options
+        self.skipped = Metrics.counter(NS, "sentences_resumed")
+
+    def setup(self):
+        self.done = load_done_ids(self.record_paths, self.so)
+
+    def process(self, item: Item):
+        if item.id in self.done:
+            self.skipped.inc()
+        else:
+            yield item
 
 
 class SortAndBatch(beam.DoFn):
@@ -121,12 +187,16 @@ class _Holder:
 class Embed(beam.DoFn):
     """list[Item] -> Row per sentence; the model is loaded once per process (Shared) for all threads.
 
-    A failing batch is retried sentence by sentence; sentences that still fail go to DEAD."""
+    A failing batch is retried sentence by sentence; sentences that still fail go to DEAD.
+    window > 0: a sentence longer than the (budget-capped) window is embedded as overlapping windows in
+    sub-batches of at most `max_tokens` slots, stitched back together (model/windows.py)."""
 
     def __init__(self, spec: E.ModelSpec, selection, duplicate_layer0: bool, dtype: str, formats: list[str],
-                 progress: bool = False):
+                 progress: bool = False, window: int = 0, overlap: int = 0, max_tokens: int = 0):
         self.spec, self.selection, self.dup0, self.dtype = spec, selection, duplicate_layer0, dtype
         self.formats, self.progress = formats, progress
+        self.window, self.overlap, self.max_tokens = window, overlap, max_tokens
+        self.windowed = Metrics.counter(NS, "windowed_sentences")
         self._shared = shared.Shared()
         self.seconds = Metrics.counter(NS, "embed_milliseconds")
         self.dead = Metrics.counter(NS, "dead_letters")
@@ -140,19 +210,31 @@ class Embed(beam.DoFn):
         h5 = E.hdf5_array(vectors, self.selection, self.dtype) if "hdf5" in self.formats else None
         return Row(item, cols, h5)
 
+    def _embed_one(self, item):
+        if self.window and len(item.tokens) > effective_window(self.window, self.max_tokens):
+            self.windowed.inc()
+            return embed_long(self.embedder, item.tokens, self.window, self.overlap, self.max_tokens)
+        return self.embedder.embed_batch([item.tokens])[0]
+
     def process(self, batch: list[Item]):
+        crash_point("embed")
         t0 = time.perf_counter()
-        try:
-            outs = list(zip(batch, self.embedder.embed_batch([i.tokens for i in batch])))
-        except Exception:  # noqa: BLE001 - isolate the failing sentence(s), below
-            outs = []
-            for item in batch:
-                try:
-                    outs.append((item, self.embedder.embed_batch([item.tokens])[0]))
-                except Exception as e:  # noqa: BLE001
-                    self.dead.inc()
-                    yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(
-                        item.id, f"embedding failed: {type(e).__name__}: {e}"[:500], " ".join(item.tokens)[:EXCERPT_CHARS]))
+        limit = effective_window(self.window, self.max_tokens) if self.window else None
+        short = [i for i in batch if limit is None or len(i.tokens) <= limit]
+        single = [i for i in batch if limit is not None and len(i.tokens) > limit]   # windowed, one by one
+        outs = []
+        if short:
+            try:
+                outs = list(zip(short, self.embedder.embed_batch([i.tokens for i in short])))
+            except Exception:  # noqa: BLE001 - isolate the failing sentence(s), below
+                single = short + single
+        for item in single:
+            try:
+                outs.append((item, self._embed_one(item)))
+            except Exception as e:  # noqa: BLE001
+                self.dead.inc()
+                yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(
+                    item.id, f"embedding failed: {type(e).__name__}: {e}"[:500], " ".join(item.tokens)[:EXCERPT_CHARS]))
         self.seconds.inc(int(1000 * (time.perf_counter() - t0)))
         if self.progress:
             _progress(sum(len(i.tokens) for i, _ in outs))
@@ -165,7 +247,7 @@ class WriteShards(beam.DoFn):
     of buffered vectors (so memory is bounded whatever the model's width), or at the bundle's end."""
 
     def __init__(self, staging, formats, layout, columns, dtype, row_group_bytes, shard_sentences, storage_options,
-                 shard_bytes=256 << 20):
+                 shard_bytes=64 << 20):
         self.args = (staging, formats, layout, columns, dtype, row_group_bytes)
         self.shard_sentences, self.shard_bytes, self.so = shard_sentences, shard_bytes, storage_options
         self.shards = Metrics.counter(NS, "shards")
@@ -206,4 +288,11 @@ class WriteDeadLetters(beam.DoFn):
     def finish_bundle(self):
         if self.buf:
             letters, self.buf = self.buf, []
-            yield _windowed(stage_dead_letters(letters, self.staging, self.so))
+            info = stage_dead_letters(letters, self.staging, self.so)
+            # by level, not by '#' in the id (a file name or an --id-field value may hold a '#')
+            info.extra["sentence_level"] = sum(1 for d in letters if getattr(d, "level", "sentence") == "sentence")
+            by_reason: dict[str, int] = {}
+            for d in letters:
+                by_reason[reason_kind(d.reason)] = by_reason.get(reason_kind(d.reason), 0) + 1
+            info.extra["by_reason"] = by_reason
+            yield _windowed(info)

@@ -6,12 +6,16 @@ Compression (.gz, .bz2, .zst, .xz) is inferred from the file name.
 """
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 import posixpath
+import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
 import fsspec
+import fsspec.utils
 
 INPUT_FORMATS = ("text", "lines", "jsonl", "parquet")
 EXCERPT_CHARS = 200
@@ -27,13 +31,39 @@ class Document:
 
 @dataclass(frozen=True)
 class DeadLetter:
-    """A record or sentence that could not be embedded: id, reason, the first characters of it."""
+    """A record or sentence that could not be embedded: id, reason, the first characters of it.
+
+    level "record": an input record that is not a document (id "<file>:<line>" or the id field);
+    level "sentence": a sentence of a document (id "<doc id>#<index>"; a document without tokens is
+    dead-lettered as its sentence #0, so every document has at least one sentence, written or dead)."""
     id: str
     reason: str
     excerpt: str
+    level: str = "sentence"
 
     def to_json(self) -> str:
-        return json.dumps({"id": self.id, "reason": self.reason, "excerpt": self.excerpt}, ensure_ascii=False)
+        return json.dumps({"id": self.id, "level": self.level, "reason": self.reason, "excerpt": self.excerpt},
+                          ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class Blank:
+    """A blank or whitespace-only record (str.isspace): counted in the manifest, not a document, not a dead letter."""
+    id: str
+
+
+def reason_kind(reason: str) -> str:
+    """The short kind of a dead-letter reason: the text before its first ':' ("too long", "no tokens", ...)."""
+    return reason.split(":", 1)[0]
+
+
+def decode_line(raw: bytes, record_id: str) -> str | DeadLetter:
+    """A line's bytes as text (strict UTF-8), or a record dead letter "invalid UTF-8" naming the byte offset."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return DeadLetter(record_id, f"invalid UTF-8: {e.reason} at byte {e.start} of the line",
+                          raw.decode("utf-8", "replace")[:EXCERPT_CHARS], level="record")
 
 
 def expand_inputs(patterns: list[str], storage_options: dict | None = None) -> list[str]:
@@ -62,24 +92,121 @@ def _opts(url: str, storage_options: dict | None) -> dict:
     return dict((storage_options or {}).get(proto, {}))
 
 
+def split_lines(f, block: int = 1 << 16) -> Iterator[bytes]:
+    """Lines of a binary file object (any decompressor: only read() is needed), split on b"\\n" only,
+    without it; an unterminated last line counts, a final b"\\n" adds no empty line."""
+    parts: list[bytes] = []
+    while True:
+        chunk = f.read(block)
+        if not chunk:
+            break
+        start = 0
+        while True:
+            i = chunk.find(b"\n", start)
+            if i < 0:
+                parts.append(chunk[start:])
+                break
+            parts.append(chunk[start:i])
+            yield b"".join(parts)
+            parts, start = [], i + 1
+    if any(parts):
+        yield b"".join(parts)
+
+
+_CORRUPT = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)
+try:
+    import zstandard
+    _CORRUPT += (zstandard.ZstdError,)
+except ImportError:  # pragma: no cover - zstandard comes with the package's dependencies
+    zstandard = None
+
+
+class _ZstdReader:
+    """read() over a .zst stream of one or more frames that raises EOFError when the data ends inside a
+    frame (the reader fsspec uses returns a silently truncated text instead)."""
+
+    def __init__(self, raw, block: int = 1 << 16):
+        self.raw, self.block, self.z = raw, block, zstandard.ZstdDecompressor()
+        self.d, self.in_frame, self.done = self.z.decompressobj(), False, False
+
+    def read(self, n: int = -1) -> bytes:
+        while not self.done:
+            chunk = self.raw.read(self.block)
+            if not chunk:
+                if self.in_frame:
+                    raise EOFError("Compressed file ended inside a zstd frame")
+                self.done = True
+                break
+            out = []
+            while chunk:
+                self.in_frame = True
+                out.append(self.d.decompress(chunk))
+                if not self.d.eof:
+                    break
+                chunk = self.d.unused_data            # the next frame starts here
+                self.d, self.in_frame = self.z.decompressobj(), False
+            if any(out):
+                return b"".join(out)
+        return b""
+
+
+@dataclass(frozen=True)
+class _Corrupt:
+    reason: str
+
+
+def _lines_until_corrupt(f) -> Iterator[bytes | _Corrupt]:
+    """split_lines(f); a decompression error (truncated or corrupted .gz/.bz2/.xz) ends it with a _Corrupt
+    (the lines of the 64 KiB block that failed are lost with the rest of the file).
+
+    Only errors of the compressed data itself: I/O errors (network, permissions) propagate, so that the
+    runner retries the file."""
+    n = 0
+    try:
+        for raw in split_lines(f):
+            n += 1
+            yield raw
+    except Exception as e:  # noqa: BLE001 - filtered just below
+        if not (isinstance(e, _CORRUPT) or (type(e) is OSError and "Invalid data stream" in str(e))):   # bz2
+            raise
+        yield _Corrupt(f"unreadable file: compressed data truncated or corrupted after line {n}, the rest of the "
+                       f"file is lost: {type(e).__name__}: {' '.join(str(e).split())}")
+
+
 def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_field: str | None = None,
-                   storage_options: dict | None = None) -> Iterator[Document | DeadLetter]:
-    """Documents of one file, in file order; blank records are skipped, bad ones are dead letters."""
+                   storage_options: dict | None = None) -> Iterator[Document | DeadLetter | Blank]:
+    """Every record of one file, in file order: a Document, a Blank (whitespace-only) or a DeadLetter.
+
+    Lines are split on b"\\n" only and decoded one by one as strict UTF-8 (a line that is not valid
+    UTF-8 is a dead letter, its neighbours are unaffected); a trailing "\\r" is dropped (CRLF files),
+    and so is a UTF-8 byte-order mark at the start of the file."""
     if fmt not in INPUT_FORMATS:
         raise ValueError(f"input format must be one of {INPUT_FORMATS}, got {fmt!r}")
     opts = _opts(url, storage_options)
     if fmt == "parquet":
         yield from _read_parquet(url, label, text_field, id_field, opts)
         return
-    with fsspec.open(url, "rt", encoding="utf-8", newline="\n", compression="infer", **opts) as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n").rstrip("\r")
+    compression = fsspec.utils.infer_compression(url)
+    zstd = compression == "zstd" and zstandard is not None
+    with fsspec.open(url, "rb", compression=None if zstd else compression, **opts) as f:
+        for n, raw in enumerate(_lines_until_corrupt(_ZstdReader(f) if zstd else f), 1):
+            if isinstance(raw, _Corrupt):     # one record dead letter for the unreadable rest of the file
+                yield DeadLetter(f"{label}:{n}", raw.reason, "", level="record")
+                break
+            if raw.endswith(b"\r"):
+                raw = raw[:-1]
+            if n == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
             default_id = f"{label}:{n}"
-            if fmt in ("text", "lines"):
-                if line.strip():
-                    yield Document(default_id, line, split_sentences=(fmt == "text"))
+            line = decode_line(raw, default_id)
+            if isinstance(line, DeadLetter):
+                yield line
                 continue
             if not line.strip():
+                yield Blank(default_id)
+                continue
+            if fmt in ("text", "lines"):
+                yield Document(default_id, line, split_sentences=(fmt == "text"))
                 continue
             try:
                 record = json.loads(line)
@@ -87,11 +214,16 @@ def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_
                 if not isinstance(text, str):
                     raise TypeError(f"field {text_field!r} is {type(text).__name__}, not a string")
                 doc_id = str(record[id_field]) if id_field else default_id
-            except (ValueError, KeyError, TypeError) as e:
-                yield DeadLetter(default_id, f"unreadable record: {type(e).__name__}: {e}", line[:EXCERPT_CHARS])
+                (text + doc_id).encode("utf-8")      # JSON "\\ud800" escapes decode to unencodable lone surrogates
+            except UnicodeEncodeError as e:
+                yield DeadLetter(default_id, f"invalid UTF-8: lone surrogate in the JSON text or id ({e.reason})",
+                                 line[:EXCERPT_CHARS], level="record")
                 continue
-            if text.strip():
-                yield Document(doc_id, text)
+            except (ValueError, KeyError, TypeError) as e:
+                yield DeadLetter(default_id, f"unreadable record: {type(e).__name__}: {e}", line[:EXCERPT_CHARS],
+                                 level="record")
+                continue
+            yield Document(doc_id, text) if text.strip() else Blank(doc_id)
 
 
 def _read_parquet(url, label, text_field, id_field, opts) -> Iterator[Document | DeadLetter]:
@@ -110,6 +242,22 @@ def _read_parquet(url, label, text_field, id_field, opts) -> Iterator[Document |
                 n += 1
                 rid = f"{label}:{n}" if doc_id is None else str(doc_id)
                 if text is None or not isinstance(text, str):
-                    yield DeadLetter(rid, f"unreadable record: {text_field!r} is null or not a string", repr(text)[:EXCERPT_CHARS])
+                    yield DeadLetter(rid, f"unreadable record: {text_field!r} is null or not a string",
+                                     repr(text)[:EXCERPT_CHARS], level="record")
                 elif text.strip():
                     yield Document(rid, text)
+                else:
+                    yield Blank(rid)
+
+
+def record_counts(stats: dict, dead_infos: list) -> dict:
+    """Manifest counts that account for every input record, from ReadFiles' per-file stats and the staged
+    dead-letter files (ShardInfo with extra "sentence_level" and "by_reason"):
+    input_records = documents + blank_records + record_dead_letters."""
+    by_reason: dict[str, int] = {}
+    for d in dead_infos:
+        for k, v in d.extra.get("by_reason", {}).items():
+            by_reason[k] = by_reason.get(k, 0) + v
+    return {"input_records": stats.get("input_records", 0), "blank_records": stats.get("blank_records", 0),
+            "record_dead_letters": sum(d.sentences - d.extra.get("sentence_level", 0) for d in dead_infos),
+            "dead_letters_by_reason": dict(sorted(by_reason.items()))}

@@ -33,9 +33,26 @@ def _moses():
     return sacremoses.MosesTokenizer("en")
 
 
+_PROTECTED_RE = re.compile("|".join(PROTECTED), re.IGNORECASE)
+
+
 def moses_tokens(text: str) -> list[str]:
-    """Moses tokens of one sentence (escape off, hyphens split as @-@, <unk> kept whole)."""
-    return _moses().tokenize(text, escape=False, aggressive_dash_splits=True, protected_patterns=PROTECTED)
+    """Moses tokens of one sentence (escape off, hyphens split as @-@, <unk> kept whole).
+
+    sacremoses refuses a text with more than MAX_PROTECTED_TOKENS (1000) protected matches: such a text
+    is tokenized in pieces cut at whitespace, each with at most that many."""
+    moses = _moses()
+    limit = getattr(moses, "MAX_PROTECTED_TOKENS", None)
+    if limit:
+        starts = [m.start() for m in _PROTECTED_RE.finditer(text)]
+        if len(starts) > limit:
+            cuts = [0]
+            for at in starts[limit::limit]:
+                ws = max(text.rfind(" ", cuts[-1], at), text.rfind("\t", cuts[-1], at))
+                cuts.append(ws + 1 if ws > cuts[-1] else at)
+            cuts.append(len(text))
+            return [t for a, b in zip(cuts, cuts[1:]) for t in moses_tokens(text[a:b])]
+    return moses.tokenize(text, escape=False, aggressive_dash_splits=True, protected_patterns=PROTECTED)
 
 
 def _sentence_spans(text: str) -> list[tuple[int, int]]:
@@ -46,19 +63,47 @@ def _sentence_spans(text: str) -> list[tuple[int, int]]:
     return [(int(s), int(e)) for s, e in spans]
 
 
-def align_tokens(text: str, tokens: list[str], start: int = 0) -> list[tuple[int, int]]:
-    """[start, end) of each token in `text`, searching forward from `start`.
+def _is_junk(ch: str) -> bool:
+    """Characters Moses deletes (its ASCII_JUNK, U+0000..U+001F) or turns into token breaks (whitespace)."""
+    return ch.isspace() or ch < "\x20"
 
-    A token that is not found verbatim (after a Moses rewrite) gets the empty span at the cursor."""
-    offsets, cursor = [], start
+
+def _match_with_junk(text: str, form: str, i: int) -> int:
+    """End of `form` matched at `i`, allowing deleted control characters between its characters; -1 if none."""
+    n = len(text)
+    for ch in form:
+        while i < n and text[i] != ch and text[i] < "\x20":
+            i += 1
+        if i >= n or text[i] != ch:
+            return -1
+        i += 1
+    return i
+
+
+def align_tokens(text: str, tokens: list[str], start: int = 0) -> list[tuple[int, int]]:
+    """[start, end) of each token in `text`, searching forward from `start` past whitespace only.
+
+    A token that Moses built by deleting control characters (U+0000..U+001F, e.g. NUL) spans the
+    source text it came from, deleted characters included. A token that is not found (after another
+    Moses rewrite) gets the empty span at the cursor. Linear in the text's length."""
+    offsets, cursor, n = [], start, len(text)
     for tok in tokens:
         form = _SOURCE_FORM.get(tok, tok)
-        at = text.find(form, cursor)
-        if at < 0 or text[cursor:at].strip():  # not found, or only after skipping non-space text
-            offsets.append((cursor, cursor))
-            continue
-        offsets.append((at, at + len(form)))
-        cursor = at + len(form)
+        at = cursor
+        while at < n and text[at].isspace():
+            at += 1
+        if text.startswith(form, at):
+            end = at + len(form)
+        else:                                   # rare: control characters deleted around or inside it
+            at = cursor
+            while at < n and _is_junk(text[at]) and text[at] != form[:1]:
+                at += 1
+            end = _match_with_junk(text, form, at)
+            if end < 0:
+                offsets.append((cursor, cursor))
+                continue
+        offsets.append((at, end))
+        cursor = end
     return offsets
 
 

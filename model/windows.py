@@ -1,0 +1,115 @@
+"""Sentences longer than a window: embedded as overlapping windows, stitched into one vector sequence.
+
+No Beam import; works with any `ElmoEmbedder` through its public `embed_batch`.
+
+A sentence of T tokens with window W and overlap V (W > V >= 0) is cut into windows of W tokens
+starting every W - V tokens; the last window is moved back to end at T so that every window is full.
+Each window is embedded as a sentence of its own (<S> ... </S> around it, LSTMs from the embedder's
+initial state). Position p takes its vectors from the window in which it is farthest from an edge:
+where two consecutive windows overlap, the overlap is split at its midpoint (the first half from the
+earlier window, the second half from the later one). So every position has at least floor(V/2) tokens of
+the sentence on each side inside the window its vectors come from (fewer only near the sentence's own
+start and end, as for any sentence). Layer 0 (the context-free token vector) is the same whatever the window.
+
+Memory: windows are embedded in sub-batches of at most `max_tokens` padded token slots
+(<S> and </S> included), and the window is capped at `max_tokens - 2` tokens (the overlap then scaled by
+the same ratio), so a sentence of any length needs no more memory for the model than one batch (plus its
+own output array).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+DEFAULT_OVERLAP = 200
+
+
+def default_overlap(window: int) -> int:
+    """The overlap when none is given: 200 tokens (100 of context each side of a cut), at most window / 5."""
+    return min(DEFAULT_OVERLAP, window // 5)
+
+
+def effective_window(window: int, max_tokens: int) -> int:
+    """The window actually used: `window`, capped so one window (with <S> and </S>) fits `max_tokens`
+    (at least 1 token: a budget under 3 slots cannot hold one token, and then a window of 1 exceeds it)."""
+    return max(1, min(window, max_tokens - 2))
+
+
+def effective_overlap(window: int, overlap: int, max_tokens: int) -> int:
+    """The overlap actually used: `overlap`, scaled by the same ratio as the window when the budget caps it."""
+    w = effective_window(window, max_tokens)
+    return overlap if w == window else overlap * w // window
+
+
+def check_window(window: int, overlap: int, max_tokens: int) -> None:
+    """ValueError unless window >= 1, 0 <= overlap < window and max_tokens >= 1 (so windows advance)."""
+    if window < 1:
+        raise ValueError(f"--window-tokens must be >= 1, got {window}")
+    if overlap < 0:
+        raise ValueError(f"--window-overlap must be >= 0, got {overlap}")
+    if overlap >= window:
+        raise ValueError(f"--window-overlap {overlap} must be smaller than --window-tokens {window}")
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens-per-batch must be >= 1, got {max_tokens}")
+
+
+def window_spans(n: int, window: int, overlap: int) -> list[tuple[int, int]]:
+    """[start, end) of each window over n tokens: every `window - overlap` tokens, the last one ending at n.
+
+    One span (0, n) when n <= window."""
+    if window < 1 or not 0 <= overlap < window:
+        raise ValueError(f"need window >= 1 and 0 <= overlap < window, got window={window} overlap={overlap}")
+    if n <= window:
+        return [(0, n)]
+    stride = window - overlap
+    spans = []
+    start = 0
+    while start + window < n:
+        spans.append((start, start + window))
+        start += stride
+    spans.append((n - window, n))
+    return spans
+
+
+def stitch_plan(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """For each window, the [start, end) positions of the sentence it supplies (a partition of 0..n).
+
+    Consecutive windows split their overlap at its midpoint."""
+    cuts = [spans[0][0]]
+    for (_, a_end), (b_start, _) in zip(spans, spans[1:]):
+        cuts.append((b_start + a_end + 1) // 2 if b_start < a_end else b_start)
+    cuts.append(spans[-1][1])
+    return list(zip(cuts, cuts[1:]))
+
+
+def stitch(pieces: Sequence[np.ndarray], spans: list[tuple[int, int]]) -> np.ndarray:
+    """One (L, n, D) array from per-window arrays (L, end - start, D), positions by `stitch_plan`."""
+    plan = stitch_plan(spans)
+    parts = [piece[:, lo - s: hi - s] for piece, (s, _), (lo, hi) in zip(pieces, spans, plan)]
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+
+def embed_long(embedder, tokens: Sequence[str], window: int, overlap: int, max_tokens: int) -> np.ndarray:
+    """(L, T, D) float32 for one sentence of any length: windows embedded in budget-sized sub-batches.
+
+    A sentence of at most `effective_window(window, max_tokens)` tokens is embedded whole, exactly as
+    `embedder.embed_sentence(tokens)`. Not for the `stateful` state mode (windows are not consecutive
+    sentences); `stateless` and `warm` start every window from the same state as any sentence."""
+    if getattr(embedder, "state_mode", "stateless") == "stateful":
+        raise ValueError("windows need a deterministic state mode (stateless or warm), not stateful")
+    tokens = list(tokens)
+    check_window(window, overlap, max_tokens)
+    w, v = effective_window(window, max_tokens), effective_overlap(window, overlap, max_tokens)
+    spans = window_spans(len(tokens), w, v)
+    if len(spans) == 1:
+        return embedder.embed_batch([tokens])[0]
+    per_batch = max(1, max_tokens // (w + 2))
+    pieces: list[np.ndarray] = []
+    for i in range(0, len(spans), per_batch):
+        pieces += embedder.embed_batch([tokens[s:e] for s, e in spans[i:i + per_batch]])
+    return stitch(pieces, spans)
+
+
+__all__ = ["check_window", "default_overlap", "effective_overlap", "effective_window", "embed_long", "stitch", "stitch_plan", "window_spans"]

@@ -1,0 +1,100 @@
+"""Helpers for the reliability tests: a corpus, the pipeline as a real subprocess, output comparison."""
+import json
+import os
+import posixpath
+import random
+import subprocess
+import sys
+
+import fsspec
+import h5py
+import numpy as np
+import pyarrow.parquet as pq
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ("the a harbour ship keeper light rain fell on over under three days fishermen stayed home counted "
+         "every evening most nights none well-known storm came north wind blew sails boats tide gulls pier "
+         "rope net dawn").split()
+
+
+def write_corpus(path, n_docs=16, seed=7):
+    """Documents (one per line) of 1-4 sentences of 3-25 words; a blank line too."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n_docs):
+        sents = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 25))).capitalize() + rng.choice(".!?")
+                 for _ in range(rng.randint(1, 4))]
+        docs.append(" ".join(sents))
+    docs.insert(3, "")
+    with open(path, "w") as f:
+        f.write("\n".join(docs) + "\n")
+    return path
+
+
+def argv(model_files, inp, out, *extra):
+    options, weights = model_files
+    return ["--input", inp, "--output", out, "--options-file", options, "--weight-file", weights,
+            "--torch-threads", "1", "--progress", "off", *extra]
+
+
+def run_subprocess(args, crash_at=None, timeout=240):
+    """`python -m pipeline.run ARGS` in a fresh process (optionally with the SIGKILL fault hook set)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("ELMO_PIPELINE_CRASH_AT", None)
+    if crash_at:
+        env["ELMO_PIPELINE_CRASH_AT"] = crash_at
+    return subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_output(out, fs=None):
+    """(manifest, {id: parquet row}, {hdf5 key: array}, [dead letter ids]) of a finished output, checking on
+    the way that it is whole: _SUCCESS, no staging left, every shard file listed exactly once and no
+    other file under the shard folders, no sentence twice."""
+    fs = fs or fsspec.filesystem("file")
+    root = out.split("://", 1)[-1]
+    fs.invalidate_cache()
+    assert fs.exists(posixpath.join(root, "_SUCCESS")) and not fs.exists(posixpath.join(root, "_staging"))
+    m = json.loads(fs.cat_file(posixpath.join(root, "manifest.json")))
+    listed = [s[f] for s in m["shards"] for f in ("parquet", "hdf5") if f in s]
+    listed += [d["path"] for d in m["dead_letter_files"]]
+    present = sorted(posixpath.relpath(p, root) for sub in ("parquet", "hdf5", "dead_letters")
+                     for p in (fs.find(posixpath.join(root, sub)) if fs.exists(posixpath.join(root, sub)) else []))
+    assert sorted(listed) == present, (listed, present)
+    rows, arrays, ids = {}, {}, []
+    for s in m["shards"]:
+        with fs.open(posixpath.join(root, s["parquet"]), "rb") as f:
+            t = pq.read_table(f)
+        assert t.num_rows == s["sentences"]
+        for r in t.to_pylist():
+            ids.append(r["id"])
+            rows[r["id"]] = r
+        with fs.open(posixpath.join(root, s["hdf5"]), "rb") as f, h5py.File(f) as h:
+            assert len(h) == s["sentences"]
+            for k in h:
+                assert k not in arrays, f"{k} twice"
+                arrays[k] = h[k][...]
+    assert len(ids) == len(set(ids)), "a sentence was written twice"
+    dead = sorted(json.loads(line)["id"] for d in m["dead_letter_files"]
+                  for line in fs.cat_file(posixpath.join(root, d["path"])).decode().splitlines())
+    return m, rows, arrays, dead
+
+
+LAYERS = ("layer_0", "layer_1", "layer_2")
+
+
+def assert_same_output(a, b, tol=1e-6):
+    """Two read_output() results hold the same sentences, ids, counts and vectors (within `tol`)."""
+    (ma, ra, ha, da), (mb, rb, hb, db) = a, b
+    assert ma["counts"] == mb["counts"]
+    assert sorted(ra) == sorted(rb) and sorted(ha) == sorted(hb) and da == db
+    worst = 0.0
+    for sid, x in ra.items():
+        y = rb[sid]
+        assert {k: v for k, v in x.items() if k not in LAYERS} == {k: v for k, v in y.items() if k not in LAYERS}
+        for k in LAYERS:
+            worst = max(worst, float(np.abs(np.array(x[k], np.float32) - np.array(y[k], np.float32)).max(initial=0)))
+    for k in ha:
+        worst = max(worst, float(np.abs(ha[k] - hb[k]).max(initial=0)))
+    assert worst <= tol, worst
+    return worst

@@ -1,0 +1,255 @@
+"""Crash and resume: the pipeline process is SIGKILLed (a real kill of a real `python -m pipeline.run`,
+at exact points through the ELMO_PIPELINE_CRASH_AT hook) while embedding, while writing a shard, after
+committing one, in the middle of Finalize; rerunning the same command completes, skips the work already
+committed and gives what an uninterrupted run gives. A reader polling the output meanwhile never sees a
+partial file."""
+import glob
+import json
+import os
+import threading
+
+import h5py
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.run import main
+from tests.resume_helpers import argv, assert_same_output, read_output, run_subprocess, write_corpus
+from transforms import resume
+from transforms.write import PLAN, Row, stage_shard
+
+SMALL = ("--shard-sentences", "4", "--max-tokens-per-batch", "256")   # 47 sentences: 12 shards, 5 batches
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(str(tmp_path_factory.mktemp("corpus") / "docs.txt"))
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tiny_model_files, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ref") / "out")
+    assert main(argv(tiny_model_files, corpus, out, *SMALL)) == 0
+    ref = read_output(out)
+    assert ref[0]["counts"]["sentences"] == ref[0]["counts"]["sentences_written"] > 40
+    assert len(ref[0]["shards"]) >= 10
+    return ref
+
+
+class Reader(threading.Thread):
+    """Polls <out> like an impatient reader: every file under a final name must read whole, and a
+    manifest.json, when there is one, must parse and list only whole files."""
+
+    def __init__(self, out):
+        super().__init__(daemon=True)
+        self.out, self.stop, self.checks, self.errors = out, threading.Event(), 0, []
+
+    def _check(self, path):
+        try:
+            if path.endswith(".parquet"):
+                pq.read_table(path)
+            elif path.endswith(".hdf5"):
+                with h5py.File(path, "r") as f:
+                    for k in f:
+                        f[k][...]
+            elif path.endswith("manifest.json"):
+                with open(path) as f:
+                    m = json.load(f)
+                for s in m["shards"]:
+                    for fmt in ("parquet", "hdf5"):
+                        self._check(os.path.join(self.out, s[fmt]))
+            self.checks += 1
+        except FileNotFoundError:
+            pass     # not there (yet): a reader sees nothing, which is fine
+        except Exception as e:  # noqa: BLE001 - a partial file
+            self.errors.append(f"{path}: {type(e).__name__}: {e}")
+
+    def run(self):
+        while not self.stop.is_set():
+            for p in glob.glob(os.path.join(self.out, "*", "*.*")) + [os.path.join(self.out, "manifest.json")]:
+                self._check(p)
+            self.stop.wait(0.005)
+
+
+def _staging(out):
+    (key,) = os.listdir(os.path.join(out, "_staging"))
+    return os.path.join(out, "_staging", key)
+
+
+def _records(st):
+    return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(st, "committed", "*.json")))]
+
+
+def test_killed_at_each_stage_then_rerun_equals_uninterrupted(corpus, tiny_model_files, reference, tmp_path, capsys):
+    out, total = str(tmp_path / "out"), reference[0]["counts"]["sentences"]
+    args = argv(tiny_model_files, corpus, out, *SMALL)
+    reader = Reader(out)
+    reader.start()
+    try:
+        # 1. killed while embedding the 2nd batch: the shards of the 1st are committed, nothing is final
+        p = run_subprocess(args, "embed:2")
+        assert p.returncode == -9, p.stderr[-2000:]
+        st = _staging(out)
+        first = _records(st)
+        assert first and not os.path.exists(os.path.join(out, "manifest.json"))
+        assert not os.path.exists(os.path.join(out, "_SUCCESS")) and not os.path.exists(os.path.join(out, "parquet"))
+
+        # a different command over the unfinished output is refused, naming the difference
+        assert main(argv(tiny_model_files, corpus, out, *SMALL, "--layers", "top")) == 2
+        assert "--layers 'all' then, 'top' now" in capsys.readouterr().err
+
+        # 2. the rerun is killed in the middle of writing a shard: a partial Parquet file without a record
+        p = run_subprocess(args, "stage_shard:1")
+        assert p.returncode == -9, p.stderr[-2000:]
+        named = {f for r in _records(st) for f in r["files"].values()}
+        partial = [f for f in os.listdir(st) if f.endswith(".parquet") and f not in named]
+        assert len(partial) == 1 and len(_records(st)) == len(first)   # the kept records survived the rerun
+
+        # 3. killed right after committing a shard (files and record written, the runner never got it)
+        p = run_subprocess(args, "commit:1")
+        assert p.returncode == -9, p.stderr[-2000:]
+        assert not os.path.exists(os.path.join(st, partial[0]))     # the garbage was cleared
+        committed = sum(r["sentences"] for r in _records(st))
+        assert len(_records(st)) == len(first) + 1 and committed < total
+
+        # 4. killed in Finalize after 3 moves: the plan is written, 3 files have final names, no manifest
+        p = run_subprocess(args, "finalize_move:3")
+        assert p.returncode == -9, p.stderr[-2000:]
+        assert os.path.exists(os.path.join(st, PLAN)) and not os.path.exists(os.path.join(out, "manifest.json"))
+        moved = glob.glob(os.path.join(out, "parquet", "*")) + glob.glob(os.path.join(out, "hdf5", "*"))
+        assert len(moved) == 3
+        plan = json.load(open(os.path.join(st, PLAN)))
+        assert plan["manifest"]["run"]["resumed_sentences"] == committed   # run 4 skipped what was committed
+
+        # 5. the same command once more: only the Finalize was left, and it is finished
+        assert main(args) == 0
+        assert "finished the interrupted finalize" in capsys.readouterr().err
+    finally:
+        reader.stop.set()
+        reader.join()
+    assert not reader.errors, reader.errors[:3]
+    assert reader.checks > 0
+    got = read_output(out)
+    assert_same_output(got, reference)
+    assert 0 < got[0]["run"]["resumed_sentences"] < total and got[0]["run"]["key"] == reference[0]["run"]["key"]
+
+
+@pytest.mark.parametrize("point", ["finalize_manifest:1", "finalize_cleanup:1"])
+def test_killed_at_the_end_of_finalize(point, corpus, tiny_model_files, reference, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    args = argv(tiny_model_files, corpus, out, *SMALL)
+    p = run_subprocess(args, point)
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert os.path.exists(os.path.join(out, "manifest.json")) and not os.path.exists(os.path.join(out, "_SUCCESS"))
+    assert os.path.exists(os.path.join(out, "_staging")) == (point == "finalize_manifest:1")
+    m = json.load(open(os.path.join(out, "manifest.json")))       # a reader trusting it now reads it all
+    for s in m["shards"]:
+        assert pq.read_table(os.path.join(out, s["parquet"])).num_rows == s["sentences"]
+        with h5py.File(os.path.join(out, s["hdf5"])) as f:
+            assert len(f) == s["sentences"] and all(f[k][...].size for k in f)
+    assert main(args) == 0
+    assert "finished the interrupted finalize" in capsys.readouterr().err
+    assert_same_output(read_output(out), reference)
+    assert main(args) == 2          # now it is a finished run: refused without --overwrite
+
+
+def test_worker_process_killed_then_rerun(corpus, tiny_model_files, reference, tmp_path):
+    """2 worker processes over the Fn API; one is SIGKILLed while embedding. The runner reports the lost
+    worker and fails; the same command then resumes from what either worker committed."""
+    out = str(tmp_path / "out")
+    args = argv(tiny_model_files, corpus, out, *SMALL, "--direct_num_workers", "2",
+                "--direct_running_mode", "multi_processing")
+    p = run_subprocess(args, "embed:2", timeout=180)
+    assert p.returncode == 2 and "error:" in p.stderr, p.stderr[-2000:]
+    assert not os.path.exists(os.path.join(out, "_SUCCESS")) and _records(_staging(out))
+    assert main(args) == 0
+    got = read_output(out)
+    assert_same_output(got, reference)
+    assert got[0]["run"]["resumed_sentences"] > 0
+
+
+# ---- the resume decisions as plain functions, on real files ------------------------------------------
+
+def _rows(ids):
+    import numpy as np
+
+    from transforms.batching import Item
+    return [Row(Item(i, i.split("#")[0], 0, ("a", "b"), ((0, 1), (2, 3))),
+                [np.ones((2, 2), np.float32)], np.ones((1, 2, 2), np.float32)) for i in ids]
+
+
+def _stage(st, ids):
+    return stage_shard(_rows(ids), st, ["parquet", "hdf5"], "sentence", [("layer_0", 2)], "float32", 1 << 20)
+
+
+def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path):
+    out = str(tmp_path / "out")
+    ing = {"version": 1, "inputs": [], "options": {"layers": "all"}, "model": {}}
+    key = resume.run_key(ing)
+    assert resume.prepare_output(out, key, ing, False).action == "fresh"
+    st = os.path.join(out, "_staging", key)
+    _stage(st, ["d:1#0", "d:1#1"])
+    _stage(st, ["d:1#1", "d:2#0"])       # a retried bundle's shard overlapping the other
+    _stage(st, ["d:3#0"])
+    open(os.path.join(st, "partial.parquet"), "wb").write(b"PAR1 half")
+    os.makedirs(os.path.join(out, "parquet"))
+    open(os.path.join(out, "parquet", "part-00000-of-00009.parquet"), "wb").write(b"stale")
+
+    state = resume.prepare_output(out, key, ing, False)
+    assert state.action == "resume" and len(state.records) == 2
+    ids = [i for r in state.records for i in r["ids"]]
+    assert len(ids) == len(set(ids)) == 3 and "d:3#0" in ids
+    assert resume.load_done_ids(state.record_paths) == set(ids)
+    left = sorted(os.listdir(st))
+    assert "partial.parquet" not in left and len([f for f in left if f.endswith(".parquet")]) == 2
+    assert len(os.listdir(os.path.join(st, "committed"))) == 2 and "run.json" in left
+    assert not os.path.exists(os.path.join(out, "parquet"))          # stale final names removed
+    assert {s.first_id for s in state.shards} == {r["first_id"] for r in state.records}
+
+    # --state stateful keeps nothing (its vectors depend on the batches before)
+    assert resume.prepare_output(out, key, ing, False, resumable=False).action == "fresh"
+    assert not os.path.exists(os.path.join(st, "committed"))
+
+
+def test_finalize_retried_by_the_runner_is_a_no_op(tmp_path):
+    """A runner may run the Finalize bundle again after it succeeded: same shards in, same output out."""
+    from transforms.write import complete_finalize, finalize
+    out = str(tmp_path / "out")
+    st = os.path.join(out, "_staging", "k")
+    shards = [_stage(st, ["d:1#0", "d:1#1"]), _stage(st, ["d:2#0"])]
+    m1 = finalize(out, st, shards, [], {"counts": {"documents": 2}})
+    files = sorted(glob.glob(os.path.join(out, "*", "*")))
+    m2 = finalize(out, st, shards, [], {"counts": {"documents": 2}})     # staged files already moved
+    assert m1 == m2 and sorted(glob.glob(os.path.join(out, "*", "*"))) == files
+    assert complete_finalize(out, st) is None and os.path.exists(os.path.join(out, "_SUCCESS"))
+    assert not os.path.exists(os.path.join(out, "_staging"))
+    assert [pq.read_table(f).num_rows for f in files if f.endswith(".parquet")] == [2, 1]
+
+
+def test_prepare_output_other_command_refused_or_overwritten(tmp_path):
+    out = str(tmp_path / "out")
+    old = {"version": 1, "inputs": [["a.txt", 10, "1.0"]], "options": {"layers": "all"}, "model": {}}
+    new = {"version": 1, "inputs": [["a.txt", 12, "2.0"]], "options": {"layers": "top"}, "model": {}}
+    resume.prepare_output(out, resume.run_key(old), old, False)
+    _stage(os.path.join(out, "_staging", resume.run_key(old)), ["d:1#0"])
+    with pytest.raises(FileExistsError) as e:
+        resume.prepare_output(out, resume.run_key(new), new, False)
+    assert "--layers 'all' then, 'top' now" in str(e.value) and "a.txt" in str(e.value)
+    assert "--overwrite" in str(e.value)
+    state = resume.prepare_output(out, resume.run_key(new), new, True)     # --overwrite: start over
+    assert state.action == "fresh" and os.listdir(os.path.join(out, "_staging")) == [resume.run_key(new)]
+
+
+def test_run_key_follows_content_not_layout(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("One. Two.\n")
+    base = {"layers": "all", "state": "stateless", "shard_sentences": 4, "torch_threads": 1, "sort_buffer": 10}
+    model = {"weights_sha256": "ab", "options": {"lstm": {}}}
+    key = resume.run_key(resume.run_ingredients(base, resume.input_fingerprints([str(f)]), model))
+    same = dict(base, shard_sentences=99, torch_threads=2, sort_buffer=5, device="cpu", overwrite=True)
+    assert resume.run_key(resume.run_ingredients(same, resume.input_fingerprints([str(f)]), model)) == key
+    for changed in (dict(base, layers="top"), dict(base, state="stateful", sort_buffer=10)):
+        assert resume.run_key(resume.run_ingredients(changed, resume.input_fingerprints([str(f)]), model)) != key
+    assert resume.run_key(resume.run_ingredients(base, resume.input_fingerprints([str(f)]),
+                                                 dict(model, weights_sha256="cd"))) != key
+    f.write_text("One. Two. Three.\n")
+    assert resume.run_key(resume.run_ingredients(base, resume.input_fingerprints([str(f)]), model)) != key

@@ -1,0 +1,93 @@
+"""A bad command line fails before any work: exit 2, one line "error: ..." naming the problem, no output folder."""
+import json
+import os
+
+import pytest
+
+from pipeline.run import main
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text("A sentence.\n")
+    return str(p)
+
+
+def _fails(capsys, argv, out, message):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not os.path.exists(out), f"{out} was created"
+    return err[0]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--layers", "5"], "--layers '5': indices must be distinct and in 0..2"),
+    (["--layers", "middle"], "--layers must be all, top, average or indices"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["--format", "csv"], "--format takes parquet and/or hdf5"),
+    (["--max-tokens-per-batch", "0"], "--max-tokens-per-batch must be >= 1, got 0"),
+    (["--max-sentence-tokens", "-5"], "--max-sentence-tokens must be >= 1, got -5"),
+    (["--shard-bytes", "0"], "--shard-bytes must be >= 1"),
+    (["--window-tokens", "100", "--window-overlap", "100"], "--window-overlap 100 must be smaller than --window-tokens 100"),
+    (["--window-overlap", "-1"], "--window-overlap must be >= 0"),
+    (["--torch-threads", "-2"], "--torch-threads must be >= 0"),
+    (["--max-sentence-token", "5"], "unknown flag(s): --max-sentence-token"),
+    (["--model", "no-such-model"], "no shipped model named 'no-such-model'"),
+    (["--state", "stateful", "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"],
+     "--state stateful keeps input order"),
+])
+def test_bad_flags(capsys, tmp_path, corpus, tiny_model_files, flags, message):
+    out = str(tmp_path / "out")
+    model = [] if "--model" in flags else ["--options-file", tiny_model_files[0], "--weight-file", tiny_model_files[1]]
+    _fails(capsys, ["--input", corpus, "--output", out, *model, *flags], out, message)
+
+
+def test_input_matching_no_file(capsys, tmp_path, tiny_model_files):
+    out = str(tmp_path / "out")
+    _fails(capsys, ["--input", str(tmp_path / "nothing*.txt"), "--output", out, "--options-file", tiny_model_files[0],
+                    "--weight-file", tiny_model_files[1]], out, "matches no file")
+
+
+def test_unwritable_output(capsys, tmp_path, corpus, tiny_model_files):
+    (tmp_path / "afile").write_text("x")
+    out = str(tmp_path / "afile" / "out")
+    _fails(capsys, ["--input", corpus, "--output", out, "--options-file", tiny_model_files[0],
+                    "--weight-file", tiny_model_files[1]], out, "is a file, so the folder cannot be created")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a read-only folder")
+def test_read_only_output_parent(capsys, tmp_path, corpus, tiny_model_files):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    out = str(ro / "out")
+    _fails(capsys, ["--input", corpus, "--output", out, "--options-file", tiny_model_files[0],
+                    "--weight-file", tiny_model_files[1]], out, "is not writable")
+
+
+def test_bad_model_files(capsys, tmp_path, corpus, tiny_model_files):
+    options, weights = tiny_model_files
+    out = str(tmp_path / "out")
+    (tmp_path / "trunc.hdf5").write_bytes(open(weights, "rb").read()[:1000])
+    _fails(capsys, ["--input", corpus, "--output", out, "--options-file", options, "--weight-file",
+                    str(tmp_path / "trunc.hdf5")], out, "not a valid HDF5 file (truncated or corrupted?)")
+    (tmp_path / "o.json").write_text("{not json")
+    _fails(capsys, ["--input", corpus, "--output", out, "--options-file", str(tmp_path / "o.json"), "--weight-file",
+                    weights], out, "not valid JSON")
+    raw = json.load(open(options))
+    raw["lstm"]["projection_dim"] = 9
+    (tmp_path / "o2.json").write_text(json.dumps(raw))
+    _fails(capsys, ["--input", corpus, "--output", out, "--options-file", str(tmp_path / "o2.json"), "--weight-file",
+                    weights], out, "expected")
+    _fails(capsys, ["--input", corpus, "--output", out, "--options-file", options, "--weight-file",
+                    str(tmp_path / "missing.hdf5")], out, "missing.hdf5")
+
+
+def test_console_command_run_exits_2(capsys, tmp_path, corpus):
+    from pipeline.cli import main as cli_main
+    out = str(tmp_path / "out")
+    assert cli_main(["run", "--input", corpus, "--output", out, "--dtype", "float64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: argument --dtype: invalid choice") and not os.path.exists(out)

@@ -1,0 +1,103 @@
+"""Long sentences as overlapping windows (model/windows.py), without Beam, on a tiny random biLM."""
+import numpy as np
+import pytest
+
+from model import ElmoEmbedder
+from model.windows import check_window, effective_overlap, effective_window, embed_long, stitch_plan, window_spans
+
+
+@pytest.fixture(scope="module")
+def embedder(tiny_model_files):
+    return ElmoEmbedder(*tiny_model_files)
+
+
+def _tokens(n):
+    words = "the cat sat on a mat while rain fell over old harbour walls , and then .".split()
+    return [words[(i * 7) % len(words)] + ("" if i % 5 else str(i % 13)) for i in range(n)]
+
+
+class BudgetRecorder:
+    """The real embedder, recording the padded size of every batch it is given."""
+    def __init__(self, e):
+        self.e, self.state_mode, self.slots = e, e.state_mode, []
+
+    def embed_batch(self, sentences):
+        self.slots.append(len(sentences) * (max(len(s) for s in sentences) + 2))
+        return self.e.embed_batch(sentences)
+
+
+@pytest.mark.parametrize("n,w,v", [(1, 10, 2), (10, 10, 2), (11, 10, 2), (25, 10, 3), (100, 7, 6), (57, 20, 0)])
+def test_spans_cover_and_plan_partitions(n, w, v):
+    spans = window_spans(n, w, v)
+    assert spans[0][0] == 0 and spans[-1][1] == n
+    assert all(e - s == min(w, n) for s, e in spans)
+    assert all(b[0] - a[0] <= w - v for a, b in zip(spans, spans[1:]))        # stride at most w - v
+    plan = stitch_plan(spans)
+    assert plan[0][0] == 0 and plan[-1][1] == n and all(a[1] == b[0] for a, b in zip(plan, plan[1:]))
+    for (s, e), (lo, hi) in zip(spans, plan):
+        assert s <= lo <= hi <= e
+        if len(spans) > 1:            # a position has >= floor(v/2) tokens each side in its window (inside the sentence)
+            for p in range(lo, hi):
+                assert p - s >= min(v // 2, p) and e - 1 - p >= min(v // 2, n - 1 - p)
+
+
+def test_bad_windows_are_refused():
+    with pytest.raises(ValueError, match="smaller than --window-tokens"):
+        check_window(10, 10, 4096)
+    with pytest.raises(ValueError, match=">= 1"):
+        check_window(10, 2, 0)
+    check_window(1000, 200, 100)            # the budget caps the window at 98 and scales the overlap to 19
+    assert effective_window(1000, 4096) == 1000 and effective_window(1000, 500) == 498
+    assert effective_overlap(1000, 200, 4096) == 200 and effective_overlap(1000, 200, 100) == 19
+
+
+def test_short_sentence_is_exactly_embed_sentence(embedder):
+    toks = _tokens(30)
+    assert np.array_equal(embed_long(embedder, toks, 30, 5, 4096), embedder.embed_sentence(toks))
+    assert np.array_equal(embed_long(embedder, toks, 1000, 200, 4096), embedder.embed_sentence(toks))
+
+
+def test_long_sentence_positions_come_from_their_window(embedder):
+    toks = _tokens(95)
+    w, v, budget = 20, 6, 70          # 3 windows per sub-batch
+    rec = BudgetRecorder(embedder)
+    out = embed_long(rec, toks, w, v, budget)
+    assert out.shape == (embedder.n_layers, 95, embedder.output_dim) and out.dtype == np.float32
+    assert rec.slots and max(rec.slots) <= budget and len(rec.slots) > 1
+    spans = window_spans(95, w, v)
+    for (s, e), (lo, hi) in zip(spans, stitch_plan(spans)):
+        alone = embedder.embed_sentence(toks[s:e])
+        np.testing.assert_allclose(out[:, lo:hi], alone[:, lo - s: hi - s], atol=1e-5)
+    # layer 0 is the context-free token vector everywhere
+    for p in (0, 13, 14, 50, 94):
+        np.testing.assert_allclose(out[0, p], embedder.embed_sentence([toks[p]])[0, 0], atol=1e-5)
+
+
+def test_window_capped_by_budget(embedder):
+    toks = _tokens(40)
+    rec = BudgetRecorder(embedder)
+    out = embed_long(rec, toks, 1000, 4, 16)     # window 14 tokens, one window per batch
+    assert out.shape[1] == 40 and max(rec.slots) <= 16
+
+
+def test_stateful_is_refused(tiny_model_files):
+    e = ElmoEmbedder(*tiny_model_files, state="stateful")
+    with pytest.raises(ValueError, match="stateful"):
+        embed_long(e, _tokens(50), 20, 4, 100)
+
+
+def test_elmo_command_windows(tiny_model_files, tmp_path, embedder):
+    import h5py
+
+    from pipeline.cli import main
+    long, short = _tokens(50), ["a", "short", "one"]
+    inp = tmp_path / "in.txt"
+    inp.write_text(" ".join(long) + "\n" + " ".join(short) + "\n")
+    out = tmp_path / "o.hdf5"
+    model = ["--options-file", tiny_model_files[0], "--weight-file", tiny_model_files[1]]
+    assert main(["elmo", str(inp), str(out), "--all", "--window-tokens", "20", "--window-overlap", "4", *model]) == 0
+    with h5py.File(out) as f:
+        np.testing.assert_allclose(f["0"][...], embed_long(embedder, long, 20, 4, 22), atol=1e-5)
+        np.testing.assert_allclose(f["1"][...], embedder.embed_sentence(short), atol=1e-5)
+    with pytest.raises(SystemExit, match="stateless or warm"):
+        main(["elmo", str(inp), str(out), "--all", "--window-tokens", "20", "--state", "stateful", *model])

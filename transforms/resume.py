@@ -1,0 +1,202 @@
+"""Resuming an interrupted run: the run key, the state of an output folder, the shards already committed.
+
+No Beam import. A run's staging folder is <out>/_staging/<run key>/, where the run key is a hash of
+everything that decides the output's content (run_ingredients: the expanded inputs with their sizes and
+mtimes/etags, the model's weights sha256 and options, and every content option). Rerunning the same
+command after a crash finds the same folder:
+
+  committed/<shard>.json   commit records of the shards already written (files, counts, sentence ids)
+  finalize.json            present once Finalize has started: the moves and the manifest
+  run.json                 the key's ingredients (to explain a mismatch)
+
+prepare_output() decides what a new run does with the folder it is given; see its docstring.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from dataclasses import dataclass, field
+
+from transforms.write import PLAN, RECORDS, ShardInfo, atomic_write, clear_final, makedirs, url_fs
+
+RUN_FILE = "run.json"
+KEY_VERSION = 1
+# Options left out of the run key: they change neither which sentences are written nor their vectors
+# (beyond float32 round-off): layout (shard sizes, row groups), speed (threads, device), the output itself,
+# and the sort buffer (batches only; not in stateful mode, where batches decide the vectors). Every other
+# option of ElmoOptions is in the key, new ones included: a flag nobody thought about refuses a resume
+# rather than mixing two outputs. The batch budget stays in (it caps long-sentence windows). The model
+# files are in through their identity (weights sha256, parsed options), the inputs through their
+# fingerprints (input_fingerprints), not their names.
+NOT_CONTENT = {"output", "overwrite", "progress", "torch_threads", "device", "shard_sentences", "shard_bytes",
+               "row_group_bytes", "sort_buffer", "input", "options_file", "weight_file", "model", "s3_max_attempts"}
+
+
+def input_fingerprints(files: list[str], storage_options: dict | None = None) -> list[list]:
+    """[url, size, version] per input file; version is the object's ETag/generation or the file's mtime."""
+    out = []
+    for url in files:
+        fs, path = url_fs(url, storage_options)
+        info = fs.info(path)
+        version = next((info[k] for k in ("ETag", "etag", "generation", "md5Hash", "mtime", "LastModified",
+                                          "last_modified", "created") if info.get(k) is not None), None)
+        out.append([url, info.get("size"), str(version)])
+    return out
+
+
+def run_ingredients(options: dict, inputs: list[list], model: dict) -> dict:
+    """What the run key hashes: input fingerprints, model identity (weights sha256, options), content options."""
+    skip = NOT_CONTENT - ({"sort_buffer"} if options.get("state") == "stateful" else set())
+    opts = {k: v for k, v in sorted(options.items()) if k not in skip}
+    return {"version": KEY_VERSION, "inputs": inputs, "options": opts,
+            "model": {"weights_sha256": model.get("weights_sha256"), "options": model.get("options")}}
+
+
+def run_key(ingredients: dict) -> str:
+    return hashlib.sha256(json.dumps(ingredients, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def describe_difference(old: dict | None, new: dict) -> str:
+    """A short human account of how two runs' ingredients differ."""
+    if not old:
+        return "it was started by an older version or a different command (no run.json)"
+    diffs = []
+    for k in sorted(set(old.get("options", {})) | set(new["options"])):
+        a, b = old.get("options", {}).get(k), new["options"].get(k)
+        if a != b:
+            diffs.append(f"--{k.replace('_', '-')} {a!r} then, {b!r} now")
+    if old.get("model") != new["model"]:
+        diffs.append("the model (weights or options) changed")
+    oi, ni = {i[0]: i[1:] for i in old.get("inputs", [])}, {i[0]: i[1:] for i in new["inputs"]}
+    if set(oi) != set(ni):
+        diffs.append(f"the input files differ ({len(set(oi) ^ set(ni))} added or removed)")
+    else:
+        changed = [u for u in ni if oi[u] != ni[u]]
+        if changed:
+            diffs.append(f"{len(changed)} input file(s) changed size or modification time, e.g. {changed[0]}")
+    return "; ".join(diffs) or "unknown difference"
+
+
+@dataclass
+class OutputState:
+    """What prepare_output found: `action` is 'fresh', 'resume' or 'finalize' (only the finalize is left)."""
+    action: str
+    staging: str
+    key: str
+    records: list[dict] = field(default_factory=list)      # commit records kept (pairwise disjoint)
+    record_paths: list[str] = field(default_factory=list)  # their paths (SkipCommitted loads their ids)
+
+    @property
+    def shards(self) -> list[ShardInfo]:
+        root = self.staging.split("://", 1)[-1]
+        return [ShardInfo.from_record(r, root) for r in self.records]
+
+    @property
+    def sentences(self) -> int:
+        return sum(r["sentences"] for r in self.records)
+
+
+def _read_json(fs, path):
+    try:
+        return json.loads(fs.cat_file(path))
+    except FileNotFoundError:
+        return None
+
+
+def _dirs(fs, path) -> list[str]:
+    return [posixpath.basename(e["name"].rstrip("/")) for e in fs.ls(path, detail=True)
+            if e["type"] == "directory"] if fs.exists(path) else []
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0] + "://" if "://" in url else ""
+
+
+def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, storage_options: dict | None = None,
+                   resumable: bool = True) -> OutputState:
+    """Decide what a run with run key `key` does with `output`, and make the folder ready for it.
+
+    - _SUCCESS (a finished run): refused unless `overwrite`, which clears it and starts fresh.
+    - manifest.json without _SUCCESS: a finalize that got past writing the manifest; with the same key
+      only the finalize is left ('finalize'); another key is refused unless `overwrite`.
+    - an unfinished run of another key in _staging/: refused (naming the difference) unless `overwrite`,
+      which deletes it.
+    - _staging/<key>/ with finalize.json: 'finalize'. With commit records: 'resume' with a pairwise
+      disjoint set of them (a record overlapping one already kept, as a retried bundle's can, is
+      dropped with its files); staged files no kept record names are deleted. `resumable` False
+      (--state stateful: vectors depend on batch history) keeps nothing.
+    - otherwise 'fresh'. Outside 'finalize', leftover final-name files are removed first.
+    """
+    fs, root = url_fs(output, storage_options)
+    fs.invalidate_cache()
+    scheme = _scheme(output)
+    parent = posixpath.join(root, "_staging")
+    st = posixpath.join(parent, key)
+    state = OutputState("fresh", scheme + st, key)
+    if fs.exists(posixpath.join(root, "_SUCCESS")):
+        if not overwrite:
+            raise FileExistsError(f"{output} holds a finished run (_SUCCESS); pass --overwrite to replace it")
+        clear_final(fs, root)
+        if fs.exists(parent):
+            fs.rm(parent, recursive=True)
+    manifest = _read_json(fs, posixpath.join(root, "manifest.json"))
+    if manifest is not None:
+        if manifest.get("run", {}).get("key") == key:
+            state.action = "finalize"
+            return state
+        if not overwrite:
+            raise FileExistsError(f"{output} holds a manifest.json of a different command whose finalize was "
+                                  "interrupted; rerun that command to finish it, or pass --overwrite to replace it")
+    others = [d for d in _dirs(fs, parent) if d != key]
+    if others and not overwrite:
+        old = _read_json(fs, posixpath.join(parent, others[0], RUN_FILE))
+        raise FileExistsError(
+            f"{output} holds an unfinished run of a different command ({describe_difference(old, ingredients)}). "
+            "Rerun the original command to resume it, or pass --overwrite to discard it and start over")
+    for d in others:
+        fs.rm(posixpath.join(parent, d), recursive=True)
+    if fs.exists(posixpath.join(st, PLAN)):
+        state.action = "finalize"
+        return state
+    clear_final(fs, root)
+    if fs.exists(st):
+        if resumable:
+            _keep_disjoint_records(fs, st, state)
+        else:
+            fs.rm(st, recursive=True)
+        state.action = "resume" if state.records else "fresh"
+    makedirs(fs, st)
+    if not fs.exists(posixpath.join(st, RUN_FILE)):
+        atomic_write(fs, posixpath.join(st, RUN_FILE), json.dumps(ingredients, default=str).encode())
+    return state
+
+
+def _keep_disjoint_records(fs, st: str, state: OutputState) -> None:
+    rec_dir = posixpath.join(st, RECORDS)
+    present = set(fs.find(st))
+    names = sorted(p for p in present if p.startswith(rec_dir + "/") and p.endswith(".json"))
+    contents = fs.cat(names, on_error="omit") if names else {}     # concurrent GETs on object stores
+    done: set[str] = set()
+    keep_files = {posixpath.join(st, RUN_FILE)}
+    for path in names:
+        rec = json.loads(contents[path]) if path in contents else None
+        files = [posixpath.join(st, f) for f in (rec or {}).get("files", {}).values()]
+        if rec is None or not all(f in present for f in files) or done.intersection(rec["ids"]):
+            continue
+        done.update(rec["ids"])
+        state.records.append(rec)
+        state.record_paths.append(_scheme(state.staging) + path)
+        keep_files.update(files + [path])
+    for p in present - keep_files:   # partial shards, dropped records, old dead letters, temp files
+        fs.rm_file(p)
+
+
+def load_done_ids(record_paths: list[str], storage_options: dict | None = None) -> set[str]:
+    """The sentence ids of the given commit records (all in one staging folder)."""
+    if not record_paths:
+        return set()
+    fs, _ = url_fs(record_paths[0], storage_options)
+    paths = [url_fs(p, storage_options)[1] for p in record_paths]
+    contents = fs.cat(paths)                  # one dict, fetched concurrently on object stores
+    return {i for p in paths for i in json.loads(contents[p])["ids"]}
