@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import time
 
@@ -28,7 +29,7 @@ from model.synthetic import random_bilm
 
 
 def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype,
-                     warm_sentences: list[list[str]]) -> dict:
+                     warm_sentences: list[list[str]], barrier=None) -> dict:
     model = random_bilm(config).to(device=device, dtype=dtype)
     embedder = ElmoEmbedder(model=model, device=device)
     seen: dict[str, None] = {}
@@ -42,6 +43,8 @@ def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype
     list(embedder.embed_sentences(sentences[:50], max_tokens=max_tokens))          # warm-up
     if device != "cpu":
         torch.cuda.synchronize()
+    if barrier is not None:             # several processes: all start timing together
+        barrier.wait()
     t = time.perf_counter()
     n_batches = len(plan_batches([len(s) for s in sentences], max_tokens))
     for _ in embedder.embed_sentences(sentences, max_tokens=max_tokens):
@@ -77,6 +80,31 @@ def measure(config: str, sentences, max_tokens: int, device: str, dtype: torch.d
             "gflops": n_tokens / wall * fpt / 1e9}
 
 
+def _process_worker(args: tuple, barrier, results) -> None:
+    config, sentences, budget, threads, warm = args
+    torch.set_num_threads(threads)
+    results.put(measure_embedder(config, sentences, budget, "cpu", torch.float32, warm, barrier))
+
+
+def measure_processes(config: str, sentences, max_tokens: int, threads: int, processes: int, warm) -> dict:
+    """The embedder path in `processes` worker processes at once (as Beam runs one SDK worker per core),
+    each on every processes-th sentence: total tokens / the slowest process's wall time."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_process_worker, args=((config, sentences[i::processes], max_tokens, threads, warm),
+                                                       barrier, results)) for i in range(processes)]
+    for pr in procs:
+        pr.start()
+    rows = [results.get() for _ in procs]
+    for pr in procs:
+        pr.join()
+    n_tokens, wall = sum(r["tokens"] for r in rows), max(r["wall_s"] for r in rows)
+    fpt = rows[0]["flops_per_token"]
+    return {"config": config, "path": f"embedder x{processes} processes", "tokens": n_tokens,
+            "sentences": len(sentences), "batches": sum(r["batches"] for r in rows), "wall_s": wall,
+            "tokens_per_s": n_tokens / wall, "flops_per_token": fpt, "gflops": n_tokens / wall * fpt / 1e9}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+", default=["small", "medium", "original"])
@@ -87,27 +115,42 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--path", nargs="+", default=["forward", "embedder"], choices=["forward", "embedder"])
     ap.add_argument("--warm-cache-sentences", type=int, default=5000)
+    ap.add_argument("--processes", type=int, default=1,
+                    help="CPU: also run the embedder path in this many processes of --threads threads each, "
+                    "against the GEMM ceiling of processes x threads threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     sentences = wikitext_sentences(args.sentences)
     ceiling = gemm_ceiling_gflops(args.threads, dtype=dtype, device=args.device)
-    warm = wikitext_sentences(args.warm_cache_sentences, split="train") if "embedder" in args.path else []
+    warm = wikitext_sentences(args.warm_cache_sentences, split="train") \
+        if "embedder" in args.path or args.processes > 1 else []
+    paths = list(args.path)
+    if args.processes > 1:
+        paths.append("processes")
+        whole = gemm_ceiling_gflops(args.threads * args.processes, dtype=dtype, device=args.device)
+        torch.set_num_threads(args.threads)
     rows = []
     for config in args.configs:
-        for budget, path in ((b, p) for b in args.max_tokens for p in args.path):
+        for budget, path in ((b, p) for b in args.max_tokens for p in paths):
+            top = ceiling
             if path == "forward":
                 r = measure(config, sentences, budget, args.device, dtype)
-            else:
+            elif path == "embedder":
                 r = measure_embedder(config, sentences, budget, args.device, dtype, warm)
+            else:
+                r = measure_processes(config, sentences, budget, args.threads, args.processes, warm)
+                top = whole
             r.update(max_tokens=budget, threads=args.threads, device=args.device, dtype=args.dtype,
-                     gemm_ceiling_gflops=ceiling, fraction_of_ceiling=r["gflops"] / ceiling)
+                     processes=args.processes if path == "processes" else 1,
+                     gemm_ceiling_gflops=top, fraction_of_ceiling=r["gflops"] / top)
             rows.append(r)
-            print(f"{config:<9} {path:<9} budget {budget:>6}  {r['tokens_per_s']:>9.0f} tokens/s  "
-                  f"{r['gflops']:>7.1f} GFLOP/s = {100 * r['fraction_of_ceiling']:5.1f}% of GEMM {ceiling:.0f}",
+            print(f"{config:<9} {r['path']:<22} budget {budget:>6}  {r['tokens_per_s']:>9.0f} tokens/s  "
+                  f"{r['gflops']:>7.1f} GFLOP/s = {100 * r['fraction_of_ceiling']:5.1f}% of GEMM {top:.0f}",
                   flush=True)
     os.makedirs(RESULTS, exist_ok=True)
-    name = f"model_speed_{args.device.split(':')[0]}_{args.dtype}_{args.threads}t.json"
+    name = f"model_speed_{args.device.split(':')[0]}_{args.dtype}_{args.threads}t" + \
+        (f"_x{args.processes}p" if args.processes > 1 else "") + ".json"
     with open(os.path.join(RESULTS, name), "w") as f:
         json.dump({"machine": machine(), "rows": rows}, f, indent=2)
 

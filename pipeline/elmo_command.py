@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 
 logger = logging.getLogger("elmo-pipeline.elmo")
 
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         if not line:
             logger.warning("line %d is blank: writing a zero-length dataset", i)
     sentences = [line.split() for line in lines]
+    t0 = time.perf_counter()              # after the model load, as AllenNLP's command timed itself
     long = {i: s for i, s in enumerate(sentences) if args.window_tokens and len(s) > args.window_tokens}
     batched = ([] if i in long else s for i, s in enumerate(sentences))
     with h5py.File(args.output_file, "w") as fout:
@@ -103,5 +105,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.forget_sentences:
             ds = fout.create_dataset("sentence_to_index", (1,), dtype=h5py.special_dtype(vlen=str))
             ds[0] = json.dumps({line: str(i) for i, line in enumerate(lines)})
-    print(f"wrote {len(lines)} sentences to {args.output_file}", file=sys.stderr)
+    secs = time.perf_counter() - t0
+    n_tokens = sum(map(len, sentences))
+    print(f"wrote {len(lines)} sentences to {args.output_file}: {n_tokens} tokens in {secs:.1f} s "
+          f"({n_tokens / secs if secs else 0:.0f} tokens/s after loading the model)", file=sys.stderr)
     return 0

@@ -25,3 +25,4 @@ def tiny_model_files(tmp_path_factory):
     """options.json + weights.hdf5 of a random tiny biLM with skip connections ON."""
     from model.synthetic import write_random_bilm
     return write_random_bilm("tiny", str(tmp_path_factory.mktemp("tiny")), seed=1)
+

@@ -1,10 +1,13 @@
-"""Helpers for the pipeline tests: run the pipeline, read its outputs back."""
+"""Helpers for the pipeline tests: run the pipeline, read its outputs back, an S3 API on loopback."""
+import contextlib
 import json
 import os
+import socket
 
 import h5py
 import numpy as np
 import pyarrow.dataset as ds
+import pytest
 
 from pipeline.run import run
 
@@ -39,3 +42,23 @@ def hdf5_arrays(out, manifest):
 
 def layer_arrays(row, names):
     return [np.array(row[n], dtype=np.float32) for n in names]
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str):
+    """moto's S3 server on a free 127.0.0.1 port with `bucket` created: yields (endpoint URL, s3fs filesystem)."""
+    pytest.importorskip("moto")
+    from moto.server import ThreadedMotoServer
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    import s3fs
+    endpoint = f"http://127.0.0.1:{port}"
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=endpoint)
+    fs.mkdir(bucket)
+    try:
+        yield endpoint, fs
+    finally:
+        server.stop()

@@ -1,29 +1,19 @@
 """The pipeline reading from and writing to an S3 API on loopback (moto's server, started here)."""
 import json
-import socket
 
 import numpy as np
 import pytest
 
 from pipeline.run import run
+from tests.pipeline_helpers import moto_s3
 
 DOC = "Seagulls argued over the last chip on the pier. Nobody intervened."
 
 
 @pytest.fixture(scope="module")
 def s3():
-    from moto.server import ThreadedMotoServer
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    import s3fs
-    endpoint = f"http://127.0.0.1:{port}"
-    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=endpoint)
-    fs.mkdir("bucket")
-    yield endpoint, fs
-    server.stop()
+    with moto_s3("bucket") as endpoint_fs:
+        yield endpoint_fs
 
 
 def test_s3_in_and_out(s3, tiny_model_files):
