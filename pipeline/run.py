@@ -1,8 +1,8 @@
 """`python -m pipeline.run`: corpus in, per-layer ELMo vectors out (Parquet + HDF5), on any Beam runner.
 
-Graph: ListFiles -> ReadFiles -> [Reshuffle] -> Tokenize -> SortAndBatch -> Embed -> WriteShards
-       -> Finalize (after all shards: move to final names, manifest.json, _SUCCESS); dead letters
-       from Read/Tokenize/Embed -> WriteDeadLetters -> Finalize.
+Graph: ListFiles -> ReadFiles -> [Reshuffle] -> Tokenize -> [SkipCommitted, when resuming] -> SortAndBatch
+       -> Embed -> WriteShards -> Finalize (after all shards: move to final names, manifest.json, _SUCCESS);
+       dead letters from Read/Tokenize/Embed -> WriteDeadLetters -> Finalize; record counts -> Finalize.
 The local default runner is FnApiRunner (never Prism, which Beam would try to download).
 """
 from __future__ import annotations

@@ -89,12 +89,16 @@ def test_wrong_shape_names_expected_and_found(tiny_model_files, tmp_path):
         load_bilm(options, broken)
 
 
-def test_options_weights_mismatch(tiny_model_files, tmp_path):
+@pytest.mark.parametrize("key,value,message", [
+    ("dim", 64, "expected"),                                  # wrong shapes
+    ("n_layers", 1, r"dataset\(s\) the options do not use, e.g. 'RNN_0/RNN/MultiRNNCell/Cell1"),   # fewer layers
+])
+def test_options_weights_mismatch(tiny_model_files, tmp_path, key, value, message):
     _, weights = tiny_model_files
     raw = json.loads(json.dumps(PUBLISHED_OPTIONS["tiny"]))
-    raw["lstm"]["dim"] = 64
+    raw["lstm"][key] = value
     (tmp_path / "o.json").write_text(json.dumps(raw))
-    with pytest.raises(WeightsError, match="expected"):
+    with pytest.raises(WeightsError, match=message):
         load_bilm(str(tmp_path / "o.json"), weights)
 
 
@@ -123,15 +127,6 @@ def test_non_finite_weights_name_the_dataset(tiny_model_files, tmp_path):
         f["CNN/b_cnn_0"][0] = np.nan
     with pytest.raises(WeightsError, match=r"'CNN/b_cnn_0' has 1 non-finite value"):
         load_bilm(options, broken)
-
-
-def test_options_with_fewer_layers_than_the_weights(tiny_model_files, tmp_path):
-    _, weights = tiny_model_files
-    raw = json.loads(json.dumps(PUBLISHED_OPTIONS["tiny"]))
-    raw["lstm"]["n_layers"] = 1
-    (tmp_path / "o.json").write_text(json.dumps(raw))
-    with pytest.raises(WeightsError, match=r"dataset\(s\) the options do not use, e.g. 'RNN_0/RNN/MultiRNNCell/Cell1"):
-        load_bilm(str(tmp_path / "o.json"), weights)
 
 
 def test_options_not_an_object(tiny_model_files, tmp_path):
