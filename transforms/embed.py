@@ -69,6 +69,8 @@ def hdf5_array(vectors: np.ndarray, selection: list[int] | str, dtype: str) -> n
         arr = vectors.mean(axis=0)
     elif selection == [vectors.shape[0] - 1]:
         arr = vectors[-1]
+    elif selection == list(range(vectors.shape[0])):
+        arr = vectors                       # all layers in order: no copy
     else:
         arr = vectors[selection]
     return np.ascontiguousarray(arr, dtype=dtype)
