@@ -1,0 +1,106 @@
+"""Long sentences embedded as overlapping windows (model/windows.py): how far the stitched vectors are
+from the whole-sequence vectors, and what one very long sentence costs through the pipeline.
+
+    .venv/bin/python -m benchmarks.windows [--tokens 3000] [--window 1000] [--overlaps 0 100 200 300] \
+        [--pipeline-tokens 100000] [--threads 1]
+
+Shipped default model, stateless. A WikiText-2 valid sequence of --tokens tokens is embedded whole and
+windowed; the table gives the top layer's mean |diff| by distance from a window cut (overlap 0, where the
+cuts are window edges) and, per overlap, the mean |diff| over all positions relative to the mean |vector|.
+With --pipeline-tokens N, one sentence of N tokens runs through `pipeline.run` in a child process, which
+reports wall time, windowed sentences and peak RSS. Writes benchmarks/results/windows.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.common import RESULTS, SHARED, machine
+
+CHILD = """
+import json, resource, sys
+from pipeline.run import counters, run
+c = counters(run(sys.argv[1:]))
+print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "windowed_sentences": c.get("windowed_sentences", 0), "tokens": c.get("tokens", 0)}))
+"""
+
+
+def wikitext_tokens(n: int) -> list[str]:
+    out: list[str] = []
+    with open(os.path.join(SHARED, "data", "wikitext-2", "valid.txt"), encoding="utf-8") as f:
+        for line in f:
+            out += line.split()
+            if len(out) >= n:
+                return out[:n]
+    return out
+
+
+def stitch_error(embedder, tokens: list[str], window: int, overlaps: list[int]) -> dict:
+    from model.windows import embed_long, stitch_plan, window_spans
+    whole = embedder.embed_sentence(tokens)[-1]
+    scale = float(np.abs(whole).mean())
+    rows = {}
+    for v in overlaps:
+        diff = np.abs(embed_long(embedder, tokens, window, v, 4096)[-1] - whole).mean(axis=-1)   # (T,)
+        rows[v] = {"mean_abs_diff": float(diff.mean()), "relative": float(diff.mean()) / scale}
+        if v == 0:
+            cuts = [start for start, _ in stitch_plan(window_spans(len(tokens), window, 0))[1:]]
+            dist = np.min(np.abs(np.arange(len(tokens))[:, None] - np.array(cuts)[None, :]), axis=1)
+            rows[v]["by_distance"] = {d: float(diff[dist == d].mean()) for d in (0, 10, 50, 100, 200)
+                                      if (dist == d).any()}
+    return {"mean_abs_vector": scale, "overlaps": rows}
+
+
+def long_sentence_run(n: int, threads: int) -> dict:
+    tokens = wikitext_tokens(n)
+    with tempfile.TemporaryDirectory() as tmp:
+        inp = os.path.join(tmp, "long.txt")
+        with open(inp, "w", encoding="utf-8") as f:
+            f.write(" ".join(tokens) + "\n")
+        t = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", CHILD, "--input", inp, "--output", os.path.join(tmp, "out"),
+                            "--input-format", "lines", "--tokenizer", "whitespace", "--torch-threads", str(threads),
+                            "--progress", "off"], capture_output=True, text=True, check=True)
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"tokens": len(tokens), "wall_s": time.perf_counter() - t, **out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=3000)
+    ap.add_argument("--window", type=int, default=1000)
+    ap.add_argument("--overlaps", type=int, nargs="+", default=[0, 100, 200, 300])
+    ap.add_argument("--pipeline-tokens", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    import torch
+
+    from model.embedder import ElmoEmbedder
+    torch.set_num_threads(args.threads)
+    result = {"machine": machine(), "window": args.window,
+              "stitch": stitch_error(ElmoEmbedder(), wikitext_tokens(args.tokens), args.window, args.overlaps)}
+    s = result["stitch"]
+    print(f"{args.tokens}-token sequence, window {args.window}, shipped model; mean |vector| {s['mean_abs_vector']:.3f}")
+    print("overlap 0, top-layer mean |diff| by distance from a cut: " +
+          ", ".join(f"d={d}: {e:.3f}" for d, e in s["overlaps"][0]["by_distance"].items()))
+    for v, row in s["overlaps"].items():
+        print(f"overlap {v:>4}: mean |diff| {row['mean_abs_diff']:.4f} = {100 * row['relative']:.2f}% of mean |vector|")
+    if args.pipeline_tokens:
+        result["pipeline"] = p = long_sentence_run(args.pipeline_tokens, args.threads)
+        print(f"one {p['tokens']}-token sentence through pipeline.run: {p['wall_s']:.1f} s, "
+              f"windowed sentences {p['windowed_sentences']}, peak RSS {p['peak_rss_mb']:.0f} MB")
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "windows.json"), "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
