@@ -52,3 +52,17 @@ def test_chunked_input_projection_and_autograd_path_equal_oracle(monkeypatch):
         graded.sum().backward()
     assert (graded.detach() - ref).abs().max() <= 1e-5
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.forward_layers.parameters())
+
+
+def test_reused_workspace_across_modes_and_sizes(monkeypatch):
+    """The per-thread gate buffer (model/bilm.py: _workspace) is reused across calls: a small batch,
+    then a larger one (the buffer grows), under inference_mode and then no_grad, all equal the oracle."""
+    import model.bilm as bilm
+    model = random_bilm("tiny", seed=5)
+    monkeypatch.setattr(bilm, "CHUNK_ELEMENTS", 2 * 4 * 32 * 7)      # several chunks per layer
+    for seed, n, mode in ((21, 3, torch.inference_mode), (22, 14, torch.inference_mode), (23, 9, torch.no_grad)):
+        ids, lengths = _batch(seed, n=n)
+        ref, _ = oracle_forward(model, ids, lengths, None)
+        with mode():
+            fast, _ = model(ids, lengths)
+        assert (fast - ref).abs().max() <= 1e-5
