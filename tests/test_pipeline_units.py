@@ -169,3 +169,27 @@ def test_finalize_lists_dead_letters(tmp_path):
     assert m["counts"]["dead_letters"] == 2 and m["counts"]["dead_letter_sentences"] == 1
     lines = open(os.path.join(out, "dead_letters/part-00000-of-00001.jsonl")).read().splitlines()
     assert [json.loads(x)["id"] for x in lines] == ["f:1#0", "f:2"]
+
+
+def test_write_shards_in_background_keeps_order_and_raises_errors(tmp_path):
+    """WriteShards (the DoFn, driven by hand as a runner would) writes full shards on its own thread:
+    every shard comes out once, in order, by the bundle's end; a failing write raises in the Beam thread."""
+    from transforms.dofns import WriteShards
+    cols = [("layer_0", 2), ("layer_1", 4), ("layer_2", 4)]
+    rows = _rows() * 3                                        # 6 rows, shards of 2
+    dofn = WriteShards(str(tmp_path / "st"), ["parquet", "hdf5"], "sentence", cols, "float32", 1 << 20, 2, None)
+    dofn.setup()
+    dofn.start_bundle()
+    infos = [info for r in rows for info in dofn.process(r)]
+    assert len(infos) == 2                                    # the 3rd shard is still being written
+    infos += [wv.value for wv in dofn.finish_bundle()]
+    assert [i.sentences for i in infos] == [2, 2, 2] and len({i.files["parquet"] for i in infos}) == 3
+    assert all(pq.read_table(i.files["parquet"]).num_rows == 2 for i in infos)
+    (tmp_path / "blocked").write_text("a file where the staging folder should be")
+    dofn.args = (str(tmp_path / "blocked" / "st"), *dofn.args[1:])
+    dofn.start_bundle()
+    with pytest.raises(OSError):
+        for r in rows:
+            list(dofn.process(r))
+        list(dofn.finish_bundle())
+    dofn.teardown()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
@@ -244,7 +245,12 @@ class Embed(beam.DoFn):
 
 class WriteShards(beam.DoFn):
     """Rows -> staged shard files -> ShardInfo. A shard ends at `shard_sentences` rows, at `shard_bytes`
-    of buffered vectors (so memory is bounded whatever the model's width), or at the bundle's end."""
+    of buffered vectors (so memory is bounded whatever the model's width), or at the bundle's end.
+
+    A full shard is written by a thread of this DoFn's own while the Beam thread goes on embedding: at
+    most one shard is being written and one is filling. (The writer is mostly C work that releases the
+    GIL: Parquet encoding, zstd, file and object-store I/O. The model stays on the Beam thread; a Python
+    thread running beside the biLM's step loop would stall it on the GIL.)"""
 
     def __init__(self, staging, formats, layout, columns, dtype, row_group_bytes, shard_sentences, storage_options,
                  shard_bytes=64 << 20):
@@ -252,15 +258,30 @@ class WriteShards(beam.DoFn):
         self.shard_sentences, self.shard_bytes, self.so = shard_sentences, shard_bytes, storage_options
         self.shards = Metrics.counter(NS, "shards")
 
+    def setup(self):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="elmo-write")
+
+    def teardown(self):
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     def start_bundle(self):
-        self.buf, self.nbytes = [], 0
+        self.buf, self.nbytes, self.writing = [], 0, None
+
+    def _written(self):
+        """The ShardInfo of the shard being written, once it is (its errors raise here), or nothing."""
+        if self.writing is not None:
+            future, self.writing = self.writing, None
+            yield future.result()
 
     def _flush(self):
         rows, self.buf, self.nbytes = self.buf, [], 0
+        yield from self._written()
         if rows:
             self.shards.inc()
             staging, formats, layout, columns, dtype, rgb = self.args
-            yield stage_shard(rows, staging, formats, layout, columns, dtype, rgb, self.so)
+            self.writing = self.pool.submit(stage_shard, rows, staging, formats, layout, columns, dtype, rgb, self.so)
 
     def process(self, row: Row):
         self.buf.append(row)
@@ -269,7 +290,7 @@ class WriteShards(beam.DoFn):
             yield from self._flush()
 
     def finish_bundle(self):
-        for info in self._flush():
+        for info in [*self._flush(), *self._written()]:
             yield _windowed(info)
 
 
