@@ -64,5 +64,16 @@ def gemm_ceiling_gflops(threads: int, n: int = 2048, seconds: float = 2.0, dtype
     return best
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), with AVX-512 noted: GEMM speeds depend on both."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    return name + (", AVX-512" if "avx512f" in info else "")
+
+
 def machine() -> str:
-    return f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}"
+    return f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"

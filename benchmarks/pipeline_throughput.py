@@ -3,14 +3,14 @@ next to the biLM alone (ElmoEmbedder.embed_sentences) on the same sentences.
 
     python benchmarks/pipeline_throughput.py [--input valid.txt] [--lines 300] [--size small] [--threads 1]
 Uses a random biLM of a published size (model/synthetic.py) unless --options-file/--weight-file.
-Prints a table; writes benchmarks/results/pipeline_throughput.json.
+Prints a table; writes benchmarks/results/pipeline_throughput_<documents>docs.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
+import sys
 import tempfile
 import time
 
@@ -30,6 +30,8 @@ def main() -> int:
 
     import torch
 
+    sys.path.insert(0, os.path.dirname(HERE))        # the repository root, when run as a script
+    from benchmarks.common import machine
     from model.embedder import ElmoEmbedder
     from model.synthetic import write_random_bilm
     from pipeline.run import counters, run
@@ -75,8 +77,8 @@ def main() -> int:
     for name, secs in rows:
         print(f"{name:52s} {secs:8.1f} {n_tokens / secs:9.0f}")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "pipeline_throughput.json"), "w") as f:
-        json.dump({"machine": f"{platform.machine()} {os.cpu_count()} cores, no GPU", "model": args.size,
+    with open(os.path.join(HERE, "results", f"pipeline_throughput_{len(lines)}docs.json"), "w") as f:
+        json.dump({"machine": machine() + ", no GPU", "model": args.size,
                    "threads": args.threads, "documents": len(lines), "sentences": len(sentences), "tokens": n_tokens,
                    "padding": round(pad, 4), "batches": c["batches"],
                    "rows": [{"what": n, "seconds": round(s, 2), "tokens_per_s": round(n_tokens / s)} for n, s in rows]},
