@@ -9,7 +9,9 @@ calls, ElmoEmbedder.embed_sentences(max_tokens=budget) (char ids, batching, nump
 with the cross-batch token cache first filled from other text (WikiText-2 train, distinct tokens of
 --warm-cache-sentences sentences), as in a long job's steady state.
 
-Prints a table and writes benchmarks/results/model_speed.json.
+With --dtype bfloat16/float16 it first measures, per output layer, the relative error of that dtype
+against float32 (same weights, first 200 sentences). Prints a table and writes
+benchmarks/results/model_speed_<device>_<dtype>_<threads>t.json.
 """
 from __future__ import annotations
 
@@ -80,6 +82,23 @@ def measure(config: str, sentences, max_tokens: int, device: str, dtype: torch.d
             "gflops": n_tokens / wall * fpt / 1e9}
 
 
+def layer_relative_errors(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype) -> list[float]:
+    """Per output layer, ||y_dtype - y_fp32|| / ||y_fp32|| (Frobenius, real positions only) over the batches
+    of `sentences`: the error of running the biLM in a lower precision, the same random weights."""
+    ref = random_bilm(config).to(device=device)
+    low = random_bilm(config).to(device=device, dtype=dtype)
+    num = den = None
+    with torch.inference_mode():
+        for idx in plan_batches([len(s) for s in sentences], max_tokens):
+            ids, lengths = batch_char_ids([sentences[i] for i in idx])
+            ids, lengths = torch.from_numpy(ids).to(device), torch.from_numpy(lengths)
+            a = ref(ids, lengths)[0].double()
+            b = low(ids, lengths)[0].double()
+            d, r = ((b - a) ** 2).sum(dim=(1, 2, 3)), (a ** 2).sum(dim=(1, 2, 3))   # zeros at padding
+            num, den = (d, r) if num is None else (num + d, den + r)
+    return (num.sqrt() / den.sqrt()).tolist()
+
+
 def _process_worker(args: tuple, barrier, results) -> None:
     config, sentences, budget, threads, warm = args
     torch.set_num_threads(threads)
@@ -131,6 +150,12 @@ def main() -> None:
         whole = gemm_ceiling_gflops(args.threads * args.processes, dtype=dtype, device=args.device)
         torch.set_num_threads(args.threads)
     rows = []
+    errors = {}
+    if dtype != torch.float32:       # the price of the lower precision, per layer, on the same sentences
+        for config in args.configs:
+            errors[config] = layer_relative_errors(config, sentences[:200], args.max_tokens[0], args.device, dtype)
+            print(f"{config:<9} {args.dtype} vs float32, relative error per layer: "
+                  + " ".join(f"{e:.2e}" for e in errors[config]), flush=True)
     for config in args.configs:
         for budget, path in ((b, p) for b in args.max_tokens for p in paths):
             top = ceiling
@@ -144,6 +169,8 @@ def main() -> None:
             r.update(max_tokens=budget, threads=args.threads, device=args.device, dtype=args.dtype,
                      processes=args.processes if path == "processes" else 1,
                      gemm_ceiling_gflops=top, fraction_of_ceiling=r["gflops"] / top)
+            if config in errors:
+                r["relative_error_vs_float32_per_layer"] = errors[config]
             rows.append(r)
             print(f"{config:<9} {r['path']:<22} budget {budget:>6}  {r['tokens_per_s']:>9.0f} tokens/s  "
                   f"{r['gflops']:>7.1f} GFLOP/s = {100 * r['fraction_of_ceiling']:5.1f}% of GEMM {top:.0f}",
