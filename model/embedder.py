@@ -47,9 +47,22 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
     return dev
 
 
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """'float32' | 'bfloat16' | 'float16' (or the torch dtype) -> torch dtype; anything else is an error."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"compute dtype must be one of {COMPUTE_DTYPES}, got {dtype!r}")
+    return getattr(torch, name)
+
+
 class ElmoEmbedder:
     """Per-sentence ELMo vectors: float32 arrays (n_layers + 1, T, 2P). token_cache: how many distinct
-    tokens' char-CNN vectors to keep across batches (0: none).
+    tokens' char-CNN vectors to keep across batches (0: none). dtype: the precision the biLM runs in
+    (float32, exact; bfloat16/float16 for GPUs, within 1e-2 relative error per layer; results are float32
+    either way); None: a given `model` keeps its own, a loaded one runs in float32.
 
     Layer 0 is the token vector duplicated to 2P (AllenNLP compatible); layer k the concatenated
     forward and backward outputs of LSTM layer k. <S> and </S> are added and removed internally.
@@ -58,7 +71,7 @@ class ElmoEmbedder:
     def __init__(self, options_file: str | None = None, weight_file: str | None = None, *,
                  device: str | int | torch.device | None = "cpu", state: str = "stateless",
                  batch_size: int = 64, model: BiLM | None = None, vocab_file: str | None = None,
-                 token_cache: int = 50_000):
+                 token_cache: int = 50_000, dtype: str | torch.dtype | None = None):
         if state not in STATE_MODES:
             raise ValueError(f"state must be one of {STATE_MODES}, got {state!r}")
         if batch_size < 1:
@@ -72,7 +85,9 @@ class ElmoEmbedder:
             elif options_file is None or weight_file is None:
                 raise ValueError("give both options_file and weight_file, or neither (the shipped default)")
             model = load_bilm(options_file, weight_file)
-        self.model = model.to(self.device).eval()
+        # dtype None: a given model keeps its own precision, a loaded one runs in float32
+        self.dtype = resolve_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
+        self.model = model.to(self.device, self.dtype).eval()
         if self.model.opts.char_cnn is not None:   # char-CNN vectors of up to `token_cache` distinct tokens are reused
             self.model.enable_token_cache(token_cache)
         self.state_mode = state

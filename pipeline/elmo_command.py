@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch by a token budget (padded slots, <S> </S> included) instead of --batch-size; "
                    "stateless/warm only; 8192-16384 is fastest on a CPU (default 0: --batch-size)")
     p.add_argument("--cuda-device", type=int, default=-1, help="GPU index; -1 for the CPU (default)")
+    p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="precision the biLM runs in: float32 (default, exact), bfloat16 or float16 for GPUs; "
+                   "the file holds float32 either way")
     p.add_argument("--forget-sentences", action="store_true", help="do not write sentence_to_index")
     p.add_argument("--use-sentence-keys", action="store_true", help="key datasets by the sentence text, not the line index")
     p.add_argument("--state", choices=("stateless", "warm", "stateful"), default="stateless",
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("error: --use-sentence-keys needs unique, non-blank sentences without '/'; "
                              f"first offending line: {bad[0] if bad else 'a duplicate sentence'!r}")
     embedder = ElmoEmbedder(args.options_file, args.weight_file, device=args.cuda_device,
-                            state=args.state, batch_size=args.batch_size, vocab_file=args.vocab_file)
+                            state=args.state, batch_size=args.batch_size, vocab_file=args.vocab_file,
+                            dtype=args.compute_dtype)
     for i, line in enumerate(lines):
         if not line:
             logger.warning("line %d is blank: writing a zero-length dataset", i)

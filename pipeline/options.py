@@ -45,6 +45,9 @@ class ElmoOptions(PipelineOptions):
           help="LSTM state mode (default stateless; stateful needs one worker and keeps input order)")
         g("--layers", default="all", help="all | top | average | comma-separated indices (default all)")
         g("--dtype", choices=("float32", "float16"), default="float32", help="storage precision (default float32)")
+        g("--compute-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+          help="precision the biLM runs in: float32 (default, exact), bfloat16 or float16 for GPUs "
+          "(within 1e-2 relative error per layer)")
         g("--duplicate-layer0", action="store_true",
           help="Parquet: store layer 0 as [x, x] (2P wide) as AllenNLP does, instead of x once")
         g("--row-group-bytes", type=int, default=64 << 20, help="Parquet row-group size in bytes (default 64 MiB)")

@@ -89,7 +89,7 @@ def build(p: beam.Pipeline, opts: PipelineOptions) -> dict | None:
     if o.state == "stateful" and workers > 1:
         raise ValueError("--state stateful keeps input order in consecutive batches: run it with one worker")
     threads = o.torch_threads or (default_torch_threads(workers) if local else 0)
-    spec = E.ModelSpec(options_file, weight_file, vocab_file, o.device, o.state, threads)
+    spec = E.ModelSpec(options_file, weight_file, vocab_file, o.device, o.state, threads, o.compute_dtype)
     if local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
         from model.embedder import resolve_device
         resolve_device(o.device)
@@ -109,7 +109,7 @@ def build(p: beam.Pipeline, opts: PipelineOptions) -> dict | None:
         "model": {"name": model_name, **identity},
         "layers": [c for c, _ in columns], "layer_dims": {c: d for c, d in columns},
         "hdf5_layout": E.hdf5_layout(selection, n_layers),
-        "dtype": o.dtype, "state": o.state, "tokenizer": o.tokenizer, "formats": formats,
+        "dtype": o.dtype, "compute_dtype": o.compute_dtype, "state": o.state, "tokenizer": o.tokenizer, "formats": formats,
         "parquet_layout": o.parquet_layout, "duplicate_layer0": o.duplicate_layer0,
         "inputs": files, "input_format": o.input_format,
         "options": flags,

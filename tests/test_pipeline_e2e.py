@@ -150,3 +150,28 @@ def test_stateful_keeps_input_order_in_consecutive_batches(small_run, tiny_model
     for sid, want in zip(ids, expected):
         assert np.abs(np.stack(layer_arrays(rows[sid], ["layer_1", "layer_2"])) - want[1:]).max() <= 1e-5
     assert np.abs(expected[-1] - stateless).max() > 1e-3   # the carried state did change the vectors
+
+
+def test_compute_dtype_bfloat16_close_to_float32(small_run, tiny_model_files, tmp_path):
+    """--compute-dtype bfloat16 (what a GPU run would use) on the CPU: float32 files, the manifest says
+    so, each layer within 1e-2 relative error of the float32 run; the `elmo` command takes it too."""
+    inp, out32, _, m32 = small_run
+    out = str(tmp_path / "bf16")
+    _, m = run_pipeline(tiny_model_files, str(inp), out, "--max-tokens-per-batch", "40", "--compute-dtype", "bfloat16")
+    assert m["compute_dtype"] == "bfloat16" and m32["compute_dtype"] == "float32"
+    lo, hi = parquet_rows(out, m), parquet_rows(out32, m32)
+    assert sorted(lo) == sorted(hi)
+    for name in ("layer_0", "layer_1", "layer_2"):
+        a = np.concatenate([layer_arrays(hi[s], [name])[0] for s in hi])
+        b = np.concatenate([layer_arrays(lo[s], [name])[0] for s in hi])
+        assert b.dtype == np.float32
+        assert 0 < np.linalg.norm(b - a) / np.linalg.norm(a) <= 1e-2, name
+    from pipeline.cli import main as cli
+    lines = tmp_path / "lines.txt"
+    lines.write_text("A short one .\nRain fell on the harbour .\n")
+    assert cli(["elmo", str(lines), str(tmp_path / "e.hdf5"), "--all", "--compute-dtype", "bfloat16",
+                "--options-file", tiny_model_files[0], "--weight-file", tiny_model_files[1]]) == 0
+    emb = ElmoEmbedder(*tiny_model_files, dtype="bfloat16")
+    assert str(emb.dtype) == "torch.bfloat16" == str(emb.model.forward_layers[0].w_in.dtype)
+    with pytest.raises(ValueError, match="compute dtype"):
+        ElmoEmbedder(*tiny_model_files, dtype="int8")

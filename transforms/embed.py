@@ -18,13 +18,15 @@ _GPU_LOCKS: list = []   # flock'd files held for the life of the process
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to load and how: files (paths or URLs), device, state mode, torch threads (0 = default)."""
+    """What to load and how: files (paths or URLs), device, state mode, torch threads (0 = default), and the
+    precision the biLM runs in (float32 | bfloat16 | float16)."""
     options_file: str
     weight_file: str
     vocab_file: str | None = None
     device: str = "auto"
     state: str = "stateless"
     torch_threads: int = 0
+    compute_dtype: str = "float32"
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int] | str:
@@ -126,7 +128,7 @@ def load_embedder(spec: ModelSpec):
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
     return ElmoEmbedder(spec.options_file, spec.weight_file, device=pick_device(spec.device),
-                        state=spec.state, vocab_file=spec.vocab_file)
+                        state=spec.state, vocab_file=spec.vocab_file, dtype=spec.compute_dtype)
 
 
 def model_identity(spec: ModelSpec) -> dict:
