@@ -94,7 +94,7 @@ def build(p: beam.Pipeline, opts: PipelineOptions) -> dict | None:
         from model.embedder import resolve_device
         resolve_device(o.device)
     progress = o.progress == "on" or (o.progress == "auto" and local and sys.stderr.isatty())
-    check_model(options_file, weight_file)       # a bad model fails here, not in every worker
+    model = check_model(options_file, weight_file)       # a bad model fails here, not in every worker
     check_output_writable(o.output, so)          # last check: nothing was created before it
     identity = E.model_identity(spec)
     flags = {k: getattr(o, k) for k in o._visible_option_list()}
@@ -105,6 +105,8 @@ def build(p: beam.Pipeline, opts: PipelineOptions) -> dict | None:
         complete_finalize(o.output, state.staging, so)
         return None
     staging, resumed = state.staging, state.shards
+    if local and workers == 1:     # the worker runs in this process: it takes the model loaded above
+        E.offer_model(options_file, weight_file, model)
     manifest = {
         "model": {"name": model_name, **identity},
         "layers": [c for c, _ in columns], "layer_dims": {c: d for c, d in columns},
@@ -169,11 +171,15 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
     opts.view_as(SetupOptions).save_main_session = save_main_session
     t0 = time.perf_counter()
     p = beam.Pipeline(options=opts)
-    if build(p, opts) is None:
-        result = FinalizeOnly()
-    else:
-        result = p.run()
-        result.wait_until_finish()
+    try:
+        if build(p, opts) is None:
+            result = FinalizeOnly()
+        else:
+            result = p.run()
+            result.wait_until_finish()
+    finally:
+        from transforms.embed import withdraw_models
+        withdraw_models()
     result.elapsed_seconds = time.perf_counter() - t0
     return result
 

@@ -63,11 +63,12 @@ def check_numbers(o) -> None:
     check_window(o.window_tokens, o.window_overlap if o.window_overlap is not None else 0, o.max_tokens_per_batch)
 
 
-def check_model(options_file: str, weight_file: str) -> None:
+def check_model(options_file: str, weight_file: str):
     """Load the biLM once here: a bad options.json or weights file (truncated, missing datasets, wrong shapes,
-    options that do not match the weights) fails now with OptionsError/WeightsError, not in every worker."""
+    options that do not match the weights) fails now with OptionsError/WeightsError, not in every worker.
+    Returns the loaded BiLM (a local run hands it to its in-process workers: transforms.embed.offer_model)."""
     from model.weights import load_bilm
-    load_bilm(options_file, weight_file)
+    return load_bilm(options_file, weight_file)
 
 
 def check_output_writable(output: str, storage_options: dict | None = None) -> None:

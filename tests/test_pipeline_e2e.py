@@ -175,3 +175,16 @@ def test_compute_dtype_bfloat16_close_to_float32(small_run, tiny_model_files, tm
     assert str(emb.dtype) == "torch.bfloat16" == str(emb.model.forward_layers[0].w_in.dtype)
     with pytest.raises(ValueError, match="compute dtype"):
         ElmoEmbedder(*tiny_model_files, dtype="int8")
+
+
+def test_local_run_loads_the_model_once(small_run, tiny_model_files, tmp_path, monkeypatch):
+    """The launcher checks the model by loading it; the in-process worker takes that copy (no second load),
+    and nothing is left offered after the run."""
+    import model.weights
+    from transforms import embed as E
+    calls = []
+    real = model.weights.load_bilm
+    monkeypatch.setattr(model.weights, "load_bilm", lambda *a, **k: calls.append(a) or real(*a, **k))
+    _, m = run_pipeline(tiny_model_files, str(small_run[0]), str(tmp_path / "o"), "--max-tokens-per-batch", "40")
+    assert len(calls) == 1 and m["counts"]["sentences"] == 4
+    assert not E._OFFERED

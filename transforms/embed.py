@@ -120,6 +120,21 @@ def pick_device(device: str) -> str:
     return str(resolve_device(device))
 
 
+_OFFERED: dict = {}   # (options_file, weight_file) -> a BiLM the launcher already loaded, in this process
+
+
+def offer_model(options_file: str, weight_file: str, model) -> None:
+    """Let this process's first load_embedder of these files take `model` instead of loading them again
+    (a local runner's workers run in the launcher's process; remote workers never see it)."""
+    _OFFERED.clear()
+    _OFFERED[(options_file, weight_file)] = model
+
+
+def withdraw_models() -> None:
+    """Drop an offered model nobody took (the run is over)."""
+    _OFFERED.clear()
+
+
 def load_embedder(spec: ModelSpec):
     """An ElmoEmbedder for `spec` (sets torch's intra-op threads first when torch_threads > 0)."""
     import torch
@@ -127,7 +142,8 @@ def load_embedder(spec: ModelSpec):
     from model.embedder import ElmoEmbedder
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
-    return ElmoEmbedder(spec.options_file, spec.weight_file, device=pick_device(spec.device),
+    model = _OFFERED.pop((spec.options_file, spec.weight_file), None)
+    return ElmoEmbedder(spec.options_file, spec.weight_file, device=pick_device(spec.device), model=model,
                         state=spec.state, vocab_file=spec.vocab_file, dtype=spec.compute_dtype)
 
 
