@@ -78,3 +78,21 @@ def test_bfloat16_model_runs_within_1e2_of_float32_per_layer():
     rel = ((b - a) ** 2).sum(dim=(1, 2, 3)).sqrt() / (a ** 2).sum(dim=(1, 2, 3)).sqrt()
     assert low.forward_layers[0].w_rec.dtype == torch.bfloat16
     assert 0 < rel.max() <= 1e-2, rel
+
+
+def test_char_cnn_gemm_path_equals_conv_path(monkeypatch):
+    """Inference runs the char CNN as GEMMs over unfolded windows, in chunks of tokens; autograd runs
+    nn.Conv1d. Both give the same token vectors (relu and tanh activations)."""
+    import model.bilm as bilm
+    monkeypatch.setattr(bilm, "CNN_CHUNK", 3)                        # several chunks, a ragged last one
+    ids, _ = _batch(41, n=6)
+    flat = ids.reshape(-1, ids.shape[-1])[:17]
+    for activation in ("relu", "tanh"):
+        raw = json.loads(json.dumps(PUBLISHED_OPTIONS["tiny"]))
+        raw["char_cnn"]["activation"] = activation
+        enc = random_bilm(raw, seed=2).token_encoder
+        with torch.no_grad():
+            fast = enc(flat)
+        with torch.enable_grad():
+            ref = enc(flat).detach()
+        assert fast.shape == ref.shape and (fast - ref).abs().max() <= 1e-5
