@@ -18,6 +18,7 @@ import torch
 from model.batching import plan_batches
 from model.bilm import BiLM
 from model.char_ids import BOS_TOKEN, EOS_TOKEN, batch_char_ids
+from model.options import COMPUTE_DTYPES
 
 STATE_MODES = ("stateless", "warm", "stateful")
 
@@ -45,9 +46,6 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise RuntimeError(f"device {device!r} requested but only {torch.cuda.device_count()} GPU(s) exist")
     return dev
-
-
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

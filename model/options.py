@@ -8,6 +8,8 @@ from typing import Any
 
 from model.io import open_url
 
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")   # precisions the biLM may run in
+
 
 class OptionsError(ValueError):
     """options.json is unreadable or a key is missing or wrong."""

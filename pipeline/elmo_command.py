@@ -18,6 +18,7 @@ logger = logging.getLogger("elmo-pipeline.elmo")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from model.options import COMPUTE_DTYPES
     p.add_argument("input_file", help="one whitespace-tokenized sentence per line (path or URL)")
     p.add_argument("output_file", help="HDF5 file to write")
     what = p.add_mutually_exclusive_group(required=True)
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch by a token budget (padded slots, <S> </S> included) instead of --batch-size; "
                    "stateless/warm only; 8192-16384 is fastest on a CPU (default 0: --batch-size)")
     p.add_argument("--cuda-device", type=int, default=-1, help="GPU index; -1 for the CPU (default)")
-    p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    p.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",
                    help="precision the biLM runs in: float32 (default, exact), bfloat16 or float16 for GPUs; "
                    "the file holds float32 either way")
     p.add_argument("--forget-sentences", action="store_true", help="do not write sentence_to_index")

@@ -5,6 +5,8 @@ import os
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from model.options import COMPUTE_DTYPES
+
 
 class ElmoOptions(PipelineOptions):
     @classmethod
@@ -45,7 +47,7 @@ class ElmoOptions(PipelineOptions):
           help="LSTM state mode (default stateless; stateful needs one worker and keeps input order)")
         g("--layers", default="all", help="all | top | average | comma-separated indices (default all)")
         g("--dtype", choices=("float32", "float16"), default="float32", help="storage precision (default float32)")
-        g("--compute-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        g("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",
           help="precision the biLM runs in: float32 (default, exact), bfloat16 or float16 for GPUs "
           "(within 1e-2 relative error per layer)")
         g("--duplicate-layer0", action="store_true",
