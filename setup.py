@@ -11,6 +11,7 @@ setup(
     description="Batch ELMo feature extraction: an exact PyTorch biLM in an Apache Beam pipeline",
     python_requires=">=3.10",
     packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*",
+                                    "formats", "formats.*", "storage", "storage.*",
                                     "downstream", "downstream.*"]),
     package_data={"model": ["pretrained/*/*.json", "pretrained/*/*.hdf5", "pretrained/*/*.txt", "pretrained/*/*.md", "pretrained/*/*.csv", "pretrained/*/*.png"]},
     include_package_data=True,

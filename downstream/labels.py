@@ -21,13 +21,13 @@ import json
 import sys
 from collections.abc import Iterable
 
-import fsspec
+from storage import keyed, open_file
 
 CONLLU_COLUMNS = ("id", "form", "lemma", "upos", "xpos", "feats", "head", "deprel", "deps", "misc")
 
 
 def _lines(path: str, storage_options: dict | None = None) -> Iterable[str]:
-    with fsspec.open(path, "rt", encoding="utf-8", newline="\n", compression="infer", **(storage_options or {})) as f:
+    with open_file(path, "rt", keyed(path, storage_options), encoding="utf-8", newline="\n", compression="infer") as f:
         for line in f:
             yield line.rstrip("\n").rstrip("\r")
 

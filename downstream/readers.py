@@ -28,17 +28,14 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import fsspec
 import numpy as np
 
-FORMATS = ("parquet", "hdf5")
-META_COLUMNS = ("id", "doc_id", "sentence_index", "tokens")
+from formats.hdf5 import hdf5_unkey
+from formats.layout import FORMATS, read_manifest
+from formats.parquet import META_COLUMNS
+from storage import keyed, url_fs
+
 _LINE_ID = re.compile(r":(\d+)$")
-
-
-def hdf5_unkey(key: str) -> str:
-    """Sentence id of an HDF5 dataset name (inverse of transforms.write.hdf5_key)."""
-    return key.replace("%2F", "/").replace("%25", "%")
 
 
 class ElmoOutput:
@@ -53,12 +50,11 @@ class ElmoOutput:
     def __init__(self, path: str, storage_options: Mapping[str, Any] | None = None):
         self.path = path.rstrip("/")
         self.storage_options = dict(storage_options or {})
-        self.fs, self.root = fsspec.core.url_to_fs(self.path, **self.storage_options)
-        manifest_path = posixpath.join(self.root, "manifest.json")
-        if not self.fs.exists(manifest_path):
+        self.fs, self.root = url_fs(self.path, keyed(self.path, self.storage_options))
+        manifest = read_manifest(self.fs, self.root)
+        if manifest is None:
             raise FileNotFoundError(f"{self.path}: no manifest.json (not a finished pipeline output)")
-        with self.fs.open(manifest_path, "rt", encoding="utf-8") as f:
-            self.manifest = json.load(f)
+        self.manifest = manifest
         self.shards: list[dict] = list(self.manifest.get("shards", []))
         self.layer_names: list[str] = list(self.manifest["layers"])
         self.layer_dims: dict[str, int] = {k: int(v) for k, v in self.manifest["layer_dims"].items()}

@@ -26,3 +26,8 @@ def plan_batches(lengths: list[int], max_tokens: int, sort: bool = True) -> list
     if cur:
         batches.append(cur)
     return batches
+
+
+def padding(lengths: list[int]) -> tuple[int, int]:
+    """(real tokens, padded token slots) of one batch of sentence lengths, without <S>/</S>."""
+    return sum(lengths), len(lengths) * max(lengths, default=0)

@@ -18,9 +18,8 @@ import torch
 from model.batching import plan_batches
 from model.bilm import BiLM
 from model.char_ids import BOS_TOKEN, EOS_TOKEN, batch_char_ids
-from model.options import COMPUTE_DTYPES
-
-STATE_MODES = ("stateless", "warm", "stateful")
+from model.device import resolve_device
+from model.options import COMPUTE_DTYPES, STATE_MODES
 
 # Fixed warm-up text for the `warm` mode: ordinary English, run sentence by sentence from zeros.
 WARMUP_TEXT = [
@@ -30,22 +29,6 @@ WARMUP_TEXT = [
     "It is not clear whether the new rules will change anything for most people .",
     "He played for the team for six seasons before he retired .",
 ]
-
-
-def resolve_device(device: str | int | torch.device | None) -> torch.device:
-    """'cpu' | 'cuda' | 'cuda:N' | 'auto' | N (>= 0 is a GPU, -1 the CPU). A missing GPU is an error."""
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(device, int) or (isinstance(device, str) and device.lstrip("-").isdigit()):
-        n = int(device)
-        device = "cpu" if n < 0 else f"cuda:{n}"
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"device {device!r} requested but no CUDA GPU is available")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise RuntimeError(f"device {device!r} requested but only {torch.cuda.device_count()} GPU(s) exist")
-    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -18,7 +18,7 @@ logger = logging.getLogger("elmo-pipeline.elmo")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from model.options import COMPUTE_DTYPES
+    from model.options import COMPUTE_DTYPES, STATE_MODES
     p.add_argument("input_file", help="one whitespace-tokenized sentence per line (path or URL)")
     p.add_argument("output_file", help="HDF5 file to write")
     what = p.add_mutually_exclusive_group(required=True)
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the file holds float32 either way")
     p.add_argument("--forget-sentences", action="store_true", help="do not write sentence_to_index")
     p.add_argument("--use-sentence-keys", action="store_true", help="key datasets by the sentence text, not the line index")
-    p.add_argument("--state", choices=("stateless", "warm", "stateful"), default="stateless",
+    p.add_argument("--state", choices=STATE_MODES, default="stateless",
                    help="LSTM state mode (default stateless; stateful = AllenNLP/bilm-tf behaviour)")
     p.add_argument("--window-tokens", type=int, default=0,
                    help="embed sentences longer than this as overlapping windows, stitched (model/windows.py); "
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_lines(url: str) -> list[str]:
     """Lines of a text file, stripped; split on '\\n' only (not on U+2028 etc.)."""
-    from model.io import open_url
+    from storage import open_url
     with open_url(url, "rt", encoding="utf-8", newline="\n") as f:
         return [line.strip() for line in f]
 
@@ -62,22 +62,17 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise SystemExit("error: --batch-size must be >= 1")
-    if args.max_tokens_per_batch < 0 or (args.max_tokens_per_batch and args.state == "stateful"):
-        raise SystemExit("error: --max-tokens-per-batch must be >= 0, and needs --state stateless or warm "
-                         "(stateful batches are consecutive sentences)")
+    if args.max_tokens_per_batch < 0:
+        raise SystemExit("error: --max-tokens-per-batch must be >= 0")
     if (args.options_file is None) != (args.weight_file is None):
         raise SystemExit("error: give both --options-file and --weight-file, or neither (the shipped default model)")
-    if args.window_tokens:
-        from model.windows import check_window, default_overlap
-        if args.window_overlap is None:
-            args.window_overlap = default_overlap(args.window_tokens)
-        try:
-            check_window(args.window_tokens, args.window_overlap, args.window_tokens + 2)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
-        if args.state == "stateful":
-            raise SystemExit("error: --window-tokens needs --state stateless or warm (stateful carries state "
-                             "between consecutive sentences, windows are not sentences)")
+    from pipeline.validate import check_state, check_windows
+    try:
+        check_state(args.state, budget_batches=args.max_tokens_per_batch > 0, windows=args.window_tokens > 0)
+        if args.window_tokens:
+            args.window_overlap = check_windows(args.window_tokens, args.window_overlap, args.window_tokens + 2)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     lines = read_lines(args.input_file)
     if args.use_sentence_keys:
         bad = [s for s in lines if "/" in s or s in ("", "sentence_to_index")]

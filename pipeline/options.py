@@ -5,7 +5,10 @@ import os
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from model.options import COMPUTE_DTYPES
+from formats.layout import FORMATS, PARQUET_LAYOUTS, STORAGE_DTYPES
+from model.options import COMPUTE_DTYPES, STATE_MODES
+from transforms.read import INPUT_FORMATS
+from transforms.tokenize import TOKENIZERS
 
 
 class ElmoOptions(PipelineOptions):
@@ -14,7 +17,7 @@ class ElmoOptions(PipelineOptions):
         g = parser.add_argument
         g("--input", action="append", default=None,
           help="input file, glob or URL (repeatable); .gz/.bz2/.zst/.xz decompressed by name")
-        g("--input-format", choices=("text", "lines", "jsonl", "parquet"), default="text",
+        g("--input-format", choices=INPUT_FORMATS, default="text",
           help="text: one document per line; lines: one sentence per line; jsonl; parquet (default text)")
         g("--text-field", default="text", help="JSONL field / Parquet column holding the text (default text)")
         g("--id-field", default=None, help="JSONL field / Parquet column holding the document id "
@@ -22,9 +25,9 @@ class ElmoOptions(PipelineOptions):
         g("--output", default=None, help="output folder (path or URL)")
         g("--overwrite", action="store_true", help="replace a finished run in --output")
         g("--format", default="parquet,hdf5", help="comma-separated: parquet, hdf5 (default both)")
-        g("--parquet-layout", choices=("sentence", "token"), default="sentence",
+        g("--parquet-layout", choices=PARQUET_LAYOUTS, default="sentence",
           help="sentence: one row per sentence (default); token: one row per token (BigQuery)")
-        g("--tokenizer", choices=("raw", "whitespace"), default="raw",
+        g("--tokenizer", choices=TOKENIZERS, default="raw",
           help="raw: sentence split + Moses tokens (default); whitespace: pre-tokenized, no sentence split")
         g("--max-sentence-tokens", type=int, default=100_000,
           help="hard cap: longer sentences go to the dead letters (default 100000; was 1000)")
@@ -43,10 +46,10 @@ class ElmoOptions(PipelineOptions):
         g("--vocab-file", default=None, help="vocabulary, for word-encoder models only")
         g("--model", default=None, help="a shipped model by name (default: the shipped default)")
         g("--device", default="auto", help="auto | cpu | cuda | cuda:N (a missing GPU is an error)")
-        g("--state", choices=("stateless", "warm", "stateful"), default="stateless",
+        g("--state", choices=STATE_MODES, default="stateless",
           help="LSTM state mode (default stateless; stateful needs one worker and keeps input order)")
         g("--layers", default="all", help="all | top | average | comma-separated indices (default all)")
-        g("--dtype", choices=("float32", "float16"), default="float32", help="storage precision (default float32)")
+        g("--dtype", choices=STORAGE_DTYPES, default="float32", help="storage precision (default float32)")
         g("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",
           help="precision the biLM runs in: float32 (default, exact), bfloat16 or float16 for GPUs "
           "(within 1e-2 relative error per layer)")
@@ -66,7 +69,7 @@ class ElmoOptions(PipelineOptions):
 
     def formats(self) -> list[str]:
         fmts = [f.strip() for f in self.format.split(",") if f.strip()]
-        bad = [f for f in fmts if f not in ("parquet", "hdf5")]
+        bad = [f for f in fmts if f not in FORMATS]
         if not fmts or bad:
             raise ValueError(f"--format takes parquet and/or hdf5, got {self.format!r}")
         return fmts

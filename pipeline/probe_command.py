@@ -15,6 +15,7 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from formats.layout import FORMATS
     p.add_argument("--train", required=True, help="pipeline output folder (path or URL) with the training sentences")
     p.add_argument("--dev", help="output folder for model selection (best epoch by dev accuracy)")
     p.add_argument("--test", help="output folder to report on")
@@ -34,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "weights), frozen (random fixed weights), learned (per-token MLP over all layers)")
     p.add_argument("--settings", default="layers,mix",
                    help="comma list: layer<K>, 'layers' (every layer alone), mix-<combination>, 'mix' (every --combine)")
-    p.add_argument("--format", choices=("parquet", "hdf5"), help="which output format to read (default: parquet if written)")
+    p.add_argument("--format", choices=FORMATS, help="which output format to read (default: parquet if written)")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)

@@ -1,8 +1,9 @@
 """`python -m pipeline.run`: corpus in, per-layer ELMo vectors out (Parquet + HDF5), on any Beam runner.
 
-Graph: ListFiles -> ReadFiles -> [Reshuffle] -> Tokenize -> [SkipCommitted, when resuming] -> SortAndBatch
+Graph (build()): ListFiles -> ReadFiles -> [SpreadDocuments] -> Tokenize -> [SkipCommitted] -> SortAndBatch
        -> Embed -> WriteShards -> Finalize (after all shards: move to final names, manifest.json, _SUCCESS);
        dead letters from Read/Tokenize/Embed -> WriteDeadLetters -> Finalize; record counts -> Finalize.
+What varies with the options is settled once, before the graph, in plan().
 The local default runner is FnApiRunner (never Prism, which Beam would try to download).
 """
 from __future__ import annotations
@@ -11,19 +12,32 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 
 import apache_beam as beam
 from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions, S3Options,
                                                   SetupOptions, StandardOptions)
 
+from formats import layout
+from formats.hdf5 import hdf5_layout
+from formats.parquet import layer_columns
+from model.options import load_options
 from pipeline.options import ElmoOptions, default_torch_threads
+from pipeline.validate import check_model, check_numbers, check_output_writable, check_state
+from storage import expand
+from transforms import embed as E
+from transforms.dofns import (DEAD, STATS, Embed, ReadFiles, SkipCommitted, SortAndBatch, SumCounts, Tokenize,
+                              WriteDeadLetters, WriteShards)
+from transforms.read import file_labels
+from transforms.resume import OutputState, input_fingerprints, prepare_output, run_ingredients, run_key
+from transforms.write import complete_finalize, finalize
 
 logger = logging.getLogger("elmo-pipeline.run")
 LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
 
 
 def storage_options(opts: PipelineOptions) -> dict:
-    """fsspec storage options {protocol: {...}} from Beam's standard --s3_* flags (one config for both),
+    """Storage options {protocol: {...}} from Beam's standard --s3_* flags (one config for both),
     plus botocore's retry policy from --s3-max-attempts."""
     s3 = opts.view_as(S3Options)
     so = {}
@@ -50,118 +64,127 @@ def resolve_model(o: ElmoOptions) -> tuple[str, str, str | None, str]:
     return options, weights, o.vocab_file or vocab, name
 
 
+@dataclass
+class Plan:
+    """Everything the graph needs, settled once from the options (plan())."""
+    o: ElmoOptions
+    so: dict                       # storage options {protocol: {...}}
+    files: list[str]               # expanded inputs
+    labels: dict[str, str]         # file URL -> label used in document ids
+    formats: list[str]
+    spec: E.ModelSpec
+    selection: list[int] | str     # layer indices or 'average'
+    columns: list[tuple[str, int]] # Parquet columns and widths
+    spread_documents: bool         # Reshuffle documents over workers (clusters; not one local worker)
+    sort: bool                     # length-sort batches (not stateful: its batches are consecutive sentences)
+    sentence_limit: int            # longer sentences are dead letters
+    limit_flag: str                # the flag to name in their reason
+    window: int                    # windowed sentences (0: none, stateful)
+    progress: bool
+    output: OutputState            # fresh / resume / finalize, the staging folder, committed shards
+    manifest: dict                 # manifest.json as known before the run
+
+
 def _num_local_workers(opts: PipelineOptions) -> int:
     d = opts.view_as(DirectOptions)
     return (d.direct_num_workers or 1) if d.direct_running_mode == "multi_processing" else 1
 
 
-def build(p: beam.Pipeline, opts: PipelineOptions) -> dict | None:
-    """Add the graph to `p`; returns the manifest skeleton (model identity, options).
-
-    Returns None, adding nothing, when --output only lacked the end of an interrupted Finalize of the
-    same command (same run key, transforms/resume.py), which is then completed here."""
-    from model.options import load_options
-    from transforms import embed as E
-    from transforms.dofns import (DEAD, Embed, ReadFiles, SkipCommitted, SortAndBatch, Tokenize,
-                                  WriteDeadLetters, WriteShards)
-    from pipeline.validate import check_model, check_numbers, check_output_writable
-    from transforms.dofns import STATS, SumCounts
-    from transforms.read import expand_inputs, file_labels, record_counts
-    from transforms.resume import input_fingerprints, prepare_output, run_ingredients, run_key
-    from transforms.write import complete_finalize, finalize
-
+def plan(opts: PipelineOptions) -> Plan:
+    """Check the options, the model and --output, and settle what the graph does. --output is touched last
+    (prepare_output), after every check passed."""
     o = opts.view_as(ElmoOptions)
     if not o.input or not o.output:
         raise ValueError("--input and --output are required")
     check_numbers(o)
     formats = o.formats()
     so = storage_options(opts)
-    files = expand_inputs(o.input, so)
-    labels = file_labels(files)
+    files = expand(o.input, so)
     options_file, weight_file, vocab_file, model_name = resolve_model(o)
     bilm_opts = load_options(options_file)
     n_layers, dim = bilm_opts.n_layers + 1, bilm_opts.output_dim
     selection = E.parse_layers(o.layers, n_layers)
-    columns = E.layer_columns(selection, dim, o.duplicate_layer0)
-    runner = opts.view_as(StandardOptions).runner or "FnApiRunner"
-    local = runner in LOCAL_RUNNERS
+    columns = layer_columns(selection, dim, o.duplicate_layer0)
+    local = (opts.view_as(StandardOptions).runner or "FnApiRunner") in LOCAL_RUNNERS
     workers = _num_local_workers(opts)
-    if o.state == "stateful" and workers > 1:
-        raise ValueError("--state stateful keeps input order in consecutive batches: run it with one worker")
+    check_state(o.state, workers=workers)
+    stateful = o.state == "stateful"
     threads = o.torch_threads or (default_torch_threads(workers) if local else 0)
     spec = E.ModelSpec(options_file, weight_file, vocab_file, o.device, o.state, threads, o.compute_dtype)
     if local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
-        from model.embedder import resolve_device
+        from model.device import resolve_device
         resolve_device(o.device)
-    progress = o.progress == "on" or (o.progress == "auto" and local and sys.stderr.isatty())
     model = check_model(options_file, weight_file)       # a bad model fails here, not in every worker
     check_output_writable(o.output, so)          # last check: nothing was created before it
     identity = E.model_identity(spec)
     flags = {k: getattr(o, k) for k in o._visible_option_list()}
     ingredients = run_ingredients(flags, input_fingerprints(files, so), identity)
     key = run_key(ingredients)
-    state = prepare_output(o.output, key, ingredients, o.overwrite, so, resumable=o.state != "stateful")
-    if state.action == "finalize":
-        complete_finalize(o.output, state.staging, so)
-        return None
-    staging, resumed = state.staging, state.shards
+    state = prepare_output(o.output, key, ingredients, o.overwrite, so, resumable=not stateful)
     if local and workers == 1:     # the worker runs in this process: it takes the model loaded above
         E.offer_model(options_file, weight_file, model)
-    manifest = {
-        "model": {"name": model_name, **identity},
-        "layers": [c for c, _ in columns], "layer_dims": {c: d for c, d in columns},
-        "hdf5_layout": E.hdf5_layout(selection, n_layers),
-        "dtype": o.dtype, "compute_dtype": o.compute_dtype, "state": o.state, "tokenizer": o.tokenizer, "formats": formats,
-        "parquet_layout": o.parquet_layout, "duplicate_layer0": o.duplicate_layer0,
-        "inputs": files, "input_format": o.input_format,
-        "options": flags,
-        "run": {"key": key, "resumed_shards": len(resumed), "resumed_sentences": state.sentences},
-    }
-
-    names = p | "ListFiles" >> beam.Create(files)
-    read = (names | "SpreadFiles" >> beam.Reshuffle()
-            | "ReadFiles" >> beam.ParDo(ReadFiles(o.input_format, labels, o.text_field, o.id_field, so))
-            .with_outputs(DEAD, STATS, main="docs"))
-    docs = read.docs
-    # Spreading documents over workers pays on a cluster; a local runner materializes a Reshuffle in
-    # memory (peak RSS grew with the corpus: benchmarks/pipeline_memory.py), so one local worker skips it.
-    if o.state != "stateful" and not (local and workers == 1):
-        docs = docs | "SpreadDocuments" >> beam.Reshuffle()
     # stateful mode embeds sentences whole (windows are not consecutive sentences): longer than the window is dead
     limit, flag = o.max_sentence_tokens, "--max-sentence-tokens"
-    if o.state == "stateful" and o.window_tokens < limit:
+    if stateful and o.window_tokens < limit:
         limit, flag = o.window_tokens, "--window-tokens (--state stateful embeds sentences whole)"
-    tok = docs | "Tokenize" >> beam.ParDo(Tokenize(o.tokenizer, limit, flag)).with_outputs(DEAD, main="items")
+    manifest = layout.manifest_header(
+        {"name": model_name, **identity}, columns, hdf5_layout(selection, n_layers), flags, formats, files,
+        {"key": key, "resumed_shards": len(state.records), "resumed_sentences": state.sentences})
+    return Plan(o, so, files, file_labels(files), formats, spec, selection, columns,
+                # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
+                # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
+                spread_documents=not stateful and not (local and workers == 1), sort=not stateful,
+                sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
+                progress=o.progress == "on" or (o.progress == "auto" and local and sys.stderr.isatty()),
+                output=state, manifest=manifest)
+
+
+def build(p: beam.Pipeline, pl: Plan) -> None:
+    """The graph, top to bottom."""
+    o, so, staging = pl.o, pl.so, pl.output.staging
+    read = (p
+            | "ListFiles" >> beam.Create(pl.files)
+            | "SpreadFiles" >> beam.Reshuffle()
+            | "ReadFiles" >> beam.ParDo(ReadFiles(o.input_format, pl.labels, o.text_field, o.id_field, so))
+            .with_outputs(DEAD, STATS, main="docs"))
+    docs = read.docs
+    if pl.spread_documents:
+        docs = docs | "SpreadDocuments" >> beam.Reshuffle()
+    tok = docs | "Tokenize" >> beam.ParDo(Tokenize(o.tokenizer, pl.sentence_limit, pl.limit_flag)).with_outputs(DEAD, main="items")
     items = tok.items
-    if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
-        items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(state.record_paths, so))
-    batches = items | "SortAndBatch" >> beam.ParDo(
-        SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=o.state != "stateful"))
-    emb = batches | "Embed" >> beam.ParDo(
-        Embed(spec, selection, o.duplicate_layer0, o.dtype, formats, progress,
-              window=0 if o.state == "stateful" else o.window_tokens, overlap=o.window_overlap,
-              max_tokens=o.max_tokens_per_batch)).with_outputs(DEAD, main="rows")
+    if pl.output.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
+        items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(pl.output.record_paths, so))
+    emb = (items
+           | "SortAndBatch" >> beam.ParDo(SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort))
+           | "Embed" >> beam.ParDo(Embed(pl.spec, pl.selection, o.duplicate_layer0, o.dtype, pl.formats, pl.progress,
+                                         window=pl.window, overlap=o.window_overlap,
+                                         max_tokens=o.max_tokens_per_batch)).with_outputs(DEAD, main="rows"))
     shards = emb.rows | "WriteShards" >> beam.ParDo(WriteShards(
-        staging, formats, o.parquet_layout, columns, o.dtype, o.row_group_bytes, o.shard_sentences, so, o.shard_bytes))
-    dead = ((read[DEAD], tok[DEAD], emb[DEAD]) | "CollectDeadLetters" >> beam.Flatten()
+        staging, pl.formats, o.parquet_layout, pl.columns, o.dtype, o.row_group_bytes, o.shard_sentences, so,
+        o.shard_bytes))
+    dead = ((read[DEAD], tok[DEAD], emb[DEAD])
+            | "CollectDeadLetters" >> beam.Flatten()
             | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetters(staging, so)))
     n_docs = docs | "CountDocuments" >> beam.combiners.Count.Globally()
     n_records = read[STATS] | "CountRecords" >> beam.CombineGlobally(SumCounts())
+    manifest, output, resumed = pl.manifest, o.output, pl.output.shards
 
     def _finalize(_, shard_infos, dead_infos, documents, records):
         m = json.loads(json.dumps(manifest, default=str))
         m.setdefault("counts", {})["documents"] = documents
-        m["counts"].update(record_counts(records, dead_infos))
-        yield finalize(o.output, staging, resumed + list(shard_infos), dead_infos, m, so)
+        m["counts"].update(layout.record_counts(records, dead_infos))
+        yield finalize(output, staging, resumed + list(shard_infos), dead_infos, m, so)
 
     (p | "FinalizeTrigger" >> beam.Create([None])
        | "Finalize" >> beam.ParDo(_finalize, beam.pvalue.AsList(shards), beam.pvalue.AsList(dead),
                                   beam.pvalue.AsSingleton(n_docs), beam.pvalue.AsSingleton(n_records)))
-    return manifest
 
 
 def run(argv: list[str] | None = None, save_main_session: bool = False):
-    """Build and run the pipeline; waits for it and returns the PipelineResult."""
+    """Plan, build and run the pipeline; waits for it and returns the PipelineResult.
+
+    When --output only lacked the end of an interrupted Finalize of the same command (same run key,
+    transforms/resume.py), that is completed and no pipeline runs."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a == "--runner" or a.startswith("--runner=") for a in argv):
         argv.append("--runner=FnApiRunner")
@@ -170,16 +193,18 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
     opts = PipelineOptions(argv)
     opts.view_as(SetupOptions).save_main_session = save_main_session
     t0 = time.perf_counter()
-    p = beam.Pipeline(options=opts)
     try:
-        if build(p, opts) is None:
+        pl = plan(opts)
+        if pl.output.action == "finalize":
+            complete_finalize(pl.o.output, pl.output.staging, pl.so)
             result = FinalizeOnly()
         else:
+            p = beam.Pipeline(options=opts)
+            build(p, pl)
             result = p.run()
             result.wait_until_finish()
     finally:
-        from transforms.embed import withdraw_models
-        withdraw_models()
+        E.withdraw_models()
     result.elapsed_seconds = time.perf_counter() - t0
     return result
 

@@ -49,18 +49,41 @@ POSITIVE = ("max_sentence_tokens", "max_tokens_per_batch", "sort_buffer", "row_g
 
 
 def check_numbers(o) -> None:
-    """ValueError for a non-positive budget or size, a negative thread count, or a window that cannot advance."""
-    from model.windows import check_window
+    """ValueError for a non-positive budget or size, a negative thread count, or a window that cannot advance.
+    Fills in the default --window-overlap."""
     for name in POSITIVE:
         v = getattr(o, name, None)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if o.torch_threads is not None and o.torch_threads < 0:
         raise ValueError(f"--torch-threads must be >= 0 (0: automatic), got {o.torch_threads}")
-    from model.windows import default_overlap
-    if o.window_overlap is None and o.window_tokens and o.window_tokens > 0:
-        o.window_overlap = default_overlap(o.window_tokens)
-    check_window(o.window_tokens, o.window_overlap if o.window_overlap is not None else 0, o.max_tokens_per_batch)
+    o.window_overlap = check_windows(o.window_tokens, o.window_overlap, o.max_tokens_per_batch)
+
+
+def check_windows(window_tokens: int, window_overlap: int | None, max_tokens: int) -> int:
+    """The window overlap to use (the default when None) for windows of `window_tokens` under a batch budget;
+    ValueError for windows that cannot advance. Shared by `run` and `elmo`."""
+    from model.windows import check_window, default_overlap
+    if window_overlap is None:
+        window_overlap = default_overlap(window_tokens) if window_tokens > 0 else 0
+    check_window(window_tokens, window_overlap, max_tokens)
+    return window_overlap
+
+
+def check_state(state: str, *, workers: int = 1, budget_batches: bool = False, windows: bool = False) -> None:
+    """The rules of --state stateful (AllenNLP/bilm-tf behaviour: each batch row carries its LSTM state to
+    the next batch, so batches are consecutive input sentences): one worker, no length-sorted token-budget
+    batches, no windows (windows are not consecutive sentences). Shared by `run` and `elmo`."""
+    if state != "stateful":
+        return
+    if workers > 1:
+        raise ValueError("--state stateful keeps input order in consecutive batches: run it with one worker")
+    if budget_batches:
+        raise ValueError("--max-tokens-per-batch needs --state stateless or warm (stateful batches are "
+                         "consecutive sentences)")
+    if windows:
+        raise ValueError("--window-tokens needs --state stateless or warm (stateful carries state between "
+                         "consecutive sentences, windows are not sentences)")
 
 
 def check_model(options_file: str, weight_file: str):
@@ -86,7 +109,7 @@ def check_output_writable(output: str, storage_options: dict | None = None) -> N
         if not os.access(parent, os.W_OK | os.X_OK):
             raise PermissionError(f"--output {output}: {parent} is not writable")
         return
-    from transforms.write import url_fs
+    from storage import url_fs
     fs, root = url_fs(output, storage_options)
     probe = posixpath.join(root, f"_write_probe-{uuid.uuid4().hex}")
     try:

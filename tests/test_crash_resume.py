@@ -15,7 +15,9 @@ import pytest
 from pipeline.run import main
 from tests.resume_helpers import argv, assert_same_output, read_output, run_subprocess, write_corpus
 from transforms import resume
-from transforms.write import PLAN, Row, stage_shard
+from formats.layout import PLAN
+from transforms.records import Row
+from transforms.write import stage_shard
 
 SMALL = ("--shard-sentences", "4", "--max-tokens-per-batch", "256")   # 47 sentences: 12 shards, 5 batches
 
@@ -172,7 +174,7 @@ def test_worker_process_killed_then_rerun(corpus, tiny_model_files, reference, t
 def _rows(ids):
     import numpy as np
 
-    from transforms.batching import Item
+    from transforms.records import Item
     return [Row(Item(i, i.split("#")[0], 0, ("a", "b"), ((0, 1), (2, 3))),
                 [np.ones((2, 2), np.float32)], np.ones((1, 2, 2), np.float32)) for i in ids]
 

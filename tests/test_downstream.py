@@ -9,12 +9,13 @@ import torch
 from downstream.combine import LearnedCombine, MixLayers, SelectLayer, make_combiner
 from downstream.labels import load_sentence_labels, read_conllu
 from downstream.probe import macro_f1
-from downstream.readers import (ElmoDataset, ElmoIterableDataset, ElmoOutput, collate, hdf5_unkey, to_arrow_table,
+from formats.hdf5 import hdf5_unkey
+from downstream.readers import (ElmoDataset, ElmoIterableDataset, ElmoOutput, collate, to_arrow_table,
                                 to_hf_dataset)
 from model.embedder import ElmoEmbedder
 from pipeline.cli import main as cli_main
 from tests.pipeline_helpers import run_pipeline
-from transforms.write import hdf5_key
+from formats.hdf5 import hdf5_key
 
 SENTENCES = [
     ("d/1", "The cat sat on the mat ."),

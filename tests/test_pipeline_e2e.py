@@ -13,7 +13,7 @@ import pytest
 from model.embedder import ElmoEmbedder
 from pipeline.run import main
 from tests.pipeline_helpers import hdf5_arrays, layer_arrays, parquet_rows, run_pipeline
-from transforms.write import hdf5_key
+from formats.hdf5 import hdf5_key
 
 DOCS = [
     "The lighthouse keeper counted the ships every evening. Most nights there were none!",

@@ -12,10 +12,15 @@ import pytest
 
 from transforms import embed as E
 from model.batching import plan_batches
-from transforms.batching import Item, padding
-from transforms.read import Blank, DeadLetter, Document, expand_inputs, file_labels, read_documents
+from model.batching import padding
+from transforms.records import Blank, Document, Item, Row
+from formats.layout import DeadLetter, ShardInfo
+from storage import expand as expand_inputs
+from transforms.read import file_labels, read_documents
 from transforms.tokenize import align_tokens, tokenize_document, tokenize_text
-from transforms.write import Row, ShardInfo, finalize, hdf5_key, sentence_table, stage_shard, token_table
+from formats.hdf5 import hdf5_key
+from formats.parquet import layer_columns, sentence_table, token_table
+from transforms.write import finalize, stage_shard
 
 TEXT = 'Dr. Smith left the U.S. in 2001. He said "hello, world" -- it\'s a well-known <unk> fact!'
 
@@ -88,27 +93,29 @@ def test_layer_selection():
     for bad in ("3", "x", "1,1"):
         with pytest.raises(ValueError):
             E.parse_layers(bad, 3)
-    assert E.layer_columns([0, 2], 4, False) == [("layer_0", 2), ("layer_2", 4)]
+    assert layer_columns([0, 2], 4, False) == [("layer_0", 2), ("layer_2", 4)]
     l0, l2 = E.select(v, [0, 2], False, "float16")
     assert l0.shape == (2, 2) and l0.dtype == np.float16 and np.array_equal(l2, v[2].astype(np.float16))
     assert E.hdf5_array(v, [2], "float32").shape == (2, 4) and E.hdf5_array(v, [0, 1], "float32").shape == (2, 2, 4)
     assert np.allclose(E.hdf5_array(v, "average", "float32"), v.mean(0))
 
 
-def test_pick_device_never_falls_back_to_cpu():
+def test_device_chooser_never_falls_back_to_cpu():
     import torch
+
+    from model.device import resolve_device
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    assert E.pick_device("auto") == "cpu"
-    for d in ("cuda", "cuda:1"):
+    assert resolve_device("auto", share_gpus=True) == torch.device("cpu") == resolve_device(-1)
+    for d in ("cuda", "cuda:1", 0):
         with pytest.raises(RuntimeError):
-            E.pick_device(d)
+            resolve_device(d, share_gpus=True)
 
 
 def test_claim_gpu_gives_each_holder_its_own(tmp_path):
     import subprocess
     import sys
-    code = ("import sys, time; from transforms.embed import claim_gpu; "
+    code = ("import sys, time; from model.device import claim_gpu; "
             f"print(claim_gpu(2, {str(tmp_path)!r}), flush=True); time.sleep(3)")
     p1 = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     first = p1.stdout.readline().strip()
@@ -163,7 +170,7 @@ def test_stage_and_finalize(tmp_path):
 def test_finalize_lists_dead_letters(tmp_path):
     from transforms.write import stage_dead_letters
     out = str(tmp_path / "o")
-    d = stage_dead_letters([DeadLetter("f:1#0", "too long", "x"), DeadLetter("f:2", "unreadable record", "{")], out + "/_staging/r")
+    d = stage_dead_letters([DeadLetter("f:1#0", "too long", "x"), DeadLetter("f:2", "unreadable record", "{", level="record")], out + "/_staging/r")
     assert isinstance(d, ShardInfo)
     m = finalize(out, out + "/_staging/r", [], [d], {})
     assert m["counts"]["dead_letters"] == 2 and m["counts"]["dead_letter_sentences"] == 1

@@ -8,7 +8,7 @@ from model.embedder import ElmoEmbedder
 from tests.conftest import shared_path
 from tests.pipeline_helpers import hdf5_arrays, layer_arrays, parquet_rows, run_pipeline
 from transforms.tokenize import tokenize_document
-from transforms.write import hdf5_key
+from formats.hdf5 import hdf5_key
 
 
 @pytest.fixture(scope="module")

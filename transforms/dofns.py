@@ -11,15 +11,16 @@ from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils import shared
 from apache_beam.utils.windowed_value import WindowedValue
 
-from transforms import embed as E
+from formats.layout import EXCERPT_CHARS, DeadLetter, sentence_id
+from model.batching import padding, plan_batches
 from model.windows import effective_window, embed_long
-from model.batching import plan_batches
-from transforms.batching import Item, padding, sentence_id
+from transforms import embed as E
 from transforms.faults import crash_point
-from transforms.read import EXCERPT_CHARS, Blank, DeadLetter, Document, read_documents, reason_kind
+from transforms.read import read_documents
+from transforms.records import Blank, Document, Item, Row
 from transforms.resume import load_done_ids
 from transforms.tokenize import tokenize_document
-from transforms.write import Row, stage_dead_letters, stage_shard
+from transforms.write import stage_dead_letters, stage_shard
 
 NS = "elmo"
 DEAD = "dead"
@@ -309,11 +310,4 @@ class WriteDeadLetters(beam.DoFn):
     def finish_bundle(self):
         if self.buf:
             letters, self.buf = self.buf, []
-            info = stage_dead_letters(letters, self.staging, self.so)
-            # by level, not by '#' in the id (a file name or an --id-field value may hold a '#')
-            info.extra["sentence_level"] = sum(1 for d in letters if getattr(d, "level", "sentence") == "sentence")
-            by_reason: dict[str, int] = {}
-            for d in letters:
-                by_reason[reason_kind(d.reason)] = by_reason.get(reason_kind(d.reason), 0) + 1
-            info.extra["by_reason"] = by_reason
-            yield _windowed(info)
+            yield _windowed(stage_dead_letters(letters, self.staging, self.so))

@@ -1,19 +1,13 @@
-"""Model loading, device choice and layer selection for the pipeline. No Beam import.
+"""Model loading and layer selection for the pipeline's workers. No Beam import.
 
 Embedder output per sentence: float32 (L, T, 2P), L = LSTM layers + 1, layer 0 = token vector
 duplicated ([x, x]). Selections: "all" | "top" | "average" | "0,1,2" (layer indices).
 """
 from __future__ import annotations
 
-import fcntl
-import os
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
-
-DTYPES = ("float32", "float16")
-_GPU_LOCKS: list = []   # flock'd files held for the life of the process
 
 
 @dataclass(frozen=True)
@@ -48,13 +42,6 @@ def parse_layers(spec: str, n_layers: int) -> list[int] | str:
     return layers
 
 
-def layer_columns(selection: list[int] | str, dim: int, duplicate_layer0: bool) -> list[tuple[str, int]]:
-    """[(column name, vector size D)] for the Parquet output; layer 0 has D = dim/2 unless duplicated."""
-    if selection == "average":
-        return [("average", dim)]
-    return [(f"layer_{k}", dim // 2 if k == 0 and not duplicate_layer0 else dim) for k in selection]
-
-
 def select(vectors: np.ndarray, selection: list[int] | str, duplicate_layer0: bool, dtype: str) -> list[np.ndarray]:
     """Per column a (T, D) array from one sentence's (L, T, 2P) output, cast to `dtype`."""
     if selection == "average":
@@ -78,48 +65,6 @@ def hdf5_array(vectors: np.ndarray, selection: list[int] | str, dtype: str) -> n
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
-def hdf5_layout(selection: list[int] | str, n_layers: int) -> str:
-    """What hdf5_array gives: '(T, D)' for top/average, else '(layers, T, D)'."""
-    if selection == "average" or selection == [n_layers - 1]:
-        return "(T, D)"
-    return "(layers, T, D)"
-
-
-def claim_gpu(n_gpus: int, lock_dir: str | None = None) -> int:
-    """Index of a GPU no other process on this machine holds (flock per GPU, held until exit).
-
-    Falls back to pid % n_gpus when all are held."""
-    lock_dir = lock_dir or tempfile.gettempdir()
-    for i in range(n_gpus):
-        f = open(os.path.join(lock_dir, f"elmo-pipeline-gpu-{i}.lock"), "w")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            continue
-        _GPU_LOCKS.append(f)
-        return i
-    return os.getpid() % n_gpus
-
-
-def pick_device(device: str) -> str:
-    """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> a concrete device; 'cuda'/'auto' take this process's own GPU.
-
-    A requested GPU that is missing raises RuntimeError (never a CPU fallback)."""
-    import torch
-    if device == "cpu":
-        return "cpu"
-    if device == "auto" and not torch.cuda.is_available():
-        return "cpu"
-    if device in ("auto", "cuda"):
-        if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda requested but no CUDA GPU is available")
-        n = torch.cuda.device_count()
-        return f"cuda:{claim_gpu(n)}" if n > 1 else "cuda:0"
-    from model.embedder import resolve_device
-    return str(resolve_device(device))
-
-
 _OFFERED: dict = {}   # (options_file, weight_file) -> a BiLM the launcher already loaded, in this process
 
 
@@ -139,11 +84,12 @@ def load_embedder(spec: ModelSpec):
     """An ElmoEmbedder for `spec` (sets torch's intra-op threads first when torch_threads > 0)."""
     import torch
 
+    from model.device import resolve_device
     from model.embedder import ElmoEmbedder
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
     model = _OFFERED.pop((spec.options_file, spec.weight_file), None)
-    return ElmoEmbedder(spec.options_file, spec.weight_file, device=pick_device(spec.device), model=model,
+    return ElmoEmbedder(spec.options_file, spec.weight_file, device=resolve_device(spec.device, share_gpus=True), model=model,
                         state=spec.state, vocab_file=spec.vocab_file, dtype=spec.compute_dtype)
 
 
@@ -151,7 +97,7 @@ def model_identity(spec: ModelSpec) -> dict:
     """Model files, weights sha256 and parsed options, for the manifest."""
     import json
 
-    from model.io import file_sha256, local_path, open_url
+    from storage import file_sha256, local_path, open_url
     with open_url(spec.options_file, "rt") as f:
         options = json.load(f)
     return {"options_file": spec.options_file, "weight_file": spec.weight_file, "vocab_file": spec.vocab_file,

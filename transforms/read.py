@@ -14,47 +14,13 @@ import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
-import fsspec
 import fsspec.utils
 
+from formats.layout import EXCERPT_CHARS, DeadLetter
+from storage import open_file
+from transforms.records import Blank, Document
+
 INPUT_FORMATS = ("text", "lines", "jsonl", "parquet")
-EXCERPT_CHARS = 200
-
-
-@dataclass(frozen=True)
-class Document:
-    """A document's id and text; `split_sentences` False means the record is one sentence."""
-    doc_id: str
-    text: str
-    split_sentences: bool = True
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    """A record or sentence that could not be embedded: id, reason, the first characters of it.
-
-    level "record": an input record that is not a document (id "<file>:<line>" or the id field);
-    level "sentence": a sentence of a document (id "<doc id>#<index>"; a document without tokens is
-    dead-lettered as its sentence #0, so every document has at least one sentence, written or dead)."""
-    id: str
-    reason: str
-    excerpt: str
-    level: str = "sentence"
-
-    def to_json(self) -> str:
-        return json.dumps({"id": self.id, "level": self.level, "reason": self.reason, "excerpt": self.excerpt},
-                          ensure_ascii=False)
-
-
-@dataclass(frozen=True)
-class Blank:
-    """A blank or whitespace-only record (str.isspace): counted in the manifest, not a document, not a dead letter."""
-    id: str
-
-
-def reason_kind(reason: str) -> str:
-    """The short kind of a dead-letter reason: the text before its first ':' ("too long", "no tokens", ...)."""
-    return reason.split(":", 1)[0]
 
 
 def decode_line(raw: bytes, record_id: str) -> str | DeadLetter:
@@ -66,30 +32,12 @@ def decode_line(raw: bytes, record_id: str) -> str | DeadLetter:
                           raw.decode("utf-8", "replace")[:EXCERPT_CHARS], level="record")
 
 
-def expand_inputs(patterns: list[str], storage_options: dict | None = None) -> list[str]:
-    """Sorted, de-duplicated file URLs matching the patterns. A pattern matching nothing is an error."""
-    files: list[str] = []
-    for pattern in patterns:
-        fs, _, paths = fsspec.get_fs_token_paths(pattern, storage_options=_opts(pattern, storage_options))
-        found = [p for p in paths if fs.isfile(p)]
-        if not found:
-            raise FileNotFoundError(f"input {pattern!r} matches no file")
-        files += [fs.unstrip_protocol(p) if "://" in pattern else p for p in found]
-    return sorted(set(files))
-
-
 def file_labels(files: list[str]) -> dict[str, str]:
     """file URL -> label: its path relative to the deepest folder common to all files."""
     if len(files) == 1:
         return {files[0]: posixpath.basename(files[0])}
     common = posixpath.commonpath([f.split("://", 1)[-1] for f in files])
     return {f: posixpath.relpath(f.split("://", 1)[-1], common) for f in files}
-
-
-def _opts(url: str, storage_options: dict | None) -> dict:
-    """fsspec storage options for `url`'s protocol out of {protocol: {...}}."""
-    proto = url.split("://", 1)[0] if "://" in url else "file"
-    return dict((storage_options or {}).get(proto, {}))
 
 
 def split_lines(f, block: int = 1 << 16) -> Iterator[bytes]:
@@ -182,13 +130,12 @@ def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_
     and so is a UTF-8 byte-order mark at the start of the file."""
     if fmt not in INPUT_FORMATS:
         raise ValueError(f"input format must be one of {INPUT_FORMATS}, got {fmt!r}")
-    opts = _opts(url, storage_options)
     if fmt == "parquet":
-        yield from _read_parquet(url, label, text_field, id_field, opts)
+        yield from _read_parquet(url, label, text_field, id_field, storage_options)
         return
     compression = fsspec.utils.infer_compression(url)
     zstd = compression == "zstd" and zstandard is not None
-    with fsspec.open(url, "rb", compression=None if zstd else compression, **opts) as f:
+    with open_file(url, "rb", storage_options, compression=None if zstd else compression) as f:
         for n, raw in enumerate(_lines_until_corrupt(_ZstdReader(f) if zstd else f), 1):
             if isinstance(raw, _Corrupt):     # one record dead letter for the unreadable rest of the file
                 yield DeadLetter(f"{label}:{n}", raw.reason, "", level="record")
@@ -226,9 +173,9 @@ def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_
             yield Document(doc_id, text) if text.strip() else Blank(doc_id)
 
 
-def _read_parquet(url, label, text_field, id_field, opts) -> Iterator[Document | DeadLetter]:
+def _read_parquet(url, label, text_field, id_field, storage_options) -> Iterator[Document | DeadLetter]:
     import pyarrow.parquet as pq
-    with fsspec.open(url, "rb", **opts) as f:
+    with open_file(url, "rb", storage_options) as f:
         pf = pq.ParquetFile(f)
         columns = [text_field] + ([id_field] if id_field else [])
         missing = [c for c in columns if c not in pf.schema_arrow.names]
@@ -248,16 +195,3 @@ def _read_parquet(url, label, text_field, id_field, opts) -> Iterator[Document |
                     yield Document(rid, text)
                 else:
                     yield Blank(rid)
-
-
-def record_counts(stats: dict, dead_infos: list) -> dict:
-    """Manifest counts that account for every input record, from ReadFiles' per-file stats and the staged
-    dead-letter files (ShardInfo with extra "sentence_level" and "by_reason"):
-    input_records = documents + blank_records + record_dead_letters."""
-    by_reason: dict[str, int] = {}
-    for d in dead_infos:
-        for k, v in d.extra.get("by_reason", {}).items():
-            by_reason[k] = by_reason.get(k, 0) + v
-    return {"input_records": stats.get("input_records", 0), "blank_records": stats.get("blank_records", 0),
-            "record_dead_letters": sum(d.sentences - d.extra.get("sentence_level", 0) for d in dead_infos),
-            "dead_letters_by_reason": dict(sorted(by_reason.items()))}

@@ -18,9 +18,10 @@ import json
 import posixpath
 from dataclasses import dataclass, field
 
-from transforms.write import PLAN, RECORDS, ShardInfo, atomic_write, clear_final, makedirs, url_fs
+from formats.layout import PLAN, RECORDS, RUN_FILE, STAGING, SUCCESS, ShardInfo, read_manifest
+from storage import atomic_write, makedirs, url_fs
+from transforms.write import clear_final
 
-RUN_FILE = "run.json"
 KEY_VERSION = 1
 # Options left out of the run key: they change neither which sentences are written nor their vectors
 # (beyond float32 round-off): layout (shard sizes, row groups), speed (threads, device), the output itself,
@@ -131,16 +132,16 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
     fs, root = url_fs(output, storage_options)
     fs.invalidate_cache()
     scheme = _scheme(output)
-    parent = posixpath.join(root, "_staging")
+    parent = posixpath.join(root, STAGING)
     st = posixpath.join(parent, key)
     state = OutputState("fresh", scheme + st, key)
-    if fs.exists(posixpath.join(root, "_SUCCESS")):
+    if fs.exists(posixpath.join(root, SUCCESS)):
         if not overwrite:
             raise FileExistsError(f"{output} holds a finished run (_SUCCESS); pass --overwrite to replace it")
         clear_final(fs, root)
         if fs.exists(parent):
             fs.rm(parent, recursive=True)
-    manifest = _read_json(fs, posixpath.join(root, "manifest.json"))
+    manifest = read_manifest(fs, root)
     if manifest is not None:
         if manifest.get("run", {}).get("key") == key:
             state.action = "finalize"

@@ -1,4 +1,4 @@
-"""Opening model files from local paths or any fsspec URL (s3://, gs://, https://, ...).
+"""Reading model files from local paths or any fsspec URL (s3://, gs://, https://, ...).
 
 Remote files are fetched once into a local cache (h5py needs a seekable local file).
 Cache folder: $ELMO_PIPELINE_CACHE, else ~/.cache/elmo-pipeline.
@@ -11,25 +11,25 @@ from pathlib import Path
 
 import fsspec
 
+from storage.fs import is_local_url as is_local
+from storage.fs import options_for, protocol
+
 
 def cache_dir() -> str:
     return os.environ.get("ELMO_PIPELINE_CACHE", str(Path.home() / ".cache" / "elmo-pipeline"))
 
 
-def is_local(url: str) -> bool:
-    return "://" not in str(url) or str(url).startswith("file://")
-
-
-def open_url(url: str, mode: str = "rb", **storage_options):
-    """fsspec.open for a path or URL; remote reads go through the local file cache."""
+def open_url(url: str, mode: str = "rb", storage_options: dict | None = None, **kwargs):
+    """fsspec.open for a path or URL (kwargs: encoding, newline, ...); remote reads go through the local
+    file cache. storage_options: {protocol: {...}}."""
     url = str(url)
     if is_local(url) or "w" in mode:
-        return fsspec.open(url, mode, **storage_options)
-    return fsspec.open(f"filecache::{url}", mode, filecache={"cache_storage": cache_dir()},
-                       **{url.split("://")[0]: storage_options} if storage_options else {})
+        return fsspec.open(url, mode, **kwargs, **options_for(url, storage_options))
+    return fsspec.open(f"filecache::{url}", mode, filecache={"cache_storage": cache_dir()}, **kwargs,
+                       **{protocol(url): options_for(url, storage_options)})
 
 
-def local_path(url: str, sha256: str | None = None, **storage_options) -> str:
+def local_path(url: str, sha256: str | None = None, storage_options: dict | None = None) -> str:
     """A local file path holding `url`'s bytes (downloaded into the cache if remote).
 
     If `sha256` is given the file is verified and a mismatch raises ValueError.
@@ -40,8 +40,8 @@ def local_path(url: str, sha256: str | None = None, **storage_options) -> str:
         if not os.path.exists(path):
             raise FileNotFoundError(f"no such file: {path}")
     else:
-        kw = {url.split("://")[0]: storage_options} if storage_options else {}
-        path = fsspec.open_local(f"filecache::{url}", filecache={"cache_storage": cache_dir()}, **kw)
+        path = fsspec.open_local(f"filecache::{url}", filecache={"cache_storage": cache_dir()},
+                                 **{protocol(url): options_for(url, storage_options)})
     if sha256 is not None:
         found = file_sha256(path)
         if found != sha256.lower():

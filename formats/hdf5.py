@@ -1,0 +1,31 @@
+"""HDF5 shards, AllenNLP's `elmo` layout: one float dataset per sentence, named by its id.
+
+Dataset names escape '%' as '%25' and '/' as '%2F' ('/' would make groups). Shape (layers, T, 2P) with
+layer 0 duplicated as AllenNLP does, or (T, 2P) for --layers top / average. No Beam import.
+"""
+from __future__ import annotations
+
+
+def hdf5_key(sentence_id: str) -> str:
+    """HDF5 dataset name of a sentence id."""
+    return sentence_id.replace("%", "%25").replace("/", "%2F")
+
+
+def hdf5_unkey(key: str) -> str:
+    """Sentence id of an HDF5 dataset name (inverse of hdf5_key)."""
+    return key.replace("%2F", "/").replace("%25", "%")
+
+
+def hdf5_layout(selection: list[int] | str, n_layers: int) -> str:
+    """The manifest's hdf5_layout: '(T, D)' for top/average, else '(layers, T, D)'."""
+    if selection == "average" or selection == [n_layers - 1]:
+        return "(T, D)"
+    return "(layers, T, D)"
+
+
+def write_hdf5(rows: list, path: str) -> None:
+    """rows with .item.id and .h5 (the sentence's array) -> one dataset each, in a local file."""
+    import h5py
+    with h5py.File(path, "w") as f:
+        for r in rows:
+            f.create_dataset(hdf5_key(r.item.id), data=r.h5)

@@ -1,0 +1,96 @@
+"""Local paths and fsspec URLs (s3://, gs://, memory://, ...): the project's one way to reach storage.
+
+Storage options travel in one shape everywhere: {protocol: {fsspec option: value}}, e.g.
+{"s3": {"endpoint_url": "http://127.0.0.1:5000", "key": "testing", "secret": "testing"}}, so one
+mapping serves inputs, outputs and model files on different stores. Public APIs that take the flat
+options of one URL's filesystem convert them once with keyed().
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+
+import fsspec
+
+
+def protocol(url: str) -> str:
+    """'s3' for 's3://b/k', 'file' for a local path or file:// URL."""
+    return str(url).split("://", 1)[0] if "://" in str(url) else "file"
+
+
+def options_for(url: str, storage_options: dict | None) -> dict:
+    """The flat fsspec options for `url`'s protocol out of {protocol: {...}} (a copy)."""
+    return dict((storage_options or {}).get(protocol(url), {}))
+
+
+def keyed(url: str, flat_options: dict | None) -> dict:
+    """{protocol of url: flat_options}: the project's shape for a public API's flat options."""
+    return {protocol(url): dict(flat_options)} if flat_options else {}
+
+
+def url_fs(url: str, storage_options: dict | None = None):
+    """(fsspec filesystem, path within it) for a local path or URL."""
+    return fsspec.core.url_to_fs(url, **options_for(url, storage_options))
+
+
+def open_file(url: str, mode: str = "rb", storage_options: dict | None = None, **kwargs):
+    """fsspec.open(url, mode) with the options for its protocol (kwargs: compression, encoding, ...)."""
+    return fsspec.open(url, mode, **kwargs, **options_for(url, storage_options))
+
+
+def expand(patterns: list[str], storage_options: dict | None = None) -> list[str]:
+    """Sorted, de-duplicated files matching paths, URLs or globs; a pattern matching no file is an error.
+    Remote matches keep their scheme (s3://bucket/key); local ones are plain paths."""
+    files: list[str] = []
+    for pattern in patterns:
+        fs, _, paths = fsspec.get_fs_token_paths(pattern, storage_options=options_for(pattern, storage_options))
+        found = [p for p in paths if fs.isfile(p)]
+        if not found:
+            raise FileNotFoundError(f"input {pattern!r} matches no file")
+        files += [fs.unstrip_protocol(p) if "://" in pattern else p for p in found]
+    return sorted(set(files))
+
+
+def is_local_fs(fs) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
+
+
+def is_local_url(url: str) -> bool:
+    return protocol(url) == "file"
+
+
+def makedirs(fs, path: str) -> None:
+    """Create a local folder; nothing on object stores (no folders there, and each call costs requests)."""
+    if is_local_fs(fs):
+        fs.makedirs(path, exist_ok=True)
+
+
+def move(fs, src: str, dst: str) -> None:
+    """A local rename (atomic), or an object store's server-side copy then delete (the copy appears whole)."""
+    if is_local_fs(fs):
+        fs.mv(src, dst)
+    else:
+        fs.cp_file(src, dst)
+        fs.rm_file(src)
+
+
+def atomic_write(fs, path: str, data: bytes) -> None:
+    """Write `path` so that no reader (and no crash) ever leaves a partial file under that name:
+    a local file is written beside it and renamed; an object store PUT is atomic by itself."""
+    if is_local_fs(fs):
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    else:
+        fs.pipe_file(path, data)
+
+
+def remove_temp_files(fs, root: str, names: tuple[str, ...]) -> None:
+    """atomic_write's temporary files of `names` under `root`, left by a process killed between writing
+    and renaming (local only: object stores have none)."""
+    if is_local_fs(fs):
+        for name in names:
+            for p in fs.glob(posixpath.join(root, name + ".tmp-*")):
+                fs.rm_file(p)
