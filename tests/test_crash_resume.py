@@ -19,6 +19,8 @@ from formats.layout import PLAN
 from transforms.records import Row
 from transforms.write import stage_shard
 
+pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
+
 SMALL = ("--shard-sentences", "4", "--max-tokens-per-batch", "256")   # 47 sentences: 12 shards, 5 batches
 
 

@@ -5,6 +5,8 @@ import pytest
 from pipeline.run import counters, run
 from tests.resume_helpers import argv, assert_same_output, read_output, write_corpus
 
+pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
+
 BUDGETS = ("4096", "1024", "256")
 
 

@@ -8,6 +8,8 @@ import pytest
 from downstream.readers import ElmoDataset, ElmoIterableDataset, ElmoOutput, to_arrow_table
 from tests.pipeline_helpers import moto_s3, run_pipeline
 
+pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
+
 
 @pytest.fixture(scope="module")
 def s3():

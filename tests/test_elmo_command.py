@@ -83,6 +83,7 @@ def test_stateful_matches_consecutive_batches(tiny_model_files, input_file, tmp_
             np.testing.assert_allclose(f[str(i)][...], v, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_console_script_help():
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "elmo", "--help"], capture_output=True, text=True)
     assert r.returncode == 0

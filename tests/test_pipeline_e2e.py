@@ -120,6 +120,7 @@ def test_cli_errors(tmp_path, tiny_model_files, small_run):
         assert main(base + ["--output", str(tmp_path / "y"), "--device", "cuda"]) == 2
 
 
+@pytest.mark.slow
 def test_cli_run_and_run_pipeline_sh(tmp_path, tiny_model_files, small_run):
     import subprocess
 

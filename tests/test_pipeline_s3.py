@@ -7,6 +7,8 @@ import pytest
 from pipeline.run import run
 from tests.pipeline_helpers import moto_s3
 
+pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
+
 DOC = "Seagulls argued over the last chip on the pier. Nobody intervened."
 
 

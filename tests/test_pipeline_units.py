@@ -112,6 +112,7 @@ def test_device_chooser_never_falls_back_to_cpu():
             resolve_device(d, share_gpus=True)
 
 
+@pytest.mark.slow
 def test_claim_gpu_gives_each_holder_its_own(tmp_path):
     import subprocess
     import sys

@@ -10,6 +10,8 @@ from tests.pipeline_helpers import hdf5_arrays, layer_arrays, parquet_rows, run_
 from transforms.tokenize import tokenize_document
 from formats.hdf5 import hdf5_key
 
+pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
+
 
 @pytest.fixture(scope="module")
 def valid(tmp_path_factory, tiny_model_files):

@@ -6,6 +6,8 @@ import pytest
 
 from model import ElmoEmbedder, load_bilm
 
+pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -9,6 +9,8 @@ from pipeline.run import main
 from tests.flaky_s3 import FlakyS3
 from tests.resume_helpers import argv, assert_same_output, read_output, run_subprocess, write_corpus
 
+pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
+
 OPTS = ("--shard-sentences", "8", "--max-tokens-per-batch", "256")
 
 
