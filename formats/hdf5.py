@@ -23,9 +23,9 @@ def hdf5_layout(selection: list[int] | str, n_layers: int) -> str:
     return "(layers, T, D)"
 
 
-def write_hdf5(rows: list, path: str) -> None:
-    """rows with .item.id and .h5 (the sentence's array) -> one dataset each, in a local file."""
+def write_hdf5(sentences, path: str) -> None:
+    """(sentence id, array) pairs -> one dataset each, in a local file."""
     import h5py
     with h5py.File(path, "w") as f:
-        for r in rows:
-            f.create_dataset(hdf5_key(r.item.id), data=r.h5)
+        for sid, arr in sentences:
+            f.create_dataset(hdf5_key(sid), data=arr)

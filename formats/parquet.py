@@ -10,12 +10,18 @@ Layer 0 is P wide (the token vector once) unless --duplicate-layer0; the others 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 ID_COLUMNS = ["id", "doc_id", "sentence_index", "token_index"]
 META_COLUMNS = ("id", "doc_id", "sentence_index", "tokens")   # sentence layout, before the layer columns
+VECTOR_PREFIXES = ("layer_", "average")                          # the vector columns
+# --vector-compression. Measured (benchmarks/host_cost.py): zstd makes float vectors ~18 % smaller and costs
+# ~1.6x the encoder's CPU; uncompressed they write fastest and every reader reads them unchanged.
+VECTOR_COMPRESSIONS = ("none", "zstd", "lz4", "snappy")
 
 
 def layer_columns(selection: list[int] | str, dim: int, duplicate_layer0: bool) -> list[tuple[str, int]]:
@@ -26,59 +32,74 @@ def layer_columns(selection: list[int] | str, dim: int, duplicate_layer0: bool) 
     return [(f"layer_{k}", dim // 2 if k == 0 and not duplicate_layer0 else dim) for k in selection]
 
 
-def _vectors(arrays: list[np.ndarray], dim: int, dtype: str) -> pa.FixedSizeListArray:
-    flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0, dtype)
-    return pa.FixedSizeListArray.from_arrays(pa.array(flat.astype(dtype, copy=False)), dim)
+@dataclass
+class ShardColumns:
+    """A shard's content, columnar, sentences sorted by id; what its Parquet file is built from.
+    ids, doc_ids, indices: per sentence (S); lengths int32 (S,) tokens per sentence; tokens: flat (N);
+    offsets int32 (N, 2) [start, end); layers: per column a (N, D_k) array in the storage dtype."""
+    ids: list[str]
+    doc_ids: list[str]
+    indices: list[int]
+    lengths: np.ndarray
+    tokens: list[str]
+    offsets: np.ndarray
+    layers: list[np.ndarray]
 
 
-def _list_of(values: pa.Array, lengths: list[int]) -> pa.ListArray:
+def _fixed(values: np.ndarray, dim: int) -> pa.FixedSizeListArray:
+    """(N, dim) -> fixed_size_list<dim>, without a copy (the array must be C-contiguous)."""
+    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), dim)
+
+
+def _list_of(values: pa.Array, lengths: np.ndarray) -> pa.ListArray:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     return pa.ListArray.from_arrays(pa.array(offsets), values)
 
 
-def sentence_table(rows: list, columns: list[tuple[str, int]], dtype: str) -> pa.Table:
-    """One row per sentence from rows with .item (id, doc_id, index, tokens, offsets) and .columns [(T, D_k)]."""
-    lengths = [len(r.item.tokens) for r in rows]
-    offsets = np.array([o for r in rows for o in r.item.offsets], dtype=np.int32).reshape(-1, 2)
+def sentence_table(c: ShardColumns, columns: list[tuple[str, int]]) -> pa.Table:
+    """One row per sentence: id, doc_id, sentence_index, tokens, token_offsets, one list<fixed_size_list> per layer."""
     data = {
-        "id": pa.array([r.item.id for r in rows], pa.string()),
-        "doc_id": pa.array([r.item.doc_id for r in rows], pa.string()),
-        "sentence_index": pa.array([r.item.index for r in rows], pa.int32()),
-        "tokens": _list_of(pa.array([t for r in rows for t in r.item.tokens], pa.string()), lengths),
-        "token_offsets": _list_of(pa.FixedSizeListArray.from_arrays(pa.array(offsets.reshape(-1)), 2), lengths),
+        "id": pa.array(c.ids, pa.string()),
+        "doc_id": pa.array(c.doc_ids, pa.string()),
+        "sentence_index": pa.array(c.indices, pa.int32()),
+        "tokens": _list_of(pa.array(c.tokens, pa.string()), c.lengths),
+        "token_offsets": _list_of(_fixed(c.offsets, 2), c.lengths),
     }
-    for k, (name, dim) in enumerate(columns):
-        data[name] = _list_of(_vectors([r.columns[k] for r in rows], dim, dtype), lengths)
+    for (name, dim), values in zip(columns, c.layers):
+        data[name] = _list_of(_fixed(values, dim), c.lengths)
     return pa.table(data)
 
 
-def token_table(rows: list, columns: list[tuple[str, int]], dtype: str) -> pa.Table:
-    """One row per token, from the same rows as sentence_table."""
-    n = [len(r.item.tokens) for r in rows]
-    offsets = np.array([o for r in rows for o in r.item.offsets], dtype=np.int32).reshape(-1, 2)
+def token_table(c: ShardColumns, columns: list[tuple[str, int]]) -> pa.Table:
+    """One row per token: id (sentence), doc_id, sentence_index, token_index, token, start, end, one
+    fixed_size_list per layer."""
+    sentence_of = pa.array(np.repeat(np.arange(len(c.ids), dtype=np.int32), c.lengths))
+    starts = np.repeat(np.cumsum(c.lengths) - c.lengths, c.lengths)
     data = {
-        "id": pa.array([r.item.id for r, k in zip(rows, n) for _ in range(k)], pa.string()),
-        "doc_id": pa.array([r.item.doc_id for r, k in zip(rows, n) for _ in range(k)], pa.string()),
-        "sentence_index": pa.array(np.repeat([r.item.index for r in rows], n).astype(np.int32)),
-        "token_index": pa.array(np.concatenate([np.arange(k, dtype=np.int32) for k in n]) if rows else np.zeros(0, np.int32)),
-        "token": pa.array([t for r in rows for t in r.item.tokens], pa.string()),
-        "start": pa.array(offsets[:, 0]),
-        "end": pa.array(offsets[:, 1]),
+        "id": pa.array(c.ids, pa.string()).take(sentence_of),
+        "doc_id": pa.array(c.doc_ids, pa.string()).take(sentence_of),
+        "sentence_index": pa.array(np.repeat(np.asarray(c.indices, dtype=np.int32), c.lengths)),
+        "token_index": pa.array((np.arange(len(c.tokens)) - starts).astype(np.int32)),
+        "token": pa.array(c.tokens, pa.string()),
+        "start": pa.array(np.ascontiguousarray(c.offsets[:, 0])),
+        "end": pa.array(np.ascontiguousarray(c.offsets[:, 1])),
     }
-    for k, (name, dim) in enumerate(columns):
-        data[name] = _vectors([r.columns[k] for r in rows], dim, dtype)
+    for (name, dim), values in zip(columns, c.layers):
+        data[name] = _fixed(values, dim)
     return pa.table(data)
 
 
-def build_table(rows: list, layout: str, columns: list[tuple[str, int]], dtype: str) -> pa.Table:
-    return (sentence_table if layout == "sentence" else token_table)(rows, columns, dtype)
+def build_table(c: ShardColumns, layout: str, columns: list[tuple[str, int]]) -> pa.Table:
+    return (sentence_table if layout == "sentence" else token_table)(c, columns)
 
 
-def write_parquet(table: pa.Table, f, row_group_bytes: int) -> None:
-    """zstd; dictionary and statistics on id columns only; row groups of about `row_group_bytes`."""
+def write_parquet(table: pa.Table, f, row_group_bytes: int, vector_compression: str = "none") -> None:
+    """Text and id columns zstd, vector columns `vector_compression` (VECTOR_COMPRESSIONS); dictionary and
+    statistics on id columns only; row groups of about `row_group_bytes`."""
     ids = [c for c in ID_COLUMNS + ["token"] if c in table.column_names]
+    compression = {c: vector_compression if c.startswith(VECTOR_PREFIXES) else "zstd" for c in table.column_names}
     rows = max(1, int(row_group_bytes // max(1, table.nbytes / max(1, table.num_rows))))
-    with pq.ParquetWriter(f, table.schema, compression="zstd", use_dictionary=["doc_id"],
+    with pq.ParquetWriter(f, table.schema, compression=compression, use_dictionary=["doc_id"],
                           write_statistics=ids) as w:
         w.write_table(table, row_group_size=rows)

@@ -255,7 +255,8 @@ class PackedBatch:
     """Index maps between a padded (B, T) batch and the packed layouts of both directions.
 
     Packed element k of the forward direction is flat position fwd_index[k] (= row * T + t);
-    of the backward direction, bwd_index[k] (each sequence reversed within its own length).
+    of the backward direction, bwd_index[k] (each sequence reversed within its own length);
+    bwd_from_fwd[k] is the forward packed element holding the same token as backward element k.
     `order` is the packed row order (longest first, stable) in terms of batch rows.
     """
 
@@ -270,10 +271,29 @@ class PackedBatch:
         self.batch_sizes = active.sum(dim=1).tolist()
         while self.batch_sizes and self.batch_sizes[-1] == 0:
             self.batch_sizes.pop()
-        rows = order[None, :].expand(T, -1)[active]                     # time-major, longest first
-        t = steps[:, None].expand(-1, len(lengths))[active]
-        self.fwd_index = (rows * T + t).to(device)
-        self.bwd_index = (rows * T + (lengths[rows] - 1 - t)).to(device)
+        self.rows = order[None, :].expand(T, -1)[active]                # time-major, longest first
+        self.steps = steps[:, None].expand(-1, len(lengths))[active]
+        rows, t = self.rows, self.steps
+        fwd, bwd = rows * T + t, rows * T + (lengths[rows] - 1 - t)
+        packed_at = torch.empty(len(lengths) * T, dtype=torch.int64)
+        packed_at[fwd] = torch.arange(len(fwd))
+        self.fwd_index, self.bwd_index = fwd.to(device), bwd.to(device)
+        self.bwd_from_fwd = packed_at[bwd].to(device)
+
+    def token_rows(self, device: torch.device) -> tuple[Tensor, Tensor, int]:
+        """Rows of the tokens layout for each packed element of both directions: the real tokens (neither
+        <S> nor </S>) of row b at offsets[b] + position - 1, sentence after sentence; the boundary tokens
+        at n + 2b and n + 2b + 1, past the n real tokens. Returns (fwd_rows, bwd_rows, n)."""
+        real = self.lengths - 2
+        starts = torch.cumsum(real, 0) - real
+        n = int(real.sum())
+
+        def rows_of(pos: Tensor) -> Tensor:
+            r = self.rows
+            inside = (pos >= 1) & (pos <= self.lengths[r] - 2)
+            return torch.where(inside, starts[r] + pos - 1, n + 2 * r + (pos > 0).long()).to(device)
+
+        return rows_of(self.steps), rows_of(self.lengths[self.rows] - 1 - self.steps), n
 
 
 class TokenCache:
@@ -351,10 +371,14 @@ class BiLM(nn.Module):
         if inputs.shape[0] == 0:
             return inputs.new_zeros((0, self.opts.projection_dim), dtype=next(self.parameters()).dtype)
         uniq, inverse = torch.unique(inputs, dim=0, return_inverse=True)
+        return self._encode_distinct(uniq)[inverse]
+
+    def _encode_distinct(self, uniq: Tensor) -> Tensor:
+        """(U, ...) distinct token inputs -> (U, P), through the token cache when one is enabled (inference)."""
         cache = self.__dict__.get("token_cache")
         if cache is None or torch.is_grad_enabled():
-            return self.token_encoder(uniq)[inverse]
-        return cache.encode(uniq, self.token_encoder)[inverse]
+            return self.token_encoder(uniq)
+        return cache.encode(uniq, self.token_encoder)
 
     def enable_token_cache(self, max_tokens: int) -> None:
         """Keep the vectors of up to max_tokens distinct tokens across batches (inference only).
@@ -378,34 +402,53 @@ class BiLM(nn.Module):
 
     def forward(self, inputs: Tensor, lengths: Tensor, state: tuple[Tensor, Tensor] | None = None):
         B, T = inputs.shape[:2]
-        device = inputs.device
+        pb = PackedBatch(lengths, T, inputs.device)
+        emb = self.encode_tokens(inputs.reshape(B * T, *inputs.shape[2:])[pb.fwd_index])   # (N, P) forward packed order
+        out = emb.new_zeros(self.opts.n_layers + 1, B * T, 2 * emb.shape[-1])     # zeros at padded positions
+        state = self._run_layers(emb, pb, state, out, pb.fwd_index, pb.bwd_index)
+        return out.view(-1, B, T, out.shape[-1]), state
+
+    def forward_tokens(self, uniq: Tensor, index: Tensor, lengths: Tensor,
+                       state: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """The same vectors as forward(), for the real tokens only, without padding or <S> </S>, and without
+        building or zero-filling a padded batch (inference, char CNN or word ids alike).
+
+        uniq (U, ...) distinct token inputs sorted as torch.unique(dim=0) sorts them; index (B, T) int64 rows
+        of uniq, -1 at padded positions (model.char_ids.distinct_char_ids); lengths (B,), boundaries included.
+        Returns layers (L+1, N, 2P), N = sum(lengths - 2): row b's tokens at [offsets[b], offsets[b+1]),
+        each layer contiguous; and the state as forward() returns it."""
+        B, T = index.shape
+        pb = PackedBatch(lengths, T, uniq.device)
+        inverse = index.reshape(B * T)[pb.fwd_index]
+        emb = self._encode_distinct(uniq)[inverse]                                   # (N_packed, P)
+        fwd_rows, bwd_rows, n = pb.token_rows(uniq.device)
+        out = emb.new_empty(self.opts.n_layers + 1, n + 2 * B, 2 * emb.shape[-1])   # every row is written
+        state = self._run_layers(emb, pb, state, out, fwd_rows, bwd_rows)
+        return out[:, :n], state
+
+    def _run_layers(self, emb: Tensor, pb: PackedBatch, state, out: Tensor, fwd_rows: Tensor, bwd_rows: Tensor):
+        """Layer 0 and the LSTM layers over packed token vectors emb (N, P): layer k's forward and backward
+        outputs go to out[k] (rows, 2P) at fwd_rows / bwd_rows. Returns the final state in batch-row order."""
+        B, device = len(pb.lengths), emb.device
         if state is None:
             state = self.zero_state(B, device)
         h0, c0 = state
-        pb = PackedBatch(lengths, T, device)
-        flat_inputs = inputs.reshape(B * T, *inputs.shape[2:])
-        emb = self.encode_tokens(flat_inputs[pb.fwd_index])               # (N, P) forward packed order
         P = emb.shape[-1]
-        L = self.opts.n_layers
-        out = emb.new_zeros(L + 1, B * T, 2 * P)     # written in place: no per-layer cat/stack copies
-        out[0, :, :P].index_copy_(0, pb.fwd_index, emb)
+        out[0, :, :P].index_copy_(0, fwd_rows, emb)
         out[0, :, P:] = out[0, :, :P]
-        x = torch.stack([emb, out[0, :, :P][pb.bwd_index]])                     # (2, N, P)
+        x = torch.stack([emb, emb[pb.bwd_from_fwd]])                              # (2, N, P)
         h_out, c_out = [], []
         for k, (fl, bl) in enumerate(zip(self.forward_layers, self.backward_layers)):
             y, h, c = run_lstm_layers([fl, bl], self._pair_weights(k), self._drop(x), pb.batch_sizes,
                                       h0[:, k][:, pb.order], c0[:, k][:, pb.order])
             if self.opts.use_skip_connections and k > 0:
                 y = y + x          # bilm-tf's ResidualWrapper: on every layer but the first
-            out[k + 1, :, :P].index_copy_(0, pb.fwd_index, y[0])
-            out[k + 1, :, P:].index_copy_(0, pb.bwd_index, y[1])
+            out[k + 1, :, :P].index_copy_(0, fwd_rows, y[0])
+            out[k + 1, :, P:].index_copy_(0, bwd_rows, y[1])
             h_out.append(h)
             c_out.append(c)
             x = y
-        out = out.view(L + 1, B, T, 2 * P)
         # final states back from packed row order to batch-row order
         inv = torch.empty_like(pb.order)
         inv[pb.order] = torch.arange(B, device=device)
-        h_final = torch.stack(h_out, dim=1)[:, :, inv]                          # (2, L, B, P)
-        c_final = torch.stack(c_out, dim=1)[:, :, inv]
-        return out, (h_final, c_final)
+        return torch.stack(h_out, dim=1)[:, :, inv], torch.stack(c_out, dim=1)[:, :, inv]   # (2, L, B, P|H)

@@ -48,12 +48,52 @@ def sentence_char_ids(tokens: Sequence[str], max_chars: int = MAX_CHARS, *, add_
     return out
 
 
+def _rows(tokens: Sequence[str], max_chars: int) -> np.ndarray:
+    """(U, max_chars) int64 ids of distinct tokens, as token_char_ids gives them, built in one vectorized step."""
+    raw = [t.encode("utf-8", "surrogatepass")[: max_chars - 2] for t in tokens]
+    lens = np.fromiter(map(len, raw), dtype=np.int64, count=len(raw))
+    out = np.full((len(raw), max_chars), PAD_CHAR + 1, dtype=np.int64)
+    out[:, 0] = BOW_CHAR + 1
+    ends = np.cumsum(lens)
+    row = np.repeat(np.arange(len(raw)), lens)
+    col = 1 + np.arange(int(ends[-1]) if len(raw) else 0) - np.repeat(ends - lens, lens)
+    out[row, col] = np.frombuffer(b"".join(raw), dtype=np.uint8).astype(np.int64) + 1
+    out[np.arange(len(raw)), lens + 1] = EOW_CHAR + 1
+    for i, t in enumerate(tokens):
+        if t in (BOS_TOKEN, EOS_TOKEN):
+            out[i] = token_char_ids(t, max_chars)
+    return out
+
+
+def distinct_char_ids(sentences: Sequence[Sequence[str]], max_chars: int = MAX_CHARS,
+                      *, add_boundaries: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch as its distinct token rows and an index into them:
+    uniq (U, max_chars) int64, each row once, sorted as torch.unique(dim=0) sorts them (lexicographically);
+    index (B, T_max [+2]) int64 into uniq, -1 at padded positions; lengths (B,).
+    Python touches each token once (a dict lookup); the rows are built per distinct token."""
+    vocab: dict[str, int] = {BOS_TOKEN: 0, EOS_TOKEN: 1} if add_boundaries else {}
+    ids = np.fromiter((vocab.setdefault(t, len(vocab)) for s in sentences for t in s), dtype=np.int64)
+    n = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences))
+    extra = 2 if add_boundaries else 0
+    lengths = n + extra
+    width = int(lengths.max(initial=0))
+    index = np.full((len(sentences), width), -1, dtype=np.int64)
+    first = 1 if add_boundaries else 0
+    b = np.repeat(np.arange(len(sentences)), n)
+    j = np.arange(len(ids)) - np.repeat(np.cumsum(n) - n, n)
+    rows = _rows(list(vocab), max_chars)
+    uniq, inverse = np.unique(rows, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    index[b, first + j] = inverse[ids]
+    if add_boundaries and len(sentences):
+        index[:, 0] = inverse[0]
+        index[np.arange(len(sentences)), lengths - 1] = inverse[1]
+    return uniq, index, lengths
+
+
 def batch_char_ids(sentences: Sequence[Sequence[str]], max_chars: int = MAX_CHARS,
                    *, add_boundaries: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Pad a batch: ids (B, T_max [+2], max_chars) int64 with 0 at padded positions, lengths (B,)."""
-    per = [sentence_char_ids(s, max_chars, add_boundaries=add_boundaries) for s in sentences]
-    lengths = np.array([len(p) for p in per], dtype=np.int64)
-    out = np.zeros((len(per), int(lengths.max(initial=0)), max_chars), dtype=np.int64)
-    for b, p in enumerate(per):
-        out[b, : len(p)] = p
-    return out, lengths
+    uniq, index, lengths = distinct_char_ids(sentences, max_chars, add_boundaries=add_boundaries)
+    table = np.concatenate([np.zeros((1, max_chars), dtype=np.int64), uniq])
+    return table[index + 1], lengths

@@ -17,7 +17,7 @@ import torch
 
 from model.batching import plan_batches
 from model.bilm import BiLM
-from model.char_ids import BOS_TOKEN, EOS_TOKEN, batch_char_ids
+from model.char_ids import BOS_TOKEN, EOS_TOKEN, distinct_char_ids
 from model.device import resolve_device
 from model.options import COMPUTE_DTYPES, STATE_MODES
 
@@ -93,17 +93,18 @@ class ElmoEmbedder:
         return self.model.n_layers + 1
 
     # --- inputs -----------------------------------------------------------------------------
-    def batch_inputs(self, sentences: Sequence[Sequence[str]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Model inputs with <S> ... </S> added: (B, T+2, max_chars) or (B, T+2) ids, and lengths (B,)."""
+    def batch_inputs(self, sentences: Sequence[Sequence[str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Model inputs with <S> ... </S> added, as distinct tokens and an index into them (BiLM.forward_tokens):
+        uniq (U, max_chars) char ids or (U,) word ids, index (B, T+2) int64 (-1 at padding), lengths (B,)."""
         if self.vocab is not None:
             ids = [self.vocab.encode([BOS_TOKEN, *s, EOS_TOKEN]) for s in sentences]
             lengths = np.array([len(i) for i in ids], dtype=np.int64)
-            arr = np.zeros((len(ids), int(lengths.max())), dtype=np.int64)
-            for b, i in enumerate(ids):
-                arr[b, : len(i)] = i
+            uniq, inverse = np.unique(np.fromiter((t for i in ids for t in i), dtype=np.int64), return_inverse=True)
+            index = np.full((len(ids), int(lengths.max())), -1, dtype=np.int64)
+            index[np.arange(index.shape[1])[None, :] < lengths[:, None]] = inverse
         else:
-            arr, lengths = batch_char_ids(sentences, self.model.opts.max_characters_per_token)
-        return torch.from_numpy(arr).to(self.device), torch.from_numpy(lengths)
+            uniq, index, lengths = distinct_char_ids(sentences, self.model.opts.max_characters_per_token)
+        return torch.from_numpy(uniq).to(self.device), torch.from_numpy(index).to(self.device), torch.from_numpy(lengths)
 
     # --- states -----------------------------------------------------------------------------
     def reset_states(self) -> None:
@@ -142,19 +143,27 @@ class ElmoEmbedder:
     # --- running ----------------------------------------------------------------------------
     @torch.inference_mode()
     def _forward(self, sentences, state):
-        inputs, lengths = self.batch_inputs(sentences)
-        return self.model(inputs, lengths, state)
+        """(L+1, N, 2P) for the real tokens of `sentences`, and the final state (BiLM.forward_tokens)."""
+        return self.model.forward_tokens(*self.batch_inputs(sentences), state)
 
-    def embed_batch(self, sentences: Sequence[Sequence[str]]) -> list[np.ndarray]:
-        """One batch, as given. Returns one float32 array (n_layers+1, T_i, 2P) per sentence."""
+    def embed_packed(self, sentences: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
+        """One batch, as given, packed: float32 (n_layers+1, N, 2P) for its N tokens, sentence after sentence
+        (each layer one contiguous (N, 2P) block; no padding, no copy per sentence), and offsets (B+1,) int64:
+        sentence b is [:, offsets[b]:offsets[b+1]]."""
         sentences = [list(s) for s in sentences]
+        offsets = np.zeros(len(sentences) + 1, dtype=np.int64)
+        np.cumsum([len(s) for s in sentences], out=offsets[1:])
         if not sentences:
-            return []
+            return np.zeros((self.n_layers, 0, self.output_dim), np.float32), offsets
         out, state = self._forward(sentences, self._initial_state(len(sentences)))
         if self.state_mode == "stateful":
             self._keep_state(state)
-        out = out.float().cpu().numpy()
-        return [np.ascontiguousarray(out[:, b, 1: len(s) + 1]) for b, s in enumerate(sentences)]
+        return out.float().cpu().numpy(), offsets
+
+    def embed_batch(self, sentences: Sequence[Sequence[str]]) -> list[np.ndarray]:
+        """One batch, as given. Returns one float32 array (n_layers+1, T_i, 2P) per sentence."""
+        out, offsets = self.embed_packed(sentences)
+        return [np.ascontiguousarray(out[:, a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
 
     def embed_sentence(self, tokens: Sequence[str]) -> np.ndarray:
         """(n_layers+1, T, 2P) for one sentence; T = 0 for an empty one."""

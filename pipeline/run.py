@@ -30,7 +30,7 @@ from transforms.dofns import (DEAD, STATS, Embed, ReadFiles, SkipCommitted, Sort
                               WriteDeadLetters, WriteShards)
 from transforms.read import file_labels
 from transforms.resume import OutputState, input_fingerprints, prepare_output, run_ingredients, run_key
-from transforms.write import complete_finalize, finalize
+from transforms.write import ShardSpec, complete_finalize, finalize
 
 logger = logging.getLogger("elmo-pipeline.run")
 LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
@@ -73,8 +73,7 @@ class Plan:
     labels: dict[str, str]         # file URL -> label used in document ids
     formats: list[str]
     spec: E.ModelSpec
-    selection: list[int] | str     # layer indices or 'average'
-    columns: list[tuple[str, int]] # Parquet columns and widths
+    shard: ShardSpec               # formats, layout, layer selection and columns, dtype, row groups
     spread_documents: bool         # Reshuffle documents over workers (clusters; not one local worker)
     sort: bool                     # length-sort batches (not stateful: its batches are consecutive sentences)
     sentence_limit: int            # longer sentences are dead letters
@@ -130,7 +129,10 @@ def plan(opts: PipelineOptions) -> Plan:
     manifest = layout.manifest_header(
         {"name": model_name, **identity}, columns, hdf5_layout(selection, n_layers), flags, formats, files,
         {"key": key, "resumed_shards": len(state.records), "resumed_sentences": state.sentences})
-    return Plan(o, so, files, file_labels(files), formats, spec, selection, columns,
+    shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
+                      selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
+                      o.row_group_bytes, n_layers, dim, o.vector_compression)
+    return Plan(o, so, files, file_labels(files), formats, spec, shard,
                 # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
                 # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
                 spread_documents=not stateful and not (local and workers == 1), sort=not stateful,
@@ -156,12 +158,10 @@ def build(p: beam.Pipeline, pl: Plan) -> None:
         items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(pl.output.record_paths, so))
     emb = (items
            | "SortAndBatch" >> beam.ParDo(SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort))
-           | "Embed" >> beam.ParDo(Embed(pl.spec, pl.selection, o.duplicate_layer0, o.dtype, pl.formats, pl.progress,
-                                         window=pl.window, overlap=o.window_overlap,
-                                         max_tokens=o.max_tokens_per_batch)).with_outputs(DEAD, main="rows"))
-    shards = emb.rows | "WriteShards" >> beam.ParDo(WriteShards(
-        staging, pl.formats, o.parquet_layout, pl.columns, o.dtype, o.row_group_bytes, o.shard_sentences, so,
-        o.shard_bytes))
+           | "Embed" >> beam.ParDo(Embed(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap,
+                                         max_tokens=o.max_tokens_per_batch)).with_outputs(DEAD, main="batches"))
+    shards = emb.batches | "WriteShards" >> beam.ParDo(WriteShards(staging, pl.shard, o.shard_sentences, so,
+                                                                     o.shard_bytes))
     dead = ((read[DEAD], tok[DEAD], emb[DEAD])
             | "CollectDeadLetters" >> beam.Flatten()
             | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetters(staging, so)))

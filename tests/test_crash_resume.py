@@ -16,7 +16,6 @@ from pipeline.run import main
 from tests.resume_helpers import argv, assert_same_output, read_output, run_subprocess, write_corpus
 from transforms import resume
 from formats.layout import PLAN
-from transforms.records import Row
 from transforms.write import stage_shard
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
@@ -173,16 +172,15 @@ def test_worker_process_killed_then_rerun(corpus, tiny_model_files, reference, t
 
 # ---- the resume decisions as plain functions, on real files ------------------------------------------
 
-def _rows(ids):
+def _stage(st, ids):
     import numpy as np
 
-    from transforms.records import Item
-    return [Row(Item(i, i.split("#")[0], 0, ("a", "b"), ((0, 1), (2, 3))),
-                [np.ones((2, 2), np.float32)], np.ones((1, 2, 2), np.float32)) for i in ids]
-
-
-def _stage(st, ids):
-    return stage_shard(_rows(ids), st, ["parquet", "hdf5"], "sentence", [("layer_0", 2)], "float32", 1 << 20)
+    from transforms.records import EmbeddedBatch, Item
+    from transforms.write import ShardSpec
+    batch = EmbeddedBatch([Item(i, i.split("#")[0], 0, ("a", "b"), ((0, 1), (2, 3))) for i in ids],
+                          np.ones((1, 2 * len(ids), 4), np.float32), np.arange(0, 2 * len(ids) + 1, 2))
+    spec = ShardSpec(("parquet", "hdf5"), "sentence", (("layer_0", 2),), (0,), False, "float32", 1 << 20, 1, 4)
+    return stage_shard([(batch, b) for b in range(len(ids))], st, spec)
 
 
 def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path):

@@ -1,5 +1,6 @@
 """Unit tests of the pipeline's plain functions: read, tokenize, batch, select layers, write, finalize."""
 import bz2
+import dataclasses
 import gzip
 import json
 import os
@@ -13,14 +14,14 @@ import pytest
 from transforms import embed as E
 from model.batching import plan_batches
 from model.batching import padding
-from transforms.records import Blank, Document, Item, Row
+from transforms.records import Blank, Document, EmbeddedBatch, Item
 from formats.layout import DeadLetter, ShardInfo
 from storage import expand as expand_inputs
 from transforms.read import file_labels, read_documents
 from transforms.tokenize import align_tokens, tokenize_document, tokenize_text
 from formats.hdf5 import hdf5_key
 from formats.parquet import layer_columns, sentence_table, token_table
-from transforms.write import finalize, stage_shard
+from transforms.write import ShardSpec, finalize, shard_columns, stage_shard
 
 TEXT = 'Dr. Smith left the U.S. in 2001. He said "hello, world" -- it\'s a well-known <unk> fact!'
 
@@ -86,18 +87,12 @@ def test_plan_batches_respects_budget_and_sorts():
 
 
 def test_layer_selection():
-    v = np.arange(3 * 2 * 4, dtype=np.float32).reshape(3, 2, 4)
-    v[0, :, 2:] = v[0, :, :2]
     assert E.parse_layers("all", 3) == [0, 1, 2] and E.parse_layers("top", 3) == [2]
     assert E.parse_layers("0,2", 3) == [0, 2] and E.parse_layers("average", 3) == "average"
     for bad in ("3", "x", "1,1"):
         with pytest.raises(ValueError):
             E.parse_layers(bad, 3)
     assert layer_columns([0, 2], 4, False) == [("layer_0", 2), ("layer_2", 4)]
-    l0, l2 = E.select(v, [0, 2], False, "float16")
-    assert l0.shape == (2, 2) and l0.dtype == np.float16 and np.array_equal(l2, v[2].astype(np.float16))
-    assert E.hdf5_array(v, [2], "float32").shape == (2, 4) and E.hdf5_array(v, [0, 1], "float32").shape == (2, 2, 4)
-    assert np.allclose(E.hdf5_array(v, "average", "float32"), v.mean(0))
 
 
 def test_device_chooser_never_falls_back_to_cpu():
@@ -125,37 +120,43 @@ def test_claim_gpu_gives_each_holder_its_own(tmp_path):
     assert {first, second} == {"0", "1"}
 
 
-def _rows():
+SPEC = ShardSpec(("parquet", "hdf5"), "sentence", (("layer_0", 2), ("layer_1", 4), ("layer_2", 4)), (0, 1, 2),
+                 False, "float32", 1 << 20, 3, 4)
+
+
+def _batch() -> EmbeddedBatch:
+    """Two embedded sentences (3 and 1 tokens) of a 3-layer model with 2P = 4, packed as Embed gives them."""
     rng = np.random.default_rng(0)
-    rows = []
-    for i, n in enumerate([3, 1]):
-        item = Item(f"d/x:1#{i}", "d/x:1", i, tuple(f"t{k}" for k in range(n)), tuple((2 * k, 2 * k + 1) for k in range(n)))
-        full = rng.standard_normal((3, n, 4)).astype(np.float32)
-        rows.append(Row(item, E.select(full, [0, 1, 2], False, "float32"), full))
-    return rows
+    items = [Item(f"d/x:1#{i}", "d/x:1", i, tuple(f"t{k}" for k in range(n)), tuple((2 * k, 2 * k + 1) for k in range(n)))
+             for i, n in enumerate([3, 1])]
+    vectors = rng.standard_normal((3, 4, 4)).astype(np.float32)
+    vectors[0, :, 2:] = vectors[0, :, :2]                 # layer 0 is [x, x]
+    return EmbeddedBatch(items, vectors, np.array([0, 3, 4]))
 
 
 def test_tables_sentence_and_token_layout():
-    rows = _rows()
-    cols = [("layer_0", 2), ("layer_1", 4), ("layer_2", 4)]
-    t = sentence_table(rows, cols, "float32")
+    batch = _batch()
+    cols = list(SPEC.columns)
+    t = sentence_table(shard_columns([(batch, 0), (batch, 1)], SPEC), cols)
     assert t.schema.field("layer_1").type == pa.list_(pa.list_(pa.float32(), 4))
     assert t.column("tokens").to_pylist() == [["t0", "t1", "t2"], ["t0"]]
-    assert np.array_equal(np.array(t.column("layer_2")[0].as_py()), rows[0].columns[2])
+    assert np.array_equal(np.array(t.column("layer_2")[0].as_py()), batch.vectors[2, :3])
+    assert np.array_equal(np.array(t.column("layer_0")[1].as_py()), batch.vectors[0, 3:, :2])
     assert t.column("token_offsets").to_pylist()[0] == [[0, 1], [2, 3], [4, 5]]
-    tt = token_table(rows, cols, "float16")
+    half = dataclasses.replace(SPEC, dtype="float16", layout="token")
+    tt = token_table(shard_columns([(batch, 0), (batch, 1)], half), cols)
     assert tt.num_rows == 4 and tt.schema.field("layer_0").type == pa.list_(pa.float16(), 2)
     assert tt.column("token_index").to_pylist() == [0, 1, 2, 0] and tt.column("end").to_pylist() == [1, 3, 5, 1]
+    assert tt.column("id").to_pylist() == ["d/x:1#0"] * 3 + ["d/x:1#1"]
 
 
 def test_stage_and_finalize(tmp_path):
     out = str(tmp_path / "out")
     staging = out + "/_staging/run1"
-    rows = _rows()
-    cols = [("layer_0", 2), ("layer_1", 4), ("layer_2", 4)]
-    s1 = stage_shard(rows[1:], staging, ["parquet", "hdf5"], "sentence", cols, "float32", 1 << 20)
-    s0 = stage_shard(rows[:1], staging, ["parquet", "hdf5"], "sentence", cols, "float32", 1 << 20)
-    orphan = stage_shard(rows, staging, ["parquet"], "sentence", cols, "float32", 1 << 20)  # a retried bundle
+    batch = _batch()
+    s1 = stage_shard([(batch, 1)], staging, SPEC)
+    s0 = stage_shard([(batch, 0)], staging, SPEC)
+    orphan = stage_shard([(batch, 1), (batch, 0)], staging, dataclasses.replace(SPEC, formats=("parquet",)))  # a retried bundle
     assert os.path.exists(orphan.files["parquet"])
     m = finalize(out, staging, [s1, s0], [], {"counts": {"documents": 1}})
     assert sorted(os.listdir(out)) == ["_SUCCESS", "hdf5", "manifest.json", "parquet"]
@@ -164,8 +165,18 @@ def test_stage_and_finalize(tmp_path):
     assert pq.read_table(os.path.join(out, m["shards"][0]["parquet"])).column("id").to_pylist() == ["d/x:1#0"]
     with h5py.File(os.path.join(out, m["shards"][1]["hdf5"])) as f:
         assert list(f) == [hdf5_key("d/x:1#1")] == ["d%2Fx:1#1"]
-        assert np.array_equal(f["d%2Fx:1#1"][...], rows[1].h5)
+        assert np.array_equal(f["d%2Fx:1#1"][...], batch.vectors[:, 3:])
     assert json.load(open(os.path.join(out, "manifest.json")))["schema_version"] == 1
+
+
+def test_layer_sources_follow_the_selection():
+    v = _batch().vectors
+    for sel, h5 in [((2,), v[2]), ("average", v.mean(0)), ((0, 2), v[[0, 2]]), ((0, 1, 2), v)]:
+        spec = dataclasses.replace(SPEC, selection=sel)
+        assert np.array_equal(spec.sources(v)[1], h5)
+    cols, _ = dataclasses.replace(SPEC, selection=(0, 2)).sources(v)
+    assert np.array_equal(cols[0], v[0, :, :2]) and np.array_equal(cols[1], v[2])
+    assert SPEC.bytes_per_token == (2 + 4 + 4 + 3 * 4) * 4
 
 
 def test_finalize_lists_dead_letters(tmp_path):
@@ -183,21 +194,20 @@ def test_write_shards_in_background_keeps_order_and_raises_errors(tmp_path):
     """WriteShards (the DoFn, driven by hand as a runner would) writes full shards on its own thread:
     every shard comes out once, in order, by the bundle's end; a failing write raises in the Beam thread."""
     from transforms.dofns import WriteShards
-    cols = [("layer_0", 2), ("layer_1", 4), ("layer_2", 4)]
-    rows = _rows() * 3                                        # 6 rows, shards of 2
-    dofn = WriteShards(str(tmp_path / "st"), ["parquet", "hdf5"], "sentence", cols, "float32", 1 << 20, 2, None)
+    batches = [_batch()] * 3                                  # 6 sentences, shards of 2
+    dofn = WriteShards(str(tmp_path / "st"), SPEC, 2, None)
     dofn.setup()
     dofn.start_bundle()
-    infos = [info for r in rows for info in dofn.process(r)]
+    infos = [info for b in batches for info in dofn.process(b)]
     assert len(infos) == 2                                    # the 3rd shard is still being written
     infos += [wv.value for wv in dofn.finish_bundle()]
     assert [i.sentences for i in infos] == [2, 2, 2] and len({i.files["parquet"] for i in infos}) == 3
     assert all(pq.read_table(i.files["parquet"]).num_rows == 2 for i in infos)
     (tmp_path / "blocked").write_text("a file where the staging folder should be")
-    dofn.args = (str(tmp_path / "blocked" / "st"), *dofn.args[1:])
+    dofn.staging = str(tmp_path / "blocked" / "st")
     dofn.start_bundle()
     with pytest.raises(OSError):
-        for r in rows:
-            list(dofn.process(r))
+        for b in batches:
+            list(dofn.process(b))
         list(dofn.finish_bundle())
     dofn.teardown()

@@ -6,6 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils import shared
@@ -17,10 +18,10 @@ from model.windows import effective_window, embed_long
 from transforms import embed as E
 from transforms.faults import crash_point
 from transforms.read import read_documents
-from transforms.records import Blank, Document, Item, Row
+from transforms.records import Blank, Document, EmbeddedBatch, Item
 from transforms.resume import load_done_ids
 from transforms.tokenize import tokenize_document
-from transforms.write import stage_dead_letters, stage_shard
+from transforms.write import ShardSpec, stage_dead_letters, stage_shard
 
 NS = "elmo"
 DEAD = "dead"
@@ -187,16 +188,16 @@ class _Holder:
 
 
 class Embed(beam.DoFn):
-    """list[Item] -> Row per sentence; the model is loaded once per process (Shared) for all threads.
+    """list[Item] -> EmbeddedBatch (the batch's vectors, packed); the model is loaded once per process (Shared)
+    for all threads.
 
     A failing batch is retried sentence by sentence; sentences that still fail go to DEAD.
     window > 0: a sentence longer than the (budget-capped) window is embedded as overlapping windows in
     sub-batches of at most `max_tokens` slots, stitched back together (model/windows.py)."""
 
-    def __init__(self, spec: E.ModelSpec, selection, duplicate_layer0: bool, dtype: str, formats: list[str],
-                 progress: bool = False, window: int = 0, overlap: int = 0, max_tokens: int = 0):
-        self.spec, self.selection, self.dup0, self.dtype = spec, selection, duplicate_layer0, dtype
-        self.formats, self.progress = formats, progress
+    def __init__(self, spec: E.ModelSpec, progress: bool = False, window: int = 0, overlap: int = 0,
+                 max_tokens: int = 0):
+        self.spec, self.progress = spec, progress
         self.window, self.overlap, self.max_tokens = window, overlap, max_tokens
         self.windowed = Metrics.counter(NS, "windowed_sentences")
         self._shared = shared.Shared()
@@ -207,16 +208,12 @@ class Embed(beam.DoFn):
         key = repr(self.spec)
         self.embedder = self._shared.acquire(lambda: _Holder(E.load_embedder(self.spec)), tag=key).embedder
 
-    def _row(self, item, vectors):
-        cols = E.select(vectors, self.selection, self.dup0, self.dtype) if "parquet" in self.formats else []
-        h5 = E.hdf5_array(vectors, self.selection, self.dtype) if "hdf5" in self.formats else None
-        return Row(item, cols, h5)
-
-    def _embed_one(self, item):
+    def _embed_one(self, item) -> EmbeddedBatch:
         if self.window and len(item.tokens) > effective_window(self.window, self.max_tokens):
             self.windowed.inc()
-            return embed_long(self.embedder, item.tokens, self.window, self.overlap, self.max_tokens)
-        return self.embedder.embed_batch([item.tokens])[0]
+            vectors = embed_long(self.embedder, item.tokens, self.window, self.overlap, self.max_tokens)
+            return EmbeddedBatch([item], vectors, np.array([0, len(item.tokens)], dtype=np.int64))
+        return EmbeddedBatch([item], *self.embedder.embed_packed([item.tokens]))
 
     def process(self, batch: list[Item]):
         crash_point("embed")
@@ -227,40 +224,40 @@ class Embed(beam.DoFn):
         outs = []
         if short:
             try:
-                outs = list(zip(short, self.embedder.embed_batch([i.tokens for i in short])))
+                outs.append(EmbeddedBatch(short, *self.embedder.embed_packed([i.tokens for i in short])))
             except Exception:  # noqa: BLE001 - isolate the failing sentence(s), below
                 single = short + single
         for item in single:
             try:
-                outs.append((item, self._embed_one(item)))
+                outs.append(self._embed_one(item))
             except Exception as e:  # noqa: BLE001
                 self.dead.inc()
                 yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(
                     item.id, f"embedding failed: {type(e).__name__}: {e}"[:500], " ".join(item.tokens)[:EXCERPT_CHARS]))
         self.seconds.inc(int(1000 * (time.perf_counter() - t0)))
         if self.progress:
-            _progress(sum(len(i.tokens) for i, _ in outs))
-        for item, vectors in outs:
-            yield self._row(item, vectors)
+            _progress(sum(int(b.offsets[-1]) for b in outs))
+        yield from outs
 
 
 class WriteShards(beam.DoFn):
-    """Rows -> staged shard files -> ShardInfo. A shard ends at `shard_sentences` rows, at `shard_bytes`
-    of buffered vectors (so memory is bounded whatever the model's width), or at the bundle's end.
+    """EmbeddedBatch -> staged shard files -> ShardInfo. A shard ends at `shard_sentences` sentences, at
+    `shard_bytes` of buffered vectors as stored (so memory is bounded whatever the model's width), or at
+    the bundle's end; a batch may be split between two shards.
 
     A full shard is written by a thread of this DoFn's own while the Beam thread goes on embedding: at
     most one shard is being written and one is filling. (The writer is mostly C work that releases the
     GIL: Parquet encoding, zstd, file and object-store I/O. The model stays on the Beam thread; a Python
     thread running beside the biLM's step loop would stall it on the GIL.)"""
 
-    def __init__(self, staging, formats, layout, columns, dtype, row_group_bytes, shard_sentences, storage_options,
-                 shard_bytes=64 << 20):
-        self.args = (staging, formats, layout, columns, dtype, row_group_bytes)
+    def __init__(self, staging: str, spec: ShardSpec, shard_sentences: int, storage_options, shard_bytes=64 << 20):
+        self.staging, self.spec = staging, spec
         self.shard_sentences, self.shard_bytes, self.so = shard_sentences, shard_bytes, storage_options
         self.shards = Metrics.counter(NS, "shards")
 
     def setup(self):
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="elmo-write")
+        self.per_token = self.spec.bytes_per_token
 
     def teardown(self):
         pool = getattr(self, "pool", None)
@@ -277,18 +274,18 @@ class WriteShards(beam.DoFn):
             yield future.result()
 
     def _flush(self):
-        rows, self.buf, self.nbytes = self.buf, [], 0
+        sentences, self.buf, self.nbytes = self.buf, [], 0
         yield from self._written()
-        if rows:
+        if sentences:
             self.shards.inc()
-            staging, formats, layout, columns, dtype, rgb = self.args
-            self.writing = self.pool.submit(stage_shard, rows, staging, formats, layout, columns, dtype, rgb, self.so)
+            self.writing = self.pool.submit(stage_shard, sentences, self.staging, self.spec, self.so)
 
-    def process(self, row: Row):
-        self.buf.append(row)
-        self.nbytes += sum(c.nbytes for c in row.columns) + (row.h5.nbytes if row.h5 is not None else 0)
-        if len(self.buf) >= self.shard_sentences or self.nbytes >= self.shard_bytes:
-            yield from self._flush()
+    def process(self, batch: EmbeddedBatch):
+        for b in range(len(batch.items)):
+            self.buf.append((batch, b))
+            self.nbytes += batch.tokens(b) * self.per_token
+            if len(self.buf) >= self.shard_sentences or self.nbytes >= self.shard_bytes:
+                yield from self._flush()
 
     def finish_bundle(self):
         for info in [*self._flush(), *self._written()]:

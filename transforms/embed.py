@@ -1,7 +1,8 @@
-"""Model loading and layer selection for the pipeline's workers. No Beam import.
+"""The model on the pipeline's workers: what to load (ModelSpec), loading it once per process, its identity
+for the manifest, and the --layers selection. No Beam import.
 
-Embedder output per sentence: float32 (L, T, 2P), L = LSTM layers + 1, layer 0 = token vector
-duplicated ([x, x]). Selections: "all" | "top" | "average" | "0,1,2" (layer indices).
+Embedder output: float32 (L, N, 2P), L = LSTM layers + 1, layer 0 = token vector duplicated ([x, x]).
+Selections: "all" | "top" | "average" | "0,1,2" (layer indices).
 """
 from __future__ import annotations
 
@@ -40,29 +41,6 @@ def parse_layers(spec: str, n_layers: int) -> list[int] | str:
     if not layers or bad or len(set(layers)) != len(layers):
         raise ValueError(f"--layers {spec!r}: indices must be distinct and in 0..{n_layers - 1}")
     return layers
-
-
-def select(vectors: np.ndarray, selection: list[int] | str, duplicate_layer0: bool, dtype: str) -> list[np.ndarray]:
-    """Per column a (T, D) array from one sentence's (L, T, 2P) output, cast to `dtype`."""
-    if selection == "average":
-        out = [vectors.mean(axis=0)]
-    else:
-        half = vectors.shape[2] // 2
-        out = [vectors[0, :, :half] if k == 0 and not duplicate_layer0 else vectors[k] for k in selection]
-    return [np.ascontiguousarray(a, dtype=dtype) for a in out]
-
-
-def hdf5_array(vectors: np.ndarray, selection: list[int] | str, dtype: str) -> np.ndarray:
-    """AllenNLP layout: (len(selection), T, 2P) for a list, (T, 2P) for top/average; layer 0 duplicated."""
-    if selection == "average":
-        arr = vectors.mean(axis=0)
-    elif selection == [vectors.shape[0] - 1]:
-        arr = vectors[-1]
-    elif selection == list(range(vectors.shape[0])):
-        arr = vectors                       # all layers in order: no copy
-    else:
-        arr = vectors[selection]
-    return np.ascontiguousarray(arr, dtype=dtype)
 
 
 _OFFERED: dict = {}   # (options_file, weight_file) -> a BiLM the launcher already loaded, in this process

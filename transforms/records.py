@@ -1,8 +1,8 @@
 """The elements that flow between the pipeline's stages. No Beam import.
 
 Document (ReadFiles -> Tokenize), Blank (counted by ReadFiles), Item (a tokenized sentence: Tokenize ->
-SortAndBatch -> Embed), Row (an embedded sentence: Embed -> WriteShards). Dead letters and staged-shard
-descriptions are part of the output format (formats.layout.DeadLetter, ShardInfo).
+SortAndBatch -> Embed), EmbeddedBatch (a batch of embedded sentences, columnar: Embed -> WriteShards).
+Dead letters and staged-shard descriptions are part of the output format (formats.layout).
 """
 from __future__ import annotations
 
@@ -36,8 +36,13 @@ class Item:
 
 
 @dataclass
-class Row:
-    """One embedded sentence: the item, Parquet column arrays [(T, D_k)], HDF5 array (AllenNLP layout)."""
-    item: Item
-    columns: list[np.ndarray]
-    h5: np.ndarray | None = None
+class EmbeddedBatch:
+    """Embedded sentences, columnar: the embedder's packed output as it is, never a Python object or an array
+    per sentence. vectors float32 (L+1, N, 2P) (layer 0 duplicated [x, x]); sentence b of `items` is
+    vectors[:, offsets[b]:offsets[b+1]]; offsets (B+1,) int64."""
+    items: list[Item]
+    vectors: np.ndarray
+    offsets: np.ndarray
+
+    def tokens(self, b: int) -> int:
+        return int(self.offsets[b + 1] - self.offsets[b])

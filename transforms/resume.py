@@ -31,7 +31,7 @@ KEY_VERSION = 1
 # files are in through their identity (weights sha256, parsed options), the inputs through their
 # fingerprints (input_fingerprints), not their names.
 NOT_CONTENT = {"output", "overwrite", "progress", "torch_threads", "device", "shard_sentences", "shard_bytes",
-               "row_group_bytes", "sort_buffer", "input", "options_file", "weight_file", "model", "s3_max_attempts"}
+               "row_group_bytes", "vector_compression", "sort_buffer", "input", "options_file", "weight_file", "model", "s3_max_attempts"}
 
 
 def input_fingerprints(files: list[str], storage_options: dict | None = None) -> list[list]:

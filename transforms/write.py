@@ -14,41 +14,116 @@ import os
 import posixpath
 import tempfile
 import uuid
+from dataclasses import dataclass
+
+import numpy as np
 
 from formats import layout
 from formats.hdf5 import write_hdf5
 from formats.layout import DEAD_LETTERS, FINAL_NAMES, MANIFEST, PLAN, RECORDS, SUCCESS, ShardInfo
-from formats.parquet import build_table, write_parquet
+from formats.parquet import ShardColumns, build_table, write_parquet
 from storage import atomic_write, makedirs, move, remove_temp_files, url_fs
 from transforms.faults import crash_point
-from transforms.records import Row
+from transforms.records import EmbeddedBatch
 
 
-def stage_shard(rows: list[Row], staging: str, formats: list[str], layout_: str, columns: list[tuple[str, int]],
-                dtype: str, row_group_bytes: int, storage_options: dict | None = None) -> ShardInfo:
-    """Write one shard of `rows` (sorted by id) under the staging URL (uuid names), then its commit record
-    (committed/<name>.json: file names, counts, sentence ids); return what was written."""
-    rows = sorted(rows, key=lambda r: r.item.id)
+@dataclass(frozen=True)
+class ShardSpec:
+    """How shards are written: formats, Parquet layout and columns [(name, D_k)], the layer selection
+    (indices or 'average') out of the embedder's L+1 layers, storage dtype, Parquet row-group size."""
+    formats: tuple[str, ...]
+    layout: str
+    columns: tuple[tuple[str, int], ...]
+    selection: tuple[int, ...] | str
+    duplicate_layer0: bool
+    dtype: str
+    row_group_bytes: int
+    n_layers: int                       # L + 1
+    dim: int                            # 2P
+    vector_compression: str = "none"    # Parquet vector columns (formats.parquet.VECTOR_COMPRESSIONS)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Stored bytes of one token's vectors over all formats (a shard's memory bound counts these)."""
+        item = np.dtype(self.dtype).itemsize
+        parquet = sum(d for _, d in self.columns) if "parquet" in self.formats else 0
+        h5 = 0
+        if "hdf5" in self.formats:
+            h5 = self.dim if self.selection == "average" or len(self.selection) == 1 and \
+                self.selection[0] == self.n_layers - 1 else len(self.selection) * self.dim
+        return (parquet + h5) * item
+
+    def sources(self, vectors: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """Views of one batch's packed vectors (L+1, N, 2P): per Parquet column (N, D_k), and the HDF5 source
+        in AllenNLP's layout, (layers, N, 2P) or (N, 2P) for top/average (layer 0 duplicated)."""
+        sel = self.selection
+        if sel == "average":
+            avg = vectors.mean(axis=0)
+            return [avg], avg
+        half = vectors.shape[2] // 2
+        cols = [vectors[0][:, :half] if k == 0 and not self.duplicate_layer0 else vectors[k] for k in sel]
+        if list(sel) == [self.n_layers - 1]:
+            h5 = vectors[-1]
+        elif list(sel) == list(range(self.n_layers)):
+            h5 = vectors                        # all layers in order: no copy
+        else:
+            h5 = vectors[list(sel)]
+        return cols, h5
+
+
+def shard_columns(sentences: list[tuple[EmbeddedBatch, int]], spec: ShardSpec) -> ShardColumns:
+    """The shard's Parquet content from (batch, sentence index) pairs already sorted by id: each layer is
+    one (N, D_k) array in the storage dtype, filled by one copy per sentence from the batches' vectors."""
+    sources = {id(b): spec.sources(b.vectors)[0] for b, _ in sentences}
+    lengths = np.fromiter((b.tokens(i) for b, i in sentences), dtype=np.int32, count=len(sentences))
+    n = int(lengths.sum())
+    layers = [np.empty((n, d), dtype=spec.dtype) for _, d in spec.columns]
+    pos = 0
+    for (batch, i), t in zip(sentences, lengths):
+        a = int(batch.offsets[i])
+        for out, src in zip(layers, sources[id(batch)]):
+            out[pos: pos + t] = src[a: a + t]
+        pos += t
+    items = [b.items[i] for b, i in sentences]
+    offsets = np.array([o for it in items for o in it.offsets], dtype=np.int32).reshape(-1, 2)
+    return ShardColumns([it.id for it in items], [it.doc_id for it in items], [it.index for it in items],
+                        lengths, [t for it in items for t in it.tokens], offsets, layers)
+
+
+def hdf5_sentences(sentences: list[tuple[EmbeddedBatch, int]], spec: ShardSpec):
+    """(sentence id, (layers, T, 2P) or (T, 2P) array in the storage dtype) per sentence, AllenNLP's layout."""
+    sources = {id(b): spec.sources(b.vectors)[1] for b, _ in sentences}
+    for batch, i in sentences:
+        a, e = int(batch.offsets[i]), int(batch.offsets[i + 1])
+        src = sources[id(batch)]
+        yield batch.items[i].id, np.ascontiguousarray(src[..., a:e, :], dtype=spec.dtype)
+
+
+def stage_shard(sentences: list[tuple[EmbeddedBatch, int]], staging: str, spec: ShardSpec,
+                storage_options: dict | None = None) -> ShardInfo:
+    """Write one shard of (batch, sentence index) pairs, sorted by sentence id, under the staging URL (uuid
+    names), then its commit record (committed/<name>.json: file names, counts, sentence ids)."""
+    sentences = sorted(sentences, key=lambda p: p[0].items[p[1]].id)
+    ids = [b.items[i].id for b, i in sentences]
     fs, root = url_fs(staging, storage_options)
     makedirs(fs, root)
     name = uuid.uuid4().hex
     files = {}
-    if "parquet" in formats:
-        table = build_table(rows, layout_, columns, dtype)
+    if "parquet" in spec.formats:
+        table = build_table(shard_columns(sentences, spec), spec.layout, list(spec.columns))
         files["parquet"] = posixpath.join(root, name + ".parquet")
         with fs.open(files["parquet"], "wb") as f:
-            write_parquet(table, f, row_group_bytes)
+            write_parquet(table, f, spec.row_group_bytes, spec.vector_compression)
             crash_point("stage_shard")
-    if "hdf5" in formats:
+    if "hdf5" in spec.formats:
         files["hdf5"] = posixpath.join(root, name + ".hdf5")
         with tempfile.TemporaryDirectory() as tmp:
             local = os.path.join(tmp, name + ".hdf5")
-            write_hdf5(rows, local)
+            write_hdf5(hdf5_sentences(sentences, spec), local)
             fs.put_file(local, files["hdf5"])
-    info = ShardInfo(files, len(rows), sum(len(r.item.tokens) for r in rows), rows[0].item.id)
+    info = ShardInfo(files, len(sentences), sum(b.tokens(i) for b, i in sentences), ids[0])
     makedirs(fs, posixpath.join(root, RECORDS))
-    atomic_write(fs, posixpath.join(root, RECORDS, name + ".json"),
-                 json.dumps(info.record([r.item.id for r in rows])).encode())
+    atomic_write(fs, posixpath.join(root, RECORDS, name + ".json"), json.dumps(info.record(ids)).encode())
     crash_point("commit")
     return info
 

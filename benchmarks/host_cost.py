@@ -1,0 +1,244 @@
+"""A worker's host cost per token: everything but the biLM's arithmetic, measured stage by stage, and the
+pipeline's end-to-end tokens/s, side by side with another revision (the issue's starting commit).
+
+    python -m benchmarks.host_cost [--lines 1500] [--baseline REV] [--runs 2] [--quick]
+
+The model is near-free but as wide as the original: random weights, a tiny char CNN, LSTM dim 16,
+projection 512 (every layer 1,024 wide), so every cost but the model's arithmetic is the original's.
+Input: WikiText-2 valid.txt's first --lines lines, raw tokenizer, 1 torch thread, Parquet only unless
+named. Stages (CPU microseconds per token, one thread, the functions the pipeline runs):
+  read, tokenize (raw; its floor: blingfire + sacremoses alone; whitespace), char ids, batching, model,
+  layer selection and copies, Parquet encode (table build + pyarrow's encoder; the encoder alone is the
+  floor), HDF5 encode, file write. Beam overhead = the end-to-end run's CPU after start-up minus the stages.
+End to end (a `python -m pipeline.run` process each; start-up = the same command on one line, subtracted):
+  wall tokens/s, CPU per token, CPU/wall while embedding, for: default output, --duplicate-layer0,
+  --layers 2, whitespace --layers 2, Parquet + HDF5, and 2 local workers.
+Prints tables; writes benchmarks/results/host_cost.json naming the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WIDE_CHEAP = {"lstm": {"cell_clip": 3, "proj_clip": 3, "n_layers": 2, "use_skip_connections": True, "dim": 16,
+                       "projection_dim": 512},
+              "char_cnn": {"activation": "relu", "embedding": {"dim": 4}, "filters": [[1, 8], [2, 8], [3, 16]],
+                           "max_characters_per_token": 50, "n_characters": 262, "n_highway": 1}}
+CONFIGS = {   # name -> (extra flags, tokenizer input: raw text or pre-tokenized lines)
+    "default (3 layers, fp32), Parquet": ([], "raw"),
+    "--duplicate-layer0": (["--duplicate-layer0"], "raw"),
+    "--layers 2": (["--layers", "2"], "raw"),
+    "whitespace, --layers 2": (["--layers", "2", "--tokenizer", "whitespace", "--input-format", "lines"], "ws"),
+    "Parquet + HDF5": (["--format", "parquet,hdf5"], "raw"),
+    "2 workers (multi_processing)": (["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"], "raw"),
+}
+QUICK = ("default (3 layers, fp32), Parquet", "Parquet + HDF5")
+
+
+def cpu() -> float:
+    return time.process_time()
+
+
+def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
+    """CPU microseconds per token of each stage, run as plain functions in this process (1 thread)."""
+    import numpy as np
+    import torch
+
+    from formats.hdf5 import write_hdf5
+    from formats.parquet import build_table, layer_columns, write_parquet
+    from model.batching import plan_batches
+    from model.char_ids import distinct_char_ids
+    from model.embedder import ElmoEmbedder
+    from transforms.read import read_documents
+    from transforms.records import Document, EmbeddedBatch, Item
+    from transforms.tokenize import _sentence_spans, moses_tokens, tokenize_document
+    from transforms.write import ShardSpec, hdf5_sentences, shard_columns
+    torch.set_num_threads(1)
+    t = {}
+    c = cpu()
+    docs = [d for d in read_documents(text_path, "text", "valid") if isinstance(d, Document)]
+    t["read"] = cpu() - c
+    c = cpu()
+    sents = [(d, i, s) for d in docs for i, s in enumerate(tokenize_document(d.text, "raw"))]
+    t["tokenize raw"] = cpu() - c
+    n = sum(len(s.tokens) for *_, s in sents)
+    c = cpu()
+    for d in docs:
+        for a, b in _sentence_spans(d.text):
+            moses_tokens(d.text[a:b])
+    t["tokenize raw floor: blingfire + sacremoses alone"] = cpu() - c
+    lines = [" ".join(s.tokens) for *_, s in sents]
+    c = cpu()
+    for line in lines:
+        tokenize_document(line, "whitespace", split_sentences=False)
+    t["tokenize whitespace"] = cpu() - c
+    c = cpu()
+    items = [Item(f"{d.doc_id}#{i}", d.doc_id, i, s.tokens, s.offsets) for d, i, s in sents]
+    batches = [[items[i] for i in idx] for idx in plan_batches([len(x.tokens) for x in items], budget)]
+    t["batching"] = cpu() - c
+    e = ElmoEmbedder(*model, token_cache=50_000)
+    max_chars = e.model.opts.max_characters_per_token
+    c = cpu()
+    inputs = [distinct_char_ids([x.tokens for x in b], max_chars) for b in batches]
+    t["char ids"] = cpu() - c
+    with torch.inference_mode():   # warm the token cache as a long run would have it
+        for u, idx, lengths in inputs:
+            e.model.forward_tokens(torch.from_numpy(u), torch.from_numpy(idx), torch.from_numpy(lengths))
+        c = cpu()
+        outs = [e.model.forward_tokens(torch.from_numpy(u), torch.from_numpy(idx), torch.from_numpy(lengths))[0].numpy()
+                for u, idx, lengths in inputs]
+        t["model (near-free biLM)"] = cpu() - c
+    embedded = []
+    for b, o in zip(batches, outs):
+        off = np.zeros(len(b) + 1, dtype=np.int64)
+        np.cumsum([len(x.tokens) for x in b], out=off[1:])
+        embedded.append(EmbeddedBatch(b, o, off))
+    pairs = sorted(((eb, i) for eb in embedded for i in range(len(eb.items))), key=lambda p: p[0].items[p[1]].id)
+    sel = (0, 1, 2)
+    spec = ShardSpec(("parquet", "hdf5"), "sentence", tuple(layer_columns(list(sel), 1024, False)), sel, False,
+                     "float32", 64 << 20, 3, 1024)
+    c = cpu()
+    cols = shard_columns(pairs, spec)
+    t["layer selection and copies (Parquet)"] = cpu() - c
+    c = cpu()
+    table = build_table(cols, "sentence", list(spec.columns))
+    t["Parquet table build"] = cpu() - c
+    c = cpu()
+    buf = io.BytesIO()
+    write_parquet(table, buf, spec.row_group_bytes, spec.vector_compression)
+    t["Parquet encode floor: pyarrow's encoder"] = cpu() - c
+    c = cpu()
+    h5 = list(hdf5_sentences(pairs, spec))
+    t["layer selection and copies (HDF5)"] = cpu() - c
+    with tempfile.TemporaryDirectory() as tmp:
+        c = cpu()
+        write_hdf5(h5, os.path.join(tmp, "x.hdf5"))
+        t["HDF5 encode + write"] = cpu() - c
+        c = cpu()
+        with open(os.path.join(tmp, "x.parquet"), "wb") as f:
+            f.write(buf.getvalue())
+        t["file write (Parquet bytes)"] = cpu() - c
+    return {"tokens": n, "sentences": len(items), "parquet_bytes_per_token": len(buf.getvalue()) / n,
+            "us_per_token": {k: 1e6 * v / n for k, v in t.items()}}
+
+
+def run_pipeline(tree: str, input_path: str, out: str, model: tuple[str, str], flags: list[str]) -> dict:
+    """One `python -m pipeline.run` process from `tree`: wall seconds, CPU seconds (user+sys), its summary."""
+    cmd = [sys.executable, "-m", "pipeline.run", "--input", input_path, "--output", out, "--overwrite",
+           "--options-file", model[0], "--weight-file", model[1], "--torch-threads", "1", "--progress", "off",
+           "--format", "parquet", *flags]
+    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall": wall, "cpu": cpu_s, "summary": p.stderr.strip().splitlines()[-1]}
+
+
+def end_to_end(trees: dict[str, str], inputs: dict[str, tuple[str, str, int]], model, configs, runs: int) -> dict:
+    """Per config and tree: best-of-`runs` wall and CPU after start-up, tokens/s, CPU us/token, CPU/wall."""
+    res: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in configs:
+            flags, kind = CONFIGS[name]
+            path, one_line, n = inputs[kind]
+            for label, tree in trees.items():
+                start = min((run_pipeline(tree, one_line, os.path.join(tmp, "s"), model, flags) for _ in range(runs)),
+                            key=lambda r: r["wall"])
+                best = min((run_pipeline(tree, path, os.path.join(tmp, "o"), model, flags) for _ in range(runs)),
+                           key=lambda r: r["wall"])
+                wall, cpu_s = best["wall"] - start["wall"], best["cpu"] - start["cpu"]
+                res.setdefault(name, {})[label] = {
+                    "tokens": n, "wall_s": round(best["wall"], 3), "startup_wall_s": round(start["wall"], 3),
+                    "tokens_per_s": n / wall, "cpu_us_per_token": 1e6 * cpu_s / n, "cpu_over_wall": cpu_s / wall,
+                    "summary": best["summary"]}
+                print(f"  {name:34s} {label:10s} {n / wall:9.0f} tok/s  {1e6 * cpu_s / n:6.1f} us CPU/token  "
+                      f"CPU/wall {cpu_s / wall:4.2f}", flush=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--input", default=os.path.join(REPO, "..", "shared", "data", "wikitext-2", "valid.txt"))
+    ap.add_argument("--lines", type=int, default=1500, help="the input's first N lines (default 1500)")
+    ap.add_argument("--baseline", default="ae7e33c", help="revision to compare with, side by side (default: "
+                    "the host-cost issue's starting commit); '' for none")
+    ap.add_argument("--runs", type=int, default=2, help="end-to-end runs per config, best kept (default 2)")
+    ap.add_argument("--max-tokens-per-batch", type=int, default=4096)
+    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "host_cost.json"))
+    args = ap.parse_args()
+    sys.path.insert(0, REPO)
+    from benchmarks.common import machine
+    from model.synthetic import write_random_bilm
+    from transforms.tokenize import tokenize_document
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_random_bilm(WIDE_CHEAP, os.path.join(tmp, "model"))
+        with open(args.input, encoding="utf-8", newline="\n") as f:
+            lines = [next(f, "") for _ in range(args.lines)]
+        raw = os.path.join(tmp, "raw.txt")
+        with open(raw, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+        sentences = [" ".join(s.tokens) for ln in lines for s in tokenize_document(ln, "raw")]
+        ws = os.path.join(tmp, "ws.txt")
+        with open(ws, "w", encoding="utf-8") as f:
+            f.write("\n".join(sentences) + "\n")
+        n = sum(len(s.split()) for s in sentences)
+        first_raw, first_ws = os.path.join(tmp, "raw1.txt"), os.path.join(tmp, "ws1.txt")
+        with open(first_raw, "w", encoding="utf-8") as f:
+            f.write(next(ln for ln in lines if ln.strip()))
+        with open(first_ws, "w", encoding="utf-8") as f:
+            f.write(sentences[0] + "\n")
+        print(f"{machine()}; {args.lines} lines, {n} tokens, near-free wide model (every layer 1,024 wide)")
+        print("Stages (CPU us per token, this tree, 1 thread):", flush=True)
+        stages = stage_costs(raw, model, args.max_tokens_per_batch)
+        for k, v in stages["us_per_token"].items():
+            print(f"  {k:50s} {v:7.2f}")
+        trees = {"this tree": REPO}
+        base_dir = None
+        if args.baseline:
+            base_dir = os.path.join(tmp, "baseline")
+            subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "-q", base_dir, args.baseline], check=True)
+            trees[f"{args.baseline}"] = base_dir
+        try:
+            print("End to end (after start-up):", flush=True)
+            configs = QUICK if args.quick else tuple(CONFIGS)
+            e2e = end_to_end(trees, {"raw": (raw, first_raw, n), "ws": (ws, first_ws, n)}, model, configs, args.runs)
+        finally:
+            if base_dir:
+                subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", base_dir], check=False)
+    us = stages["us_per_token"]
+    floors = us["tokenize raw floor: blingfire + sacremoses alone"] + us["Parquet encode floor: pyarrow's encoder"]
+    default = e2e["default (3 layers, fp32), Parquet"]["this tree"]
+    summary = {"sum_of_floors_us": floors, "cpu_us_per_token_default": default["cpu_us_per_token"],
+               "cpu_over_floors": default["cpu_us_per_token"] / floors}
+    if args.baseline:
+        summary["speedup_default"] = default["tokens_per_s"] / e2e["default (3 layers, fp32), Parquet"][args.baseline]["tokens_per_s"]
+    if "Parquet + HDF5" in e2e:
+        both = e2e["Parquet + HDF5"]["this tree"]
+        summary["parquet_hdf5_over_parquet_cpu"] = both["cpu_us_per_token"] / default["cpu_us_per_token"]
+    print("Summary:", json.dumps({k: round(v, 3) for k, v in summary.items()}))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"machine": machine(), "lines": args.lines, "model": WIDE_CHEAP, "stages": stages,
+                   "end_to_end": e2e, "summary": summary, "baseline": args.baseline}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
