@@ -23,9 +23,11 @@ def hdf5_layout(selection: list[int] | str, n_layers: int) -> str:
     return "(layers, T, D)"
 
 
-def write_hdf5(sentences, path: str) -> None:
-    """(sentence id, array) pairs -> one dataset each, in a local file."""
+def hdf5_bytes(sentences) -> bytes:
+    """The HDF5 file of (sentence id, array) pairs, built in memory (h5py's core driver, no temporary file)."""
     import h5py
-    with h5py.File(path, "w") as f:
+    with h5py.File(f"in-memory-{id(sentences)}.hdf5", "w", driver="core", backing_store=False) as f:
         for sid, arr in sentences:
             f.create_dataset(hdf5_key(sid), data=arr)
+        f.flush()
+        return f.id.get_file_image()

@@ -94,11 +94,26 @@ def build_table(c: ShardColumns, layout: str, columns: list[tuple[str, int]]) ->
     return (sentence_table if layout == "sentence" else token_table)(c, columns)
 
 
+def _leaf_paths(name: str, typ: pa.DataType) -> list[str]:
+    """Parquet's column paths under a field (per-column writer settings take leaf paths): 'tokens.list.element'."""
+    if pa.types.is_list(typ) or pa.types.is_fixed_size_list(typ) or pa.types.is_large_list(typ):
+        return _leaf_paths(f"{name}.list.element", typ.value_type)
+    return [name]
+
+
+def parquet_bytes(table: pa.Table, row_group_bytes: int, vector_compression: str = "none") -> pa.Buffer:
+    """The Parquet file of `table` (write_parquet's settings), encoded in memory without the GIL."""
+    sink = pa.BufferOutputStream()
+    write_parquet(table, sink, row_group_bytes, vector_compression)
+    return sink.getvalue()
+
+
 def write_parquet(table: pa.Table, f, row_group_bytes: int, vector_compression: str = "none") -> None:
     """Text and id columns zstd, vector columns `vector_compression` (VECTOR_COMPRESSIONS); dictionary and
     statistics on id columns only; row groups of about `row_group_bytes`."""
     ids = [c for c in ID_COLUMNS + ["token"] if c in table.column_names]
-    compression = {c: vector_compression if c.startswith(VECTOR_PREFIXES) else "zstd" for c in table.column_names}
+    compression = {leaf: vector_compression if f.name.startswith(VECTOR_PREFIXES) else "zstd"
+                   for f in table.schema for leaf in _leaf_paths(f.name, f.type)}
     rows = max(1, int(row_group_bytes // max(1, table.nbytes / max(1, table.num_rows))))
     with pq.ParquetWriter(f, table.schema, compression=compression, use_dictionary=["doc_id"],
                           write_statistics=ids) as w:

@@ -58,9 +58,29 @@ def withdraw_models() -> None:
     _OFFERED.clear()
 
 
+def reuse_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse instead of returning each large block to the OS.
+
+    A worker allocates tens of MB per batch and per shard (model outputs, shard columns, encoded pages) and
+    frees them soon after; by default every such block is a fresh mmap whose pages the kernel faults in and
+    zeroes again: measured about 3 us per token of the near-free wide model's 12 (benchmarks/host_cost.py).
+    With the thresholds raised, blocks come from the heap and are reused; the resident size stays at the
+    process's high-water mark, which --shard-bytes and the batch budget bound. True if applied (glibc only)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, (1 << 31) - 1))
+    except (OSError, AttributeError):      # not glibc: nothing to tune
+        return False
+
+
 def load_embedder(spec: ModelSpec):
-    """An ElmoEmbedder for `spec` (sets torch's intra-op threads first when torch_threads > 0)."""
+    """An ElmoEmbedder for `spec` (sets torch's intra-op threads first when torch_threads > 0), in a
+    process whose allocator keeps freed memory (reuse_freed_memory)."""
     import torch
+    reuse_freed_memory()
 
     from model.device import resolve_device
     from model.embedder import ElmoEmbedder
