@@ -1,4 +1,4 @@
-"""The fast biLM path equals the plain oracle (model/oracle.py) within 1e-5 in float32."""
+"""The fast biLM path equals the plain oracle (tests/oracle.py) within 1e-5 in float32."""
 import json
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.char_ids import batch_char_ids
-from model.oracle import oracle_forward
+from tests.oracle import oracle_forward
 from model.synthetic import PUBLISHED_OPTIONS, random_bilm
 
 WORDS = "the a cat dog sat on mat , . 1998 Zürich 東京 supercalifragilisticexpialidocious-and-then-some-more-letters".split()

@@ -14,7 +14,7 @@ from transforms import embed as E
 from model.batching import plan_batches
 from transforms.batching import Item, padding
 from transforms.read import Blank, DeadLetter, Document, expand_inputs, file_labels, read_documents
-from transforms.tokenize import align_tokens, tokenize_document, tokenize_text
+from tokenization import align_tokens, tokenize_document, tokenize_text
 from transforms.write import Row, ShardInfo, finalize, hdf5_key, sentence_table, stage_shard, token_table
 
 TEXT = 'Dr. Smith left the U.S. in 2001. He said "hello, world" -- it\'s a well-known <unk> fact!'

@@ -14,7 +14,7 @@ from tests import robustness_corpus as rc
 from tests.conftest import shared_path
 from tests.pipeline_helpers import parquet_rows, run_pipeline
 from transforms.read import Blank, DeadLetter, Document, read_documents
-from transforms.tokenize import align_tokens, moses_tokens, tokenize_document
+from tokenization import align_tokens, moses_tokens, tokenize_document
 from transforms.write import hdf5_key
 
 

@@ -18,7 +18,7 @@ from transforms.batching import Item, padding, sentence_id
 from transforms.faults import crash_point
 from transforms.read import EXCERPT_CHARS, Blank, DeadLetter, Document, read_documents, reason_kind
 from transforms.resume import load_done_ids
-from transforms.tokenize import tokenize_document
+from tokenization import tokenize_document
 from transforms.write import Row, stage_dead_letters, stage_shard
 
 NS = "elmo"
