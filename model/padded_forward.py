@@ -48,7 +48,7 @@ def _run_layer(layer: LstmProjection, x: Tensor, state: tuple[Tensor, Tensor] | 
     y = torch.stack(outs) if outs else x.new_zeros(0, B, layer.proj_dim)
     if lengths is None:
         return y, None
-    last = lengths.to(x.device, torch.int64)[None, :, None]                   # step index in [initial state, steps...]
+    last = lengths.to(x.device, torch.int64)[None, :, None]      # index into [initial state, step 0, ...]
     h_last = torch.cat([h0[None], y]).gather(0, last.expand(1, B, layer.proj_dim))[0]
     c_last = torch.stack([c0, *cells]).gather(0, last.expand(1, B, H))[0]
     return y, (h_last, c_last)
