@@ -104,8 +104,8 @@ def top_layer(bilm: BiLM, inputs: Tensor, lengths: Tensor) -> tuple[Tensor, Tens
     """inputs (B, T, max_chars) or (B, T) ids, lengths (B,) -> forward and backward top-layer outputs,
     each (B, T, P), valid at positions < length (anything at padded positions), from zero state."""
     x, _, rev = _token_vectors(bilm, inputs, lengths)
-    (fwd,), (bwd,) = _directions(bilm, x, rev, None, None, top_only=True)[0]
-    return fwd, bwd
+    (fwd, bwd), _ = _directions(bilm, x, rev, None, None, top_only=True)
+    return fwd[0], bwd[0]
 
 
 def padded_forward(bilm: BiLM, inputs: Tensor, lengths: Tensor, state: tuple[Tensor, Tensor] | None = None):
