@@ -10,9 +10,9 @@ setup(
     version="0.1.0",
     description="Batch ELMo feature extraction: an exact PyTorch biLM in an Apache Beam pipeline",
     python_requires=">=3.10",
-    packages=find_packages(include=["model", "model.*", "transforms", "transforms.*", "pipeline", "pipeline.*",
-                                    "formats", "formats.*", "storage", "storage.*",
-                                    "downstream", "downstream.*"]),
+    packages=find_packages(include=["storage", "storage.*", "formats", "formats.*", "model", "model.*",
+                                    "tokenization", "tokenization.*", "transforms", "transforms.*",
+                                    "training", "training.*", "pipeline", "pipeline.*", "downstream", "downstream.*"]),
     package_data={"model": ["pretrained/*/*.json", "pretrained/*/*.hdf5", "pretrained/*/*.txt", "pretrained/*/*.md", "pretrained/*/*.csv", "pretrained/*/*.png"]},
     include_package_data=True,
     install_requires=[
@@ -23,7 +23,7 @@ setup(
         "h5py>=3.10",
         "fsspec>=2024.6",
         "tqdm>=4.66",
-        "sacremoses>=0.1",        # Moses word tokenization (transforms/tokenize.py)
+        "sacremoses>=0.1",        # Moses word tokenization (tokenization/tokenizers.py)
         "blingfire>=0.1.8",       # sentence splitting with offsets
         "zstandard>=0.22",        # .zst inputs through fsspec
     ],

@@ -59,7 +59,7 @@ def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
     from model.embedder import ElmoEmbedder
     from transforms.read import read_documents
     from transforms.records import Document, EmbeddedBatch, Item
-    from transforms.tokenize import _sentence_spans, moses_tokens, tokenize_document
+    from tokenization.tokenizers import _sentence_spans, moses_tokens, tokenize_document
     from transforms.write import ShardSpec, hdf5_sentences, shard_columns
     torch.set_num_threads(1)
     t = {}
@@ -182,7 +182,7 @@ def main() -> int:
     sys.path.insert(0, REPO)
     from benchmarks.common import machine
     from model.synthetic import write_random_bilm
-    from transforms.tokenize import tokenize_document
+    from tokenization import tokenize_document
 
     with tempfile.TemporaryDirectory() as tmp:
         model = write_random_bilm(WIDE_CHEAP, os.path.join(tmp, "model"))

@@ -35,7 +35,7 @@ def main() -> int:
     from model.embedder import ElmoEmbedder
     from model.synthetic import write_random_bilm
     from pipeline.run import counters, run
-    from transforms.tokenize import tokenize_document
+    from tokenization import tokenize_document
 
     torch.set_num_threads(args.threads)
     tmp = tempfile.mkdtemp(prefix="elmo-bench-")

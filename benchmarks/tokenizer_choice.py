@@ -44,7 +44,7 @@ def candidates():
     import sacremoses
     import syntok.segmenter as seg
 
-    from transforms.tokenize import tokenize_document
+    from tokenization import tokenize_document
 
     mt = sacremoses.MosesTokenizer("en")
 

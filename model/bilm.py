@@ -7,9 +7,10 @@ token encoder (char CNN + highway + projection, or a word-embedding table)
 Parameters are stored in bilm-tf's own layout (gate order, carry gate, forget bias at run time),
 so loading and saving the published HDF5 files is a transpose and nothing else (model/weights.py).
 
-Sequences run in torch's packed layout (time-major, longest first): each LSTM layer's input
-projection is one GEMM over the real tokens only, the time loop touches only sentences still
-running, and every sentence's result is independent of the others in its batch.
+Without autograd, sequences run in torch's packed layout (time-major, longest first), in place: each LSTM
+layer's input projection is one GEMM over the real tokens only, the time loop touches only sentences still
+running, and every sentence's result is independent of the others in its batch. Under autograd (training)
+BiLM.forward runs the padded path of model/padded_forward.py instead: the same math, faster backward passes.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.options import BiLMOptions
+from model.padded_forward import padded_forward
 
 N_CHAR_ROWS = 262  # 261 trained character rows + row 0, all zeros, for padded positions
 
@@ -111,6 +113,7 @@ class LstmProjection(nn.Module):
       c' = clip(sigmoid(f + 1) * c + sigmoid(i) * tanh(j), cell_clip)
       h' = clip((sigmoid(o) * tanh(c')) @ w_proj.T, proj_clip)
     Shapes: w_in (4H, D_in), w_rec (4H, P), bias (4H,), w_proj (P, H).
+    Parameters only: run_lstm_layers (inference) and model/padded_forward.py (autograd) run it.
     """
 
     def __init__(self, input_dim: int, dim: int, proj_dim: int, cell_clip: float | None, proj_clip: float | None):
@@ -126,13 +129,6 @@ class LstmProjection(nn.Module):
         self.register_buffer("forget_bias", forget, persistent=False)
         for w in (self.w_in, self.w_rec, self.w_proj):
             nn.init.xavier_uniform_(w)
-
-    def forward(self, x: Tensor, batch_sizes: list[int], h0: Tensor, c0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x: packed inputs (N, D_in); batch_sizes[t] = sequences still running at step t (non-increasing);
-        h0 (B, P), c0 (B, H) in packed (longest-first) row order.
-        Returns packed outputs (N, P) and the final (h, c), each sequence's state after its last token."""
-        y, h, c = run_lstm_layers([self], stack_weights([self]), x[None], batch_sizes, h0[None], c0[None])
-        return y[0], h[0], c[0]
 
 
 def stack_weights(layers: list[LstmProjection]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -182,70 +178,56 @@ def _workspace(numel: int, like: Tensor) -> Tensor:
 
 
 def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor, Tensor, Tensor], x: Tensor,
-                    batch_sizes: list[int], h0: Tensor, c0: Tensor, chunk_elements: int | None = None):
+                    batch_sizes: list[int], h0: Tensor, c0: Tensor):
     """Run G independent LSTM layers of equal shapes in lock-step (e.g. the forward and the backward
     direction, which share the packed step sizes), one batched GEMM per step for all of them.
+    Inference only (in place, no autograd); model/padded_forward.py is the path under autograd.
 
     weights from stack_weights(layers) (gates ordered i, f, o, j); x (G, N, D_in) packed; h0 (G, B, P),
     c0 (G, B, H) in packed row order. The input projection is computed for chunks of consecutive
-    steps (about chunk_elements floats each, default CHUNK_ELEMENTS). Returns outputs (G, N, P) and final states h (G, B, P),
+    steps (about CHUNK_ELEMENTS floats each). Returns outputs (G, N, P) and final states h (G, B, P),
     c (G, B, H).
     """
     first = layers[0]
     G, H, cell_clip, proj_clip = len(layers), first.dim, first.cell_clip, first.proj_clip
     bias, w_in, w_rec, w_proj = weights
-    in_place = not torch.is_grad_enabled()
     h, c = h0, c0
     outs, done_h, done_c = [], [], []
     offset = 0
-    max_rows = max(1, (chunk_elements or CHUNK_ELEMENTS) // (G * 4 * H))
+    max_rows = max(1, CHUNK_ELEMENTS // (G * 4 * H))
     chunks = _chunks(batch_sizes, max_rows)
-    if in_place and chunks:
-        # inference: the gates of every chunk in one reused buffer; c lives in it between steps
+    if chunks:
+        # the gates of every chunk in one reused buffer; c lives in it between steps
         ws = _workspace(G * max(rows for _, _, rows in chunks) * 4 * H, x)
         tanh_c = x.new_empty(G * batch_sizes[0] * H)
     for t0, t1, rows in chunks:
-        if in_place:
-            c = c.clone() if t0 else c          # c is a view into the previous chunk's rows of ws
-            xw = torch.bmm(x[:, offset: offset + rows], w_in, out=ws[: G * rows * 4 * H].view(G, rows, 4 * H))
-            xw.add_(bias)                                                   # (G, rows, 4H)
-        else:
-            xw = torch.baddbmm(bias, x[:, offset: offset + rows], w_in)    # (G, rows, 4H)
+        c = c.clone() if t0 else c          # c is a view into the previous chunk's rows of ws
+        xw = torch.bmm(x[:, offset: offset + rows], w_in, out=ws[: G * rows * 4 * H].view(G, rows, 4 * H))
+        xw.add_(bias)                                                   # (G, rows, 4H)
         offset += rows
         r = 0
         for n in batch_sizes[t0:t1]:
             if n < h.shape[1]:                 # sequences [n:] have ended: keep their final state
                 done_h.append(h[:, n:])
-                done_c.append(c[:, n:].clone() if in_place else c[:, n:])   # c may be a view into xw
+                done_c.append(c[:, n:].clone())                         # c may be a view into xw
                 h, c = h[:, :n], c[:, :n]
             gates = xw[:, r: r + n]
             r += n
-            if in_place:   # everything in xw's own rows: no per-step allocations but h
-                gates.baddbmm_(h, w_rec)
-                sig = gates[..., : 3 * H].sigmoid_()
-                j = gates[..., 3 * H:].tanh_()
-                i, f, o = sig.split(H, dim=-1)
-                c = f.mul_(c).addcmul_(i, j)
-                if cell_clip is not None:
-                    c.clamp_(-cell_clip, cell_clip)
-                h = torch.bmm(torch.tanh(c, out=tanh_c[: G * n * H].view(G, n, H)).mul_(o), w_proj)
-                if proj_clip is not None:
-                    h.clamp_(-proj_clip, proj_clip)
-            else:
-                gates = torch.baddbmm(gates, h, w_rec)
-                sig = torch.sigmoid(gates[..., : 3 * H])
-                i, f, o = sig.split(H, dim=-1)
-                c = torch.addcmul(f * c, i, torch.tanh(gates[..., 3 * H:]))
-                if cell_clip is not None:
-                    c = c.clamp(-cell_clip, cell_clip)
-                h = torch.bmm(o * torch.tanh(c), w_proj)
-                if proj_clip is not None:
-                    h = h.clamp(-proj_clip, proj_clip)
+            # everything in xw's own rows: no per-step allocations but h
+            gates.baddbmm_(h, w_rec)
+            sig = gates[..., : 3 * H].sigmoid_()
+            j = gates[..., 3 * H:].tanh_()
+            i, f, o = sig.split(H, dim=-1)
+            c = f.mul_(c).addcmul_(i, j)
+            if cell_clip is not None:
+                c.clamp_(-cell_clip, cell_clip)
+            h = torch.bmm(torch.tanh(c, out=tanh_c[: G * n * H].view(G, n, H)).mul_(o), w_proj)
+            if proj_clip is not None:
+                h.clamp_(-proj_clip, proj_clip)
             outs.append(h)
     if not outs:
         return x.new_zeros(len(layers), 0, first.proj_dim), h, c
-    if in_place:
-        c = c.clone()
+    c = c.clone()
     h_final = torch.cat([h, *reversed(done_h)], dim=1) if done_h else h
     c_final = torch.cat([c, *reversed(done_c)], dim=1) if done_c else c
     return torch.cat(outs, dim=1), h_final, c_final
@@ -335,6 +317,7 @@ class BiLM(nn.Module):
     zeros at padded positions.
     state: (h, c) with h (2, n_layers, B, P), c (2, n_layers, B, H) in batch-row order; index 0 is the
     forward direction. None means zeros. The returned state is each row's state after its sequence.
+    Without autograd: the packed in-place path below; with autograd: model/padded_forward.py.
     """
 
     def __init__(self, opts: BiLMOptions, dropout: float = 0.0):
@@ -386,11 +369,9 @@ class BiLM(nn.Module):
         self.__dict__["token_cache"] = TokenCache(max_tokens) if max_tokens > 0 else None
 
     def _pair_weights(self, k: int):
-        """Stacked weights of layer k's two directions. Without autograd they are cached (re-stacked
-        only when a parameter changes: its storage or in-place version counter)."""
+        """Stacked weights of layer k's two directions for run_lstm_layers, cached (re-stacked only when a
+        parameter changes: its storage or in-place version counter)."""
         layers = [self.forward_layers[k], self.backward_layers[k]]
-        if torch.is_grad_enabled():
-            return stack_weights(layers)
         key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for l in layers for p in (l.w_in, l.w_rec, l.bias, l.w_proj))
         cache = self.__dict__.setdefault("_weight_cache", {})
         if k not in cache or cache[k][0] != key:
@@ -401,6 +382,8 @@ class BiLM(nn.Module):
         return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
     def forward(self, inputs: Tensor, lengths: Tensor, state: tuple[Tensor, Tensor] | None = None):
+        if torch.is_grad_enabled():
+            return padded_forward(self, inputs, lengths, state)
         B, T = inputs.shape[:2]
         pb = PackedBatch(lengths, T, inputs.device)
         emb = self.encode_tokens(inputs.reshape(B * T, *inputs.shape[2:])[pb.fwd_index])   # (N, P) forward packed order

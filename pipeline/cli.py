@@ -1,4 +1,4 @@
-"""The `elmo-pipeline` command: subcommands elmo, run (the Beam pipeline), train, evaluate, probe."""
+"""The `elmo-pipeline` command: subcommands elmo, run (the Beam pipeline), train, evaluate, export, probe."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,8 @@ import importlib
 import logging
 import sys
 
-# subcommand -> (module, help). Modules are imported only when their subcommand runs.
+# subcommand -> (module, help). Modules are imported only when their subcommand runs, except that
+# building the parser imports each one for its add_arguments (no Beam import there).
 SUBCOMMANDS = {
     "elmo": ("pipeline.elmo_command", "embed a file of tokenized sentences into HDF5 (allennlp elmo)"),
     "run": ("pipeline.run", "run the Beam pipeline"),
@@ -15,6 +16,9 @@ SUBCOMMANDS = {
     "export": ("pipeline.export_command", "export a training checkpoint to options.json + weights.hdf5 + vocab.txt"),
     "probe": ("pipeline.probe_command", "train and evaluate a classifier on extracted vectors, per layer setting"),
 }
+# Subcommands whose module parses its own argv (module.main(argv), its own --help): the parser only lists them,
+# so `elmo-pipeline --help` and the other subcommands never import Beam.
+FORWARDED = {"run"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
+        if name not in FORWARDED:
+            importlib.import_module(module).add_arguments(p)
         p.set_defaults(_module=module)
     return parser
 
@@ -31,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     # `run` forwards everything to the Beam pipeline's own parser (Beam options included).
-    if argv and argv[0] == "run" and "run" in SUBCOMMANDS:
-        return importlib.import_module(SUBCOMMANDS["run"][0]).main(argv[1:])
+    if argv and argv[0] in FORWARDED:
+        return importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:])
     args = build_parser().parse_args(argv)
     return importlib.import_module(args._module).run(args)
 

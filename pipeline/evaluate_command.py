@@ -1,7 +1,7 @@
 """`elmo-pipeline evaluate`: forward, backward and mean perplexity of a biLM on held-out text.
 
 The model is an exported folder (options.json, weights.hdf5 with its softmax datasets, vocab.txt) or a
-training checkpoint. Text is windowed as in training (model/lm_data.py), LSTM state zero per window.
+training checkpoint. Text is windowed as in training (training/data.py), LSTM state zero per window.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from model.lm_export import head_from_checkpoint, load_exported
-    from model.lm_head import evaluate
-    from model.train import load_corpus_for
+    from training.export import head_from_checkpoint, load_exported
+    from training.head import evaluate
+    from training.train import load_corpus_for
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     corpus = load_corpus_for(args.files, vocab, options, args.tokenizer)
     result = evaluate(head, corpus, batch_size=args.batch_size).as_dict()
     if args.unigram_baseline:
-        from model.lm_data import unigram_perplexity
+        from training.data import unigram_perplexity
         train = load_corpus_for(args.unigram_baseline, vocab, options, args.tokenizer)
         result["unigram_ppl"] = unigram_perplexity(train, corpus, len(vocab))
     print(f"perplexity fwd {result['ppl_fwd']:.2f}  bwd {result['ppl_bwd']:.2f}  mean {result['ppl_mean']:.2f}  "

@@ -9,7 +9,7 @@ from formats.layout import FORMATS, PARQUET_LAYOUTS, STORAGE_DTYPES
 from formats.parquet import VECTOR_COMPRESSIONS
 from model.options import COMPUTE_DTYPES, STATE_MODES
 from transforms.read import INPUT_FORMATS
-from transforms.tokenize import TOKENIZERS
+from tokenization import TOKENIZERS
 
 
 class ElmoOptions(PipelineOptions):

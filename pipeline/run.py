@@ -14,6 +14,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+from pipeline.quiet import quiet_beam
+
+quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
 import apache_beam as beam
 from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions, S3Options,
                                                   SetupOptions, StandardOptions)
@@ -247,7 +250,7 @@ def summary(result, output: str) -> str:
 
 
 def add_arguments(parser) -> None:
-    """Our flags on an argparse parser (for `elmo-pipeline --help`; `run` itself is parsed by Beam)."""
+    """Our flags on an argparse parser (for `--help`; `run` itself is parsed by Beam)."""
     ElmoOptions._add_argparse_args(parser)
 
 

@@ -1,4 +1,4 @@
-"""The fast biLM path equals the plain oracle (model/oracle.py) within 1e-5 in float32."""
+"""The fast biLM path equals the plain oracle (tests/oracle.py) within 1e-5 in float32."""
 import json
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.char_ids import batch_char_ids
-from model.oracle import oracle_forward
+from tests.oracle import oracle_forward
 from model.synthetic import PUBLISHED_OPTIONS, random_bilm
 
 WORDS = "the a cat dog sat on mat , . 1998 Zürich 東京 supercalifragilisticexpialidocious-and-then-some-more-letters".split()
@@ -19,8 +19,10 @@ def _batch(seed, n=9):
     return torch.from_numpy(ids), torch.from_numpy(lengths)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["packed", "autograd"])
 @pytest.mark.parametrize("skip", [True, False])
-def test_fast_path_equals_oracle(skip):
+def test_fast_path_equals_oracle(skip, grad):
+    """Both paths of BiLM.forward: packed in place (no autograd) and padded (model/padded_forward.py, autograd)."""
     raw = json.loads(json.dumps(PUBLISHED_OPTIONS["tiny"]))
     raw["lstm"]["use_skip_connections"] = skip
     model = random_bilm(raw, seed=7)
@@ -28,16 +30,18 @@ def test_fast_path_equals_oracle(skip):
     ostate = None
     for seed in range(3):                      # three consecutive batches, state carried
         ids, lengths = _batch(seed)
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             fast, state = model(ids, lengths, state)
+        assert fast.requires_grad == grad
+        fast, state = fast.detach(), tuple(s.detach() for s in state)
         ref, ostate = oracle_forward(model, ids, lengths, ostate)
         assert (fast - ref).abs().max() <= 1e-5
         for a, b in zip(state, ostate):
             assert (a - b).abs().max() <= 1e-5
 
 
-def test_chunked_input_projection_and_autograd_path_equal_oracle(monkeypatch):
-    """Input projections computed a few steps at a time, and the autograd (not in-place) path."""
+def test_chunked_input_projection_equals_oracle(monkeypatch):
+    """Input projections computed a few steps at a time."""
     import model.bilm as bilm
     model = random_bilm("tiny", seed=3)
     ids, lengths = _batch(11, n=12)
@@ -47,11 +51,22 @@ def test_chunked_input_projection_and_autograd_path_equal_oracle(monkeypatch):
         fast, (h, c) = model(ids, lengths)
     assert (fast - ref).abs().max() <= 1e-5
     assert (h - rh).abs().max() <= 1e-5 and (c - rc).abs().max() <= 1e-5
-    with torch.enable_grad():
-        graded, _ = model(ids, lengths)
-        graded.sum().backward()
-    assert (graded.detach() - ref).abs().max() <= 1e-5
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.forward_layers.parameters())
+
+
+def test_autograd_path_gives_gradients():
+    """BiLM.forward under autograd (the padded path): every parameter gets a finite gradient, padded positions
+    of every layer stay zero, and a length-0 row keeps its initial state."""
+    model = random_bilm("tiny", seed=3)
+    ids, lengths = _batch(12, n=6)
+    ids[-1], lengths[-1] = 0, 0
+    torch.manual_seed(0)
+    h0, c0 = (torch.randn_like(s) for s in model.zero_state(len(lengths)))
+    out, (h, c) = model(ids, lengths, (h0, c0))
+    (out.sum() + h.sum() + c.sum()).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    pad = torch.arange(ids.shape[1])[None, :] >= lengths[:, None]
+    assert (out.detach()[:, pad] == 0).all()
+    assert torch.equal(h[:, :, -1], h0[:, :, -1]) and torch.equal(c[:, :, -1], c0[:, :, -1])
 
 
 def test_reused_workspace_across_modes_and_sizes(monkeypatch):

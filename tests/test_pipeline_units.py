@@ -18,7 +18,7 @@ from transforms.records import Blank, Document, EmbeddedBatch, Item
 from formats.layout import DeadLetter, ShardInfo
 from storage import expand as expand_inputs
 from transforms.read import file_labels, read_documents
-from transforms.tokenize import align_tokens, tokenize_document, tokenize_text
+from tokenization import align_tokens, tokenize_document, tokenize_text
 from formats.hdf5 import hdf5_key
 from formats.parquet import layer_columns, sentence_table, token_table
 from transforms.write import ShardSpec, finalize, shard_columns, stage_shard

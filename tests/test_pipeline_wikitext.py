@@ -7,7 +7,7 @@ import pytest
 from model.embedder import ElmoEmbedder
 from tests.conftest import shared_path
 from tests.pipeline_helpers import hdf5_arrays, layer_arrays, parquet_rows, run_pipeline
-from transforms.tokenize import tokenize_document
+from tokenization import tokenize_document
 from formats.hdf5 import hdf5_key
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes

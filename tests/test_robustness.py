@@ -13,11 +13,11 @@ from model.windows import embed_long
 from tests import robustness_corpus as rc
 from tests.conftest import shared_path
 from tests.pipeline_helpers import parquet_rows, run_pipeline
+from formats.hdf5 import hdf5_key
 from formats.layout import DeadLetter
+from tokenization import align_tokens, moses_tokens, tokenize_document
 from transforms.read import read_documents
 from transforms.records import Blank, Document
-from transforms.tokenize import align_tokens, moses_tokens, tokenize_document
-from formats.hdf5 import hdf5_key
 
 
 @pytest.fixture(scope="module")

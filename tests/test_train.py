@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from model.lm_data import (BatchMaker, build_vocabulary, encode_corpus, epoch_batches, read_lines,
+from training.data import (BatchMaker, build_vocabulary, encode_corpus, epoch_batches, read_lines,
                            unigram_perplexity)
-from model.train import (TrainConfig, batch_maker, build_model, default_options, evaluate, load_exported,
+from training.train import (TrainConfig, batch_maker, build_model, default_options, evaluate, load_exported,
                          read_curves, train)
 from model.vocab import Vocabulary
 from model.weights import load_bilm
@@ -228,12 +228,12 @@ def test_torchrun_two_processes_equal_one(texts, tmp_path):
 
 
 def test_raw_tokenizer_gives_sentences():
-    from model.lm_data import get_tokenizer
+    from training.data import get_tokenizer
     try:
         tok = get_tokenizer("raw")
         sents = tok("The cat sat. It was well-known!")
     except (RuntimeError, ImportError) as e:
-        pytest.skip(f"the raw tokenizer (transforms/tokenize.py) is unavailable here: {e}")
+        pytest.skip(f"the raw tokenizer (tokenization/tokenizers.py) is unavailable here: {e}")
     assert len(sents) == 2 and sents[0][:2] == ["The", "cat"]
     assert get_tokenizer("whitespace")("  a b  ") == [["a", "b"]] and get_tokenizer("whitespace")("  ") == []
 
@@ -262,7 +262,7 @@ def test_shipped_default_model():
 
 def test_read_lines_globs_urls_and_gzip(tmp_path):
     import gzip
-    from model.lm_data import read_lines
+    from training.data import read_lines
     (tmp_path / "a.txt").write_text("one two\n\n three \n", encoding="utf-8")
     with gzip.open(tmp_path / "b.txt.gz", "wt", encoding="utf-8") as f:
         f.write("four five six\n")

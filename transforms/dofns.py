@@ -20,7 +20,7 @@ from transforms.faults import crash_point
 from transforms.read import read_documents
 from transforms.records import Blank, Document, EmbeddedBatch, Item
 from transforms.resume import load_done_ids
-from transforms.tokenize import tokenize_document
+from tokenization import tokenize_document
 from transforms.write import ShardSpec, stage_dead_letters, stage_shard
 
 NS = "elmo"

@@ -1,7 +1,7 @@
 """Train, fine-tune, evaluate and export biLMs (plain PyTorch; torchrun for data parallel).
 
-Modules: model/lm_data.py (corpus, vocabulary, batches), model/lm_head.py (biLM + softmax, perplexity),
-model/lm_export.py (bilm-tf export), model/checkpoint.py (HDF5 checkpoints), model/curves.py (PNG).
+Modules: training/data.py (corpus, vocabulary, batches), training/head.py (biLM + softmax, perplexity),
+training/export.py (bilm-tf export), training/checkpoint.py (HDF5 checkpoints), training/curves.py (PNG).
 
 One options.json holds the architecture (bilm-tf keys: lstm, char_cnn, n_tokens_vocab) and the training
 settings (bilm-tf keys: batch_size, unroll_steps, n_epochs, dropout, all_clip_norm_val; ours: softmax,
@@ -10,7 +10,7 @@ loss is the mean of both directions' per-token negative log-likelihoods (nats).
 
 Output folder of a run:
   options.json, vocab.txt             written at the start
-  checkpoints/ckpt-<step>.h5          every `checkpoint_every` steps and at the end (model/checkpoint.py)
+  checkpoints/ckpt-<step>.h5          every `checkpoint_every` steps and at the end (training/checkpoint.py)
   curves.csv, curves.png              train loss every `log_every` steps, held-out perplexity per checkpoint
   model/options.json, weights.hdf5, vocab.txt   the export: what load_bilm, AllenNLP and bilm-tf read
 """
@@ -31,10 +31,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from model.checkpoint import load_checkpoint, read_meta, save_checkpoint
-from model.lm_data import Corpus, build_vocabulary, encode_corpus, epoch_batches, get_tokenizer, read_lines
-from model.lm_export import export_model, head_from_checkpoint, load_exported, load_softmax  # noqa: F401 (API)
-from model.lm_head import LMHead, Perplexity, batch_maker, build_model, evaluate  # noqa: F401 (API)
+from training.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from training.data import Corpus, build_vocabulary, encode_corpus, epoch_batches, get_tokenizer, read_lines
+from training.export import export_model, head_from_checkpoint, load_exported, load_softmax  # noqa: F401 (API)
+from training.head import LMHead, Perplexity, batch_maker, build_model, evaluate  # noqa: F401 (API)
 from model.vocab import Vocabulary
 from model.weights import load_weights_into
 
@@ -344,7 +344,7 @@ class CurveLog:
 
     def plot(self) -> None:
         if self.enabled:
-            from model.curves import plot_curves
+            from training.curves import plot_curves
             try:
                 plot_curves(self.path, os.path.splitext(self.path)[0] + ".png")
             except Exception as e:   # a plot must never stop training

@@ -5,7 +5,7 @@ Two kinds, chosen in options.json under "softmax":
   {"type": "adaptive", "cutoffs": [2000, 10000], "div_value": 4.0}
         Grave et al.'s adaptive softmax (torch.nn.AdaptiveLogSoftmaxWithLoss): frequent words in a full
         head, rare words in smaller clusters. Exact normalised probabilities (so perplexities are exact)
-        at a fraction of the cost. Needs the vocabulary sorted by frequency (model/lm_data.py does).
+        at a fraction of the cost. Needs the vocabulary sorted by frequency (training/data.py does).
 Both expose nll(hidden (N, P), targets (N,)) -> (N,) negative log-likelihoods in nats.
 """
 from __future__ import annotations

@@ -30,15 +30,15 @@ def _whitespace(line: str) -> list[list[str]]:
 
 def get_tokenizer(name: str) -> Tokenizer:
     """'whitespace': pre-tokenized text, a line is one sequence; 'raw': the project's raw-text tokenizer
-    (transforms/tokenize.py: sentence splitting + Moses-style words), each sentence one sequence."""
+    (tokenization/tokenizers.py: sentence splitting + Moses-style words), each sentence one sequence."""
     if name == "whitespace":
         return _whitespace
     if name == "raw":
         try:
-            from transforms.tokenize import tokenize_text
+            from tokenization import tokenize_text
         except ImportError as e:
-            raise RuntimeError(f"--tokenizer raw needs transforms/tokenize.py's tokenize_text, which cannot be "
-                               f"imported ({e}); use --tokenizer whitespace for pre-tokenized text") from None
+            raise RuntimeError(f"--tokenizer raw needs tokenization.tokenize_text, which cannot be imported ({e}); "
+                               f"use --tokenizer whitespace for pre-tokenized text") from None
         return tokenize_text
     raise ValueError(f"unknown tokenizer {name!r} (whitespace or raw)")
 

@@ -1,4 +1,4 @@
-"""Draw curves.csv (written by model/train.py) as a PNG: perplexity (log scale) against training step.
+"""Draw curves.csv (written by training/train.py) as a PNG: perplexity (log scale) against training step.
 
 Uses matplotlib when installed, else Pillow (installed with Apache Beam); raises ImportError if neither is.
 Lines: train mean perplexity, valid forward / backward / mean perplexity.

@@ -1,4 +1,4 @@
-"""Sentence splitting and word tokenization with character offsets. No Beam import.
+"""Sentence splitting and word tokenization with character offsets. No Beam or torch import.
 
 raw         sentences by blingfire (FSM, C, deterministic, offline), words by sacremoses' port of the
             Moses tokenizer (the scheme of WikiText and the 1B Word Benchmark ELMo was trained on),

@@ -12,8 +12,8 @@ import os
 import h5py
 import torch
 
-from model.checkpoint import load_checkpoint, read_meta
-from model.lm_head import LMHead, build_model
+from training.checkpoint import load_checkpoint, read_meta
+from training.head import LMHead, build_model
 from model.vocab import Vocabulary
 from model.weights import load_weights_into, save_bilm
 

@@ -12,10 +12,10 @@ import torch
 from torch import Tensor, nn
 
 from model.bilm import BiLM
-from model.lm_data import BatchMaker, Corpus, eval_batches
+from training.data import BatchMaker, Corpus, eval_batches
 from model.options import parse_options
 from model.padded_forward import top_layer
-from model.softmax import build_softmax
+from training.softmax import build_softmax
 from model.vocab import Vocabulary
 
 class LMHead(nn.Module):

@@ -1,0 +1,59 @@
+"""The `elmo-pipeline` command line: only `run` imports Apache Beam, and a run's terminal output is ours."""
+import logging
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_help_and_commands_other_than_run_import_no_beam():
+    code = ("import sys\n"
+            "from pipeline.cli import build_parser\n"
+            "build_parser().parse_args(['train', 'x.txt', '--output', 'o'])\n"
+            "import pipeline.elmo_command, pipeline.train_command, pipeline.evaluate_command\n"
+            "import pipeline.export_command, pipeline.probe_command\n"
+            "import training.train, training.export, model.embedder, tokenization\n"
+            "import downstream.probe, downstream.readers\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'apache_beam'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
+    for args in ([], ["train"], ["elmo"], ["probe"], ["evaluate"], ["export"]):
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline.cli", *args, "--help"],
+                           capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 0 and "usage: elmo-pipeline" in r.stdout
+        assert "apache_beam" not in r.stderr, args
+
+
+def test_run_prints_only_its_summary(tmp_path, tiny_model_files):
+    """No Beam notices (apitools, BigQuery, type hints) on stderr: the summary line is all a run prints."""
+    corpus = tmp_path / "in.txt"
+    corpus.write_text("A sentence. And another one.\n")
+    for entry in (["-m", "pipeline.run"], ["-m", "pipeline.cli", "run"]):
+        out = tmp_path / entry[-1]
+        r = subprocess.run([sys.executable, *entry, "--input", str(corpus), "--output", str(out), "--options-file",
+                            tiny_model_files[0], "--weight-file", tiny_model_files[1], "--torch-threads", "1"],
+                           capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert r.returncode == 0 and (out / "_SUCCESS").exists(), r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("elmo-pipeline: 1 documents, 2 sentences"), lines
+
+
+def test_quiet_beam_drops_only_beams_import_notice():
+    import apache_beam
+
+    from pipeline.quiet import quiet_beam
+    quiet_beam()
+    root = logging.getLogger()
+    beam_file = os.path.join(os.path.dirname(apache_beam.__file__), "io", "gcp", "internal", "clients", "bigquery",
+                             "__init__.py")
+    notice = "apitools not found, and bigquery client libraries are not available despite the import not raising"
+
+    def shown(path, level, msg):
+        return bool(root.filter(logging.LogRecord("root", level, path, 1, msg, None, None)))
+
+    assert not shown(beam_file, logging.WARNING, notice)
+    assert shown(beam_file, logging.ERROR, notice)                   # errors always pass
+    assert shown(beam_file, logging.WARNING, "something else went wrong")
+    assert shown(__file__, logging.WARNING, notice)                  # the same words from elsewhere
+    assert logging.getLogger("apache_beam").getEffectiveLevel() == logging.WARNING
