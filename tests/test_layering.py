@@ -1,0 +1,55 @@
+"""The packages' layering: no module imports a package above it, and only the Beam shells import Beam.
+
+    storage, tokenization            (nothing of ours)
+    formats                          (nothing of ours)
+    model                            storage
+    training                         model, tokenization, storage
+    transforms, downstream           model, formats, storage, tokenization
+    pipeline, benchmarks, tests      anything
+"""
+import ast
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALLOWED = {
+    "storage": set(),
+    "tokenization": set(),
+    "formats": set(),
+    "model": {"storage"},
+    "training": {"model", "tokenization", "storage"},
+    "transforms": {"model", "formats", "storage", "tokenization"},
+    "downstream": {"model", "formats", "storage"},
+}
+OURS = set(ALLOWED) | {"pipeline", "benchmarks", "tests"}
+BEAM_SHELLS = {"transforms/dofns.py", "pipeline/run.py", "pipeline/options.py", "pipeline/validate.py"}
+
+
+def _modules():
+    for package in sorted(OURS - {"tests", "benchmarks"}):
+        for root, _, files in os.walk(os.path.join(REPO, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    yield package, os.path.relpath(os.path.join(root, name), REPO)
+
+
+def _imports(path: str) -> set[str]:
+    tree = ast.parse(open(os.path.join(REPO, path), encoding="utf-8").read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package,path", list(_modules()))
+def test_no_module_imports_a_package_above_it(package, path):
+    imported = {n.split(".")[0] for n in _imports(path)}
+    if package in ALLOWED:
+        above = (imported & OURS) - ALLOWED[package] - {package}
+        assert not above, f"{path} imports {sorted(above)}, above its layer"
+    if path not in BEAM_SHELLS:
+        assert "apache_beam" not in imported, f"{path} imports Beam outside the Beam shells"
