@@ -125,3 +125,26 @@ def test_truncated_compressed_file_is_one_record_dead_letter(tmp_path, ext, comp
     c = m["counts"]
     assert c["input_records"] == len(recs) == c["documents"] + c["blank_records"] + c["record_dead_letters"]
     assert c["dead_letters_by_reason"] == {"unreadable file": 1}
+
+
+def test_sentence_spans_equal_blingfires_own_offsets():
+    """tokenization's sentence spans are blingfire.text_to_sentences_and_offsets's, on every line of the
+    naughty-strings and 7-language files plus a few built-in cases (its offset mapping is our numpy)."""
+    import glob
+
+    import blingfire
+
+    from tokenization.tokenizers import _sentence_spans
+    texts = ["Dr. Smith left. He said 'hi'! Then?", "é. ü! 日本。 x", "  lead space. x  ", "😀😀. a", "a\nb. c"]
+    for path in sorted(glob.glob(os.path.join(shared_path("data", "robustness"), "*.txt"))):
+        texts += open(path, encoding="utf-8", errors="surrogateescape").read().split("\n")
+    checked = 0
+    for t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:      # not text a document can hold (read.py dead-letters it)
+            continue
+        if t.strip():
+            assert _sentence_spans(t) == [(int(s), int(e)) for s, e in blingfire.text_to_sentences_and_offsets(t)[1]], t
+            checked += 1
+    assert checked > 1000
