@@ -36,6 +36,7 @@ CONFIGS = {   # name -> (extra flags, tokenizer input: raw text or pre-tokenized
     "default (3 layers, fp32), Parquet": ([], "raw"),
     "--duplicate-layer0": (["--duplicate-layer0"], "raw"),
     "--layers 2": (["--layers", "2"], "raw"),
+    "--dtype float16": (["--dtype", "float16"], "raw"),
     "whitespace, --layers 2": (["--layers", "2", "--tokenizer", "whitespace", "--input-format", "lines"], "ws"),
     "Parquet + HDF5": (["--format", "parquet,hdf5"], "raw"),
     "2 workers (multi_processing)": (["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"], "raw"),
@@ -60,8 +61,10 @@ def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
     from transforms.read import read_documents
     from transforms.records import Document, EmbeddedBatch, Item
     from tokenization.tokenizers import _sentence_spans, moses_tokens, tokenize_document
+    from transforms.embed import reuse_freed_memory
     from transforms.write import ShardSpec, hdf5_sentences, shard_columns
     torch.set_num_threads(1)
+    reuse_freed_memory()                     # as the pipeline's workers do
     t = {}
     c = cpu()
     docs = [d for d in read_documents(text_path, "text", "valid") if isinstance(d, Document)]
@@ -101,31 +104,48 @@ def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
         off = np.zeros(len(b) + 1, dtype=np.int64)
         np.cumsum([len(x.tokens) for x in b], out=off[1:])
         embedded.append(EmbeddedBatch(b, o, off))
-    pairs = sorted(((eb, i) for eb in embedded for i in range(len(eb.items))), key=lambda p: p[0].items[p[1]].id)
     sel = (0, 1, 2)
     spec = ShardSpec(("parquet", "hdf5"), "sentence", tuple(layer_columns(list(sel), 1024, False)), sel, False,
                      "float32", 64 << 20, 3, 1024)
-    c = cpu()
-    cols = shard_columns(pairs, spec)
-    t["layer selection and copies (Parquet)"] = cpu() - c
-    c = cpu()
-    table = build_table(cols, "sentence", list(spec.columns))
-    t["Parquet table build"] = cpu() - c
-    c = cpu()
-    data = parquet_bytes(table, spec.row_group_bytes, spec.vector_compression)
-    t["Parquet encode floor: pyarrow's encoder"] = cpu() - c
-    c = cpu()
-    h5 = list(hdf5_sentences(pairs, spec))
-    t["layer selection and copies (HDF5)"] = cpu() - c
-    c = cpu()
-    hdf5_bytes(h5)
-    t["HDF5 encode"] = cpu() - c
+    shards, shard, size = [], [], 0          # as WriteShards cuts them: --shard-bytes 64 MiB
+    for eb in embedded:
+        for i in range(len(eb.items)):
+            shard.append((eb, i))
+            size += eb.tokens(i) * spec.bytes_per_token
+            if size >= 64 << 20:
+                shards.append(shard)
+                shard, size = [], 0
+    shards.append(shard)
+    build_table(shard_columns(shards[0][:1], spec), "sentence", list(spec.columns))     # pyarrow's one-time set-up
+    shards = [sorted(sh, key=lambda p: p[0].items[p[1]].id) for sh in shards]
+    for name in ("layer selection and copies (Parquet)", "Parquet table build", "Parquet encode floor: pyarrow's encoder",
+                 "layer selection and copies (HDF5)", "HDF5 encode", "file write (Parquet bytes)"):
+        t[name] = 0.0
+    size = 0
     with tempfile.TemporaryDirectory() as tmp:
-        c = cpu()
-        with open(os.path.join(tmp, "x.parquet"), "wb") as f:
-            f.write(data)
-        t["file write (Parquet bytes)"] = cpu() - c
-    return {"tokens": n, "sentences": len(items), "parquet_bytes_per_token": len(data) / n,
+        for sh in shards:
+            c = cpu()
+            cols = shard_columns(sh, spec)
+            t["layer selection and copies (Parquet)"] += cpu() - c
+            c = cpu()
+            table = build_table(cols, "sentence", list(spec.columns))
+            t["Parquet table build"] += cpu() - c
+            c = cpu()
+            data = parquet_bytes(table, spec.row_group_bytes, spec.vector_compression)
+            t["Parquet encode floor: pyarrow's encoder"] += cpu() - c
+            c = cpu()
+            h5 = list(hdf5_sentences(sh, spec))
+            t["layer selection and copies (HDF5)"] += cpu() - c
+            c = cpu()
+            hdf5_bytes(h5)
+            t["HDF5 encode"] += cpu() - c
+            c = cpu()
+            with open(os.path.join(tmp, "x.parquet"), "wb") as f:
+                f.write(data)
+            t["file write (Parquet bytes)"] += cpu() - c
+            size += len(data)
+            del cols, table, data, h5
+    return {"tokens": n, "sentences": len(items), "parquet_bytes_per_token": size / n, "shards": len(shards),
             "us_per_token": {k: 1e6 * v / n for k, v in t.items()}}
 
 
