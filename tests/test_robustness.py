@@ -131,11 +131,16 @@ def test_sentence_spans_equal_blingfires_own_offsets():
     """tokenization's sentence spans are blingfire.text_to_sentences_and_offsets's, on every line of the
     naughty-strings and 7-language files plus a few built-in cases (its offset mapping is our numpy)."""
     import glob
+    import random
 
     import blingfire
 
     from tokenization.tokenizers import _sentence_spans
-    texts = ["Dr. Smith left. He said 'hi'! Then?", "é. ü! 日本。 x", "  lead space. x  ", "😀😀. a", "a\nb. c"]
+    texts = ["Dr. Smith left. He said 'hi'! Then?", "é. ü! 日本。 x", "  lead space. x  ", "😀😀. a", "a\nb. c",
+             "\u200b\u200c\u200d", "\u200b", "x\u200b. \u200c"]
+    rng = random.Random(0)        # short texts of zero-width, combining, wide and multi-byte characters
+    texts += ["".join(rng.choice(["\u200b", "\u200c", "a", " ", ".", "é", "日", "😀", "\n", "\u0301", "!"])
+                      for _ in range(rng.randint(1, 12))) for _ in range(3000)]
     for path in sorted(glob.glob(os.path.join(shared_path("data", "robustness"), "*.txt"))):
         texts += open(path, encoding="utf-8", errors="surrogateescape").read().split("\n")
     checked = 0

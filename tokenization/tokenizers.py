@@ -75,9 +75,16 @@ def _sentence_spans(text: str) -> list[tuple[int, int]]:
     k = out.value.count(b"\n") + 1
     lead = (np.frombuffer(raw, dtype=np.uint8) & 0xC0) != 0x80          # the first byte of each code point
     before = np.concatenate([[0], np.cumsum(lead)])                      # code points before byte u
-    s = np.frombuffer(starts, dtype=np.int32, count=k)
-    e = np.frombuffer(ends, dtype=np.int32, count=k) + 1                 # blingfire's ends are inclusive
-    return list(zip(before[s].tolist(), before[e].tolist()))
+    bounds = np.empty(2 * k, dtype=np.int64)
+    bounds[0::2] = np.frombuffer(starts, dtype=np.int32, count=k)
+    bounds[1::2] = np.frombuffer(ends, dtype=np.int32, count=k) + 1     # blingfire's ends are inclusive
+    at_end = bounds == len(raw)
+    on_char = np.append(lead, True)[np.clip(bounds, 0, len(raw))] & (bounds >= 0)
+    if not (on_char.all() and (np.diff(bounds) >= 0).all() and not at_end[:-1].any()):
+        _, spans = blingfire.text_to_sentences_and_offsets(text)    # offsets off code-point starts: its own rules
+        return [(int(a), int(b)) for a, b in spans]
+    mapped = before[bounds].tolist()
+    return list(zip(mapped[0::2], mapped[1::2]))
 
 
 def _is_junk(ch: str) -> bool:
