@@ -2,7 +2,7 @@
 
     <out>/parquet/part-00000-of-00002.parquet   <out>/hdf5/part-00000-of-00002.hdf5   (same sentences in shard i)
     <out>/dead_letters/part-00000-of-00001.jsonl                                       (only when there are any)
-    <out>/manifest.json                                                                (after every shard)
+    <out>/manifest.json                                                                (by Finalize, after all shards)
     <out>/_SUCCESS                                                                     (written last)
     <out>/_staging/<run key>/   while a run is live: <uuid>.parquet|.hdf5|.jsonl, committed/<uuid>.json
                                (commit records), finalize.json (the plan of a started finalize), run.json

@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 ID_COLUMNS = ["id", "doc_id", "sentence_index", "token_index"]
 META_COLUMNS = ("id", "doc_id", "sentence_index", "tokens")   # sentence layout, before the layer columns
 VECTOR_PREFIXES = ("layer_", "average")                          # the vector columns
-# --vector-compression. Measured (benchmarks/host_cost.py): zstd makes float vectors ~18 % smaller and costs
-# ~1.6x the encoder's CPU; uncompressed they write fastest and every reader reads them unchanged.
+# --vector-compression: uncompressed float vectors encode fastest and every reader reads them unchanged; zstd
+# trades encoding CPU for size (both measured by benchmarks/host_cost.py, see benchmarks/README.md).
 VECTOR_COMPRESSIONS = ("none", "zstd", "lz4", "snappy")
 
 
@@ -109,8 +109,8 @@ def parquet_bytes(table: pa.Table, row_group_bytes: int, vector_compression: str
 
 
 def write_parquet(table: pa.Table, f, row_group_bytes: int, vector_compression: str = "none") -> None:
-    """Text and id columns zstd, vector columns `vector_compression` (VECTOR_COMPRESSIONS); dictionary and
-    statistics on id columns only; row groups of about `row_group_bytes`."""
+    """Text and id columns zstd, vector columns `vector_compression` (VECTOR_COMPRESSIONS); dictionary on
+    doc_id only, statistics on id columns only; row groups of about `row_group_bytes`."""
     ids = [c for c in ID_COLUMNS + ["token"] if c in table.column_names]
     compression = {leaf: vector_compression if f.name.startswith(VECTOR_PREFIXES) else "zstd"
                    for f in table.schema for leaf in _leaf_paths(f.name, f.type)}

@@ -1,4 +1,4 @@
-"""Beam shells over the plain functions of transforms.read/tokenize/batching/embed/write."""
+"""Beam shells over plain functions: transforms.read, tokenization, model.batching, transforms.embed, transforms.write."""
 from __future__ import annotations
 
 import os
