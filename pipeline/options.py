@@ -67,6 +67,9 @@ class ElmoOptions(PipelineOptions):
           help="torch intra-op threads per worker process (default: cores / local worker processes)")
         g("--progress", choices=("auto", "on", "off"), default="auto",
           help="progress bar with tokens/s (auto: on for local runs with a terminal)")
+        g("--lease-stale-seconds", type=float, default=60.0,
+          help="a run holds --output by a lease refreshed every quarter of this; another run takes it over only "
+          "when its heartbeat is older than this (or its process, on the same host, is gone). Default 60")
         g("--s3-max-attempts", type=int, default=10,
           help="attempts per S3 request, first one included (botocore 'standard' retries with exponential "
           "backoff on 500/503/throttling/connection errors; default 10)")

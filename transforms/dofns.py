@@ -17,15 +17,14 @@ from model.batching import padding, plan_batches
 from model.windows import effective_window, embed_long
 from transforms import embed as E
 from transforms.faults import crash_point
-from transforms.read import read_documents
+from transforms.read import read_documents, split_duplicate_ids
 from transforms.records import Blank, Document, EmbeddedBatch, Item
 from transforms.resume import load_done_ids
 from tokenization import tokenize_document
-from transforms.write import ShardSpec, stage_dead_letters, stage_shard
+from transforms.write import ShardSpec, stage_counts, stage_dead_letters, stage_shard
 
 NS = "elmo"
 DEAD = "dead"
-STATS = "stats"   # ReadFiles: one {"input_records": n, "blank_records": b} per file
 
 
 def _windowed(x):
@@ -33,11 +32,12 @@ def _windowed(x):
 
 
 class ReadFiles(beam.DoFn):
-    """file URL -> Document ...; unreadable records to the DEAD output; per file, its record counts
-    (input records, blank records) to the STATS output."""
+    """file URL -> Document ...; unreadable records to the DEAD output; per file, its record counts (input
+    records, blank records) staged under the run's staging folder (transforms.write.stage_counts)."""
 
-    def __init__(self, fmt, labels, text_field, id_field, storage_options):
+    def __init__(self, fmt, labels, text_field, id_field, storage_options, staging):
         self.args = (fmt, labels, text_field, id_field, storage_options)
+        self.staging = staging
         self.docs = Metrics.counter(NS, "documents")
         self.dead = Metrics.counter(NS, "dead_letters")
         self.blank = Metrics.counter(NS, "blank_records")
@@ -56,28 +56,23 @@ class ReadFiles(beam.DoFn):
                 self.docs.inc()
                 yield rec
         self.blank.inc(blank)
-        yield beam.pvalue.TaggedOutput(STATS, {"input_records": records, "blank_records": blank})
+        stage_counts(url, {"input_records": records, "blank_records": blank}, self.staging, so)
 
 
-class SumCounts(beam.CombineFn):
-    """Sums dicts of counts key by key (an empty input gives {})."""
+class DropDuplicateIds(beam.DoFn):
+    """(doc id, its Documents) -> the Document when it is the only one; else every one of them to DEAD
+    (transforms.read.split_duplicate_ids)."""
 
-    def create_accumulator(self):
-        return {}
+    def __init__(self):
+        self.dead = Metrics.counter(NS, "dead_letters")
 
-    def add_input(self, acc, counts):
-        for k, v in counts.items():
-            acc[k] = acc.get(k, 0) + v
-        return acc
-
-    def merge_accumulators(self, accs):
-        out = {}
-        for acc in accs:
-            self.add_input(out, acc)
-        return out
-
-    def extract_output(self, acc):
-        return acc
+    def process(self, keyed):
+        for out in split_duplicate_ids(*keyed):
+            if isinstance(out, DeadLetter):
+                self.dead.inc()
+                yield beam.pvalue.TaggedOutput(DEAD, out)
+            else:
+                yield out
 
 
 class Tokenize(beam.DoFn):
@@ -293,7 +288,7 @@ class WriteShards(beam.DoFn):
 
 
 class WriteDeadLetters(beam.DoFn):
-    """DeadLetters -> one staged JSONL file per bundle -> ShardInfo."""
+    """DeadLetters -> one staged JSONL file per bundle -> its path."""
 
     def __init__(self, staging, storage_options):
         self.staging, self.so = staging, storage_options

@@ -13,10 +13,12 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Document:
-    """A document's id and text; `split_sentences` False means the record is one sentence."""
+    """A document's id and text; `split_sentences` False means the record is one sentence. `source` is
+    "<file>:<line or row>" when the id comes from an --id-field (to name duplicates), else ""."""
     doc_id: str
     text: str
     split_sentences: bool = True
+    source: str = ""
 
 
 @dataclass(frozen=True)
