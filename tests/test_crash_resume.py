@@ -261,3 +261,23 @@ def test_run_key_follows_content_not_layout(tmp_path):
                                                  dict(model, weights_sha256="cd"))) != key
     f.write_text("One. Two. Three.\n")
     assert resume.run_key(resume.run_ingredients(base, resume.input_fingerprints([str(f)]), model)) != key
+
+
+def test_sigkill_leaves_no_hdf5_temp_file(corpus, tiny_model_files, tmp_path):
+    """HDF5 shards are built in memory and written in one call: a process killed right after writing one
+    leaves no temporary file anywhere (TMPDIR included), only staged files that commit records name."""
+    out, tmpdir = str(tmp_path / "out"), tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmpdir))
+    import subprocess
+    import sys
+    from tests.resume_helpers import REPO
+    p = subprocess.run([sys.executable, "-m", "pipeline.run", *argv(tiny_model_files, corpus, out, *SMALL)],
+                       cwd=REPO, env=dict(env, ELMO_PIPELINE_CRASH_AT="commit:2", OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert [f for _, _, files in os.walk(tmpdir) for f in files] == []
+    st = _staging(out)
+    named = {f for r in _records(st) for f in r["files"].values()}
+    data = {f for f in os.listdir(st) if os.path.isfile(os.path.join(st, f)) and f != "run.json"}
+    assert len(_records(st)) == 2 and data == named
