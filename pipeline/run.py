@@ -12,6 +12,7 @@ The local default runner is FnApiRunner (never Prism, which Beam would try to do
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -32,15 +33,18 @@ from pipeline.validate import check_model, check_numbers, check_output_writable,
 from storage import expand, url_fs
 from storage.lease import Lease
 from transforms import embed as E
-from transforms.dofns import (DEAD, DropDuplicateIds, Embed, ReadFiles, SkipCommitted, SortAndBatch, Tokenize,
-                              WriteDeadLetters, WriteShards)
+from formats.layout import ShardInfo
+from transforms import coders  # noqa: F401 - registers the element coders
+from transforms.dofns import Chain, DropDuplicateIds, Embed, ReadFiles, SkipCommitted, SortAndBatch, Tokenize, WriteShards
 from transforms.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
 from transforms.read import file_labels
+from transforms.records import Document, Item
 from transforms.resume import (OutputState, input_fingerprints, is_complete, prepare_output, run_ingredients,
                                run_key)
 from transforms.write import ShardSpec
 
 logger = logging.getLogger("elmo-pipeline.run")
+BREAK_FUSION_ENV = "ELMO_PIPELINE_BREAK_FUSION"     # test hook: encode every element between stages
 LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
 
 
@@ -89,6 +93,7 @@ class Plan:
     limit_flag: str                # the flag to name in their reason
     window: int                    # windowed sentences (0: none, stateful)
     progress: bool
+    break_fusion: bool             # a Reshuffle at every stage boundary (ELMO_PIPELINE_BREAK_FUSION=1, tests)
     key: str                       # the run key (transforms/resume.py)
     ingredients: dict              # what it hashes
     manifest: dict                 # manifest.json as known before the run
@@ -148,41 +153,39 @@ def plan(opts: PipelineOptions) -> Plan:
                 unique_ids=bool(o.id_field) and not stateful, sort=not stateful,
                 sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
                 progress=o.progress == "on" or (o.progress == "auto" and local and sys.stderr.isatty()),
+                break_fusion=os.environ.get(BREAK_FUSION_ENV) == "1",
                 key=key, ingredients=ingredients, manifest=manifest)
 
 
 def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
-    """The graph, top to bottom. It only stages data under state.staging; Finalize is run() after it."""
+    """The graph, top to bottom: one chain of single-output steps with typed elements, ending in one leaf.
+    It only stages data under state.staging (dead letters and counts as side effects of the steps that
+    find them); Finalize is run() after it. With pl.break_fusion every stage boundary is a Reshuffle, so
+    every element is encoded and decoded with its coder (transforms/coders.py) on every runner."""
     o, so, staging = pl.o, pl.so, state.staging
-    read = (p
-            | "ListFiles" >> beam.Create(pl.files)
-            | "SpreadFiles" >> beam.Reshuffle()
-            | "ReadFiles" >> beam.ParDo(ReadFiles(o.input_format, pl.labels, o.text_field, o.id_field, so, staging))
-            .with_outputs(DEAD, main="docs"))
-    docs, dead = read.docs, [read[DEAD]]
+
+    def stage(pcoll, label, *dofns, output_type):
+        out = pcoll | label >> beam.ParDo(Chain(staging, so, *dofns)).with_output_types(output_type)
+        return out | f"{label}Encoded" >> beam.Reshuffle() if pl.break_fusion else out
+
+    files = p | "ListFiles" >> beam.Create(pl.files) | "SpreadFiles" >> beam.Reshuffle()
+    docs = stage(files, "ReadFiles", ReadFiles(o.input_format, pl.labels, o.text_field, o.id_field, so, staging),
+                 output_type=Document)
     if pl.unique_ids:          # grouping by id also spreads the documents over workers
-        unique = (docs
-                  | "KeyById" >> beam.Map(lambda d: (d.doc_id, d))
-                  | "GroupById" >> beam.GroupByKey()
-                  | "DropDuplicateIds" >> beam.ParDo(DropDuplicateIds()).with_outputs(DEAD, main="docs"))
-        docs = unique.docs
-        dead.append(unique[DEAD])
-    elif pl.spread_documents:
+        keyed = docs | "KeyById" >> beam.Map(lambda d: (d.doc_id, d)).with_output_types(tuple[str, Document])
+        docs = stage(keyed | "GroupById" >> beam.GroupByKey(), "DropDuplicateIds", DropDuplicateIds(),
+                     output_type=Document)
+    elif pl.spread_documents and not pl.break_fusion:
         docs = docs | "SpreadDocuments" >> beam.Reshuffle()
-    tok = docs | "Tokenize" >> beam.ParDo(Tokenize(o.tokenizer, pl.sentence_limit, pl.limit_flag)).with_outputs(DEAD, main="items")
-    items = tok.items
+    items = stage(docs, "Tokenize", Tokenize(o.tokenizer, pl.sentence_limit, pl.limit_flag), output_type=Item)
     if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
-        items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(state.record_paths, so))
-    emb = (items
-           | "SortAndBatch" >> beam.ParDo(SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort))
-           | "Embed" >> beam.ParDo(Embed(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap,
-                                         max_tokens=o.max_tokens_per_batch)).with_outputs(DEAD, main="batches"))
-    shards = emb.batches | "WriteShards" >> beam.ParDo(WriteShards(staging, pl.shard, o.shard_sentences, so,
-                                                                     o.shard_bytes))
-    letters = ((*dead, tok[DEAD], emb[DEAD])
-               | "CollectDeadLetters" >> beam.Flatten()
-               | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetters(staging, so)))
-    (shards, letters) | "Staged" >> beam.Flatten()
+        items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(state.record_paths, so)).with_output_types(Item)
+    # batching, embedding and writing in one step: a bundle's last batches and shard never leave it
+    _ = items | "EmbedShards" >> beam.ParDo(Chain(
+        staging, so,
+        SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort),
+        Embed(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap, max_tokens=o.max_tokens_per_batch),
+        WriteShards(staging, pl.shard, o.shard_sentences, so, o.shard_bytes))).with_output_types(ShardInfo)
 
 
 MAX_ROUNDS = 3
@@ -201,6 +204,8 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a == "--runner" or a.startswith("--runner=") for a in argv):
         argv.append("--runner=FnApiRunner")
+    if any("DaskRunner" in a for a in argv):
+        import apache_beam.runners.dask.dask_runner  # noqa: F401 - its options (--dask_client_address, ...)
     from pipeline.validate import check_flags
     check_flags(argv)          # unknown flags and bad values: one line, before anything runs
     opts = PipelineOptions(argv)
@@ -239,7 +244,11 @@ def _execute(opts: PipelineOptions, pl: Plan, lease: Lease):
         p = beam.Pipeline(options=opts)
         build(p, pl, state)
         result = p.run()
-        result.wait_until_finish()
+        try:
+            result.wait_until_finish()
+        finally:
+            if getattr(result, "client", None) is not None:      # DaskRunner: its connection to the cluster
+                result.client.close()
         if lease.lost.is_set():
             raise RuntimeError(f"lost the lease on {pl.o.output} to another run while running; that run now "
                                "owns the output (this run's staged work is left for it)")
