@@ -180,12 +180,15 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
     items = stage(docs, "Tokenize", Tokenize(o.tokenizer, pl.sentence_limit, pl.limit_flag), output_type=Item)
     if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
         items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(state.record_paths, so)).with_output_types(Item)
-    # batching, embedding and writing in one step: a bundle's last batches and shard never leave it
-    _ = items | "EmbedShards" >> beam.ParDo(Chain(
+    # batching, embedding and writing in one step: a bundle's last batches and shard never leave it. The count
+    # (unused) gives the step a consumer across a stage boundary: FnApiRunner's multi-process mode notices a
+    # dead worker on that data channel, and waits forever without one (docs/runner-notes.md)
+    shards = items | "EmbedShards" >> beam.ParDo(Chain(
         staging, so,
         SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort),
         Embed(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap, max_tokens=o.max_tokens_per_batch),
         WriteShards(staging, pl.shard, o.shard_sentences, so, o.shard_bytes))).with_output_types(ShardInfo)
+    _ = shards | "CountStagedShards" >> beam.combiners.Count.Globally()
 
 
 MAX_ROUNDS = 3
