@@ -24,7 +24,8 @@ class ElmoOptions(PipelineOptions):
         g("--id-field", default=None, help="JSONL field / Parquet column holding the document id "
           "(default: <file>:<line or row>)")
         g("--output", default=None, help="output folder (path or URL)")
-        g("--overwrite", action="store_true", help="replace a finished run in --output")
+        g("--overwrite", action="store_true", help="replace a finished run in --output (also one of this same command, which is otherwise left as "
+          "it is: 'already complete')")
         g("--format", default="parquet,hdf5", help="comma-separated: parquet, hdf5 (default both)")
         g("--parquet-layout", choices=PARQUET_LAYOUTS, default="sentence",
           help="sentence: one row per sentence (default); token: one row per token (BigQuery)")

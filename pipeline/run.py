@@ -216,7 +216,7 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
     t0 = time.perf_counter()
     try:
         pl = plan(opts)
-        if is_complete(pl.o.output, pl.key, pl.so):
+        if not pl.o.overwrite and is_complete(pl.o.output, pl.key, pl.so):
             result = AlreadyComplete(_manifest(pl))
         else:
             with Lease(lease_url(pl.o.output), pl.o.lease_stale_seconds, pl.so) as lease:

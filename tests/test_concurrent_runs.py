@@ -199,3 +199,14 @@ def test_on_s3_concurrent_runs_and_finished_reruns(corpus, tiny_model_files, ref
         again = run_subprocess(args)
         assert again.returncode == 0 and "is already complete" in again.stderr, again.stderr[-2000:]
         assert objects() == before
+
+
+def test_overwrite_redoes_a_finished_run_of_the_same_command(corpus, tiny_model_files, reference, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    args = argv(tiny_model_files, corpus, out, *SMALL)
+    assert main(args) == 0
+    first = os.stat(os.path.join(out, "_SUCCESS")).st_mtime_ns
+    assert main([*args, "--overwrite"]) == 0
+    assert "already complete" not in capsys.readouterr().err
+    assert os.stat(os.path.join(out, "_SUCCESS")).st_mtime_ns > first
+    assert_same_output(read_output(out), reference)

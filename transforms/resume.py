@@ -140,7 +140,8 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
     """Decide what a run with run key `key` does with `output`, and make the folder ready for it. The caller
     holds the output's lease.
 
-    - _SUCCESS of this key: 'complete'. Of another key: refused unless `overwrite`, which clears it.
+    - _SUCCESS of this key: 'complete' (with `overwrite`: cleared, fresh). Of another key: refused unless
+      `overwrite`, which clears it.
     - manifest.json without _SUCCESS: a finalize that got past writing the manifest; with the same key
       only the finalize is left ('finalize'), unless a file it lists is gone (then everything is cleared
       and the run starts fresh); another key is refused unless `overwrite`.
@@ -162,7 +163,7 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
     manifest = read_manifest(fs, root)
     mine = ((manifest or {}).get("run") or {}).get("key") == key
     if fs.exists(posixpath.join(root, SUCCESS)):
-        if mine:
+        if mine and not overwrite:
             state.action = "complete"
             return state
         if not overwrite:
