@@ -35,7 +35,8 @@ from storage.lease import Lease
 from transforms import embed as E
 from formats.layout import ShardInfo
 from transforms import coders  # noqa: F401 - registers the element coders
-from transforms.dofns import Chain, DropDuplicateIds, Embed, ReadFiles, SkipCommitted, SortAndBatch, Tokenize, WriteShards
+from transforms.dofns import (Chain, DropDuplicateIds, Embed, ReadFiles, SkipCommitted, SortAndBatch, Tokenize,
+                              WriteShards)
 from transforms.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
 from transforms.read import file_labels
 from transforms.records import Document, Item

@@ -53,8 +53,9 @@ def _alive(pid: int) -> bool:
 def describe(holder: dict, now: float | None = None) -> str:
     """'pid 123 on host h (owner u, started 40 s ago, last heartbeat 2 s ago)'."""
     now = time.time() if now is None else now
+    started, beat = now - holder.get("start", now), now - holder.get("heartbeat", now)
     return (f"pid {holder.get('pid')} on host {holder.get('host')} (owner {holder.get('owner')}, started "
-            f"{now - holder.get('start', now):.0f} s ago, last heartbeat {now - holder.get('heartbeat', now):.0f} s ago)")
+            f"{started:.0f} s ago, last heartbeat {beat:.0f} s ago)")
 
 
 def is_stale(holder: dict, stale_seconds: float, now: float | None = None) -> bool:

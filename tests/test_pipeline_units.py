@@ -15,7 +15,7 @@ from transforms import embed as E
 from model.batching import plan_batches
 from model.batching import padding
 from transforms.records import Blank, Document, EmbeddedBatch, Item
-from formats.layout import DeadLetter, ShardInfo
+from formats.layout import DeadLetter
 from storage import expand as expand_inputs
 from transforms.read import file_labels, read_documents
 from tokenization import align_tokens, tokenize_document, tokenize_text
