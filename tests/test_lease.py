@@ -41,6 +41,7 @@ def test_stale_heartbeat_is_taken_over_fresh_is_not(tmp_path):
     lease.release()
 
 
+@pytest.mark.slow   # starts a process
 def test_a_dead_process_of_this_host_is_stale_at_once(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -1,5 +1,5 @@
 """Beam coders for the elements that cross a stage boundary, registered on import (pipeline.run imports this
-module, and so does every worker that unpickles a DoFn of transforms.dofns).
+module before building the graph; runners ship the coders with the pipeline, so workers import it too).
 
 Explicit and deterministic, so every runner that encodes elements between stages (Dataflow, Flink, Spark,
 FnApiRunner with several workers) gets back exactly the objects it was given, with no pickle: Document,

@@ -2,7 +2,8 @@
 
 Document (ReadFiles -> Tokenize), Blank (counted by ReadFiles), Item (a tokenized sentence: Tokenize ->
 SortAndBatch -> Embed), EmbeddedBatch (a batch of embedded sentences, columnar: Embed -> WriteShards).
-Dead letters and staged-shard descriptions are part of the output format (formats.layout).
+Dead letters and staged-shard descriptions are part of the output format (formats.layout). Their Beam coders
+are in transforms/coders.py.
 """
 from __future__ import annotations
 
