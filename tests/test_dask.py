@@ -108,3 +108,40 @@ def test_dask_worker_killed_then_rerun(cluster, corpus, tiny_model_files, refere
     got = read_output(out)
     assert_same_output(got, reference)
     print(f"first run: rc {run.returncode}; rerun: {rerun.stderr.strip().splitlines()[-1]}")
+
+
+def test_dask_cli_cluster_commands(corpus, tiny_model_files, reference, tmp_path):
+    """README "A Dask cluster": `dask scheduler` and `dask worker --nworkers 2` on 127.0.0.1, then
+    `python -m pipeline.run --runner ...DaskRunner --dask_client_address ...`."""
+    import json
+    dask = os.path.join(os.path.dirname(sys.executable), "dask")
+    info = str(tmp_path / "scheduler.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                               "--scheduler-file", info], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)]
+    try:
+        t0 = time.time()
+        while not os.path.exists(info):
+            assert time.time() - t0 < 30, "the scheduler did not start"
+            time.sleep(0.1)
+        procs.append(subprocess.Popen([dask, "worker", "--scheduler-file", info, "--nworkers", "2", "--nthreads", "1",
+                                       "--host", "127.0.0.1", "--no-dashboard"], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+        from distributed import Client
+        address = json.load(open(info))["address"]
+        with Client(address) as client:
+            client.wait_for_workers(2, timeout=60)
+        out = str(tmp_path / "out")
+        p = run_subprocess(argv(tiny_model_files, corpus, out, *EXTRA, "--runner", DASK, "--dask_client_address",
+                                address, "--dask_npartitions", "4"), timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert_same_output(read_output(out), reference)
+    finally:
+        for proc in reversed(procs):
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
