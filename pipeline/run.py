@@ -106,7 +106,8 @@ def _num_local_workers(opts: PipelineOptions) -> int:
 
 
 def plan(opts: PipelineOptions) -> Plan:
-    """Check the options, the model and --output, and settle what the graph does. Nothing is written."""
+    """Check the options, the model and --output, and settle what the graph does. Nothing is written under
+    --output (on an object store, a probe object is written and removed: check_output_writable)."""
     o = opts.view_as(ElmoOptions)
     if not o.input or not o.output:
         raise ValueError("--input and --output are required")
