@@ -281,3 +281,21 @@ def test_sigkill_leaves_no_hdf5_temp_file(corpus, tiny_model_files, tmp_path):
     named = {f for r in _records(st) for f in r["files"].values()}
     data = {f for f in os.listdir(st) if os.path.isfile(os.path.join(st, f)) and f != "run.json"}
     assert len(_records(st)) == 2 and data == named
+
+
+def test_plan_from_staging_refuses_an_incomplete_staging(tmp_path):
+    """Sentences only in a shard whose file is gone, or an input file without counts: Incomplete (run()
+    then embeds the missing sentences in another round); overlapping duplicates are not incomplete."""
+    from transforms.finalize import Incomplete, plan_from_staging
+    from transforms.write import stage_counts
+    st = str(tmp_path / "out" / "_staging" / "k")
+    _stage(st, ["d:1#0", "d:1#1"])
+    _stage(st, ["d:1#0", "d:1#1"])            # a recomputed bundle's copy
+    lost = _stage(st, ["d:2#0"])
+    with pytest.raises(Incomplete, match="input file"):
+        plan_from_staging(st, ["d"])
+    stage_counts("d", {"input_records": 2, "blank_records": 0}, st)
+    assert sum(s.sentences for s in plan_from_staging(st, ["d"]).shards) == 3
+    os.remove(lost.files["hdf5"])
+    with pytest.raises(Incomplete, match="1 sentence"):
+        plan_from_staging(st, ["d"])
