@@ -45,7 +45,7 @@ def verify_model_folder(folder: str) -> None:
 
 @lru_cache(maxsize=64)
 def _verified(path: str, size: int, mtime_ns: int, digest: str) -> None:
-    from storage import local_path
+    from fsio import local_path
     local_path(path, sha256=digest)     # ValueError "<path>: sha256 mismatch (expected ..., found ...)"
 
 
