@@ -9,6 +9,7 @@ import sys
 import fsspec
 import h5py
 import numpy as np
+import pytest
 import pyarrow.parquet as pq
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,3 +99,23 @@ def assert_same_output(a, b, tol=1e-6):
         worst = max(worst, float(np.abs(ha[k] - hb[k]).max(initial=0)))
     assert worst <= tol, worst
     return worst
+
+
+# shared by the crash-resume and concurrent-run tests (import the fixtures into the test module)
+SMALL = ("--shard-sentences", "4", "--max-tokens-per-batch", "256")   # 47 sentences: 12 shards, 5 batches
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(str(tmp_path_factory.mktemp("corpus") / "docs.txt"))
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tiny_model_files, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ref") / "out")
+    from pipeline.run import main
+    assert main(argv(tiny_model_files, corpus, out, *SMALL)) == 0
+    ref = read_output(out)
+    assert ref[0]["counts"]["sentences"] == ref[0]["counts"]["sentences_written"] > 40
+    assert len(ref[0]["shards"]) >= 10
+    return ref

@@ -12,24 +12,12 @@ import pytest
 
 from pipeline.run import main
 from tests.pipeline_helpers import moto_s3
-from tests.resume_helpers import REPO, argv, assert_same_output, read_output, run_subprocess, write_corpus
+from tests.resume_helpers import (REPO, SMALL, argv, assert_same_output, corpus, read_output,  # noqa: F401 (fixtures)
+                                  reference, run_subprocess, write_corpus)
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
 
-SMALL = ("--shard-sentences", "4", "--max-tokens-per-batch", "256")   # 47 sentences: 12 shards, 5 batches
 SLOW = "embed:1.0"      # ELMO_PIPELINE_DELAY_AT: each batch takes a second longer (5 batches)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(str(tmp_path_factory.mktemp("corpus") / "docs.txt"))
-
-
-@pytest.fixture(scope="module")
-def reference(corpus, tiny_model_files, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("ref") / "out")
-    assert main(argv(tiny_model_files, corpus, out, *SMALL)) == 0
-    return read_output(out)
 
 
 def _start(args, delay=None, crash_at=None):

@@ -13,29 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.run import main
-from tests.resume_helpers import argv, assert_same_output, read_output, run_subprocess, write_corpus
+from tests.resume_helpers import (SMALL, argv, assert_same_output, corpus, read_output, reference,  # noqa: F401 (fixtures)
+                                  run_subprocess, write_corpus)
 from transforms import resume
 from formats.layout import PLAN, record_ids
 from transforms.write import stage_shard
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
 
-SMALL = ("--shard-sentences", "4", "--max-tokens-per-batch", "256")   # 47 sentences: 12 shards, 5 batches
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(str(tmp_path_factory.mktemp("corpus") / "docs.txt"))
-
-
-@pytest.fixture(scope="module")
-def reference(corpus, tiny_model_files, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("ref") / "out")
-    assert main(argv(tiny_model_files, corpus, out, *SMALL)) == 0
-    ref = read_output(out)
-    assert ref[0]["counts"]["sentences"] == ref[0]["counts"]["sentences_written"] > 40
-    assert len(ref[0]["shards"]) >= 10
-    return ref
 
 
 class Reader(threading.Thread):
