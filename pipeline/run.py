@@ -56,14 +56,15 @@ def storage_options(opts: PipelineOptions) -> dict:
 
 
 def resolve_model(o: ElmoOptions) -> tuple[str, str, str | None, str]:
-    """(options, weights, vocab, name) from --options-file/--weight-file or --model (default: shipped)."""
+    """(options, weights, vocab, name) from --options-file/--weight-file or --model NAME (default: shipped;
+    a published model is downloaded into the cache on first use and verified: model.pretrained)."""
     if o.options_file or o.weight_file:
         if not (o.options_file and o.weight_file) or o.model:
             raise ValueError("give --options-file and --weight-file together, or --model NAME, not both")
         return o.options_file, o.weight_file, o.vocab_file, "custom"
     from model.pretrained import DEFAULT_MODEL, model_files
     name = o.model or DEFAULT_MODEL
-    options, weights, vocab = model_files(name)
+    options, weights, vocab = model_files(name, progress={"on": True, "off": False}.get(o.progress))
     return options, weights, o.vocab_file or vocab, name
 
 
@@ -85,6 +86,7 @@ class Plan:
     progress: bool
     output: OutputState            # fresh / resume / finalize, the staging folder, committed shards
     manifest: dict                 # manifest.json as known before the run
+    tokenizer: str                 # --tokenizer resolved (raw -> the model's scheme: tokenization.resolve_tokenizer)
 
 
 def _num_local_workers(opts: PipelineOptions) -> int:
@@ -103,6 +105,10 @@ def plan(opts: PipelineOptions) -> Plan:
     so = storage_options(opts)
     files = expand(o.input, so)
     options_file, weight_file, vocab_file, model_name = resolve_model(o)
+    from model.pretrained import is_published, model_tokenization, model_urls
+    from tokenization import resolve_tokenizer
+    tokenization = model_tokenization(model_name)
+    tokenizer = resolve_tokenizer(o.tokenizer, tokenization)
     bilm_opts = load_options(options_file)
     n_layers, dim = bilm_opts.n_layers + 1, bilm_opts.output_dim
     selection = E.parse_layers(o.layers, n_layers)
@@ -129,8 +135,10 @@ def plan(opts: PipelineOptions) -> Plan:
     limit, flag = o.max_sentence_tokens, "--max-sentence-tokens"
     if stateful and o.window_tokens < limit:
         limit, flag = o.window_tokens, "--window-tokens (--state stateful embeds sentences whole)"
+    model_entry = {"name": model_name, **identity, "tokenization": tokenization, "tokenizer": tokenizer,
+                   **({"urls": model_urls(model_name)} if is_published(model_name) else {})}
     manifest = layout.manifest_header(
-        {"name": model_name, **identity}, columns, hdf5_layout(selection, n_layers), flags, formats, files,
+        model_entry, columns, hdf5_layout(selection, n_layers), flags, formats, files,
         {"key": key, "resumed_shards": len(state.records), "resumed_sentences": state.sentences})
     shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
                       selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
@@ -141,7 +149,7 @@ def plan(opts: PipelineOptions) -> Plan:
                 spread_documents=not stateful and not (local and workers == 1), sort=not stateful,
                 sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
                 progress=o.progress == "on" or (o.progress == "auto" and local and sys.stderr.isatty()),
-                output=state, manifest=manifest)
+                output=state, manifest=manifest, tokenizer=tokenizer)
 
 
 def build(p: beam.Pipeline, pl: Plan) -> None:
@@ -155,7 +163,7 @@ def build(p: beam.Pipeline, pl: Plan) -> None:
     docs = read.docs
     if pl.spread_documents:
         docs = docs | "SpreadDocuments" >> beam.Reshuffle()
-    tok = docs | "Tokenize" >> beam.ParDo(Tokenize(o.tokenizer, pl.sentence_limit, pl.limit_flag)).with_outputs(DEAD, main="items")
+    tok = docs | "Tokenize" >> beam.ParDo(Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag)).with_outputs(DEAD, main="items")
     items = tok.items
     if pl.output.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
         items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(pl.output.record_paths, so))
