@@ -29,9 +29,11 @@ setup(
     ],
     extras_require={
         "s3": ["s3fs>=2024.6", "boto3>=1.34"],
+        "dask": ["dask[distributed]>=2024.6"],    # --runner apache_beam.runners.dask.dask_runner.DaskRunner
         # downstream/: Hugging Face datasets loader, PNG charts of the probe (Pillow fallback without matplotlib)
         "downstream": ["datasets>=3", "matplotlib>=3.7"],
         "test": ["pytest>=8", "duckdb>=1.1", "moto[server]>=5", "s3fs>=2024.6", "boto3>=1.34",
+                 "dask[distributed]>=2024.6",
                  "datasets>=3", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["elmo-pipeline=pipeline.cli:main"]},

@@ -4,16 +4,21 @@
     <out>/dead_letters/part-00000-of-00001.jsonl                                       (only when there are any)
     <out>/manifest.json                                                                (by Finalize, after all shards)
     <out>/_SUCCESS                                                                     (written last)
-    <out>/_staging/<run key>/   while a run is live: <uuid>.parquet|.hdf5|.jsonl, committed/<uuid>.json
-                               (commit records), finalize.json (the plan of a started finalize), run.json
+    <out>/_staging/<run key>/   while a run is live: <uuid>.parquet|.hdf5, committed/<uuid>.json (commit
+                               records), dead/<uuid>.jsonl (dead letters), counts/<file hash>.json (per
+                               input file), finalize.json (the plan of a started finalize), run.json
+    <out>/_lease.json           while a run is live: who holds the output (storage/lease.py)
 
 Ids: a sentence is "<doc id>#<index>". Readers trust manifest.json (or _SUCCESS) only.
 No Beam import.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import posixpath
+import zlib
 from dataclasses import dataclass, field
 
 SCHEMA_VERSION = 1
@@ -25,6 +30,9 @@ STAGING = "_staging"                          # <out>/_staging/<run key>/
 RECORDS = "committed"                         # <staging>/committed/<shard name>.json: the shard is complete
 PLAN = "finalize.json"                        # <staging>/finalize.json: the moves and manifest of a started finalize
 RUN_FILE = "run.json"                         # <staging>/run.json: what the run key hashes
+DEAD = "dead"                                 # <staging>/dead/<uuid>.jsonl: staged dead letters
+COUNTS = "counts"                             # <staging>/counts/<hash of the file URL>.json: its record counts
+LEASE = "_lease.json"                         # <out>/_lease.json: the live run holding the output
 DEAD_LETTERS = "dead_letters"
 FINAL_NAMES = ("parquet", "hdf5", DEAD_LETTERS, MANIFEST, SUCCESS)
 EXCERPT_CHARS = 200                           # dead letters keep the first 200 characters
@@ -60,6 +68,11 @@ class DeadLetter:
         return json.dumps({"id": self.id, "level": self.level, "reason": self.reason, "excerpt": self.excerpt},
                           ensure_ascii=False)
 
+    @classmethod
+    def from_json(cls, line: str) -> "DeadLetter":
+        d = json.loads(line)
+        return cls(d["id"], d["reason"], d["excerpt"], d["level"])
+
 
 def reason_kind(reason: str) -> str:
     """The short kind of a dead-letter reason: the text before its first ':' ("too long", "no tokens", ...)."""
@@ -86,15 +99,33 @@ class ShardInfo:
     extra: dict = field(default_factory=dict)
 
     def record(self, ids: list[str]) -> dict:
-        """The commit record of this shard (file names relative to the staging folder)."""
+        """The commit record of this shard (file names relative to the staging folder; ids compact)."""
         return {"files": {fmt: posixpath.basename(p) for fmt, p in self.files.items()},
-                "sentences": self.sentences, "tokens": self.tokens, "first_id": self.first_id, "ids": ids}
+                "sentences": self.sentences, "tokens": self.tokens, "first_id": self.first_id,
+                "ids_zlib": pack_ids(ids)}
 
     @classmethod
     def from_record(cls, record: dict, staging_root: str) -> "ShardInfo":
         """The ShardInfo of a commit record."""
         files = {fmt: posixpath.join(staging_root, name) for fmt, name in record["files"].items()}
         return cls(files, record["sentences"], record["tokens"], record["first_id"])
+
+
+def pack_ids(ids: list[str]) -> str:
+    """Sentence ids, compact: a sorted JSON list, zlib-compressed, base64 (sorted ids share long prefixes)."""
+    return base64.b64encode(zlib.compress(json.dumps(sorted(ids), ensure_ascii=False).encode(), 6)).decode("ascii")
+
+
+def record_ids(record: dict) -> list[str]:
+    """The sentence ids of a commit record (compact "ids_zlib", or the "ids" list of earlier versions)."""
+    if "ids" in record:
+        return record["ids"]
+    return json.loads(zlib.decompress(base64.b64decode(record["ids_zlib"])))
+
+
+def counts_name(url: str) -> str:
+    """<staging>-relative name of an input file's record counts (the same for every attempt at the file)."""
+    return f"{COUNTS}/{hashlib.sha256(url.encode()).hexdigest()[:32]}.json"
 
 
 def manifest_header(model: dict, columns: list[tuple[str, int]], hdf5_layout: str, flags: dict,

@@ -24,7 +24,8 @@ class ElmoOptions(PipelineOptions):
         g("--id-field", default=None, help="JSONL field / Parquet column holding the document id "
           "(default: <file>:<line or row>)")
         g("--output", default=None, help="output folder (path or URL)")
-        g("--overwrite", action="store_true", help="replace a finished run in --output")
+        g("--overwrite", action="store_true", help="replace a finished run in --output (also one of this same command, which is otherwise left as "
+          "it is: 'already complete')")
         g("--format", default="parquet,hdf5", help="comma-separated: parquet, hdf5 (default both)")
         g("--parquet-layout", choices=PARQUET_LAYOUTS, default="sentence",
           help="sentence: one row per sentence (default); token: one row per token (BigQuery)")
@@ -71,6 +72,9 @@ class ElmoOptions(PipelineOptions):
           help="torch intra-op threads per worker process (default: cores / local worker processes)")
         g("--progress", choices=("auto", "on", "off"), default="auto",
           help="progress bar with tokens/s (auto: on for local runs with a terminal)")
+        g("--lease-stale-seconds", type=float, default=60.0,
+          help="a run holds --output by a lease refreshed every quarter of this; another run takes it over only "
+          "when its heartbeat is older than this (or its process, on the same host, is gone). Default 60")
         g("--s3-max-attempts", type=int, default=10,
           help="attempts per S3 request, first one included (botocore 'standard' retries with exponential "
           "backoff on 500/503/throttling/connection errors; default 10)")

@@ -1,15 +1,18 @@
 """`python -m pipeline.run`: corpus in, per-layer ELMo vectors out (Parquet + HDF5), on any Beam runner.
 
-Graph (build()): ListFiles -> ReadFiles -> [SpreadDocuments] -> Tokenize -> [SkipCommitted] -> SortAndBatch
-       -> Embed -> WriteShards -> Finalize (after all shards: move to final names, manifest.json, _SUCCESS);
-       dead letters from Read/Tokenize/Embed -> WriteDeadLetters -> Finalize; record counts -> Finalize.
-What varies with the options is settled once, before the graph, in plan().
+run(): plan() settles what varies with the options (reading only); the run takes the output's lease
+(storage/lease.py); prepare_output() decides fresh / resume / finish a finalize; build() is the graph, which
+only stages data under <out>/_staging/<run key>/:
+    ListFiles -> ReadFiles -> [DropDuplicateIds | SpreadDocuments] -> Tokenize -> [SkipCommitted]
+    -> SortAndBatch -> Embed -> WriteShards (shards + commit records); dead letters from every stage
+    -> WriteDeadLetters; per-file record counts staged by ReadFiles.
+Once the runner has finished, Finalize runs here, from what is staged (transforms/finalize.py).
 The local default runner is FnApiRunner (never Prism, which Beam would try to download).
 """
 from __future__ import annotations
 
-import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -27,15 +30,22 @@ from formats.parquet import layer_columns
 from model.options import load_options
 from pipeline.options import ElmoOptions, default_torch_threads
 from pipeline.validate import check_model, check_numbers, check_output_writable, check_state
-from storage import expand
+from storage import expand, url_fs
+from storage.lease import Lease
 from transforms import embed as E
-from transforms.dofns import (DEAD, STATS, Embed, ReadFiles, SkipCommitted, SortAndBatch, SumCounts, Tokenize,
-                              WriteDeadLetters, WriteShards)
+from formats.layout import ShardInfo
+from transforms import coders  # noqa: F401 - registers the element coders
+from transforms.dofns import (Chain, DropDuplicateIds, Embed, ReadFiles, SkipCommitted, SortAndBatch, Tokenize,
+                              WriteShards)
+from transforms.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
 from transforms.read import file_labels
-from transforms.resume import OutputState, input_fingerprints, prepare_output, run_ingredients, run_key
-from transforms.write import ShardSpec, complete_finalize, finalize
+from transforms.records import Document, Item
+from transforms.resume import (OutputState, input_fingerprints, is_complete, prepare_output, run_ingredients,
+                               run_key)
+from transforms.write import ShardSpec
 
 logger = logging.getLogger("elmo-pipeline.run")
+BREAK_FUSION_ENV = "ELMO_PIPELINE_BREAK_FUSION"     # test hook: encode every element between stages
 LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
 
 
@@ -79,12 +89,15 @@ class Plan:
     spec: E.ModelSpec
     shard: ShardSpec               # formats, layout, layer selection and columns, dtype, row groups
     spread_documents: bool         # Reshuffle documents over workers (clusters; not one local worker)
+    unique_ids: bool               # group documents by --id-field value: duplicates become dead letters
     sort: bool                     # length-sort batches (not stateful: its batches are consecutive sentences)
     sentence_limit: int            # longer sentences are dead letters
     limit_flag: str                # the flag to name in their reason
     window: int                    # windowed sentences (0: none, stateful)
     progress: bool
-    output: OutputState            # fresh / resume / finalize, the staging folder, committed shards
+    break_fusion: bool             # a Reshuffle at every stage boundary (ELMO_PIPELINE_BREAK_FUSION=1, tests)
+    key: str                       # the run key (transforms/resume.py)
+    ingredients: dict              # what it hashes
     manifest: dict                 # manifest.json as known before the run
     tokenizer: str                 # --tokenizer resolved (raw -> the model's scheme: tokenization.resolve_tokenizer)
 
@@ -95,8 +108,8 @@ def _num_local_workers(opts: PipelineOptions) -> int:
 
 
 def plan(opts: PipelineOptions) -> Plan:
-    """Check the options, the model and --output, and settle what the graph does. --output is touched last
-    (prepare_output), after every check passed."""
+    """Check the options, the model and --output, and settle what the graph does. Nothing is written under
+    --output (on an object store, a probe object is written and removed: check_output_writable)."""
     o = opts.view_as(ElmoOptions)
     if not o.input or not o.output:
         raise ValueError("--input and --output are required")
@@ -109,7 +122,8 @@ def plan(opts: PipelineOptions) -> Plan:
     from tokenization import resolve_tokenizer
     tokenization = model_tokenization(model_name)
     tokenizer = resolve_tokenizer(o.tokenizer, tokenization)
-    bilm_opts = load_options(options_file)
+    local_options, local_weights, _ = E.fetch_model_files(options_file, weight_file, None, so)
+    bilm_opts = load_options(local_options)
     n_layers, dim = bilm_opts.n_layers + 1, bilm_opts.output_dim
     selection = E.parse_layers(o.layers, n_layers)
     columns = layer_columns(selection, dim, o.duplicate_layer0)
@@ -118,17 +132,16 @@ def plan(opts: PipelineOptions) -> Plan:
     check_state(o.state, workers=workers)
     stateful = o.state == "stateful"
     threads = o.torch_threads or (default_torch_threads(workers) if local else 0)
-    spec = E.ModelSpec(options_file, weight_file, vocab_file, o.device, o.state, threads, o.compute_dtype)
+    spec = E.ModelSpec(options_file, weight_file, vocab_file, o.device, o.state, threads, o.compute_dtype, so)
     if local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
         from model.device import resolve_device
         resolve_device(o.device)
-    model = check_model(options_file, weight_file)       # a bad model fails here, not in every worker
-    check_output_writable(o.output, so)          # last check: nothing was created before it
+    model = check_model(local_options, local_weights)   # a bad model fails here, not in every worker
+    check_output_writable(o.output, so)
     identity = E.model_identity(spec)
     flags = {k: getattr(o, k) for k in o._visible_option_list()}
     ingredients = run_ingredients(flags, input_fingerprints(files, so), identity)
     key = run_key(ingredients)
-    state = prepare_output(o.output, key, ingredients, o.overwrite, so, resumable=not stateful)
     if local and workers == 1:     # the worker runs in this process: it takes the model loaded above
         E.offer_model(options_file, weight_file, model)
     # stateful mode embeds sentences whole (windows are not consecutive sentences): longer than the window is dead
@@ -138,67 +151,73 @@ def plan(opts: PipelineOptions) -> Plan:
     model_entry = {"name": model_name, **identity, "tokenization": tokenization, "tokenizer": tokenizer,
                    **({"urls": model_urls(model_name)} if is_published(model_name) else {})}
     manifest = layout.manifest_header(
-        model_entry, columns, hdf5_layout(selection, n_layers), flags, formats, files,
-        {"key": key, "resumed_shards": len(state.records), "resumed_sentences": state.sentences})
+        model_entry, columns, hdf5_layout(selection, n_layers), flags, formats, files, {"key": key})
     shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
                       selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
                       o.row_group_bytes, n_layers, dim, o.vector_compression)
     return Plan(o, so, files, file_labels(files), formats, spec, shard,
                 # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
                 # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
-                spread_documents=not stateful and not (local and workers == 1), sort=not stateful,
+                spread_documents=not stateful and not (local and workers == 1),
+                unique_ids=bool(o.id_field) and not stateful, sort=not stateful,
                 sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
                 progress=o.progress == "on" or (o.progress == "auto" and local and sys.stderr.isatty()),
-                output=state, manifest=manifest, tokenizer=tokenizer)
+                break_fusion=os.environ.get(BREAK_FUSION_ENV) == "1",
+                key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer)
 
 
-def build(p: beam.Pipeline, pl: Plan) -> None:
-    """The graph, top to bottom."""
-    o, so, staging = pl.o, pl.so, pl.output.staging
-    read = (p
-            | "ListFiles" >> beam.Create(pl.files)
-            | "SpreadFiles" >> beam.Reshuffle()
-            | "ReadFiles" >> beam.ParDo(ReadFiles(o.input_format, pl.labels, o.text_field, o.id_field, so))
-            .with_outputs(DEAD, STATS, main="docs"))
-    docs = read.docs
-    if pl.spread_documents:
+def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
+    """The graph, top to bottom: one chain of single-output steps with typed elements, ending in one leaf.
+    It only stages data under state.staging (dead letters and counts as side effects of the steps that
+    find them); Finalize is run() after it. With pl.break_fusion every stage boundary is a Reshuffle, so
+    every element is encoded and decoded with its coder (transforms/coders.py) on every runner."""
+    o, so, staging = pl.o, pl.so, state.staging
+
+    def stage(pcoll, label, *dofns, output_type):
+        out = pcoll | label >> beam.ParDo(Chain(staging, so, *dofns)).with_output_types(output_type)
+        return out | f"{label}Encoded" >> beam.Reshuffle() if pl.break_fusion else out
+
+    files = p | "ListFiles" >> beam.Create(pl.files) | "SpreadFiles" >> beam.Reshuffle()
+    docs = stage(files, "ReadFiles", ReadFiles(o.input_format, pl.labels, o.text_field, o.id_field, so, staging),
+                 output_type=Document)
+    if pl.unique_ids:          # grouping by id also spreads the documents over workers
+        keyed = docs | "KeyById" >> beam.Map(lambda d: (d.doc_id, d)).with_output_types(tuple[str, Document])
+        docs = stage(keyed | "GroupById" >> beam.GroupByKey(), "DropDuplicateIds", DropDuplicateIds(),
+                     output_type=Document)
+    elif pl.spread_documents and not pl.break_fusion:
         docs = docs | "SpreadDocuments" >> beam.Reshuffle()
-    tok = docs | "Tokenize" >> beam.ParDo(Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag)).with_outputs(DEAD, main="items")
-    items = tok.items
-    if pl.output.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
-        items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(pl.output.record_paths, so))
-    emb = (items
-           | "SortAndBatch" >> beam.ParDo(SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort))
-           | "Embed" >> beam.ParDo(Embed(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap,
-                                         max_tokens=o.max_tokens_per_batch)).with_outputs(DEAD, main="batches"))
-    shards = emb.batches | "WriteShards" >> beam.ParDo(WriteShards(staging, pl.shard, o.shard_sentences, so,
-                                                                     o.shard_bytes))
-    dead = ((read[DEAD], tok[DEAD], emb[DEAD])
-            | "CollectDeadLetters" >> beam.Flatten()
-            | "WriteDeadLetters" >> beam.ParDo(WriteDeadLetters(staging, so)))
-    n_docs = docs | "CountDocuments" >> beam.combiners.Count.Globally()
-    n_records = read[STATS] | "CountRecords" >> beam.CombineGlobally(SumCounts())
-    manifest, output, resumed = pl.manifest, o.output, pl.output.shards
+    items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag), output_type=Item)
+    if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
+        items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(state.record_paths, so)).with_output_types(Item)
+    # batching, embedding and writing in one step: a bundle's last batches and shard never leave it. The count
+    # (unused) gives the step a consumer across a stage boundary: FnApiRunner's multi-process mode notices a
+    # dead worker on that data channel, and waits forever without one (docs/runner-notes.md)
+    shards = items | "EmbedShards" >> beam.ParDo(Chain(
+        staging, so,
+        SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort),
+        Embed(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap, max_tokens=o.max_tokens_per_batch),
+        WriteShards(staging, pl.shard, o.shard_sentences, so, o.shard_bytes))).with_output_types(ShardInfo)
+    _ = shards | "CountStagedShards" >> beam.combiners.Count.Globally()
 
-    def _finalize(_, shard_infos, dead_infos, documents, records):
-        m = json.loads(json.dumps(manifest, default=str))
-        m.setdefault("counts", {})["documents"] = documents
-        m["counts"].update(layout.record_counts(records, dead_infos))
-        yield finalize(output, staging, resumed + list(shard_infos), dead_infos, m, so)
 
-    (p | "FinalizeTrigger" >> beam.Create([None])
-       | "Finalize" >> beam.ParDo(_finalize, beam.pvalue.AsList(shards), beam.pvalue.AsList(dead),
-                                  beam.pvalue.AsSingleton(n_docs), beam.pvalue.AsSingleton(n_records)))
+MAX_ROUNDS = 3
+
+
+def lease_url(output: str) -> str:
+    return output.rstrip("/") + "/" + layout.LEASE
 
 
 def run(argv: list[str] | None = None, save_main_session: bool = False):
-    """Plan, build and run the pipeline; waits for it and returns the PipelineResult.
+    """Plan, take the output's lease, run the pipeline and finalize; returns the PipelineResult (or a
+    NoPipeline when nothing had to run) with `manifest` and `elapsed_seconds`.
 
-    When --output only lacked the end of an interrupted Finalize of the same command (same run key,
-    transforms/resume.py), that is completed and no pipeline runs."""
+    A finished output of the same run key is left as it is ('already complete'); when --output only lacked
+    the end of an interrupted Finalize of the same command, that is completed and no pipeline runs."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a == "--runner" or a.startswith("--runner=") for a in argv):
         argv.append("--runner=FnApiRunner")
+    if any("DaskRunner" in a for a in argv):
+        import apache_beam.runners.dask.dask_runner  # noqa: F401 - its options (--dask_client_address, ...)
     from pipeline.validate import check_flags
     check_flags(argv)          # unknown flags and bad values: one line, before anything runs
     opts = PipelineOptions(argv)
@@ -206,23 +225,64 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
     t0 = time.perf_counter()
     try:
         pl = plan(opts)
-        if pl.output.action == "finalize":
-            complete_finalize(pl.o.output, pl.output.staging, pl.so)
-            result = FinalizeOnly()
+        if not pl.o.overwrite and is_complete(pl.o.output, pl.key, pl.so):
+            result = AlreadyComplete(_manifest(pl))
         else:
-            p = beam.Pipeline(options=opts)
-            build(p, pl)
-            result = p.run()
-            result.wait_until_finish()
+            with Lease(lease_url(pl.o.output), pl.o.lease_stale_seconds, pl.so) as lease:
+                result = _execute(opts, pl, lease)
     finally:
         E.withdraw_models()
     result.elapsed_seconds = time.perf_counter() - t0
     return result
 
 
-class FinalizeOnly:
-    """run()'s result when only an interrupted Finalize was left to do (no pipeline ran)."""
+def _manifest(pl: Plan) -> dict:
+    fs, root = url_fs(pl.o.output, pl.so)
+    return layout.read_manifest(fs, root) or {}
+
+
+def _execute(opts: PipelineOptions, pl: Plan, lease: Lease):
+    """Under the lease: prepare --output, run the graph (again, for what is missing, if a round left
+    sentences unwritten), then finalize from what is staged."""
+    first = None
+    for _ in range(MAX_ROUNDS):
+        state = prepare_output(pl.o.output, pl.key, pl.ingredients, pl.o.overwrite, pl.so,
+                               resumable=pl.o.state != "stateful")
+        first = first or state
+        if state.action == "complete":
+            return AlreadyComplete(_manifest(pl))
+        if state.action == "finalize":
+            return FinalizeOnly(complete_finalize(pl.o.output, state.staging, pl.so))
+        p = beam.Pipeline(options=opts)
+        build(p, pl, state)
+        result = p.run()
+        try:
+            result.wait_until_finish()
+        finally:
+            if getattr(result, "client", None) is not None:      # DaskRunner: its connection to the cluster
+                result.client.close()
+        if lease.lost.is_set():
+            raise RuntimeError(f"lost the lease on {pl.o.output} to another run while running; that run now "
+                               "owns the output (this run's staged work is left for it)")
+        try:
+            staged = plan_from_staging(state.staging, pl.files, pl.so)
+        except Incomplete as e:
+            logger.warning("%s; another round embeds them", e)
+            continue
+        manifest = dict(pl.manifest, run={"key": pl.key, "resumed_shards": len(first.records),
+                                          "resumed_sentences": first.sentences})
+        result.manifest = finalize(pl.o.output, state.staging, staged, manifest, pl.so)
+        result.resumed_tokens = sum(r["tokens"] for r in first.records)
+        return result
+    raise RuntimeError(f"{pl.o.output}: sentences still missing after {MAX_ROUNDS} rounds; rerun the same command")
+
+
+class NoPipeline:
+    """run()'s result when no pipeline had to run."""
     state = "DONE"
+
+    def __init__(self, manifest: dict | None):
+        self.manifest = manifest or {}
 
     def wait_until_finish(self):
         return self.state
@@ -232,29 +292,50 @@ class FinalizeOnly:
         return DirectMetrics()
 
 
+class FinalizeOnly(NoPipeline):
+    """Only an interrupted Finalize was left to do."""
+
+
+class AlreadyComplete(NoPipeline):
+    """--output already held the finished run of the same command: nothing was done."""
+
+
 def counters(result) -> dict[str, int]:
-    """Our Beam counters by name (committed values, or attempted where the runner has no committed)."""
+    """Our Beam counters by name (committed values, or attempted where the runner has no committed); {} where
+    the runner has no metrics (DaskRunner). Optional extras: the run's counts are in result.manifest."""
+    try:
+        found = result.metrics().query(beam.metrics.MetricsFilter().with_namespace("elmo"))["counters"]
+    except NotImplementedError:
+        return {}
     out = {}
-    for c in result.metrics().query(beam.metrics.MetricsFilter().with_namespace("elmo"))["counters"]:
+    for c in found:
         v = c.committed if c.committed is not None else c.attempted
         out[c.key.metric.name] = out.get(c.key.metric.name, 0) + (v or 0)
     return out
 
 
 def summary(result, output: str) -> str:
-    """The one-line summary printed at the end of a run."""
+    """The one-line summary printed at the end of a run: counts from the manifest (the data), batches and
+    padding from the runner's metrics when it has them."""
+    if isinstance(result, AlreadyComplete):
+        return (f"elmo-pipeline: {output} is already complete (a finished run of this same command, run key "
+                f"{result.manifest.get('run', {}).get('key')}): nothing to do")
     if isinstance(result, FinalizeOnly):
         return f"elmo-pipeline: finished the interrupted finalize of {output} (nothing else was left to do)"
+    m = getattr(result, "manifest", {}) or {}
+    n = m.get("counts", {})
     c = counters(result)
     secs = getattr(result, "elapsed_seconds", 0.0) or 0.0
+    tokens = n.get("tokens_written", 0)
+    embedded = tokens - getattr(result, "resumed_tokens", 0)
     slots = c.get("batch_token_slots", 0)
-    pad = 1 - c.get("batch_tokens", 0) / slots if slots else 0.0
-    return (f"elmo-pipeline: {c.get('documents', 0)} documents, {c.get('sentences', 0)} sentences, "
-            f"{c.get('tokens', 0)} tokens, {c.get('batches', 0)} batches (padding {pad:.1%}), "
-            f"{c.get('dead_letters', 0)} dead letters, {c.get('shards', 0)} shards in {secs:.1f} s "
-            f"({c.get('tokens', 0) / secs if secs else 0:.0f} tokens/s) -> {output}"
-            + (f" (resumed: {c['sentences_resumed']} sentences already committed were skipped)"
-               if c.get("sentences_resumed") else ""))
+    batches = (f"{c.get('batches', 0)} batches (padding {1 - c.get('batch_tokens', 0) / slots:.1%}), "
+               if slots else "")
+    resumed = m.get("run", {}).get("resumed_sentences", 0)
+    return (f"elmo-pipeline: {n.get('documents', 0)} documents, {n.get('sentences', 0)} sentences, "
+            f"{tokens} tokens, {batches}{n.get('dead_letters', 0)} dead letters, {len(m.get('shards', []))} shards "
+            f"in {secs:.1f} s ({embedded / secs if secs else 0:.0f} tokens/s) -> {output}"
+            + (f" (resumed: {resumed} sentences already committed were skipped)" if resumed else ""))
 
 
 def add_arguments(parser) -> None:
@@ -275,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         result = run(argv)
-    except (ValueError, OSError, RuntimeError) as e:   # OSError: files, permissions, object stores
+    except (ValueError, OSError, RuntimeError) as e:   # OSError: files, permissions, object stores; LeaseHeld
         print(f"error: {e}", file=sys.stderr)
         return 2
     output = PipelineOptions(argv).view_as(ElmoOptions).output

@@ -45,7 +45,7 @@ def check_flags(argv: list[str]) -> None:
 
 
 POSITIVE = ("max_sentence_tokens", "max_tokens_per_batch", "sort_buffer", "row_group_bytes", "shard_sentences",
-            "shard_bytes", "window_tokens")
+            "shard_bytes", "window_tokens", "lease_stale_seconds")
 
 
 def check_numbers(o) -> None:

@@ -15,7 +15,7 @@ import pytest
 from pipeline.run import main
 from tests.resume_helpers import argv, assert_same_output, read_output, run_subprocess, write_corpus
 from transforms import resume
-from formats.layout import PLAN
+from formats.layout import PLAN, record_ids
 from transforms.write import stage_shard
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
@@ -143,7 +143,7 @@ def test_killed_at_the_end_of_finalize(point, corpus, tiny_model_files, referenc
     p = run_subprocess(args, point)
     assert p.returncode == -9, p.stderr[-2000:]
     assert os.path.exists(os.path.join(out, "manifest.json")) and not os.path.exists(os.path.join(out, "_SUCCESS"))
-    assert os.path.exists(os.path.join(out, "_staging")) == (point == "finalize_manifest:1")
+    assert bool(glob.glob(os.path.join(out, "_staging", "*", "committed"))) == (point == "finalize_manifest:1")
     m = json.load(open(os.path.join(out, "manifest.json")))       # a reader trusting it now reads it all
     for s in m["shards"]:
         assert pq.read_table(os.path.join(out, s["parquet"])).num_rows == s["sentences"]
@@ -152,7 +152,10 @@ def test_killed_at_the_end_of_finalize(point, corpus, tiny_model_files, referenc
     assert main(args) == 0
     assert "finished the interrupted finalize" in capsys.readouterr().err
     assert_same_output(read_output(out), reference)
-    assert main(args) == 2          # now it is a finished run: refused without --overwrite
+    assert main(args) == 0          # now it is a finished run of this command: nothing to do
+    assert "already complete" in capsys.readouterr().err
+    assert main(argv(tiny_model_files, corpus, out, *SMALL, "--layers", "top")) == 2    # another command: refused
+    assert "pass --overwrite" in capsys.readouterr().err
 
 
 def test_worker_process_killed_then_rerun(corpus, tiny_model_files, reference, tmp_path):
@@ -198,7 +201,7 @@ def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path):
 
     state = resume.prepare_output(out, key, ing, False)
     assert state.action == "resume" and len(state.records) == 2
-    ids = [i for r in state.records for i in r["ids"]]
+    ids = [i for r in state.records for i in record_ids(r)]
     assert len(ids) == len(set(ids)) == 3 and "d:3#0" in ids
     assert resume.load_done_ids(state.record_paths) == set(ids)
     left = sorted(os.listdir(st))
@@ -212,19 +215,22 @@ def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path):
     assert not os.path.exists(os.path.join(st, "committed"))
 
 
-def test_finalize_retried_by_the_runner_is_a_no_op(tmp_path):
-    """A runner may run the Finalize bundle again after it succeeded: same shards in, same output out."""
-    from transforms.write import complete_finalize, finalize
+def test_finalize_twice_is_a_no_op(tmp_path):
+    """complete_finalize may run again after it succeeded (a rerun killed after _SUCCESS): same output."""
+    from transforms.finalize import complete_finalize, finalize, plan_from_staging
+    from transforms.write import stage_counts
     out = str(tmp_path / "out")
     st = os.path.join(out, "_staging", "k")
-    shards = [_stage(st, ["d:1#0", "d:1#1"]), _stage(st, ["d:2#0"])]
-    m1 = finalize(out, st, shards, [], {"counts": {"documents": 2}})
+    _stage(st, ["d:1#0", "d:1#1"])
+    _stage(st, ["d:2#0"])
+    stage_counts("d", {"input_records": 2, "blank_records": 0}, st)
+    m1 = finalize(out, st, plan_from_staging(st, ["d"]), {})
     files = sorted(glob.glob(os.path.join(out, "*", "*")))
-    m2 = finalize(out, st, shards, [], {"counts": {"documents": 2}})     # staged files already moved
-    assert m1 == m2 and sorted(glob.glob(os.path.join(out, "*", "*"))) == files
-    assert complete_finalize(out, st) is None and os.path.exists(os.path.join(out, "_SUCCESS"))
+    assert complete_finalize(out, st) == m1 and os.path.exists(os.path.join(out, "_SUCCESS"))
+    assert sorted(glob.glob(os.path.join(out, "*", "*"))) == files
     assert not os.path.exists(os.path.join(out, "_staging"))
     assert [pq.read_table(f).num_rows for f in files if f.endswith(".parquet")] == [2, 1]
+    assert m1["counts"]["documents"] == 2 and m1["counts"]["sentences"] == 3
 
 
 def test_prepare_output_other_command_refused_or_overwritten(tmp_path):
@@ -255,3 +261,41 @@ def test_run_key_follows_content_not_layout(tmp_path):
                                                  dict(model, weights_sha256="cd"))) != key
     f.write_text("One. Two. Three.\n")
     assert resume.run_key(resume.run_ingredients(base, resume.input_fingerprints([str(f)]), model)) != key
+
+
+def test_sigkill_leaves_no_hdf5_temp_file(corpus, tiny_model_files, tmp_path):
+    """HDF5 shards are built in memory and written in one call: a process killed right after writing one
+    leaves no temporary file anywhere (TMPDIR included), only staged files that commit records name."""
+    out, tmpdir = str(tmp_path / "out"), tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmpdir))
+    import subprocess
+    import sys
+    from tests.resume_helpers import REPO
+    p = subprocess.run([sys.executable, "-m", "pipeline.run", *argv(tiny_model_files, corpus, out, *SMALL)],
+                       cwd=REPO, env=dict(env, ELMO_PIPELINE_CRASH_AT="commit:2", OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert [f for _, _, files in os.walk(tmpdir) for f in files] == []
+    st = _staging(out)
+    named = {f for r in _records(st) for f in r["files"].values()}
+    data = {f for f in os.listdir(st) if os.path.isfile(os.path.join(st, f)) and f != "run.json"}
+    assert len(_records(st)) == 2 and data == named
+
+
+def test_plan_from_staging_refuses_an_incomplete_staging(tmp_path):
+    """Sentences only in a shard whose file is gone, or an input file without counts: Incomplete (run()
+    then embeds the missing sentences in another round); overlapping duplicates are not incomplete."""
+    from transforms.finalize import Incomplete, plan_from_staging
+    from transforms.write import stage_counts
+    st = str(tmp_path / "out" / "_staging" / "k")
+    _stage(st, ["d:1#0", "d:1#1"])
+    _stage(st, ["d:1#0", "d:1#1"])            # a recomputed bundle's copy
+    lost = _stage(st, ["d:2#0"])
+    with pytest.raises(Incomplete, match="input file"):
+        plan_from_staging(st, ["d"])
+    stage_counts("d", {"input_records": 2, "blank_records": 0}, st)
+    assert sum(s.sentences for s in plan_from_staging(st, ["d"]).shards) == 3
+    os.remove(lost.files["hdf5"])
+    with pytest.raises(Incomplete, match="1 sentence"):
+        plan_from_staging(st, ["d"])

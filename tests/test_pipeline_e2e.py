@@ -192,3 +192,21 @@ def test_local_run_loads_the_model_once(small_run, tiny_model_files, tmp_path, m
     _, m = run_pipeline(tiny_model_files, str(small_run[0]), str(tmp_path / "o"), "--max-tokens-per-batch", "40")
     assert len(calls) == 1 and m["counts"]["sentences"] == 4
     assert not E._OFFERED
+
+
+def test_duplicate_id_field_values_are_dead_letters(tmp_path, tiny_model_files):
+    """Two records with one --id-field value (in two files): neither is embedded, each is a record dead
+    letter naming both; the counts still account for every record, and resume is never confused."""
+    (tmp_path / "a.jsonl").write_text('{"id": "x", "body": "First copy."}\n{"id": "y", "body": "Unique."}\n')
+    (tmp_path / "b.jsonl").write_text('{"id": "x", "body": "Second copy."}\n')
+    out = str(tmp_path / "out")
+    _, m = run_pipeline(tiny_model_files, [str(tmp_path / "*.jsonl")], out, "--input-format", "jsonl",
+                        "--text-field", "body", "--id-field", "id")
+    dead = [json.loads(x) for f in m["dead_letter_files"] for x in open(os.path.join(out, f["path"]))]
+    assert [(d["id"], d["level"], d["excerpt"]) for d in dead] == [("a.jsonl:1", "record", "First copy."),
+                                                                   ("b.jsonl:1", "record", "Second copy.")]
+    assert dead[0]["reason"] == "duplicate id: 2 records have the id 'x' (--id-field): a.jsonl:1, b.jsonl:1"
+    c = m["counts"]
+    assert (c["input_records"], c["documents"], c["record_dead_letters"], c["sentences_written"]) == (3, 1, 2, 1)
+    assert c["dead_letters_by_reason"] == {"duplicate id": 2}
+    assert set(parquet_rows(out, m)) == {"y#0"}

@@ -15,13 +15,14 @@ from transforms import embed as E
 from model.batching import plan_batches
 from model.batching import padding
 from transforms.records import Blank, Document, EmbeddedBatch, Item
-from formats.layout import DeadLetter, ShardInfo
+from formats.layout import DeadLetter
 from storage import expand as expand_inputs
 from transforms.read import file_labels, read_documents
 from tokenization import align_tokens, tokenize_document, tokenize_text
 from formats.hdf5 import hdf5_key
 from formats.parquet import layer_columns, sentence_table, token_table
-from transforms.write import ShardSpec, finalize, shard_columns, stage_shard
+from transforms.finalize import finalize, plan_from_staging
+from transforms.write import ShardSpec, shard_columns, stage_counts, stage_shard
 
 TEXT = 'Dr. Smith left the U.S. in 2001. He said "hello, world" -- it\'s a well-known <unk> fact!'
 
@@ -65,14 +66,22 @@ def test_read_text_lines_jsonl_parquet_compressed(tmp_path):
     j = tmp_path / "d.jsonl"
     j.write_text('{"id": "x", "body": "Hi there."}\nnot json\n{"id": "y"}\n{"id": "z", "body": 5}\n')
     recs = list(read_documents(str(j), "jsonl", "d.jsonl", text_field="body", id_field="id"))
-    assert recs[0] == Document("x", "Hi there.")
+    assert recs[0] == Document("x", "Hi there.", source="d.jsonl:1")    # the id's source names duplicates
     assert [type(r) for r in recs[1:]] == [DeadLetter] * 3 and recs[1].id == "d.jsonl:2"
 
     pq.write_table(pa.table({"t": ["One.", None, "Two."], "k": ["p", "q", "r"]}), tmp_path / "e.parquet")
     recs = list(read_documents(str(tmp_path / "e.parquet"), "parquet", "e", text_field="t", id_field="k"))
-    assert recs[0] == Document("p", "One.") and isinstance(recs[1], DeadLetter) and recs[2].doc_id == "r"
+    assert recs[0] == Document("p", "One.", source="e:1") and isinstance(recs[1], DeadLetter) and recs[2].doc_id == "r"
     with pytest.raises(FileNotFoundError):
         expand_inputs([str(tmp_path / "nothing*")])
+
+
+def test_duplicate_ids_are_dead_letters_naming_every_copy():
+    from transforms.read import split_duplicate_ids
+    assert list(split_duplicate_ids("x", [Document("x", "One.", source="d:1")])) == [Document("x", "One.", source="d:1")]
+    dup = list(split_duplicate_ids("x", [Document("x", "Two.", source="d:7"), Document("x", "One.", source="d:1")]))
+    assert [(d.id, d.level, d.excerpt) for d in dup] == [("d:1", "record", "One."), ("d:7", "record", "Two.")]
+    assert dup[0].reason == "duplicate id: 2 records have the id 'x' (--id-field): d:1, d:7"
 
 
 def test_plan_batches_respects_budget_and_sorts():
@@ -156,9 +165,11 @@ def test_stage_and_finalize(tmp_path):
     batch = _batch()
     s1 = stage_shard([(batch, 1)], staging, SPEC)
     s0 = stage_shard([(batch, 0)], staging, SPEC)
-    orphan = stage_shard([(batch, 1), (batch, 0)], staging, dataclasses.replace(SPEC, formats=("parquet",)))  # a retried bundle
-    assert os.path.exists(orphan.files["parquet"])
-    m = finalize(out, staging, [s1, s0], [], {"counts": {"documents": 1}})
+    assert {s1.first_id, s0.first_id} == {"d/x:1#1", "d/x:1#0"}
+    stage_counts("x", {"input_records": 1, "blank_records": 0}, staging)
+    staged = plan_from_staging(staging, ["x"])
+    assert len(staged.shards) == 2
+    m = finalize(out, staging, staged, {})
     assert sorted(os.listdir(out)) == ["_SUCCESS", "hdf5", "manifest.json", "parquet"]
     assert m["counts"]["sentences"] == 2 and m["counts"]["tokens_written"] == 4
     assert [s["parquet"] for s in m["shards"]] == ["parquet/part-00000-of-00002.parquet", "parquet/part-00001-of-00002.parquet"]
@@ -182,10 +193,13 @@ def test_layer_sources_follow_the_selection():
 def test_finalize_lists_dead_letters(tmp_path):
     from transforms.write import stage_dead_letters
     out = str(tmp_path / "o")
-    d = stage_dead_letters([DeadLetter("f:1#0", "too long", "x"), DeadLetter("f:2", "unreadable record", "{", level="record")], out + "/_staging/r")
-    assert isinstance(d, ShardInfo)
-    m = finalize(out, out + "/_staging/r", [], [d], {})
+    letters = [DeadLetter("f:2", "unreadable record", "{", level="record"), DeadLetter("f:1#0", "too long", "x")]
+    stage_dead_letters(letters, out + "/_staging/r")
+    stage_dead_letters(letters[:1], out + "/_staging/r")      # a retried bundle stages its letters again
+    stage_counts("f", {"input_records": 2, "blank_records": 0}, out + "/_staging/r")
+    m = finalize(out, out + "/_staging/r", plan_from_staging(out + "/_staging/r", ["f"]), {})
     assert m["counts"]["dead_letters"] == 2 and m["counts"]["dead_letter_sentences"] == 1
+    assert m["counts"]["documents"] == 1 and m["counts"]["record_dead_letters"] == 1
     lines = open(os.path.join(out, "dead_letters/part-00000-of-00001.jsonl")).read().splitlines()
     assert [json.loads(x)["id"] for x in lines] == ["f:1#0", "f:2"]
 

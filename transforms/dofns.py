@@ -1,4 +1,8 @@
-"""Beam shells over plain functions: transforms.read, tokenization, model.batching, transforms.embed, transforms.write."""
+"""Beam shells over plain functions: transforms.read, tokenization, model.batching, transforms.embed, transforms.write.
+
+DoFns that reject elements yield them as TaggedOutput(DEAD, DeadLetter); the graph runs them inside a Chain,
+which stages those dead letters instead of passing them on (no multi-output ParDo: see docs/runner-notes.md).
+"""
 from __future__ import annotations
 
 import os
@@ -17,15 +21,14 @@ from model.batching import padding, plan_batches
 from model.windows import effective_window, embed_long
 from transforms import embed as E
 from transforms.faults import crash_point
-from transforms.read import read_documents
+from transforms.read import read_documents, split_duplicate_ids
 from transforms.records import Blank, Document, EmbeddedBatch, Item
 from transforms.resume import load_done_ids
 from tokenization import tokenize_document
-from transforms.write import ShardSpec, stage_dead_letters, stage_shard
+from transforms.write import ShardSpec, stage_counts, stage_dead_letters, stage_shard
 
 NS = "elmo"
 DEAD = "dead"
-STATS = "stats"   # ReadFiles: one {"input_records": n, "blank_records": b} per file
 
 
 def _windowed(x):
@@ -33,11 +36,12 @@ def _windowed(x):
 
 
 class ReadFiles(beam.DoFn):
-    """file URL -> Document ...; unreadable records to the DEAD output; per file, its record counts
-    (input records, blank records) to the STATS output."""
+    """file URL -> Document ...; unreadable records to the DEAD output; per file, its record counts (input
+    records, blank records) staged under the run's staging folder (transforms.write.stage_counts)."""
 
-    def __init__(self, fmt, labels, text_field, id_field, storage_options):
+    def __init__(self, fmt, labels, text_field, id_field, storage_options, staging):
         self.args = (fmt, labels, text_field, id_field, storage_options)
+        self.staging = staging
         self.docs = Metrics.counter(NS, "documents")
         self.dead = Metrics.counter(NS, "dead_letters")
         self.blank = Metrics.counter(NS, "blank_records")
@@ -56,28 +60,23 @@ class ReadFiles(beam.DoFn):
                 self.docs.inc()
                 yield rec
         self.blank.inc(blank)
-        yield beam.pvalue.TaggedOutput(STATS, {"input_records": records, "blank_records": blank})
+        stage_counts(url, {"input_records": records, "blank_records": blank}, self.staging, so)
 
 
-class SumCounts(beam.CombineFn):
-    """Sums dicts of counts key by key (an empty input gives {})."""
+class DropDuplicateIds(beam.DoFn):
+    """(doc id, its Documents) -> the Document when it is the only one; else every one of them to DEAD
+    (transforms.read.split_duplicate_ids)."""
 
-    def create_accumulator(self):
-        return {}
+    def __init__(self):
+        self.dead = Metrics.counter(NS, "dead_letters")
 
-    def add_input(self, acc, counts):
-        for k, v in counts.items():
-            acc[k] = acc.get(k, 0) + v
-        return acc
-
-    def merge_accumulators(self, accs):
-        out = {}
-        for acc in accs:
-            self.add_input(out, acc)
-        return out
-
-    def extract_output(self, acc):
-        return acc
+    def process(self, keyed):
+        for out in split_duplicate_ids(*keyed):
+            if isinstance(out, DeadLetter):
+                self.dead.inc()
+                yield beam.pvalue.TaggedOutput(DEAD, out)
+            else:
+                yield out
 
 
 class Tokenize(beam.DoFn):
@@ -116,6 +115,65 @@ class Tokenize(beam.DoFn):
                 continue
             self.tokens.inc(len(s.tokens))
             yield Item(sid, doc.doc_id, i, s.tokens, s.offsets)
+
+
+class Chain(beam.DoFn):
+    """DoFns run one after another inside one step, as Beam's fusion would run them: each one's outputs,
+    those of its finish_bundle included, go to the next; a TaggedOutput(DEAD, letter) of any of them is staged
+    (one file per bundle and 10,000 letters, transforms.write.stage_dead_letters) instead of flowing on.
+
+    So no stage needs a second output (DaskRunner mixes the outputs of a multi-output ParDo) and no element
+    has to leave a step from finish_bundle (DaskRunner drops those): what a bundle's end flushes (the last
+    sorted batches, the last shard) is handled inside the step. Outputs of the last DoFn from process() are
+    the step's outputs; those from its finish_bundle are emitted too, but must not be needed downstream."""
+
+    FLUSH_LETTERS = 10_000
+
+    def __init__(self, staging: str, storage_options, *dofns: beam.DoFn):
+        self.staging, self.so, self.dofns = staging, storage_options, dofns
+
+    def setup(self):
+        for d in self.dofns:
+            d.setup()
+
+    def start_bundle(self):
+        self.letters = []
+        for d in self.dofns:
+            d.start_bundle()
+
+    def _flush_letters(self):
+        if self.letters:
+            letters, self.letters = self.letters, []
+            stage_dead_letters(letters, self.staging, self.so)
+
+    def _run(self, outputs, k: int):
+        """Pass `outputs` of DoFn k-1 (k = 0: the step's input) through DoFns k.. and yield what comes out."""
+        for out in outputs or ():
+            if isinstance(out, WindowedValue):
+                out = out.value
+            if isinstance(out, beam.pvalue.TaggedOutput):
+                self.letters.append(out.value)
+                if len(self.letters) >= self.FLUSH_LETTERS:
+                    self._flush_letters()
+            elif k == len(self.dofns):
+                yield out
+            else:
+                yield from self._run(self.dofns[k].process(out), k + 1)
+
+    def process(self, element):
+        yield from self._run((element,), 0)
+
+    def finish_bundle(self):
+        tail = []
+        for k, d in enumerate(self.dofns):
+            tail.extend(self._run(d.finish_bundle(), k + 1))
+        self._flush_letters()
+        for out in tail:
+            yield _windowed(out)
+
+    def teardown(self):
+        for d in self.dofns:
+            d.teardown()
 
 
 class SkipCommitted(beam.DoFn):
@@ -290,21 +348,3 @@ class WriteShards(beam.DoFn):
     def finish_bundle(self):
         for info in [*self._flush(), *self._written()]:
             yield _windowed(info)
-
-
-class WriteDeadLetters(beam.DoFn):
-    """DeadLetters -> one staged JSONL file per bundle -> ShardInfo."""
-
-    def __init__(self, staging, storage_options):
-        self.staging, self.so = staging, storage_options
-
-    def start_bundle(self):
-        self.buf = []
-
-    def process(self, d):
-        self.buf.append(d)
-
-    def finish_bundle(self):
-        if self.buf:
-            letters, self.buf = self.buf, []
-            yield _windowed(stage_dead_letters(letters, self.staging, self.so))

@@ -6,15 +6,16 @@ Selections: "all" | "top" | "average" | "0,1,2" (layer indices).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to load and how: files (paths or URLs), device, state mode, torch threads (0 = default), and the
-    precision the biLM runs in (float32 | bfloat16 | float16)."""
+    """What to load and how: files (paths or URLs), device, state mode, torch threads (0 = default), the
+    precision the biLM runs in (float32 | bfloat16 | float16), and the storage options ({protocol: {...}},
+    retries included) that remote model files are fetched with."""
     options_file: str
     weight_file: str
     vocab_file: str | None = None
@@ -22,6 +23,21 @@ class ModelSpec:
     state: str = "stateless"
     torch_threads: int = 0
     compute_dtype: str = "float32"
+    storage_options: dict | None = field(default=None, repr=False, compare=False)
+
+    def local_files(self) -> tuple[str, str, str | None]:
+        """(options, weights, vocab) as local paths: remote files fetched into the cache (storage.local_path)
+        with this spec's storage options, so model downloads retry like the data path."""
+        return fetch_model_files(self.options_file, self.weight_file, self.vocab_file, self.storage_options)
+
+
+def fetch_model_files(options_file: str, weight_file: str, vocab_file: str | None = None,
+                      storage_options: dict | None = None) -> tuple[str, str, str | None]:
+    """Local paths of model files given as paths or URLs (remote ones downloaded once into the cache)."""
+    from storage import local_path
+    return (local_path(options_file, storage_options=storage_options),
+            local_path(weight_file, storage_options=storage_options),
+            local_path(vocab_file, storage_options=storage_options) if vocab_file else None)
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int] | str:
@@ -87,16 +103,18 @@ def load_embedder(spec: ModelSpec):
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
     model = _OFFERED.pop((spec.options_file, spec.weight_file), None)
-    return ElmoEmbedder(spec.options_file, spec.weight_file, device=resolve_device(spec.device, share_gpus=True), model=model,
-                        state=spec.state, vocab_file=spec.vocab_file, dtype=spec.compute_dtype)
+    options_file, weight_file, vocab_file = spec.local_files()
+    return ElmoEmbedder(options_file, weight_file, device=resolve_device(spec.device, share_gpus=True), model=model,
+                        state=spec.state, vocab_file=vocab_file, dtype=spec.compute_dtype)
 
 
 def model_identity(spec: ModelSpec) -> dict:
     """Model files, weights sha256 and parsed options, for the manifest."""
     import json
 
-    from storage import file_sha256, local_path, open_url
-    with open_url(spec.options_file, "rt") as f:
+    from storage import file_sha256
+    options_file, weight_file, _ = spec.local_files()
+    with open(options_file) as f:
         options = json.load(f)
     return {"options_file": spec.options_file, "weight_file": spec.weight_file, "vocab_file": spec.vocab_file,
-            "weights_sha256": file_sha256(local_path(spec.weight_file)), "options": options}
+            "weights_sha256": file_sha256(weight_file), "options": options}

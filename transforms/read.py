@@ -170,7 +170,21 @@ def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_
                 yield DeadLetter(default_id, f"unreadable record: {type(e).__name__}: {e}", line[:EXCERPT_CHARS],
                                  level="record")
                 continue
-            yield Document(doc_id, text) if text.strip() else Blank(doc_id)
+            yield Document(doc_id, text, source=default_id if id_field else "") if text.strip() else Blank(doc_id)
+
+
+def split_duplicate_ids(doc_id: str, docs) -> Iterator[Document | DeadLetter]:
+    """The documents that share one id: the document itself when it is alone; else a record dead letter
+    "duplicate id" for each of them (by its source "<file>:<line>"), since ids must be unique (resume and
+    HDF5 keys rely on them) and no copy is more right than another."""
+    docs = sorted(docs, key=lambda d: d.source)
+    if len(docs) == 1:
+        yield docs[0]
+        return
+    where = ", ".join(d.source for d in docs[:5]) + (", ..." if len(docs) > 5 else "")
+    for d in docs:
+        yield DeadLetter(d.source or doc_id, f"duplicate id: {len(docs)} records have the id {doc_id!r} "
+                         f"(--id-field): {where}", d.text[:EXCERPT_CHARS], level="record")
 
 
 def _read_parquet(url, label, text_field, id_field, storage_options) -> Iterator[Document | DeadLetter]:
@@ -192,6 +206,6 @@ def _read_parquet(url, label, text_field, id_field, storage_options) -> Iterator
                     yield DeadLetter(rid, f"unreadable record: {text_field!r} is null or not a string",
                                      repr(text)[:EXCERPT_CHARS], level="record")
                 elif text.strip():
-                    yield Document(rid, text)
+                    yield Document(rid, text, source=f"{label}:{n}" if id_field else "")
                 else:
                     yield Blank(rid)

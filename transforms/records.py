@@ -2,7 +2,8 @@
 
 Document (ReadFiles -> Tokenize), Blank (counted by ReadFiles), Item (a tokenized sentence: Tokenize ->
 SortAndBatch -> Embed), EmbeddedBatch (a batch of embedded sentences, columnar: Embed -> WriteShards).
-Dead letters and staged-shard descriptions are part of the output format (formats.layout).
+Dead letters and staged-shard descriptions are part of the output format (formats.layout). Their Beam coders
+are in transforms/coders.py.
 """
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Document:
-    """A document's id and text; `split_sentences` False means the record is one sentence."""
+    """A document's id and text; `split_sentences` False means the record is one sentence. `source` is
+    "<file>:<line or row>" when the id comes from an --id-field (to name duplicates), else ""."""
     doc_id: str
     text: str
     split_sentences: bool = True
+    source: str = ""
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ command after a crash finds the same folder:
   committed/<shard>.json   commit records of the shards already written (files, counts, sentence ids)
   finalize.json            present once Finalize has started: the moves and the manifest
   run.json                 the key's ingredients (to explain a mismatch)
+  dead/, counts/           dead letters and per-file counts: not resumed (every run reads and tokenizes all)
 
 prepare_output() decides what a new run does with the folder it is given; see its docstring.
 """
@@ -15,12 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import posixpath
 from dataclasses import dataclass, field
 
-from formats.layout import PLAN, RECORDS, RUN_FILE, STAGING, SUCCESS, ShardInfo, read_manifest
+from formats.layout import RUN_FILE, STAGING, SUCCESS, ShardInfo, read_manifest, record_ids
 from storage import atomic_write, makedirs, url_fs
-from transforms.write import clear_final
+from transforms.finalize import clear_final, plan_consistent, read_plan, roll_back, select_records
+
+logger = logging.getLogger("elmo-pipeline.resume")
 
 KEY_VERSION = 1
 # Options left out of the run key: they change neither which sentences are written nor their vectors
@@ -31,7 +35,8 @@ KEY_VERSION = 1
 # files are in through their identity (weights sha256, parsed options), the inputs through their
 # fingerprints (input_fingerprints), not their names.
 NOT_CONTENT = {"output", "overwrite", "progress", "torch_threads", "device", "shard_sentences", "shard_bytes",
-               "row_group_bytes", "vector_compression", "sort_buffer", "input", "options_file", "weight_file", "model", "s3_max_attempts"}
+               "row_group_bytes", "vector_compression", "sort_buffer", "input", "options_file", "weight_file", "model", "s3_max_attempts",
+               "lease_stale_seconds"}
 
 
 def input_fingerprints(files: list[str], storage_options: dict | None = None) -> list[list]:
@@ -81,7 +86,8 @@ def describe_difference(old: dict | None, new: dict) -> str:
 
 @dataclass
 class OutputState:
-    """What prepare_output found: `action` is 'fresh', 'resume' or 'finalize' (only the finalize is left)."""
+    """What prepare_output found: `action` is 'fresh', 'resume', 'finalize' (only the finalize is left) or
+    'complete' (a finished run of this key)."""
     action: str
     staging: str
     key: str
@@ -114,19 +120,38 @@ def _scheme(url: str) -> str:
     return url.split("://", 1)[0] + "://" if "://" in url else ""
 
 
+def is_complete(output: str, key: str, storage_options: dict | None = None) -> bool:
+    """True when `output` holds a finished run (_SUCCESS) whose manifest has run key `key`. Reads only."""
+    fs, root = url_fs(output, storage_options)
+    fs.invalidate_cache()
+    if not fs.exists(posixpath.join(root, SUCCESS)):
+        return False
+    return ((read_manifest(fs, root) or {}).get("run") or {}).get("key") == key
+
+
+def _listed_files_present(fs, root: str, manifest: dict) -> bool:
+    rels = [s[f] for s in manifest.get("shards", []) for f in ("parquet", "hdf5") if f in s]
+    rels += [d["path"] for d in manifest.get("dead_letter_files", [])]
+    return all(fs.exists(posixpath.join(root, r)) for r in rels)
+
+
 def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, storage_options: dict | None = None,
                    resumable: bool = True) -> OutputState:
-    """Decide what a run with run key `key` does with `output`, and make the folder ready for it.
+    """Decide what a run with run key `key` does with `output`, and make the folder ready for it. The caller
+    holds the output's lease.
 
-    - _SUCCESS (a finished run): refused unless `overwrite`, which clears it and starts fresh.
+    - _SUCCESS of this key: 'complete' (with `overwrite`: cleared, fresh). Of another key: refused unless
+      `overwrite`, which clears it.
     - manifest.json without _SUCCESS: a finalize that got past writing the manifest; with the same key
-      only the finalize is left ('finalize'); another key is refused unless `overwrite`.
+      only the finalize is left ('finalize'), unless a file it lists is gone (then everything is cleared
+      and the run starts fresh); another key is refused unless `overwrite`.
     - an unfinished run of another key in _staging/: refused (naming the difference) unless `overwrite`,
       which deletes it.
-    - _staging/<key>/ with finalize.json: 'finalize'. With commit records: 'resume' with a pairwise
-      disjoint set of them (a record overlapping one already kept, as a retried bundle's can, is
-      dropped with its files); staged files no kept record names are deleted. `resumable` False
-      (--state stateful: vectors depend on batch history) keeps nothing.
+    - _staging/<key>/finalize.json: 'finalize' when every file of the plan is still there (staged or
+      moved); otherwise the plan is rolled back (transforms/finalize.roll_back) and the run resumes.
+    - commit records: 'resume' with a pairwise-disjoint set of those whose files are all present; staged
+      files no kept record names (partial shards, dropped records, dead letters, counts) are deleted.
+      `resumable` False (--state stateful: vectors depend on batch history) keeps nothing.
     - otherwise 'fresh'. Outside 'finalize', leftover final-name files are removed first.
     """
     fs, root = url_fs(output, storage_options)
@@ -135,20 +160,30 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
     parent = posixpath.join(root, STAGING)
     st = posixpath.join(parent, key)
     state = OutputState("fresh", scheme + st, key)
+    manifest = read_manifest(fs, root)
+    mine = ((manifest or {}).get("run") or {}).get("key") == key
     if fs.exists(posixpath.join(root, SUCCESS)):
+        if mine and not overwrite:
+            state.action = "complete"
+            return state
         if not overwrite:
-            raise FileExistsError(f"{output} holds a finished run (_SUCCESS); pass --overwrite to replace it")
+            raise FileExistsError(f"{output} holds a finished run of a different command (_SUCCESS); pass "
+                                  "--overwrite to replace it")
         clear_final(fs, root)
         if fs.exists(parent):
             fs.rm(parent, recursive=True)
-    manifest = read_manifest(fs, root)
-    if manifest is not None:
-        if manifest.get("run", {}).get("key") == key:
+        manifest = None
+    if manifest is not None and not mine and not overwrite:
+        raise FileExistsError(f"{output} holds a manifest.json of a different command whose finalize was "
+                              "interrupted; rerun that command to finish it, or pass --overwrite to replace it")
+    plan = read_plan(fs, st)
+    if manifest is not None and mine and plan is None:
+        if _listed_files_present(fs, root, manifest):
             state.action = "finalize"
             return state
-        if not overwrite:
-            raise FileExistsError(f"{output} holds a manifest.json of a different command whose finalize was "
-                                  "interrupted; rerun that command to finish it, or pass --overwrite to replace it")
+        logger.warning("%s: manifest.json lists files that are gone and the staged shards were removed: "
+                       "starting over", output)
+        clear_final(fs, root)
     others = [d for d in _dirs(fs, parent) if d != key]
     if others and not overwrite:
         old = _read_json(fs, posixpath.join(parent, others[0], RUN_FILE))
@@ -157,9 +192,13 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
             "Rerun the original command to resume it, or pass --overwrite to discard it and start over")
     for d in others:
         fs.rm(posixpath.join(parent, d), recursive=True)
-    if fs.exists(posixpath.join(st, PLAN)):
-        state.action = "finalize"
-        return state
+    if plan is not None:
+        if plan_consistent(fs, root, st, plan):
+            state.action = "finalize"
+            return state
+        logger.warning("%s: the interrupted finalize lost files; rolling it back and re-embedding their shards",
+                       output)
+        roll_back(fs, root, st, plan)
     clear_final(fs, root)
     if fs.exists(st):
         if resumable:
@@ -174,22 +213,14 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
 
 
 def _keep_disjoint_records(fs, st: str, state: OutputState) -> None:
-    rec_dir = posixpath.join(st, RECORDS)
     present = set(fs.find(st))
-    names = sorted(p for p in present if p.startswith(rec_dir + "/") and p.endswith(".json"))
-    contents = fs.cat(names, on_error="omit") if names else {}     # concurrent GETs on object stores
-    done: set[str] = set()
-    keep_files = {posixpath.join(st, RUN_FILE)}
-    for path in names:
-        rec = json.loads(contents[path]) if path in contents else None
-        files = [posixpath.join(st, f) for f in (rec or {}).get("files", {}).values()]
-        if rec is None or not all(f in present for f in files) or done.intersection(rec["ids"]):
-            continue
-        done.update(rec["ids"])
-        state.records.append(rec)
-        state.record_paths.append(_scheme(state.staging) + path)
-        keep_files.update(files + [path])
-    for p in present - keep_files:   # partial shards, dropped records, old dead letters, temp files
+    records, paths, _ = select_records(fs, st, present)
+    keep = {posixpath.join(st, RUN_FILE), *paths}
+    for rec in records:
+        keep.update(posixpath.join(st, f) for f in rec["files"].values())
+    state.records = records
+    state.record_paths = [_scheme(state.staging) + p for p in paths]
+    for p in present - keep:   # partial shards, dropped records, dead letters, counts, temp files
         fs.rm_file(p)
 
 
@@ -200,4 +231,4 @@ def load_done_ids(record_paths: list[str], storage_options: dict | None = None) 
     fs, _ = url_fs(record_paths[0], storage_options)
     paths = [url_fs(p, storage_options)[1] for p in record_paths]
     contents = fs.cat(paths)                  # one dict, fetched concurrently on object stores
-    return {i for p in paths for i in json.loads(contents[p])["ids"]}
+    return {i for p in paths for i in record_ids(json.loads(contents[p]))}

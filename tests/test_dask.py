@@ -1,0 +1,147 @@
+"""The pipeline on Beam's DaskRunner against a dask.distributed LocalCluster (2 worker processes on
+127.0.0.1, started and stopped here): the same output as FnApiRunner, and a worker process SIGKILLed
+mid-run, then the same command rerun, gives what an uninterrupted run gives."""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import robustness_corpus as rc
+from tests.resume_helpers import REPO, argv, assert_same_output, read_output, run_subprocess, write_corpus
+
+pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
+
+DASK = "apache_beam.runners.dask.dask_runner.DaskRunner"
+DIRTY = ("invalid_utf8.txt", "controls.txt", "nul.txt", "crlf.txt", "bom.txt", "blank_lines.txt", "empty.txt")
+EXTRA = ("--shard-sentences", "8", "--max-tokens-per-batch", "256", "--max-sentence-tokens", "24")
+
+
+def dirty_corpus(folder) -> str:
+    """Raw text with several sentences per document (docs.txt) plus dirty files (invalid UTF-8, control
+    characters, NULs, CRLF, a BOM, blank lines, an empty file); returns a glob of them."""
+    os.makedirs(folder, exist_ok=True)
+    write_corpus(os.path.join(folder, "docs.txt"), n_docs=24, seed=3)
+    cases = rc.generated_cases()
+    for name in DIRTY:
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(cases[name])
+    return os.path.join(str(folder), "*.txt")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    pytest.importorskip("distributed")
+    from distributed import Client, LocalCluster
+    # each batch takes 0.3 s longer on the workers, so that a worker can be killed while it embeds
+    c = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None,
+                     env={"ELMO_PIPELINE_DELAY_AT": "embed:0.3", "OMP_NUM_THREADS": "1"})
+    client = Client(c.scheduler_address)
+    yield c, client
+    client.close()
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return dirty_corpus(tmp_path_factory.mktemp("dirty"))
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tiny_model_files, tmp_path_factory):
+    from pipeline.run import main
+    out = str(tmp_path_factory.mktemp("fnapi") / "out")
+    assert main(argv(tiny_model_files, corpus, out, *EXTRA)) == 0
+    ref = read_output(out)
+    c = ref[0]["counts"]
+    assert c["record_dead_letters"] >= 4 and c["dead_letter_sentences"] >= 3 and c["blank_records"] >= 5
+    assert c["sentences_written"] > 40 and c["documents"] > 30
+    return ref
+
+
+def _dask_args(model, corpus, out, cluster):
+    return argv(model, corpus, out, *EXTRA, "--runner", DASK, "--dask_client_address", cluster.scheduler_address,
+                "--dask_npartitions", "4")
+
+
+def test_dask_equals_fnapi(cluster, corpus, tiny_model_files, reference, tmp_path):
+    """Same ids, tokens, offsets, manifest counts and dead letters; vectors within 1e-6 (Parquet and HDF5)."""
+    out = str(tmp_path / "out")
+    p = run_subprocess(_dask_args(tiny_model_files, corpus, out, cluster[0]), timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = read_output(out)
+    assert_same_output(got, reference)
+    assert got[0]["run"]["key"] == reference[0]["run"]["key"]
+    assert "dead letters" in p.stderr and "batches" not in p.stderr.splitlines()[-1]   # no metrics on Dask
+
+
+def test_dask_worker_killed_then_rerun(cluster, corpus, tiny_model_files, reference, tmp_path):
+    """A worker process is SIGKILLed while the run embeds; Dask's nanny restarts it and the lost tasks run
+    again (finished ones too: their shards are staged twice). The same command is then rerun."""
+    c, client = cluster
+    out = str(tmp_path / "out")
+    args = _dask_args(tiny_model_files, corpus, out, c)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.Popen([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.time()
+        while not glob.glob(os.path.join(out, "_staging", "*", "committed", "*.json")):
+            assert run.poll() is None and time.time() - t0 < 60, "no shard was committed"
+            time.sleep(0.05)
+        pids = client.run(os.getpid)
+        busy = [w for w, tasks in client.processing().items() if tasks]
+        assert busy, "no worker is processing a task"
+        victim = pids[busy[0]]
+        os.kill(victim, signal.SIGKILL)
+        _, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode in (0, 2), err[-3000:]
+    client.wait_for_workers(2, timeout=30)
+    assert victim not in client.run(os.getpid).values()
+    rerun = run_subprocess(args, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    got = read_output(out)
+    assert_same_output(got, reference)
+    print(f"first run: rc {run.returncode}; rerun: {rerun.stderr.strip().splitlines()[-1]}")
+
+
+def test_dask_cli_cluster_commands(corpus, tiny_model_files, reference, tmp_path):
+    """README "A Dask cluster": `dask scheduler` and `dask worker --nworkers 2` on 127.0.0.1, then
+    `python -m pipeline.run --runner ...DaskRunner --dask_client_address ...`."""
+    import json
+    dask = os.path.join(os.path.dirname(sys.executable), "dask")
+    info = str(tmp_path / "scheduler.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                               "--scheduler-file", info], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)]
+    try:
+        t0 = time.time()
+        while not os.path.exists(info):
+            assert time.time() - t0 < 30, "the scheduler did not start"
+            time.sleep(0.1)
+        procs.append(subprocess.Popen([dask, "worker", "--scheduler-file", info, "--nworkers", "2", "--nthreads", "1",
+                                       "--host", "127.0.0.1", "--no-dashboard"], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+        from distributed import Client
+        address = json.load(open(info))["address"]
+        with Client(address) as client:
+            client.wait_for_workers(2, timeout=60)
+        out = str(tmp_path / "out")
+        p = run_subprocess(argv(tiny_model_files, corpus, out, *EXTRA, "--runner", DASK, "--dask_client_address",
+                                address, "--dask_npartitions", "4"), timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert_same_output(read_output(out), reference)
+    finally:
+        for proc in reversed(procs):
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

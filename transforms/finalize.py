@@ -1,0 +1,188 @@
+"""Finalize: from what a run staged to the final output. No Beam import.
+
+It runs in the launching process once the runner has finished, and reads back what the workers staged
+under <out>/_staging/<run key>/ (transforms/write.py): commit records with their shard files, dead letters,
+per-input-file record counts. So the output depends on the data alone, not on runner features (side
+inputs, metrics, outputs of finish_bundle), and a retried or recomputed bundle cannot change it: of
+overlapping commit records one disjoint set is kept, duplicate dead letters are dropped, counts are
+one object per input file.
+
+- plan_from_staging(): that reading, checked: every selected shard's files are there and every sentence
+  id any record names is covered (else Incomplete: the missing sentences are embedded by another round).
+- finalize(): dead letters written as final-size files, then the plan (finalize.json: every move and the
+  manifest) before the first move, then complete_finalize().
+- complete_finalize(): the moves not yet done, manifest.json, removal of the staging folder, _SUCCESS
+  last. Idempotent, so a finalize killed at any point is finished by running the plan again.
+- plan_consistent() / roll_back(): a plan one of whose files is gone from both its staged and its final
+  name (deleted by hand, or by a run that ignored the lease) is rolled back: the files already moved go
+  back to their staged names and the plan is dropped, so the next round resumes from the commit records
+  whose files are all present and embeds the rest again.
+No final-named data file appears before the plan is complete and consistent.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+from dataclasses import dataclass
+
+from formats import layout
+from formats.layout import (COUNTS, DEAD, DEAD_LETTERS, FINAL_NAMES, MANIFEST, PLAN, RECORDS, STAGING, SUCCESS,
+                            DeadLetter, ShardInfo)
+from storage import atomic_write, makedirs, move, remove_temp_files, url_fs
+from transforms.faults import crash_point
+
+logger = logging.getLogger("elmo-pipeline.finalize")
+DEAD_LETTERS_PER_FILE = 100_000
+
+
+class Incomplete(RuntimeError):
+    """The staging folder does not (yet) hold every sentence: another round must embed what is missing."""
+
+
+@dataclass
+class Staged:
+    """What plan_from_staging() found: the shards to publish, dead letters (no duplicates), summed counts."""
+    shards: list[ShardInfo]
+    dead: list[DeadLetter]
+    counts: dict
+
+
+def select_records(fs, st: str, present: set[str]) -> tuple[list[dict], list[str], set[str]]:
+    """(records, their paths, ids of every record) from <st>/committed/: a pairwise-disjoint set of commit
+    records whose files are all present, first come first kept in name order (a retried bundle's record
+    overlapping one already kept is left out)."""
+    rec_dir = posixpath.join(st, RECORDS)
+    names = sorted(p for p in present if p.startswith(rec_dir + "/") and p.endswith(".json"))
+    contents = fs.cat(names, on_error="omit") if names else {}     # concurrent GETs on object stores
+    records, paths, done, named = [], [], set(), set()
+    for path in names:
+        try:
+            rec = json.loads(contents[path])
+            ids = layout.record_ids(rec)
+        except (KeyError, ValueError):
+            continue
+        named.update(ids)
+        files = [posixpath.join(st, f) for f in rec.get("files", {}).values()]
+        if not all(f in present for f in files) or done.intersection(ids):
+            continue
+        done.update(ids)
+        records.append(rec)
+        paths.append(path)
+    return records, paths, named
+
+
+def plan_from_staging(staging: str, files: list[str], storage_options: dict | None = None) -> Staged:
+    """Read and check what the run staged (see the module docstring). Incomplete when a sentence some record
+    names is in no selected record, or an input file has no counts."""
+    fs, st = url_fs(staging, storage_options)
+    fs.invalidate_cache()
+    present = set(fs.find(st))
+    records, _, named = select_records(fs, st, present)
+    covered = {i for r in records for i in layout.record_ids(r)}
+    if named - covered:
+        raise Incomplete(f"{len(named - covered)} sentence(s) are only in shards whose files are gone or that "
+                         "overlap others")
+    counts_dir = posixpath.join(st, COUNTS) + "/"
+    count_files = sorted(p for p in present if p.startswith(counts_dir) and p.endswith(".json"))
+    per_file = {c["url"]: c for c in map(json.loads, fs.cat(count_files).values())} if count_files else {}
+    if set(files) - set(per_file):
+        raise Incomplete(f"{len(set(files) - set(per_file))} input file(s) have no record counts")
+    counts = {k: sum(c[k] for c in per_file.values()) for k in ("input_records", "blank_records")}
+    dead_dir = posixpath.join(st, DEAD) + "/"
+    dead_files = sorted(p for p in present if p.startswith(dead_dir) and p.endswith(".jsonl"))
+    letters = {DeadLetter.from_json(line) for data in (fs.cat(dead_files).values() if dead_files else ())
+               for line in data.decode("utf-8").splitlines() if line}
+    # a sentence both written and dead-lettered (an embedding failure that a retry did not repeat): written wins
+    letters = sorted((d for d in letters if d.level != "sentence" or d.id not in covered),
+                     key=lambda d: (d.id, d.level, d.reason, d.excerpt))
+    return Staged([ShardInfo.from_record(r, st) for r in records], letters, counts)
+
+
+def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_options: dict | None = None) -> dict:
+    """Publish `staged`: dead letters as files of at most DEAD_LETTERS_PER_FILE (sorted by id), then the plan
+    (finalize.json: every move and `manifest` completed with counts and the shard list), then
+    complete_finalize(). Returns the manifest."""
+    fs, _ = url_fs(output, storage_options)
+    _, st = url_fs(staging, storage_options)
+    dead = []
+    for n, i in enumerate(range(0, len(staged.dead), DEAD_LETTERS_PER_FILE)):
+        part = staged.dead[i: i + DEAD_LETTERS_PER_FILE]
+        path = posixpath.join(st, f"dead_letters-{n:05d}.jsonl")
+        atomic_write(fs, path, "".join(d.to_json() + "\n" for d in part).encode("utf-8"))
+        dead.append(ShardInfo({DEAD_LETTERS: path}, len(part), 0, part[0].id, extra=layout.count_dead_letters(part)))
+    m = json.loads(json.dumps(manifest, default=str))
+    counts = m.setdefault("counts", {})
+    counts.update(layout.record_counts(staged.counts, dead))
+    counts["documents"] = counts["input_records"] - counts["blank_records"] - counts["record_dead_letters"]
+    m, moves = layout.complete_manifest(m, staged.shards, dead)
+    makedirs(fs, st)
+    atomic_write(fs, posixpath.join(st, PLAN), json.dumps({"moves": moves, "manifest": m}).encode())
+    complete_finalize(output, staging, storage_options)
+    return m
+
+
+def read_plan(fs, st: str) -> dict | None:
+    try:
+        return json.loads(fs.cat_file(posixpath.join(st, PLAN)))
+    except FileNotFoundError:
+        return None
+
+
+def plan_consistent(fs, root: str, st: str, plan: dict) -> bool:
+    """True when every move of `plan` still has its file, under the staged or the final name."""
+    staged = set(fs.find(st)) if fs.exists(st) else set()
+    return all(src in staged or fs.exists(posixpath.join(root, rel)) for src, rel in plan["moves"])
+
+
+def roll_back(fs, root: str, st: str, plan: dict) -> None:
+    """Undo a plan that cannot be completed: files already moved go back to their staged names, the plan
+    and manifest.json are removed (their shards' commit records then decide what is kept)."""
+    staged = set(fs.find(st))
+    for src, rel in plan["moves"]:
+        dst = posixpath.join(root, rel)
+        if src not in staged and fs.exists(dst):
+            move(fs, dst, src)
+    for p in (posixpath.join(root, MANIFEST), posixpath.join(st, PLAN)):
+        if fs.exists(p):
+            fs.rm_file(p)
+
+
+def complete_finalize(output: str, staging: str, storage_options: dict | None = None) -> dict | None:
+    """Carry out (again) the finalize plan in `staging`: every move not yet done, manifest.json, removal of
+    the staging folder, _SUCCESS last. Without a plan (already removed), only the last two steps. Returns
+    the manifest written (or found), or None."""
+    fs, root = url_fs(output, storage_options)
+    _, st = url_fs(staging, storage_options)
+    staged = set(fs.find(st)) if fs.exists(st) else set()     # one listing instead of a request per file
+    plan = read_plan(fs, st) if posixpath.join(st, PLAN) in staged else None
+    if plan is not None:
+        for src, rel in plan["moves"]:
+            dst = posixpath.join(root, rel)
+            if src in staged:                # not moved yet (or copied but not deleted, on an object store)
+                makedirs(fs, posixpath.dirname(dst))
+                move(fs, src, dst)
+            elif not fs.exists(dst):
+                raise FileNotFoundError(f"finalize: staged file {src} is gone and {dst} was never written; "
+                                        "rerun the same command: it re-embeds that shard")
+            crash_point("finalize_move")
+        atomic_write(fs, posixpath.join(root, MANIFEST), layout.manifest_bytes(plan["manifest"]))
+        crash_point("finalize_manifest")
+    if fs.exists(st):
+        fs.rm(st, recursive=True)
+    staging_parent = posixpath.join(root, STAGING)
+    if fs.exists(staging_parent) and not fs.ls(staging_parent):
+        fs.rm(staging_parent, recursive=True)
+    crash_point("finalize_cleanup")
+    remove_temp_files(fs, root, (MANIFEST, SUCCESS))
+    atomic_write(fs, posixpath.join(root, SUCCESS), b"")
+    return plan["manifest"] if plan else layout.read_manifest(fs, root)
+
+
+def clear_final(fs, root: str) -> None:
+    """Remove the final-name outputs (shard folders, manifest.json, _SUCCESS) under `root`."""
+    for sub in FINAL_NAMES:
+        p = posixpath.join(root, sub)
+        if fs.exists(p):
+            fs.rm(p, recursive=True)
+    remove_temp_files(fs, root, (MANIFEST, SUCCESS))
