@@ -47,6 +47,12 @@ def test_registry_lists_the_published_models_and_their_tokenization():
         "/2x4096_512_2048cnn_2xhighway_5.5B/elmo_2x4096_512_2048cnn_2xhighway_5.5B_weights.hdf5")
 
 
+def test_unknown_name_is_a_clear_error():
+    from model.embedder import ElmoEmbedder
+    with pytest.raises(ValueError, match="no model named 'nope'; known: wikitext2-small, small"):
+        ElmoEmbedder.from_name("nope")
+
+
 def test_raw_follows_the_model_and_keeps_the_shipped_output():
     wikitext = tokenize_text(TEXT, resolve_tokenizer("raw", "wikitext"))
     assert wikitext == tokenize_text(TEXT) == tokenize_text(TEXT, "raw")      # today's raw, unchanged
@@ -133,6 +139,13 @@ def test_pipeline_elmo_command_and_models_command_by_name(server, tmp_path, caps
     assert m["weights_sha256"] == pinned_record(weights)["sha256"] and m["urls"] == model_urls("small")
     (row,) = parquet_rows(out, manifest).values()
     assert "High-Speed" in row["tokens"]
+    out2 = str(tmp_path / "out2")                             # an explicit --tokenizer overrides the model's
+    run(["--input", str(inp), "--output", out2, "--model", "small", "--format", "parquet", "--torch-threads", "1",
+         "--progress", "off", "--tokenizer", "wikitext"])
+    manifest2 = json.load(open(os.path.join(out2, "manifest.json")))
+    assert manifest2["model"]["tokenizer"] == manifest2["tokenizer"] == "wikitext"
+    (row,) = parquet_rows(out2, manifest2).values()
+    assert row["tokens"][1:4] == ["High", "@-@", "Speed"]
     assert server.gets("_weights.hdf5") == 1
 
     lines = tmp_path / "lines.txt"
