@@ -103,3 +103,26 @@ def test_embed_by_name_follows_the_model_tokenization():
                | beam.Map(lambda e: (e.tokens, e.vectors)))
         tokens = ("The", "High", "@-@", "Speed", "train", ".")
         assert_that(out, close_to({tokens: emb.embed_sentence(list(tokens))}))
+
+
+LOADS = []
+
+
+class CountingHandler(ElmoModelHandler):
+    def load_model(self):
+        LOADS.append(1)
+        return super().load_model()
+
+
+@pytest.mark.slow
+def test_one_model_per_process_through_beams_shared_handle(tiny):
+    """Many bundles and batches (a Reshuffle before RunInference), one load: RunInference's shared handle."""
+    spec, emb = tiny
+    LOADS.clear()
+    sentences = [[f"w{i}", "and", f"v{i % 7}"] * (1 + i % 4) for i in range(200)]
+    with pipeline() as p:
+        out = (p | beam.Create(sentences) | beam.Reshuffle()
+               | RunInference(CountingHandler(spec, max_tokens_per_batch=32))
+               | beam.Map(lambda r: (" ".join(r.example), r.inference)))
+        assert_that(out, close_to({" ".join(s): emb.embed_sentence(s) for s in sentences}))
+    assert len(LOADS) == 1
