@@ -10,7 +10,7 @@ setup(
     version="0.1.0",
     description="Batch ELMo feature extraction: an exact PyTorch biLM in an Apache Beam pipeline",
     python_requires=">=3.10",
-    packages=find_packages(include=["storage", "storage.*", "formats", "formats.*", "model", "model.*",
+    packages=find_packages(include=["fsio", "fsio.*", "formats", "formats.*", "model", "model.*",
                                     "tokenization", "tokenization.*", "transforms", "transforms.*",
                                     "training", "training.*", "pipeline", "pipeline.*", "downstream", "downstream.*"]),
     package_data={"model": ["pretrained/*/*.json", "pretrained/*/*.hdf5", "pretrained/*/*.txt", "pretrained/*/*.md", "pretrained/*/*.csv", "pretrained/*/*.png"]},

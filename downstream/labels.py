@@ -21,7 +21,7 @@ import json
 import sys
 from collections.abc import Iterable
 
-from storage import keyed, open_file
+from fsio import keyed, open_file
 
 CONLLU_COLUMNS = ("id", "form", "lemma", "upos", "xpos", "feats", "head", "deprel", "deps", "misc")
 

@@ -33,7 +33,7 @@ import numpy as np
 from formats.hdf5 import hdf5_unkey
 from formats.layout import FORMATS, read_manifest
 from formats.parquet import META_COLUMNS
-from storage import keyed, url_fs
+from fsio import keyed, url_fs
 
 _LINE_ID = re.compile(r":(\d+)$")
 

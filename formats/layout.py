@@ -7,7 +7,7 @@
     <out>/_staging/<run key>/   while a run is live: <uuid>.parquet|.hdf5, committed/<uuid>.json (commit
                                records), dead/<uuid>.jsonl (dead letters), counts/<file hash>.json (per
                                input file), finalize.json (the plan of a started finalize), run.json
-    <out>/_lease.json           while a run is live: who holds the output (storage/lease.py)
+    <out>/_lease.json           while a run is live: who holds the output (fsio/lease.py)
 
 Ids: a sentence is "<doc id>#<index>". Readers trust manifest.json (or _SUCCESS) only.
 No Beam import.

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from storage import open_url
+from fsio import open_url
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")   # precisions the biLM may run in
 STATE_MODES = ("stateless", "warm", "stateful")        # what each sentence's LSTMs start from (model/embedder.py)

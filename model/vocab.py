@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from storage import open_url
+from fsio import open_url
 
 SPECIALS = ("<S>", "</S>", "<UNK>")
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from model.bilm import N_CHAR_ROWS, BiLM
-from storage import local_path
+from fsio import local_path
 from model.options import load_options
 
 

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_lines(url: str) -> list[str]:
     """Lines of a text file, stripped; split on '\\n' only (not on U+2028 etc.)."""
-    from storage import open_url
+    from fsio import open_url
     with open_url(url, "rt", encoding="utf-8", newline="\n") as f:
         return [line.strip() for line in f]
 

@@ -1,7 +1,7 @@
 """`python -m pipeline.run`: corpus in, per-layer ELMo vectors out (Parquet + HDF5), on any Beam runner.
 
 run(): plan() settles what varies with the options (reading only); the run takes the output's lease
-(storage/lease.py); prepare_output() decides fresh / resume / finish a finalize; build() is the graph, which
+(fsio/lease.py); prepare_output() decides fresh / resume / finish a finalize; build() is the graph, which
 only stages data under <out>/_staging/<run key>/:
     ListFiles -> ReadFiles -> [DropDuplicateIds | SpreadDocuments] -> Tokenize -> [SkipCommitted]
     -> SortAndBatch -> Embed -> WriteShards (shards + commit records); dead letters from every stage
@@ -30,8 +30,8 @@ from formats.parquet import layer_columns
 from model.options import load_options
 from pipeline.options import ElmoOptions, default_torch_threads
 from pipeline.validate import check_model, check_numbers, check_output_writable, check_state
-from storage import expand, url_fs
-from storage.lease import Lease
+from fsio import expand, url_fs
+from fsio.lease import Lease
 from transforms import embed as E
 from formats.layout import ShardInfo
 from transforms import coders  # noqa: F401 - registers the element coders

@@ -109,7 +109,7 @@ def check_output_writable(output: str, storage_options: dict | None = None) -> N
         if not os.access(parent, os.W_OK | os.X_OK):
             raise PermissionError(f"--output {output}: {parent} is not writable")
         return
-    from storage import url_fs
+    from fsio import url_fs
     fs, root = url_fs(output, storage_options)
     probe = posixpath.join(root, f"_write_probe-{uuid.uuid4().hex}")
     try:

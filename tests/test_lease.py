@@ -1,4 +1,4 @@
-"""The output lease (storage/lease.py) on local files: created once, refused while live, taken over when
+"""The output lease (fsio/lease.py) on local files: created once, refused while live, taken over when
 stale (old heartbeat, or a dead process of this host), lost when someone else takes it."""
 import json
 import os
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from storage.lease import Lease, LeaseHeld, is_stale
+from fsio.lease import Lease, LeaseHeld, is_stale
 
 
 def _write(path, **holder):
@@ -45,7 +45,7 @@ def test_stale_heartbeat_is_taken_over_fresh_is_not(tmp_path):
 def test_a_dead_process_of_this_host_is_stale_at_once(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from storage.lease import _pidns
+    from fsio.lease import _pidns
     holder = {"host": socket.gethostname(), "pidns": _pidns(), "pid": dead.pid, "heartbeat": time.time()}
     assert is_stale(holder, 3600)
     assert not is_stale(dict(holder, pid=os.getpid()), 3600)

@@ -68,7 +68,7 @@ def test_raw_follows_the_model_and_keeps_the_shipped_output():
 @pytest.mark.slow
 def test_download_records_then_cache_hit_makes_no_request(server, small_files):
     from model.embedder import ElmoEmbedder
-    from storage import file_sha256, pinned_record
+    from fsio import file_sha256, pinned_record
     options, weights, vocab = model_files("small")
     assert vocab is None and weights.startswith(cache_folder("small"))
     assert open(weights, "rb").read() == small_files[1]
@@ -126,7 +126,7 @@ def test_pipeline_elmo_command_and_models_command_by_name(server, tmp_path, caps
     from model.embedder import ElmoEmbedder
     from pipeline.cli import main as cli
     from pipeline.run import run
-    from storage import pinned_record
+    from fsio import pinned_record
     inp = tmp_path / "in.txt"
     inp.write_text(TEXT + "\n")
     out = str(tmp_path / "out")

@@ -16,7 +16,7 @@ from model.batching import plan_batches
 from model.batching import padding
 from transforms.records import Blank, Document, EmbeddedBatch, Item
 from formats.layout import DeadLetter
-from storage import expand as expand_inputs
+from fsio import expand as expand_inputs
 from transforms.read import file_labels, read_documents
 from tokenization import align_tokens, tokenize_document, tokenize_text
 from formats.hdf5 import hdf5_key

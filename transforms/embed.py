@@ -26,7 +26,7 @@ class ModelSpec:
     storage_options: dict | None = field(default=None, repr=False, compare=False)
 
     def local_files(self) -> tuple[str, str, str | None]:
-        """(options, weights, vocab) as local paths: remote files fetched into the cache (storage.local_path)
+        """(options, weights, vocab) as local paths: remote files fetched into the cache (fsio.local_path)
         with this spec's storage options, so model downloads retry like the data path."""
         return fetch_model_files(self.options_file, self.weight_file, self.vocab_file, self.storage_options)
 
@@ -34,7 +34,7 @@ class ModelSpec:
 def fetch_model_files(options_file: str, weight_file: str, vocab_file: str | None = None,
                       storage_options: dict | None = None) -> tuple[str, str, str | None]:
     """Local paths of model files given as paths or URLs (remote ones downloaded once into the cache)."""
-    from storage import local_path
+    from fsio import local_path
     return (local_path(options_file, storage_options=storage_options),
             local_path(weight_file, storage_options=storage_options),
             local_path(vocab_file, storage_options=storage_options) if vocab_file else None)
@@ -112,7 +112,7 @@ def model_identity(spec: ModelSpec) -> dict:
     """Model files, weights sha256 and parsed options, for the manifest."""
     import json
 
-    from storage import file_sha256
+    from fsio import file_sha256
     options_file, weight_file, _ = spec.local_files()
     with open(options_file) as f:
         options = json.load(f)

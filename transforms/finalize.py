@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from formats import layout
 from formats.layout import (COUNTS, DEAD, DEAD_LETTERS, FINAL_NAMES, MANIFEST, PLAN, RECORDS, STAGING, SUCCESS,
                             DeadLetter, ShardInfo)
-from storage import atomic_write, makedirs, move, remove_temp_files, url_fs
+from fsio import atomic_write, makedirs, move, remove_temp_files, url_fs
 from transforms.faults import crash_point
 
 logger = logging.getLogger("elmo-pipeline.finalize")

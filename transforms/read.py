@@ -17,7 +17,7 @@ from typing import Iterator
 import fsspec.utils
 
 from formats.layout import EXCERPT_CHARS, DeadLetter
-from storage import open_file
+from fsio import open_file
 from transforms.records import Blank, Document
 
 INPUT_FORMATS = ("text", "lines", "jsonl", "parquet")

@@ -21,7 +21,7 @@ import posixpath
 from dataclasses import dataclass, field
 
 from formats.layout import RUN_FILE, STAGING, SUCCESS, ShardInfo, read_manifest, record_ids
-from storage import atomic_write, makedirs, url_fs
+from fsio import atomic_write, makedirs, url_fs
 from transforms.finalize import clear_final, plan_consistent, read_plan, roll_back, select_records
 
 logger = logging.getLogger("elmo-pipeline.resume")

@@ -18,7 +18,7 @@ from formats import layout
 from formats.hdf5 import hdf5_bytes
 from formats.layout import DEAD, RECORDS, ShardInfo
 from formats.parquet import ShardColumns, build_table, parquet_bytes
-from storage import atomic_write, makedirs, url_fs
+from fsio import atomic_write, makedirs, url_fs
 from transforms.faults import crash_point
 from transforms.records import EmbeddedBatch
 

@@ -2,7 +2,7 @@
 and the published AllenNLP ELMo models, downloaded on first use into the cache.
 
 MODELS is the one list. A published model's files are fetched from PUBLISHED_BASE_URL (overridable with
-$ELMO_PIPELINE_MODELS_URL) into <cache>/models/<name>/ by storage.pinned_download: the first download
+$ELMO_PIPELINE_MODELS_URL) into <cache>/models/<name>/ by fsio.pinned_download: the first download
 records each file's sha256 and size, every later use verifies them. `tokenization` names the scheme of the
 model's training text, which `--tokenizer raw` follows (tokenization.resolve_tokenizer).
 """
@@ -72,7 +72,7 @@ def model_urls(name: str) -> dict[str, str]:
 
 
 def cache_folder(name: str) -> str:
-    from storage import cache_dir
+    from fsio import cache_dir
     return os.path.join(cache_dir(), "models", name)
 
 
@@ -81,7 +81,7 @@ def model_files(name: str = DEFAULT_MODEL, progress: bool | None = None) -> tupl
     its sha256sums.txt), or a published one's cached copies (downloaded on first use, verified on every use)."""
     e = entry(name)
     if e.stem is not None:
-        from storage import pinned_download
+        from fsio import pinned_download
         folder, urls = cache_folder(name), model_urls(name)
         return (pinned_download(urls["options"], os.path.join(folder, "options.json"), progress),
                 pinned_download(urls["weights"], os.path.join(folder, "weights.hdf5"), progress), None)
@@ -114,7 +114,7 @@ def describe(name: str) -> dict:
             opts = json.load(f)
         weights, state = os.path.join(folder, "weights.hdf5"), "shipped"
     else:
-        from storage import pinned_record
+        from fsio import pinned_record
         opts = PUBLISHED_OPTIONS[e.shape]
         weights = os.path.join(cache_folder(name), "weights.hdf5")
         state = "cached" if os.path.isfile(weights) and pinned_record(weights) else "not downloaded"
@@ -158,7 +158,7 @@ def verify_model_folder(folder: str) -> None:
 
 @lru_cache(maxsize=64)
 def _verified(path: str, size: int, mtime_ns: int, digest: str) -> None:
-    from storage import local_path
+    from fsio import local_path
     local_path(path, sha256=digest)     # ValueError "<path>: sha256 mismatch (expected ..., found ...)"
 
 

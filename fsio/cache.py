@@ -14,8 +14,8 @@ from pathlib import Path
 
 import fsspec
 
-from storage.fs import is_local_url as is_local
-from storage.fs import options_for, protocol
+from fsio.fs import is_local_url as is_local
+from fsio.fs import options_for, protocol
 
 
 def cache_dir() -> str:

@@ -24,7 +24,7 @@ import time
 import uuid
 from contextlib import contextmanager
 
-from storage.fs import atomic_write, is_local_fs, makedirs, protocol, url_fs
+from fsio.fs import atomic_write, is_local_fs, makedirs, protocol, url_fs
 
 logger = logging.getLogger("elmo-pipeline.lease")
 
