@@ -6,7 +6,10 @@ Cache folder: $ELMO_PIPELINE_CACHE, else ~/.cache/elmo-pipeline.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import uuid
+from functools import lru_cache
 from pathlib import Path
 
 import fsspec
@@ -55,3 +58,96 @@ def file_sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+RECORD_SUFFIX = ".sha256.json"   # beside a pinned download: {"url", "sha256", "size"} of its first download
+
+
+def pinned_download(url: str, path: str, progress: bool | None = None, storage_options: dict | None = None) -> str:
+    """`url`'s bytes at local `path`, downloaded once (fsspec, streamed to `path`.part-*, then renamed).
+
+    The first download records its sha256 and size in `path` + RECORD_SUFFIX; every later use checks the
+    file against that record, and a new download (the file was deleted) must match it too: a changed or
+    truncated file raises ValueError naming the file and what differs. A download shorter than the size
+    the server announced raises OSError and leaves nothing under `path`. progress: a tqdm bar on stderr
+    (None: only on a terminal)."""
+    record_path = path + RECORD_SUFFIX
+    record = None
+    if os.path.exists(record_path):
+        with open(record_path, encoding="utf-8") as f:
+            record = json.load(f)
+    if os.path.exists(path):
+        if record is None:     # a file without its record: not ours to trust (a crash between rename and record)
+            os.remove(path)
+        else:
+            st = os.stat(path)
+            _check_pinned(path, st.st_size, st.st_mtime_ns, record["size"], record["sha256"])
+            return path
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    part = f"{path}.part-{uuid.uuid4().hex[:8]}"
+    try:
+        digest, size = _stream_to(url, part, progress, storage_options)
+        if record is not None and (size, digest) != (record["size"], record["sha256"]):
+            raise ValueError(f"{url}: the download differs from the one first recorded in {record_path} "
+                             f"(recorded {record['size']} bytes, sha256 {record['sha256']}; got {size} bytes, "
+                             f"sha256 {digest}); the remote file changed: delete the record to accept it")
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.remove(part)
+    if record is None:
+        tmp = f"{record_path}.part-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"url": url, "sha256": digest, "size": size}, f)
+        os.replace(tmp, record_path)
+    return path
+
+
+def pinned_record(path: str) -> dict | None:
+    """The {"url", "sha256", "size"} recorded by pinned_download for `path`, or None."""
+    try:
+        with open(path + RECORD_SUFFIX, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+@lru_cache(maxsize=64)
+def _check_pinned(path: str, size: int, mtime_ns: int, want_size: int, want_sha256: str) -> None:
+    """Raise ValueError if the file's size or sha256 differs from its record (cached per size and mtime)."""
+    if size != want_size:
+        raise ValueError(f"{path}: size differs from its first download (recorded {want_size} bytes, found "
+                         f"{size}): the cached file is truncated or changed; delete it to download it again")
+    found = file_sha256(path)
+    if found != want_sha256:
+        raise ValueError(f"{path}: sha256 differs from its first download (recorded {want_sha256}, found {found}): "
+                         "the cached file changed; delete it to download it again")
+
+
+def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict | None) -> tuple[str, int]:
+    """Copy `url` to `dest` in 1 MiB blocks with a progress bar; (sha256, size). OSError if the stream ends
+    before the size the server announced (or breaks)."""
+    from tqdm import tqdm
+    fs, fs_path = fsspec.core.url_to_fs(url, **options_for(url, storage_options))
+    try:
+        expected = fs.size(fs_path)
+    except (OSError, NotImplementedError):
+        expected = None
+    kwargs = {"block_size": 0} if protocol(url) in ("http", "https") else {}   # http: stream, no range requests
+    h, n = hashlib.sha256(), 0
+    name = url.rsplit("/", 1)[-1]
+    try:
+        with fs.open(fs_path, "rb", **kwargs) as src, open(dest, "wb") as out, \
+                tqdm(total=expected, unit="B", unit_scale=True, desc=name, leave=False,
+                     disable=not os.isatty(2) if progress is None else not progress) as bar:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                h.update(block)
+                out.write(block)
+                n += len(block)
+                bar.update(len(block))
+    except Exception as e:  # noqa: BLE001 - aiohttp, botocore, ... : one clear error naming the file
+        raise OSError(f"{url}: download failed after {n} bytes"
+                      + (f" of {expected}" if expected else "") + f": {type(e).__name__}: {e}") from e
+    if expected is not None and n != expected:
+        raise OSError(f"{url}: download truncated: got {n} of {expected} bytes")
+    return h.hexdigest(), n

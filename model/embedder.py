@@ -79,10 +79,23 @@ class ElmoEmbedder:
                 raise ValueError("a word-encoder biLM needs its vocabulary: pass vocab_file")
             from model.vocab import Vocabulary
             self.vocab = Vocabulary.load(vocab_file)
+        self.model_name: str | None = None      # set by from_name()
+        self.tokenization: str | None = None    # the model's training-text tokenization (from_name())
         self._carried: tuple[torch.Tensor, torch.Tensor] | None = None   # stateful: per-row state
         self._warm: tuple[torch.Tensor, torch.Tensor] | None = None
         if state == "warm":
             self._warm = self._compute_warm_state()
+
+    @classmethod
+    def from_name(cls, name: str, progress: bool | None = None, **kwargs) -> "ElmoEmbedder":
+        """An embedder of a model by name (model.pretrained.MODELS: the shipped one, or a published one,
+        downloaded into the cache on first use and verified on every use); kwargs as for the constructor.
+        Its `model_name` and `tokenization` (the scheme of its training text) are set."""
+        from model.pretrained import model_files, model_tokenization
+        options_file, weight_file, vocab_file = model_files(name, progress)
+        embedder = cls(options_file, weight_file, vocab_file=vocab_file, **kwargs)
+        embedder.model_name, embedder.tokenization = name, model_tokenization(name)
+        return embedder
 
     @property
     def output_dim(self) -> int:

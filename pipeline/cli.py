@@ -1,4 +1,4 @@
-"""The `elmo-pipeline` command: subcommands elmo, run (the Beam pipeline), train, evaluate, export, probe."""
+"""The `elmo-pipeline` command: subcommands elmo, run (the Beam pipeline), train, evaluate, export, probe, models."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "evaluate": ("pipeline.evaluate_command", "forward, backward and mean perplexity of a biLM on held-out text"),
     "export": ("pipeline.export_command", "export a training checkpoint to options.json + weights.hdf5 + vocab.txt"),
     "probe": ("pipeline.probe_command", "train and evaluate a classifier on extracted vectors, per layer setting"),
+    "models": ("pipeline.models_command", "list the models known by name: sizes, dims, tokenization, cache state"),
 }
 # Subcommands whose module parses its own argv (module.main(argv), its own --help): the parser only lists them,
 # so `elmo-pipeline --help` and the other subcommands never import Beam.

@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--all", action="store_true", help="all layers: (n_layers+1, T, D) per sentence")
     what.add_argument("--top", action="store_true", help="top LSTM layer: (T, D)")
     what.add_argument("--average", action="store_true", help="average of all layers: (T, D)")
+    p.add_argument("--model", help="a model by name (`elmo-pipeline models`; published ones are downloaded on first "
+                   "use); default: the shipped model")
     p.add_argument("--options-file", help="options.json (default: the shipped model)")
     p.add_argument("--weight-file", help="weights.hdf5 (default: the shipped model)")
     p.add_argument("--vocab-file", help="vocabulary, for word-encoder models only")
@@ -66,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: --max-tokens-per-batch must be >= 0")
     if (args.options_file is None) != (args.weight_file is None):
         raise SystemExit("error: give both --options-file and --weight-file, or neither (the shipped default model)")
+    if args.model and args.options_file:
+        raise SystemExit("error: give --model NAME or --options-file and --weight-file, not both")
     from pipeline.validate import check_state, check_windows
     try:
         check_state(args.state, budget_batches=args.max_tokens_per_batch > 0, windows=args.window_tokens > 0)
@@ -79,9 +83,12 @@ def run(args: argparse.Namespace) -> int:
         if bad or len(set(lines)) != len(lines):
             raise SystemExit("error: --use-sentence-keys needs unique, non-blank sentences without '/'; "
                              f"first offending line: {bad[0] if bad else 'a duplicate sentence'!r}")
-    embedder = ElmoEmbedder(args.options_file, args.weight_file, device=args.cuda_device,
-                            state=args.state, batch_size=args.batch_size, vocab_file=args.vocab_file,
-                            dtype=args.compute_dtype)
+    common = dict(device=args.cuda_device, state=args.state, batch_size=args.batch_size, dtype=args.compute_dtype)
+    try:
+        embedder = (ElmoEmbedder.from_name(args.model, **common) if args.model else
+                    ElmoEmbedder(args.options_file, args.weight_file, vocab_file=args.vocab_file, **common))
+    except (ValueError, OSError) as e:   # unknown name, failed download, changed cached file
+        raise SystemExit(f"error: {e}") from None
     for i, line in enumerate(lines):
         if not line:
             logger.warning("line %d is blank: writing a zero-length dataset", i)

@@ -30,7 +30,9 @@ class ElmoOptions(PipelineOptions):
         g("--parquet-layout", choices=PARQUET_LAYOUTS, default="sentence",
           help="sentence: one row per sentence (default); token: one row per token (BigQuery)")
         g("--tokenizer", choices=TOKENIZERS, default="raw",
-          help="raw: sentence split + Moses tokens (default); whitespace: pre-tokenized, no sentence split")
+          help="raw: sentence split + the tokenization of the model's training text (default: wikitext for the "
+          "shipped model and custom files, moses for the published ones); wikitext: Moses tokens with hyphens split "
+          "(High @-@ Speed); moses: Moses tokens, hyphenated words whole; whitespace: pre-tokenized, no sentence split")
         g("--max-sentence-tokens", type=int, default=100_000,
           help="hard cap: longer sentences go to the dead letters (default 100000; was 1000)")
         g("--window-tokens", type=int, default=1000,
@@ -46,7 +48,9 @@ class ElmoOptions(PipelineOptions):
         g("--options-file", default=None, help="biLM options.json (path or URL)")
         g("--weight-file", default=None, help="biLM weights.hdf5 (path or URL)")
         g("--vocab-file", default=None, help="vocabulary, for word-encoder models only")
-        g("--model", default=None, help="a shipped model by name (default: the shipped default)")
+        g("--model", default=None, help="a model by name: the shipped wikitext2-small (default) or a published one "
+          "(small, medium, original, original-5.5B; downloaded into the cache on first use, sha256 verified after): "
+          "`elmo-pipeline models` lists them")
         g("--device", default="auto", help="auto | cpu | cuda | cuda:N (a missing GPU is an error)")
         g("--state", choices=STATE_MODES, default="stateless",
           help="LSTM state mode (default stateless; stateful needs one worker and keeps input order)")

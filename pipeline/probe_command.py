@@ -28,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-field", default="label", help="JSONL labels: label field")
     p.add_argument("--tag-column", default="upos", help="CoNLL-U column with the token tags (upos, xpos, deprel, ...)")
     p.add_argument("--task", choices=("sentence", "token"), default="sentence")
-    p.add_argument("--classifier", choices=("mlp", "bilstm"), default="mlp",
-                   help="sentence task: mean-pooled mix -> MLP, or BiLSTM over the token vectors")
+    p.add_argument("--classifier", choices=("mlp", "bilstm", "linear"), default="mlp",
+                   help="sentence task: mean-pooled mix -> MLP, BiLSTM over the token vectors, or mean-pooled mix -> "
+                        "linear (a logistic regression)")
     p.add_argument("--combine", default="trainable,frozen,learned",
                    help="layer combinations that 'mix' in --settings expands to: trainable (scalar mix, trained "
                         "weights), frozen (random fixed weights), learned (per-token MLP over all layers)")
@@ -40,7 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--hidden", type=int, default=256, help="MLP hidden size; BiLSTM: 2 x hidden/2")
-    p.add_argument("--dropout", type=float, default=0.3)
+    p.add_argument("--dropout", type=float, default=0.3, help="adam only (default 0.3)")
+    p.add_argument("--optimizer", choices=("auto", "lbfgs", "adam"), default="auto",
+                   help="auto (default): full-batch L-BFGS for a linear head (--task token, --classifier linear) on a "
+                        "linear combination (single layers, trainable/frozen mixes): a logistic regression fitted to "
+                        "convergence, no dropout, dev accuracy checked every 25 iterations (at most --epochs checks); "
+                        "adam (minibatch, --lr, --dropout, --epochs) otherwise")
+    p.add_argument("--l2", type=float, default=0.0, help="lbfgs: l2 penalty on the head's weights (default 0)")
     p.add_argument("--no-standardize", dest="standardize", action="store_false",
                    help="feed the layers as stored (default: z-score each layer's features with training-token statistics)")
     p.add_argument("--seed", type=int, default=0)
@@ -152,19 +159,20 @@ def run(args: argparse.Namespace) -> int:
     for setting in settings:
         for k in range(args.seeds):
             cfg = ProbeConfig(task=args.task, classifier=args.classifier, epochs=args.epochs, batch_size=args.batch_size,
-                              lr=args.lr, hidden=args.hidden, dropout=args.dropout, seed=args.seed + k, classes=classes, stats=stats)
+                              lr=args.lr, hidden=args.hidden, dropout=args.dropout, seed=args.seed + k, classes=classes,
+                              stats=stats, optimizer=args.optimizer, l2=args.l2)
             r = train_setting(setting, cfg, train, dev, test, n_layers, dim, log)
             r["seed"] = cfg.seed
             runs.append(r)
             shown = {s: f"{100 * r[s]['accuracy']:.1f}" for s in ("dev", "test") if s in r}
-            print(f"{setting} seed {cfg.seed}: acc {shown} (best epoch {r['best_epoch']}, {r['seconds']:.1f} s)",
+            print(f"{setting} seed {cfg.seed}: acc {shown} (best {'iteration' if r['optimizer'] == 'lbfgs' else 'epoch'} {r['best_epoch']}, {r['seconds']:.1f} s)",
                   file=sys.stderr, flush=True)
     rows = summarize(runs)
     meta = {"task": args.task, "classifier": args.classifier if args.task == "sentence" else "linear",
             "classes": classes, "train": args.train, "dev": args.dev, "test": args.test,
             "sizes": {k: {"sentences": len(s.records), "targets": int(len(s.targets))} for k, s in splits.items()},
             "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "hidden": args.hidden,
-            "dropout": args.dropout, "standardize": args.standardize, "seeds": list(range(args.seed, args.seed + args.seeds)),
+            "dropout": args.dropout, "optimizer": args.optimizer, "l2": args.l2, "standardize": args.standardize, "seeds": list(range(args.seed, args.seed + args.seeds)),
             "threads": torch.get_num_threads(), "machine": f"{platform.machine()}, {platform.processor() or '?'}",
             "load_seconds": round(load_s, 2), "total_seconds": round(time.perf_counter() - t0, 2)}
     write_report(args.out, rows, runs, meta, majority_baseline(train, [dev, test]))

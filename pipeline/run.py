@@ -66,14 +66,15 @@ def storage_options(opts: PipelineOptions) -> dict:
 
 
 def resolve_model(o: ElmoOptions) -> tuple[str, str, str | None, str]:
-    """(options, weights, vocab, name) from --options-file/--weight-file or --model (default: shipped)."""
+    """(options, weights, vocab, name) from --options-file/--weight-file or --model NAME (default: shipped;
+    a published model is downloaded into the cache on first use and verified: model.pretrained)."""
     if o.options_file or o.weight_file:
         if not (o.options_file and o.weight_file) or o.model:
             raise ValueError("give --options-file and --weight-file together, or --model NAME, not both")
         return o.options_file, o.weight_file, o.vocab_file, "custom"
     from model.pretrained import DEFAULT_MODEL, model_files
     name = o.model or DEFAULT_MODEL
-    options, weights, vocab = model_files(name)
+    options, weights, vocab = model_files(name, progress={"on": True, "off": False}.get(o.progress))
     return options, weights, o.vocab_file or vocab, name
 
 
@@ -98,6 +99,7 @@ class Plan:
     key: str                       # the run key (transforms/resume.py)
     ingredients: dict              # what it hashes
     manifest: dict                 # manifest.json as known before the run
+    tokenizer: str                 # --tokenizer resolved (raw -> the model's scheme: tokenization.resolve_tokenizer)
 
 
 def _num_local_workers(opts: PipelineOptions) -> int:
@@ -116,6 +118,10 @@ def plan(opts: PipelineOptions) -> Plan:
     so = storage_options(opts)
     files = expand(o.input, so)
     options_file, weight_file, vocab_file, model_name = resolve_model(o)
+    from model.pretrained import is_published, model_tokenization, model_urls
+    from tokenization import resolve_tokenizer
+    tokenization = model_tokenization(model_name)
+    tokenizer = resolve_tokenizer(o.tokenizer, tokenization)
     local_options, local_weights, _ = E.fetch_model_files(options_file, weight_file, None, so)
     bilm_opts = load_options(local_options)
     n_layers, dim = bilm_opts.n_layers + 1, bilm_opts.output_dim
@@ -142,9 +148,10 @@ def plan(opts: PipelineOptions) -> Plan:
     limit, flag = o.max_sentence_tokens, "--max-sentence-tokens"
     if stateful and o.window_tokens < limit:
         limit, flag = o.window_tokens, "--window-tokens (--state stateful embeds sentences whole)"
+    model_entry = {"name": model_name, **identity, "tokenization": tokenization, "tokenizer": tokenizer,
+                   **({"urls": model_urls(model_name)} if is_published(model_name) else {})}
     manifest = layout.manifest_header(
-        {"name": model_name, **identity}, columns, hdf5_layout(selection, n_layers), flags, formats, files,
-        {"key": key})
+        model_entry, columns, hdf5_layout(selection, n_layers), flags, formats, files, {"key": key})
     shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
                       selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
                       o.row_group_bytes, n_layers, dim, o.vector_compression)
@@ -156,7 +163,7 @@ def plan(opts: PipelineOptions) -> Plan:
                 sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
                 progress=o.progress == "on" or (o.progress == "auto" and local and sys.stderr.isatty()),
                 break_fusion=os.environ.get(BREAK_FUSION_ENV) == "1",
-                key=key, ingredients=ingredients, manifest=manifest)
+                key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer)
 
 
 def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
@@ -179,7 +186,7 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
                      output_type=Document)
     elif pl.spread_documents and not pl.break_fusion:
         docs = docs | "SpreadDocuments" >> beam.Reshuffle()
-    items = stage(docs, "Tokenize", Tokenize(o.tokenizer, pl.sentence_limit, pl.limit_flag), output_type=Item)
+    items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag), output_type=Item)
     if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
         items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(state.record_paths, so)).with_output_types(Item)
     # batching, embedding and writing in one step: a bundle's last batches and shard never leave it. The count

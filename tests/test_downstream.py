@@ -245,3 +245,56 @@ def test_probe_token_tags_from_conllu(tmp_path, tiny_model_files):
     res = json.load(open(os.path.join(report, "results.json")))
     assert res["meta"]["classes"] == ["DET", "NOUN", "VERB"] and res["meta"]["sizes"]["train"]["targets"] == 110
     assert all(r["train_accuracy"] >= 0.95 for r in res["summary"])
+
+
+def _token_task(seed: int, sentences: int, teacher: np.ndarray, shift: np.ndarray, scale: np.ndarray) -> list:
+    """Sentences of 10 tokens, layers (3, 10, D) with their own offsets and scales; tags from a noisy linear
+    teacher (D, C) on layer 1 (Gumbel noise: a Bayes accuracy well below 100%)."""
+    rng = np.random.default_rng(seed)
+    recs = []
+    for _ in range(sentences):
+        z = rng.normal(size=(3, 10, teacher.shape[0]))
+        logits = z[1] @ teacher + rng.gumbel(size=(10, teacher.shape[1]))
+        recs.append({"layers": (z * scale + shift).astype(np.float32), "tags": logits.argmax(1).tolist()})
+    return recs
+
+
+def _logistic_regression(train, test, layer: int, stats) -> float:
+    """Test accuracy of a plain multinomial logistic regression fitted to convergence (float64 L-BFGS, no penalty)
+    on the same standardized layer."""
+    mean, std = (t[layer].double() for t in stats)
+    x = (train.tokens[:, layer].double() - mean) / std
+    w = torch.zeros(x.shape[1], int(train.targets.max()) + 1, dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(w.shape[1], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=2000, tolerance_grad=1e-10, tolerance_change=1e-14, history_size=50,
+                            line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(x @ w + b, train.targets)
+        loss.backward()
+        return loss
+    opt.step(closure)
+    with torch.no_grad():
+        pred = (((test.tokens[:, layer].double() - mean) / std) @ w + b).argmax(1)
+    return float((pred == test.targets).double().mean())
+
+
+def test_linear_probe_matches_logistic_regression():
+    """The token tagger's default fit reaches a converged logistic regression on the same standardized vectors
+    (within 0.5 points of test accuracy), for the informative layer and an uninformative one. (The earlier
+    default, Adam with dropout 0.3 for 20 epochs, scored 70.7 here against the regression's 71.8 on layer 1.)"""
+    from downstream.probe import ProbeConfig, Split, train_setting
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    teacher = rng.normal(size=(256, 10)) * 0.4
+    shift, scale = rng.normal(size=(3, 1, 256)) * 5, np.exp(rng.normal(size=(3, 1, 256)))
+    train, dev, test = (Split(n, _token_task(s, k, teacher, shift, scale)).prepare("token")
+                        for n, s, k in (("train", 1, 600), ("dev", 2, 150), ("test", 3, 500)))
+    stats = train.token_stats()
+    for layer in (1, 0):
+        cfg = ProbeConfig(task="token", classes=list(range(10)), stats=stats)
+        r = train_setting(f"layer{layer}", cfg, train, dev, test, 3, 256)
+        want = _logistic_regression(train, test, layer, stats)
+        assert r["optimizer"] == "lbfgs" and abs(r["test"]["accuracy"] - want) <= 0.005, (layer, r["test"], want)
+    assert want < 0.3 < 0.6 < _logistic_regression(train, test, 1, stats)    # layer 0 uninformative, layer 1 not

@@ -35,7 +35,7 @@ def _fails(capsys, argv, out, message):
     (["--window-overlap", "-1"], "--window-overlap must be >= 0"),
     (["--torch-threads", "-2"], "--torch-threads must be >= 0"),
     (["--max-sentence-token", "5"], "unknown flag(s): --max-sentence-token"),
-    (["--model", "no-such-model"], "no shipped model named 'no-such-model'"),
+    (["--model", "no-such-model"], "no model named 'no-such-model'"),
     (["--state", "stateful", "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"],
      "--state stateful keeps input order"),
 ])

@@ -23,7 +23,8 @@ ALLOWED = {
     "downstream": {"model", "formats", "fsio"},
 }
 OURS = set(ALLOWED) | {"pipeline", "benchmarks", "tests"}
-BEAM_SHELLS = {"transforms/dofns.py", "transforms/coders.py", "pipeline/run.py", "pipeline/options.py",
+BEAM_SHELLS = {"transforms/dofns.py", "transforms/coders.py", "transforms/inference.py",
+               "pipeline/run.py", "pipeline/options.py",
                "pipeline/validate.py"}
 
 

@@ -3,7 +3,8 @@
 Used by the pipeline (transforms/dofns.py) and by language-model training (training/data.py); imports
 neither Beam nor torch.
 """
-from tokenization.tokenizers import (TOKENIZERS, Sentence, align_tokens, moses_tokens, tokenize_document,
-                                     tokenize_text)
+from tokenization.tokenizers import (RAW_SCHEMES, TOKENIZERS, Sentence, align_tokens, moses_tokens, resolve_tokenizer,
+                                     tokenize_document, tokenize_text)
 
-__all__ = ["Sentence", "TOKENIZERS", "align_tokens", "moses_tokens", "tokenize_document", "tokenize_text"]
+__all__ = ["RAW_SCHEMES", "Sentence", "TOKENIZERS", "align_tokens", "moses_tokens", "resolve_tokenizer",
+           "tokenize_document", "tokenize_text"]

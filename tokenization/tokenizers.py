@@ -1,9 +1,13 @@
 """Sentence splitting and word tokenization with character offsets. No Beam or torch import.
 
-raw         sentences by blingfire (FSM, C, deterministic, offline), words by sacremoses' port of the
-            Moses tokenizer (the scheme of WikiText and the 1B Word Benchmark ELMo was trained on),
-            aggressive hyphen splits as WikiText ("well-known" -> well @-@ known). Offsets come from
-            aligning each token to the source text; "@-@" maps to its "-".
+wikitext    sentences by blingfire (FSM, C, deterministic, offline), words by sacremoses' port of the
+            Moses tokenizer, aggressive hyphen splits as WikiText ("well-known" -> well @-@ known): the
+            scheme of the shipped WikiText-2 model. Offsets come from aligning each token to the source
+            text; "@-@" maps to its "-".
+moses       the same sentences and Moses tokens without the hyphen splits ("well-known" stays whole): the
+            scheme of the 1B Word Benchmark the published ELMo models were trained on.
+raw         the scheme of the model's training text (model.pretrained: TOKENIZATION of each model):
+            resolved to wikitext or moses by resolve_tokenizer(); wikitext when no model says otherwise.
 whitespace  pre-tokenized text: the whole record is one sentence, tokens split on whitespace.
 
 Offsets are [start, end) indices into the document string (Python code points).
@@ -14,7 +18,9 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-TOKENIZERS = ("raw", "whitespace")
+TOKENIZERS = ("raw", "wikitext", "moses", "whitespace")
+RAW_SCHEMES = ("wikitext", "moses")      # what `raw` can stand for: the training-text schemes of models
+DEFAULT_RAW = "wikitext"
 _WS = re.compile(r"\S+")
 _SOURCE_FORM = {"@-@": "-", "@,@": ",", "@.@": "."}
 PROTECTED = [r"<unk>"]   # WikiText's unknown-word marker stays one token
@@ -36,8 +42,21 @@ def _moses():
 _PROTECTED_RE = re.compile("|".join(PROTECTED), re.IGNORECASE)
 
 
-def moses_tokens(text: str) -> list[str]:
-    """Moses tokens of one sentence (escape off, hyphens split as @-@, <unk> kept whole).
+def resolve_tokenizer(mode: str, model_scheme: str | None = None) -> str:
+    """The concrete tokenizer for a --tokenizer value: `raw` -> the model's scheme (wikitext or moses;
+    DEFAULT_RAW if None), anything else as given."""
+    if mode not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {mode!r}")
+    if mode != "raw":
+        return mode
+    scheme = model_scheme or DEFAULT_RAW
+    if scheme not in RAW_SCHEMES:
+        raise ValueError(f"a model's tokenization must be one of {RAW_SCHEMES}, got {scheme!r}")
+    return scheme
+
+
+def moses_tokens(text: str, dash_splits: bool = True) -> list[str]:
+    """Moses tokens of one sentence (escape off, <unk> kept whole; hyphens split as @-@ if dash_splits).
 
     sacremoses refuses a text with more than MAX_PROTECTED_TOKENS (1000) protected matches: such a text
     is tokenized in pieces cut at whitespace, each with at most that many."""
@@ -51,8 +70,8 @@ def moses_tokens(text: str) -> list[str]:
                 ws = max(text.rfind(" ", cuts[-1], at), text.rfind("\t", cuts[-1], at))
                 cuts.append(ws + 1 if ws > cuts[-1] else at)
             cuts.append(len(text))
-            return [t for a, b in zip(cuts, cuts[1:]) for t in moses_tokens(text[a:b])]
-    return moses.tokenize(text, escape=False, aggressive_dash_splits=True, protected_patterns=PROTECTED)
+            return [t for a, b in zip(cuts, cuts[1:]) for t in moses_tokens(text[a:b], dash_splits)]
+    return moses.tokenize(text, escape=False, aggressive_dash_splits=dash_splits, protected_patterns=PROTECTED)
 
 
 def _sentence_spans(text: str) -> list[tuple[int, int]]:
@@ -132,18 +151,19 @@ def align_tokens(text: str, tokens: list[str], start: int = 0) -> list[tuple[int
 
 
 def tokenize_document(text: str, mode: str = "raw", split_sentences: bool = True) -> list[Sentence]:
-    """Sentences of one document, each with tokens and character offsets into `text`.
+    """Sentences of one document, each with tokens and character offsets into `text`. mode: a TOKENIZERS
+    value (raw: DEFAULT_RAW; resolve it with resolve_tokenizer() to follow a model).
 
     split_sentences=False: the whole text is one sentence (input format `lines`)."""
+    mode = resolve_tokenizer(mode)
     if mode == "whitespace":
         spans = [(m.start(), m.end()) for m in _WS.finditer(text)]
         return [Sentence(tuple(text[s:e] for s, e in spans), tuple(spans))] if spans else []
-    if mode != "raw":
-        raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {mode!r}")
+    dash_splits = mode == "wikitext"
     out = []
     spans = _sentence_spans(text) if split_sentences else ([(0, len(text))] if text.strip() else [])
     for s, e in spans:
-        tokens = moses_tokens(text[s:e])
+        tokens = moses_tokens(text[s:e], dash_splits)
         if tokens:
             offsets = align_tokens(text, tokens, s)
             out.append(Sentence(tuple(tokens), tuple(offsets)))

@@ -1,0 +1,164 @@
+"""Models by name (model/pretrained): download through fsspec into the cache with a recorded sha256 and size,
+cache hits without a request, truncated downloads and changed files as clear errors, the tokenization each
+model names, and --model NAME in the pipeline, the elmo command and ElmoEmbedder.from_name.
+
+A local HTTP server serves random weights in the published `small` shapes under the published file names
+($ELMO_PIPELINE_MODELS_URL points the registry at it)."""
+import glob
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from model.pretrained import BASE_URL_ENV, MODELS, cache_folder, model_files, model_urls
+from tests.model_server import ModelServer
+from tests.pipeline_helpers import parquet_rows
+from tokenization import resolve_tokenizer, tokenize_text
+
+TEXT = "The High-Speed train left at 9 a.m. from the well-known station."
+
+
+@pytest.fixture(scope="module")
+def small_files(tmp_path_factory):
+    from model.synthetic import write_random_bilm
+    options, weights = write_random_bilm("small", str(tmp_path_factory.mktemp("small")), seed=3)
+    return open(options, "rb").read(), open(weights, "rb").read()
+
+
+@pytest.fixture
+def server(small_files, tmp_path, monkeypatch):
+    """The server with `small` published under its AllenNLP names; a fresh cache folder per test."""
+    monkeypatch.setenv("ELMO_PIPELINE_CACHE", str(tmp_path / "cache"))
+    with ModelServer() as srv:
+        monkeypatch.setenv(BASE_URL_ENV, srv.url + "/models/elmo")
+        urls = model_urls("small")
+        for kind, data in zip(("options", "weights"), small_files):
+            srv.files[urls[kind][len(srv.url):]] = data
+        yield srv
+
+
+def test_registry_lists_the_published_models_and_their_tokenization():
+    assert {"wikitext2-small", "small", "medium", "original", "original-5.5B"} <= set(MODELS)
+    assert MODELS["wikitext2-small"].tokenization == "wikitext"
+    assert {MODELS[n].tokenization for n in ("small", "medium", "original", "original-5.5B")} == {"moses"}
+    assert model_urls("original-5.5B")["weights"].endswith(
+        "/2x4096_512_2048cnn_2xhighway_5.5B/elmo_2x4096_512_2048cnn_2xhighway_5.5B_weights.hdf5")
+
+
+def test_unknown_name_is_a_clear_error():
+    from model.embedder import ElmoEmbedder
+    with pytest.raises(ValueError, match="no model named 'nope'; known: wikitext2-small, small"):
+        ElmoEmbedder.from_name("nope")
+
+
+def test_raw_follows_the_model_and_keeps_the_shipped_output():
+    wikitext = tokenize_text(TEXT, resolve_tokenizer("raw", "wikitext"))
+    assert wikitext == tokenize_text(TEXT) == tokenize_text(TEXT, "raw")      # today's raw, unchanged
+    assert ["High", "@-@", "Speed"] == wikitext[0][1:4]
+    moses = tokenize_text(TEXT, resolve_tokenizer("raw", "moses"))
+    assert "High-Speed" in moses[0] and "well-known" in moses[0] and "@-@" not in moses[0]
+    assert resolve_tokenizer("wikitext", "moses") == "wikitext"              # an explicit choice wins
+    assert resolve_tokenizer("raw", None) == "wikitext"                      # custom files: as before
+    with pytest.raises(ValueError, match="tokenizer must be one of"):
+        resolve_tokenizer("spacy")
+
+
+@pytest.mark.slow
+def test_download_records_then_cache_hit_makes_no_request(server, small_files):
+    from model.embedder import ElmoEmbedder
+    from fsio import file_sha256, pinned_record
+    options, weights, vocab = model_files("small")
+    assert vocab is None and weights.startswith(cache_folder("small"))
+    assert open(weights, "rb").read() == small_files[1]
+    record = pinned_record(weights)
+    assert record == {"url": model_urls("small")["weights"], "sha256": file_sha256(weights), "size": len(small_files[1])}
+    assert server.gets("_weights.hdf5") == 1 and server.gets("_options.json") == 1
+    before = len(server.requests)
+    emb = ElmoEmbedder.from_name("small")                      # cache hit: verified, nothing requested
+    assert len(server.requests) == before
+    assert (emb.model_name, emb.tokenization, emb.output_dim) == ("small", "moses", 256)
+    tokens = tokenize_text(TEXT, emb.tokenization)[0]
+    np.testing.assert_array_equal(emb.embed_sentence(tokens), ElmoEmbedder(options, weights).embed_sentence(tokens))
+
+
+@pytest.mark.slow
+def test_truncated_download_is_an_error_and_leaves_nothing_in_the_cache(server):
+    server.truncate.add(model_urls("small")["weights"][len(server.url):])
+    with pytest.raises(OSError, match=r"_weights\.hdf5: download (truncated|failed)"):
+        model_files("small")
+    folder = cache_folder("small")
+    assert not os.path.exists(os.path.join(folder, "weights.hdf5"))
+    assert not glob.glob(os.path.join(folder, "*.part-*")) and not glob.glob(os.path.join(folder, "weights*.json"))
+    server.truncate.clear()                                    # the next try downloads it whole
+    assert os.path.getsize(model_files("small")[1]) == len(server.files[model_urls("small")["weights"][len(server.url):]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, message", [
+    (lambda b: b[:-10], r"size differs from its first download \(recorded \d+ bytes, found \d+\)"),
+    (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], r"sha256 differs from its first download \(recorded [0-9a-f]{64}, found"),
+])
+def test_changed_cached_file_names_the_file_and_what_differs(server, change, message):
+    weights = model_files("small")[1]
+    with open(weights, "rb") as f:
+        data = f.read()
+    with open(weights, "wb") as f:
+        f.write(change(data))
+    with pytest.raises(ValueError, match=f"{weights}: {message}"):
+        model_files("small")
+
+
+@pytest.mark.slow
+def test_remote_file_changed_after_the_first_download(server):
+    weights = model_files("small")[1]
+    os.remove(weights)                                         # the cache lost the file, the record stays
+    path = model_urls("small")["weights"][len(server.url):]
+    server.files[path] = server.files[path][:-1] + b"x"
+    with pytest.raises(ValueError, match="differs from the one first recorded"):
+        model_files("small")
+    assert not os.path.exists(weights) and not glob.glob(weights + ".part-*")
+
+
+@pytest.mark.slow
+def test_pipeline_elmo_command_and_models_command_by_name(server, tmp_path, capsys):
+    from model.embedder import ElmoEmbedder
+    from pipeline.cli import main as cli
+    from pipeline.run import run
+    from fsio import pinned_record
+    inp = tmp_path / "in.txt"
+    inp.write_text(TEXT + "\n")
+    out = str(tmp_path / "out")
+    run(["--input", str(inp), "--output", out, "--model", "small", "--format", "parquet", "--torch-threads", "1",
+         "--progress", "off"])
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    weights = os.path.join(cache_folder("small"), "weights.hdf5")
+    m = manifest["model"]
+    assert (m["name"], m["tokenization"], m["tokenizer"]) == ("small", "moses", "moses")
+    assert m["weights_sha256"] == pinned_record(weights)["sha256"] and m["urls"] == model_urls("small")
+    (row,) = parquet_rows(out, manifest).values()
+    assert "High-Speed" in row["tokens"]
+    out2 = str(tmp_path / "out2")                             # an explicit --tokenizer overrides the model's
+    run(["--input", str(inp), "--output", out2, "--model", "small", "--format", "parquet", "--torch-threads", "1",
+         "--progress", "off", "--tokenizer", "wikitext"])
+    manifest2 = json.load(open(os.path.join(out2, "manifest.json")))
+    assert manifest2["model"]["tokenizer"] == manifest2["tokenizer"] == "wikitext"
+    (row,) = parquet_rows(out2, manifest2).values()
+    assert row["tokens"][1:4] == ["High", "@-@", "Speed"]
+    assert server.gets("_weights.hdf5") == 1
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("High-Speed trains .\n")
+    h5 = str(tmp_path / "e.hdf5")
+    assert cli(["elmo", str(lines), h5, "--all", "--model", "small"]) == 0
+    with h5py.File(h5) as f:
+        np.testing.assert_array_equal(f["0"][()], ElmoEmbedder.from_name("small").embed_sentence(["High-Speed", "trains", "."]))
+    assert server.gets("_weights.hdf5") == 1                  # every use after the first: the cache
+
+    capsys.readouterr()
+    assert cli(["models"]) == 0
+    table = capsys.readouterr().out
+    small = next(line for line in table.splitlines() if line.startswith("small "))
+    assert "cached" in small and "256" in small and "13.6M" in small and "moses" in small
+    assert "not downloaded" in next(line for line in table.splitlines() if line.startswith("medium "))
