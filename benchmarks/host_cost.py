@@ -193,6 +193,23 @@ def end_to_end(trees: dict[str, str], inputs: dict[str, tuple[str, str, int]], m
     return res
 
 
+def markdown(stages: dict, e2e: dict, baseline: str) -> str:
+    """The two tables of benchmarks/README.md, as printed."""
+    rows = ["| stage | CPU us per token |", "| --- | --- |"]
+    rows += [f"| {k} | {v:.2f} |" for k, v in stages["us_per_token"].items()]
+    rows += ["", f"| output (end to end, after start-up) | tokens/s | CPU us per token | CPU/wall |"
+             + (f" tokens/s at {baseline} | CPU us per token at {baseline} | ratio |" if baseline else ""),
+             "| --- | --- | --- | --- |" + (" --- | --- | --- |" if baseline else "")]
+    for name, by_tree in e2e.items():
+        r = by_tree["this tree"]
+        row = f"| {name} | {r['tokens_per_s']:,.0f} | {r['cpu_us_per_token']:.1f} | {r['cpu_over_wall']:.2f} |"
+        if baseline:
+            b = by_tree[baseline]
+            row += f" {b['tokens_per_s']:,.0f} | {b['cpu_us_per_token']:.1f} | {r['tokens_per_s'] / b['tokens_per_s']:.2f}x |"
+        rows.append(row)
+    return "\n".join(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--input", default=os.path.join(REPO, "..", "shared", "data", "wikitext-2", "valid.txt"))
@@ -255,6 +272,7 @@ def main() -> int:
         both = e2e["Parquet + HDF5"]["this tree"]
         summary["parquet_hdf5_over_parquet_cpu"] = both["cpu_us_per_token"] / default["cpu_us_per_token"]
     print("Summary:", json.dumps({k: round(v, 3) for k, v in summary.items()}))
+    print(markdown(stages, e2e, args.baseline))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": machine(), "lines": args.lines, "model": WIDE_CHEAP, "stages": stages,
