@@ -63,7 +63,7 @@ class ElmoOptions(PipelineOptions):
           help="Parquet: store layer 0 as [x, x] (2P wide) as AllenNLP does, instead of x once")
         g("--vector-compression", choices=VECTOR_COMPRESSIONS, default="none",
           help="Parquet compression of the vector columns (text and ids are always zstd): none (default; fastest "
-          "to write and read), zstd (smaller files, more encoding CPU: see benchmarks/README.md), lz4, snappy")
+          "to write and read), zstd (smaller files, more encoding CPU: see docs/pipeline.md), lz4, snappy")
         g("--row-group-bytes", type=int, default=64 << 20, help="Parquet row-group size in bytes (default 64 MiB)")
         g("--shard-sentences", type=int, default=20000, help="max sentences per output shard (default 20000)")
         g("--shard-bytes", type=int, default=64 << 20,
