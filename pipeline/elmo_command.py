@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-sentence-keys", action="store_true", help="key datasets by the sentence text, not the line index")
     p.add_argument("--state", choices=STATE_MODES, default="stateless",
                    help="LSTM state mode (default stateless; stateful = AllenNLP/bilm-tf behaviour)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="bit-identical vectors for a sentence whatever the batching (default: on with --state "
+                   "stateless/warm; docs/exactness.md); --no-batch-invariant: the previous path")
     p.add_argument("--window-tokens", type=int, default=0,
                    help="embed sentences longer than this as overlapping windows, stitched (model/windows.py); "
                    "default 0: whole sentences, as AllenNLP (memory grows with the longest sentence)")
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: give both --options-file and --weight-file, or neither (the shipped default model)")
     from pipeline.validate import check_state, check_windows
     try:
-        check_state(args.state, budget_batches=args.max_tokens_per_batch > 0, windows=args.window_tokens > 0)
+        args.batch_invariant = check_state(args.state, budget_batches=args.max_tokens_per_batch > 0,
+                                           windows=args.window_tokens > 0, batch_invariant=args.batch_invariant)
         if args.window_tokens:
             args.window_overlap = check_windows(args.window_tokens, args.window_overlap, args.window_tokens + 2)
     except ValueError as e:
@@ -81,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                              f"first offending line: {bad[0] if bad else 'a duplicate sentence'!r}")
     embedder = ElmoEmbedder(args.options_file, args.weight_file, device=args.cuda_device,
                             state=args.state, batch_size=args.batch_size, vocab_file=args.vocab_file,
-                            dtype=args.compute_dtype)
+                            dtype=args.compute_dtype, batch_invariant=args.batch_invariant)
     for i, line in enumerate(lines):
         if not line:
             logger.warning("line %d is blank: writing a zero-length dataset", i)

@@ -13,8 +13,9 @@ import numpy as np
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to load and how: files (paths or URLs), device, state mode, torch threads (0 = default), and the
-    precision the biLM runs in (float32 | bfloat16 | float16)."""
+    """What to load and how: files (paths or URLs), device, state mode, torch threads (0 = default), the
+    precision the biLM runs in (float32 | bfloat16 | float16), and batch_invariant (bit-identical vectors
+    whatever the batching; None: on for stateless/warm, as ElmoEmbedder)."""
     options_file: str
     weight_file: str
     vocab_file: str | None = None
@@ -22,6 +23,7 @@ class ModelSpec:
     state: str = "stateless"
     torch_threads: int = 0
     compute_dtype: str = "float32"
+    batch_invariant: bool | None = None
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int] | str:
@@ -88,15 +90,18 @@ def load_embedder(spec: ModelSpec):
         torch.set_num_threads(spec.torch_threads)
     model = _OFFERED.pop((spec.options_file, spec.weight_file), None)
     return ElmoEmbedder(spec.options_file, spec.weight_file, device=resolve_device(spec.device, share_gpus=True), model=model,
-                        state=spec.state, vocab_file=spec.vocab_file, dtype=spec.compute_dtype)
+                        state=spec.state, vocab_file=spec.vocab_file, dtype=spec.compute_dtype,
+                        batch_invariant=spec.batch_invariant)
 
 
 def model_identity(spec: ModelSpec) -> dict:
-    """Model files, weights sha256 and parsed options, for the manifest."""
+    """Model files, weights sha256, parsed options and how the vectors are computed (batch_invariant), for the
+    manifest."""
     import json
 
     from storage import file_sha256, local_path, open_url
     with open_url(spec.options_file, "rt") as f:
         options = json.load(f)
     return {"options_file": spec.options_file, "weight_file": spec.weight_file, "vocab_file": spec.vocab_file,
-            "weights_sha256": file_sha256(local_path(spec.weight_file)), "options": options}
+            "weights_sha256": file_sha256(local_path(spec.weight_file)), "options": options,
+            "batch_invariant": spec.batch_invariant}
