@@ -52,15 +52,16 @@ def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype
         torch.cuda.synchronize()
     if barrier is not None:             # several processes: all start timing together
         barrier.wait()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     n_batches = len(plan_batches([len(s) for s in sentences], max_tokens))
     for _ in embedder.embed_sentences(sentences, max_tokens=max_tokens):
         pass
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     n_tokens = sum(len(s) for s in sentences)
     fpt = flops_per_token(model.opts)
     return {"config": config, "path": "embedder", "tokens": n_tokens, "sentences": len(sentences),
             "batches": n_batches, "cache_words": len(words), "wall_s": wall, "tokens_per_s": n_tokens / wall,
+            "cpu_s": cpu, "tokens_per_cpu_s": n_tokens / cpu,
             "flops_per_token": fpt, "gflops": n_tokens / wall * fpt / 1e9}
 
 
@@ -77,14 +78,15 @@ def measure(config: str, sentences, max_tokens: int, device: str, dtype: torch.d
         model(*inputs[0], batch_invariant=batch_invariant)  # warm-up
         if device != "cpu":
             torch.cuda.synchronize()
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         for ids, lengths in inputs:
             out, _ = model(ids, lengths, batch_invariant=batch_invariant)
             out = out.float().cpu()                         # results back on the host, as a user needs them
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     fpt = flops_per_token(model.opts)
     return {"config": config, "path": "forward", "tokens": n_tokens, "sentences": len(sentences), "batches": len(batches),
-            "wall_s": wall, "tokens_per_s": n_tokens / wall, "flops_per_token": fpt,
+            "wall_s": wall, "tokens_per_s": n_tokens / wall, "cpu_s": cpu, "tokens_per_cpu_s": n_tokens / cpu,
+            "flops_per_token": fpt,
             "gflops": n_tokens / wall * fpt / 1e9}
 
 
@@ -145,6 +147,7 @@ def main() -> None:
     ap.add_argument("--batch-invariant", choices=["on", "off", "both"], default="on",
                     help="the batch-invariant path (default, as the embedder's), the previous fast path, or both")
     ap.add_argument("--repeats", type=int, default=1, help="measurements per row (modes interleaved); median kept")
+    ap.add_argument("--tag", default="", help="appended to the results file name")
     ap.add_argument("--processes", type=int, default=1,
                     help="CPU: also run the embedder path in this many processes of --threads threads each, "
                     "against the GEMM ceiling of processes x threads threads")
@@ -190,18 +193,29 @@ def main() -> None:
                          gemm_ceiling_gflops=top, fraction_of_ceiling=r["gflops"] / top)
                 if config in errors:
                     r["relative_error_vs_float32_per_layer"] = errors[config]
-                if inv and False in runs:
+                cpus = sorted(x.get("tokens_per_cpu_s", 0.0) for x in runs[inv])
+                r["tokens_per_cpu_s_median"] = cpus[len(cpus) // 2]
+                r["tokens_per_cpu_s_all"] = [x.get("tokens_per_cpu_s") for x in runs[inv]]
+                r["tokens_per_s_median"] = tps[len(tps) // 2]
+                extra = ""
+                if inv and False in runs:      # medians of each mode, wall and CPU time
                     base = sorted(x["tokens_per_s"] for x in runs[False])[len(tps) // 2]
-                    r["tokens_per_s_vs_fast_path"] = r["tokens_per_s"] / base - 1
+                    base_cpu = sorted(x.get("tokens_per_cpu_s", 0.0) for x in runs[False])[len(tps) // 2]
+                    r["tokens_per_s_vs_fast_path"] = r["tokens_per_s_median"] / base - 1
+                    extra = f"  vs fast path: {100 * r['tokens_per_s_vs_fast_path']:+5.1f}% wall"
+                    if base_cpu:           # (the processes path has no CPU time)
+                        r["tokens_per_cpu_s_vs_fast_path"] = r["tokens_per_cpu_s_median"] / base_cpu - 1
+                        extra += f", {100 * r['tokens_per_cpu_s_vs_fast_path']:+5.1f}% CPU time"
                 rows.append(r)
-                extra = f"  {100 * r['tokens_per_s_vs_fast_path']:+5.1f}% vs fast path" if "tokens_per_s_vs_fast_path" in r else ""
                 print(f"{config:<9} {r['path']:<22} {'invariant' if inv else 'fast':<9} budget {budget:>6}  "
-                      f"{r['tokens_per_s']:>9.0f} tokens/s  {r['gflops']:>7.1f} GFLOP/s = "
+                      f"{r['tokens_per_s']:>9.0f} tokens/s ({r['tokens_per_cpu_s_median']:.0f}/CPU s)  "
+                      f"{r['gflops']:>7.1f} GFLOP/s = "
                       f"{100 * r['fraction_of_ceiling']:5.1f}% of GEMM {top:.0f}{extra}", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     name = f"model_speed_{args.device.split(':')[0]}_{args.dtype}_{args.threads}t" + \
         (f"_x{args.processes}p" if args.processes > 1 else "") + \
-        (f"_invariant_{args.batch_invariant}" if args.batch_invariant != "on" else "") + ".json"
+        (f"_invariant_{args.batch_invariant}" if args.batch_invariant != "on" else "") + \
+        (f"_{args.tag}" if args.tag else "") + ".json"
     with open(os.path.join(RESULTS, name), "w") as f:
         json.dump({"machine": machine(), "rows": rows}, f, indent=2)
 
