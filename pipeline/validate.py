@@ -75,9 +75,9 @@ def check_state(state: str, *, workers: int = 1, budget_batches: bool = False, w
     """The rules of --state stateful (AllenNLP/bilm-tf behaviour: each batch row carries its LSTM state to
     the next batch, so batches are consecutive input sentences): one worker, no length-sorted token-budget
     batches, no windows (windows are not consecutive sentences), no --batch-invariant. Shared by `run` and
-    `elmo`. Returns --batch-invariant resolved: None -> on for stateless/warm, off for stateful."""
+    `elmo`. Returns --batch-invariant as a bool (off unless asked for)."""
     if state != "stateful":
-        return True if batch_invariant is None else bool(batch_invariant)
+        return bool(batch_invariant)
     if batch_invariant:
         raise ValueError("--batch-invariant needs --state stateless or warm (stateful vectors depend on the "
                          "batches by design)")

@@ -1,4 +1,4 @@
-"""--batch-invariant (default with --state stateless/warm) through the pipeline: the same sentences' vectors are the
+"""--batch-invariant (a switch, with --state stateless/warm) through the pipeline: the same sentences' vectors are the
 same bytes under token budgets 256, 1,024, 4,096 and 16,384, with one and with two worker processes, and after a
 SIGKILL and a resume; one-shard runs under two budgets give Parquet and HDF5 files with equal SHA-256. The
 manifest records the setting and the run key follows it. Model-level checks: tests/test_batch_invariant.py."""
@@ -12,6 +12,7 @@ from tests.resume_helpers import argv, assert_same_output, read_output, run_subp
 
 BUDGETS = ("256", "1024", "4096", "16384")
 ONE_SHARD = ("--shard-sentences", "100000")
+INV = "--batch-invariant"
 
 
 def sha256(path: str) -> str:
@@ -30,7 +31,7 @@ def budget_runs(corpus, tiny_model_files, tmp_path_factory):
     out = {}
     for budget in BUDGETS:
         d = str(tmp / budget)
-        assert main(argv(tiny_model_files, corpus, d, "--max-tokens-per-batch", budget, *ONE_SHARD)) == 0
+        assert main(argv(tiny_model_files, corpus, d, "--max-tokens-per-batch", budget, *ONE_SHARD, INV)) == 0
         out[budget] = (d, read_output(d))
     return out
 
@@ -49,8 +50,7 @@ def test_manifest_records_it_and_the_run_key_follows_it(budget_runs, corpus, tin
     m = budget_runs["1024"][1][0]
     assert m["options"]["batch_invariant"] is True and m["model"]["batch_invariant"] is True
     d = str(tmp_path / "fast")
-    assert main(argv(tiny_model_files, corpus, d, "--max-tokens-per-batch", "1024", *ONE_SHARD,
-                     "--no-batch-invariant")) == 0
+    assert main(argv(tiny_model_files, corpus, d, "--max-tokens-per-batch", "1024", *ONE_SHARD)) == 0   # default
     fast = read_output(d)
     assert fast[0]["options"]["batch_invariant"] is False and fast[0]["model"]["batch_invariant"] is False
     assert fast[0]["run"]["key"] != m["run"]["key"]          # outputs of the two paths never mix in a resume
@@ -65,7 +65,7 @@ def test_stateful_refuses_batch_invariant(corpus, tiny_model_files, tmp_path, ca
 @pytest.mark.slow
 def test_two_worker_processes_give_the_same_bytes(budget_runs, corpus, tiny_model_files, tmp_path):
     d = str(tmp_path / "w2")
-    assert main(argv(tiny_model_files, corpus, d, "--max-tokens-per-batch", "1024", *ONE_SHARD,
+    assert main(argv(tiny_model_files, corpus, d, "--max-tokens-per-batch", "1024", *ONE_SHARD, INV,
                      "--direct_num_workers", "2", "--direct_running_mode", "multi_processing")) == 0
     ref = budget_runs["1024"][1]
     got = read_output(d)
@@ -80,7 +80,7 @@ def test_two_worker_processes_give_the_same_bytes(budget_runs, corpus, tiny_mode
 def test_sigkill_and_resume_give_the_same_bytes(corpus, tiny_model_files, tmp_path):
     """Killed while embedding the 3rd batch, then rerun: the resumed run embeds the rest in other batches, yet
     every vector equals the uninterrupted run's, bit for bit."""
-    small = ("--shard-sentences", "4", "--max-tokens-per-batch", "256")
+    small = ("--shard-sentences", "4", "--max-tokens-per-batch", "256", INV)
     ref_dir = str(tmp_path / "ref")
     assert main(argv(tiny_model_files, corpus, ref_dir, *small)) == 0
     ref = read_output(ref_dir)

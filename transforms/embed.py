@@ -15,7 +15,7 @@ import numpy as np
 class ModelSpec:
     """What to load and how: files (paths or URLs), device, state mode, torch threads (0 = default), the
     precision the biLM runs in (float32 | bfloat16 | float16), and batch_invariant (bit-identical vectors
-    whatever the batching; None: on for stateless/warm, as ElmoEmbedder)."""
+    whatever the batching; stateless/warm only; default off, as ElmoEmbedder)."""
     options_file: str
     weight_file: str
     vocab_file: str | None = None
@@ -23,7 +23,7 @@ class ModelSpec:
     state: str = "stateless"
     torch_threads: int = 0
     compute_dtype: str = "float32"
-    batch_invariant: bool | None = None
+    batch_invariant: bool = False
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int] | str:
