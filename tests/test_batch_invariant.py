@@ -191,3 +191,21 @@ def test_stateful_mode_runs_the_previous_path():
             out, state = model.forward_tokens(uniq, index, lens, state)
             off = np.cumsum([0] + [len(s) for s in sents[k: k + 10]])
             assert_bits_equal([out[:, i:j].numpy() for i, j in zip(off[:-1], off[1:])], got, "stateful")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["shipped", "original"])
+def test_shipped_model_and_original_shape(which):
+    """The shipped model (model/pretrained) and the published original shape (P 512, H 4096, 2 highways):
+    alone = one batch = reversed = budget 256 = batches of 7, at 1 and at 2 threads, and 1 thread = 2 threads."""
+    sents = sentences(12, seed=9, max_len=20)
+    res = {}
+    for n in (1, 2):
+        with threads(n):
+            e = ElmoEmbedder(batch_invariant=True) if which == "shipped" else embedder(which)
+            res[n] = [e.embed_sentence(s) for s in sents]
+            for name, got in {"batch": e.embed_batch(sents), "reversed": e.embed_batch(sents[::-1])[::-1],
+                              "budget 256": list(e.embed_sentences(sents, max_tokens=256)),
+                              "batch7": list(e.embed_sentences(sents, batch_size=7))}.items():
+                assert_bits_equal(res[n], got, f"{which}, {n} thread(s), {name} vs alone")
+    assert_bits_equal(res[1], res[2], f"{which}, 1 thread vs 2 threads")

@@ -92,3 +92,23 @@ def test_sigkill_and_resume_give_the_same_bytes(corpus, tiny_model_files, tmp_pa
     got = read_output(out)
     assert 0 < got[0]["run"]["resumed_sentences"] < got[0]["counts"]["sentences"]
     assert_same_output(got, ref, tol=0.0)
+
+
+def test_elmo_command_batch_sizes_give_the_same_bytes(tiny_model_files, tmp_path):
+    """`elmo --batch-invariant`: --batch-size 1 and a 256-slot budget write the same vector bytes."""
+    import h5py
+
+    from pipeline.cli import main as cli
+    from tests.test_batch_invariant import sentences
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(" ".join(s) for s in sentences(30, max_len=25)) + "\n")
+    options, weights = tiny_model_files
+    files = {}
+    for name, extra in {"b1": ["--batch-size", "1"], "budget": ["--max-tokens-per-batch", "256"]}.items():
+        files[name] = tmp_path / f"{name}.hdf5"
+        assert cli(["elmo", str(inp), str(files[name]), "--all", "--batch-invariant", "--options-file", options,
+                    "--weight-file", weights, *extra]) == 0
+    with h5py.File(files["b1"]) as a, h5py.File(files["budget"]) as b:
+        keys = [k for k in a if k != "sentence_to_index"]
+        assert len(keys) == 30 and sorted(keys) == sorted(k for k in b if k != "sentence_to_index")
+        assert all(a[k][...].tobytes() == b[k][...].tobytes() for k in keys)
