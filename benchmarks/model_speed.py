@@ -9,6 +9,10 @@ calls, ElmoEmbedder.embed_sentences(max_tokens=budget) (char ids, batching, nump
 with the cross-batch token cache first filled from other text (WikiText-2 train, distinct tokens of
 --warm-cache-sentences sentences), as in a long job's steady state.
 
+--batch-invariant off|on|both: the fast path (default, as the embedder's), the batch-invariant path
+(bit-identical vectors whatever the batching, model/bilm.py), or both side by side; with --repeats N each (config, budget, path) is measured N times, the two modes interleaved, and
+the median is reported (the cost of the batch-invariant path: benchmarks/README.md).
+
 With --dtype bfloat16/float16 it first measures, per output layer, the relative error of that dtype
 against float32 (same weights, first 200 sentences). Prints a table and writes
 benchmarks/results/model_speed_<device>_<dtype>_<threads>t.json.
@@ -31,9 +35,9 @@ from model.synthetic import random_bilm
 
 
 def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype,
-                     warm_sentences: list[list[str]], barrier=None) -> dict:
+                     warm_sentences: list[list[str]], barrier=None, batch_invariant: bool = False) -> dict:
     model = random_bilm(config).to(device=device, dtype=dtype)
-    embedder = ElmoEmbedder(model=model, device=device)
+    embedder = ElmoEmbedder(model=model, device=device, batch_invariant=batch_invariant)
     seen: dict[str, None] = {}
     for s in warm_sentences:
         seen.update(dict.fromkeys(s))
@@ -41,25 +45,27 @@ def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype
     with torch.inference_mode():
         for i in range(0, len(words), 4096):    # fill the token cache (first-seen order, as a job would)
             ids, _ = batch_char_ids([words[i: i + 4096]])
-            model.encode_tokens(torch.from_numpy(ids[0]).to(device))
+            model.encode_tokens(torch.from_numpy(ids[0]).to(device), batch_invariant)
     list(embedder.embed_sentences(sentences[:50], max_tokens=max_tokens))          # warm-up
     if device != "cpu":
         torch.cuda.synchronize()
     if barrier is not None:             # several processes: all start timing together
         barrier.wait()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     n_batches = len(plan_batches([len(s) for s in sentences], max_tokens))
     for _ in embedder.embed_sentences(sentences, max_tokens=max_tokens):
         pass
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     n_tokens = sum(len(s) for s in sentences)
     fpt = flops_per_token(model.opts)
     return {"config": config, "path": "embedder", "tokens": n_tokens, "sentences": len(sentences),
             "batches": n_batches, "cache_words": len(words), "wall_s": wall, "tokens_per_s": n_tokens / wall,
+            "cpu_s": cpu, "tokens_per_cpu_s": n_tokens / cpu,
             "flops_per_token": fpt, "gflops": n_tokens / wall * fpt / 1e9}
 
 
-def measure(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype) -> dict:
+def measure(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype,
+            batch_invariant: bool = False) -> dict:
     model = random_bilm(config).to(device=device, dtype=dtype)
     batches = plan_batches([len(s) for s in sentences], max_tokens)
     inputs = []
@@ -68,17 +74,18 @@ def measure(config: str, sentences, max_tokens: int, device: str, dtype: torch.d
         inputs.append((torch.from_numpy(ids).to(device), torch.from_numpy(lengths)))
     n_tokens = sum(len(s) for s in sentences)
     with torch.inference_mode():
-        model(*inputs[0])                                   # warm-up
+        model(*inputs[0], batch_invariant=batch_invariant)  # warm-up
         if device != "cpu":
             torch.cuda.synchronize()
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         for ids, lengths in inputs:
-            out, _ = model(ids, lengths)
+            out, _ = model(ids, lengths, batch_invariant=batch_invariant)
             out = out.float().cpu()                         # results back on the host, as a user needs them
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     fpt = flops_per_token(model.opts)
     return {"config": config, "path": "forward", "tokens": n_tokens, "sentences": len(sentences), "batches": len(batches),
-            "wall_s": wall, "tokens_per_s": n_tokens / wall, "flops_per_token": fpt,
+            "wall_s": wall, "tokens_per_s": n_tokens / wall, "cpu_s": cpu, "tokens_per_cpu_s": n_tokens / cpu,
+            "flops_per_token": fpt,
             "gflops": n_tokens / wall * fpt / 1e9}
 
 
@@ -100,17 +107,19 @@ def layer_relative_errors(config: str, sentences, max_tokens: int, device: str, 
 
 
 def _process_worker(args: tuple, barrier, results) -> None:
-    config, sentences, budget, threads, warm = args
+    config, sentences, budget, threads, warm, invariant = args
     torch.set_num_threads(threads)
-    results.put(measure_embedder(config, sentences, budget, "cpu", torch.float32, warm, barrier))
+    results.put(measure_embedder(config, sentences, budget, "cpu", torch.float32, warm, barrier, invariant))
 
 
-def measure_processes(config: str, sentences, max_tokens: int, threads: int, processes: int, warm) -> dict:
+def measure_processes(config: str, sentences, max_tokens: int, threads: int, processes: int, warm,
+                      batch_invariant: bool = False) -> dict:
     """The embedder path in `processes` worker processes at once (as Beam runs one SDK worker per core),
     each on every processes-th sentence: total tokens / the slowest process's wall time."""
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_process_worker, args=((config, sentences[i::processes], max_tokens, threads, warm),
+    procs = [ctx.Process(target=_process_worker, args=((config, sentences[i::processes], max_tokens, threads, warm,
+                                                        batch_invariant),
                                                        barrier, results)) for i in range(processes)]
     for pr in procs:
         pr.start()
@@ -134,6 +143,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--path", nargs="+", default=["forward", "embedder"], choices=["forward", "embedder"])
     ap.add_argument("--warm-cache-sentences", type=int, default=5000)
+    ap.add_argument("--batch-invariant", choices=["off", "on", "both"], default="off",
+                    help="the fast path (default, as the embedder's), the batch-invariant path, or both")
+    ap.add_argument("--repeats", type=int, default=1, help="measurements per row (modes interleaved); median kept")
+    ap.add_argument("--tag", default="", help="appended to the results file name")
     ap.add_argument("--processes", type=int, default=1,
                     help="CPU: also run the embedder path in this many processes of --threads threads each, "
                     "against the GEMM ceiling of processes x threads threads")
@@ -156,28 +169,52 @@ def main() -> None:
             errors[config] = layer_relative_errors(config, sentences[:200], args.max_tokens[0], args.device, dtype)
             print(f"{config:<9} {args.dtype} vs float32, relative error per layer: "
                   + " ".join(f"{e:.2e}" for e in errors[config]), flush=True)
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.batch_invariant]
     for config in args.configs:
         for budget, path in ((b, p) for b in args.max_tokens for p in paths):
-            top = ceiling
-            if path == "forward":
-                r = measure(config, sentences, budget, args.device, dtype)
-            elif path == "embedder":
-                r = measure_embedder(config, sentences, budget, args.device, dtype, warm)
-            else:
-                r = measure_processes(config, sentences, budget, args.threads, args.processes, warm)
-                top = whole
-            r.update(max_tokens=budget, threads=args.threads, device=args.device, dtype=args.dtype,
-                     processes=args.processes if path == "processes" else 1,
-                     gemm_ceiling_gflops=top, fraction_of_ceiling=r["gflops"] / top)
-            if config in errors:
-                r["relative_error_vs_float32_per_layer"] = errors[config]
-            rows.append(r)
-            print(f"{config:<9} {r['path']:<22} budget {budget:>6}  {r['tokens_per_s']:>9.0f} tokens/s  "
-                  f"{r['gflops']:>7.1f} GFLOP/s = {100 * r['fraction_of_ceiling']:5.1f}% of GEMM {top:.0f}",
-                  flush=True)
+            top = whole if path == "processes" else ceiling
+            runs: dict[bool, list[dict]] = {m: [] for m in modes}
+            for _ in range(args.repeats):
+                for inv in modes:       # interleaved: both modes see the same machine load
+                    if path == "forward":
+                        r = measure(config, sentences, budget, args.device, dtype, inv)
+                    elif path == "embedder":
+                        r = measure_embedder(config, sentences, budget, args.device, dtype, warm, batch_invariant=inv)
+                    else:
+                        r = measure_processes(config, sentences, budget, args.threads, args.processes, warm, inv)
+                    runs[inv].append(r)
+            for inv in modes:
+                tps = sorted(x["tokens_per_s"] for x in runs[inv])
+                r = dict(sorted(runs[inv], key=lambda x: x["tokens_per_s"])[len(tps) // 2])    # the median run
+                r.update(max_tokens=budget, threads=args.threads, device=args.device, dtype=args.dtype,
+                         processes=args.processes if path == "processes" else 1, batch_invariant=inv,
+                         repeats=args.repeats, tokens_per_s_all=[x["tokens_per_s"] for x in runs[inv]],
+                         gemm_ceiling_gflops=top, fraction_of_ceiling=r["gflops"] / top)
+                if config in errors:
+                    r["relative_error_vs_float32_per_layer"] = errors[config]
+                cpus = sorted(x.get("tokens_per_cpu_s", 0.0) for x in runs[inv])
+                r["tokens_per_cpu_s_median"] = cpus[len(cpus) // 2]
+                r["tokens_per_cpu_s_all"] = [x.get("tokens_per_cpu_s") for x in runs[inv]]
+                r["tokens_per_s_median"] = tps[len(tps) // 2]
+                extra = ""
+                if inv and False in runs:      # medians of each mode, wall and CPU time
+                    base = sorted(x["tokens_per_s"] for x in runs[False])[len(tps) // 2]
+                    base_cpu = sorted(x.get("tokens_per_cpu_s", 0.0) for x in runs[False])[len(tps) // 2]
+                    r["tokens_per_s_vs_fast_path"] = r["tokens_per_s_median"] / base - 1
+                    extra = f"  vs fast path: {100 * r['tokens_per_s_vs_fast_path']:+5.1f}% wall"
+                    if base_cpu:           # (the processes path has no CPU time)
+                        r["tokens_per_cpu_s_vs_fast_path"] = r["tokens_per_cpu_s_median"] / base_cpu - 1
+                        extra += f", {100 * r['tokens_per_cpu_s_vs_fast_path']:+5.1f}% CPU time"
+                rows.append(r)
+                print(f"{config:<9} {r['path']:<22} {'invariant' if inv else 'fast':<9} budget {budget:>6}  "
+                      f"{r['tokens_per_s']:>9.0f} tokens/s ({r['tokens_per_cpu_s_median']:.0f}/CPU s)  "
+                      f"{r['gflops']:>7.1f} GFLOP/s = "
+                      f"{100 * r['fraction_of_ceiling']:5.1f}% of GEMM {top:.0f}{extra}", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     name = f"model_speed_{args.device.split(':')[0]}_{args.dtype}_{args.threads}t" + \
-        (f"_x{args.processes}p" if args.processes > 1 else "") + ".json"
+        (f"_x{args.processes}p" if args.processes > 1 else "") + \
+        (f"_invariant_{args.batch_invariant}" if args.batch_invariant != "off" else "") + \
+        (f"_{args.tag}" if args.tag else "") + ".json"
     with open(os.path.join(RESULTS, name), "w") as f:
         json.dump({"machine": machine(), "rows": rows}, f, indent=2)
 

@@ -11,6 +11,15 @@ Without autograd, sequences run in torch's packed layout (time-major, longest fi
 layer's input projection is one GEMM over the real tokens only, the time loop touches only sentences still
 running, and every sentence's result is independent of the others in its batch. Under autograd (training)
 BiLM.forward runs the padded path of model/padded_forward.py instead: the same math, faster backward passes.
+
+batch_invariant=True (inference; forward, forward_tokens, encode_tokens): a sentence's vectors are the same
+bits whatever else is in its batch. The CPU GEMM kernels give a row the same bits for every row count that
+is a multiple of ROW_TILE, and other bits for 1-3 rows (and, at 2 threads, for some other counts); so every
+GEMM gets a multiple of ROW_TILE rows: the token encoder's inputs are padded with all-padding tokens, and the
+LSTMs run in a padded packed layout where step t has round_up(n_t, ROW_TILE) rows (the extra rows get zero
+inputs; they are computed and thrown away). Highway's sigmoid is exp(-x) + 1 -> reciprocal, whose vector and
+scalar code agree (torch.sigmoid's scalar tail differs from its vector body, and where the tail falls depends
+on the tensor's size). See docs/exactness.md.
 """
 from __future__ import annotations
 
@@ -39,9 +48,10 @@ class Highway(nn.Module):
         self.dim = dim
         self.linear = nn.Linear(dim, 2 * dim)
 
-    def forward(self, x: Tensor) -> Tensor:  # (N, d) -> (N, d)
+    def forward(self, x: Tensor, batch_invariant: bool = False) -> Tensor:  # (N, d) -> (N, d)
         transform, carry = self.linear(x).split(self.dim, dim=-1)
-        t = torch.sigmoid(carry)
+        # batch_invariant: a sigmoid whose result does not depend on where the element falls in the tensor
+        t = torch.exp(-carry).add_(1.0).reciprocal_() if batch_invariant else torch.sigmoid(carry)
         return t * F.relu(transform) + (1.0 - t) * x
 
 
@@ -61,7 +71,17 @@ class CharCNNEncoder(nn.Module):
         # bilm-tf projects only when the widths differ, after the highway layers.
         self.proj = nn.Linear(n_filters, opts.projection_dim) if n_filters != opts.projection_dim else None
 
-    def forward(self, char_ids: Tensor) -> Tensor:
+    def forward(self, char_ids: Tensor, batch_invariant: bool = False) -> Tensor:
+        if batch_invariant and not torch.is_grad_enabled():
+            # every GEMM below gets a multiple of ROW_TILE rows: pad with all-padding tokens (char id 0)
+            n = char_ids.shape[0]
+            pad = _round_up(n, ROW_TILE) - n
+            if pad:
+                char_ids = torch.cat([char_ids, char_ids.new_zeros(pad, *char_ids.shape[1:])])
+            return self._encode(char_ids, True)[:n]
+        return self._encode(char_ids, False)
+
+    def _encode(self, char_ids: Tensor, batch_invariant: bool) -> Tensor:
         if torch.is_grad_enabled():
             x = self.char_embed(char_ids).transpose(1, 2)            # (N, E, C)
             # bilm-tf max-pools over time, then applies the activation (the same, both monotonic).
@@ -70,7 +90,7 @@ class CharCNNEncoder(nn.Module):
             h = torch.cat([self._filters_by_gemm(char_ids[s: s + CNN_CHUNK])
                            for s in range(0, char_ids.shape[0], CNN_CHUNK)])
         for hw in self.highways:
-            h = hw(h)
+            h = hw(h, batch_invariant)
         return self.proj(h) if self.proj is not None else h     # (N, P)
 
     def _filters_by_gemm(self, char_ids: Tensor) -> Tensor:
@@ -90,8 +110,17 @@ class CharCNNEncoder(nn.Module):
 
 
 # Tokens per chunk of the char CNN's GEMMs: (512 * 44, 112) @ (112, 1024) for the widest filter of the
-# published models, output about 90 MB whatever the number of distinct tokens.
+# published models, output about 90 MB whatever the number of distinct tokens. A multiple of ROW_TILE.
 CNN_CHUNK = 512
+
+# batch_invariant: every GEMM's row count is a multiple of this. Measured on torch 2.13's CPU GEMMs (AMD EPYC,
+# AVX-512, 1 and 2 threads): a row's bits are the same for every multiple of 4 rows, at any row position;
+# 1-3 rows take another kernel, and at 2 threads 5-7 and 9-11 rows can differ too.
+ROW_TILE = 4
+
+
+def _round_up(n: int, tile: int) -> int:
+    return -(-n // tile) * tile
 
 
 class WordEncoder(nn.Module):
@@ -101,8 +130,8 @@ class WordEncoder(nn.Module):
         super().__init__()
         self.embedding = nn.Embedding(opts.n_tokens_vocab, opts.projection_dim)
 
-    def forward(self, token_ids: Tensor) -> Tensor:
-        return self.embedding(token_ids)
+    def forward(self, token_ids: Tensor, batch_invariant: bool = False) -> Tensor:
+        return self.embedding(token_ids)      # a table lookup: the same bits in any batch
 
 
 class LstmProjection(nn.Module):
@@ -178,7 +207,7 @@ def _workspace(numel: int, like: Tensor) -> Tensor:
 
 
 def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor, Tensor, Tensor], x: Tensor,
-                    batch_sizes: list[int], h0: Tensor, c0: Tensor):
+                    batch_sizes: list[int], h0: Tensor, c0: Tensor, step_rows: list[int] | None = None):
     """Run G independent LSTM layers of equal shapes in lock-step (e.g. the forward and the backward
     direction, which share the packed step sizes), one batched GEMM per step for all of them.
     Inference only (in place, no autograd); model/padded_forward.py is the path under autograd.
@@ -187,30 +216,40 @@ def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor,
     c0 (G, B, H) in packed row order. The input projection is computed for chunks of consecutive
     steps (about CHUNK_ELEMENTS floats each). Returns outputs (G, N, P) and final states h (G, B, P),
     c (G, B, H).
+
+    step_rows (batch_invariant): rows computed at each step, >= batch_sizes[t] and non-increasing (a padded
+    packed layout: step t's first batch_sizes[t] rows are the live sequences, the rest are computed and their
+    outputs are junk). x, the outputs and h0/c0 then have step_rows rows per step / step_rows[0] rows; the final
+    states are still each sequence's own, taken when it ends.
     """
     first = layers[0]
     G, H, cell_clip, proj_clip = len(layers), first.dim, first.cell_clip, first.proj_clip
     bias, w_in, w_rec, w_proj = weights
     h, c = h0, c0
+    step_rows = batch_sizes if step_rows is None else step_rows
+    live = h0.shape[1] if step_rows is batch_sizes else (batch_sizes[0] if batch_sizes else 0)
     outs, done_h, done_c = [], [], []
     offset = 0
     max_rows = max(1, CHUNK_ELEMENTS // (G * 4 * H))
-    chunks = _chunks(batch_sizes, max_rows)
+    chunks = _chunks(step_rows, max_rows)
     if chunks:
         # the gates of every chunk in one reused buffer; c lives in it between steps
         ws = _workspace(G * max(rows for _, _, rows in chunks) * 4 * H, x)
-        tanh_c = x.new_empty(G * batch_sizes[0] * H)
+        tanh_c = x.new_empty(G * step_rows[0] * H)
     for t0, t1, rows in chunks:
         c = c.clone() if t0 else c          # c is a view into the previous chunk's rows of ws
         xw = torch.bmm(x[:, offset: offset + rows], w_in, out=ws[: G * rows * 4 * H].view(G, rows, 4 * H))
         xw.add_(bias)                                                   # (G, rows, 4H)
         offset += rows
         r = 0
-        for n in batch_sizes[t0:t1]:
-            if n < h.shape[1]:                 # sequences [n:] have ended: keep their final state
-                done_h.append(h[:, n:])
-                done_c.append(c[:, n:].clone())                         # c may be a view into xw
-                h, c = h[:, :n], c[:, :n]
+        for n, m in zip(batch_sizes[t0:t1], step_rows[t0:t1]):
+            if n < live:                       # sequences [n:live) have ended: keep their final state
+                done_h.append(h[:, n:live])
+                done_c.append(c[:, n:live].clone())                     # c may be a view into xw
+                live = n
+            if m < h.shape[1]:
+                h, c = h[:, :m], c[:, :m]
+            n = m                              # rows computed at this step
             gates = xw[:, r: r + n]
             r += n
             # everything in xw's own rows: no per-step allocations but h
@@ -227,7 +266,7 @@ def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor,
             outs.append(h)
     if not outs:
         return x.new_zeros(len(layers), 0, first.proj_dim), h, c
-    c = c.clone()
+    h, c = h[:, :live], c[:, :live].clone()
     h_final = torch.cat([h, *reversed(done_h)], dim=1) if done_h else h
     c_final = torch.cat([c, *reversed(done_c)], dim=1) if done_c else c
     return torch.cat(outs, dim=1), h_final, c_final
@@ -286,15 +325,17 @@ class TokenCache:
         self.vectors: dict[bytes, Tensor] = {}
         self.params_key = None
 
-    def encode(self, uniq: Tensor, encoder: nn.Module) -> Tensor:
-        """uniq: distinct token inputs (U, ...) -> (U, P), computing only the tokens not cached."""
-        key = tuple((p.data_ptr(), p._version) for p in encoder.parameters())
+    def encode(self, uniq: Tensor, encoder: nn.Module, batch_invariant: bool = False) -> Tensor:
+        """uniq: distinct token inputs (U, ...) -> (U, P), computing only the tokens not cached.
+        The vectors of one batch_invariant setting are never served to the other (they may differ in the
+        last bits): switching forgets the cache."""
+        key = (batch_invariant, *((p.data_ptr(), p._version) for p in encoder.parameters()))
         if key != self.params_key:          # weights changed: forget everything
             self.vectors, self.params_key = {}, key
         keys = [row.tobytes() for row in uniq.to("cpu", torch.int16).numpy()]
         missing = [i for i, k in enumerate(keys) if k not in self.vectors]
         if len(missing) == len(keys):
-            out = encoder(uniq)
+            out = encoder(uniq, batch_invariant)
         else:
             hits = [i for i, k in enumerate(keys) if k in self.vectors]
             cached = torch.stack([self.vectors[keys[i]] for i in hits])
@@ -302,7 +343,7 @@ class TokenCache:
             out[torch.tensor(hits, device=out.device)] = cached
             if missing:
                 idx = torch.tensor(missing, device=out.device)
-                out[idx] = encoder(uniq[idx])
+                out[idx] = encoder(uniq[idx], batch_invariant)
         for i in missing[: max(0, self.max_tokens - len(self.vectors))]:
             self.vectors[keys[i]] = out[i].clone()
         return out
@@ -348,20 +389,20 @@ class BiLM(nn.Module):
         return (torch.zeros(2, L, batch_size, P, device=device, dtype=dtype),
                 torch.zeros(2, L, batch_size, H, device=device, dtype=dtype))
 
-    def encode_tokens(self, inputs: Tensor) -> Tensor:
+    def encode_tokens(self, inputs: Tensor, batch_invariant: bool = False) -> Tensor:
         """Token vectors for (N, max_chars) char ids or (N,) token ids -> (N, P).
         The encoder runs once per distinct token: repeated words cost nothing extra."""
         if inputs.shape[0] == 0:
             return inputs.new_zeros((0, self.opts.projection_dim), dtype=next(self.parameters()).dtype)
         uniq, inverse = torch.unique(inputs, dim=0, return_inverse=True)
-        return self._encode_distinct(uniq)[inverse]
+        return self._encode_distinct(uniq, batch_invariant)[inverse]
 
-    def _encode_distinct(self, uniq: Tensor) -> Tensor:
+    def _encode_distinct(self, uniq: Tensor, batch_invariant: bool = False) -> Tensor:
         """(U, ...) distinct token inputs -> (U, P), through the token cache when one is enabled (inference)."""
         cache = self.__dict__.get("token_cache")
         if cache is None or torch.is_grad_enabled():
-            return self.token_encoder(uniq)
-        return cache.encode(uniq, self.token_encoder)
+            return self.token_encoder(uniq, batch_invariant)
+        return cache.encode(uniq, self.token_encoder, batch_invariant)
 
     def enable_token_cache(self, max_tokens: int) -> None:
         """Keep the vectors of up to max_tokens distinct tokens across batches (inference only).
@@ -381,37 +422,42 @@ class BiLM(nn.Module):
     def _drop(self, x: Tensor) -> Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
-    def forward(self, inputs: Tensor, lengths: Tensor, state: tuple[Tensor, Tensor] | None = None):
+    def forward(self, inputs: Tensor, lengths: Tensor, state: tuple[Tensor, Tensor] | None = None,
+                batch_invariant: bool = False):
+        """batch_invariant (inference only; ignored under autograd): each row's result in the same bits
+        whatever the other rows (see the module docstring)."""
         if torch.is_grad_enabled():
             return padded_forward(self, inputs, lengths, state)
         B, T = inputs.shape[:2]
         pb = PackedBatch(lengths, T, inputs.device)
-        emb = self.encode_tokens(inputs.reshape(B * T, *inputs.shape[2:])[pb.fwd_index])   # (N, P) forward packed order
+        emb = self.encode_tokens(inputs.reshape(B * T, *inputs.shape[2:])[pb.fwd_index], batch_invariant)   # (N, P)
         out = emb.new_zeros(self.opts.n_layers + 1, B * T, 2 * emb.shape[-1])     # zeros at padded positions
-        state = self._run_layers(emb, pb, state, out, pb.fwd_index, pb.bwd_index)
+        state = self._run_layers(emb, pb, state, out, pb.fwd_index, pb.bwd_index, batch_invariant)
         return out.view(-1, B, T, out.shape[-1]), state
 
-    def forward_tokens(self, uniq: Tensor, index: Tensor, lengths: Tensor,
-                       state: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    def forward_tokens(self, uniq: Tensor, index: Tensor, lengths: Tensor, state: tuple[Tensor, Tensor] | None = None,
+                       batch_invariant: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """The same vectors as forward(), for the real tokens only, without padding or <S> </S>, and without
         building or zero-filling a padded batch (inference, char CNN or word ids alike).
 
         uniq (U, ...) distinct token inputs sorted as torch.unique(dim=0) sorts them; index (B, T) int64 rows
         of uniq, -1 at padded positions (model.char_ids.distinct_char_ids); lengths (B,), boundaries included.
         Returns layers (L+1, N, 2P), N = sum(lengths - 2): row b's tokens at [offsets[b], offsets[b+1]),
-        each layer contiguous; and the state as forward() returns it."""
+        each layer contiguous; and the state as forward() returns it. batch_invariant: as forward()."""
         B, T = index.shape
         pb = PackedBatch(lengths, T, uniq.device)
         inverse = index.reshape(B * T)[pb.fwd_index]
-        emb = self._encode_distinct(uniq)[inverse]                                   # (N_packed, P)
+        emb = self._encode_distinct(uniq, batch_invariant)[inverse]                  # (N_packed, P)
         fwd_rows, bwd_rows, n = pb.token_rows(uniq.device)
         out = emb.new_empty(self.opts.n_layers + 1, n + 2 * B, 2 * emb.shape[-1])   # every row is written
-        state = self._run_layers(emb, pb, state, out, fwd_rows, bwd_rows)
+        state = self._run_layers(emb, pb, state, out, fwd_rows, bwd_rows, batch_invariant)
         return out[:, :n], state
 
-    def _run_layers(self, emb: Tensor, pb: PackedBatch, state, out: Tensor, fwd_rows: Tensor, bwd_rows: Tensor):
+    def _run_layers(self, emb: Tensor, pb: PackedBatch, state, out: Tensor, fwd_rows: Tensor, bwd_rows: Tensor,
+                    batch_invariant: bool = False):
         """Layer 0 and the LSTM layers over packed token vectors emb (N, P): layer k's forward and backward
-        outputs go to out[k] (rows, 2P) at fwd_rows / bwd_rows. Returns the final state in batch-row order."""
+        outputs go to out[k] (rows, 2P) at fwd_rows / bwd_rows. Returns the final state in batch-row order.
+        batch_invariant: the LSTMs run in a padded packed layout, step t on round_up(n_t, ROW_TILE) rows."""
         B, device = len(pb.lengths), emb.device
         if state is None:
             state = self.zero_state(B, device)
@@ -419,15 +465,32 @@ class BiLM(nn.Module):
         P = emb.shape[-1]
         out[0, :, :P].index_copy_(0, fwd_rows, emb)
         out[0, :, P:] = out[0, :, :P]
-        x = torch.stack([emb, emb[pb.bwd_from_fwd]])                              # (2, N, P)
+        h0 = [h0[:, k][:, pb.order] for k in range(self.opts.n_layers)]     # packed row order
+        c0 = [c0[:, k][:, pb.order] for k in range(self.opts.n_layers)]
+        step_rows, at = None, None
+        if batch_invariant and pb.batch_sizes:
+            step_rows = [_round_up(n, ROW_TILE) for n in pb.batch_sizes]
+            # padded position of each packed element: step t's rows start at sum(step_rows[:t])
+            starts = torch.tensor([0, *step_rows[:-1]], dtype=torch.int64).cumsum(0)
+            at = (starts[pb.steps] + torch.arange(len(pb.steps)) - torch.tensor([0, *pb.batch_sizes[:-1]],
+                  dtype=torch.int64).cumsum(0)[pb.steps]).to(device)
+            x = emb.new_zeros(2, sum(step_rows), P)
+            x[0, at], x[1, at] = emb, emb[pb.bwd_from_fwd]
+
+            def pad(s: Tensor) -> Tensor:          # (2, B, D) -> (2, step_rows[0], D), zero rows appended
+                return torch.cat([s, s.new_zeros(2, step_rows[0] - B, s.shape[2])], dim=1) if step_rows[0] > B else s
+            h0, c0 = [pad(s) for s in h0], [pad(s) for s in c0]
+        else:
+            x = torch.stack([emb, emb[pb.bwd_from_fwd]])                          # (2, N, P)
         h_out, c_out = [], []
         for k, (fl, bl) in enumerate(zip(self.forward_layers, self.backward_layers)):
             y, h, c = run_lstm_layers([fl, bl], self._pair_weights(k), self._drop(x), pb.batch_sizes,
-                                      h0[:, k][:, pb.order], c0[:, k][:, pb.order])
+                                      h0[k], c0[k], step_rows)
             if self.opts.use_skip_connections and k > 0:
                 y = y + x          # bilm-tf's ResidualWrapper: on every layer but the first
-            out[k + 1, :, :P].index_copy_(0, fwd_rows, y[0])
-            out[k + 1, :, P:].index_copy_(0, bwd_rows, y[1])
+            real = y if at is None else y[:, at]
+            out[k + 1, :, :P].index_copy_(0, fwd_rows, real[0])
+            out[k + 1, :, P:].index_copy_(0, bwd_rows, real[1])
             h_out.append(h)
             c_out.append(c)
             x = y

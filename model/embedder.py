@@ -7,6 +7,12 @@ State modes (what each sentence's LSTMs start from):
   stateful   each batch row carries its state over to the same row of the next batch, exactly like
              bilm-tf / AllenNLP (batches are consecutive input sentences, never reordered). For parity
              and compatibility only: results depend on batch size and on what came before.
+
+batch_invariant=True (stateless and warm; off by default: it costs about 1-6 % of tokens/s at token budgets,
+2-3x for a sentence alone, benchmarks/README.md): a sentence's vectors are the same bits whatever it is
+batched with (alone, in any batch size or order, any token budget), at a given torch thread count (and,
+measured, the same at 1 and 2 threads): BiLM.forward_tokens(batch_invariant=True). False (default): the fast
+path, equal up to float rounding (a few ulps). Stateful mode always runs the fast path.
 """
 from __future__ import annotations
 
@@ -47,14 +53,21 @@ class ElmoEmbedder:
 
     Layer 0 is the token vector duplicated to 2P (AllenNLP compatible); layer k the concatenated
     forward and backward outputs of LSTM layer k. <S> and </S> are added and removed internally.
+
+    batch_invariant: True = every sentence's vectors are bit-identical whatever the batching (module docstring;
+    stateless and warm only: stateful results depend on the batches by design); False (default): the fast path.
     """
 
     def __init__(self, options_file: str | None = None, weight_file: str | None = None, *,
                  device: str | int | torch.device | None = "cpu", state: str = "stateless",
                  batch_size: int = 64, model: BiLM | None = None, vocab_file: str | None = None,
-                 token_cache: int = 50_000, dtype: str | torch.dtype | None = None):
+                 token_cache: int = 50_000, dtype: str | torch.dtype | None = None,
+                 batch_invariant: bool = False):
         if state not in STATE_MODES:
             raise ValueError(f"state must be one of {STATE_MODES}, got {state!r}")
+        if batch_invariant and state == "stateful":
+            raise ValueError("batch_invariant needs state='stateless' or 'warm' (stateful results depend on the batches)")
+        self.batch_invariant = bool(batch_invariant)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.device = resolve_device(device)
@@ -157,7 +170,7 @@ class ElmoEmbedder:
     @torch.inference_mode()
     def _forward(self, sentences, state):
         """(L+1, N, 2P) for the real tokens of `sentences`, and the final state (BiLM.forward_tokens)."""
-        return self.model.forward_tokens(*self.batch_inputs(sentences), state)
+        return self.model.forward_tokens(*self.batch_inputs(sentences), state, batch_invariant=self.batch_invariant)
 
     def embed_packed(self, sentences: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
         """One batch, as given, packed: float32 (n_layers+1, N, 2P) for its N tokens, sentence after sentence

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-sentence-keys", action="store_true", help="key datasets by the sentence text, not the line index")
     p.add_argument("--state", choices=STATE_MODES, default="stateless",
                    help="LSTM state mode (default stateless; stateful = AllenNLP/bilm-tf behaviour)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+                   help="bit-identical vectors for a sentence whatever the batching (--state stateless or warm; "
+                   "docs/exactness.md; costs about 1-6%% of tokens/s, 2-3x for a sentence alone). Default off")
     p.add_argument("--window-tokens", type=int, default=0,
                    help="embed sentences longer than this as overlapping windows, stitched (model/windows.py); "
                    "default 0: whole sentences, as AllenNLP (memory grows with the longest sentence)")
@@ -72,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: give --model NAME or --options-file and --weight-file, not both")
     from pipeline.validate import check_state, check_windows
     try:
-        check_state(args.state, budget_batches=args.max_tokens_per_batch > 0, windows=args.window_tokens > 0)
+        args.batch_invariant = check_state(args.state, budget_batches=args.max_tokens_per_batch > 0,
+                                           windows=args.window_tokens > 0, batch_invariant=args.batch_invariant)
         if args.window_tokens:
             args.window_overlap = check_windows(args.window_tokens, args.window_overlap, args.window_tokens + 2)
     except ValueError as e:
@@ -83,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         if bad or len(set(lines)) != len(lines):
             raise SystemExit("error: --use-sentence-keys needs unique, non-blank sentences without '/'; "
                              f"first offending line: {bad[0] if bad else 'a duplicate sentence'!r}")
-    common = dict(device=args.cuda_device, state=args.state, batch_size=args.batch_size, dtype=args.compute_dtype)
+    common = dict(device=args.cuda_device, state=args.state, batch_size=args.batch_size, dtype=args.compute_dtype,
+                  batch_invariant=args.batch_invariant)
     try:
         embedder = (ElmoEmbedder.from_name(args.model, **common) if args.model else
                     ElmoEmbedder(args.options_file, args.weight_file, vocab_file=args.vocab_file, **common))

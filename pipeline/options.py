@@ -1,6 +1,7 @@
 """The pipeline's own flags, as a Beam PipelineOptions subclass (Beam's standard flags go alongside)."""
 from __future__ import annotations
 
+import argparse
 import os
 
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -54,6 +55,10 @@ class ElmoOptions(PipelineOptions):
         g("--device", default="auto", help="auto | cpu | cuda | cuda:N (a missing GPU is an error)")
         g("--state", choices=STATE_MODES, default="stateless",
           help="LSTM state mode (default stateless; stateful needs one worker and keeps input order)")
+        g("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+          help="bit-identical vectors for a sentence whatever the batch budget, workers or resume, so shard files "
+          "hash the same (every GEMM on a multiple of 4 rows; docs/exactness.md); --state stateless or warm; "
+          "costs about 1-6%% of tokens/s (benchmarks/README.md). Default off: equal to float32 round-off only")
         g("--layers", default="all", help="all | top | average | comma-separated indices (default all)")
         g("--dtype", choices=STORAGE_DTYPES, default="float32", help="storage precision (default float32)")
         g("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",

@@ -129,10 +129,11 @@ def plan(opts: PipelineOptions) -> Plan:
     columns = layer_columns(selection, dim, o.duplicate_layer0)
     local = (opts.view_as(StandardOptions).runner or "FnApiRunner") in LOCAL_RUNNERS
     workers = _num_local_workers(opts)
-    check_state(o.state, workers=workers)
+    o.batch_invariant = check_state(o.state, workers=workers, batch_invariant=o.batch_invariant)   # resolved
     stateful = o.state == "stateful"
     threads = o.torch_threads or (default_torch_threads(workers) if local else 0)
-    spec = E.ModelSpec(options_file, weight_file, vocab_file, o.device, o.state, threads, o.compute_dtype, so)
+    spec = E.ModelSpec(options_file, weight_file, vocab_file, o.device, o.state, threads, o.compute_dtype,
+                       batch_invariant=o.batch_invariant, storage_options=so)
     if local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
         from model.device import resolve_device
         resolve_device(o.device)

@@ -70,12 +70,17 @@ def check_windows(window_tokens: int, window_overlap: int | None, max_tokens: in
     return window_overlap
 
 
-def check_state(state: str, *, workers: int = 1, budget_batches: bool = False, windows: bool = False) -> None:
+def check_state(state: str, *, workers: int = 1, budget_batches: bool = False, windows: bool = False,
+                batch_invariant: bool | None = None) -> bool:
     """The rules of --state stateful (AllenNLP/bilm-tf behaviour: each batch row carries its LSTM state to
     the next batch, so batches are consecutive input sentences): one worker, no length-sorted token-budget
-    batches, no windows (windows are not consecutive sentences). Shared by `run` and `elmo`."""
+    batches, no windows (windows are not consecutive sentences), no --batch-invariant. Shared by `run` and
+    `elmo`. Returns --batch-invariant as a bool (off unless asked for)."""
     if state != "stateful":
-        return
+        return bool(batch_invariant)
+    if batch_invariant:
+        raise ValueError("--batch-invariant needs --state stateless or warm (stateful vectors depend on the "
+                         "batches by design)")
     if workers > 1:
         raise ValueError("--state stateful keeps input order in consecutive batches: run it with one worker")
     if budget_batches:
@@ -84,6 +89,7 @@ def check_state(state: str, *, workers: int = 1, budget_batches: bool = False, w
     if windows:
         raise ValueError("--window-tokens needs --state stateless or warm (stateful carries state between "
                          "consecutive sentences, windows are not sentences)")
+    return False
 
 
 def check_model(options_file: str, weight_file: str):

@@ -14,8 +14,9 @@ import numpy as np
 @dataclass(frozen=True)
 class ModelSpec:
     """What to load and how: files (paths or URLs), device, state mode, torch threads (0 = default), the
-    precision the biLM runs in (float32 | bfloat16 | float16), and the storage options ({protocol: {...}},
-    retries included) that remote model files are fetched with."""
+    precision the biLM runs in (float32 | bfloat16 | float16), batch_invariant (bit-identical vectors whatever
+    the batching; stateless/warm only; default off, as ElmoEmbedder), and the storage options
+    ({protocol: {...}}, retries included) that remote model files are fetched with."""
     options_file: str
     weight_file: str
     vocab_file: str | None = None
@@ -23,6 +24,7 @@ class ModelSpec:
     state: str = "stateless"
     torch_threads: int = 0
     compute_dtype: str = "float32"
+    batch_invariant: bool = False
     storage_options: dict | None = field(default=None, repr=False, compare=False)
 
     def local_files(self) -> tuple[str, str, str | None]:
@@ -105,11 +107,13 @@ def load_embedder(spec: ModelSpec):
     model = _OFFERED.pop((spec.options_file, spec.weight_file), None)
     options_file, weight_file, vocab_file = spec.local_files()
     return ElmoEmbedder(options_file, weight_file, device=resolve_device(spec.device, share_gpus=True), model=model,
-                        state=spec.state, vocab_file=vocab_file, dtype=spec.compute_dtype)
+                        state=spec.state, vocab_file=vocab_file, dtype=spec.compute_dtype,
+                        batch_invariant=spec.batch_invariant)
 
 
 def model_identity(spec: ModelSpec) -> dict:
-    """Model files, weights sha256 and parsed options, for the manifest."""
+    """Model files, weights sha256, parsed options and how the vectors are computed (batch_invariant), for the
+    manifest."""
     import json
 
     from fsio import file_sha256
@@ -117,4 +121,5 @@ def model_identity(spec: ModelSpec) -> dict:
     with open(options_file) as f:
         options = json.load(f)
     return {"options_file": spec.options_file, "weight_file": spec.weight_file, "vocab_file": spec.vocab_file,
-            "weights_sha256": file_sha256(weight_file), "options": options}
+            "weights_sha256": file_sha256(weight_file), "options": options,
+            "batch_invariant": spec.batch_invariant}
