@@ -189,6 +189,72 @@ def test_on_s3_concurrent_runs_and_finished_reruns(corpus, tiny_model_files, ref
         assert objects() == before
 
 
+S3_FLAGS = ("--s3_endpoint_url", "{endpoint}", "--s3_access_key_id", "testing", "--s3_secret_access_key", "testing")
+
+
+def _s3_args(tiny_model_files, endpoint, bucket, *extra):
+    s3 = [f.format(endpoint=endpoint) for f in S3_FLAGS]
+    return argv(tiny_model_files, f"s3://{bucket}/in/docs.txt", f"s3://{bucket}/out", *SMALL, *extra, *s3)
+
+
+def test_on_s3_a_killed_runs_lease_is_taken_over_when_stale(corpus, tiny_model_files, reference):
+    """(2) on S3: the holder is SIGKILLed and its lease object rewritten as another host's (a lost machine);
+    a rerun is refused while that heartbeat is fresh and takes the lease over (If-Match on its ETag) once it
+    is older than --lease-stale-seconds; the output equals an uninterrupted run's."""
+    with moto_s3("elmo-stale") as (endpoint, fs):
+        fs.put_file(corpus, "elmo-stale/in/docs.txt")
+        args = _s3_args(tiny_model_files, endpoint, "elmo-stale", "--lease-stale-seconds", "10")
+        p = run_subprocess(args, "embed:3")
+        assert p.returncode == -9, p.stderr[-2000:]
+        fs.invalidate_cache()
+        lease = json.loads(fs.cat_file("elmo-stale/out/_lease.json"))
+        lease.update(host="a-lost-machine", heartbeat=time.time())     # its last heartbeat: just now
+        fs.pipe_file("elmo-stale/out/_lease.json", json.dumps(lease).encode())
+        early = run_subprocess(args)
+        assert early.returncode == 2 and "on host a-lost-machine" in early.stderr, early.stderr[-2000:]
+        assert "older than 10 s (--lease-stale-seconds)" in early.stderr
+        fs.invalidate_cache()
+        assert json.loads(fs.cat_file("elmo-stale/out/_lease.json"))["token"] == lease["token"]
+        time.sleep(max(0.0, lease["heartbeat"] + 10.5 - time.time()))
+        late = run_subprocess(args)
+        assert late.returncode == 0, late.stderr[-2000:]
+        assert "took over a stale lease: pid" in late.stderr and "a-lost-machine" in late.stderr
+        got = read_output("s3://elmo-stale/out", fs)
+        assert_same_output(got, reference)
+        assert got[0]["run"]["resumed_sentences"] > 0
+        fs.invalidate_cache()
+        assert not fs.exists("elmo-stale/out/_lease.json")
+
+
+def test_on_s3_a_finalize_plan_with_a_lost_object_is_healed_by_a_rerun(corpus, tiny_model_files, reference):
+    """(3) on S3: Finalize killed after 3 moves (server-side copy + delete), then a staged object of its plan
+    is deleted: the rerun rolls the plan back, re-embeds that shard and completes equal to an uninterrupted
+    run."""
+    with moto_s3("elmo-heal") as (endpoint, fs):
+        fs.put_file(corpus, "elmo-heal/in/docs.txt")
+        args = _s3_args(tiny_model_files, endpoint, "elmo-heal")
+        p = run_subprocess(args, "finalize_move:3")
+        assert p.returncode == -9, p.stderr[-2000:]
+        fs.invalidate_cache()
+        (st,) = fs.ls("elmo-heal/out/_staging")
+        plan = json.loads(fs.cat_file(f"{st}/finalize.json"))
+        lost = next(src for src, _ in plan["moves"][3:] if src.endswith(".parquet"))
+        fs.rm_file(lost)
+        fs.invalidate_cache()
+        assert all(fs.exists(f"elmo-heal/out/{rel}") for _, rel in plan["moves"][:3])
+        assert not fs.exists(lost)
+        rerun = run_subprocess(args)
+        assert rerun.returncode == 0, rerun.stderr[-2000:]
+        assert "rolling it back" in rerun.stderr
+        got = read_output("s3://elmo-heal/out", fs)
+        assert_same_output(got, reference)
+        lost_sentences = next(s["sentences"] for s in plan["manifest"]["shards"] if s["parquet"] in
+                              {rel for src, rel in plan["moves"] if src == lost})
+        assert got[0]["run"]["resumed_sentences"] == reference[0]["counts"]["sentences_written"] - lost_sentences
+        fs.invalidate_cache()
+        assert not fs.exists("elmo-heal/out/_lease.json")
+
+
 def test_overwrite_redoes_a_finished_run_of_the_same_command(corpus, tiny_model_files, reference, tmp_path, capsys):
     out = str(tmp_path / "out")
     args = argv(tiny_model_files, corpus, out, *SMALL)
