@@ -303,10 +303,14 @@ class WriteShards(beam.DoFn):
     `shard_bytes` of buffered vectors as stored (so memory is bounded whatever the model's width), or at
     the bundle's end; a batch may be split between two shards.
 
-    A full shard is written by a thread of this DoFn's own while the Beam thread goes on embedding: at
-    most one shard is being written and one is filling. (The writer is mostly C work that releases the
-    GIL: Parquet encoding, zstd, file and object-store I/O. The model stays on the Beam thread; a Python
-    thread running beside the biLM's step loop would stall it on the GIL.)"""
+    A full shard is written by threads of this DoFn's own while the Beam thread goes on embedding: at most
+    WRITERS shards are being written and one is filling (memory: (WRITERS + 1) x --shard-bytes). Two writers
+    keep both cores of a 2-core worker busy when a shard's writing takes about as long as its embedding
+    (benchmarks/host_cost.py). The writers do mostly C work that releases the GIL: Parquet encoding,
+    HDF5, file and object-store I/O. The model stays on the Beam thread; a Python thread running beside
+    the biLM's step loop would stall it on the GIL."""
+
+    WRITERS = 2
 
     def __init__(self, staging: str, spec: ShardSpec, shard_sentences: int, storage_options, shard_bytes=64 << 20):
         self.staging, self.spec = staging, spec
@@ -314,7 +318,7 @@ class WriteShards(beam.DoFn):
         self.shards = Metrics.counter(NS, "shards")
 
     def setup(self):
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="elmo-write")
+        self.pool = ThreadPoolExecutor(self.WRITERS, thread_name_prefix="elmo-write")
         self.per_token = self.spec.bytes_per_token
 
     def teardown(self):
@@ -323,20 +327,20 @@ class WriteShards(beam.DoFn):
             pool.shutdown(wait=True)
 
     def start_bundle(self):
-        self.buf, self.nbytes, self.writing = [], 0, None
+        self.buf, self.nbytes, self.writing = [], 0, []
 
-    def _written(self):
-        """The ShardInfo of the shard being written, once it is (its errors raise here), or nothing."""
-        if self.writing is not None:
-            future, self.writing = self.writing, None
-            yield future.result()
+    def _written(self, keep: int = 0):
+        """The ShardInfos of the oldest shards being written, once they are (their errors raise here), until
+        at most `keep` are left writing."""
+        while len(self.writing) > keep:
+            yield self.writing.pop(0).result()
 
     def _flush(self):
         sentences, self.buf, self.nbytes = self.buf, [], 0
-        yield from self._written()
         if sentences:
+            yield from self._written(keep=self.WRITERS - 1)
             self.shards.inc()
-            self.writing = self.pool.submit(stage_shard, sentences, self.staging, self.spec, self.so)
+            self.writing.append(self.pool.submit(stage_shard, sentences, self.staging, self.spec, self.so))
 
     def process(self, batch: EmbeddedBatch):
         for b in range(len(batch.items)):
