@@ -17,6 +17,7 @@ from tests.resume_helpers import (SMALL, argv, assert_same_output, corpus, read_
                                   run_subprocess, write_corpus)
 from transforms import resume
 from formats.layout import PLAN, record_ids
+from transforms.dofns import WriteShards
 from transforms.write import stage_shard
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
@@ -90,7 +91,9 @@ def test_killed_at_each_stage_then_rerun_equals_uninterrupted(corpus, tiny_model
         assert p.returncode == -9, p.stderr[-2000:]
         named = {f for r in _records(st) for f in r["files"].values()}
         partial = [f for f in os.listdir(st) if f.endswith(".parquet") and f not in named]
-        assert len(partial) == 1 and len(_records(st)) == len(first)   # the kept records survived the rerun
+        # one partial file per shard being written when it died (WriteShards writes up to WRITERS at once);
+        # the kept records survived the rerun
+        assert 1 <= len(partial) <= WriteShards.WRITERS and len(_records(st)) == len(first)
 
         # 3. killed right after committing a shard (files and record written, the runner never got it)
         p = run_subprocess(args, "commit:1")
