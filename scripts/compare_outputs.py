@@ -25,6 +25,7 @@ Per output: bytes (SHA-256) and content. Parquet: schema, every column exactly (
 values bit for bit, max |diff|), and which file metadata differs when only bytes do. HDF5: names,
 shapes, dtypes, attributes, values bit for bit. manifest.json / results.json: equal with each side's
 tree and output folder replaced by <TREE>/<OUT>, timings (and results.json `machine`) dropped; manifest
+Keys only the head has are reported as "keys added (an extension)";
 `run.key` / `options.*` differences are reported as "differs (expected if flags were added)", not as
 failures. table.md: without its `seconds` column. Dead letters: sorted lines. chart.png: not compared.
 
@@ -223,8 +224,10 @@ def cmp_json(a: Path, b: Path, subs_a: list, subs_b: list) -> tuple[bool, float,
     ignored = [k for k in sorted(raw[0].keys() | raw[1].keys())
                if raw[0].get(k, absent) != raw[1].get(k, absent) and k not in diff]
     expected = [k for k in diff if a.name == "manifest.json" and (k == "run.key" or k.startswith("options."))]
-    diff = [k for k in diff if k not in expected]
+    added = [k for k in diff if k not in norm[0] and k not in expected]     # new keys only: an extension
+    diff = [k for k in diff if k not in expected and k not in added]
     notes = (["keys differ: " + ", ".join(diff[:8])] * bool(diff)
+             + ["keys added (an extension): " + ", ".join(added[:8])] * bool(added)
              + ["differs (expected if flags were added): " + ", ".join(expected)] * bool(expected)
              + [f"ignored (paths, timings): {', '.join(ignored[:6])}{' ...' * (len(ignored) > 6)}"] * bool(ignored))
     return not diff, 0.0, "; ".join(notes)
