@@ -28,3 +28,29 @@ def test_batch_padding_is_zero():
     assert ids.shape == (3, 5, 50)
     assert (ids[0, 3:] == 0).all() and (ids[2, 2:] == 0).all()
     np.testing.assert_array_equal(ids[1, :5], sentence_char_ids(["a", "b", "c"]))
+
+
+def test_vectorized_ids_equal_per_token_ids_and_torch_unique_order():
+    """batch_char_ids (built per distinct token, vectorized) equals the per-token reference layout, and
+    distinct_char_ids' rows are torch.unique(dim=0)'s, in its order: the biLM's char CNN then sees the very
+    same rows (long, multi-byte, empty, lone-surrogate and literal <S> tokens included)."""
+    import random
+
+    import torch
+
+    from model.char_ids import distinct_char_ids
+    rng = random.Random(0)
+    pieces = ["a", "b", "é", "日本", "<S>", "</S>", "x" * 60, "y" * 47 + "é", "😀", "\ud800", "", "ab", "Ab", "\x00"]
+    for _ in range(200):
+        sents = [[rng.choice(pieces) + rng.choice(pieces) for _ in range(rng.randint(0, 7))]
+                 for _ in range(rng.randint(1, 5))]
+        ids, lengths = batch_char_ids(sents)
+        per = [sentence_char_ids(s) for s in sents]
+        assert lengths.tolist() == [len(p) for p in per]
+        for b, p in enumerate(per):
+            np.testing.assert_array_equal(ids[b, : len(p)], p)
+            assert not ids[b, len(p):].any()
+        uniq, index, _ = distinct_char_ids(sents)
+        rows = torch.from_numpy(np.concatenate(per))
+        np.testing.assert_array_equal(uniq, torch.unique(rows, dim=0).numpy())
+        np.testing.assert_array_equal(uniq[index[index >= 0]], np.concatenate(per))

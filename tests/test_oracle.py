@@ -111,3 +111,22 @@ def test_char_cnn_gemm_path_equals_conv_path(monkeypatch):
         with torch.enable_grad():
             ref = enc(flat).detach()
         assert fast.shape == ref.shape and (fast - ref).abs().max() <= 1e-5
+
+
+def test_forward_tokens_equals_forward_bit_for_bit(tiny_model_files):
+    """BiLM.forward_tokens (what the embedder and the pipeline run: real tokens only, no padded output) gives
+    exactly forward()'s vectors at the real positions, and the same final state."""
+    import torch
+
+    from model.char_ids import batch_char_ids, distinct_char_ids
+    from model.weights import load_bilm
+    model = load_bilm(*tiny_model_files).eval()
+    sents = [["The", "cat", "sat", "."], ["A"], [], ["long", "er", "sentence", "here", "with", "é", "😀"]]
+    ids, lengths = batch_char_ids(sents)
+    uniq, index, _ = distinct_char_ids(sents)
+    with torch.inference_mode():
+        padded, (h, c) = model(torch.from_numpy(ids), torch.from_numpy(lengths))
+        packed, (h2, c2) = model.forward_tokens(torch.from_numpy(uniq), torch.from_numpy(index),
+                                                torch.from_numpy(lengths))
+    expect = torch.cat([padded[:, b, 1: len(s) + 1] for b, s in enumerate(sents)], dim=1)
+    assert torch.equal(packed, expect) and torch.equal(h, h2) and torch.equal(c, c2)
