@@ -66,27 +66,8 @@ def sentences(path: str) -> list[list[str]]:
     return out
 
 
-def regression(train, test, layer: int, stats) -> float:
-    mean, std = (t[layer].double() for t in stats)
-    x = (train.tokens[:, layer].double() - mean) / std
-    w = torch.zeros(x.shape[1], int(train.targets.max()) + 1, dtype=torch.float64, requires_grad=True)
-    b = torch.zeros(w.shape[1], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([w, b], max_iter=1000, tolerance_grad=1e-9, tolerance_change=1e-12, history_size=20,
-                            line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(x @ w + b, train.targets)
-        loss.backward()
-        return loss
-    opt.step(closure)
-    with torch.no_grad():
-        pred = (((test.tokens[:, layer].double() - mean) / std) @ w + b).argmax(1)
-    return float((pred == test.targets).double().mean())
-
-
 def main() -> int:
-    from downstream.probe import ProbeConfig, Split, train_setting
+    from downstream.probe import ProbeConfig, Split, logistic_regression_accuracy, train_setting
     from model.embedder import ElmoEmbedder
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wikitext", default=os.path.join(HERE, "..", "..", "shared", "data", "wikitext-2"))
@@ -114,7 +95,8 @@ def main() -> int:
                                                            **extra), train, dev, tst, emb.n_layers, emb.output_dim)
             row[name], row[f"{name}_seconds"] = r["test"]["accuracy"], round(time.perf_counter() - t0, 1)
         t0 = time.perf_counter()
-        row["regression"], row["regression_seconds"] = regression(train, tst, layer, stats), round(time.perf_counter() - t0, 1)
+        row["regression"] = logistic_regression_accuracy(train, tst, layer, stats)
+        row["regression_seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         print(f"layer{layer}: probe {100 * row['probe']:.1f}  adam-old {100 * row['adam-old']:.1f}  "
               f"regression {100 * row['regression']:.1f}", flush=True)

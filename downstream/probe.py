@@ -331,6 +331,28 @@ def _fit_lbfgs(model, params, mode, cfg, train, best, log, setting, chunk: int =
     return iterations
 
 
+def logistic_regression_accuracy(train: Split, test: Split, layer: int, stats) -> float:
+    """A reference for the linear probes: test accuracy of a plain multinomial logistic regression on one
+    standardized layer of the token vectors (stats: the (mean, std) per layer), fitted to convergence by
+    float64 full-batch L-BFGS, no penalty."""
+    mean, std = (t[layer].double() for t in stats)
+    x = (train.tokens[:, layer].double() - mean) / std
+    w = torch.zeros(x.shape[1], int(train.targets.max()) + 1, dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(w.shape[1], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=2000, tolerance_grad=1e-10, tolerance_change=1e-14, history_size=50,
+                            line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(x @ w + b, train.targets)
+        loss.backward()
+        return loss
+    opt.step(closure)
+    with torch.no_grad():
+        pred = (((test.tokens[:, layer].double() - mean) / std) @ w + b).argmax(1)
+    return float((pred == test.targets).double().mean())
+
+
 def train_setting(setting: str, cfg: ProbeConfig, train: Split, dev: Split | None, test: Split | None,
                   n_layers: int, dim: int, log=None) -> dict:
     """Train one setting; returns scores per split, the optimizer, the best epoch (lbfgs: iteration), seconds

@@ -259,32 +259,11 @@ def _token_task(seed: int, sentences: int, teacher: np.ndarray, shift: np.ndarra
     return recs
 
 
-def _logistic_regression(train, test, layer: int, stats) -> float:
-    """Test accuracy of a plain multinomial logistic regression fitted to convergence (float64 L-BFGS, no penalty)
-    on the same standardized layer."""
-    mean, std = (t[layer].double() for t in stats)
-    x = (train.tokens[:, layer].double() - mean) / std
-    w = torch.zeros(x.shape[1], int(train.targets.max()) + 1, dtype=torch.float64, requires_grad=True)
-    b = torch.zeros(w.shape[1], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([w, b], max_iter=2000, tolerance_grad=1e-10, tolerance_change=1e-14, history_size=50,
-                            line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(x @ w + b, train.targets)
-        loss.backward()
-        return loss
-    opt.step(closure)
-    with torch.no_grad():
-        pred = (((test.tokens[:, layer].double() - mean) / std) @ w + b).argmax(1)
-    return float((pred == test.targets).double().mean())
-
-
 def test_linear_probe_matches_logistic_regression():
     """The token tagger's default fit reaches a converged logistic regression on the same standardized vectors
     (within 0.5 points of test accuracy), for the informative layer and an uninformative one. (The earlier
     default, Adam with dropout 0.3 for 20 epochs, scored 70.7 here against the regression's 71.8 on layer 1.)"""
-    from downstream.probe import ProbeConfig, Split, train_setting
+    from downstream.probe import ProbeConfig, Split, logistic_regression_accuracy, train_setting
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     teacher = rng.normal(size=(256, 10)) * 0.4
@@ -295,6 +274,6 @@ def test_linear_probe_matches_logistic_regression():
     for layer in (1, 0):
         cfg = ProbeConfig(task="token", classes=list(range(10)), stats=stats)
         r = train_setting(f"layer{layer}", cfg, train, dev, test, 3, 256)
-        want = _logistic_regression(train, test, layer, stats)
+        want = logistic_regression_accuracy(train, test, layer, stats)
         assert r["optimizer"] == "lbfgs" and abs(r["test"]["accuracy"] - want) <= 0.005, (layer, r["test"], want)
-    assert want < 0.3 < 0.6 < _logistic_regression(train, test, 1, stats)    # layer 0 uninformative, layer 1 not
+    assert want < 0.3 < 0.6 < logistic_regression_accuracy(train, test, 1, stats)    # layer 0 uninformative, layer 1 not

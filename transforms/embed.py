@@ -81,7 +81,8 @@ def reuse_freed_memory() -> bool:
 
     A worker allocates tens of MB per batch and per shard (model outputs, shard columns, encoded pages) and
     frees them soon after; by default every such block is a fresh mmap whose pages the kernel faults in and
-    zeroes again: measured about 3 us per token of the near-free wide model's 12 (benchmarks/host_cost.py).
+    zeroes again, a cost that grows with the output width (it was a large part of the scatter into the model's
+    output buffer in a profile of the near-free wide model; not a figure of a repo benchmark).
     With the thresholds raised, blocks come from the heap and are reused; the resident size stays at the
     process's high-water mark, which --shard-bytes and the batch budget bound. True if applied (glibc only)."""
     import ctypes
