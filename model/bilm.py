@@ -24,6 +24,7 @@ on the tensor's size). See docs/exactness.md.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -436,35 +437,43 @@ class BiLM(nn.Module):
         return out.view(-1, B, T, out.shape[-1]), state
 
     def forward_tokens(self, uniq: Tensor, index: Tensor, lengths: Tensor, state: tuple[Tensor, Tensor] | None = None,
-                       batch_invariant: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+                       batch_invariant: bool = False, layers: Sequence[int] | None = None
+                       ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """The same vectors as forward(), for the real tokens only, without padding or <S> </S>, and without
         building or zero-filling a padded batch (inference, char CNN or word ids alike).
 
         uniq (U, ...) distinct token inputs sorted as torch.unique(dim=0) sorts them; index (B, T) int64 rows
         of uniq, -1 at padded positions (model.char_ids.distinct_char_ids); lengths (B,), boundaries included.
         Returns layers (L+1, N, 2P), N = sum(lengths - 2): row b's tokens at [offsets[b], offsets[b+1]),
-        each layer contiguous; and the state as forward() returns it. batch_invariant: as forward()."""
+        each layer contiguous; and the state as forward() returns it. batch_invariant: as forward().
+        layers: only these layers, ascending, are returned, (len(layers), N, 2P): the others are still
+        computed (each feeds the next) but never copied out."""
         B, T = index.shape
         pb = PackedBatch(lengths, T, uniq.device)
         inverse = index.reshape(B * T)[pb.fwd_index]
         emb = self._encode_distinct(uniq, batch_invariant)[inverse]                  # (N_packed, P)
         fwd_rows, bwd_rows, n = pb.token_rows(uniq.device)
-        out = emb.new_empty(self.opts.n_layers + 1, n + 2 * B, 2 * emb.shape[-1])   # every row is written
-        state = self._run_layers(emb, pb, state, out, fwd_rows, bwd_rows, batch_invariant)
+        layers = range(self.opts.n_layers + 1) if layers is None else layers
+        out = emb.new_empty(len(layers), n + 2 * B, 2 * emb.shape[-1])   # every row is written
+        state = self._run_layers(emb, pb, state, out, fwd_rows, bwd_rows, batch_invariant, layers)
         return out[:, :n], state
 
     def _run_layers(self, emb: Tensor, pb: PackedBatch, state, out: Tensor, fwd_rows: Tensor, bwd_rows: Tensor,
-                    batch_invariant: bool = False):
+                    batch_invariant: bool = False, layers: Sequence[int] | None = None):
         """Layer 0 and the LSTM layers over packed token vectors emb (N, P): layer k's forward and backward
         outputs go to out[k] (rows, 2P) at fwd_rows / bwd_rows. Returns the final state in batch-row order.
-        batch_invariant: the LSTMs run in a padded packed layout, step t on round_up(n_t, ROW_TILE) rows."""
+        batch_invariant: the LSTMs run in a padded packed layout, step t on round_up(n_t, ROW_TILE) rows.
+        layers (ascending): only these are written, layers[i] to out[i] (default: all)."""
         B, device = len(pb.lengths), emb.device
         if state is None:
             state = self.zero_state(B, device)
         h0, c0 = state
         P = emb.shape[-1]
-        out[0, :, :P].index_copy_(0, fwd_rows, emb)
-        out[0, :, P:] = out[0, :, :P]
+        slot = {k: i for i, k in enumerate(range(self.opts.n_layers + 1) if layers is None else layers)}
+        if 0 in slot:
+            o = out[slot[0]]
+            o[:, :P].index_copy_(0, fwd_rows, emb)
+            o[:, P:] = o[:, :P]
         h0 = [h0[:, k][:, pb.order] for k in range(self.opts.n_layers)]     # packed row order
         c0 = [c0[:, k][:, pb.order] for k in range(self.opts.n_layers)]
         step_rows, at = None, None
@@ -488,9 +497,10 @@ class BiLM(nn.Module):
                                       h0[k], c0[k], step_rows)
             if self.opts.use_skip_connections and k > 0:
                 y = y + x          # bilm-tf's ResidualWrapper: on every layer but the first
-            real = y if at is None else y[:, at]
-            out[k + 1, :, :P].index_copy_(0, fwd_rows, real[0])
-            out[k + 1, :, P:].index_copy_(0, bwd_rows, real[1])
+            if k + 1 in slot:
+                real = y if at is None else y[:, at]
+                out[slot[k + 1], :, :P].index_copy_(0, fwd_rows, real[0])
+                out[slot[k + 1], :, P:].index_copy_(0, bwd_rows, real[1])
             h_out.append(h)
             c_out.append(c)
             x = y

@@ -168,20 +168,25 @@ class ElmoEmbedder:
 
     # --- running ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def _forward(self, sentences, state):
-        """(L+1, N, 2P) for the real tokens of `sentences`, and the final state (BiLM.forward_tokens)."""
-        return self.model.forward_tokens(*self.batch_inputs(sentences), state, batch_invariant=self.batch_invariant)
+    def _forward(self, sentences, state, layers: Sequence[int] | None = None):
+        """(L+1, N, 2P) for the real tokens of `sentences` (only `layers`, ascending, when given), and the final
+        state (BiLM.forward_tokens)."""
+        return self.model.forward_tokens(*self.batch_inputs(sentences), state, batch_invariant=self.batch_invariant,
+                                         layers=layers)
 
-    def embed_packed(self, sentences: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
+    def embed_packed(self, sentences: Sequence[Sequence[str]], layers: Sequence[int] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
         """One batch, as given, packed: float32 (n_layers+1, N, 2P) for its N tokens, sentence after sentence
         (each layer one contiguous (N, 2P) block; no padding, no copy per sentence), and offsets (B+1,) int64:
-        sentence b is [:, offsets[b]:offsets[b+1]]."""
+        sentence b is [:, offsets[b]:offsets[b+1]]. layers (ascending): only these, (len(layers), N, 2P), the
+        same values; the others are computed but not copied out."""
         sentences = [list(s) for s in sentences]
         offsets = np.zeros(len(sentences) + 1, dtype=np.int64)
         np.cumsum([len(s) for s in sentences], out=offsets[1:])
         if not sentences:
-            return np.zeros((self.n_layers, 0, self.output_dim), np.float32), offsets
-        out, state = self._forward(sentences, self._initial_state(len(sentences)))
+            n = self.n_layers if layers is None else len(layers)
+            return np.zeros((n, 0, self.output_dim), np.float32), offsets
+        out, state = self._forward(sentences, self._initial_state(len(sentences)), layers)
         if self.state_mode == "stateful":
             self._keep_state(state)
         return out.float().cpu().numpy(), offsets

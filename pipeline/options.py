@@ -75,6 +75,9 @@ class ElmoOptions(PipelineOptions):
           help="a shard also ends when its buffered vectors reach this many bytes (default 64 MiB): bounds memory")
         g("--torch-threads", type=int, default=0,
           help="torch intra-op threads per worker process (default: cores / local worker processes)")
+        g("--tokenizer-process", choices=("auto", "on", "off"), default="auto",
+          help="tokenize in a child process of each worker, beside its biLM (auto: on for the raw tokenizers on "
+          "local runners with 2+ cores; not on DaskRunner, which drops what a step emits at a bundle's end)")
         g("--progress", choices=("auto", "on", "off"), default="auto",
           help="progress bar with tokens/s (auto: on for local runs with a terminal)")
         g("--lease-stale-seconds", type=float, default=60.0,

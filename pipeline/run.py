@@ -100,11 +100,24 @@ class Plan:
     ingredients: dict              # what it hashes
     manifest: dict                 # manifest.json as known before the run
     tokenizer: str                 # --tokenizer resolved (raw -> the model's scheme: tokenization.resolve_tokenizer)
+    tokenizer_process: bool        # tokenize in a child process of each worker (--tokenizer-process resolved)
 
 
 def _num_local_workers(opts: PipelineOptions) -> int:
     d = opts.view_as(DirectOptions)
     return (d.direct_num_workers or 1) if d.direct_running_mode == "multi_processing" else 1
+
+
+def tokenizer_process(flag: str, tokenizer: str, local: bool, runner: str) -> bool:
+    """--tokenizer-process resolved. auto: a child process tokenizes when it has a core of its own beside the
+    biLM and the tokenizer is costly (not whitespace), on local runners. on: ValueError on DaskRunner, which
+    drops the Items a child still owes at a bundle's end."""
+    if flag == "on" and "DaskRunner" in runner:
+        raise ValueError("--tokenizer-process on does not work with DaskRunner (it drops what a step emits "
+                         "from finish_bundle: docs/runner-notes.md); use auto or off")
+    if flag != "auto":
+        return flag == "on"
+    return local and tokenizer != "whitespace" and (os.cpu_count() or 1) >= 2
 
 
 def plan(opts: PipelineOptions) -> Plan:
@@ -164,7 +177,9 @@ def plan(opts: PipelineOptions) -> Plan:
                 sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
                 progress=o.progress == "on" or (o.progress == "auto" and local and sys.stderr.isatty()),
                 break_fusion=os.environ.get(BREAK_FUSION_ENV) == "1",
-                key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer)
+                key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
+                tokenizer_process=tokenizer_process(o.tokenizer_process, tokenizer, local,
+                                                    opts.view_as(StandardOptions).runner or "FnApiRunner"))
 
 
 def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
@@ -187,7 +202,8 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
                      output_type=Document)
     elif pl.spread_documents and not pl.break_fusion:
         docs = docs | "SpreadDocuments" >> beam.Reshuffle()
-    items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag), output_type=Item)
+    items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag, pl.tokenizer_process),
+                  output_type=Item)
     if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
         items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(state.record_paths, so)).with_output_types(Item)
     # batching, embedding and writing in one step: a bundle's last batches and shard never leave it. The count
@@ -196,7 +212,8 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
     shards = items | "EmbedShards" >> beam.ParDo(Chain(
         staging, so,
         SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort),
-        Embed(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap, max_tokens=o.max_tokens_per_batch),
+        Embed(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap, max_tokens=o.max_tokens_per_batch,
+              layers=pl.shard.layers_read),
         WriteShards(staging, pl.shard, o.shard_sentences, so, o.shard_bytes))).with_output_types(ShardInfo)
     _ = shards | "CountStagedShards" >> beam.combiners.Count.Globally()
 

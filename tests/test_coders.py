@@ -41,6 +41,10 @@ def test_embedded_batch_vectors_bit_for_bit():
     assert got.vectors.dtype == np.float32 and got.vectors.tobytes() == vectors.tobytes()
     got.vectors[0, 0, 0] = 1.0                  # writable, like the embedder's output
     assert coder.encode(batch) == coder.encode(batch)
+    assert got.layers is None
+    some = EmbeddedBatch(batch.items, vectors[[0, 2]], batch.offsets, (0, 2))      # only layers 0 and 2
+    got = coder.decode(coder.encode(some))
+    assert got.layers == (0, 2) and got.vectors.tobytes() == vectors[[0, 2]].tobytes()
 
 
 @pytest.mark.slow

@@ -130,3 +130,11 @@ def test_forward_tokens_equals_forward_bit_for_bit(tiny_model_files):
                                                 torch.from_numpy(lengths))
     expect = torch.cat([padded[:, b, 1: len(s) + 1] for b, s in enumerate(sents)], dim=1)
     assert torch.equal(packed, expect) and torch.equal(h, h2) and torch.equal(c, c2)
+    for layers in ([2], [0, 2], [1], [0, 1, 2]):     # only these copied out: the same bits, layer by layer
+        for inv in (False, True):
+            with torch.inference_mode():
+                full, _ = model.forward_tokens(torch.from_numpy(uniq), torch.from_numpy(index),
+                                               torch.from_numpy(lengths), batch_invariant=inv)
+                some, _ = model.forward_tokens(torch.from_numpy(uniq), torch.from_numpy(index),
+                                               torch.from_numpy(lengths), batch_invariant=inv, layers=layers)
+            assert some.shape[0] == len(layers) and torch.equal(some, full[layers])

@@ -190,6 +190,18 @@ def test_layer_sources_follow_the_selection():
     assert SPEC.bytes_per_token == (2 + 4 + 4 + 3 * 4) * 4
 
 
+def test_layer_sources_from_only_the_layers_read():
+    """With only ShardSpec.layers_read copied out of the model, the columns and HDF5 sources are the same."""
+    v = _batch().vectors
+    for sel in [(2,), (0, 2), (2, 0), (1,), "average", (0, 1, 2)]:
+        spec = dataclasses.replace(SPEC, selection=sel)
+        layers = spec.layers_read
+        assert layers is None if sel in ("average", (0, 1, 2)) else layers == tuple(sorted(sel))
+        cols, h5 = spec.sources(v)
+        cols2, h52 = spec.sources(v if layers is None else v[list(layers)], layers)
+        assert all(np.array_equal(a, b) for a, b in zip(cols, cols2)) and np.array_equal(h5, h52)
+
+
 def test_finalize_lists_dead_letters(tmp_path):
     from transforms.write import stage_dead_letters
     out = str(tmp_path / "o")

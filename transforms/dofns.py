@@ -24,7 +24,7 @@ from transforms.faults import crash_point
 from transforms.read import read_documents, split_duplicate_ids
 from transforms.records import Blank, Document, EmbeddedBatch, Item
 from transforms.resume import load_done_ids
-from tokenization import tokenize_document
+from tokenization.process import TokenizerProcess, tokenize_or_reason
 from transforms.write import ShardSpec, stage_counts, stage_dead_letters, stage_shard
 
 NS = "elmo"
@@ -83,21 +83,44 @@ class Tokenize(beam.DoFn):
     """Document -> Item per sentence; sentences over max_tokens to the DEAD output.
 
     Every document gives at least one sentence: one whose text has no tokens at all (only control
-    characters, say), or that the tokenizer fails on, is dead-lettered as its sentence #0."""
+    characters, say), or that the tokenizer fails on, is dead-lettered as its sentence #0.
+    in_process False: tokenized inline; True: in a child process, ahead of this thread, which goes on with
+    the steps fused after it (the biLM): tokenization.process. Its last Items come from finish_bundle, so
+    only on runners that pass those on (not DaskRunner: docs/runner-notes.md)."""
 
-    def __init__(self, mode: str, max_tokens: int, limit_flag: str = "--max-sentence-tokens"):
+    def __init__(self, mode: str, max_tokens: int, limit_flag: str = "--max-sentence-tokens",
+                 in_process: bool = False):
         self.mode, self.max_tokens, self.limit_flag = mode, max_tokens, limit_flag
+        self.in_process = in_process
         self.sentences = Metrics.counter(NS, "sentences")
         self.tokens = Metrics.counter(NS, "tokens")
         self.dead = Metrics.counter(NS, "dead_letters")
 
+    def setup(self):
+        self.child = TokenizerProcess(self.mode) if self.in_process else None
+
+    def teardown(self):
+        if getattr(self, "child", None) is not None:
+            self.child.close()
+
     def process(self, doc: Document):
-        try:
-            sentences = tokenize_document(doc.text, self.mode, doc.split_sentences)
-            reason = "no tokens: the text has no tokens (only control, format or other characters the tokenizer drops)"
-        except Exception as e:  # noqa: BLE001 - one document must not fail the job
-            sentences, reason = [], f"tokenizer failed: {type(e).__name__}: {e}"[:500]
-        if not sentences:
+        if self.child is None:
+            yield from self._items(doc, tokenize_or_reason(doc.text, self.mode, doc.split_sentences))
+        else:
+            for d, result in self.child.put(doc, doc.text, doc.split_sentences):
+                yield from self._items(d, result)
+
+    def finish_bundle(self):
+        if self.child is not None:
+            for d, result in self.child.drain():
+                for out in self._items(d, result):
+                    yield out if isinstance(out, beam.pvalue.TaggedOutput) else _windowed(out)
+
+    def _items(self, doc: Document, sentences):
+        """Items (and dead letters) of `doc` from tokenize_or_reason()'s result."""
+        if isinstance(sentences, str) or not sentences:
+            reason = (f"tokenizer failed: {sentences}"[:500] if isinstance(sentences, str) else
+                      "no tokens: the text has no tokens (only control, format or other characters the tokenizer drops)")
             self.sentences.inc()
             self.dead.inc()
             yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(sentence_id(doc.doc_id, 0), reason,
@@ -251,11 +274,12 @@ class Embed(beam.DoFn):
 
     A failing batch is retried sentence by sentence; sentences that still fail go to DEAD.
     window > 0: a sentence longer than the (budget-capped) window is embedded as overlapping windows in
-    sub-batches of at most `max_tokens` slots, stitched back together (model/windows.py)."""
+    sub-batches of at most `max_tokens` slots, stitched back together (model/windows.py).
+    layers: only these layers (ascending) are copied out of the model (ShardSpec.layers_read; None: all)."""
 
     def __init__(self, spec: E.ModelSpec, progress: bool = False, window: int = 0, overlap: int = 0,
-                 max_tokens: int = 0):
-        self.spec, self.progress = spec, progress
+                 max_tokens: int = 0, layers: tuple[int, ...] | None = None):
+        self.spec, self.progress, self.layers = spec, progress, layers
         self.window, self.overlap, self.max_tokens = window, overlap, max_tokens
         self.windowed = Metrics.counter(NS, "windowed_sentences")
         self._shared = shared.Shared()
@@ -271,7 +295,7 @@ class Embed(beam.DoFn):
             self.windowed.inc()
             vectors = embed_long(self.embedder, item.tokens, self.window, self.overlap, self.max_tokens)
             return EmbeddedBatch([item], vectors, np.array([0, len(item.tokens)], dtype=np.int64))
-        return EmbeddedBatch([item], *self.embedder.embed_packed([item.tokens]))
+        return EmbeddedBatch([item], *self.embedder.embed_packed([item.tokens], self.layers), self.layers)
 
     def process(self, batch: list[Item]):
         crash_point("embed")
@@ -282,7 +306,8 @@ class Embed(beam.DoFn):
         outs = []
         if short:
             try:
-                outs.append(EmbeddedBatch(short, *self.embedder.embed_packed([i.tokens for i in short])))
+                outs.append(EmbeddedBatch(short, *self.embedder.embed_packed([i.tokens for i in short], self.layers),
+                                          self.layers))
             except Exception:  # noqa: BLE001 - isolate the failing sentence(s), below
                 single = short + single
         for item in single:

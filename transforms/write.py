@@ -49,28 +49,39 @@ class ShardSpec:
                 self.selection[0] == self.n_layers - 1 else len(self.selection) * self.dim
         return (parquet + h5) * item
 
-    def sources(self, vectors: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-        """Views of one batch's packed vectors (L+1, N, 2P): per Parquet column (N, D_k), and the HDF5 source
-        in AllenNLP's layout, (layers, N, 2P) or (N, 2P) for top/average (layer 0 duplicated)."""
+    @property
+    def layers_read(self) -> tuple[int, ...] | None:
+        """The layers sources() reads, ascending; None for all (every layer, or their average)."""
+        if self.selection == "average" or sorted(set(self.selection)) == list(range(self.n_layers)):
+            return None
+        return tuple(sorted(set(self.selection)))
+
+    def sources(self, vectors: np.ndarray, layers: tuple[int, ...] | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+        """Views of one batch's packed vectors (L+1, N, 2P), or (len(layers), N, 2P) holding only `layers`: per
+        Parquet column (N, D_k), and the HDF5 source in AllenNLP's layout, (layers, N, 2P) or (N, 2P) for
+        top/average (layer 0 duplicated)."""
         sel = self.selection
         if sel == "average":
             avg = vectors.mean(axis=0)
             return [avg], avg
+        layer = vectors if layers is None else dict(zip(layers, vectors))    # layer k -> (N, 2P)
         half = vectors.shape[2] // 2
-        cols = [vectors[0][:, :half] if k == 0 and not self.duplicate_layer0 else vectors[k] for k in sel]
+        cols = [layer[0][:, :half] if k == 0 and not self.duplicate_layer0 else layer[k] for k in sel]
         if list(sel) == [self.n_layers - 1]:
-            h5 = vectors[-1]
+            h5 = layer[self.n_layers - 1]
         elif list(sel) == list(range(self.n_layers)):
             h5 = vectors                        # all layers in order: no copy
-        else:
+        elif layers is None:
             h5 = vectors[list(sel)]
+        else:
+            h5 = np.stack([layer[k] for k in sel])
         return cols, h5
 
 
 def shard_columns(sentences: list[tuple[EmbeddedBatch, int]], spec: ShardSpec) -> ShardColumns:
     """The shard's Parquet content from (batch, sentence index) pairs already sorted by id: each layer is
     one (N, D_k) array in the storage dtype, filled by one copy per sentence from the batches' vectors."""
-    sources = {id(b): spec.sources(b.vectors)[0] for b, _ in sentences}
+    sources = {id(b): spec.sources(b.vectors, b.layers)[0] for b, _ in sentences}
     lengths = np.fromiter((b.tokens(i) for b, i in sentences), dtype=np.int32, count=len(sentences))
     n = int(lengths.sum())
     layers = [np.empty((n, d), dtype=spec.dtype) for _, d in spec.columns]
@@ -88,7 +99,7 @@ def shard_columns(sentences: list[tuple[EmbeddedBatch, int]], spec: ShardSpec) -
 
 def hdf5_sentences(sentences: list[tuple[EmbeddedBatch, int]], spec: ShardSpec):
     """(sentence id, (layers, T, 2P) or (T, 2P) array in the storage dtype) per sentence, AllenNLP's layout."""
-    sources = {id(b): spec.sources(b.vectors)[1] for b, _ in sentences}
+    sources = {id(b): spec.sources(b.vectors, b.layers)[1] for b, _ in sentences}
     for batch, i in sentences:
         a, e = int(batch.offsets[i]), int(batch.offsets[i + 1])
         src = sources[id(batch)]

@@ -1,0 +1,73 @@
+"""Tokenizing in a child process (tokenization/process.py): the same sentences, offsets and failure reasons as
+inline, in the order the documents were put; a child that dies is an error, not lost documents; the pipeline
+writes the same output with it as without."""
+import os
+import signal
+
+import pytest
+
+from tests import robustness_corpus as rc
+from tokenization.process import TokenizerProcess, tokenize_or_reason
+
+pytestmark = pytest.mark.slow          # starts processes
+
+DOCS = ["The High-Speed train left. It was late, wasn't it?", "", "   ", "Zürich 東京 😀 \u200b\x00 text.",
+        "One sentence without a stop", None, "a" * 5000 + " b. c.", "\ufeffBOM then words."]
+
+
+def _texts():
+    cases = [c.decode("utf-8", "replace") for c in rc.generated_cases().values()]
+    return DOCS + cases + [f"Document {i} says {i * 7} things. Then more." for i in range(300)]
+
+
+@pytest.mark.parametrize("mode", ["wikitext", "moses", "whitespace"])
+@pytest.mark.parametrize("chunk_chars,ahead", [(1, 1), (200, 2), (16_384, 4)])
+def test_same_results_as_inline_in_order(mode, chunk_chars, ahead):
+    texts = _texts()
+    child = TokenizerProcess(mode, chunk_chars=chunk_chars, ahead=ahead)
+    try:
+        got = []
+        for i, t in enumerate(texts):
+            got.extend(child.put(i, t, i % 3 != 0))
+        got.extend(child.drain())
+    finally:
+        child.close()
+    assert [k for k, _ in got] == list(range(len(texts)))
+    for (i, res), t in zip(got, texts):
+        assert res == tokenize_or_reason(t, mode, i % 3 != 0), i
+    assert isinstance(got[DOCS.index(None)][1], str) and "Error: " in got[DOCS.index(None)][1]   # a failing document
+    assert child.proc.returncode == 0
+
+
+def test_a_killed_child_is_an_error():
+    child = TokenizerProcess("wikitext", chunk_chars=1)
+    try:
+        list(child.put(0, "Fine. Text.", True))
+        os.kill(child.proc.pid, signal.SIGKILL)
+        child.proc.wait()
+        with pytest.raises(RuntimeError, match="tokenizer process exited"):
+            for i in range(1, 50):
+                list(child.put(i, "More text.", True))
+            list(child.drain())
+    finally:
+        child.close()
+
+
+def test_pipeline_output_same_with_and_without(tmp_path, tiny_model_files):
+    """Dirty input (dead letters included), several sentences per document: equal outputs, files byte for byte."""
+    from pipeline.run import main
+    from tests.resume_helpers import argv, assert_same_output, read_output
+    from tests.test_dask import dirty_corpus
+    files = dirty_corpus(tmp_path / "corpus")
+    outs = {}
+    for mode in ("on", "off"):
+        outs[mode] = str(tmp_path / mode)
+        assert main(argv(tiny_model_files, files, outs[mode], "--tokenizer-process", mode,
+                         "--max-sentence-tokens", "24", "--max-tokens-per-batch", "256")) == 0
+    assert_same_output(read_output(outs["on"]), read_output(outs["off"]), tol=0)
+    for sub in ("parquet", "hdf5"):
+        names = sorted(os.listdir(os.path.join(outs["on"], sub)))
+        assert names == sorted(os.listdir(os.path.join(outs["off"], sub)))
+        for n in names:
+            with open(os.path.join(outs["on"], sub, n), "rb") as a, open(os.path.join(outs["off"], sub, n), "rb") as b:
+                assert a.read() == b.read(), n

@@ -1,0 +1,125 @@
+"""Tokenizing in a child process, ahead of the caller, so a pipeline worker's tokenizing (pure Python, holding
+the GIL) runs on another core beside its biLM.
+
+TokenizerProcess(mode) starts `python -m tokenization.process MODE` (it imports only this package, not torch
+or Beam; multiprocessing's spawn would import the caller's __main__). The caller put()s documents; they go to
+the child in chunks of about `chunk_chars` characters, at most `ahead` chunks in flight; put() and drain()
+yield (key, result) in the order the documents were put, result = tokenize_document()'s list of Sentence,
+or the exception's one-line text ("TypeError: ...") when the tokenizer failed on that document. Results are
+the same as tokenizing in the caller. A child that dies raises RuntimeError in the caller.
+
+Wire: pickled (protocol 5) messages on the child's stdin and stdout, one per chunk: [(text, split_sentences)]
+in, [list[(tokens, offsets)] | str] out. A thread of the caller reads replies, so neither side can block the
+other on a full pipe.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+from typing import Any, Iterator
+
+from tokenization.tokenizers import Sentence, tokenize_document
+
+_EOF = object()
+
+
+class TokenizerProcess:
+    def __init__(self, mode: str, chunk_chars: int = 16_384, ahead: int = 4):
+        self.mode, self.chunk_chars, self.ahead = mode, chunk_chars, ahead
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # this package's parent
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenization.process", mode], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.replies: queue.Queue = queue.Queue()
+        self.reader = threading.Thread(target=self._read, name="elmo-tokenizer-reader", daemon=True)
+        self.reader.start()
+        self.chunk: list[tuple[Any, str, bool]] = []     # (key, text, split) not yet sent
+        self.chars = 0
+        self.sent: list[list[Any]] = []                  # keys of the chunks in flight, oldest first
+
+    def _read(self) -> None:
+        while True:
+            try:
+                self.replies.put(pickle.load(self.proc.stdout))
+            except Exception:  # noqa: BLE001 - EOF or a broken pipe: the child is gone
+                self.replies.put(_EOF)
+                return
+
+    def put(self, key: Any, text: str, split_sentences: bool = True) -> Iterator[tuple[Any, list[Sentence] | str]]:
+        """Queue one document; yield the results that are ready (waiting only when `ahead` chunks are in flight)."""
+        self.chunk.append((key, text, split_sentences))
+        self.chars += len(text or "")
+        if self.chars >= self.chunk_chars:
+            self._send()
+        while self.sent and (len(self.sent) > self.ahead or not self.replies.empty()):
+            yield from self._receive()
+
+    def drain(self) -> Iterator[tuple[Any, list[Sentence] | str]]:
+        """Send what is queued and yield every result still owed."""
+        self._send()
+        while self.sent:
+            yield from self._receive()
+
+    def _send(self) -> None:
+        if not self.chunk:
+            return
+        chunk, self.chunk, self.chars = self.chunk, [], 0
+        try:
+            pickle.dump([(t, s) for _, t, s in chunk], self.proc.stdin, protocol=5)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise RuntimeError(f"the tokenizer process exited ({self.proc.poll()})") from e
+        self.sent.append([k for k, _, _ in chunk])
+
+    def _receive(self) -> Iterator[tuple[Any, list[Sentence] | str]]:
+        reply = self.replies.get()
+        if reply is _EOF:
+            raise RuntimeError(f"the tokenizer process exited ({self.proc.wait()})")
+        keys = self.sent.pop(0)
+        for key, res in zip(keys, reply):
+            yield key, res if isinstance(res, str) else [Sentence(t, o) for t, o in res]
+
+    def close(self) -> None:
+        """End the child (it exits when its input closes) and wait for it."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.reader.join(timeout=10)
+
+
+def tokenize_or_reason(text: str, mode: str, split_sentences: bool) -> list[Sentence] | str:
+    """tokenize_document(), or the exception's one-line text when it fails."""
+    try:
+        return tokenize_document(text, mode, split_sentences)
+    except Exception as e:  # noqa: BLE001 - one document must not fail the job
+        return f"{type(e).__name__}: {e}"
+
+
+def serve(mode: str, stdin=None, stdout=None) -> None:
+    """The child: read chunks until the input ends, reply to each."""
+    stdin, stdout = stdin or sys.stdin.buffer, stdout or sys.stdout.buffer
+    while True:
+        try:
+            chunk = pickle.load(stdin)
+        except EOFError:
+            return
+        out = []
+        for text, split in chunk:
+            res = tokenize_or_reason(text, mode, split)
+            out.append(res if isinstance(res, str) else [(s.tokens, s.offsets) for s in res])
+        pickle.dump(out, stdout, protocol=5)
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the caller's to handle; stdin's end stops us
+    serve(sys.argv[1])
