@@ -10,9 +10,10 @@ named. Stages (CPU microseconds per token, one thread, the functions the pipelin
   read, tokenize (raw; its floor: blingfire + sacremoses alone; whitespace), char ids, batching, model,
   layer selection and copies, Parquet encode (table build + pyarrow's encoder; the encoder alone is the
   floor), HDF5 encode, file write. Beam overhead = the end-to-end run's CPU after start-up minus the stages.
-End to end (a `python -m pipeline.run` process each; start-up = the same command on one line, subtracted):
-  wall tokens/s, CPU per token, CPU/wall while embedding, for: default output, --duplicate-layer0,
-  --layers 2, whitespace --layers 2, Parquet + HDF5, and 2 local workers.
+End to end (a `python -m pipeline.run` process each; start-up = the same command on the first 8 non-blank
+  lines, subtracted with their tokens, so that every worker's model loading is start-up):
+  wall tokens/s, CPU per token, CPU/wall while embedding, for: default output (also tokenizing inline),
+  --duplicate-layer0, --layers 2, whitespace --layers 2, Parquet + HDF5, and 2 local workers.
 Prints tables; writes benchmarks/results/host_cost.json naming the CPU.
 """
 from __future__ import annotations
@@ -32,15 +33,20 @@ WIDE_CHEAP = {"lstm": {"cell_clip": 3, "proj_clip": 3, "n_layers": 2, "use_skip_
                        "projection_dim": 512},
               "char_cnn": {"activation": "relu", "embedding": {"dim": 4}, "filters": [[1, 8], [2, 8], [3, 16]],
                            "max_characters_per_token": 50, "n_characters": 262, "n_highway": 1}}
+TWO = ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
+INLINE = ["--tokenizer-process", "off"]     # flags the baseline does not have: this tree only
 CONFIGS = {   # name -> (extra flags, tokenizer input: raw text or pre-tokenized lines)
     "default (3 layers, fp32), Parquet": ([], "raw"),
+    "default, tokenizing inline (--tokenizer-process off)": (INLINE, "raw"),
     "--duplicate-layer0": (["--duplicate-layer0"], "raw"),
     "--layers 2": (["--layers", "2"], "raw"),
     "--dtype float16": (["--dtype", "float16"], "raw"),
     "whitespace, --layers 2": (["--layers", "2", "--tokenizer", "whitespace", "--input-format", "lines"], "ws"),
     "Parquet + HDF5": (["--format", "parquet,hdf5"], "raw"),
-    "2 workers (multi_processing)": (["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"], "raw"),
+    "2 workers (multi_processing)": (TWO, "raw"),
+    "2 workers, tokenizing inline": (TWO + INLINE, "raw"),
 }
+STARTUP_LINES = 8
 QUICK = ("default (3 layers, fp32), Parquet", "Parquet + HDF5")
 
 
@@ -171,15 +177,20 @@ def run_pipeline(tree: str, input_path: str, out: str, model: tuple[str, str], f
     return {"wall": wall, "cpu": cpu_s, "summary": p.stderr.strip().splitlines()[-1]}
 
 
-def end_to_end(trees: dict[str, str], inputs: dict[str, tuple[str, str, int]], model, configs, runs: int) -> dict:
-    """Per config and tree: best-of-`runs` wall and CPU after start-up, tokens/s, CPU us/token, CPU/wall."""
+def end_to_end(trees: dict[str, str], inputs: dict[str, tuple[str, str, int, int]], model, configs, runs: int) -> dict:
+    """Per config and tree: best-of-`runs` wall and CPU after start-up, tokens/s, CPU us/token, CPU/wall.
+    Start-up: the same command on the input's first STARTUP_LINES lines (enough for every worker to load the
+    model), whose tokens are subtracted too."""
     res: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in configs:
             flags, kind = CONFIGS[name]
-            path, one_line, n = inputs[kind]
+            path, head, n_all, n_head = inputs[kind]
+            n = n_all - n_head
             for label, tree in trees.items():
-                start = min((run_pipeline(tree, one_line, os.path.join(tmp, "s"), model, flags) for _ in range(runs)),
+                if label != "this tree" and INLINE[0] in flags:
+                    continue
+                start = min((run_pipeline(tree, head, os.path.join(tmp, "s"), model, flags) for _ in range(runs)),
                             key=lambda r: r["wall"])
                 best = min((run_pipeline(tree, path, os.path.join(tmp, "o"), model, flags) for _ in range(runs)),
                            key=lambda r: r["wall"])
@@ -203,9 +214,11 @@ def markdown(stages: dict, e2e: dict, baseline: str) -> str:
     for name, by_tree in e2e.items():
         r = by_tree["this tree"]
         row = f"| {name} | {r['tokens_per_s']:,.0f} | {r['cpu_us_per_token']:.1f} | {r['cpu_over_wall']:.2f} |"
-        if baseline:
+        if baseline and baseline in by_tree:
             b = by_tree[baseline]
             row += f" {b['tokens_per_s']:,.0f} | {b['cpu_us_per_token']:.1f} | {r['tokens_per_s'] / b['tokens_per_s']:.2f}x |"
+        elif baseline:
+            row += " (no such flag) | | |"
         rows.append(row)
     return "\n".join(rows)
 
@@ -219,6 +232,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2, help="end-to-end runs per config, best kept (default 2)")
     ap.add_argument("--max-tokens-per-batch", type=int, default=4096)
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    ap.add_argument("--only", nargs="+", default=None, help="only the end-to-end configs whose names contain one of these")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "host_cost.json"))
     args = ap.parse_args()
     sys.path.insert(0, REPO)
@@ -238,11 +252,14 @@ def main() -> int:
         with open(ws, "w", encoding="utf-8") as f:
             f.write("\n".join(sentences) + "\n")
         n = sum(len(s.split()) for s in sentences)
-        first_raw, first_ws = os.path.join(tmp, "raw1.txt"), os.path.join(tmp, "ws1.txt")
+        first_raw, first_ws = os.path.join(tmp, "raw_head.txt"), os.path.join(tmp, "ws_head.txt")
+        head_lines = [ln for ln in lines if ln.strip()][:STARTUP_LINES]
         with open(first_raw, "w", encoding="utf-8") as f:
-            f.write(next(ln for ln in lines if ln.strip()))
+            f.writelines(head_lines)
         with open(first_ws, "w", encoding="utf-8") as f:
-            f.write(sentences[0] + "\n")
+            f.write("\n".join(sentences[:STARTUP_LINES]) + "\n")
+        n_raw_head = sum(len(s.tokens) for ln in head_lines for s in tokenize_document(ln, "raw"))
+        n_ws_head = sum(len(s.split()) for s in sentences[:STARTUP_LINES])
         print(f"{machine()}; {args.lines} lines, {n} tokens, near-free wide model (every layer 1,024 wide)")
         print("Stages (CPU us per token, this tree, 1 thread):", flush=True)
         stages = stage_costs(raw, model, args.max_tokens_per_batch)
@@ -257,20 +274,25 @@ def main() -> int:
         try:
             print("End to end (after start-up):", flush=True)
             configs = QUICK if args.quick else tuple(CONFIGS)
-            e2e = end_to_end(trees, {"raw": (raw, first_raw, n), "ws": (ws, first_ws, n)}, model, configs, args.runs)
+            if args.only:
+                configs = tuple(c for c in configs if any(w in c for w in args.only))
+            e2e = end_to_end(trees, {"raw": (raw, first_raw, n, n_raw_head), "ws": (ws, first_ws, n, n_ws_head)}, model,
+                             configs, args.runs)
         finally:
             if base_dir:
                 subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", base_dir], check=False)
     us = stages["us_per_token"]
     floors = us["tokenize raw floor: blingfire + sacremoses alone"] + us["Parquet encode floor: pyarrow's encoder"]
-    default = e2e["default (3 layers, fp32), Parquet"]["this tree"]
-    summary = {"sum_of_floors_us": floors, "cpu_us_per_token_default": default["cpu_us_per_token"],
-               "cpu_over_floors": default["cpu_us_per_token"] / floors}
-    if args.baseline:
-        summary["speedup_default"] = default["tokens_per_s"] / e2e["default (3 layers, fp32), Parquet"][args.baseline]["tokens_per_s"]
-    if "Parquet + HDF5" in e2e:
-        both = e2e["Parquet + HDF5"]["this tree"]
-        summary["parquet_hdf5_over_parquet_cpu"] = both["cpu_us_per_token"] / default["cpu_us_per_token"]
+    summary = {"sum_of_floors_us": floors}
+    default = e2e.get("default (3 layers, fp32), Parquet", {}).get("this tree")
+    if default:
+        summary.update(cpu_us_per_token_default=default["cpu_us_per_token"],
+                       cpu_over_floors=default["cpu_us_per_token"] / floors)
+        if args.baseline:
+            summary["speedup_default"] = default["tokens_per_s"] / e2e["default (3 layers, fp32), Parquet"][args.baseline]["tokens_per_s"]
+        if "Parquet + HDF5" in e2e:
+            both = e2e["Parquet + HDF5"]["this tree"]
+            summary["parquet_hdf5_over_parquet_cpu"] = both["cpu_us_per_token"] / default["cpu_us_per_token"]
     print("Summary:", json.dumps({k: round(v, 3) for k, v in summary.items()}))
     print(markdown(stages, e2e, args.baseline))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
