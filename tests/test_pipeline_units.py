@@ -237,3 +237,16 @@ def test_write_shards_in_background_keeps_order_and_raises_errors(tmp_path):
             list(dofn.process(b))
         list(dofn.finish_bundle())
     dofn.teardown()
+
+
+def test_tokenizer_process_resolution(monkeypatch):
+    from pipeline.run import tokenizer_process
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert tokenizer_process("auto", "wikitext", True, "FnApiRunner")
+    assert not tokenizer_process("auto", "whitespace", True, "FnApiRunner")
+    assert not tokenizer_process("auto", "moses", False, "apache_beam.runners.dask.dask_runner.DaskRunner")
+    assert tokenizer_process("on", "whitespace", False, "DataflowRunner") and not tokenizer_process("off", "moses", True, "x")
+    with pytest.raises(ValueError, match="DaskRunner"):
+        tokenizer_process("on", "moses", False, "apache_beam.runners.dask.dask_runner.DaskRunner")
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert not tokenizer_process("auto", "wikitext", True, "FnApiRunner")
