@@ -132,12 +132,17 @@ class IcebergTarget:
         return props
 
     def load_catalog(self, storage_options: dict | None = None):
+        """The catalog (pyiceberg's load_catalog); a SQLite database's folder is created when missing.
+        RuntimeError naming the URI (password hidden) when it cannot be opened."""
         import_pyiceberg()
         from pyiceberg.catalog import load_catalog
+        if self.catalog.startswith("sqlite:///") and ":memory:" not in self.catalog:
+            os.makedirs(os.path.dirname(os.path.abspath(self.catalog[len("sqlite:///"):])), exist_ok=True)
         try:
             return load_catalog(CATALOG_NAME, **self.properties(storage_options))
-        except ValueError as e:
-            raise ValueError(f"--iceberg-catalog {redact(self.catalog)}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - drivers raise their own kinds (sqlalchemy, requests, ...)
+            raise RuntimeError(f"--iceberg-catalog {redact(self.catalog)} cannot be opened: "
+                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
 
     def _load_table(self, catalog):
         from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
