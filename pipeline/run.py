@@ -287,8 +287,11 @@ def _execute(opts: PipelineOptions, pl: Plan, lease: Lease):
         state = prepare_output(pl.o.output, pl.key, pl.ingredients, pl.o.overwrite, pl.so,
                                resumable=pl.o.state != "stateful")
         first = first or state
-        if state.action == "complete":
-            return AlreadyComplete(_manifest(pl))
+        if state.action == "complete":         # finished by another run meanwhile
+            done = AlreadyComplete(_manifest(pl))
+            if pl.iceberg is not None:
+                pl.register(done.manifest)
+            return done
         if state.action == "finalize":
             return FinalizeOnly(complete_finalize(pl.o.output, state.staging, pl.so, pl.registrar))
         p = beam.Pipeline(options=opts)
