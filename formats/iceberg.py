@@ -82,7 +82,8 @@ class Registration:
         if self.snapshot_id is None:
             return f"Iceberg table {self.table}: no Parquet shards to register"
         how = "added" if self.added else "already registered"
-        return f"Iceberg table {self.table}: snapshot {self.snapshot_id} ({self.files} files, {how})"
+        return (f"Iceberg table {self.table}: snapshot {self.snapshot_id} ({self.files} file{'' if self.files == 1 else 's'}, "
+                f"{how})")
 
 
 @dataclass(frozen=True)
