@@ -32,9 +32,12 @@ setup(
         "dask": ["dask[distributed]>=2024.6"],    # --runner apache_beam.runners.dask.dask_runner.DaskRunner
         # downstream/: Hugging Face datasets loader, PNG charts of the probe (Pillow fallback without matplotlib)
         "downstream": ["datasets>=3", "matplotlib>=3.7"],
+        # --iceberg-table: pyiceberg with its SQL catalog (SQLite; Postgres needs a driver too) and pyarrow I/O
+        "iceberg": ["pyiceberg[sql-sqlite,pyarrow]>=0.12,<0.13"],
         "test": ["pytest>=8", "duckdb>=1.1", "moto[server]>=5", "s3fs>=2024.6", "boto3>=1.34",
                  "dask[distributed]>=2024.6",
-                 "datasets>=3", "matplotlib>=3.7"],
+                 "datasets>=3", "matplotlib>=3.7",
+                 "pyiceberg[sql-sqlite,pyarrow]>=0.12,<0.13"],
     },
     entry_points={"console_scripts": ["elmo-pipeline=pipeline.cli:main"]},
 )

@@ -94,6 +94,14 @@ def build_table(c: ShardColumns, layout: str, columns: list[tuple[str, int]]) ->
     return (sentence_table if layout == "sentence" else token_table)(c, columns)
 
 
+def shard_schema(layout: str, columns: list[tuple[str, int]], dtype: str) -> pa.Schema:
+    """The Arrow schema of every Parquet shard of a run (that of an empty shard built the same way), known
+    before the run: what an Iceberg table of the output is created from and checked against."""
+    empty = ShardColumns([], [], [], np.zeros(0, np.int32), [], np.zeros((0, 2), np.int32),
+                         [np.zeros((0, d), dtype) for _, d in columns])
+    return build_table(empty, layout, columns).schema
+
+
 def _leaf_paths(name: str, typ: pa.DataType) -> list[str]:
     """Parquet's column paths under a field (per-column writer settings take leaf paths): 'tokens.list.element'."""
     if pa.types.is_list(typ) or pa.types.is_fixed_size_list(typ) or pa.types.is_large_list(typ):

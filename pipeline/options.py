@@ -83,6 +83,16 @@ class ElmoOptions(PipelineOptions):
         g("--lease-stale-seconds", type=float, default=60.0,
           help="a run holds --output by a lease refreshed every quarter of this; another run takes it over only "
           "when its heartbeat is older than this (or its process, on the same host, is gone). Default 60")
+        g("--iceberg-table", default=None, metavar="NS.TABLE",
+          help="at Finalize, add the run's Parquet shards (as they are, no copy) to this Apache Iceberg table in one "
+          "snapshot, exactly once; created from the shard schema when absent (pip install 'elmo-pipeline[iceberg]'; "
+          "docs/warehouses.md)")
+        g("--iceberg-catalog", default=None, metavar="URI",
+          help="the table's catalog (pyiceberg): sqlite:///path.db or postgresql+psycopg2://... (SQL catalog), "
+          "http(s)://... (REST catalog)")
+        g("--iceberg-warehouse", default=None, metavar="URL",
+          help="where a new table's metadata is written (default: for sqlite:///, the folder of the database file); "
+          "the data files stay in --output")
         g("--s3-max-attempts", type=int, default=10,
           help="attempts per S3 request, first one included (botocore 'standard' retries with exponential "
           "backoff on 500/503/throttling/connection errors; default 10)")

@@ -26,7 +26,8 @@ from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions
 
 from formats import layout
 from formats.hdf5 import hdf5_layout
-from formats.parquet import layer_columns
+from formats.iceberg import IcebergTarget, redact
+from formats.parquet import layer_columns, shard_schema
 from model.options import load_options
 from pipeline.options import ElmoOptions, default_torch_threads
 from pipeline.validate import check_model, check_numbers, check_output_writable, check_state
@@ -40,8 +41,8 @@ from transforms.dofns import (Chain, DropDuplicateIds, Embed, ReadFiles, SkipCom
 from transforms.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
 from transforms.read import file_labels
 from transforms.records import Document, Item
-from transforms.resume import (OutputState, input_fingerprints, is_complete, prepare_output, run_ingredients,
-                               run_key)
+from transforms.resume import (OutputState, finalize_started, input_fingerprints, is_complete, prepare_output,
+                               run_ingredients, run_key)
 from transforms.write import ShardSpec
 
 logger = logging.getLogger("elmo-pipeline.run")
@@ -101,6 +102,18 @@ class Plan:
     manifest: dict                 # manifest.json as known before the run
     tokenizer: str                 # --tokenizer resolved (raw -> the model's scheme: tokenization.resolve_tokenizer)
     tokenizer_process: bool        # tokenize in a child process of each worker (--tokenizer-process resolved)
+    iceberg: IcebergTarget | None = None    # --iceberg-table: where Finalize registers the Parquet shards
+    schema: object = None          # the shards' Arrow schema (with --iceberg-table)
+    registration: object = None    # what the registration did (formats.iceberg.Registration), once done
+
+    def register(self, manifest: dict) -> None:
+        """Finalize's hook (transforms/finalize.py): the finished output's shards into the Iceberg table."""
+        self.registration = self.iceberg.register(self.o.output, manifest, self.schema, self.so)
+        logger.info("%s", self.registration.describe())
+
+    @property
+    def registrar(self):
+        return self.register if self.iceberg is not None else None
 
 
 def _num_local_workers(opts: PipelineOptions) -> int:
@@ -128,6 +141,7 @@ def plan(opts: PipelineOptions) -> Plan:
         raise ValueError("--input and --output are required")
     check_numbers(o)
     formats = o.formats()
+    iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, formats, o.dtype)
     so = storage_options(opts)
     files = expand(o.input, so)
     options_file, weight_file, vocab_file, model_name = resolve_model(o)
@@ -154,8 +168,13 @@ def plan(opts: PipelineOptions) -> Plan:
     check_output_writable(o.output, so)
     identity = E.model_identity(spec)
     flags = {k: getattr(o, k) for k in o._visible_option_list()}
+    if flags.get("iceberg_catalog"):
+        flags["iceberg_catalog"] = redact(flags["iceberg_catalog"])     # no password in the manifest
     ingredients = run_ingredients(flags, input_fingerprints(files, so), identity)
     key = run_key(ingredients)
+    schema = shard_schema(o.parquet_layout, columns, o.dtype) if iceberg else None
+    if iceberg:
+        check_iceberg(iceberg, schema, o.output, key, o.overwrite, so)
     if local and workers == 1:     # the worker runs in this process: it takes the model loaded above
         E.offer_model(options_file, weight_file, model)
     # stateful mode embeds sentences whole (windows are not consecutive sentences): longer than the window is dead
@@ -179,7 +198,22 @@ def plan(opts: PipelineOptions) -> Plan:
                 break_fusion=os.environ.get(BREAK_FUSION_ENV) == "1",
                 key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
                 tokenizer_process=tokenizer_process(o.tokenizer_process, tokenizer, local,
-                                                    opts.view_as(StandardOptions).runner or "FnApiRunner"))
+                                                    opts.view_as(StandardOptions).runner or "FnApiRunner"),
+                iceberg=iceberg, schema=schema)
+
+
+def check_iceberg(iceberg: IcebergTarget, schema, output: str, key: str, overwrite: bool, so: dict) -> None:
+    """Before a run with --iceberg-table: the catalog answers, an existing table takes this run's shards, and
+    the table points at no files under --output that this run would replace (--overwrite, or an output that
+    no longer holds the finished run registered from it): refused, since the table would then point at
+    replaced files. Reads only."""
+    held = iceberg.check(schema, output, so)
+    if held and (overwrite or not finalize_started(output, key, so)):
+        why = ("--overwrite would replace them" if overwrite else
+               "it no longer holds the finished run of this command registered from it")
+        raise ValueError(f"--iceberg-table {iceberg.table} already references Parquet files under {output} "
+                         f"(snapshot {held[-1]}), and {why}: the table would point at replaced files. Write to a "
+                         "new --output, or remove those files from the table first")
 
 
 def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
@@ -245,12 +279,15 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
         pl = plan(opts)
         if not pl.o.overwrite and is_complete(pl.o.output, pl.key, pl.so):
             result = AlreadyComplete(_manifest(pl))
+            if pl.iceberg is not None:        # e.g. --iceberg-table newly given: registered now, once
+                pl.register(result.manifest)
         else:
             with Lease(lease_url(pl.o.output), pl.o.lease_stale_seconds, pl.so) as lease:
                 result = _execute(opts, pl, lease)
     finally:
         E.withdraw_models()
     result.elapsed_seconds = time.perf_counter() - t0
+    result.iceberg = pl.registration
     return result
 
 
@@ -267,10 +304,13 @@ def _execute(opts: PipelineOptions, pl: Plan, lease: Lease):
         state = prepare_output(pl.o.output, pl.key, pl.ingredients, pl.o.overwrite, pl.so,
                                resumable=pl.o.state != "stateful")
         first = first or state
-        if state.action == "complete":
-            return AlreadyComplete(_manifest(pl))
+        if state.action == "complete":         # finished by another run meanwhile
+            done = AlreadyComplete(_manifest(pl))
+            if pl.iceberg is not None:
+                pl.register(done.manifest)
+            return done
         if state.action == "finalize":
-            return FinalizeOnly(complete_finalize(pl.o.output, state.staging, pl.so))
+            return FinalizeOnly(complete_finalize(pl.o.output, state.staging, pl.so, pl.registrar))
         p = beam.Pipeline(options=opts)
         build(p, pl, state)
         result = p.run()
@@ -289,7 +329,7 @@ def _execute(opts: PipelineOptions, pl: Plan, lease: Lease):
             continue
         manifest = dict(pl.manifest, run={"key": pl.key, "resumed_shards": len(first.records),
                                           "resumed_sentences": first.sentences})
-        result.manifest = finalize(pl.o.output, state.staging, staged, manifest, pl.so)
+        result.manifest = finalize(pl.o.output, state.staging, staged, manifest, pl.so, pl.registrar)
         result.resumed_tokens = sum(r["tokens"] for r in first.records)
         return result
     raise RuntimeError(f"{pl.o.output}: sentences still missing after {MAX_ROUNDS} rounds; rerun the same command")
@@ -334,7 +374,12 @@ def counters(result) -> dict[str, int]:
 
 def summary(result, output: str) -> str:
     """The one-line summary printed at the end of a run: counts from the manifest (the data), batches and
-    padding from the runner's metrics when it has them."""
+    padding from the runner's metrics when it has them; the Iceberg snapshot with --iceberg-table."""
+    registration = getattr(result, "iceberg", None)
+    return _summary(result, output) + (f"; {registration.describe()}" if registration is not None else "")
+
+
+def _summary(result, output: str) -> str:
     if isinstance(result, AlreadyComplete):
         return (f"elmo-pipeline: {output} is already complete (a finished run of this same command, run key "
                 f"{result.manifest.get('run', {}).get('key')}): nothing to do")

@@ -6,7 +6,8 @@ it; several points may be given, comma-separated. Unset (always, outside tests) 
 Points: embed (before a batch is embedded), stage_shard (a shard's Parquet file half written),
 commit (a shard's files and commit record written, before the runner has the shard), finalize_move
 (after a staged file was moved to its final name), finalize_manifest (manifest.json written, staging not
-yet removed), finalize_cleanup (staging removed, _SUCCESS not yet written).
+yet removed), finalize_cleanup (staging removed, _SUCCESS not yet written), register (--iceberg-table: just before the
+table is read and the shards added), registered (added to the table, _SUCCESS not yet written).
 ELMO_PIPELINE_DELAY_AT="embed:0.5" sleeps 0.5 s every time a point is reached (a slow run, for tests of
 concurrent runs).
 """

@@ -11,8 +11,9 @@ one object per input file.
   id any record names is covered (else Incomplete: the missing sentences are embedded by another round).
 - finalize(): dead letters written as final-size files, then the plan (finalize.json: every move and the
   manifest) before the first move, then complete_finalize().
-- complete_finalize(): the moves not yet done, manifest.json, removal of the staging folder, _SUCCESS
-  last. Idempotent, so a finalize killed at any point is finished by running the plan again.
+- complete_finalize(): the moves not yet done, manifest.json, removal of the staging folder, the
+  `register` hook when given (--iceberg-table: the Parquet shards added to an Iceberg table, idempotent),
+  _SUCCESS last. Idempotent, so a finalize killed at any point is finished by running the plan again.
 - plan_consistent() / roll_back(): a plan one of whose files is gone from both its staged and its final
   name (deleted by hand, or by a run that ignored the lease) is rolled back: the files already moved go
   back to their staged names and the plan is dropped, so the next round resumes from the commit records
@@ -25,6 +26,7 @@ import json
 import logging
 import posixpath
 from dataclasses import dataclass
+from typing import Callable
 
 from formats import layout
 from formats.layout import (COUNTS, DEAD, DEAD_LETTERS, FINAL_NAMES, MANIFEST, PLAN, RECORDS, STAGING, SUCCESS,
@@ -99,10 +101,11 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     return Staged([ShardInfo.from_record(r, st) for r in records], letters, counts)
 
 
-def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_options: dict | None = None) -> dict:
+def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_options: dict | None = None,
+             register: Callable[[dict], None] | None = None) -> dict:
     """Publish `staged`: dead letters as files of at most DEAD_LETTERS_PER_FILE (sorted by id), then the plan
     (finalize.json: every move and `manifest` completed with counts and the shard list), then
-    complete_finalize(). Returns the manifest."""
+    complete_finalize() (with `register`). Returns the manifest."""
     fs, _ = url_fs(output, storage_options)
     _, st = url_fs(staging, storage_options)
     dead = []
@@ -118,7 +121,7 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
     m, moves = layout.complete_manifest(m, staged.shards, dead)
     makedirs(fs, st)
     atomic_write(fs, posixpath.join(st, PLAN), json.dumps({"moves": moves, "manifest": m}).encode())
-    complete_finalize(output, staging, storage_options)
+    complete_finalize(output, staging, storage_options, register)
     return m
 
 
@@ -148,10 +151,12 @@ def roll_back(fs, root: str, st: str, plan: dict) -> None:
             fs.rm_file(p)
 
 
-def complete_finalize(output: str, staging: str, storage_options: dict | None = None) -> dict | None:
+def complete_finalize(output: str, staging: str, storage_options: dict | None = None,
+                      register: Callable[[dict], None] | None = None) -> dict | None:
     """Carry out (again) the finalize plan in `staging`: every move not yet done, manifest.json, removal of
-    the staging folder, _SUCCESS last. Without a plan (already removed), only the last two steps. Returns
-    the manifest written (or found), or None."""
+    the staging folder, then register(manifest) when given (every file is in place; it must be idempotent:
+    a run killed after it calls it again), _SUCCESS last. Without a plan (already removed), only the last
+    steps. Returns the manifest written (or found), or None."""
     fs, root = url_fs(output, storage_options)
     _, st = url_fs(staging, storage_options)
     staged = set(fs.find(st)) if fs.exists(st) else set()     # one listing instead of a request per file
@@ -174,9 +179,14 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
     if fs.exists(staging_parent) and not fs.ls(staging_parent):
         fs.rm(staging_parent, recursive=True)
     crash_point("finalize_cleanup")
+    manifest = plan["manifest"] if plan else layout.read_manifest(fs, root)
+    if register is not None and manifest is not None:
+        crash_point("register")            # just before the table is looked at and the files added
+        register(manifest)
+        crash_point("registered")          # added, _SUCCESS not yet written
     remove_temp_files(fs, root, (MANIFEST, SUCCESS))
     atomic_write(fs, posixpath.join(root, SUCCESS), b"")
-    return plan["manifest"] if plan else layout.read_manifest(fs, root)
+    return manifest
 
 
 def clear_final(fs, root: str) -> None:

@@ -20,7 +20,7 @@ import logging
 import posixpath
 from dataclasses import dataclass, field
 
-from formats.layout import RUN_FILE, STAGING, SUCCESS, ShardInfo, read_manifest, record_ids
+from formats.layout import PLAN, RUN_FILE, STAGING, SUCCESS, ShardInfo, read_manifest, record_ids
 from fsio import atomic_write, makedirs, url_fs
 from transforms.finalize import clear_final, plan_consistent, read_plan, roll_back, select_records
 
@@ -29,14 +29,15 @@ logger = logging.getLogger("elmo-pipeline.resume")
 KEY_VERSION = 1
 # Options left out of the run key: they change neither which sentences are written nor their vectors
 # (beyond float32 round-off): layout (shard sizes, row groups), speed (threads, device), the output itself,
-# and the sort buffer (batches only; not in stateful mode, where batches decide the vectors). Every other
+# the sort buffer (batches only; not in stateful mode, where batches decide the vectors), and where the
+# finished output is registered (--iceberg-*: the same files, added to a table). Every other
 # option of ElmoOptions is in the key, new ones included: a flag nobody thought about refuses a resume
 # rather than mixing two outputs. The batch budget stays in (it caps long-sentence windows). The model
 # files are in through their identity (weights sha256, parsed options), the inputs through their
 # fingerprints (input_fingerprints), not their names.
 NOT_CONTENT = {"output", "overwrite", "progress", "torch_threads", "device", "shard_sentences", "shard_bytes",
                "row_group_bytes", "vector_compression", "sort_buffer", "input", "options_file", "weight_file", "model", "s3_max_attempts",
-               "lease_stale_seconds", "tokenizer_process"}
+               "lease_stale_seconds", "tokenizer_process", "iceberg_table", "iceberg_catalog", "iceberg_warehouse"}
 
 
 def input_fingerprints(files: list[str], storage_options: dict | None = None) -> list[list]:
@@ -127,6 +128,16 @@ def is_complete(output: str, key: str, storage_options: dict | None = None) -> b
     if not fs.exists(posixpath.join(root, SUCCESS)):
         return False
     return ((read_manifest(fs, root) or {}).get("run") or {}).get("key") == key
+
+
+def finalize_started(output: str, key: str, storage_options: dict | None = None) -> bool:
+    """True when `output` holds a finished run of `key`, or one whose Finalize got to its plan or its manifest
+    (a rerun only finishes that Finalize, unless a file is gone). Reads only."""
+    fs, root = url_fs(output, storage_options)
+    fs.invalidate_cache()
+    if ((read_manifest(fs, root) or {}).get("run") or {}).get("key") == key:
+        return True
+    return fs.exists(posixpath.join(root, STAGING, key, PLAN))
 
 
 def _listed_files_present(fs, root: str, manifest: dict) -> bool:
