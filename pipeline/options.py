@@ -76,7 +76,7 @@ class ElmoOptions(PipelineOptions):
         g("--torch-threads", type=int, default=0,
           help="torch intra-op threads per worker process (default: cores / local worker processes)")
         g("--progress", choices=("auto", "on", "off"), default="auto",
-          help="progress bar with tokens/s (auto: on for local runs with a terminal)")
+          help="progress bar: percent and ETA by input bytes, tokens/s (auto: on for local runs with a terminal)")
         g("--lease-stale-seconds", type=float, default=60.0,
           help="a run holds --output by a lease refreshed every quarter of this; another run takes it over only "
           "when its heartbeat is older than this (or its process, on the same host, is gone). Default 60")

@@ -41,7 +41,7 @@ def timeline(tokens_at: dict[int, int]) -> dict:
     for t, n in tokens_at.items():
         bins[(t - t0) // width] += n
     return {"width": width, "x": [i * width for i in range(len(bins))], "tokens_per_s": [b / width for b in bins],
-            "span_s": span, "tokens": sum(bins)}
+            "span_s": span, "tokens": round(sum(bins))}
 
 
 def length_histogram(lengths: dict[int, int]) -> dict:
@@ -251,8 +251,9 @@ def render(d: dict) -> str:
     if tl["x"]:
         out.append(svg_line(tl["x"], tl["tokens_per_s"], "tokens/s", f"seconds since the first batch "
                             f"(bins of {tl['width']} s, all worker processes)"))
-        out.append('<p class="note">Tokens of the batches that ended in each bin, over its width; the first and '
-                   "last bins may be partly idle. A resumed run includes its interrupted attempt.</p>")
+        out.append('<p class="note">Tokens embedded in each bin over its width (a batch counts in the seconds it '
+                   "took, in proportion); the first and last bins may be partly idle. A resumed run includes its "
+                   "interrupted attempt.</p>")
     else:
         out.append(_none("embedded batches"))
 

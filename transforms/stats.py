@@ -7,7 +7,7 @@ dict update), never per token. Retried bundles stage their stats again: the repo
 attempt, as they took time; the counts of the output are the manifest's, not these.
 
     {"seconds": {stage: wall seconds},                       # read, tokenize, batch, embed, write
-     "tokens_at": {unix second: tokens embedded in it},      # tokens/s over time
+     "tokens_at": {unix second: tokens embedded in it},      # tokens/s over time (batches spread over theirs)
      "span": [unix time the first batch started, the last one ended],
      "padding": {bucket: [batches, real tokens, slots]},     # by the batch's longest sentence (power-of-2 bucket)
      "hosts": {"<host>:<pid>": 1}}                           # the processes that staged them
@@ -40,9 +40,16 @@ class RunStats:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
     def embedded(self, tokens: int, start: float, end: float | None = None) -> None:
-        """A batch of `tokens` embedded from unix time `start` to `end` (default now): counted at its end."""
+        """A batch of `tokens` embedded from unix time `start` to `end` (default now): its tokens are spread over
+        the seconds it took, in proportion (a batch of about a second would otherwise make a saw of the curve)."""
         end = time.time() if end is None else end
-        self.tokens_at[int(end)] = self.tokens_at.get(int(end), 0) + tokens
+        if end <= start:
+            self.tokens_at[int(end)] = self.tokens_at.get(int(end), 0) + tokens
+        sec = int(start)
+        while sec < end:
+            part = tokens * (min(end, sec + 1) - max(start, sec)) / (end - start)
+            self.tokens_at[sec] = self.tokens_at.get(sec, 0) + part
+            sec += 1
         self.span = [min(self.span[0], start), max(self.span[1], end)] if self.span else [start, end]
 
     def batch(self, longest: int, real: int, slots: int) -> None:
