@@ -191,9 +191,11 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
                      output_type=Document)
     elif pl.spread_documents and not pl.break_fusion:
         docs = docs | "SpreadDocuments" >> beam.Reshuffle()
-    items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag, pl.progress), output_type=Item)
+    items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag, pl.progress),
+                  output_type=Item)
     if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
-        items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(state.record_paths, so, pl.progress)).with_output_types(Item)
+        items = items | "SkipCommitted" >> beam.ParDo(
+            SkipCommitted(state.record_paths, so, pl.progress)).with_output_types(Item)
     # batching, embedding and writing in one step: a bundle's last batches and shard never leave it. The count
     # (unused) gives the step a consumer across a stage boundary: FnApiRunner's multi-process mode notices a
     # dead worker on that data channel, and waits forever without one (docs/runner-notes.md)

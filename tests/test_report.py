@@ -52,7 +52,8 @@ def test_stats_take_and_merge():
     m = merge_stats(parts + [None, {}])
     assert m["seconds"] == {"embed": 3.0, "tokenize": 0.5, "write": 0.25}
     assert sum(m["tokens_at"].values()) == pytest.approx(1000) and len(m["tokens_at"]) == 4    # spread per second
-    assert m["tokens_at"][1_700_000_001] == pytest.approx(200 / 1.5) and m["padding"] == {16: [2, 130, 160], 64: [1, 150, 200]}
+    assert m["tokens_at"][1_700_000_001] == pytest.approx(200 / 1.5)
+    assert m["padding"] == {16: [2, 130, 160], 64: [1, 150, 200]}
     assert m["span"] == [1_700_000_000.0, 1_700_000_004.0] and len(m["hosts"]) == 1
     assert json.loads(json.dumps(parts)) == parts           # JSON-ready, as staged
     s = RunStats()
@@ -117,7 +118,7 @@ def test_finalize_writes_the_report_beside_the_manifest(tmp_path):
     staged = F.plan_from_staging(staging, ["x"])
     assert staged.records[0]["lengths"] == {"1": 1, "3": 1} and len(staged.stats) == 2
     m = F.finalize(out, staging, staged, {"model": {"name": "tiny"}}, run_seconds=3.0)
-    assert m["report"] == "report.html" and json.load(open(os.path.join(out, "manifest.json")))["report"] == "report.html"
+    assert m["report"] == "report.html" == json.load(open(os.path.join(out, "manifest.json")))["report"]
     page = open(os.path.join(out, "report.html"), encoding="utf-8").read()
     assert "2 sentences written" in page and "tiny" in page
 

@@ -146,7 +146,8 @@ def _axes(ymax: float, ylabel: str, xlabel: str) -> tuple[list[str], float]:
                      f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end">{_num(t)}</text>')
     parts.append(f'<line x1="{x0}" y1="{y0}" x2="{x1}" y2="{y0}" stroke="#444"/>')
     parts.append(f'<text x="{(x0 + x1) / 2}" y="{H - 6}" text-anchor="middle">{_esc(xlabel)}</text>')
-    parts.append(f'<text transform="translate(14 {(y0 + y1) / 2}) rotate(-90)" text-anchor="middle">{_esc(ylabel)}</text>')
+    parts.append(f'<text transform="translate(14 {(y0 + y1) / 2}) rotate(-90)" text-anchor="middle">'
+                 f'{_esc(ylabel)}</text>')
     return parts, top
 
 
