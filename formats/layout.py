@@ -2,11 +2,12 @@
 
     <out>/parquet/part-00000-of-00002.parquet   <out>/hdf5/part-00000-of-00002.hdf5   (same sentences in shard i)
     <out>/dead_letters/part-00000-of-00001.jsonl                                       (only when there are any)
-    <out>/manifest.json                                                                (by Finalize, after all shards)
+    <out>/manifest.json, <out>/report.html                                             (by Finalize, after all shards)
     <out>/_SUCCESS                                                                     (written last)
     <out>/_staging/<run key>/   while a run is live: <uuid>.parquet|.hdf5, committed/<uuid>.json (commit
                                records), dead/<uuid>.jsonl (dead letters), counts/<file hash>.json (per
-                               input file), finalize.json (the plan of a started finalize), run.json
+                               input file), stats/<uuid>.json (run statistics for the report),
+                               finalize.json (the plan of a started finalize), run.json
     <out>/_lease.json           while a run is live: who holds the output (fsio/lease.py)
 
 Ids: a sentence is "<doc id>#<index>". Readers trust manifest.json (or _SUCCESS) only.
@@ -32,9 +33,11 @@ PLAN = "finalize.json"                        # <staging>/finalize.json: the mov
 RUN_FILE = "run.json"                         # <staging>/run.json: what the run key hashes
 DEAD = "dead"                                 # <staging>/dead/<uuid>.jsonl: staged dead letters
 COUNTS = "counts"                             # <staging>/counts/<hash of the file URL>.json: its record counts
+STATS = "stats"                               # <staging>/stats/<uuid>.json: run statistics (transforms/stats.py)
+REPORT = "report.html"                        # <out>/report.html: the run report (transforms/report.py)
 LEASE = "_lease.json"                         # <out>/_lease.json: the live run holding the output
 DEAD_LETTERS = "dead_letters"
-FINAL_NAMES = ("parquet", "hdf5", DEAD_LETTERS, MANIFEST, SUCCESS)
+FINAL_NAMES = ("parquet", "hdf5", DEAD_LETTERS, MANIFEST, REPORT, SUCCESS)
 EXCERPT_CHARS = 200                           # dead letters keep the first 200 characters
 
 
@@ -98,11 +101,15 @@ class ShardInfo:
     first_id: str
     extra: dict = field(default_factory=dict)
 
-    def record(self, ids: list[str]) -> dict:
-        """The commit record of this shard (file names relative to the staging folder; ids compact)."""
-        return {"files": {fmt: posixpath.basename(p) for fmt, p in self.files.items()},
-                "sentences": self.sentences, "tokens": self.tokens, "first_id": self.first_id,
-                "ids_zlib": pack_ids(ids)}
+    def record(self, ids: list[str], lengths: dict[int, int] | None = None) -> dict:
+        """The commit record of this shard (file names relative to the staging folder; ids compact; `lengths`
+        {sentence tokens: sentences}, for the run report)."""
+        rec = {"files": {fmt: posixpath.basename(p) for fmt, p in self.files.items()},
+               "sentences": self.sentences, "tokens": self.tokens, "first_id": self.first_id,
+               "ids_zlib": pack_ids(ids)}
+        if lengths is not None:
+            rec["lengths"] = {str(k): v for k, v in sorted(lengths.items())}
+        return rec
 
     @classmethod
     def from_record(cls, record: dict, staging_root: str) -> "ShardInfo":

@@ -79,7 +79,7 @@ class ElmoOptions(PipelineOptions):
           help="tokenize in a child process of each worker, beside its biLM (auto: on for the raw tokenizers on "
           "local runners with 2+ cores; not on DaskRunner, which drops what a step emits at a bundle's end)")
         g("--progress", choices=("auto", "on", "off"), default="auto",
-          help="progress bar with tokens/s (auto: on for local runs with a terminal)")
+          help="progress bar: percent and ETA by input bytes, tokens/s (auto: on for local runs with a terminal)")
         g("--lease-stale-seconds", type=float, default=60.0,
           help="a run holds --output by a lease refreshed every quarter of this; another run takes it over only "
           "when its heartbeat is older than this (or its process, on the same host, is gone). Default 60")

@@ -38,6 +38,7 @@ from formats.layout import ShardInfo
 from transforms import coders  # noqa: F401 - registers the element coders
 from transforms.dofns import (Chain, DropDuplicateIds, Embed, ReadFiles, SkipCommitted, SortAndBatch, Tokenize,
                               WriteShards)
+from transforms import progress as P
 from transforms.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
 from transforms.read import file_labels
 from transforms.records import Document, Item
@@ -95,7 +96,7 @@ class Plan:
     sentence_limit: int            # longer sentences are dead letters
     limit_flag: str                # the flag to name in their reason
     window: int                    # windowed sentences (0: none, stateful)
-    progress: bool
+    progress: P.ProgressSpec | None    # the bar by input bytes (transforms/progress.py), or None: no bar
     break_fusion: bool             # a Reshuffle at every stage boundary (ELMO_PIPELINE_BREAK_FUSION=1, tests)
     key: str                       # the run key (transforms/resume.py)
     ingredients: dict              # what it hashes
@@ -170,7 +171,8 @@ def plan(opts: PipelineOptions) -> Plan:
     flags = {k: getattr(o, k) for k in o._visible_option_list()}
     if flags.get("iceberg_catalog"):
         flags["iceberg_catalog"] = redact(flags["iceberg_catalog"])     # no password in the manifest
-    ingredients = run_ingredients(flags, input_fingerprints(files, so), identity)
+    fingerprints = input_fingerprints(files, so)
+    ingredients = run_ingredients(flags, fingerprints, identity)
     key = run_key(ingredients)
     schema = shard_schema(o.parquet_layout, columns, o.dtype) if iceberg else None
     if iceberg:
@@ -194,7 +196,9 @@ def plan(opts: PipelineOptions) -> Plan:
                 spread_documents=not stateful and not (local and workers == 1),
                 unique_ids=bool(o.id_field) and not stateful, sort=not stateful,
                 sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
-                progress=o.progress == "on" or (o.progress == "auto" and local and sys.stderr.isatty()),
+                progress=P.ProgressSpec(sum(f[1] or 0 for f in fingerprints), {f[0]: f[1] or 0 for f in fingerprints},
+                                        workers) if o.progress == "on" or (o.progress == "auto" and local and
+                                                                           sys.stderr.isatty()) else None,
                 break_fusion=os.environ.get(BREAK_FUSION_ENV) == "1",
                 key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
                 tokenizer_process=tokenizer_process(o.tokenizer_process, tokenizer, local,
@@ -228,18 +232,20 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
         return out | f"{label}Encoded" >> beam.Reshuffle() if pl.break_fusion else out
 
     files = p | "ListFiles" >> beam.Create(pl.files) | "SpreadFiles" >> beam.Reshuffle()
-    docs = stage(files, "ReadFiles", ReadFiles(o.input_format, pl.labels, o.text_field, o.id_field, so, staging),
-                 output_type=Document)
+    docs = stage(files, "ReadFiles", ReadFiles(o.input_format, pl.labels, o.text_field, o.id_field, so, staging,
+                                               pl.progress), output_type=Document)
     if pl.unique_ids:          # grouping by id also spreads the documents over workers
         keyed = docs | "KeyById" >> beam.Map(lambda d: (d.doc_id, d)).with_output_types(tuple[str, Document])
-        docs = stage(keyed | "GroupById" >> beam.GroupByKey(), "DropDuplicateIds", DropDuplicateIds(),
+        docs = stage(keyed | "GroupById" >> beam.GroupByKey(), "DropDuplicateIds", DropDuplicateIds(pl.progress),
                      output_type=Document)
     elif pl.spread_documents and not pl.break_fusion:
         docs = docs | "SpreadDocuments" >> beam.Reshuffle()
-    items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag, pl.tokenizer_process),
+    items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag,
+                                             in_process=pl.tokenizer_process, progress=pl.progress),
                   output_type=Item)
     if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
-        items = items | "SkipCommitted" >> beam.ParDo(SkipCommitted(state.record_paths, so)).with_output_types(Item)
+        items = items | "SkipCommitted" >> beam.ParDo(
+            SkipCommitted(state.record_paths, so, pl.progress)).with_output_types(Item)
     # batching, embedding and writing in one step: a bundle's last batches and shard never leave it. The count
     # (unused) gives the step a consumer across a stage boundary: FnApiRunner's multi-process mode notices a
     # dead worker on that data channel, and waits forever without one (docs/runner-notes.md)
@@ -286,6 +292,7 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
                 result = _execute(opts, pl, lease)
     finally:
         E.withdraw_models()
+        P.close()          # this process's bar (a local run's only worker runs here)
     result.elapsed_seconds = time.perf_counter() - t0
     result.iceberg = pl.registration
     return result
@@ -299,7 +306,7 @@ def _manifest(pl: Plan) -> dict:
 def _execute(opts: PipelineOptions, pl: Plan, lease: Lease):
     """Under the lease: prepare --output, run the graph (again, for what is missing, if a round left
     sentences unwritten), then finalize from what is staged."""
-    first = None
+    first, started = None, time.time()
     for _ in range(MAX_ROUNDS):
         state = prepare_output(pl.o.output, pl.key, pl.ingredients, pl.o.overwrite, pl.so,
                                resumable=pl.o.state != "stateful")
@@ -329,7 +336,8 @@ def _execute(opts: PipelineOptions, pl: Plan, lease: Lease):
             continue
         manifest = dict(pl.manifest, run={"key": pl.key, "resumed_shards": len(first.records),
                                           "resumed_sentences": first.sentences})
-        result.manifest = finalize(pl.o.output, state.staging, staged, manifest, pl.so, pl.registrar)
+        result.manifest = finalize(pl.o.output, state.staging, staged, manifest, pl.so, pl.registrar,
+                                   run_seconds=time.time() - started)
         result.resumed_tokens = sum(r["tokens"] for r in first.records)
         return result
     raise RuntimeError(f"{pl.o.output}: sentences still missing after {MAX_ROUNDS} rounds; rerun the same command")

@@ -16,6 +16,8 @@ SAMPLES = [
     Document("x", "One sentence", False, "a.jsonl:7"),
     ITEM,
     Item("e:2#3", "e:2", 3, (), ()),
+    Item("e:2#4", "e:2", 4, ("a",), ((0, 1),), nbytes=2**40),
+    Document("y", "z", nbytes=123),
     DeadLetter("f:2", "invalid UTF-8: bad byte", "\ufffd excerpt", "record"),
     ShardInfo({"parquet": "s/a.parquet", "hdf5": "s/a.hdf5"}, 2, 7, "d:1#0", {"by_reason": {"too long": 1}}),
 ]
@@ -27,6 +29,7 @@ def test_round_trip_exact_and_deterministic(value):
     assert type(coder) is coders.CODERS[type(value)] and coder.is_deterministic()
     data = coder.encode(value)
     assert coder.decode(data) == value and coder.encode(coder.decode(data)) == data
+    assert getattr(coder.decode(data), "nbytes", None) == getattr(value, "nbytes", None)   # not compared by ==
     assert b"\x80\x04" not in data[:2]         # not a pickle
 
 

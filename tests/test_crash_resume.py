@@ -122,6 +122,9 @@ def test_killed_at_each_stage_then_rerun_equals_uninterrupted(corpus, tiny_model
     got = read_output(out)
     assert_same_output(got, reference)
     assert 0 < got[0]["run"]["resumed_sentences"] < total and got[0]["run"]["key"] == reference[0]["run"]["key"]
+    # the report came with the finished finalize; its sentence lengths cover the resumed shards too
+    page = open(os.path.join(out, "report.html"), encoding="utf-8").read()
+    assert got[0]["report"] == "report.html" and f"{total:,} sentences written" in page
 
 
 @pytest.mark.parametrize("point", ["finalize_manifest:1", "finalize_cleanup:1"])

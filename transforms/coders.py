@@ -43,10 +43,10 @@ class _TupleBacked(coders.Coder):
 
 
 class DocumentCoder(_TupleBacked):
-    components = (_STR, _STR, _BOOL, _STR)
+    components = (_STR, _STR, _BOOL, _STR, _INT)
 
     def to_tuple(self, d: Document):
-        return d.doc_id, d.text, d.split_sentences, d.source
+        return d.doc_id, d.text, d.split_sentences, d.source, d.nbytes
 
     def from_tuple(self, t) -> Document:
         return Document(*t)
@@ -59,13 +59,14 @@ def _pairs(flat: bytes) -> tuple[tuple[int, int], ...]:
 
 class ItemCoder(_TupleBacked):
     """Tokens as a list of UTF-8 strings, offsets as little-endian int64 pairs."""
-    components = (_STR, _STR, _INT, coders.ListCoder(_STR), _BYTES)
+    components = (_STR, _STR, _INT, coders.ListCoder(_STR), _BYTES, _INT)
 
     def to_tuple(self, i: Item):
-        return i.id, i.doc_id, i.index, list(i.tokens), np.asarray(i.offsets, dtype="<i8").reshape(-1, 2).tobytes()
+        return (i.id, i.doc_id, i.index, list(i.tokens), np.asarray(i.offsets, dtype="<i8").reshape(-1, 2).tobytes(),
+                i.nbytes)
 
     def from_tuple(self, t) -> Item:
-        return Item(t[0], t[1], t[2], tuple(t[3]), _pairs(t[4]))
+        return Item(t[0], t[1], t[2], tuple(t[3]), _pairs(t[4]), t[5])
 
 
 class EmbeddedBatchCoder(_TupleBacked):

@@ -5,7 +5,6 @@ which stages those dead letters instead of passing them on (no multi-output ParD
 """
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,11 +20,13 @@ from model.batching import padding, plan_batches
 from model.windows import effective_window, embed_long
 from transforms import embed as E
 from transforms.faults import crash_point
+from transforms.progress import ProgressSpec, advance, split_bytes
 from transforms.read import read_documents, split_duplicate_ids
 from transforms.records import Blank, Document, EmbeddedBatch, Item
 from transforms.resume import load_done_ids
 from tokenization.process import TokenizerProcess, tokenize_or_reason
-from transforms.write import ShardSpec, stage_counts, stage_dead_letters, stage_shard
+from transforms.stats import RunStats, merge_stats
+from transforms.write import ShardSpec, stage_counts, stage_dead_letters, stage_shard, stage_stats
 
 NS = "elmo"
 DEAD = "dead"
@@ -37,19 +38,24 @@ def _windowed(x):
 
 class ReadFiles(beam.DoFn):
     """file URL -> Document ...; unreadable records to the DEAD output; per file, its record counts (input
-    records, blank records) staged under the run's staging folder (transforms.write.stage_counts)."""
+    records, blank records) staged under the run's staging folder (transforms.write.stage_counts). The
+    progress bar advances by the file's bytes that no Document carries (blank and unreadable records)."""
 
-    def __init__(self, fmt, labels, text_field, id_field, storage_options, staging):
+    def __init__(self, fmt, labels, text_field, id_field, storage_options, staging,
+                 progress: ProgressSpec | None = None):
         self.args = (fmt, labels, text_field, id_field, storage_options)
-        self.staging = staging
+        self.staging, self.progress = staging, progress
         self.docs = Metrics.counter(NS, "documents")
         self.dead = Metrics.counter(NS, "dead_letters")
         self.blank = Metrics.counter(NS, "blank_records")
+        self.run_stats = RunStats()
 
     def process(self, url):
         fmt, labels, text_field, id_field, so = self.args
-        records = blank = 0
+        records = blank = doc_bytes = 0
+        busy, t = 0.0, time.perf_counter()      # time reading, not the time downstream steps take per yield
         for rec in read_documents(url, fmt, labels[url], text_field, id_field, so):
+            busy += time.perf_counter() - t
             records += 1
             if isinstance(rec, Blank):
                 blank += 1
@@ -58,20 +64,31 @@ class ReadFiles(beam.DoFn):
                 yield beam.pvalue.TaggedOutput(DEAD, rec)
             else:
                 self.docs.inc()
+                doc_bytes += rec.nbytes
                 yield rec
+            t = time.perf_counter()
+        busy += time.perf_counter() - t
+        self.run_stats.time("read", busy)
         self.blank.inc(blank)
         stage_counts(url, {"input_records": records, "blank_records": blank}, self.staging, so)
+        if self.progress:
+            advance(self.progress, max(0, self.progress.sizes.get(url, doc_bytes) - doc_bytes))
 
 
 class DropDuplicateIds(beam.DoFn):
     """(doc id, its Documents) -> the Document when it is the only one; else every one of them to DEAD
     (transforms.read.split_duplicate_ids)."""
 
-    def __init__(self):
+    def __init__(self, progress: ProgressSpec | None = None):
         self.dead = Metrics.counter(NS, "dead_letters")
+        self.progress = progress
 
     def process(self, keyed):
-        for out in split_duplicate_ids(*keyed):
+        doc_id, docs = keyed[0], list(keyed[1])
+        outs = list(split_duplicate_ids(doc_id, docs))
+        if self.progress and len(docs) > 1:       # all dead letters: their input is done with
+            advance(self.progress, sum(d.nbytes for d in docs))
+        for out in outs:
             if isinstance(out, DeadLetter):
                 self.dead.inc()
                 yield beam.pvalue.TaggedOutput(DEAD, out)
@@ -86,15 +103,17 @@ class Tokenize(beam.DoFn):
     characters, say), or that the tokenizer fails on, is dead-lettered as its sentence #0.
     in_process False: tokenized inline; True: in a child process, ahead of this thread, which goes on with
     the steps fused after it (the biLM): tokenization.process. Its last Items come from finish_bundle, so
-    only on runners that pass those on (not DaskRunner: docs/runner-notes.md)."""
+    only on runners that pass those on (not DaskRunner: docs/runner-notes.md). The run report's "tokenize"
+    time is this thread's (with a child: handing documents over and taking sentences back)."""
 
     def __init__(self, mode: str, max_tokens: int, limit_flag: str = "--max-sentence-tokens",
-                 in_process: bool = False):
+                 in_process: bool = False, progress: ProgressSpec | None = None):
         self.mode, self.max_tokens, self.limit_flag = mode, max_tokens, limit_flag
-        self.in_process = in_process
+        self.in_process, self.progress = in_process, progress
         self.sentences = Metrics.counter(NS, "sentences")
         self.tokens = Metrics.counter(NS, "tokens")
         self.dead = Metrics.counter(NS, "dead_letters")
+        self.run_stats = RunStats()
 
     def setup(self):
         self.child = TokenizerProcess(self.mode) if self.in_process else None
@@ -104,16 +123,22 @@ class Tokenize(beam.DoFn):
             self.child.close()
 
     def process(self, doc: Document):
+        t0 = time.perf_counter()
         if self.child is None:
-            yield from self._items(doc, tokenize_or_reason(doc.text, self.mode, doc.split_sentences))
+            results = [(doc, tokenize_or_reason(doc.text, self.mode, doc.split_sentences))]
         else:
-            for d, result in self.child.put(doc, doc.text, doc.split_sentences):
-                yield from self._items(d, result)
+            results = list(self.child.put(doc, doc.text, doc.split_sentences))
+        self.run_stats.time("tokenize", time.perf_counter() - t0)
+        for d, sentences in results:
+            yield from self._items(d, sentences)
 
     def finish_bundle(self):
         if self.child is not None:
-            for d, result in self.child.drain():
-                for out in self._items(d, result):
+            t0 = time.perf_counter()
+            results = list(self.child.drain())
+            self.run_stats.time("tokenize", time.perf_counter() - t0)
+            for d, sentences in results:
+                for out in self._items(d, sentences):
                     yield out if isinstance(out, beam.pvalue.TaggedOutput) else _windowed(out)
 
     def _items(self, doc: Document, sentences):
@@ -123,21 +148,25 @@ class Tokenize(beam.DoFn):
                       "no tokens: the text has no tokens (only control, format or other characters the tokenizer drops)")
             self.sentences.inc()
             self.dead.inc()
+            advance(self.progress, doc.nbytes)
             yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(sentence_id(doc.doc_id, 0), reason,
                                                             doc.text[:EXCERPT_CHARS]))
             return
-        for i, s in enumerate(sentences):
+        shares = split_bytes(doc.nbytes, [s.offsets[-1][1] if s.offsets else 0 for s in sentences], len(doc.text)) \
+            if self.progress else [0] * len(sentences)
+        for i, (s, nbytes) in enumerate(zip(sentences, shares)):
             sid = sentence_id(doc.doc_id, i)
             self.sentences.inc()
             if len(s.tokens) > self.max_tokens:
                 self.dead.inc()
+                advance(self.progress, nbytes)
                 start, end = s.offsets[0][0], s.offsets[-1][1]
                 yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(
                     sid, f"too long: {len(s.tokens)} tokens > {self.limit_flag} {self.max_tokens}",
                     doc.text[start:end][:EXCERPT_CHARS]))
                 continue
             self.tokens.inc(len(s.tokens))
-            yield Item(sid, doc.doc_id, i, s.tokens, s.offsets)
+            yield Item(sid, doc.doc_id, i, s.tokens, s.offsets, nbytes)
 
 
 class Chain(beam.DoFn):
@@ -163,6 +192,8 @@ class Chain(beam.DoFn):
         self.letters = []
         for d in self.dofns:
             d.start_bundle()
+            if hasattr(d, "run_stats"):
+                d.run_stats.reset()     # a failed bundle's partial stats are not staged with the next one
 
     def _flush_letters(self):
         if self.letters:
@@ -191,6 +222,9 @@ class Chain(beam.DoFn):
         for k, d in enumerate(self.dofns):
             tail.extend(self._run(d.finish_bundle(), k + 1))
         self._flush_letters()
+        parts = [p for p in (d.run_stats.take() for d in self.dofns if hasattr(d, "run_stats")) if p]
+        if parts:           # for the run report (transforms/stats.py)
+            stage_stats(merge_stats(parts), self.staging, self.so)
         for out in tail:
             yield _windowed(out)
 
@@ -204,8 +238,8 @@ class SkipCommitted(beam.DoFn):
 
     The ids come from the commit records prepare_output() kept (transforms/resume.py), loaded once."""
 
-    def __init__(self, record_paths: list[str], storage_options):
-        self.record_paths, self.so = record_paths, storage_options
+    def __init__(self, record_paths: list[str], storage_options, progress: ProgressSpec | None = None):
+        self.record_paths, self.so, self.progress = record_paths, storage_options, progress
         self.skipped = Metrics.counter(NS, "sentences_resumed")
 
     def setup(self):
@@ -214,6 +248,7 @@ class SkipCommitted(beam.DoFn):
     def process(self, item: Item):
         if item.id in self.done:
             self.skipped.inc()
+            advance(self.progress, item.nbytes)      # committed by the interrupted run: done
         else:
             yield item
 
@@ -226,15 +261,20 @@ class SortAndBatch(beam.DoFn):
         self.batches = Metrics.counter(NS, "batches")
         self.real = Metrics.counter(NS, "batch_tokens")
         self.slots = Metrics.counter(NS, "batch_token_slots")
+        self.run_stats = RunStats()
 
     def start_bundle(self):
         self.buf = []
 
     def _flush(self):
         items, self.buf = self.buf, []
+        t0 = time.perf_counter()
         lengths = [len(i.tokens) for i in items]
-        for idx in plan_batches(lengths, self.max_tokens, self.sort):
+        batches = plan_batches(lengths, self.max_tokens, self.sort)
+        self.run_stats.time("batch", time.perf_counter() - t0)
+        for idx in batches:
             real, slots = padding([lengths[i] for i in idx])
+            self.run_stats.batch(slots // len(idx) if idx else 0, real, slots)
             self.batches.inc()
             self.real.inc(real)
             self.slots.inc(slots)
@@ -250,18 +290,6 @@ class SortAndBatch(beam.DoFn):
             yield _windowed(batch)
 
 
-_BAR = None
-
-
-def _progress(tokens: int) -> None:
-    global _BAR
-    if _BAR is None:
-        from tqdm import tqdm
-        _BAR = tqdm(unit="tok", unit_scale=True, desc=f"embedding (pid {os.getpid()})", mininterval=1.0,
-                    dynamic_ncols=True)
-    _BAR.update(tokens)
-
-
 class _Holder:
     """Shared needs a weak-referenceable object."""
     def __init__(self, embedder):
@@ -275,9 +303,10 @@ class Embed(beam.DoFn):
     A failing batch is retried sentence by sentence; sentences that still fail go to DEAD.
     window > 0: a sentence longer than the (budget-capped) window is embedded as overlapping windows in
     sub-batches of at most `max_tokens` slots, stitched back together (model/windows.py).
+    `progress`: the bar advances by the batch's input bytes (transforms/progress.py).
     layers: only these layers (ascending) are copied out of the model (ShardSpec.layers_read; None: all)."""
 
-    def __init__(self, spec: E.ModelSpec, progress: bool = False, window: int = 0, overlap: int = 0,
+    def __init__(self, spec: E.ModelSpec, progress: ProgressSpec | None = None, window: int = 0, overlap: int = 0,
                  max_tokens: int = 0, layers: tuple[int, ...] | None = None):
         self.spec, self.progress, self.layers = spec, progress, layers
         self.window, self.overlap, self.max_tokens = window, overlap, max_tokens
@@ -285,6 +314,7 @@ class Embed(beam.DoFn):
         self._shared = shared.Shared()
         self.seconds = Metrics.counter(NS, "embed_milliseconds")
         self.dead = Metrics.counter(NS, "dead_letters")
+        self.run_stats = RunStats()
 
     def setup(self):
         key = repr(self.spec)
@@ -299,7 +329,7 @@ class Embed(beam.DoFn):
 
     def process(self, batch: list[Item]):
         crash_point("embed")
-        t0 = time.perf_counter()
+        t0, start = time.perf_counter(), time.time()
         limit = effective_window(self.window, self.max_tokens) if self.window else None
         short = [i for i in batch if limit is None or len(i.tokens) <= limit]
         single = [i for i in batch if limit is not None and len(i.tokens) > limit]   # windowed, one by one
@@ -317,9 +347,13 @@ class Embed(beam.DoFn):
                 self.dead.inc()
                 yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(
                     item.id, f"embedding failed: {type(e).__name__}: {e}"[:500], " ".join(item.tokens)[:EXCERPT_CHARS]))
-        self.seconds.inc(int(1000 * (time.perf_counter() - t0)))
-        if self.progress:
-            _progress(sum(int(b.offsets[-1]) for b in outs))
+        seconds = time.perf_counter() - t0
+        self.seconds.inc(int(1000 * seconds))
+        tokens = sum(int(b.offsets[-1]) for b in outs)
+        self.run_stats.time("embed", seconds)
+        self.run_stats.embedded(tokens, start)
+        if self.progress:       # failed sentences' bytes too: their input is done with
+            advance(self.progress, sum(i.nbytes for i in batch), tokens)
         yield from outs
 
 
@@ -341,6 +375,7 @@ class WriteShards(beam.DoFn):
         self.staging, self.spec = staging, spec
         self.shard_sentences, self.shard_bytes, self.so = shard_sentences, shard_bytes, storage_options
         self.shards = Metrics.counter(NS, "shards")
+        self.run_stats = RunStats()
 
     def setup(self):
         self.pool = ThreadPoolExecutor(self.WRITERS, thread_name_prefix="elmo-write")
@@ -358,14 +393,16 @@ class WriteShards(beam.DoFn):
         """The ShardInfos of the oldest shards being written, once they are (their errors raise here), until
         at most `keep` are left writing."""
         while len(self.writing) > keep:
-            yield self.writing.pop(0).result()
+            info, seconds = self.writing.pop(0).result()
+            self.run_stats.time("write", seconds)
+            yield info
 
     def _flush(self):
         sentences, self.buf, self.nbytes = self.buf, [], 0
         if sentences:
             yield from self._written(keep=self.WRITERS - 1)
             self.shards.inc()
-            self.writing.append(self.pool.submit(stage_shard, sentences, self.staging, self.spec, self.so))
+            self.writing.append(self.pool.submit(_timed, stage_shard, sentences, self.staging, self.spec, self.so))
 
     def process(self, batch: EmbeddedBatch):
         for b in range(len(batch.items)):
@@ -377,3 +414,9 @@ class WriteShards(beam.DoFn):
     def finish_bundle(self):
         for info in [*self._flush(), *self._written()]:
             yield _windowed(info)
+
+
+def _timed(fn, *args):
+    """(fn(*args), its wall seconds): on a writer thread, so the stats are added on the Beam thread."""
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0

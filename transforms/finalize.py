@@ -9,8 +9,9 @@ one object per input file.
 
 - plan_from_staging(): that reading, checked: every selected shard's files are there and every sentence
   id any record names is covered (else Incomplete: the missing sentences are embedded by another round).
-- finalize(): dead letters written as final-size files, then the plan (finalize.json: every move and the
-  manifest) before the first move, then complete_finalize().
+- finalize(): dead letters written as final-size files and the run report (report.html, from the commit
+  records and the staged run statistics: transforms/report.py), then the plan (finalize.json: every move
+  and the manifest) before the first move, then complete_finalize().
 - complete_finalize(): the moves not yet done, manifest.json, removal of the staging folder, the
   `register` hook when given (--iceberg-table: the Parquet shards added to an Iceberg table, idempotent),
   _SUCCESS last. Idempotent, so a finalize killed at any point is finished by running the plan again.
@@ -25,12 +26,12 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from formats import layout
-from formats.layout import (COUNTS, DEAD, DEAD_LETTERS, FINAL_NAMES, MANIFEST, PLAN, RECORDS, STAGING, SUCCESS,
-                            DeadLetter, ShardInfo)
+from formats.layout import (COUNTS, DEAD, DEAD_LETTERS, FINAL_NAMES, MANIFEST, PLAN, RECORDS, REPORT, STAGING, STATS,
+                            SUCCESS, DeadLetter, ShardInfo)
 from fsio import atomic_write, makedirs, move, remove_temp_files, url_fs
 from transforms.faults import crash_point
 
@@ -44,10 +45,13 @@ class Incomplete(RuntimeError):
 
 @dataclass
 class Staged:
-    """What plan_from_staging() found: the shards to publish, dead letters (no duplicates), summed counts."""
+    """What plan_from_staging() found: the shards to publish, dead letters (no duplicates), summed counts;
+    for the run report, the shards' commit records and the staged run statistics (transforms/stats.py)."""
     shards: list[ShardInfo]
     dead: list[DeadLetter]
     counts: dict
+    records: list[dict] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
 
 
 def select_records(fs, st: str, present: set[str]) -> tuple[list[dict], list[str], set[str]]:
@@ -98,14 +102,18 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     # a sentence both written and dead-lettered (an embedding failure that a retry did not repeat): written wins
     letters = sorted((d for d in letters if d.level != "sentence" or d.id not in covered),
                      key=lambda d: (d.id, d.level, d.reason, d.excerpt))
-    return Staged([ShardInfo.from_record(r, st) for r in records], letters, counts)
+    stats_dir = posixpath.join(st, STATS) + "/"
+    stats_files = sorted(p for p in present if p.startswith(stats_dir) and p.endswith(".json"))
+    stats = [json.loads(v) for v in fs.cat(stats_files).values()] if stats_files else []
+    return Staged([ShardInfo.from_record(r, st) for r in records], letters, counts, records, stats)
 
 
 def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_options: dict | None = None,
-             register: Callable[[dict], None] | None = None) -> dict:
-    """Publish `staged`: dead letters as files of at most DEAD_LETTERS_PER_FILE (sorted by id), then the plan
-    (finalize.json: every move and `manifest` completed with counts and the shard list), then
-    complete_finalize() (with `register`). Returns the manifest."""
+             register: Callable[[dict], None] | None = None, run_seconds: float | None = None) -> dict:
+    """Publish `staged`: dead letters as files of at most DEAD_LETTERS_PER_FILE (sorted by id), the run
+    report (report.html; `run_seconds`: the run's wall time so far, for it), then the plan (finalize.json:
+    every move and `manifest` completed with counts and the shard list), then complete_finalize() (with
+    `register`). Returns the manifest."""
     fs, _ = url_fs(output, storage_options)
     _, st = url_fs(staging, storage_options)
     dead = []
@@ -120,6 +128,15 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
     counts["documents"] = counts["input_records"] - counts["blank_records"] - counts["record_dead_letters"]
     m, moves = layout.complete_manifest(m, staged.shards, dead)
     makedirs(fs, st)
+    try:            # an extra: a report that cannot be built must not cost the run its output
+        from transforms.report import build_report
+        page = build_report(m, staged.records, staged.stats, run_seconds)
+    except Exception:  # noqa: BLE001
+        logger.exception("could not build the run report; the output is complete without it")
+    else:
+        atomic_write(fs, posixpath.join(st, REPORT), page.encode("utf-8"))
+        moves.append([posixpath.join(st, REPORT), REPORT])
+        m["report"] = REPORT
     atomic_write(fs, posixpath.join(st, PLAN), json.dumps({"moves": moves, "manifest": m}).encode())
     complete_finalize(output, staging, storage_options, register)
     return m

@@ -135,42 +135,77 @@ def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_
         return
     compression = fsspec.utils.infer_compression(url)
     zstd = compression == "zstd" and zstandard is not None
-    with open_file(url, "rb", storage_options, compression=None if zstd else compression) as f:
-        for n, raw in enumerate(_lines_until_corrupt(_ZstdReader(f) if zstd else f), 1):
-            if isinstance(raw, _Corrupt):     # one record dead letter for the unreadable rest of the file
-                yield DeadLetter(f"{label}:{n}", raw.reason, "", level="record")
-                break
-            if raw.endswith(b"\r"):
-                raw = raw[:-1]
-            if n == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            default_id = f"{label}:{n}"
-            line = decode_line(raw, default_id)
-            if isinstance(line, DeadLetter):
-                yield line
-                continue
-            if not line.strip():
-                yield Blank(default_id)
-                continue
-            if fmt in ("text", "lines"):
-                yield Document(default_id, line, split_sentences=(fmt == "text"))
-                continue
-            try:
-                record = json.loads(line)
-                text = record[text_field]
-                if not isinstance(text, str):
-                    raise TypeError(f"field {text_field!r} is {type(text).__name__}, not a string")
-                doc_id = str(record[id_field]) if id_field else default_id
-                (text + doc_id).encode("utf-8")      # JSON "\\ud800" escapes decode to unencodable lone surrogates
-            except UnicodeEncodeError as e:
-                yield DeadLetter(default_id, f"invalid UTF-8: lone surrogate in the JSON text or id ({e.reason})",
-                                 line[:EXCERPT_CHARS], level="record")
-                continue
-            except (ValueError, KeyError, TypeError) as e:
-                yield DeadLetter(default_id, f"unreadable record: {type(e).__name__}: {e}", line[:EXCERPT_CHARS],
-                                 level="record")
-                continue
-            yield Document(doc_id, text, source=default_id if id_field else "") if text.strip() else Blank(doc_id)
+    metered = zstd or compression in _METERED     # decompressed here, over a byte count of the file on disk
+    with open_file(url, "rb", storage_options, compression=None if metered else compression) as raw:
+        meter = _Meter(raw)
+        f = _ZstdReader(meter) if zstd else fsspec.compression.compr[compression](meter, mode="rb") \
+            if compression and metered else meter
+        try:
+            yield from _line_records(f, meter, fmt, label, text_field, id_field)
+        finally:
+            if f is not meter and hasattr(f, "close"):
+                f.close()
+
+
+_METERED = (None, "gzip", "bz2", "lzma", "xz")
+
+
+class _Meter:
+    """read() over a file object, counting the bytes read: a record's share of the file as stored (progress)."""
+
+    def __init__(self, f):
+        self.f, self.n = f, 0
+
+    def read(self, size: int = -1) -> bytes:
+        b = self.f.read(size)
+        self.n += len(b)
+        return b
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def _line_records(f, meter: _Meter, fmt: str, label: str, text_field: str, id_field: str | None):
+    """The records of a line format (text, lines, jsonl); each Document's nbytes is the bytes of the stored
+    file read since the previous Document (so read-ahead and skipped records count with the next one)."""
+    done = 0
+    for n, raw in enumerate(_lines_until_corrupt(f), 1):
+        if isinstance(raw, _Corrupt):     # one record dead letter for the unreadable rest of the file
+            yield DeadLetter(f"{label}:{n}", raw.reason, "", level="record")
+            break
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        if n == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        default_id = f"{label}:{n}"
+        line = decode_line(raw, default_id)
+        if isinstance(line, DeadLetter):
+            yield line
+            continue
+        if not line.strip():
+            yield Blank(default_id)
+            continue
+        nbytes, done = meter.n - done, meter.n
+        if fmt in ("text", "lines"):
+            yield Document(default_id, line, split_sentences=(fmt == "text"), nbytes=nbytes)
+            continue
+        try:
+            record = json.loads(line)
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise TypeError(f"field {text_field!r} is {type(text).__name__}, not a string")
+            doc_id = str(record[id_field]) if id_field else default_id
+            (text + doc_id).encode("utf-8")      # JSON "\\ud800" escapes decode to unencodable lone surrogates
+        except UnicodeEncodeError as e:
+            yield DeadLetter(default_id, f"invalid UTF-8: lone surrogate in the JSON text or id ({e.reason})",
+                             line[:EXCERPT_CHARS], level="record")
+            continue
+        except (ValueError, KeyError, TypeError) as e:
+            yield DeadLetter(default_id, f"unreadable record: {type(e).__name__}: {e}", line[:EXCERPT_CHARS],
+                             level="record")
+            continue
+        yield Document(doc_id, text, source=default_id if id_field else "", nbytes=nbytes) if text.strip() \
+            else Blank(doc_id)
 
 
 def split_duplicate_ids(doc_id: str, docs) -> Iterator[Document | DeadLetter]:
@@ -190,7 +225,10 @@ def split_duplicate_ids(doc_id: str, docs) -> Iterator[Document | DeadLetter]:
 def _read_parquet(url, label, text_field, id_field, storage_options) -> Iterator[Document | DeadLetter]:
     import pyarrow.parquet as pq
     with open_file(url, "rb", storage_options) as f:
+        size = f.seek(0, 2)         # row n's share of the file's bytes: size * n // rows - size * (n - 1) // rows
+        f.seek(0)
         pf = pq.ParquetFile(f)
+        rows, done = max(1, pf.metadata.num_rows), 0
         columns = [text_field] + ([id_field] if id_field else [])
         missing = [c for c in columns if c not in pf.schema_arrow.names]
         if missing:
@@ -206,6 +244,8 @@ def _read_parquet(url, label, text_field, id_field, storage_options) -> Iterator
                     yield DeadLetter(rid, f"unreadable record: {text_field!r} is null or not a string",
                                      repr(text)[:EXCERPT_CHARS], level="record")
                 elif text.strip():
-                    yield Document(rid, text, source=f"{label}:{n}" if id_field else "")
+                    upto = size * n // rows
+                    yield Document(rid, text, source=f"{label}:{n}" if id_field else "", nbytes=upto - done)
+                    done = upto
                 else:
                     yield Blank(rid)

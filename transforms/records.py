@@ -7,7 +7,7 @@ are in transforms/coders.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -15,11 +15,13 @@ import numpy as np
 @dataclass(frozen=True)
 class Document:
     """A document's id and text; `split_sentences` False means the record is one sentence. `source` is
-    "<file>:<line or row>" when the id comes from an --id-field (to name duplicates), else ""."""
+    "<file>:<line or row>" when the id comes from an --id-field (to name duplicates), else "". `nbytes`: its
+    share of the input file's bytes on disk (progress by input bytes only; not content, not compared)."""
     doc_id: str
     text: str
     split_sentences: bool = True
     source: str = ""
+    nbytes: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -30,12 +32,14 @@ class Blank:
 
 @dataclass(frozen=True)
 class Item:
-    """A tokenized sentence: id "<doc_id>#<index>", its document, index, tokens and [start, end) offsets."""
+    """A tokenized sentence: id "<doc_id>#<index>", its document, index, tokens and [start, end) offsets;
+    `nbytes` its share of its document's input bytes (progress only; not compared)."""
     id: str
     doc_id: str
     index: int
     tokens: tuple[str, ...]
     offsets: tuple[tuple[int, int], ...]
+    nbytes: int = field(default=0, compare=False)
 
 
 @dataclass

@@ -9,6 +9,7 @@ command after a crash finds the same folder:
   finalize.json            present once Finalize has started: the moves and the manifest
   run.json                 the key's ingredients (to explain a mismatch)
   dead/, counts/           dead letters and per-file counts: not resumed (every run reads and tokenizes all)
+  stats/                   run statistics for the report: kept (its timings count every attempt)
 
 prepare_output() decides what a new run does with the folder it is given; see its docstring.
 """
@@ -20,7 +21,7 @@ import logging
 import posixpath
 from dataclasses import dataclass, field
 
-from formats.layout import PLAN, RUN_FILE, STAGING, SUCCESS, ShardInfo, read_manifest, record_ids
+from formats.layout import PLAN, RUN_FILE, STAGING, STATS, SUCCESS, ShardInfo, read_manifest, record_ids
 from fsio import atomic_write, makedirs, url_fs
 from transforms.finalize import clear_final, plan_consistent, read_plan, roll_back, select_records
 
@@ -226,7 +227,8 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
 def _keep_disjoint_records(fs, st: str, state: OutputState) -> None:
     present = set(fs.find(st))
     records, paths, _ = select_records(fs, st, present)
-    keep = {posixpath.join(st, RUN_FILE), *paths}
+    stats = posixpath.join(st, STATS) + "/"
+    keep = {posixpath.join(st, RUN_FILE), *paths, *(p for p in present if p.startswith(stats) and p.endswith(".json"))}
     for rec in records:
         keep.update(posixpath.join(st, f) for f in rec["files"].values())
     state.records = records

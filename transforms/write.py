@@ -2,7 +2,7 @@
 
 Shards are written under <out>/_staging/<run key>/ first, each followed by a commit record
 (committed/<name>.json, written atomically after the shard's files: a staged file without one is
-garbage); dead letters and per-file record counts are staged beside them. Finalize (transforms/finalize.py)
+garbage); dead letters, per-file record counts and run statistics are staged beside them. Finalize (transforms/finalize.py)
 turns what is staged into the final output.
 """
 from __future__ import annotations
@@ -127,9 +127,11 @@ def stage_shard(sentences: list[tuple[EmbeddedBatch, int]], staging: str, spec: 
     if "hdf5" in spec.formats:
         files["hdf5"] = posixpath.join(root, name + ".hdf5")
         fs.pipe_file(files["hdf5"], hdf5_bytes(hdf5_sentences(sentences, spec)))
-    info = ShardInfo(files, len(sentences), sum(b.tokens(i) for b, i in sentences), ids[0])
+    lengths = np.fromiter((b.tokens(i) for b, i in sentences), dtype=np.int64, count=len(sentences))
+    info = ShardInfo(files, len(sentences), int(lengths.sum()), ids[0])
+    histogram = dict(zip(*(a.tolist() for a in np.unique(lengths, return_counts=True))))
     makedirs(fs, posixpath.join(root, RECORDS))
-    atomic_write(fs, posixpath.join(root, RECORDS, name + ".json"), json.dumps(info.record(ids)).encode())
+    atomic_write(fs, posixpath.join(root, RECORDS, name + ".json"), json.dumps(info.record(ids, histogram)).encode())
     crash_point("commit")
     return info
 
@@ -142,6 +144,13 @@ def stage_dead_letters(letters: list[layout.DeadLetter], staging: str, storage_o
     path = posixpath.join(root, DEAD, uuid.uuid4().hex + ".jsonl")
     atomic_write(fs, path, "".join(d.to_json() + "\n" for d in letters).encode("utf-8"))
     return path
+
+
+def stage_stats(stats: dict, staging: str, storage_options: dict | None = None) -> None:
+    """Stage a bundle's run statistics (stats/<uuid>.json, transforms/stats.py) for the run report."""
+    fs, root = url_fs(staging, storage_options)
+    makedirs(fs, posixpath.join(root, layout.STATS))
+    atomic_write(fs, posixpath.join(root, layout.STATS, uuid.uuid4().hex + ".json"), json.dumps(stats).encode())
 
 
 def stage_counts(url: str, counts: dict, staging: str, storage_options: dict | None = None) -> None:
