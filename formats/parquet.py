@@ -116,9 +116,12 @@ def parquet_bytes(table: pa.Table, row_group_bytes: int, vector_compression: str
     return sink.getvalue()
 
 
-def write_parquet(table: pa.Table, f, row_group_bytes: int, vector_compression: str = "none") -> None:
+def write_parquet(table: pa.Table, f, row_group_bytes: int, vector_compression: str = "none",
+                  before_close=None) -> None:
     """Text and id columns zstd, vector columns `vector_compression` (VECTOR_COMPRESSIONS); dictionary on
-    doc_id only, statistics on id columns only; row groups of about `row_group_bytes`."""
+    doc_id only, statistics on id columns only; row groups of about `row_group_bytes`. `f`: a file object,
+    an Arrow stream or a local path (encoded straight into the file, no in-memory copy). before_close():
+    called once the rows are written, before the footer (a test hook)."""
     ids = [c for c in ID_COLUMNS + ["token"] if c in table.column_names]
     compression = {leaf: vector_compression if f.name.startswith(VECTOR_PREFIXES) else "zstd"
                    for f in table.schema for leaf in _leaf_paths(f.name, f.type)}
@@ -126,3 +129,5 @@ def write_parquet(table: pa.Table, f, row_group_bytes: int, vector_compression: 
     with pq.ParquetWriter(f, table.schema, compression=compression, use_dictionary=["doc_id"],
                           write_statistics=ids) as w:
         w.write_table(table, row_group_size=rows)
+        if before_close is not None:
+            before_close()

@@ -102,7 +102,7 @@ class Plan:
     ingredients: dict              # what it hashes
     manifest: dict                 # manifest.json as known before the run
     tokenizer: str                 # --tokenizer resolved (raw -> the model's scheme: tokenization.resolve_tokenizer)
-    tokenizer_process: bool        # tokenize in a child process of each worker (--tokenizer-process resolved)
+    tokenizer_processes: int       # child processes tokenizing for each worker (--tokenizer-process resolved)
     iceberg: IcebergTarget | None = None    # --iceberg-table: where Finalize registers the Parquet shards
     schema: object = None          # the shards' Arrow schema (with --iceberg-table)
     registration: object = None    # what the registration did (formats.iceberg.Registration), once done
@@ -122,16 +122,18 @@ def _num_local_workers(opts: PipelineOptions) -> int:
     return (d.direct_num_workers or 1) if d.direct_running_mode == "multi_processing" else 1
 
 
-def tokenizer_process(flag: str, tokenizer: str, local: bool, runner: str) -> bool:
-    """--tokenizer-process resolved. auto: a child process tokenizes when it has a core of its own beside the
-    biLM and the tokenizer is costly (not whitespace), on local runners. on: ValueError on DaskRunner, which
-    drops the Items a child still owes at a bundle's end."""
+def tokenizer_processes(flag: str, tokenizer: str, local: bool, runner: str, workers: int = 1) -> int:
+    """--tokenizer-process resolved to a number of child processes per worker (0: tokenize inline): the
+    cores each worker has, at most 2 and at least 1. auto: only where the tokenizer is costly (not
+    whitespace), on local runners with a core beside the biLM. on: ValueError on DaskRunner, which drops the
+    Items a child still owes at a bundle's end."""
     if flag == "on" and "DaskRunner" in runner:
         raise ValueError("--tokenizer-process on does not work with DaskRunner (it drops what a step emits "
                          "from finish_bundle: docs/runner-notes.md); use auto or off")
-    if flag != "auto":
-        return flag == "on"
-    return local and tokenizer != "whitespace" and (os.cpu_count() or 1) >= 2
+    cores = os.cpu_count() or 1
+    if flag == "off" or flag == "auto" and not (local and tokenizer != "whitespace" and cores >= 2):
+        return 0
+    return max(1, min(2, cores // max(1, workers)))
 
 
 def plan(opts: PipelineOptions) -> Plan:
@@ -201,8 +203,8 @@ def plan(opts: PipelineOptions) -> Plan:
                                                                            sys.stderr.isatty()) else None,
                 break_fusion=os.environ.get(BREAK_FUSION_ENV) == "1",
                 key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
-                tokenizer_process=tokenizer_process(o.tokenizer_process, tokenizer, local,
-                                                    opts.view_as(StandardOptions).runner or "FnApiRunner"),
+                tokenizer_processes=tokenizer_processes(o.tokenizer_process, tokenizer, local,
+                                                        opts.view_as(StandardOptions).runner or "FnApiRunner", workers),
                 iceberg=iceberg, schema=schema)
 
 
@@ -241,7 +243,7 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
     elif pl.spread_documents and not pl.break_fusion:
         docs = docs | "SpreadDocuments" >> beam.Reshuffle()
     items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag,
-                                             in_process=pl.tokenizer_process, progress=pl.progress),
+                                             processes=pl.tokenizer_processes, progress=pl.progress),
                   output_type=Item)
     if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
         items = items | "SkipCommitted" >> beam.ParDo(

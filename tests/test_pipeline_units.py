@@ -240,13 +240,15 @@ def test_write_shards_in_background_keeps_order_and_raises_errors(tmp_path):
 
 
 def test_tokenizer_process_resolution(monkeypatch):
-    from pipeline.run import tokenizer_process
+    from pipeline.run import tokenizer_processes as n
+    dask = "apache_beam.runners.dask.dask_runner.DaskRunner"
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert tokenizer_process("auto", "wikitext", True, "FnApiRunner")
-    assert not tokenizer_process("auto", "whitespace", True, "FnApiRunner")
-    assert not tokenizer_process("auto", "moses", False, "apache_beam.runners.dask.dask_runner.DaskRunner")
-    assert tokenizer_process("on", "whitespace", False, "DataflowRunner") and not tokenizer_process("off", "moses", True, "x")
+    assert n("auto", "wikitext", True, "FnApiRunner") == 2 and n("auto", "wikitext", True, "FnApiRunner", 2) == 1
+    assert n("auto", "whitespace", True, "FnApiRunner") == 0 and n("auto", "moses", False, dask) == 0
+    assert n("on", "whitespace", False, "DataflowRunner") == 2 and n("off", "moses", True, "x") == 0
     with pytest.raises(ValueError, match="DaskRunner"):
-        tokenizer_process("on", "moses", False, "apache_beam.runners.dask.dask_runner.DaskRunner")
+        n("on", "moses", False, dask)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
-    assert not tokenizer_process("auto", "wikitext", True, "FnApiRunner")
+    assert n("auto", "wikitext", True, "FnApiRunner") == 0 and n("on", "wikitext", True, "FnApiRunner") == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert n("auto", "wikitext", True, "FnApiRunner", 4) == 2

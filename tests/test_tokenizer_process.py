@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from tests import robustness_corpus as rc
-from tokenization.process import TokenizerProcess, tokenize_or_reason
+from tokenization.process import TokenizerProcesses, tokenize_or_reason
 
 pytestmark = pytest.mark.slow          # starts processes
 
@@ -21,10 +21,10 @@ def _texts():
 
 
 @pytest.mark.parametrize("mode", ["wikitext", "moses", "whitespace"])
-@pytest.mark.parametrize("chunk_chars,ahead", [(1, 1), (200, 2), (16_384, 4)])
-def test_same_results_as_inline_in_order(mode, chunk_chars, ahead):
+@pytest.mark.parametrize("processes,chunk_chars,ahead", [(1, 1, 1), (2, 200, 2), (2, 16_384, 64)])
+def test_same_results_as_inline_in_order(mode, processes, chunk_chars, ahead):
     texts = _texts()
-    child = TokenizerProcess(mode, chunk_chars=chunk_chars, ahead=ahead)
+    child = TokenizerProcesses(mode, processes, chunk_chars=chunk_chars, ahead=ahead)
     try:
         got = []
         for i, t in enumerate(texts):
@@ -36,15 +36,15 @@ def test_same_results_as_inline_in_order(mode, chunk_chars, ahead):
     for (i, res), t in zip(got, texts):
         assert res == tokenize_or_reason(t, mode, i % 3 != 0), i
     assert isinstance(got[DOCS.index(None)][1], str) and "Error: " in got[DOCS.index(None)][1]   # a failing document
-    assert child.proc.returncode == 0
+    assert [c.proc.returncode for c in child.children] == [0] * processes
 
 
 def test_a_killed_child_is_an_error():
-    child = TokenizerProcess("wikitext", chunk_chars=1)
+    child = TokenizerProcesses("wikitext", 2, chunk_chars=1)
     try:
         list(child.put(0, "Fine. Text.", True))
-        os.kill(child.proc.pid, signal.SIGKILL)
-        child.proc.wait()
+        os.kill(child.children[1].proc.pid, signal.SIGKILL)
+        child.children[1].proc.wait()
         with pytest.raises(RuntimeError, match="tokenizer process exited"):
             for i in range(1, 50):
                 list(child.put(i, "More text.", True))

@@ -1,16 +1,19 @@
 """Tokenizing in a child process, ahead of the caller, so a pipeline worker's tokenizing (pure Python, holding
 the GIL) runs on another core beside its biLM.
 
-TokenizerProcess(mode) starts `python -m tokenization.process MODE` (it imports only this package, not torch
-or Beam; multiprocessing's spawn would import the caller's __main__). The caller put()s documents; they go to
-the child in chunks of about `chunk_chars` characters, at most `ahead` chunks in flight; put() and drain()
-yield (key, result) in the order the documents were put, result = tokenize_document()'s list of Sentence,
-or the exception's one-line text ("TypeError: ...") when the tokenizer failed on that document. Results are
-the same as tokenizing in the caller. A child that dies raises RuntimeError in the caller.
+TokenizerProcesses(mode, processes) starts `processes` x `python -m tokenization.process MODE` (it imports only
+this package, not torch or Beam; multiprocessing's spawn would import the caller's __main__). The caller
+put()s documents; they go to the children, in turn, in chunks of about `chunk_chars` characters, at most
+`ahead` chunks in flight (default 64: about 1M characters, more than a --sort-buffer of sentences, so the
+children keep tokenizing while the caller embeds a whole sort buffer); put() and drain() yield (key, result) in the order the documents were put, result =
+tokenize_document()'s list of Sentence, or the exception's one-line text ("TypeError: ...") when the
+tokenizer failed on that document. Results are the same as tokenizing in the caller. A child that dies
+raises RuntimeError in the caller. Two children fill a worker's first sort buffer, when its biLM has
+nothing to do yet, twice as fast.
 
 Wire: pickled (protocol 5) messages on the child's stdin and stdout, one per chunk: [(text, split_sentences)]
-in, [list[(tokens, offsets)] | str] out. A thread of the caller reads replies, so neither side can block the
-other on a full pipe.
+in, [list[(tokens, offsets)] | str] out. Two threads of the caller write chunks and read replies, so the
+caller never waits on a full pipe and neither side can block the other.
 """
 from __future__ import annotations
 
@@ -27,19 +30,20 @@ from tokenization.tokenizers import Sentence, tokenize_document
 _EOF = object()
 
 
-class TokenizerProcess:
-    def __init__(self, mode: str, chunk_chars: int = 16_384, ahead: int = 4):
-        self.mode, self.chunk_chars, self.ahead = mode, chunk_chars, ahead
+class _Child:
+    """One `python -m tokenization.process MODE` with a thread writing its chunks and one reading its replies."""
+
+    def __init__(self, mode: str):
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # this package's parent
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         self.proc = subprocess.Popen([sys.executable, "-m", "tokenization.process", mode], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.replies: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
         self.reader = threading.Thread(target=self._read, name="elmo-tokenizer-reader", daemon=True)
+        self.writer = threading.Thread(target=self._write, name="elmo-tokenizer-writer", daemon=True)
         self.reader.start()
-        self.chunk: list[tuple[Any, str, bool]] = []     # (key, text, split) not yet sent
-        self.chars = 0
-        self.sent: list[list[Any]] = []                  # keys of the chunks in flight, oldest first
+        self.writer.start()
 
     def _read(self) -> None:
         while True:
@@ -49,13 +53,53 @@ class TokenizerProcess:
                 self.replies.put(_EOF)
                 return
 
+    def _write(self) -> None:
+        while (chunk := self.outbox.get()) is not None:
+            try:
+                pickle.dump(chunk, self.proc.stdin, protocol=5)
+                self.proc.stdin.flush()
+            except OSError:          # the child is gone: the reader reports it
+                return
+        try:
+            self.proc.stdin.close()  # the child exits at the end of its input
+        except OSError:
+            pass
+
+    def receive(self) -> list:
+        reply = self.replies.get()
+        if reply is _EOF:
+            raise RuntimeError(f"the tokenizer process exited ({self.proc.wait()})")
+        return reply
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        self.writer.join(timeout=10)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.reader.join(timeout=10)
+
+
+class TokenizerProcesses:
+    """`processes` children, chunks dealt to them in turn; results in the order the documents were put."""
+
+    def __init__(self, mode: str, processes: int = 1, chunk_chars: int = 16_384, ahead: int = 64):
+        self.mode, self.chunk_chars, self.ahead = mode, chunk_chars, ahead
+        self.children = [_Child(mode) for _ in range(max(1, processes))]
+        self.chunk: list[tuple[Any, str, bool]] = []     # (key, text, split) not yet sent
+        self.chars = 0
+        self.sent: list[tuple[_Child, list[Any]]] = []   # (child, keys) of the chunks in flight, oldest first
+        self.dealt = 0
+
     def put(self, key: Any, text: str, split_sentences: bool = True) -> Iterator[tuple[Any, list[Sentence] | str]]:
         """Queue one document; yield the results that are ready (waiting only when `ahead` chunks are in flight)."""
         self.chunk.append((key, text, split_sentences))
         self.chars += len(text or "")
         if self.chars >= self.chunk_chars:
             self._send()
-        while self.sent and (len(self.sent) > self.ahead or not self.replies.empty()):
+        while self.sent and (len(self.sent) > self.ahead or not self.sent[0][0].replies.empty()):
             yield from self._receive()
 
     def drain(self) -> Iterator[tuple[Any, list[Sentence] | str]]:
@@ -68,31 +112,22 @@ class TokenizerProcess:
         if not self.chunk:
             return
         chunk, self.chunk, self.chars = self.chunk, [], 0
-        try:
-            pickle.dump([(t, s) for _, t, s in chunk], self.proc.stdin, protocol=5)
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError) as e:
-            raise RuntimeError(f"the tokenizer process exited ({self.proc.poll()})") from e
-        self.sent.append([k for k, _, _ in chunk])
+        child = self.children[self.dealt % len(self.children)]
+        self.dealt += 1
+        child.outbox.put([(t, sp) for _, t, sp in chunk])
+        self.sent.append((child, [k for k, _, _ in chunk]))
 
     def _receive(self) -> Iterator[tuple[Any, list[Sentence] | str]]:
-        reply = self.replies.get()
-        if reply is _EOF:
-            raise RuntimeError(f"the tokenizer process exited ({self.proc.wait()})")
-        keys = self.sent.pop(0)
+        child, keys = self.sent[0]
+        reply = child.receive()
+        self.sent.pop(0)
         for key, res in zip(keys, reply):
             yield key, res if isinstance(res, str) else [Sentence(t, o) for t, o in res]
 
     def close(self) -> None:
-        """End the child (it exits when its input closes) and wait for it."""
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.reader.join(timeout=10)
+        """End the children (each exits when its input closes) and wait for them."""
+        for c in self.children:
+            c.close()
 
 
 def tokenize_or_reason(text: str, mode: str, split_sentences: bool) -> list[Sentence] | str:

@@ -24,7 +24,7 @@ from transforms.progress import ProgressSpec, advance, split_bytes
 from transforms.read import read_documents, split_duplicate_ids
 from transforms.records import Blank, Document, EmbeddedBatch, Item
 from transforms.resume import load_done_ids
-from tokenization.process import TokenizerProcess, tokenize_or_reason
+from tokenization.process import TokenizerProcesses, tokenize_or_reason
 from transforms.stats import RunStats, merge_stats
 from transforms.write import ShardSpec, stage_counts, stage_dead_letters, stage_shard, stage_stats
 
@@ -101,22 +101,22 @@ class Tokenize(beam.DoFn):
 
     Every document gives at least one sentence: one whose text has no tokens at all (only control
     characters, say), or that the tokenizer fails on, is dead-lettered as its sentence #0.
-    in_process False: tokenized inline; True: in a child process, ahead of this thread, which goes on with
-    the steps fused after it (the biLM): tokenization.process. Its last Items come from finish_bundle, so
+    processes 0: tokenized inline; N: in N child processes, ahead of this thread, which goes on with the
+    steps fused after it (the biLM): tokenization.process. Its last Items come from finish_bundle, so
     only on runners that pass those on (not DaskRunner: docs/runner-notes.md). The run report's "tokenize"
     time is this thread's (with a child: handing documents over and taking sentences back)."""
 
     def __init__(self, mode: str, max_tokens: int, limit_flag: str = "--max-sentence-tokens",
-                 in_process: bool = False, progress: ProgressSpec | None = None):
+                 processes: int = 0, progress: ProgressSpec | None = None):
         self.mode, self.max_tokens, self.limit_flag = mode, max_tokens, limit_flag
-        self.in_process, self.progress = in_process, progress
+        self.processes, self.progress = processes, progress
         self.sentences = Metrics.counter(NS, "sentences")
         self.tokens = Metrics.counter(NS, "tokens")
         self.dead = Metrics.counter(NS, "dead_letters")
         self.run_stats = RunStats()
 
     def setup(self):
-        self.child = TokenizerProcess(self.mode) if self.in_process else None
+        self.child = TokenizerProcesses(self.mode, self.processes) if self.processes else None
 
     def teardown(self):
         if getattr(self, "child", None) is not None:

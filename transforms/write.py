@@ -17,8 +17,8 @@ import numpy as np
 from formats import layout
 from formats.hdf5 import hdf5_bytes
 from formats.layout import DEAD, RECORDS, ShardInfo
-from formats.parquet import ShardColumns, build_table, parquet_bytes
-from fsio import atomic_write, makedirs, url_fs
+from formats.parquet import ShardColumns, build_table, parquet_bytes, write_parquet
+from fsio import atomic_write, is_local_fs, makedirs, url_fs
 from transforms.faults import crash_point
 from transforms.records import EmbeddedBatch
 
@@ -119,11 +119,15 @@ def stage_shard(sentences: list[tuple[EmbeddedBatch, int]], staging: str, spec: 
     if "parquet" in spec.formats:
         table = build_table(shard_columns(sentences, spec), spec.layout, list(spec.columns))
         files["parquet"] = posixpath.join(root, name + ".parquet")
-        data = parquet_bytes(table, spec.row_group_bytes, spec.vector_compression)
-        with fs.open(files["parquet"], "wb") as f:    # one write: no Python (and no GIL) per encoded page
-            f.write(data[: len(data) // 2])
-            crash_point("stage_shard")
-            f.write(data[len(data) // 2:])
+        if is_local_fs(fs):     # encoded straight into the file by Arrow's own writer, without the GIL
+            write_parquet(table, files["parquet"], spec.row_group_bytes, spec.vector_compression,
+                          before_close=lambda: crash_point("stage_shard"))
+        else:                   # one PUT of the encoded bytes
+            data = parquet_bytes(table, spec.row_group_bytes, spec.vector_compression)
+            with fs.open(files["parquet"], "wb") as f:
+                f.write(data[: len(data) // 2])
+                crash_point("stage_shard")
+                f.write(data[len(data) // 2:])
     if "hdf5" in spec.formats:
         files["hdf5"] = posixpath.join(root, name + ".hdf5")
         fs.pipe_file(files["hdf5"], hdf5_bytes(hdf5_sentences(sentences, spec)))
