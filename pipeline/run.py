@@ -11,6 +11,7 @@ The local default runner is FnApiRunner (never Prism, which Beam would try to do
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -163,13 +164,15 @@ def plan(opts: PipelineOptions) -> Plan:
     stateful = o.state == "stateful"
     threads = o.torch_threads or (default_torch_threads(workers) if local else 0)
     spec = E.ModelSpec(options_file, weight_file, vocab_file, o.device, o.state, threads, o.compute_dtype,
-                       batch_invariant=o.batch_invariant, storage_options=so)
+                       batch_invariant=o.batch_invariant, storage_options=so,
+                       model_name=None if model_name == "custom" else model_name)
     if local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
         from model.device import resolve_device
         resolve_device(o.device)
     model = check_model(local_options, local_weights)   # a bad model fails here, not in every worker
     check_output_writable(o.output, so)
     identity = E.model_identity(spec)
+    spec = dataclasses.replace(spec, weights_sha256=identity["weights_sha256"])   # what workers elsewhere check
     flags = {k: getattr(o, k) for k in o._visible_option_list()}
     if flags.get("iceberg_catalog"):
         flags["iceberg_catalog"] = redact(flags["iceberg_catalog"])     # no password in the manifest

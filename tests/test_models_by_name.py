@@ -162,3 +162,23 @@ def test_pipeline_elmo_command_and_models_command_by_name(server, tmp_path, caps
     small = next(line for line in table.splitlines() if line.startswith("small "))
     assert "cached" in small and "256" in small and "13.6M" in small and "moses" in small
     assert "not downloaded" in next(line for line in table.splitlines() if line.startswith("medium "))
+
+
+def test_a_worker_elsewhere_gets_the_named_model_and_checks_it(tmp_path):
+    """A ModelSpec names its model: where the launcher's paths do not exist (a remote worker), the worker takes
+    its own copy from model.pretrained and checks it against the sha256 the run was planned with."""
+    from fsio import file_sha256
+    from model.pretrained import DEFAULT_MODEL, model_files
+    from transforms.embed import ModelSpec
+    options, weights, _ = model_files(DEFAULT_MODEL)
+    sha = file_sha256(weights)
+    here = ModelSpec(options, weights, model_name=DEFAULT_MODEL, weights_sha256=sha)
+    assert here.local_files()[:2] == (options, weights)
+    gone = str(tmp_path / "launcher-only")
+    elsewhere = ModelSpec(gone + "/options.json", gone + "/weights.hdf5", model_name=DEFAULT_MODEL, weights_sha256=sha)
+    assert elsewhere.local_files()[:2] == (options, weights)
+    other = ModelSpec(gone + "/options.json", gone + "/weights.hdf5", model_name=DEFAULT_MODEL, weights_sha256="0" * 64)
+    with pytest.raises(ValueError, match="not the one the run was planned with"):
+        other.local_files()
+    with pytest.raises(FileNotFoundError):
+        ModelSpec(gone + "/options.json", gone + "/weights.hdf5").local_files()     # custom files: no fallback

@@ -16,7 +16,10 @@ class ModelSpec:
     """What to load and how: files (paths or URLs), device, state mode, torch threads (0 = default), the
     precision the biLM runs in (float32 | bfloat16 | float16), batch_invariant (bit-identical vectors whatever
     the batching; stateless/warm only; default off, as ElmoEmbedder), and the storage options
-    ({protocol: {...}}, retries included) that remote model files are fetched with."""
+    ({protocol: {...}}, retries included) that remote model files are fetched with. model_name: the model by
+    name (model.pretrained) when the files came from there, so that a worker on another machine, where the
+    launcher's paths do not exist, gets its own copy (shipped, or downloaded into its cache) and checks it
+    against weights_sha256."""
     options_file: str
     weight_file: str
     vocab_file: str | None = None
@@ -26,10 +29,25 @@ class ModelSpec:
     compute_dtype: str = "float32"
     batch_invariant: bool = False
     storage_options: dict | None = field(default=None, repr=False, compare=False)
+    model_name: str | None = None
+    weights_sha256: str | None = None
 
     def local_files(self) -> tuple[str, str, str | None]:
         """(options, weights, vocab) as local paths: remote files fetched into the cache (fsio.local_path)
-        with this spec's storage options, so model downloads retry like the data path."""
+        with this spec's storage options, so model downloads retry like the data path; a named model whose
+        files are not at the launcher's paths here, from model.pretrained, verified against weights_sha256."""
+        import os
+
+        from fsio import is_local_url
+        paths = [p for p in (self.options_file, self.weight_file, self.vocab_file) if p]
+        if self.model_name and not all(is_local_url(p) and os.path.exists(p.removeprefix("file://")) for p in paths):
+            from fsio import file_sha256
+            from model.pretrained import model_files
+            options, weights, vocab = model_files(self.model_name)
+            if self.weights_sha256 and file_sha256(weights) != self.weights_sha256:
+                raise ValueError(f"model {self.model_name!r} here ({weights}) is not the one the run was planned "
+                                 f"with (weights sha256 {self.weights_sha256})")
+            return options, weights, vocab if self.vocab_file else None
         return fetch_model_files(self.options_file, self.weight_file, self.vocab_file, self.storage_options)
 
 
