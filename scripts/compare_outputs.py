@@ -274,9 +274,12 @@ def report(work: Path, trees: dict, allow_bytes: bool, seconds: float) -> int:
     subs = {s: [(str(work / s), "<OUT>"), (str(t), "<TREE>")] for s, t in trees.items()}
     rows, bad = [], []
     for name in sorted(ob.keys() | oh.keys()):
-        if name not in ob or name not in oh:
-            rows.append((name, "-", "MISSING", "", f"only in {'base' if name in ob else 'head'}"))
+        if name not in oh:
+            rows.append((name, "-", "MISSING", "", "only in base"))
             bad.append(name)
+            continue
+        if name not in ob:          # a new output file beside unchanged ones: an extension, as added manifest keys
+            rows.append((name, "-", "added", "", "only in head (an extension)"))
             continue
         same_b, strict, same_c, d, note = compare_output(name, ob[name], oh[name], subs["base"], subs["head"])
         bytes_fail = strict and not same_b and not allow_bytes
