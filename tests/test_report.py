@@ -60,6 +60,14 @@ def test_stats_take_and_merge():
     assert s.take() is None
 
 
+def test_a_batch_with_no_measured_time_counts_once():
+    """A batch whose end reads the same (a coarse clock) or an earlier time (a clock set back) than its start."""
+    s = RunStats()
+    s.embedded(100, 1_700_000_000.5, 1_700_000_000.5)
+    s.embedded(50, 1_700_000_002.75, 1_700_000_002.25)
+    assert s.take()["tokens_at"] == {"1700000000": 100, "1700000002": 50}
+
+
 def test_report_numbers_and_sections():
     records = [{"lengths": {"3": 4, "5": 2}}, {"lengths": {"5": 3, "120": 1}}]
     d = report_data(_manifest(), records, _stats(), run_seconds=9.5)

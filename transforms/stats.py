@@ -43,10 +43,10 @@ class RunStats:
         """A batch of `tokens` embedded from unix time `start` to `end` (default now): its tokens are spread over
         the seconds it took, in proportion (a batch of about a second would otherwise make a saw of the curve)."""
         end = time.time() if end is None else end
-        if end <= start:
+        if end <= start:        # no time measured (a coarse clock, or one set back): all in one second
             self.tokens_at[int(end)] = self.tokens_at.get(int(end), 0) + tokens
         sec = int(start)
-        while sec < end:
+        while start < end and sec < end:
             part = tokens * (min(end, sec + 1) - max(start, sec)) / (end - start)
             self.tokens_at[sec] = self.tokens_at.get(sec, 0) + part
             sec += 1
