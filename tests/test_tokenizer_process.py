@@ -53,6 +53,73 @@ def test_a_killed_child_is_an_error():
         child.close()
 
 
+def test_a_dead_child_is_an_error_every_time_it_is_asked():
+    """After the error, asking again (drain, another put) raises again instead of waiting for ever."""
+    import threading
+    child = TokenizerProcesses("wikitext", 1, chunk_chars=1)
+    errors = []
+
+    def ask():
+        for _ in range(2):
+            try:
+                list(child.drain())
+            except RuntimeError as e:
+                errors.append(str(e))
+    try:
+        list(child.put(0, "Fine. Text.", True))
+        child.children[0].proc.kill()
+        child.children[0].proc.wait()
+        with pytest.raises(RuntimeError, match="tokenizer process exited"):
+            list(child.put(1, "More text.", True))
+            list(child.drain())
+        t = threading.Thread(target=ask, daemon=True)
+        t.start()
+        t.join(timeout=30)
+        assert not t.is_alive(), "drain() waits for a reply from a dead child"
+        assert len(errors) == 2 and all("tokenizer process exited" in e for e in errors)
+    finally:
+        child.close()
+
+
+def _tokenizer_processes_alive() -> list[int]:
+    """Pids of `python -m tokenization.process` processes whose parent is this process."""
+    me, out = os.getpid(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == me and b"tokenization.process" in cmd:
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_no_child_or_thread_left_after_a_run(fail, tmp_path, tiny_model_files, monkeypatch):
+    """The children were started and are gone, with their threads, after a run, and after a failed one."""
+    import threading
+    import tokenization.process as TP
+    import transforms.dofns as D
+    from pipeline.run import main
+    from tests.resume_helpers import argv, write_corpus
+    started = []
+    monkeypatch.setattr(TP._Child, "__init__", lambda self, mode, init=TP._Child.__init__: (
+        init(self, mode), started.append(self.proc))[0])
+    if fail:
+        def full(*a, **k):
+            raise OSError("No space left on device (test)")
+        monkeypatch.setattr(D, "stage_shard", full)
+    corpus = write_corpus(str(tmp_path / "docs.txt"), n_docs=20)
+    rc = main(argv(tiny_model_files, corpus, str(tmp_path / "out"), "--tokenizer-process", "on"))
+    assert rc == (2 if fail else 0)
+    assert started and all(p.returncode is not None for p in started)
+    assert _tokenizer_processes_alive() == []
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("elmo-tokenizer")]
+
+
 def test_pipeline_output_same_with_and_without(tmp_path, tiny_model_files):
     """Dirty input (dead letters included), several sentences per document: equal outputs, files byte for byte."""
     from pipeline.run import main

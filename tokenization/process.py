@@ -68,6 +68,7 @@ class _Child:
     def receive(self) -> list:
         reply = self.replies.get()
         if reply is _EOF:
+            self.replies.put(_EOF)      # for every later call too: it must not wait for a reply that never comes
             raise RuntimeError(f"the tokenizer process exited ({self.proc.wait()})")
         return reply
 
