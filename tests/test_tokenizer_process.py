@@ -120,6 +120,26 @@ def test_no_child_or_thread_left_after_a_run(fail, tmp_path, tiny_model_files, m
     assert not [t.name for t in threading.enumerate() if t.name.startswith("elmo-tokenizer")]
 
 
+def test_a_failed_bundles_documents_are_not_emitted_with_the_next():
+    """A bundle that failed after handing documents over (no finish_bundle), then another bundle on the same
+    DoFn: only that bundle's Items come out."""
+    from transforms.dofns import Tokenize
+    from transforms.records import Document, Item
+    t = Tokenize("wikitext", 1000, processes=1)
+    t.setup()
+    try:
+        t.start_bundle()
+        for i in range(5):
+            list(t.process(Document(f"old:{i}", "Stale text. Of a failed bundle.")))
+        t.start_bundle()
+        out = list(t.process(Document("new:1", "Fresh text here.")))
+        out += [o.value for o in t.finish_bundle()]
+        assert [o.doc_id for o in out if isinstance(o, Item)] == ["new:1"]
+    finally:
+        t.teardown()
+    assert all(c.proc.returncode is not None for c in t.child.children)
+
+
 def test_pipeline_output_same_with_and_without(tmp_path, tiny_model_files):
     """Dirty input (dead letters included), several sentences per document: equal outputs, files byte for byte."""
     from pipeline.run import main

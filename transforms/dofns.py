@@ -122,6 +122,11 @@ class Tokenize(beam.DoFn):
         if getattr(self, "child", None) is not None:
             self.child.close()
 
+    def start_bundle(self):
+        if self.child is not None and (self.child.sent or self.child.chunk):
+            self.child.close()      # documents of a bundle that failed: never emitted with this one's
+            self.child = TokenizerProcesses(self.mode, self.processes)
+
     def process(self, doc: Document):
         t0 = time.perf_counter()
         if self.child is None:
