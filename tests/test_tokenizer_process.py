@@ -158,3 +158,14 @@ def test_pipeline_output_same_with_and_without(tmp_path, tiny_model_files):
         for n in names:
             with open(os.path.join(outs["on"], sub, n), "rb") as a, open(os.path.join(outs["off"], sub, n), "rb") as b:
                 assert a.read() == b.read(), n
+
+
+def test_closing_with_results_owed_does_not_wait_for_them():
+    """After a failed bundle nobody wants what the children still have queued: close() kills them at once
+    (after a drain() they exit by themselves, code 0: test_same_results_as_inline_in_order)."""
+    child = TokenizerProcesses("wikitext", 2, chunk_chars=1)
+    for i in range(200):
+        list(child.put(i, "A sentence with some words in it . " * 200, True))
+    assert child.sent
+    child.close()
+    assert [c.proc.returncode for c in child.children] == [-signal.SIGKILL] * 2

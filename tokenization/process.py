@@ -72,7 +72,9 @@ class _Child:
             raise RuntimeError(f"the tokenizer process exited ({self.proc.wait()})")
         return reply
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        if kill:                   # its results are not wanted: no waiting for what it still has to tokenize
+            self.proc.kill()
         self.outbox.put(None)
         self.writer.join(timeout=10)
         try:
@@ -126,9 +128,11 @@ class TokenizerProcesses:
             yield key, res if isinstance(res, str) else [Sentence(t, o) for t, o in res]
 
     def close(self) -> None:
-        """End the children (each exits when its input closes) and wait for them."""
+        """End the children (each exits when its input closes; killed when results are still owed, as after a
+        failed bundle) and wait for them."""
+        owed = bool(self.sent or self.chunk)
         for c in self.children:
-            c.close()
+            c.close(kill=owed)
 
 
 def tokenize_or_reason(text: str, mode: str, split_sentences: bool) -> list[Sentence] | str:
