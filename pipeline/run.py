@@ -290,8 +290,11 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
         pl = plan(opts)
         if not pl.o.overwrite and is_complete(pl.o.output, pl.key, pl.so):
             result = AlreadyComplete(_manifest(pl))
-            if pl.iceberg is not None:        # e.g. --iceberg-table newly given: registered now, once
-                pl.register(result.manifest)
+            if pl.iceberg is not None:        # e.g. --iceberg-table newly given: registered now, once, under the
+                with Lease(lease_url(pl.o.output), pl.o.lease_stale_seconds, pl.so):    # lease (no run replacing it)
+                    if not is_complete(pl.o.output, pl.key, pl.so):
+                        raise RuntimeError(f"{pl.o.output} changed while this run waited for its lease; rerun")
+                    pl.register(result.manifest)
         else:
             with Lease(lease_url(pl.o.output), pl.o.lease_stale_seconds, pl.so) as lease:
                 result = _execute(opts, pl, lease)
