@@ -182,3 +182,8 @@ def test_a_worker_elsewhere_gets_the_named_model_and_checks_it(tmp_path):
         other.local_files()
     with pytest.raises(FileNotFoundError):
         ModelSpec(gone + "/options.json", gone + "/weights.hdf5").local_files()     # custom files: no fallback
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("<S>\n</S>\n<UNK>\nthe\n")
+    given = ModelSpec(gone + "/options.json", gone + "/weights.hdf5", vocab_file=str(vocab), model_name=DEFAULT_MODEL,
+                      weights_sha256=sha)
+    assert given.local_files() == (options, weights, str(vocab))        # a --vocab-file readable here is kept

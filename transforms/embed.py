@@ -47,8 +47,21 @@ class ModelSpec:
             if self.weights_sha256 and file_sha256(weights) != self.weights_sha256:
                 raise ValueError(f"model {self.model_name!r} here ({weights}) is not the one the run was planned "
                                  f"with (weights sha256 {self.weights_sha256})")
-            return options, weights, vocab if self.vocab_file else None
+            return options, weights, self._vocab_here(vocab)
         return fetch_model_files(self.options_file, self.weight_file, self.vocab_file, self.storage_options)
+
+    def _vocab_here(self, model_vocab: str | None) -> str | None:
+        """The vocabulary on this machine when the model files came from model.pretrained: the one given, where
+        it can be read here (a URL, or a path that exists), else the named model's own."""
+        import os
+
+        from fsio import is_local_url, local_path
+        v = self.vocab_file
+        if not v:
+            return None
+        if not is_local_url(v):
+            return local_path(v, storage_options=self.storage_options)
+        return v if os.path.exists(v.removeprefix("file://")) else model_vocab
 
 
 def fetch_model_files(options_file: str, weight_file: str, vocab_file: str | None = None,
