@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2), file=sys.stderr)
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()     # rank 0 exports and prints first: no rank tears gloo down under a peer still using it
         dist.destroy_process_group()
     return 0
 
