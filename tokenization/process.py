@@ -89,7 +89,7 @@ class TokenizerProcesses:
     """`processes` children, chunks dealt to them in turn; results in the order the documents were put."""
 
     def __init__(self, mode: str, processes: int = 1, chunk_chars: int = 16_384, ahead: int = 64):
-        self.mode, self.chunk_chars, self.ahead = mode, chunk_chars, ahead
+        self.chunk_chars, self.ahead = chunk_chars, ahead
         self.children = [_Child(mode) for _ in range(max(1, processes))]
         self.chunk: list[tuple[Any, str, bool]] = []     # (key, text, split) not yet sent
         self.chars = 0

@@ -6,6 +6,7 @@ Selections: "all" | "top" | "average" | "0,1,2" (layer indices).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,8 +37,6 @@ class ModelSpec:
         """(options, weights, vocab) as local paths: remote files fetched into the cache (fsio.local_path)
         with this spec's storage options, so model downloads retry like the data path; a named model whose
         files are not at the launcher's paths here, from model.pretrained, verified against weights_sha256."""
-        import os
-
         from fsio import is_local_url
         paths = [p for p in (self.options_file, self.weight_file, self.vocab_file) if p]
         if self.model_name and not all(is_local_url(p) and os.path.exists(p.removeprefix("file://")) for p in paths):
@@ -53,8 +52,6 @@ class ModelSpec:
     def _vocab_here(self, model_vocab: str | None) -> str | None:
         """The vocabulary on this machine when the model files came from model.pretrained: the one given, where
         it can be read here (a URL, or a path that exists), else the named model's own."""
-        import os
-
         from fsio import is_local_url, local_path
         v = self.vocab_file
         if not v:
