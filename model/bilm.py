@@ -229,7 +229,8 @@ def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor,
     h, c = h0, c0
     step_rows = batch_sizes if step_rows is None else step_rows
     live = h0.shape[1] if step_rows is batch_sizes else (batch_sizes[0] if batch_sizes else 0)
-    outs, done_h, done_c = [], [], []
+    done_h, done_c = [], []
+    y = x.new_empty(G, sum(step_rows), first.proj_dim)   # every step's h written in place: no cat
     offset = 0
     max_rows = max(1, CHUNK_ELEMENTS // (G * 4 * H))
     chunks = _chunks(step_rows, max_rows)
@@ -241,7 +242,7 @@ def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor,
         c = c.clone() if t0 else c          # c is a view into the previous chunk's rows of ws
         xw = torch.bmm(x[:, offset: offset + rows], w_in, out=ws[: G * rows * 4 * H].view(G, rows, 4 * H))
         xw.add_(bias)                                                   # (G, rows, 4H)
-        offset += rows
+        base, offset = offset, offset + rows
         r = 0
         for n, m in zip(batch_sizes[t0:t1], step_rows[t0:t1]):
             if n < live:                       # sequences [n:live) have ended: keep their final state
@@ -261,16 +262,16 @@ def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor,
             c = f.mul_(c).addcmul_(i, j)
             if cell_clip is not None:
                 c.clamp_(-cell_clip, cell_clip)
-            h = torch.bmm(torch.tanh(c, out=tanh_c[: G * n * H].view(G, n, H)).mul_(o), w_proj)
+            h = torch.bmm(torch.tanh(c, out=tanh_c[: G * n * H].view(G, n, H)).mul_(o), w_proj,
+                          out=y[:, base + r - n: base + r])
             if proj_clip is not None:
                 h.clamp_(-proj_clip, proj_clip)
-            outs.append(h)
-    if not outs:
-        return x.new_zeros(len(layers), 0, first.proj_dim), h, c
-    h, c = h[:, :live], c[:, :live].clone()
+    if not chunks:
+        return y, h, c
+    h, c = h[:, :live].clone(), c[:, :live].clone()     # h: a view into y, which callers may change in place
     h_final = torch.cat([h, *reversed(done_h)], dim=1) if done_h else h
     c_final = torch.cat([c, *reversed(done_c)], dim=1) if done_c else c
-    return torch.cat(outs, dim=1), h_final, c_final
+    return y, h_final, c_final
 
 
 class PackedBatch:
@@ -496,7 +497,7 @@ class BiLM(nn.Module):
             y, h, c = run_lstm_layers([fl, bl], self._pair_weights(k), self._drop(x), pb.batch_sizes,
                                       h0[k], c0[k], step_rows)
             if self.opts.use_skip_connections and k > 0:
-                y = y + x          # bilm-tf's ResidualWrapper: on every layer but the first
+                y.add_(x)          # bilm-tf's ResidualWrapper, on every layer but the first (y is new)
             if k + 1 in slot:
                 real = y if at is None else y[:, at]
                 out[slot[k + 1], :, :P].index_copy_(0, fwd_rows, real[0])

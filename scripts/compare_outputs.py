@@ -27,7 +27,8 @@ shapes, dtypes, attributes, values bit for bit. manifest.json / results.json: eq
 tree and output folder replaced by <TREE>/<OUT>, timings (and results.json `machine`) dropped; manifest
 Keys only the head has are reported as "keys added (an extension)";
 `run.key` / `options.*` differences are reported as "differs (expected if flags were added)", not as
-failures. table.md: without its `seconds` column. Dead letters: sorted lines. chart.png: not compared.
+failures. table.md: without its `seconds` column. Dead letters: sorted lines. chart.png and report.html
+(renderings of the run's timings, different every run): not compared.
 
 Reproducibility (runs of one revision): Parquet (zstd) and HDF5 files are byte-identical run to run
 (h5py stores no timestamps by default), so their bytes must match unless --allow-byte-changes
@@ -266,7 +267,7 @@ def report(work: Path, trees: dict, allow_bytes: bool, seconds: float) -> int:
     outputs = {side: {} for side in trees}   # side -> output name -> files (dead letters of a run: one output)
     for side in trees:
         for f in sorted((work / side).rglob("*")):
-            if f.is_file() and f.name != "chart.png":
+            if f.is_file() and f.name not in ("chart.png", "report.html"):
                 rel = str(f.relative_to(work / side))
                 name = re.sub(r"dead_letters/part-\d+-of-\d+\.jsonl$", "dead_letters/*.jsonl", rel)
                 outputs[side].setdefault(name, []).append(f)
