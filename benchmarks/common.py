@@ -42,9 +42,13 @@ def flops_per_token(o: BiLMOptions) -> int:
         total += int(o.char_cnn.get("n_highway") or 0) * 2 * F * 2 * F
         if F != o.projection_dim:
             total += 2 * F * o.projection_dim
+    return total + lstm_flops_per_token(o)
+
+
+def lstm_flops_per_token(o: BiLMOptions) -> int:
+    """The LSTM layers' share of flops_per_token: both directions' input, recurrent and projection GEMMs."""
     P, H = o.projection_dim, o.lstm_dim
-    total += 2 * o.n_layers * (2 * (P + P) * 4 * H + 2 * H * P)
-    return total
+    return 2 * o.n_layers * (2 * (P + P) * 4 * H + 2 * H * P)
 
 
 def gemm_ceiling_gflops(threads: int, n: int = 2048, seconds: float = 2.0, dtype=torch.float32,
