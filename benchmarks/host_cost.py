@@ -15,8 +15,9 @@ named. Stages (CPU microseconds per token, one thread, the functions the pipelin
   change to the host path can beat on this machine.
 End to end (a `python -m pipeline.run` process each; start-up = the same command on the first 8 non-blank
   lines, subtracted with their tokens, so that every worker's model loading is start-up):
-  wall tokens/s, CPU per token, CPU/wall while embedding, for: default output (also tokenizing inline),
-  --duplicate-layer0, --layers 2, whitespace --layers 2, Parquet + HDF5, and 2 local workers.
+  wall tokens/s, CPU per token, CPU/wall while embedding, for: default output (also tokenizing inline, and one
+  batch in the biLM at a time), --duplicate-layer0, --layers 2, whitespace --layers 2 (also one batch at a
+  time), Parquet + HDF5, and 2 local workers.
 Prints tables; writes benchmarks/results/host_cost.json naming the CPU.
 """
 from __future__ import annotations
@@ -37,7 +38,9 @@ WIDE_CHEAP = {"lstm": {"cell_clip": 3, "proj_clip": 3, "n_layers": 2, "use_skip_
               "char_cnn": {"activation": "relu", "embedding": {"dim": 4}, "filters": [[1, 8], [2, 8], [3, 16]],
                            "max_characters_per_token": 50, "n_characters": 262, "n_highway": 1}}
 TWO = ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
-INLINE = ["--tokenizer-process", "off"]     # flags the baseline does not have: this tree only
+INLINE = ["--tokenizer-process", "off"]
+ONE_BATCH = ["--embed-threads", "1"]
+NEW_FLAGS = (INLINE[0], ONE_BATCH[0])        # flags the baseline does not have: rows with them, this tree only
 CONFIGS = {   # name -> (extra flags, tokenizer input: raw text or pre-tokenized lines)
     "default (3 layers, fp32), Parquet": ([], "raw"),
     "default, tokenizing inline (--tokenizer-process off)": (INLINE, "raw"),
@@ -45,6 +48,9 @@ CONFIGS = {   # name -> (extra flags, tokenizer input: raw text or pre-tokenized
     "--layers 2": (["--layers", "2"], "raw"),
     "--dtype float16": (["--dtype", "float16"], "raw"),
     "whitespace, --layers 2": (["--layers", "2", "--tokenizer", "whitespace", "--input-format", "lines"], "ws"),
+    "whitespace, --layers 2, one batch at a time (--embed-threads 1)":
+        (["--layers", "2", "--tokenizer", "whitespace", "--input-format", "lines", *ONE_BATCH], "ws"),
+    "default, one batch at a time (--embed-threads 1)": (ONE_BATCH, "raw"),
     "Parquet + HDF5": (["--format", "parquet,hdf5"], "raw"),
     "2 workers (multi_processing)": (TWO, "raw"),
     "2 workers, tokenizing inline": (TWO + INLINE, "raw"),
@@ -204,7 +210,7 @@ def end_to_end(trees: dict[str, str], inputs: dict[str, tuple[str, str, int, int
             path, head, n_all, n_head = inputs[kind]
             n = n_all - n_head
             for label, tree in trees.items():
-                if label != "this tree" and INLINE[0] in flags:
+                if label != "this tree" and any(f in flags for f in NEW_FLAGS):
                     continue
                 start = min((run_pipeline(tree, head, os.path.join(tmp, "s"), model, flags) for _ in range(runs)),
                             key=lambda r: r["wall"])

@@ -437,8 +437,20 @@ class BiLM(nn.Module):
         state = self._run_layers(emb, pb, state, out, pb.fwd_index, pb.bwd_index, batch_invariant)
         return out.view(-1, B, T, out.shape[-1]), state
 
-    def forward_tokens(self, uniq: Tensor, index: Tensor, lengths: Tensor, state: tuple[Tensor, Tensor] | None = None,
-                       batch_invariant: bool = False, layers: Sequence[int] | None = None
+    def prepare_tokens(self, uniq: Tensor, index: Tensor, lengths: Tensor, batch_invariant: bool = False
+                       ) -> tuple[PackedBatch, Tensor]:
+        """forward_tokens' first part: the packed layout and the token vectors emb (N_packed, P), through the token
+        cache. Its bits depend on the order of calls (the cache keeps the vectors of the batch that first had a
+        token): calls in a fixed order, then forward_tokens(..., prepared=) on any thread, give the same vectors
+        as calls one after another (inference)."""
+        B, T = index.shape
+        pb = PackedBatch(lengths, T, uniq.device)
+        inverse = index.reshape(B * T)[pb.fwd_index]
+        return pb, self._encode_distinct(uniq, batch_invariant)[inverse]
+
+    def forward_tokens(self, uniq: Tensor | None, index: Tensor | None, lengths: Tensor | None,
+                       state: tuple[Tensor, Tensor] | None = None, batch_invariant: bool = False,
+                       layers: Sequence[int] | None = None, prepared: tuple[PackedBatch, Tensor] | None = None
                        ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """The same vectors as forward(), for the real tokens only, without padding or <S> </S>, and without
         building or zero-filling a padded batch (inference, char CNN or word ids alike).
@@ -448,12 +460,11 @@ class BiLM(nn.Module):
         Returns layers (L+1, N, 2P), N = sum(lengths - 2): row b's tokens at [offsets[b], offsets[b+1]),
         each layer contiguous; and the state as forward() returns it. batch_invariant: as forward().
         layers: only these layers, ascending, are returned, (len(layers), N, 2P): the others are still
-        computed (each feeds the next) but never copied out."""
-        B, T = index.shape
-        pb = PackedBatch(lengths, T, uniq.device)
-        inverse = index.reshape(B * T)[pb.fwd_index]
-        emb = self._encode_distinct(uniq, batch_invariant)[inverse]                  # (N_packed, P)
-        fwd_rows, bwd_rows, n = pb.token_rows(uniq.device)
+        computed (each feeds the next) but never copied out. prepared: prepare_tokens()'s result for these inputs
+        (uniq, index and lengths are then not read)."""
+        pb, emb = prepared if prepared is not None else self.prepare_tokens(uniq, index, lengths, batch_invariant)
+        B = len(pb.lengths)
+        fwd_rows, bwd_rows, n = pb.token_rows(emb.device)
         layers = range(self.opts.n_layers + 1) if layers is None else layers
         out = emb.new_empty(len(layers), n + 2 * B, 2 * emb.shape[-1])   # every row is written
         state = self._run_layers(emb, pb, state, out, fwd_rows, bwd_rows, batch_invariant, layers)

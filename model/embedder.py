@@ -168,25 +168,36 @@ class ElmoEmbedder:
 
     # --- running ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def _forward(self, sentences, state, layers: Sequence[int] | None = None):
+    def _forward(self, sentences, state, layers: Sequence[int] | None = None, prepared=None):
         """(L+1, N, 2P) for the real tokens of `sentences` (only `layers`, ascending, when given), and the final
         state (BiLM.forward_tokens)."""
-        return self.model.forward_tokens(*self.batch_inputs(sentences), state, batch_invariant=self.batch_invariant,
-                                         layers=layers)
+        inputs = self.batch_inputs(sentences) if prepared is None else (None, None, None)
+        return self.model.forward_tokens(*inputs, state, batch_invariant=self.batch_invariant, layers=layers,
+                                         prepared=prepared)
 
-    def embed_packed(self, sentences: Sequence[Sequence[str]], layers: Sequence[int] | None = None
+    @torch.inference_mode()
+    def prepare_packed(self, sentences: Sequence[Sequence[str]]):
+        """embed_packed's order-dependent first part (char ids and token vectors through the token cache,
+        BiLM.prepare_tokens), for embed_packed(sentences, layers, prepared=...). Calls in a fixed order on one
+        thread, then embed_packed on several threads at once, give the vectors of calls one after another
+        (stateless and warm; stateful carries state from batch to batch: one thread). None for no sentences."""
+        if not sentences:
+            return None
+        return self.model.prepare_tokens(*self.batch_inputs(sentences), batch_invariant=self.batch_invariant)
+
+    def embed_packed(self, sentences: Sequence[Sequence[str]], layers: Sequence[int] | None = None, prepared=None
                      ) -> tuple[np.ndarray, np.ndarray]:
         """One batch, as given, packed: float32 (n_layers+1, N, 2P) for its N tokens, sentence after sentence
         (each layer one contiguous (N, 2P) block; no padding, no copy per sentence), and offsets (B+1,) int64:
         sentence b is [:, offsets[b]:offsets[b+1]]. layers (ascending): only these, (len(layers), N, 2P), the
-        same values; the others are computed but not copied out."""
+        same values; the others are computed but not copied out. prepared: prepare_packed(sentences)."""
         sentences = [list(s) for s in sentences]
         offsets = np.zeros(len(sentences) + 1, dtype=np.int64)
         np.cumsum([len(s) for s in sentences], out=offsets[1:])
         if not sentences:
             n = self.n_layers if layers is None else len(layers)
             return np.zeros((n, 0, self.output_dim), np.float32), offsets
-        out, state = self._forward(sentences, self._initial_state(len(sentences)), layers)
+        out, state = self._forward(sentences, self._initial_state(len(sentences)), layers, prepared)
         if self.state_mode == "stateful":
             self._keep_state(state)
         return out.float().cpu().numpy(), offsets

@@ -75,6 +75,10 @@ class ElmoOptions(PipelineOptions):
           help="a shard also ends when its buffered vectors reach this many bytes (default 64 MiB): bounds memory")
         g("--torch-threads", type=int, default=0,
           help="torch intra-op threads per worker process (default: cores / local worker processes)")
+        g("--embed-threads", type=int, default=0,
+          help="batches a worker runs through the biLM at once, each on its own thread (same vectors, same order; "
+          "default 0 = auto: 2 where a local worker has a core per torch thread to spare, i.e. --torch-threads 1 on "
+          "2+ cores per worker, and the state is stateless or warm; else 1)")
         g("--tokenizer-process", choices=("auto", "on", "off"), default="auto",
           help="tokenize in a child process of each worker, beside its biLM (auto: on for the raw tokenizers on "
           "local runners with 2+ cores; not on DaskRunner, which drops what a step emits at a bundle's end)")

@@ -104,6 +104,7 @@ class Plan:
     manifest: dict                 # manifest.json as known before the run
     tokenizer: str                 # --tokenizer resolved (raw -> the model's scheme: tokenization.resolve_tokenizer)
     tokenizer_processes: int       # child processes tokenizing for each worker (--tokenizer-process resolved)
+    embed_threads: int = 1         # batches in the biLM at once per worker (--embed-threads resolved)
     iceberg: IcebergTarget | None = None    # --iceberg-table: where Finalize registers the Parquet shards
     schema: object = None          # the shards' Arrow schema (with --iceberg-table)
     registration: object = None    # what the registration did (formats.iceberg.Registration), once done
@@ -135,6 +136,15 @@ def tokenizer_processes(flag: str, tokenizer: str, local: bool, runner: str, wor
     if flag == "off" or flag == "auto" and not (local and tokenizer != "whitespace" and cores >= 2):
         return 0
     return max(1, min(2, cores // max(1, workers)))
+
+
+def embed_threads(flag: int, torch_threads: int, local: bool, state: str, workers: int = 1) -> int:
+    """--embed-threads resolved: the flag when given; auto (0): 2 on a local runner when each worker has a core
+    beside its one torch thread and the state lets batches run at once (not stateful), else 1."""
+    if flag:
+        return flag
+    cores = os.cpu_count() or 1
+    return 2 if local and state != "stateful" and torch_threads == 1 and cores // max(1, workers) >= 2 else 1
 
 
 def plan(opts: PipelineOptions) -> Plan:
@@ -208,6 +218,7 @@ def plan(opts: PipelineOptions) -> Plan:
                 key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
                 tokenizer_processes=tokenizer_processes(o.tokenizer_process, tokenizer, local,
                                                         opts.view_as(StandardOptions).runner or "FnApiRunner", workers),
+                embed_threads=embed_threads(o.embed_threads or 0, threads, local, o.state, workers),
                 iceberg=iceberg, schema=schema)
 
 
@@ -258,7 +269,7 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
         staging, so,
         SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort),
         Embed(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap, max_tokens=o.max_tokens_per_batch,
-              layers=pl.shard.layers_read),
+              layers=pl.shard.layers_read, threads=pl.embed_threads),
         WriteShards(staging, pl.shard, o.shard_sentences, so, o.shard_bytes))).with_output_types(ShardInfo)
     _ = shards | "CountStagedShards" >> beam.combiners.Count.Globally()
 

@@ -55,6 +55,11 @@ def check_numbers(o) -> None:
         v = getattr(o, name, None)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if o.embed_threads is not None and o.embed_threads < 0:
+        raise ValueError(f"--embed-threads must be >= 0 (0: automatic), got {o.embed_threads}")
+    if (o.embed_threads or 0) > 1 and o.state == "stateful":
+        raise ValueError("--embed-threads > 1 needs --state stateless or warm (stateful carries each batch's state "
+                         "into the next)")
     if o.torch_threads is not None and o.torch_threads < 0:
         raise ValueError(f"--torch-threads must be >= 0 (0: automatic), got {o.torch_threads}")
     o.window_overlap = check_windows(o.window_tokens, o.window_overlap, o.max_tokens_per_batch)

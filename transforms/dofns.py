@@ -6,7 +6,7 @@ which stages those dead letters instead of passing them on (no multi-output ParD
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import apache_beam as beam
 import numpy as np
@@ -301,6 +301,16 @@ class _Holder:
         self.embedder = embedder
 
 
+class _Job:
+    """One batch in Embed: its items, the part embedded as one batch (`short`, its result or error once known) and
+    the sentences embedded one by one (`single`), with the batch's start times."""
+
+    def __init__(self, batch: list[Item], short: list[Item], single: list[Item]):
+        self.batch, self.short, self.single = batch, short, single
+        self.t0, self.start = time.perf_counter(), time.time()
+        self.future: Future | None = None
+
+
 class Embed(beam.DoFn):
     """list[Item] -> EmbeddedBatch (the batch's vectors, packed); the model is loaded once per process (Shared)
     for all threads.
@@ -309,12 +319,18 @@ class Embed(beam.DoFn):
     window > 0: a sentence longer than the (budget-capped) window is embedded as overlapping windows in
     sub-batches of at most `max_tokens` slots, stitched back together (model/windows.py).
     `progress`: the bar advances by the batch's input bytes (transforms/progress.py).
-    layers: only these layers (ascending) are copied out of the model (ShardSpec.layers_read; None: all)."""
+    layers: only these layers (ascending) are copied out of the model (ShardSpec.layers_read; None: all).
+    threads > 1 (stateless and warm state): up to `threads` batches run through the biLM at once, each on a
+    thread of this DoFn's own with the Beam thread's torch thread count; the Beam thread prepares each batch's
+    token vectors in arrival order (ElmoEmbedder.prepare_packed) and emits the batches in that order, so the
+    vectors and their order are those of threads=1. The biLM's GEMMs release the GIL: two batches on a
+    1-torch-thread worker use two cores (benchmarks/host_cost.py)."""
 
     def __init__(self, spec: E.ModelSpec, progress: ProgressSpec | None = None, window: int = 0, overlap: int = 0,
-                 max_tokens: int = 0, layers: tuple[int, ...] | None = None):
+                 max_tokens: int = 0, layers: tuple[int, ...] | None = None, threads: int = 1):
         self.spec, self.progress, self.layers = spec, progress, layers
         self.window, self.overlap, self.max_tokens = window, overlap, max_tokens
+        self.threads = max(1, threads)
         self.windowed = Metrics.counter(NS, "windowed_sentences")
         self._shared = shared.Shared()
         self.seconds = Metrics.counter(NS, "embed_milliseconds")
@@ -324,6 +340,19 @@ class Embed(beam.DoFn):
     def setup(self):
         key = repr(self.spec)
         self.embedder = self._shared.acquire(lambda: _Holder(E.load_embedder(self.spec)), tag=key).embedder
+        self.pool = None
+        if self.threads > 1 and self.embedder.state_mode != "stateful":
+            import torch
+            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="elmo-embed",
+                                           initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+
+    def teardown(self):
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def start_bundle(self):
+        self.pending: list[_Job] = []
 
     def _embed_one(self, item) -> EmbeddedBatch:
         if self.window and len(item.tokens) > effective_window(self.window, self.max_tokens):
@@ -333,32 +362,52 @@ class Embed(beam.DoFn):
         return EmbeddedBatch([item], *self.embedder.embed_packed([item.tokens], self.layers), self.layers)
 
     def process(self, batch: list[Item]):
-        crash_point("embed")
-        t0, start = time.perf_counter(), time.time()
         limit = effective_window(self.window, self.max_tokens) if self.window else None
-        short = [i for i in batch if limit is None or len(i.tokens) <= limit]
-        single = [i for i in batch if limit is not None and len(i.tokens) > limit]   # windowed, one by one
-        outs = []
-        if short:
+        job = _Job(batch, [i for i in batch if limit is None or len(i.tokens) <= limit],
+                   [i for i in batch if limit is not None and len(i.tokens) > limit])   # windowed, one by one
+        if job.short:
+            tokens = [i.tokens for i in job.short]
             try:
-                outs.append(EmbeddedBatch(short, *self.embedder.embed_packed([i.tokens for i in short], self.layers),
-                                          self.layers))
+                prepared = self.embedder.prepare_packed(tokens)
+                if self.pool:
+                    job.future = self.pool.submit(self.embedder.embed_packed, tokens, self.layers, prepared)
+                else:
+                    job.future = Future()
+                    job.future.set_result(self.embedder.embed_packed(tokens, self.layers, prepared))
+            except Exception:  # noqa: BLE001 - isolate the failing sentence(s), in _finish
+                job.single, job.short = job.short + job.single, []
+        self.pending.append(job)
+        while len(self.pending) >= self.threads:
+            yield from self._finish(self.pending.pop(0))
+
+    def finish_bundle(self):
+        while self.pending:
+            for out in self._finish(self.pending.pop(0)):
+                yield _windowed(out)
+
+    def _finish(self, job: _Job):
+        """The job's EmbeddedBatches (waiting for its biLM thread) and its dead letters."""
+        crash_point("embed")       # the k-th time: the k-th batch is embedded (or being embedded), not emitted
+        outs = []
+        if job.short:
+            try:
+                outs.append(EmbeddedBatch(job.short, *job.future.result(), self.layers))
             except Exception:  # noqa: BLE001 - isolate the failing sentence(s), below
-                single = short + single
-        for item in single:
+                job.single = job.short + job.single
+        for item in job.single:
             try:
                 outs.append(self._embed_one(item))
             except Exception as e:  # noqa: BLE001
                 self.dead.inc()
                 yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(
                     item.id, f"embedding failed: {type(e).__name__}: {e}"[:500], " ".join(item.tokens)[:EXCERPT_CHARS]))
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - job.t0
         self.seconds.inc(int(1000 * seconds))
         tokens = sum(int(b.offsets[-1]) for b in outs)
         self.run_stats.time("embed", seconds)
-        self.run_stats.embedded(tokens, start)
+        self.run_stats.embedded(tokens, job.start)
         if self.progress:       # failed sentences' bytes too: their input is done with
-            advance(self.progress, sum(i.nbytes for i in batch), tokens)
+            advance(self.progress, sum(i.nbytes for i in job.batch), tokens)
         yield from outs
 
 
@@ -371,8 +420,7 @@ class WriteShards(beam.DoFn):
     WRITERS shards are being written and one is filling (memory: (WRITERS + 1) x --shard-bytes). Two writers
     keep both cores of a 2-core worker busy when a shard's writing takes about as long as its embedding
     (benchmarks/host_cost.py). The writers do mostly C work that releases the GIL: Parquet encoding,
-    HDF5, file and object-store I/O. The model stays on the Beam thread; a Python thread running beside
-    the biLM's step loop would stall it on the GIL."""
+    HDF5, file and object-store I/O. The biLM runs on the Beam thread or on Embed's threads."""
 
     WRITERS = 2
 
