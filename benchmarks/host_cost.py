@@ -15,8 +15,8 @@ named. Stages (CPU microseconds per token, one thread, the functions the pipelin
   change to the host path can beat on this machine.
 End to end (a `python -m pipeline.run` process each; start-up = the same command on the first 8 non-blank
   lines, subtracted with their tokens, so that every worker's model loading is start-up):
-  wall tokens/s, CPU per token, CPU/wall while embedding, for: default output (also tokenizing inline, and one
-  batch in the biLM at a time), --duplicate-layer0, --layers 2, whitespace --layers 2 (also one batch at a
+  wall tokens/s, CPU per token, CPU/wall while embedding, for: default output (also tokenizing inline, with
+  one or two batches in the biLM at a time), --duplicate-layer0, --layers 2, whitespace --layers 2 (also one batch at a
   time), Parquet + HDF5, and 2 local workers.
 Prints tables; writes benchmarks/results/host_cost.json naming the CPU.
 """
@@ -40,17 +40,19 @@ WIDE_CHEAP = {"lstm": {"cell_clip": 3, "proj_clip": 3, "n_layers": 2, "use_skip_
 TWO = ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
 INLINE = ["--tokenizer-process", "off"]
 ONE_BATCH = ["--embed-threads", "1"]
+TWO_BATCHES = ["--embed-threads", "2"]
 NEW_FLAGS = (INLINE[0], ONE_BATCH[0])        # flags the baseline does not have: rows with them, this tree only
 CONFIGS = {   # name -> (extra flags, tokenizer input: raw text or pre-tokenized lines)
     "default (3 layers, fp32), Parquet": ([], "raw"),
     "default, tokenizing inline (--tokenizer-process off)": (INLINE, "raw"),
+    "default, tokenizing inline, one batch at a time (--embed-threads 1)": (INLINE + ONE_BATCH, "raw"),
+    "default, two batches at a time (--embed-threads 2)": (TWO_BATCHES, "raw"),
     "--duplicate-layer0": (["--duplicate-layer0"], "raw"),
     "--layers 2": (["--layers", "2"], "raw"),
     "--dtype float16": (["--dtype", "float16"], "raw"),
     "whitespace, --layers 2": (["--layers", "2", "--tokenizer", "whitespace", "--input-format", "lines"], "ws"),
     "whitespace, --layers 2, one batch at a time (--embed-threads 1)":
         (["--layers", "2", "--tokenizer", "whitespace", "--input-format", "lines", *ONE_BATCH], "ws"),
-    "default, one batch at a time (--embed-threads 1)": (ONE_BATCH, "raw"),
     "Parquet + HDF5": (["--format", "parquet,hdf5"], "raw"),
     "2 workers (multi_processing)": (TWO, "raw"),
     "2 workers, tokenizing inline": (TWO + INLINE, "raw"),

@@ -78,7 +78,7 @@ class ElmoOptions(PipelineOptions):
         g("--embed-threads", type=int, default=0,
           help="batches a worker runs through the biLM at once, each on its own thread (same vectors, same order; "
           "default 0 = auto: 2 where a local worker has a core per torch thread to spare, i.e. --torch-threads 1 on "
-          "2+ cores per worker, and the state is stateless or warm; else 1)")
+          "2+ cores per worker, no tokenizer child processes, and the state is stateless or warm; else 1)")
         g("--tokenizer-process", choices=("auto", "on", "off"), default="auto",
           help="tokenize in a child process of each worker, beside its biLM (auto: on for the raw tokenizers on "
           "local runners with 2+ cores; not on DaskRunner, which drops what a step emits at a bundle's end)")

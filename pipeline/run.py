@@ -138,13 +138,17 @@ def tokenizer_processes(flag: str, tokenizer: str, local: bool, runner: str, wor
     return max(1, min(2, cores // max(1, workers)))
 
 
-def embed_threads(flag: int, torch_threads: int, local: bool, state: str, workers: int = 1) -> int:
+def embed_threads(flag: int, torch_threads: int, local: bool, state: str, workers: int = 1,
+                  tokenizer_children: int = 0) -> int:
     """--embed-threads resolved: the flag when given; auto (0): 2 on a local runner when each worker has a core
-    beside its one torch thread and the state lets batches run at once (not stateful), else 1."""
+    beside its one torch thread that no tokenizer child takes (tokenizing inline) and the state lets batches
+    run at once (not stateful), else 1. With tokenizer children on 2 cores, a second biLM thread only adds
+    contention (benchmarks/README.md, host cost)."""
     if flag:
         return flag
     cores = os.cpu_count() or 1
-    return 2 if local and state != "stateful" and torch_threads == 1 and cores // max(1, workers) >= 2 else 1
+    return 2 if (local and state != "stateful" and torch_threads == 1 and not tokenizer_children
+                 and cores // max(1, workers) >= 2) else 1
 
 
 def plan(opts: PipelineOptions) -> Plan:
@@ -205,6 +209,8 @@ def plan(opts: PipelineOptions) -> Plan:
     shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
                       selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
                       o.row_group_bytes, n_layers, dim, o.vector_compression)
+    children = tokenizer_processes(o.tokenizer_process, tokenizer, local,
+                                   opts.view_as(StandardOptions).runner or "FnApiRunner", workers)
     return Plan(o, so, files, file_labels(files), formats, spec, shard,
                 # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
                 # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
@@ -216,9 +222,8 @@ def plan(opts: PipelineOptions) -> Plan:
                                                                            sys.stderr.isatty()) else None,
                 break_fusion=os.environ.get(BREAK_FUSION_ENV) == "1",
                 key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
-                tokenizer_processes=tokenizer_processes(o.tokenizer_process, tokenizer, local,
-                                                        opts.view_as(StandardOptions).runner or "FnApiRunner", workers),
-                embed_threads=embed_threads(o.embed_threads or 0, threads, local, o.state, workers),
+                tokenizer_processes=children,
+                embed_threads=embed_threads(o.embed_threads or 0, threads, local, o.state, workers, children),
                 iceberg=iceberg, schema=schema)
 
 

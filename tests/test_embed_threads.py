@@ -76,6 +76,8 @@ def test_embed_threads_resolution(monkeypatch):
     assert n(0, 2, True, "stateless") == 1          # the default torch threads already use both cores
     assert n(0, 1, True, "stateful") == 1 and n(0, 1, False, "stateless") == 1
     assert n(0, 1, True, "stateless", workers=2) == 1 and n(3, 2, False, "stateless") == 3
+    assert n(0, 1, True, "stateless", tokenizer_children=2) == 1      # the children take the second core
+    assert n(2, 1, True, "stateless", tokenizer_children=2) == 2
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     assert n(0, 1, True, "stateless") == 1
 
