@@ -116,18 +116,29 @@ def parquet_bytes(table: pa.Table, row_group_bytes: int, vector_compression: str
     return sink.getvalue()
 
 
+def vector_leaves(schema: pa.Schema) -> list[str]:
+    """The Parquet leaf paths of the vector columns: 'layer_1.list.element'."""
+    return [leaf for f in schema if f.name.startswith(VECTOR_PREFIXES) for leaf in _leaf_paths(f.name, f.type)]
+
+
+def writer_options(schema: pa.Schema, vector_compression: str = "none") -> dict:
+    """pq.ParquetWriter's settings for a shard: pyarrow's defaults elsewhere (page size, batch size, page
+    version and plain encoding measured no slower by benchmarks/parquet_settings.py)."""
+    vectors = set(vector_leaves(schema))
+    return dict(compression={leaf: vector_compression if leaf in vectors else "zstd"
+                             for f in schema for leaf in _leaf_paths(f.name, f.type)},
+                use_dictionary=["doc_id"],
+                write_statistics=[c for c in ID_COLUMNS + ["token"] if c in schema.names])
+
+
 def write_parquet(table: pa.Table, f, row_group_bytes: int, vector_compression: str = "none",
                   before_close=None) -> None:
     """Text and id columns zstd, vector columns `vector_compression` (VECTOR_COMPRESSIONS); dictionary on
     doc_id only, statistics on id columns only; row groups of about `row_group_bytes`. `f`: a file object,
     an Arrow stream or a local path (encoded straight into the file, no in-memory copy). before_close():
     called once the rows are written, before the footer (a test hook)."""
-    ids = [c for c in ID_COLUMNS + ["token"] if c in table.column_names]
-    compression = {leaf: vector_compression if f.name.startswith(VECTOR_PREFIXES) else "zstd"
-                   for f in table.schema for leaf in _leaf_paths(f.name, f.type)}
     rows = max(1, int(row_group_bytes // max(1, table.nbytes / max(1, table.num_rows))))
-    with pq.ParquetWriter(f, table.schema, compression=compression, use_dictionary=["doc_id"],
-                          write_statistics=ids) as w:
+    with pq.ParquetWriter(f, table.schema, **writer_options(table.schema, vector_compression)) as w:
         w.write_table(table, row_group_size=rows)
         if before_close is not None:
             before_close()

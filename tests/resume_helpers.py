@@ -101,6 +101,25 @@ def assert_same_output(a, b, tol=1e-6):
     return worst
 
 
+def assert_flag_changes_no_byte(tmp_path, model_files, flag, values, *extra):
+    """The pipeline on a dirty corpus (dead letters included) once per value of `flag`: equal outputs, Parquet and
+    HDF5 files byte for byte."""
+    from pipeline.run import main
+    from tests.test_dask import dirty_corpus
+    files = dirty_corpus(tmp_path / "corpus")
+    outs = [str(tmp_path / f"out-{v}") for v in values]
+    for value, out in zip(values, outs):
+        assert main(argv(model_files, files, out, flag, value, *extra)) == 0
+    for out in outs[1:]:
+        assert_same_output(read_output(outs[0]), read_output(out), tol=0)
+        for sub in ("parquet", "hdf5"):
+            names = sorted(os.listdir(os.path.join(outs[0], sub)))
+            assert names == sorted(os.listdir(os.path.join(out, sub)))
+            for n in names:
+                with open(os.path.join(outs[0], sub, n), "rb") as a, open(os.path.join(out, sub, n), "rb") as b:
+                    assert a.read() == b.read(), n
+
+
 # shared by the crash-resume and concurrent-run tests (import the fixtures into the test module)
 SMALL = ("--shard-sentences", "4", "--max-tokens-per-batch", "256")   # 47 sentences: 12 shards, 5 batches
 

@@ -142,22 +142,9 @@ def test_a_failed_bundles_documents_are_not_emitted_with_the_next():
 
 def test_pipeline_output_same_with_and_without(tmp_path, tiny_model_files):
     """Dirty input (dead letters included), several sentences per document: equal outputs, files byte for byte."""
-    from pipeline.run import main
-    from tests.resume_helpers import argv, assert_same_output, read_output
-    from tests.test_dask import dirty_corpus
-    files = dirty_corpus(tmp_path / "corpus")
-    outs = {}
-    for mode in ("on", "off"):
-        outs[mode] = str(tmp_path / mode)
-        assert main(argv(tiny_model_files, files, outs[mode], "--tokenizer-process", mode,
-                         "--max-sentence-tokens", "24", "--max-tokens-per-batch", "256")) == 0
-    assert_same_output(read_output(outs["on"]), read_output(outs["off"]), tol=0)
-    for sub in ("parquet", "hdf5"):
-        names = sorted(os.listdir(os.path.join(outs["on"], sub)))
-        assert names == sorted(os.listdir(os.path.join(outs["off"], sub)))
-        for n in names:
-            with open(os.path.join(outs["on"], sub, n), "rb") as a, open(os.path.join(outs["off"], sub, n), "rb") as b:
-                assert a.read() == b.read(), n
+    from tests.resume_helpers import assert_flag_changes_no_byte
+    assert_flag_changes_no_byte(tmp_path, tiny_model_files, "--tokenizer-process", ("on", "off"),
+                                "--max-sentence-tokens", "24", "--max-tokens-per-batch", "256")
 
 
 def test_closing_with_results_owed_does_not_wait_for_them():
