@@ -59,7 +59,8 @@ CONFIGS = {   # name -> (extra flags, tokenizer input: raw text or pre-tokenized
 }
 STARTUP_LINES = 8
 MODEL_FLOOR = "model floor: its LSTM GEMMs' FLOPs at the 1-thread GEMM ceiling measured here"
-DIRECT = "Parquet encode + write straight into a local file (what the pipeline does; vs encode + file write above)"
+DIRECT = ("Parquet encode + write straight into a local file, then its pages released (what the pipeline does; vs "
+          "encode + file write above)")
 DEFAULT_PATH = ("read", "tokenize raw", "batching", "char ids", "model (near-free biLM)",
                 "layer selection and copies (Parquet)", "Parquet table build", DIRECT)   # the default run's stages
 QUICK = ("default (3 layers, fp32), Parquet", "Parquet + HDF5")
@@ -74,7 +75,10 @@ def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
     import numpy as np
     import torch
 
+    import fsspec
+
     from formats.hdf5 import hdf5_bytes
+    from fsio import release_written
     from formats.parquet import build_table, layer_columns, parquet_bytes, write_parquet
     from model.batching import plan_batches
     from model.char_ids import distinct_char_ids
@@ -171,12 +175,14 @@ def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
             c = cpu()
             hdf5_bytes(h5)
             t["HDF5 encode"] += cpu() - c
-            c = cpu()
-            with open(os.path.join(tmp, "x.parquet"), "wb") as f:
+            c = cpu()       # a new file per shard, kept, as in a run (rewriting one file reuses its pages)
+            with open(os.path.join(tmp, f"x{size}.parquet"), "wb") as f:
                 f.write(data)
             t["file write (Parquet bytes)"] += cpu() - c
             c = cpu()
-            write_parquet(table, os.path.join(tmp, "y.parquet"), spec.row_group_bytes, spec.vector_compression)
+            path = os.path.join(tmp, f"y{size}.parquet")
+            write_parquet(table, path, spec.row_group_bytes, spec.vector_compression)
+            release_written(fsspec.filesystem("file"), path)
             t[direct] += cpu() - c
             size += len(data)
             del cols, table, data, h5

@@ -252,3 +252,20 @@ def test_tokenizer_process_resolution(monkeypatch):
     assert n("auto", "wikitext", True, "FnApiRunner") == 0 and n("on", "wikitext", True, "FnApiRunner") == 1
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert n("auto", "wikitext", True, "FnApiRunner", 4) == 2
+
+
+def test_release_written_syncs_local_files_and_skips_object_stores(tmp_path, monkeypatch):
+    """A staged local shard is synced and its pages dropped (same bytes); memory:// and friends are left alone."""
+    import fsspec
+
+    from fsio import release_written
+    calls = []
+    monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append("sync"))
+    path = tmp_path / "x.parquet"
+    path.write_bytes(b"abc" * 1000)
+    release_written(fsspec.filesystem("file"), str(path))
+    assert path.read_bytes() == b"abc" * 1000 and calls == ["sync"]
+    mem = fsspec.filesystem("memory")
+    mem.pipe_file("/x.parquet", b"abc")
+    release_written(mem, "/x.parquet")
+    assert calls == ["sync"] and mem.cat_file("/x.parquet") == b"abc"

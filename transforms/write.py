@@ -18,7 +18,7 @@ from formats import layout
 from formats.hdf5 import hdf5_bytes
 from formats.layout import DEAD, RECORDS, ShardInfo
 from formats.parquet import ShardColumns, build_table, parquet_bytes, write_parquet
-from fsio import atomic_write, is_local_fs, makedirs, url_fs
+from fsio import atomic_write, is_local_fs, makedirs, release_written, url_fs
 from transforms.faults import crash_point
 from transforms.records import EmbeddedBatch
 
@@ -131,6 +131,8 @@ def stage_shard(sentences: list[tuple[EmbeddedBatch, int]], staging: str, spec: 
     if "hdf5" in spec.formats:
         files["hdf5"] = posixpath.join(root, name + ".hdf5")
         fs.pipe_file(files["hdf5"], hdf5_bytes(hdf5_sentences(sentences, spec)))
+    for path in files.values():
+        release_written(fs, path)
     lengths = np.fromiter((b.tokens(i) for b, i in sentences), dtype=np.int64, count=len(sentences))
     info = ShardInfo(files, len(sentences), int(lengths.sum()), ids[0])
     histogram = dict(zip(*(a.tolist() for a in np.unique(lengths, return_counts=True))))
