@@ -72,14 +72,13 @@ def cpu() -> float:
 
 def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
     """CPU microseconds per token of each stage, run as plain functions in this process (1 thread)."""
+    import fsspec
     import numpy as np
     import torch
 
-    import fsspec
-
     from formats.hdf5 import hdf5_bytes
-    from fsio import release_written
     from formats.parquet import build_table, layer_columns, parquet_bytes, write_parquet
+    from fsio import release_written
     from model.batching import plan_batches
     from model.char_ids import distinct_char_ids
     from model.embedder import ElmoEmbedder

@@ -90,8 +90,8 @@ def atomic_write(fs, path: str, data: bytes) -> None:
 def release_written(fs, path: str) -> None:
     """A finished local file's data to disk and its pages out of the page cache (fdatasync, then
     POSIX_FADV_DONTNEED), so that the next file reuses those pages: on this project's KVM machines writing into
-    fresh page-cache pages costs about 5x more kernel time (benchmarks/README.md, "Writing files"). Nothing on
-    object stores, nor where the OS has no posix_fadvise."""
+    fresh page-cache pages costs several times more kernel time (benchmarks/README.md, host cost, "Writing
+    files"). Nothing on object stores, nor where the OS has no posix_fadvise."""
     if not is_local_fs(fs) or not hasattr(os, "posix_fadvise"):
         return
     fd = os.open(path, os.O_RDONLY)
