@@ -23,6 +23,7 @@ on the tensor's size). See docs/exactness.md.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 
@@ -207,37 +208,126 @@ def _workspace(numel: int, like: Tensor) -> Tensor:
     return buffers[key]
 
 
-def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor, Tensor, Tensor], x: Tensor,
+# The LSTM loop's GEMMs (one list per choice): 'onednn' = oneDNN's linear with prepacked weights and fused
+# activations (CPU; on AMD CPUs MKL's sgemm reached 43 % of oneDNN's fp32 rate, benchmarks/README.md),
+# 'bmm' = torch.bmm / baddbmm_ for both directions at once (CUDA, and CPUs without oneDNN).
+# 'auto' picks oneDNN on a CPU that has it for the dtype. ELMO_LSTM_GEMM=bmm forces the other (side-by-side runs).
+LSTM_GEMMS = ("auto", "onednn", "bmm")
+LSTM_GEMM = os.environ.get("ELMO_LSTM_GEMM", "auto")
+
+
+def lstm_gemm(device: torch.device, dtype: torch.dtype) -> str:
+    """The GEMM implementation the LSTM loop uses for weights on this device and dtype: 'onednn' or 'bmm'."""
+    if LSTM_GEMM not in LSTM_GEMMS:
+        raise ValueError(f"ELMO_LSTM_GEMM must be one of {LSTM_GEMMS}, got {LSTM_GEMM!r}")
+    if LSTM_GEMM != "auto":
+        return LSTM_GEMM
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return "bmm"
+    supported = {torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}
+    return "onednn" if supported.get(dtype, False) else "bmm"
+
+
+def pack_onednn_weights(layers: list[LstmProjection]) -> list[tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]:
+    """Per layer, oneDNN-prepacked weights for run_lstm_layers' CPU loop, where one GEMM per gate group reads
+    [x_t, h_{t-1}] (D_in + P wide): (w_sig (3H, D_in+P) for gates i, f, o, their bias with TF's forget bias (3H,),
+    w_j (H, D_in+P), bias_j (H,), w_proj (P, H)), weights in nn.Linear's (out, in) layout."""
+    H = layers[0].dim
+    packed = []
+    for l in layers:
+        w = torch.cat([l.w_in, l.w_rec], dim=1).detach()             # (4H, D_in + P), TF gate order i, j, f, o
+        b = (l.bias + l.forget_bias).detach()
+        sig = torch.cat([torch.arange(0, H), torch.arange(2 * H, 4 * H)]).to(w.device)
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        packed.append((reorder(w[sig].contiguous()), b[sig].contiguous(),
+                       reorder(w[H: 2 * H].contiguous()), b[H: 2 * H].contiguous(),
+                       reorder(l.w_proj.detach().contiguous())))
+    return packed
+
+
+def run_lstm_layers(layers: list[LstmProjection], weights, x: Tensor,
                     batch_sizes: list[int], h0: Tensor, c0: Tensor, step_rows: list[int] | None = None):
     """Run G independent LSTM layers of equal shapes in lock-step (e.g. the forward and the backward
-    direction, which share the packed step sizes), one batched GEMM per step for all of them.
-    Inference only (in place, no autograd); model/padded_forward.py is the path under autograd.
+    direction, which share the packed step sizes). Inference only (in place, no autograd);
+    model/padded_forward.py is the path under autograd.
 
-    weights from stack_weights(layers) (gates ordered i, f, o, j); x (G, N, D_in) packed; h0 (G, B, P),
-    c0 (G, B, H) in packed row order. The input projection is computed for chunks of consecutive
-    steps (about CHUNK_ELEMENTS floats each). Returns outputs (G, N, P) and final states h (G, B, P),
-    c (G, B, H).
+    weights: pack_onednn_weights(layers) (the oneDNN loop) or stack_weights(layers) (the bmm loop), as
+    lstm_gemm() chose. x (G, N, D_in) packed; h0 (G, B, P), c0 (G, B, H) in packed row order.
+    Returns outputs (G, N, P) and final states h (G, B, P), c (G, B, H).
 
     step_rows (batch_invariant): rows computed at each step, >= batch_sizes[t] and non-increasing (a padded
     packed layout: step t's first batch_sizes[t] rows are the live sequences, the rest are computed and their
     outputs are junk). x, the outputs and h0/c0 then have step_rows rows per step / step_rows[0] rows; the final
     states are still each sequence's own, taken when it ends.
     """
+    step_rows = batch_sizes if step_rows is None else step_rows
+    if not step_rows:
+        return x.new_empty(len(layers), 0, layers[0].proj_dim), h0, c0
+    loop = _onednn_loop if isinstance(weights, list) else _bmm_loop
+    return loop(layers, weights, x, batch_sizes, step_rows, h0, c0)
+
+
+def _onednn_loop(layers, weights, x, batch_sizes, step_rows, h0, c0):
+    """run_lstm_layers on a CPU: per step and direction, gates = act([x_t, h] @ W.T + b) by oneDNN with the
+    activations fused (sigmoid for i, f, o; tanh for j), the cell update in place, then the projection with its
+    clip fused (hardtanh). Every GEMM reads the step's rows once; nothing of the size of the gates is written
+    twice, and the packed weights stream through once per step."""
+    linear = torch.ops.mkldnn._linear_pointwise
+    first = layers[0]
+    G, H, P, D = len(layers), first.dim, first.proj_dim, x.shape[-1]
+    cell_clip, proj_clip = first.cell_clip, first.proj_clip
+    clip = ("hardtanh", [-proj_clip, proj_clip]) if proj_clip is not None else ("none", [])
+    live = h0.shape[1] if step_rows is batch_sizes else batch_sizes[0]
+    y = x.new_empty(G, sum(step_rows), P)                # every step's h, written in place
+    xh = x.new_empty(G, step_rows[0], D + P)             # [x_t, h_{t-1}] of the step's rows
+    out = x.new_empty(step_rows[0], H)                   # sigmoid(o) * tanh(c) of the step's rows
+    c = c0.clone()                                       # (G, rows, H), each step updates its first rows
+    h, done_h, done_c, offset = h0, [], [], 0
+    for n, m in zip(batch_sizes, step_rows):
+        if n < live:                           # sequences [n:live) have ended: keep their final state
+            done_h.append(h[:, n:live])
+            done_c.append(c[:, n:live].clone())
+            live = n
+        xh[:, :m, :D] = x[:, offset: offset + m]
+        xh[:, :m, D:] = h[:, :m]
+        for g, (w_sig, b_sig, w_j, b_j, w_proj) in enumerate(weights):
+            sig = linear(xh[g, :m], w_sig, b_sig, "sigmoid", [], "")     # (m, 3H): i, f, o
+            j = linear(xh[g, :m], w_j, b_j, "tanh", [], "")               # (m, H)
+            i, f, o = sig.split(H, dim=1)
+            cg = c[g, :m].mul_(f).addcmul_(i, j)
+            if cell_clip is not None:
+                cg.clamp_(-cell_clip, cell_clip)
+            y[g, offset: offset + m] = linear(torch.tanh(cg, out=out[:m]).mul_(o), w_proj, None, *clip, "")
+        h, offset = y[:, offset: offset + m], offset + m
+    return y, *_final_state(h, c, live, done_h, done_c)
+
+
+def _final_state(h: Tensor, c: Tensor, live: int, done_h: list[Tensor], done_c: list[Tensor]):
+    """Each sequence's final (h, c) in packed row order: the sequences still live after the last step, then
+    those that ended earlier (recorded as they ended, latest first)."""
+    h, c = h[:, :live].clone(), c[:, :live].clone()     # h: a view into y, which callers may change in place
+    h_final = torch.cat([h, *reversed(done_h)], dim=1) if done_h else h
+    c_final = torch.cat([c, *reversed(done_c)], dim=1) if done_c else c
+    return h_final, c_final
+
+
+def _bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0):
+    """run_lstm_layers with one batched GEMM per step for all G layers (torch.bmm: cuBLAS on a GPU). The input
+    projection is computed for chunks of consecutive steps (about CHUNK_ELEMENTS floats each)."""
     first = layers[0]
     G, H, cell_clip, proj_clip = len(layers), first.dim, first.cell_clip, first.proj_clip
     bias, w_in, w_rec, w_proj = weights
     h, c = h0, c0
-    step_rows = batch_sizes if step_rows is None else step_rows
-    live = h0.shape[1] if step_rows is batch_sizes else (batch_sizes[0] if batch_sizes else 0)
+    live = h0.shape[1] if step_rows is batch_sizes else batch_sizes[0]
     done_h, done_c = [], []
     y = x.new_empty(G, sum(step_rows), first.proj_dim)   # every step's h written in place: no cat
     offset = 0
     max_rows = max(1, CHUNK_ELEMENTS // (G * 4 * H))
     chunks = _chunks(step_rows, max_rows)
-    if chunks:
-        # the gates of every chunk in one reused buffer; c lives in it between steps
-        ws = _workspace(G * max(rows for _, _, rows in chunks) * 4 * H, x)
-        tanh_c = x.new_empty(G * step_rows[0] * H)
+    # the gates of every chunk in one reused buffer; c lives in it between steps
+    ws = _workspace(G * max(rows for _, _, rows in chunks) * 4 * H, x)
+    tanh_c = x.new_empty(G * step_rows[0] * H)
     for t0, t1, rows in chunks:
         c = c.clone() if t0 else c          # c is a view into the previous chunk's rows of ws
         xw = torch.bmm(x[:, offset: offset + rows], w_in, out=ws[: G * rows * 4 * H].view(G, rows, 4 * H))
@@ -266,12 +356,7 @@ def run_lstm_layers(layers: list[LstmProjection], weights: tuple[Tensor, Tensor,
                           out=y[:, base + r - n: base + r])
             if proj_clip is not None:
                 h.clamp_(-proj_clip, proj_clip)
-    if not chunks:
-        return y, h, c
-    h, c = h[:, :live].clone(), c[:, :live].clone()     # h: a view into y, which callers may change in place
-    h_final = torch.cat([h, *reversed(done_h)], dim=1) if done_h else h
-    c_final = torch.cat([c, *reversed(done_c)], dim=1) if done_c else c
-    return y, h_final, c_final
+    return y, *_final_state(h, c, live, done_h, done_c)
 
 
 class PackedBatch:
@@ -412,13 +497,17 @@ class BiLM(nn.Module):
         self.__dict__["token_cache"] = TokenCache(max_tokens) if max_tokens > 0 else None
 
     def _pair_weights(self, k: int):
-        """Stacked weights of layer k's two directions for run_lstm_layers, cached (re-stacked only when a
-        parameter changes: its storage or in-place version counter)."""
+        """Layer k's two directions' weights for run_lstm_layers, in the form lstm_gemm() chose for their device
+        and dtype, cached (re-made only when a parameter changes: its storage or in-place version counter)."""
         layers = [self.forward_layers[k], self.backward_layers[k]]
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for l in layers for p in (l.w_in, l.w_rec, l.bias, l.w_proj))
+        w = layers[0].w_rec
+        gemm = lstm_gemm(w.device, w.dtype)
+        key = (gemm, *((p.data_ptr(), p._version, p.dtype, p.device) for l in layers
+                       for p in (l.w_in, l.w_rec, l.bias, l.w_proj)))
         cache = self.__dict__.setdefault("_weight_cache", {})
         if k not in cache or cache[k][0] != key:
-            cache[k] = (key, stack_weights(layers))
+            cache.pop(k, None)            # the old form's memory first (the original's weights are about 290 MB)
+            cache[k] = (key, pack_onednn_weights(layers) if gemm == "onednn" else stack_weights(layers))
         return cache[k][1]
 
     def _drop(self, x: Tensor) -> Tensor:

@@ -43,6 +43,7 @@ def test_fast_path_equals_oracle(skip, grad):
 def test_chunked_input_projection_equals_oracle(monkeypatch):
     """Input projections computed a few steps at a time."""
     import model.bilm as bilm
+    monkeypatch.setattr(bilm, "LSTM_GEMM", "bmm")      # the chunked loop (GPUs)
     model = random_bilm("tiny", seed=3)
     ids, lengths = _batch(11, n=12)
     ref, (rh, rc) = oracle_forward(model, ids, lengths, None)
@@ -73,6 +74,7 @@ def test_reused_workspace_across_modes_and_sizes(monkeypatch):
     """The per-thread gate buffer (model/bilm.py: _workspace) is reused across calls: a small batch,
     then a larger one (the buffer grows), under inference_mode and then no_grad, all equal the oracle."""
     import model.bilm as bilm
+    monkeypatch.setattr(bilm, "LSTM_GEMM", "bmm")      # the chunked loop (GPUs)
     model = random_bilm("tiny", seed=5)
     monkeypatch.setattr(bilm, "CHUNK_ELEMENTS", 2 * 4 * 32 * 7)      # several chunks per layer
     for seed, n, mode in ((21, 3, torch.inference_mode), (22, 14, torch.inference_mode), (23, 9, torch.no_grad)):
