@@ -2,7 +2,7 @@
 in the same run. Random weights of the published shapes (model/synthetic.py).
 
     .venv/bin/python -m benchmarks.model_speed --configs small medium original --threads 2 \
-        --max-tokens 4096 16384 --sentences 2000 [--path forward embedder] [--device cpu|cuda] [--dtype float32|bfloat16]
+        --max-tokens 4096 16384 --sentences 2000 [--path forward embedder] [--device cpu|cuda] [--dtype float32 bfloat16] [--lstm-gemm auto bmm]
 
 Two paths: `forward` times BiLM.forward on prepared char-id batches; `embedder` times what a user
 calls, ElmoEmbedder.embed_sentences(max_tokens=budget) (char ids, batching, numpy results included),
@@ -27,7 +27,9 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, flops_per_token, gemm_ceiling_gflops, machine, wikitext_sentences
+import model.bilm as bilm
+from benchmarks.common import (RESULTS, flops_per_token, gemm_ceiling_gflops, gemm_rates_gflops,
+                               lstm_flops_per_token, machine, wikitext_sentences)
 from model.batching import plan_batches
 from model.char_ids import batch_char_ids
 from model.embedder import ElmoEmbedder
@@ -140,83 +142,111 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[4096])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
+                    help="one or more: several are measured side by side (interleaved)")
+    ap.add_argument("--lstm-gemm", nargs="+", default=["auto"], choices=list(bilm.LSTM_GEMMS),
+                    help="the LSTM loop's GEMMs (model/bilm.py LSTM_GEMMS); several are measured side by side")
     ap.add_argument("--path", nargs="+", default=["forward", "embedder"], choices=["forward", "embedder"])
     ap.add_argument("--warm-cache-sentences", type=int, default=5000)
     ap.add_argument("--batch-invariant", choices=["off", "on", "both"], default="off",
                     help="the fast path (default, as the embedder's), the batch-invariant path, or both")
-    ap.add_argument("--repeats", type=int, default=1, help="measurements per row (modes interleaved); median kept")
+    ap.add_argument("--repeats", type=int, default=1, help="measurements per row (variants interleaved); median kept")
     ap.add_argument("--tag", default="", help="appended to the results file name")
     ap.add_argument("--processes", type=int, default=1,
                     help="CPU: also run the embedder path in this many processes of --threads threads each, "
                     "against the GEMM ceiling of processes x threads threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     sentences = wikitext_sentences(args.sentences)
-    ceiling = gemm_ceiling_gflops(args.threads, dtype=dtype, device=args.device)
+    rates = {d: gemm_rates_gflops(args.threads, dtype=getattr(torch, d), device=args.device) for d in args.dtype}
+    for d, r in rates.items():
+        print(f"GEMM ceiling {d}, {args.threads} thread(s): "
+              + ", ".join(f"{k} {v:.0f}" for k, v in r.items()) + " GFLOP/s (square 2048)", flush=True)
+    ceiling = {d: max(r.values()) for d, r in rates.items()}
     warm = wikitext_sentences(args.warm_cache_sentences, split="train") \
         if "embedder" in args.path or args.processes > 1 else []
     paths = list(args.path)
     if args.processes > 1:
         paths.append("processes")
-        whole = gemm_ceiling_gflops(args.threads * args.processes, dtype=dtype, device=args.device)
+        whole = {d: gemm_ceiling_gflops(args.threads * args.processes, dtype=getattr(torch, d), device=args.device)
+                 for d in args.dtype}
         torch.set_num_threads(args.threads)
     rows = []
     errors = {}
-    if dtype != torch.float32:       # the price of the lower precision, per layer, on the same sentences
-        for config in args.configs:
-            errors[config] = layer_relative_errors(config, sentences[:200], args.max_tokens[0], args.device, dtype)
-            print(f"{config:<9} {args.dtype} vs float32, relative error per layer: "
-                  + " ".join(f"{e:.2e}" for e in errors[config]), flush=True)
+    for d in args.dtype:
+        if d == "float32":
+            continue
+        for config in args.configs:     # the price of the lower precision, per layer, on the same sentences
+            errors[(config, d)] = layer_relative_errors(config, sentences[:200], args.max_tokens[0], args.device,
+                                                        getattr(torch, d))
+            print(f"{config:<9} {d} vs float32, relative error per layer: "
+                  + " ".join(f"{e:.2e}" for e in errors[(config, d)]), flush=True)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.batch_invariant]
+    variants = [(d, g, inv) for d in args.dtype for g in args.lstm_gemm for inv in modes]
     for config in args.configs:
         for budget, path in ((b, p) for b in args.max_tokens for p in paths):
-            top = whole if path == "processes" else ceiling
-            runs: dict[bool, list[dict]] = {m: [] for m in modes}
+            runs: dict[tuple, list[dict]] = {v: [] for v in variants}
             for _ in range(args.repeats):
-                for inv in modes:       # interleaved: both modes see the same machine load
+                for v in variants:      # interleaved: every variant sees the same machine load
+                    d, gemm, inv = v
+                    dtype = getattr(torch, d)
+                    bilm.LSTM_GEMM = os.environ["ELMO_LSTM_GEMM"] = gemm      # this process and spawned ones
                     if path == "forward":
                         r = measure(config, sentences, budget, args.device, dtype, inv)
                     elif path == "embedder":
                         r = measure_embedder(config, sentences, budget, args.device, dtype, warm, batch_invariant=inv)
                     else:
                         r = measure_processes(config, sentences, budget, args.threads, args.processes, warm, inv)
-                    runs[inv].append(r)
-            for inv in modes:
-                tps = sorted(x["tokens_per_s"] for x in runs[inv])
-                r = dict(sorted(runs[inv], key=lambda x: x["tokens_per_s"])[len(tps) // 2])    # the median run
-                r.update(max_tokens=budget, threads=args.threads, device=args.device, dtype=args.dtype,
+                    r["lstm_gemm_used"] = bilm.lstm_gemm(torch.device(args.device), dtype)
+                    runs[v].append(r)
+            medians = {}
+            for v in variants:
+                d, gemm, inv = v
+                top = whole[d] if path == "processes" else ceiling[d]
+                tps = sorted(x["tokens_per_s"] for x in runs[v])
+                r = dict(sorted(runs[v], key=lambda x: x["tokens_per_s"])[len(tps) // 2])    # the median run
+                medians[v] = r["tokens_per_s"]
+                r.update(max_tokens=budget, threads=args.threads, device=args.device, dtype=d, lstm_gemm=gemm,
                          processes=args.processes if path == "processes" else 1, batch_invariant=inv,
-                         repeats=args.repeats, tokens_per_s_all=[x["tokens_per_s"] for x in runs[inv]],
-                         gemm_ceiling_gflops=top, fraction_of_ceiling=r["gflops"] / top)
-                if config in errors:
-                    r["relative_error_vs_float32_per_layer"] = errors[config]
-                cpus = sorted(x.get("tokens_per_cpu_s", 0.0) for x in runs[inv])
+                         repeats=args.repeats, tokens_per_s_all=[x["tokens_per_s"] for x in runs[v]],
+                         gemm_ceiling_gflops=top, gemm_rates_gflops=rates[d], fraction_of_ceiling=r["gflops"] / top,
+                         lstm_gflops=r["tokens_per_s"] * lstm_flops_per_token(random_bilm(config).opts) / 1e9)
+                r["lstm_fraction_of_ceiling"] = r["lstm_gflops"] / top
+                if (config, d) in errors:
+                    r["relative_error_vs_float32_per_layer"] = errors[(config, d)]
+                cpus = sorted(x.get("tokens_per_cpu_s", 0.0) for x in runs[v])
                 r["tokens_per_cpu_s_median"] = cpus[len(cpus) // 2]
-                r["tokens_per_cpu_s_all"] = [x.get("tokens_per_cpu_s") for x in runs[inv]]
+                r["tokens_per_cpu_s_all"] = [x.get("tokens_per_cpu_s") for x in runs[v]]
                 r["tokens_per_s_median"] = tps[len(tps) // 2]
                 extra = ""
-                if inv and False in runs:      # medians of each mode, wall and CPU time
-                    base = sorted(x["tokens_per_s"] for x in runs[False])[len(tps) // 2]
-                    base_cpu = sorted(x.get("tokens_per_cpu_s", 0.0) for x in runs[False])[len(tps) // 2]
+                if inv and (d, gemm, False) in runs:      # medians of each mode, wall and CPU time
+                    fast = runs[(d, gemm, False)]
+                    base = sorted(x["tokens_per_s"] for x in fast)[len(tps) // 2]
+                    base_cpu = sorted(x.get("tokens_per_cpu_s", 0.0) for x in fast)[len(tps) // 2]
                     r["tokens_per_s_vs_fast_path"] = r["tokens_per_s_median"] / base - 1
                     extra = f"  vs fast path: {100 * r['tokens_per_s_vs_fast_path']:+5.1f}% wall"
                     if base_cpu:           # (the processes path has no CPU time)
                         r["tokens_per_cpu_s_vs_fast_path"] = r["tokens_per_cpu_s_median"] / base_cpu - 1
                         extra += f", {100 * r['tokens_per_cpu_s_vs_fast_path']:+5.1f}% CPU time"
+                first = variants[0]
+                if v != first and first[2] == inv:
+                    r["tokens_per_s_vs_first_variant"] = r["tokens_per_s_median"] / medians[first]
+                    extra += f"  {r['tokens_per_s_vs_first_variant']:.2f}x {first[0]}/{first[1]}"
                 rows.append(r)
-                print(f"{config:<9} {r['path']:<22} {'invariant' if inv else 'fast':<9} budget {budget:>6}  "
+                print(f"{config:<9} {r['path']:<22} {d:<8} {gemm + '=' + r['lstm_gemm_used']:<12} "
+                      f"{'invariant' if inv else 'fast':<9} budget {budget:>6}  "
                       f"{r['tokens_per_s']:>9.0f} tokens/s ({r['tokens_per_cpu_s_median']:.0f}/CPU s)  "
                       f"{r['gflops']:>7.1f} GFLOP/s = "
-                      f"{100 * r['fraction_of_ceiling']:5.1f}% of GEMM {top:.0f}{extra}", flush=True)
+                      f"{100 * r['fraction_of_ceiling']:5.1f}% of GEMM {top:.0f} (LSTM alone "
+                      f"{100 * r['lstm_fraction_of_ceiling']:.1f}%){extra}", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
-    name = f"model_speed_{args.device.split(':')[0]}_{args.dtype}_{args.threads}t" + \
+    name = f"model_speed_{args.device.split(':')[0]}_{'_'.join(args.dtype)}_{args.threads}t" + \
         (f"_x{args.processes}p" if args.processes > 1 else "") + \
         (f"_invariant_{args.batch_invariant}" if args.batch_invariant != "off" else "") + \
         (f"_{args.tag}" if args.tag else "") + ".json"
     with open(os.path.join(RESULTS, name), "w") as f:
-        json.dump({"machine": machine(), "rows": rows}, f, indent=2)
+        json.dump({"machine": machine(), "command": "python -m benchmarks.model_speed " + " ".join(
+            __import__("sys").argv[1:]), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
