@@ -93,6 +93,15 @@ class _IndexAsAten(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in (torch.conv1d, torch.nn.functional.conv1d) and _fake_cuda_tensor(args[0]):
+            # a CPU build cannot pick a CUDA convolution backend, even for fake tensors: a result of the right
+            # shape stands in (the training forward's char CNN; one uncounted launch per filter width)
+            x, w = args[0], args[1]
+            stride, padding, dilation = (int(v[0]) if isinstance(v, (tuple, list)) else int(v)
+                                         for v in (list(args[3:]) + [1, 0, 1][len(args[3:]):])[:3])
+            k = w.shape[-1]
+            n = (x.shape[-1] + 2 * padding - dilation * (k - 1) - 1) // stride + 1
+            return x.new_empty(x.shape[0], w.shape[0], n).requires_grad_(x.requires_grad or w.requires_grad)
         if func is torch.Tensor.numpy and isinstance(args[0], FakeTensor) and args[0].device.type == "cpu":
             # results copied back to the host (the copy is dispatched and counted): zeros stand for their values
             return np.zeros(tuple(args[0].shape), dtype=_NP_DTYPES[args[0].dtype])
@@ -225,3 +234,17 @@ class OpCounter(TorchDispatchMode):
         return {"launches": self.launches, "by_region": dict(self.by_region), "views_and_allocs": self.views,
                 "h2d_copies": self.h2d, "h2d_bytes": self.h2d_bytes, "d2h_copies": self.d2h,
                 "d2h_bytes": self.d2h_bytes, "top_ops": dict(self.ops.most_common(12))}
+
+
+def fake_model(config: str = "original", device: torch.device = DEVICE):
+    """A BiLM of a PUBLISHED_OPTIONS shape (model/synthetic.py) with fake parameters on `device` (inside
+    fake_cuda()): built on the meta device, so no memory and no init time. model.w_device is `device`."""
+    import copy
+    from model.bilm import BiLM
+    from model.options import parse_options
+    from model.synthetic import PUBLISHED_OPTIONS
+    with torch.device("meta"):
+        model = BiLM(parse_options(copy.deepcopy(PUBLISHED_OPTIONS[config])))
+    model = to_fake(model, device).eval()
+    model.w_device = device
+    return model
