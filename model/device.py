@@ -16,20 +16,23 @@ import torch
 _GPU_LOCKS: list = []   # flock'd files held for the life of the process
 
 
-def claim_gpu(n_gpus: int, lock_dir: str | None = None) -> int:
-    """Index of a GPU no other process on this machine holds (flock per GPU, held until exit).
-
-    Falls back to pid % n_gpus when all are held."""
+def claim_gpu(n_gpus: int, lock_dir: str | None = None, max_per_gpu: int = 64) -> int:
+    """Index of the GPU with the fewest processes of this machine (flock'd lock files, held until exit):
+    processes fill slot 0 of every GPU, then slot 1, ...; so N processes on G GPUs get ceil(N/G) or
+    floor(N/G) each (4 on 4 GPUs: one each; 8: two each). pid % n_gpus past max_per_gpu slots.
+    The lock files live in lock_dir (default: the temp dir, $TMPDIR)."""
     lock_dir = lock_dir or tempfile.gettempdir()
-    for i in range(n_gpus):
-        f = open(os.path.join(lock_dir, f"elmo-pipeline-gpu-{i}.lock"), "w")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            continue
-        _GPU_LOCKS.append(f)
-        return i
+    for slot in range(max_per_gpu):
+        for i in range(n_gpus):
+            name = f"elmo-pipeline-gpu-{i}.lock" if slot == 0 else f"elmo-pipeline-gpu-{i}.{slot}.lock"
+            f = open(os.path.join(lock_dir, name), "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                continue
+            _GPU_LOCKS.append(f)
+            return i
     return os.getpid() % n_gpus
 
 
