@@ -7,6 +7,7 @@ from collections import Counter
 from unittest import mock
 
 import pytest
+import torch
 
 
 def _claim(lock_dir: str, barrier, results) -> None:
@@ -23,6 +24,7 @@ def _claim(lock_dir: str, barrier, results) -> None:
     barrier.wait(timeout=60)                         # hold the claim until every process has one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes, per_gpu", [(4, 1), (8, 2), (6, None)])
 def test_processes_spread_over_gpus(tmp_path, processes, per_gpu):
     ctx = mp.get_context("spawn")
