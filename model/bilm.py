@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.device import host_side, upload
 from model.options import BiLMOptions
 from model.padded_forward import padded_forward
 
@@ -391,38 +392,61 @@ def _bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0):
 
 
 class PackedBatch:
-    """Index maps between a padded (B, T) batch and the packed layouts of both directions.
+    """Index maps between a padded (B, T) batch and the packed layouts of both directions, built on the host
+    from the host-side lengths and sent to the device in one copy (model/device.py: upload).
 
     Packed element k of the forward direction is flat position fwd_index[k] (= row * T + t);
     of the backward direction, bwd_index[k] (each sequence reversed within its own length);
     bwd_from_fwd[k] is the forward packed element holding the same token as backward element k.
-    `order` is the packed row order (longest first, stable) in terms of batch rows.
+    `order` is the packed row order (longest first, stable) in terms of batch rows, `inv_order` its inverse.
+    tokens=True: fwd_rows / bwd_rows (the tokens layout, see _token_rows) instead of fwd_index / bwd_index.
+    batch_invariant=True: step_rows (rows per step, multiples of ROW_TILE) and `at` (padded position of each
+    packed element). extra(fwd_index_host) -> more host int64 tensors to send in the same copy.
+    Host attributes: lengths, batch_sizes, rows, steps, step_rows; everything else is on `device`.
     """
 
-    def __init__(self, lengths: Tensor, max_len: int, device: torch.device):
-        lengths = lengths.to("cpu", torch.int64)
-        self.lengths = lengths
-        sorted_len, order = torch.sort(lengths, descending=True, stable=True)
-        self.order = order.to(device)
-        T = max_len
-        steps = torch.arange(T)
-        active = steps[:, None] < sorted_len[None, :]                   # (T, B)
-        self.batch_sizes = active.sum(dim=1).tolist()
-        while self.batch_sizes and self.batch_sizes[-1] == 0:
-            self.batch_sizes.pop()
-        self.rows = order[None, :].expand(T, -1)[active]                # time-major, longest first
-        self.steps = steps[:, None].expand(-1, len(lengths))[active]
-        rows, t = self.rows, self.steps
-        fwd, bwd = rows * T + t, rows * T + (lengths[rows] - 1 - t)
-        packed_at = torch.empty(len(lengths) * T, dtype=torch.int64)
-        packed_at[fwd] = torch.arange(len(fwd))
-        self.fwd_index, self.bwd_index = fwd.to(device), bwd.to(device)
-        self.bwd_from_fwd = packed_at[bwd].to(device)
+    def __init__(self, lengths: Tensor, max_len: int, device: torch.device, *, tokens: bool = False,
+                 batch_invariant: bool = False, extra=None):
+        with host_side():
+            lengths = torch.as_tensor(lengths).to("cpu", torch.int64)   # host data (a device tensor here syncs)
+            self.lengths = lengths
+            B, T = len(lengths), max_len
+            sorted_len, order = torch.sort(lengths, descending=True, stable=True)
+            steps = torch.arange(T)
+            active = steps[:, None] < sorted_len[None, :]                   # (T, B)
+            self.batch_sizes = active.sum(dim=1).tolist()
+            while self.batch_sizes and self.batch_sizes[-1] == 0:
+                self.batch_sizes.pop()
+            self.rows = order[None, :].expand(T, -1)[active]                # time-major, longest first
+            self.steps = steps[:, None].expand(-1, B)[active]
+            rows, t = self.rows, self.steps
+            fwd, bwd = rows * T + t, rows * T + (lengths[rows] - 1 - t)
+            packed_at = torch.empty(B * T, dtype=torch.int64)
+            packed_at[fwd] = torch.arange(len(fwd))
+            inv = torch.empty_like(order)
+            inv[order] = torch.arange(B)
+            host = {"order": order, "inv_order": inv, "bwd_from_fwd": packed_at[bwd]}
+            if tokens:
+                host["fwd_rows"], host["bwd_rows"], self.n_tokens = self._token_rows()
+            else:
+                host["fwd_index"], host["bwd_index"] = fwd, bwd
+            self.step_rows = None
+            if batch_invariant and self.batch_sizes:
+                self.step_rows = [_round_up(n, ROW_TILE) for n in self.batch_sizes]
+                # padded position of each packed element: step t's rows start at sum(step_rows[:t])
+                starts = torch.tensor([0, *self.step_rows[:-1]], dtype=torch.int64).cumsum(0)
+                firsts = torch.tensor([0, *self.batch_sizes[:-1]], dtype=torch.int64).cumsum(0)
+                host["at"] = starts[t] + torch.arange(len(t)) - firsts[t]
+            if extra is not None:
+                host.update(extra(fwd))
+        self.host = host
+        for name, tensor in upload(host, device).items():
+            setattr(self, name, tensor)
 
-    def token_rows(self, device: torch.device) -> tuple[Tensor, Tensor, int]:
+    def _token_rows(self) -> tuple[Tensor, Tensor, int]:
         """Rows of the tokens layout for each packed element of both directions: the real tokens (neither
         <S> nor </S>) of row b at offsets[b] + position - 1, sentence after sentence; the boundary tokens
-        at n + 2b and n + 2b + 1, past the n real tokens. Returns (fwd_rows, bwd_rows, n)."""
+        at n + 2b and n + 2b + 1, past the n real tokens. Returns (fwd_rows, bwd_rows, n) on the host."""
         real = self.lengths - 2
         starts = torch.cumsum(real, 0) - real
         n = int(real.sum())
@@ -430,40 +454,54 @@ class PackedBatch:
         def rows_of(pos: Tensor) -> Tensor:
             r = self.rows
             inside = (pos >= 1) & (pos <= self.lengths[r] - 2)
-            return torch.where(inside, starts[r] + pos - 1, n + 2 * r + (pos > 0).long()).to(device)
+            return torch.where(inside, starts[r] + pos - 1, n + 2 * r + (pos > 0).long())
 
         return rows_of(self.steps), rows_of(self.lengths[self.rows] - 1 - self.steps), n
 
 
 class TokenCache:
-    """Token-encoder outputs by token (its char-id row), so frequent words skip the char CNN."""
+    """Token-encoder outputs by token (its char-id row), so frequent words skip the char CNN.
+    Looked up on the host (lookup, from the host's char ids), filled on the device (assemble)."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self.vectors: dict[bytes, Tensor] = {}
         self.params_key = None
 
-    def encode(self, uniq: Tensor, encoder: nn.Module, batch_invariant: bool = False) -> Tensor:
-        """uniq: distinct token inputs (U, ...) -> (U, P), computing only the tokens not cached.
+    def lookup(self, uniq: Tensor, encoder: nn.Module, batch_invariant: bool = False
+               ) -> tuple[list[bytes], list[int], list[int]]:
+        """uniq (U, ...) host token inputs -> (keys, missing, hits): positions in uniq not cached / cached.
         The vectors of one batch_invariant setting are never served to the other (they may differ in the
-        last bits): switching forgets the cache."""
+        last bits): switching forgets the cache; so do changed weights."""
         key = (batch_invariant, *((p.data_ptr(), p._version) for p in encoder.parameters()))
         if key != self.params_key:          # weights changed: forget everything
             self.vectors, self.params_key = {}, key
-        keys = [row.tobytes() for row in uniq.to("cpu", torch.int16).numpy()]
+        with host_side():
+            keys = [row.tobytes() for row in uniq.to("cpu", torch.int16).numpy()]
         missing = [i for i, k in enumerate(keys) if k not in self.vectors]
-        if len(missing) == len(keys):
-            out = encoder(uniq, batch_invariant)
+        hits = [i for i, k in enumerate(keys) if k in self.vectors] if len(missing) < len(keys) else []
+        return keys, missing, hits
+
+    def assemble(self, keys: list[bytes], missing: list[int], hits: list[int], new_inputs: Tensor,
+                 missing_at: Tensor | None, hits_at: Tensor | None, encoder: nn.Module,
+                 batch_invariant: bool = False) -> Tensor:
+        """(U, P) vectors of lookup()'s tokens: the cached ones, and the missing ones (new_inputs: their inputs,
+        on the device) through the encoder; keeps new ones while there is room. missing_at / hits_at: the
+        positions of missing / hits on the device (None when all are missing)."""
+        new = encoder(new_inputs, batch_invariant) if missing else None
+        if not hits:
+            out = new
         else:
-            hits = [i for i, k in enumerate(keys) if k in self.vectors]
             cached = torch.stack([self.vectors[keys[i]] for i in hits])
             out = cached.new_empty(len(keys), cached.shape[1])
-            out[torch.tensor(hits, device=out.device)] = cached
+            out.index_copy_(0, hits_at, cached)
             if missing:
-                idx = torch.tensor(missing, device=out.device)
-                out[idx] = encoder(uniq[idx], batch_invariant)
-        for i in missing[: max(0, self.max_tokens - len(self.vectors))]:
-            self.vectors[keys[i]] = out[i].clone()
+                out.index_copy_(0, missing_at, new)
+        room = max(0, self.max_tokens - len(self.vectors))
+        if missing and room:
+            kept = new[:room].clone()              # one copy for all kept rows; entries are views of it
+            for j, i in enumerate(missing[:room]):
+                self.vectors[keys[i]] = kept[j]
         return out
 
 
@@ -509,9 +547,13 @@ class BiLM(nn.Module):
 
     def encode_tokens(self, inputs: Tensor, batch_invariant: bool = False) -> Tensor:
         """Token vectors for (N, max_chars) char ids or (N,) token ids -> (N, P).
-        The encoder runs once per distinct token: repeated words cost nothing extra."""
+        On the CPU the encoder runs once per distinct token: repeated words cost nothing extra. On another
+        device every row is encoded: finding the distinct rows there is a host sync (a data-dependent count),
+        so the host-side dedup is forward_tokens' (its inputs arrive as host data)."""
         if inputs.shape[0] == 0:
             return inputs.new_zeros((0, self.opts.projection_dim), dtype=next(self.parameters()).dtype)
+        if inputs.device.type != "cpu":
+            return self.token_encoder(inputs, batch_invariant)
         uniq, inverse = torch.unique(inputs, dim=0, return_inverse=True)
         return self._encode_distinct(uniq, batch_invariant)[inverse]
 
@@ -520,7 +562,12 @@ class BiLM(nn.Module):
         cache = self.__dict__.get("token_cache")
         if cache is None or torch.is_grad_enabled():
             return self.token_encoder(uniq, batch_invariant)
-        return cache.encode(uniq, self.token_encoder, batch_invariant)
+        keys, missing, hits = cache.lookup(uniq, self.token_encoder, batch_invariant)
+        with host_side():
+            at = {"missing": torch.tensor(missing, dtype=torch.int64), "hits": torch.tensor(hits, dtype=torch.int64)}
+        at = upload(at, uniq.device)
+        return cache.assemble(keys, missing, hits, uniq.index_select(0, at["missing"]) if hits else uniq,
+                              at["missing"], at["hits"], self.token_encoder, batch_invariant)
 
     def enable_token_cache(self, max_tokens: int) -> None:
         """Keep the vectors of up to max_tokens distinct tokens across batches (inference only).
@@ -551,8 +598,9 @@ class BiLM(nn.Module):
         if torch.is_grad_enabled():
             return padded_forward(self, inputs, lengths, state)
         B, T = inputs.shape[:2]
-        pb = PackedBatch(lengths, T, inputs.device)
-        emb = self.encode_tokens(inputs.reshape(B * T, *inputs.shape[2:])[pb.fwd_index], batch_invariant)   # (N, P)
+        pb = PackedBatch(lengths, T, inputs.device, batch_invariant=batch_invariant)
+        emb = self.encode_tokens(inputs.reshape(B * T, *inputs.shape[2:]).index_select(0, pb.fwd_index),
+                                 batch_invariant)                                                   # (N, P)
         out = emb.new_zeros(self.opts.n_layers + 1, B * T, 2 * emb.shape[-1])     # zeros at padded positions
         state = self._run_layers(emb, pb, state, out, pb.fwd_index, pb.bwd_index, batch_invariant)
         return out.view(-1, B, T, out.shape[-1]), state
@@ -562,11 +610,38 @@ class BiLM(nn.Module):
         """forward_tokens' first part: the packed layout and the token vectors emb (N_packed, P), through the token
         cache. Its bits depend on the order of calls (the cache keeps the vectors of the batch that first had a
         token): calls in a fixed order, then forward_tokens(..., prepared=) on any thread, give the same vectors
-        as calls one after another (inference)."""
+        as calls one after another (inference).
+
+        Host data in, one copy: uniq, index and lengths on the host (CPU tensors, as ElmoEmbedder.batch_inputs
+        gives them) are looked up in the token cache and laid out there, and what the device needs (the char ids
+        of the tokens not cached, the index maps) goes to the model's device in ONE host-to-device copy. uniq and
+        index already on the device also work (index is then read back to the host: a sync)."""
         B, T = index.shape
-        pb = PackedBatch(lengths, T, uniq.device)
-        inverse = index.reshape(B * T)[pb.fwd_index]
-        return pb, self._encode_distinct(uniq, batch_invariant)[inverse]
+        device = next(self.parameters()).device
+        cache = self.__dict__.get("token_cache")
+        cache = None if torch.is_grad_enabled() else cache
+        on_host = uniq.device.type == "cpu"
+        keys, missing, hits = cache.lookup(uniq, self.token_encoder, batch_invariant) if cache else (None, [], [])
+
+        def extra(fwd: Tensor) -> dict[str, Tensor]:
+            more = {"inverse": index.to("cpu").reshape(B * T)[fwd]}
+            if hits:
+                more["missing_at"] = torch.tensor(missing, dtype=torch.int64)
+                more["hits_at"] = torch.tensor(hits, dtype=torch.int64)
+            if on_host and device.type != "cpu":        # only the char ids of tokens not cached travel
+                more["uniq"] = uniq[more["missing_at"]] if hits else uniq
+            return more
+
+        pb = PackedBatch(lengths, T, device, tokens=True, batch_invariant=batch_invariant, extra=extra)
+        new = pb.__dict__.pop("uniq", None)
+        if new is None:
+            new = uniq.index_select(0, pb.missing_at) if hits else uniq
+        if cache is None:
+            vectors = self.token_encoder(new, batch_invariant)
+        else:
+            vectors = cache.assemble(keys, missing, hits, new, getattr(pb, "missing_at", None),
+                                     getattr(pb, "hits_at", None), self.token_encoder, batch_invariant)
+        return pb, vectors.index_select(0, pb.inverse)
 
     def forward_tokens(self, uniq: Tensor | None, index: Tensor | None, lengths: Tensor | None,
                        state: tuple[Tensor, Tensor] | None = None, batch_invariant: bool = False,
@@ -584,7 +659,7 @@ class BiLM(nn.Module):
         (uniq, index and lengths are then not read)."""
         pb, emb = prepared if prepared is not None else self.prepare_tokens(uniq, index, lengths, batch_invariant)
         B = len(pb.lengths)
-        fwd_rows, bwd_rows, n = pb.token_rows(emb.device)
+        fwd_rows, bwd_rows, n = pb.fwd_rows, pb.bwd_rows, pb.n_tokens
         layers = range(self.opts.n_layers + 1) if layers is None else layers
         out = emb.new_empty(len(layers), n + 2 * B, 2 * emb.shape[-1])   # every row is written
         state = self._run_layers(emb, pb, state, out, fwd_rows, bwd_rows, batch_invariant, layers)
@@ -610,11 +685,7 @@ class BiLM(nn.Module):
         c0 = [c0[:, k][:, pb.order] for k in range(self.opts.n_layers)]
         step_rows, at = None, None
         if batch_invariant and pb.batch_sizes:
-            step_rows = [_round_up(n, ROW_TILE) for n in pb.batch_sizes]
-            # padded position of each packed element: step t's rows start at sum(step_rows[:t])
-            starts = torch.tensor([0, *step_rows[:-1]], dtype=torch.int64).cumsum(0)
-            at = (starts[pb.steps] + torch.arange(len(pb.steps)) - torch.tensor([0, *pb.batch_sizes[:-1]],
-                  dtype=torch.int64).cumsum(0)[pb.steps]).to(device)
+            step_rows, at = pb.step_rows, pb.at       # PackedBatch(batch_invariant=True) made them
             x = emb.new_zeros(2, sum(step_rows), P)
             x[0, at], x[1, at] = emb, emb[pb.bwd_from_fwd]
 
@@ -637,6 +708,5 @@ class BiLM(nn.Module):
             c_out.append(c)
             x = y
         # final states back from packed row order to batch-row order
-        inv = torch.empty_like(pb.order)
-        inv[pb.order] = torch.arange(B, device=device)
+        inv = pb.inv_order
         return torch.stack(h_out, dim=1)[:, :, inv], torch.stack(c_out, dim=1)[:, :, inv]   # (2, L, B, P|H)

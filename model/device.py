@@ -6,6 +6,7 @@ machine its own (a per-GPU lock file held for the life of the process).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import tempfile
@@ -15,20 +16,23 @@ import torch
 _GPU_LOCKS: list = []   # flock'd files held for the life of the process
 
 
-def claim_gpu(n_gpus: int, lock_dir: str | None = None) -> int:
-    """Index of a GPU no other process on this machine holds (flock per GPU, held until exit).
-
-    Falls back to pid % n_gpus when all are held."""
+def claim_gpu(n_gpus: int, lock_dir: str | None = None, max_per_gpu: int = 64) -> int:
+    """Index of the GPU with the fewest processes of this machine (flock'd lock files, held until exit):
+    processes fill slot 0 of every GPU, then slot 1, ...; so N processes on G GPUs get ceil(N/G) or
+    floor(N/G) each (4 on 4 GPUs: one each; 8: two each). pid % n_gpus past max_per_gpu slots.
+    The lock files live in lock_dir (default: the temp dir, $TMPDIR)."""
     lock_dir = lock_dir or tempfile.gettempdir()
-    for i in range(n_gpus):
-        f = open(os.path.join(lock_dir, f"elmo-pipeline-gpu-{i}.lock"), "w")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            continue
-        _GPU_LOCKS.append(f)
-        return i
+    for slot in range(max_per_gpu):
+        for i in range(n_gpus):
+            name = f"elmo-pipeline-gpu-{i}.lock" if slot == 0 else f"elmo-pipeline-gpu-{i}.{slot}.lock"
+            f = open(os.path.join(lock_dir, name), "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                continue
+            _GPU_LOCKS.append(f)
+            return i
     return os.getpid() % n_gpus
 
 
@@ -52,3 +56,31 @@ def resolve_device(device: str | int | torch.device | None, share_gpus: bool = F
         if dev.index is not None and dev.index >= n:
             raise RuntimeError(f"device {str(device)!r} requested but only {n} GPU(s) exist")
     return dev
+
+
+def host_side():
+    """Context for the model's host-side metadata: index maps built from host data (lengths, char ids) on CPU
+    tensors, before the batch's one host-to-device copy. These ops are host work, not device launches: any
+    active torch dispatch mode (an op counter, FakeTensorMode in the tests) is suspended inside, so fake-device
+    tests can run them for real and op counts are device work only. A no-op context when no mode is active."""
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import _disable_current_modes
+    return _disable_current_modes()
+
+
+def upload(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Host int64 tensors -> the same tensors on `device` in ONE host-to-device copy (concatenated, split
+    there into views). On the CPU: the tensors as they are (no copy)."""
+    if device.type == "cpu" or not host:
+        return dict(host)
+    with host_side():
+        shapes = [t.shape for t in host.values()]
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in host.values()])
+    dev = flat.to(device, non_blocking=True)
+    out, at = {}, 0
+    for name, shape in zip(host, shapes):
+        n = shapes and int(torch.Size(shape).numel())
+        out[name] = dev.narrow(0, at, n).view(shape)
+        at += n
+    return out

@@ -24,7 +24,7 @@ import torch
 from model.batching import plan_batches
 from model.bilm import BiLM
 from model.char_ids import BOS_TOKEN, EOS_TOKEN, distinct_char_ids
-from model.device import resolve_device
+from model.device import host_side, resolve_device
 from model.options import COMPUTE_DTYPES, STATE_MODES
 
 # Fixed warm-up text for the `warm` mode: ordinary English, run sentence by sentence from zeros.
@@ -81,7 +81,9 @@ class ElmoEmbedder:
             model = load_bilm(options_file, weight_file)
         # dtype None: a given model keeps its own precision, a loaded one runs in float32
         self.dtype = resolve_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
-        self.model = model.to(self.device, self.dtype).eval()
+        moved = any(t.device != self.device or (t.is_floating_point() and t.dtype != self.dtype)
+                    for t in (*model.parameters(), *model.buffers()))
+        self.model = (model.to(self.device, self.dtype) if moved else model).eval()
         if self.model.opts.char_cnn is not None:   # char-CNN vectors of up to `token_cache` distinct tokens are reused
             self.model.enable_token_cache(token_cache)
         self.state_mode = state
@@ -121,7 +123,7 @@ class ElmoEmbedder:
     # --- inputs -----------------------------------------------------------------------------
     def batch_inputs(self, sentences: Sequence[Sequence[str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Model inputs with <S> ... </S> added, as distinct tokens and an index into them (BiLM.forward_tokens):
-        uniq (U, max_chars) char ids or (U,) word ids, index (B, T+2) int64 (-1 at padding), lengths (B,)."""
+        uniq (U, max_chars) char ids or (U,) word ids, index (B, T+2) int64 (-1 at padding), lengths (B,); all on the host (CPU tensors)."""
         if self.vocab is not None:
             ids = [self.vocab.encode([BOS_TOKEN, *s, EOS_TOKEN]) for s in sentences]
             lengths = np.array([len(i) for i in ids], dtype=np.int64)
@@ -130,7 +132,9 @@ class ElmoEmbedder:
             index[np.arange(index.shape[1])[None, :] < lengths[:, None]] = inverse
         else:
             uniq, index, lengths = distinct_char_ids(sentences, self.model.opts.max_characters_per_token)
-        return torch.from_numpy(uniq).to(self.device), torch.from_numpy(index).to(self.device), torch.from_numpy(lengths)
+        # host data: the model sends what its device needs in one copy (BiLM.prepare_tokens)
+        with host_side():
+            return torch.from_numpy(uniq), torch.from_numpy(index), torch.from_numpy(lengths)
 
     # --- states -----------------------------------------------------------------------------
     def reset_states(self) -> None:

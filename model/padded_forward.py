@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model.device import host_side, upload
+
 if TYPE_CHECKING:
     from model.bilm import BiLM, LstmProjection
 
@@ -65,14 +67,17 @@ def _token_vectors(bilm: BiLM, inputs: Tensor, lengths: Tensor) -> tuple[Tensor,
     """-> token vectors (B, T, P) with zeros at padded positions, the (B, T) mask of real positions and
     the (B, T, P) gather index that reverses each row within its length."""
     B, T = inputs.shape[:2]
-    device = inputs.device
-    mask = (torch.arange(T)[None, :] < lengths.to("cpu")[:, None]).to(device)
-    flat = inputs.reshape(B * T, *inputs.shape[2:])[mask.reshape(-1)]
+    with host_side():                     # index maps from the host's lengths, sent in one copy
+        lengths = torch.as_tensor(lengths).to("cpu", torch.int64)
+        mask = torch.arange(T)[None, :] < lengths[:, None]
+        host = {"at": mask.reshape(-1).nonzero().squeeze(1), "rev": reverse_index(lengths, T), "mask": mask}
+    dev = upload(host, inputs.device)
+    at, mask = dev["at"], dev["mask"].bool() if inputs.device.type != "cpu" else mask
+    flat = inputs.reshape(B * T, *inputs.shape[2:]).index_select(0, at)
     emb = bilm.encode_tokens(flat)                                        # (N, P)
     P = emb.shape[-1]
-    x = emb.new_zeros(B, T, P)
-    x[mask] = emb
-    rev = reverse_index(lengths, T).to(device)[:, :, None].expand(-1, -1, P)
+    x = emb.new_zeros(B * T, P).index_copy(0, at, emb).view(B, T, P)
+    rev = dev["rev"][:, :, None].expand(-1, -1, P)
     return x, mask, rev
 
 

@@ -1,0 +1,132 @@
+"""One command for the day a GPU is available: correctness and speed of the GPU path, in one JSON.
+
+    python -m benchmarks.gpu_check [--device cuda] [--quick]      # on a CPU: --device cpu (same steps)
+
+Steps (each recorded with its status; one failing step does not stop the others):
+  tests        pytest on the parity, oracle, state-mode and batch-invariant tests with ELMO_TEST_DEVICE=<device>
+               (tests/conftest.py: every ElmoEmbedder those tests make runs there)
+  low_precision bf16 / fp16 relative error per output layer against fp32 (benchmarks.model_speed)
+  model_speed  tokens/s of BiLM.forward (fp32 with TF32 off, bf16) beside the square-GEMM ceiling of each
+               dtype measured in the same run (benchmarks.common.gemm_ceiling_gflops)
+  pipeline     the Beam pipeline end to end on WikiText-2 lines with 1 and 4 worker processes sharing the device
+Writes benchmarks/results/gpu_check_<device name>.json (or --out) naming the device and the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+from benchmarks.common import RESULTS, gemm_ceiling_gflops, machine, wikitext_sentences
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_FILES = ["tests/test_fixture_parity.py", "tests/test_oracle.py", "tests/test_state_modes.py",
+              "tests/test_batch_invariant.py"]
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    from benchmarks.common import cpu_name
+    return cpu_name()
+
+
+def step_tests(device: str, quick: bool) -> dict:
+    env = {**os.environ, "ELMO_TEST_DEVICE": device, "PYTHONPATH": REPO}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_FILES]
+    if quick:
+        cmd += ["-k", "stateful or parity or invariant_mode_flag"]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
+    return {"returncode": p.returncode, "summary": tail, **counts}
+
+
+def step_low_precision(device: str, config: str, sentences) -> dict:
+    from benchmarks.model_speed import layer_relative_errors
+    return {dt: layer_relative_errors(config, sentences, 4096, device, getattr(torch, dt))
+            for dt in ("bfloat16", "float16")}
+
+
+def step_model_speed(device: str, config: str, sentences, budget: int) -> list[dict]:
+    from benchmarks.model_speed import measure
+    rows = []
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False      # fp32 as fp32: the non-tensor-core peak
+        torch.backends.cudnn.allow_tf32 = False
+    for dt in ("float32", "bfloat16"):
+        dtype = getattr(torch, dt)
+        ceiling = gemm_ceiling_gflops(torch.get_num_threads(), n=2048 if device != "cpu" else 512,
+                                      seconds=1.0, dtype=dtype, device=device)
+        r = measure(config, sentences, budget, device, dtype)
+        r.update(dtype=dt, gemm_ceiling_gflops=ceiling, fraction_of_ceiling=r["gflops"] / ceiling, max_tokens=budget)
+        rows.append(r)
+    return rows
+
+
+def step_pipeline(device: str, lines: int, workers: list[int]) -> list[dict]:
+    src = os.path.join(REPO, "..", "shared", "data", "wikitext-2", "valid.txt")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        inp = os.path.join(tmp, "in.txt")
+        with open(src, encoding="utf-8") as f, open(inp, "w", encoding="utf-8") as g:
+            g.writelines([ln for ln in f if ln.strip()][:lines])
+        for n in workers:
+            out = os.path.join(tmp, f"out{n}")
+            cmd = [sys.executable, "-m", "pipeline.run", "--input", inp, "--output", out, "--device", device,
+                   "--direct_running_mode", "multi_processing", f"--direct_num_workers={n}"]
+            t = time.perf_counter()
+            p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True)
+            rows.append({"workers": n, "returncode": p.returncode, "wall_s": time.perf_counter() - t,
+                         "lines": lines, "stderr_tail": p.stderr[-2000:] if p.returncode else ""})
+    return rows
+
+
+def run(device: str, quick: bool, out: str | None) -> dict:
+    sentences = wikitext_sentences(40 if quick else 2000)
+    config = "tiny" if quick else "original"
+    report = {"device": device, "device_name": device_name(device), "machine": machine(),
+              "torch": torch.__version__, "quick": quick, "config": config, "steps": {}}
+    steps = {
+        "tests": lambda: step_tests(device, quick),
+        "low_precision": lambda: step_low_precision(device, config, sentences[:200]),
+        "model_speed": lambda: step_model_speed(device, config, sentences, 4096 if quick else 16384),
+        "pipeline": lambda: step_pipeline(device, 20 if quick else 1000, [1, 4]),
+    }
+    for name, fn in steps.items():
+        t = time.perf_counter()
+        try:
+            result, status = fn(), "ok"
+        except Exception:                       # noqa: BLE001 - recorded; the other steps still run
+            result, status = traceback.format_exc(limit=5), "error"
+        report["steps"][name] = {"status": status, "seconds": time.perf_counter() - t, "result": result}
+        print(f"{name:<14} {status:<6} {time.perf_counter() - t:7.1f} s", flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    path = out or os.path.join(RESULTS, "gpu_check_" + re.sub(r"[^A-Za-z0-9]+", "_", report["device_name"]).strip("_")
+                               + ("_quick" if quick else "") + ".json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}")
+    report["path"] = path
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny model, few sentences, a subset of the tests")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu_check_<device>.json)")
+    args = ap.parse_args()
+    run(args.device, args.quick, args.out)
+
+
+if __name__ == "__main__":
+    main()

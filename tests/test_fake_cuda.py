@@ -1,0 +1,129 @@
+"""Every forward path on a fake CUDA device at the original shape (FakeTensorMode; no GPU, no data, no FLOPs):
+no device mismatch (FakeTensorDeviceMismatchError), no host sync inside the model (DataDependentOutputException,
+DynamicOutputShapeException), and per batch one host-to-device copy in and one device-to-host copy out.
+benchmarks/opcount.py holds the harness; benchmarks/launches.py counts the same runs' launches."""
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorDeviceMismatchError
+
+from benchmarks.opcount import OpCounter, fake_cuda, fake_model
+from model.char_ids import batch_char_ids, distinct_char_ids
+from model.embedder import ElmoEmbedder
+
+SENTS = [("The quick brown fox jumps over the lazy dog .".split()),
+         ("It was the best of times , it was the worst of times .".split()),
+         ["Hello"], ("A much longer sentence that keeps going and going so the batch has ragged lengths .".split())]
+
+# host data, made outside the fake mode (under it, torch.from_numpy gives a fake tensor)
+IDS, LENGTHS = (torch.from_numpy(a) for a in batch_char_ids(SENTS))
+
+
+@pytest.fixture()
+def dev():
+    with fake_cuda() as d:
+        yield d
+
+
+def embedder(model, **kw) -> ElmoEmbedder:
+    with mock.patch("torch.cuda.is_available", return_value=True), \
+            mock.patch("torch.cuda.device_count", return_value=1):
+        return ElmoEmbedder(model=model, device=model.w_device, **kw)
+
+
+def test_harness_catches_sync_and_mismatch(dev):
+    """The checks below can fail: a sync and a device mismatch on fake CUDA tensors raise."""
+    x = torch.zeros(3, device=dev)
+    with pytest.raises(DataDependentOutputException):
+        x.sum().item()
+    with pytest.raises(FakeTensorDeviceMismatchError):
+        x + torch.zeros(3)
+    with OpCounter() as n:
+        x.cpu()
+        torch.zeros(2).to(dev)
+    assert (n.h2d, n.d2h) == (1, 1)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_forward(dev, batch_invariant):
+    """BiLM.forward (fast and batch-invariant): the caller's char ids on the device, lengths on the host;
+    inside the model one copy in (the index maps), and the result's one copy out."""
+    model = fake_model("original", dev)
+    ids, lengths = IDS, LENGTHS
+    with torch.inference_mode():
+        model(ids.to(dev), lengths, batch_invariant=batch_invariant)       # weights stacked once
+        x = ids.to(dev)
+        with OpCounter(model) as n:
+            out, (h, c) = model(x, lengths, batch_invariant=batch_invariant)
+            out.cpu()
+    assert out.device == dev and h.device == dev and c.device == dev
+    assert out.shape == (3, 4, ids.shape[1], 1024)
+    assert (n.h2d, n.d2h) == (1, 1), n.report()
+    assert n.by_region["lstm"] > 0 and n.by_region["encoder"] > 0
+
+
+@pytest.mark.parametrize("state, batch_invariant", [("stateless", False), ("warm", False), ("stateful", False),
+                                                     ("stateless", True), ("warm", True)])
+def test_embedder(dev, state, batch_invariant):
+    """ElmoEmbedder.embed_batch (BiLM.forward_tokens, through the token cache): host data in, numpy out,
+    exactly one copy each way per batch; cold cache and warm cache alike."""
+    model = fake_model("original", dev)
+    e = embedder(model, state=state, batch_invariant=batch_invariant)
+    e.embed_batch([["Warm", "up"]])                     # weights stacked once (model.bilm.stack_weights)
+    for batch in (SENTS[:2], SENTS, SENTS[1:]):       # new tokens, some cached, all cached
+        with OpCounter(model) as n:
+            out = e.embed_batch(batch)
+        assert [o.shape for o in out] == [(3, len(s), 1024) for s in batch]
+        assert (n.h2d, n.d2h) == (1, 1), n.report()
+
+
+def test_embedder_without_token_cache(dev):
+    model = fake_model("original", dev)
+    e = embedder(model, token_cache=0)
+    e.embed_batch([["Warm", "up"]])
+    with OpCounter(model) as n:
+        e.embed_batch(SENTS)
+    assert (n.h2d, n.d2h) == (1, 1), n.report()
+
+
+def test_windows(dev):
+    """A long sentence in overlapping windows (model/windows.py): one copy each way per sub-batch."""
+    from model.windows import embed_long
+    model = fake_model("original", dev)
+    e = embedder(model)
+    e.embed_batch([["Warm", "up"]])
+    tokens = [f"w{i % 37}" for i in range(300)]
+    with OpCounter(model) as n:
+        out = embed_long(e, tokens, window=100, overlap=20, max_tokens=256)
+    assert out.shape == (3, 300, 1024)
+    assert n.h2d == n.d2h and n.h2d >= 2, n.report()
+
+
+def test_training_forward(dev):
+    """The training forward (the padded path that runs under autograd, model/padded_forward.py: top_layer and
+    BiLM.forward with grad enabled): no sync, no mismatch, no copy back. The parameters do not require grad
+    here: on a CPU-only torch build the autograd engine aborts the process when it meets a (fake) CUDA tensor
+    that needs a graph, so the backward pass is left to `python -m benchmarks.gpu_check` on a real GPU."""
+    from model.padded_forward import top_layer
+    model = fake_model("original", dev).requires_grad_(False)
+    ids, lengths = IDS, LENGTHS
+    x = ids.to(dev)
+    assert torch.is_grad_enabled()
+    with OpCounter(model) as n:
+        fwd, bwd = top_layer(model, x, lengths)
+        layers, (h, c) = model(x, lengths)
+    assert fwd.device == dev and layers.device == dev and h.device == dev
+    assert fwd.shape == (4, ids.shape[1], 512) and layers.shape == (3, 4, ids.shape[1], 1024)
+    assert n.d2h == 0 and n.by_region["lstm"] == 0 and n.launches > 0, n.report()
+
+
+def test_char_id_step_runs_no_torch_op():
+    """The char-id step (model/char_ids.py) is host work in numpy: no torch op at all."""
+    with fake_cuda(), OpCounter() as n:
+        uniq, index, lengths = distinct_char_ids(SENTS)
+    assert n.launches == 0 and n.views == 0
+    assert uniq.dtype == np.int64 and index.shape == (4, max(len(s) for s in SENTS) + 2)

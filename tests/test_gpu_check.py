@@ -1,0 +1,27 @@
+"""benchmarks.gpu_check --device cpu --quick: every step runs and the report has its shape."""
+import json
+import os
+
+import pytest
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_report(tmp_path):
+    from benchmarks.gpu_check import run
+    from tests.conftest import shared_path
+    shared_path("data", "wikitext-2", "valid.txt")
+    out = tmp_path / "report.json"
+    report = run("cpu", quick=True, out=str(out))
+    saved = json.loads(out.read_text())
+    assert saved["device"] == "cpu" and saved["device_name"] and saved["machine"]
+    steps = saved["steps"]
+    assert set(steps) == {"tests", "low_precision", "model_speed", "pipeline"}
+    for name, step in steps.items():
+        assert step["status"] == "ok", (name, step["result"])
+    assert steps["tests"]["result"]["returncode"] == 0 and steps["tests"]["result"]["passed"] > 0
+    errs = steps["low_precision"]["result"]
+    assert set(errs) == {"bfloat16", "float16"} and all(0 < e < 5e-2 for v in errs.values() for e in v)
+    assert [r["dtype"] for r in steps["model_speed"]["result"]] == ["float32", "bfloat16"]
+    assert all(r["tokens_per_s"] > 0 and r["gemm_ceiling_gflops"] > 0 for r in steps["model_speed"]["result"])
+    assert [(r["workers"], r["returncode"]) for r in steps["pipeline"]["result"]] == [(1, 0), (4, 0)]
+    assert report["path"] == str(out) and os.path.exists(out)
