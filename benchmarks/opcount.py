@@ -16,6 +16,7 @@ Used by tests/test_fake_cuda.py and benchmarks/launches.py.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 from collections.abc import Iterator
 
@@ -125,14 +126,46 @@ class _IndexAsAten(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_COUNTERS: list = []     # the OpCounters active now, innermost last
+
+
+def _fused_cell_stand_in(cell):
+    """model.bilm._cell as a GPU runs it: torch.compile's one fused kernel (unless ELMO_COMPILE_CELL=0), which
+    fake tensors cannot be compiled into here. Computes the eager cell uncounted and counts one launch."""
+    import model.bilm as bilm
+
+    def fused(gates, c, cell_clip, out):
+        if gates.device.type != "cuda" or os.environ.get("ELMO_COMPILE_CELL", "1") == "0":
+            return cell(gates, c, cell_clip, out)
+        counter = _COUNTERS[-1] if _COUNTERS else None
+        if counter is None:
+            return bilm._cell_eager(gates, c, cell_clip, out)
+        counter.ops["fused LSTM cell (torch.compile)"] += 1
+        counter.by_region[counter.region] += 1
+        counter.silent = True
+        try:
+            return bilm._cell_eager(gates, c, cell_clip, out)
+        finally:
+            counter.silent = False
+    return fused
+
+
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[torch.device]:
     """FakeTensorMode with fake CUDA tensors (real host tensors allowed as inputs: they become fake constants).
-    Yields the fake device (cuda:0)."""
+    Yields the fake device (cuda:0). The biLM's compiled cell is stood in for (_fused_cell_stand_in)."""
+    import model.bilm as bilm
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shim = _IndexAsAten(mode) if not torch.backends.cuda.is_built() else contextlib.nullcontext()
-    with mode, shim:
-        yield DEVICE
+    cell = getattr(bilm, "_cell", None)
+    if cell is not None:
+        bilm._cell = _fused_cell_stand_in(cell)
+    try:
+        with mode, shim:
+            yield DEVICE
+    finally:
+        if cell is not None:
+            bilm._cell = cell
 
 
 def to_fake(module: torch.nn.Module, device: torch.device = DEVICE) -> torch.nn.Module:
@@ -165,6 +198,7 @@ class OpCounter(TorchDispatchMode):
         self.h2d = self.d2h = 0
         self.h2d_bytes = self.d2h_bytes = 0
         self.region = "other"
+        self.silent = False
         self._undo: list = []
 
     @property
@@ -193,6 +227,7 @@ class OpCounter(TorchDispatchMode):
         self._undo.append((owner, name, fn, had))
 
     def __enter__(self):
+        _COUNTERS.append(self)
         if self.model is not None:
             import model.bilm as bilm
             self._wrap(bilm, "run_lstm_layers", "lstm")
@@ -208,11 +243,14 @@ class OpCounter(TorchDispatchMode):
             else:
                 setattr(owner, name, fn)
         self._undo.clear()
+        _COUNTERS.remove(self)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.silent:
+            return out
         name = func.overloadpacket.__name__
         if name in ("to", "_to_copy", "copy_"):
             src, dst = (args[1], args[0]) if name == "copy_" else (args[0], out)
