@@ -6,7 +6,8 @@ same consecutive batches; stateless, our default, which length-sorts; and statel
 token budget, --max-tokens-per-batch, which the CPU runs fastest). Reports tokens/s, the
 ratio pair by pair, and the max |diff| of our stateful output from AllenNLP's (all layers). Both sides
 are timed over the same span: reading the input, embedding and writing the HDF5 file, after the model
-load (AllenNLP's driver prints its figure; ours is the `elmo` command's own closing line).
+load (AllenNLP's driver prints its figure; ours is the `elmo` command's own closing line); and the whole
+process's wall time of each command (Python start, imports and model load included), what a user waits for.
 
     bash ../shared/tools/allennlp-reference/setup.sh ../.venv-allennlp-ref      # once
     .venv/bin/python -m benchmarks.vs_allennlp --configs small medium original --sentences 2000 --threads 2
@@ -21,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import h5py
 import numpy as np
@@ -31,23 +33,31 @@ from model.synthetic import write_random_bilm
 TOOL = os.path.join(SHARED, "tools", "allennlp-reference", "allennlp_embed.py")
 
 
-def run_allennlp(venv: str, options: str, weights: str, inp: str, out: str, batch: int, threads: int) -> float:
+def run_allennlp(venv: str, options: str, weights: str, inp: str, out: str, batch: int, threads: int
+                 ) -> tuple[float, float]:
+    """AllenNLP's tokens/s after its model load (its driver's figure) and the whole process's wall seconds."""
+    t = time.perf_counter()
     r = subprocess.run([os.path.join(venv, "bin", "python"), TOOL, "--options", options, "--weights", weights,
                         "--input", inp, "--batch-size", str(batch), "--threads", str(threads), "--out", out],
                        capture_output=True, text=True, check=True)
-    return float(re.search(r"tokens_per_s=([\d.]+)", r.stdout.strip().splitlines()[-1]).group(1))
+    wall = time.perf_counter() - t
+    return float(re.search(r"tokens_per_s=([\d.]+)", r.stdout.strip().splitlines()[-1]).group(1)), wall
 
 
 def run_ours(options: str, weights: str, inp: str, out: str, batch: int, threads: int, state: str,
-             max_tokens: int = 0) -> float:
+             max_tokens: int = 0) -> tuple[float, float]:
+    """Our `elmo` command's tokens/s after the model load (its own closing line) and the whole process's wall
+    seconds (Python start, imports, model load, embedding, writing)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "ELMO_THREADS": str(threads)}
     code = ("import sys, torch; torch.set_num_threads(%d); from pipeline.cli import main; "
             "sys.exit(main(sys.argv[1:]))" % threads)
+    t = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", code, "elmo", inp, out, "--all", "--state", state, "--batch-size", str(batch),
                         "--max-tokens-per-batch", str(max_tokens), "--options-file", options, "--weight-file", weights],
                        check=True, env=env, capture_output=True, text=True)
     # the command's own figure: read, embed and write after the model load, the span AllenNLP's driver times
-    return float(re.search(r"\(([\d.]+) tokens/s after loading the model\)", r.stderr).group(1))
+    wall = time.perf_counter() - t
+    return float(re.search(r"\(([\d.]+) tokens/s after loading the model\)", r.stderr).group(1)), wall
 
 
 def max_diff(a: str, b: str) -> float:
@@ -64,6 +74,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384,
                     help="token budget of our third run (stateless, --max-tokens-per-batch); 0 to skip it")
     ap.add_argument("--venv", default=os.path.join(SHARED, "..", ".venv-allennlp-ref"))
+    ap.add_argument("--tag", default="", help="appended to the results file name")
     args = ap.parse_args()
     sentences = wikitext_sentences(args.sentences)
     n_tokens = sum(len(s) for s in sentences)
@@ -75,18 +86,20 @@ def main() -> None:
         for config in args.configs:
             options, weights = write_random_bilm(config, os.path.join(tmp, config))
             ref = os.path.join(tmp, f"{config}-allennlp.hdf5")
-            a = run_allennlp(args.venv, options, weights, inp, ref, args.batch_size, args.threads)
-            row = {"config": config, "allennlp_tokens_per_s": a}
+            a, a_wall = run_allennlp(args.venv, options, weights, inp, ref, args.batch_size, args.threads)
+            row = {"config": config, "allennlp_tokens_per_s": a, "allennlp_whole_process_s": a_wall}
             for state in ("stateful", "stateless"):
                 out = os.path.join(tmp, f"{config}-{state}.hdf5")
-                row[f"ours_{state}_tokens_per_s"] = run_ours(options, weights, inp, out, args.batch_size,
-                                                             args.threads, state)
+                row[f"ours_{state}_tokens_per_s"], wall = run_ours(options, weights, inp, out, args.batch_size,
+                                                                   args.threads, state)
                 row[f"ratio_{state}"] = row[f"ours_{state}_tokens_per_s"] / a
+                row[f"ours_{state}_whole_process_s"], row[f"ratio_{state}_whole_process"] = wall, a_wall / wall
             if args.max_tokens:
                 out = os.path.join(tmp, f"{config}-budget.hdf5")
-                row["ours_budget_tokens_per_s"] = run_ours(options, weights, inp, out, args.batch_size, args.threads,
-                                                           "stateless", args.max_tokens)
+                row["ours_budget_tokens_per_s"], wall = run_ours(options, weights, inp, out, args.batch_size,
+                                                                 args.threads, "stateless", args.max_tokens)
                 row["ratio_budget"] = row["ours_budget_tokens_per_s"] / a
+                row["ours_budget_whole_process_s"], row["ratio_budget_whole_process"] = wall, a_wall / wall
                 row["max_abs_diff_budget_vs_stateless"] = max_diff(out, os.path.join(tmp, f"{config}-stateless.hdf5"))
             row["max_abs_diff_stateful_vs_allennlp"] = max_diff(ref, os.path.join(tmp, f"{config}-stateful.hdf5"))
             rows.append(row)
@@ -95,9 +108,14 @@ def main() -> None:
                   f"({row['ratio_stateless']:.2f}x)"
                   + (f" budget {args.max_tokens} {row['ours_budget_tokens_per_s']:8.0f} ({row['ratio_budget']:.2f}x)"
                      if args.max_tokens else "")
+                  + f" | whole process: AllenNLP {a_wall:.1f} s, ours stateless {row['ours_stateless_whole_process_s']:.1f} s"
+                  f" ({row['ratio_stateless_whole_process']:.2f}x)"
+                  + (f", budget {row['ours_budget_whole_process_s']:.1f} s ({row['ratio_budget_whole_process']:.2f}x)"
+                     if args.max_tokens else "")
                   + f" | max|diff| {row['max_abs_diff_stateful_vs_allennlp']:.2g}", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"vs_allennlp_{args.threads}t.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"vs_allennlp_{args.threads}t" + (f"_{args.tag}" if args.tag else "") + ".json"),
+              "w") as f:
         json.dump({"machine": machine(), "sentences": len(sentences), "tokens": n_tokens,
                    "batch_size": args.batch_size, "threads": args.threads, "max_tokens": args.max_tokens,
                    "rows": rows}, f, indent=2)
