@@ -18,22 +18,24 @@ import torch
 
 CPUINFO = "/proc/cpuinfo"
 # CPU flags that matter for the biLM's GEMMs, as /proc/cpuinfo spells them (x86 'flags', aarch64 'Features')
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512_vnni", "avx_vnni", "bf16")
+X86_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512_vnni", "avx_vnni")
+ARM_FLAGS = ("asimd", "sve", "bf16", "i8mm")
 NATIVE_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16", "bf16"), "float16": ("avx512_fp16", "amx_fp16")}
 NATIVE, EMULATED, UNKNOWN = "native", "emulated", "unknown"
-_WARNED: set = set()
+_WARNED: set = set()        # dtypes warned about in this process
+logger = logging.getLogger("elmo-pipeline.hardware")
 
 
 def cpu_info(text: str | None = None) -> dict:
-    """The CPU as /proc/cpuinfo describes it (text: its contents; None reads the file): vendor, family, model,
-    name, and `flags` (the FLAGS it has), or flags None where there is no /proc/cpuinfo."""
+    """The CPU as /proc/cpuinfo describes it (text: its contents; None reads the file): arch, vendor, family,
+    model, name, `flags_checked` (X86_FLAGS or ARM_FLAGS) and `flags` (those it has; None where unknown)."""
     if text is None:
         try:
             with open(CPUINFO, encoding="utf-8", errors="replace") as f:
                 text = f.read()
         except OSError:
             return {"arch": platform.machine(), "vendor": None, "family": None, "model": None,
-                    "name": platform.processor() or None, "flags": None}
+                    "name": platform.processor() or None, "flags": None, "flags_checked": []}
     fields: dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip():
@@ -42,10 +44,11 @@ def cpu_info(text: str | None = None) -> dict:
             continue
         key, _, value = line.partition(":")
         fields.setdefault(key.strip().lower(), value.strip())
+    checked = X86_FLAGS if "flags" in fields else ARM_FLAGS if "features" in fields else ()
     have = set((fields.get("flags") or fields.get("features") or "").split())
     return {"arch": platform.machine(), "vendor": fields.get("vendor_id") or fields.get("cpu implementer"),
             "family": _int(fields.get("cpu family")), "model": _int(fields.get("model", fields.get("cpu part"))),
-            "name": fields.get("model name") or None, "flags": [f for f in FLAGS if f in have]}
+            "name": fields.get("model name") or None, "flags": [f for f in checked if f in have] if checked else None, "flags_checked": list(checked)}
 
 
 def _int(s: str | None) -> int | None:
@@ -59,9 +62,15 @@ def cpu_support(dtype: str, cpu: dict) -> str:
     """'native' | 'emulated' | 'unknown': how a CPU (cpu_info()) runs GEMMs in `dtype` (a COMPUTE_DTYPES name)."""
     if dtype == "float32":
         return NATIVE
-    if cpu.get("flags") is None:
+    decisive = native_flags(dtype, cpu)
+    if cpu.get("flags") is None or not decisive:
         return UNKNOWN
-    return NATIVE if any(f in cpu["flags"] for f in NATIVE_FLAGS[dtype]) else EMULATED
+    return NATIVE if any(f in cpu["flags"] for f in decisive) else EMULATED
+
+
+def native_flags(dtype: str, cpu: dict) -> list[str]:
+    """The flags of cpu's architecture that would make `dtype` native (none: this module cannot tell)."""
+    return [f for f in NATIVE_FLAGS.get(dtype, ()) if f in cpu.get("flags_checked", ())]
 
 
 def cuda_devices() -> list[dict]:
@@ -98,13 +107,14 @@ def warn_if_emulated(dtype: str | torch.dtype, device: str | torch.device) -> bo
     name = str(dtype).removeprefix("torch.")
     if name == "float32" or torch.device(device).type != "cpu" or name in _WARNED:
         return False
-    if compute_support(name, "cpu")["support"] != EMULATED:
+    cpu = cpu_info()
+    if cpu_support(name, cpu) != EMULATED:
         return False
     _WARNED.add(name)
-    need = " or ".join(NATIVE_FLAGS[name])
-    logging.getLogger("elmo").warning(
-        "--compute-dtype %s on a CPU without native %s (no %s): emulated, slower than float32; "
-        "`elmo-pipeline doctor` shows the CPU's support", name, name, need)
+    need = " or ".join(native_flags(name, cpu))
+    logger.warning("compute dtype %s on a CPU without native %s (no %s): emulated, slower than float32; "
+                   "--compute-dtype float32 is faster here (`elmo-pipeline doctor` shows the CPU's support)",
+                   name, name, need)
     return True
 
 
