@@ -90,7 +90,8 @@ def nextword(dtypes: list[str], seeds: int, wikitext: str, limit: int | None = N
     from model.embedder import ElmoEmbedder
     parts, classes = next_word_task(wikitext)
     parts = {k: v[:limit] for k, v in parts.items()} if limit else parts
-    out: dict = {"dtypes": {}, "classes": classes, "tokens": {k: sum(len(r["tags"]) for r in v) for k, v in parts.items()}}
+    out: dict = {"dtypes": {}, "classes": classes,
+                 "tokens": {k: sum(len(r["tags"]) for r in v) for k, v in parts.items()}}
     ref = None
     for dt in dtypes:
         emb = ElmoEmbedder(dtype=dt)

@@ -27,8 +27,9 @@ logger = logging.getLogger("elmo-pipeline.hardware")
 
 
 def cpu_info(text: str | None = None) -> dict:
-    """The CPU as /proc/cpuinfo describes it (text: its contents; None reads the file): arch, vendor, family,
-    model, name, `flags_checked` (X86_FLAGS or ARM_FLAGS) and `flags` (those it has; None where unknown)."""
+    """The CPU as /proc/cpuinfo describes it (text: its contents; None reads the file): arch (this machine's),
+    vendor, family, model, name, `flags_checked` (X86_FLAGS or ARM_FLAGS) and `flags` (those it has; None where
+    unknown)."""
     if text is None:
         try:
             with open(CPUINFO, encoding="utf-8", errors="replace") as f:
@@ -48,7 +49,8 @@ def cpu_info(text: str | None = None) -> dict:
     have = set((fields.get("flags") or fields.get("features") or "").split())
     return {"arch": platform.machine(), "vendor": fields.get("vendor_id") or fields.get("cpu implementer"),
             "family": _int(fields.get("cpu family")), "model": _int(fields.get("model", fields.get("cpu part"))),
-            "name": fields.get("model name") or None, "flags": [f for f in checked if f in have] if checked else None, "flags_checked": list(checked)}
+            "name": fields.get("model name") or None, "flags": [f for f in checked if f in have] if checked else None,
+            "flags_checked": list(checked)}
 
 
 def _int(s: str | None) -> int | None:

@@ -17,14 +17,16 @@ def text(r: dict) -> str:
     """The report (model.hardware.report()) as the lines the command prints."""
     from model.hardware import cpu_support, native_flags, verdict
     cpu = r["cpu"]
+    known = {k: "?" if v is None else v for k, v in cpu.items()}
     lines = [f"python {r['python']}, torch {r['torch']}, {r['os']}",
              f"device (--device auto): {r['default_device']}",
-             f"CPU: {cpu['name'] or '?'} ({cpu['arch']}; vendor {cpu['vendor'] or '?'}, family {cpu['family']}, "
-             f"model {cpu['model']}), {r['cores']} cores"]
+             f"CPU: {known['name']} ({known['arch']}; vendor {known['vendor']}, family {known['family']}, "
+             f"model {known['model']}), {r['cores']} cores"]
     if cpu["flags"] is None:
         lines.append("  flags: unknown (no /proc/cpuinfo)")
     else:
-        lines.append("  flags: " + ", ".join(f"{f} {'yes' if f in cpu['flags'] else 'no'}" for f in cpu["flags_checked"]))
+        lines.append("  flags: " + ", ".join(f"{f} {'yes' if f in cpu['flags'] else 'no'}"
+                                            for f in cpu["flags_checked"]))
     lines.append(f"  torch CPU capability: {r['torch_cpu_capability'] or '?'}"
                  + (f" (ONEDNN_MAX_CPU_ISA={r['onednn_max_cpu_isa']})" if r["onednn_max_cpu_isa"] else ""))
     if not r["cuda"]:

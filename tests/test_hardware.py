@@ -67,10 +67,15 @@ def test_cpu_info_fields():
 
 
 def test_no_cpuinfo_claims_nothing(monkeypatch, tmp_path):
+    from pipeline.doctor_command import text
     monkeypatch.setattr(H, "CPUINFO", str(tmp_path / "missing"))
+    monkeypatch.setattr(H, "_WARNED", set())
     cpu = H.cpu_info()
     assert cpu["flags"] is None and H.cpu_support("bfloat16", cpu) == "unknown"
     assert H.cpu_support("float32", cpu) == "native"
+    assert not H.warn_if_emulated("bfloat16", "cpu")
+    out = text(H.report())
+    assert "flags: unknown" in out and "bfloat16 on the CPU: unknown" in out
     assert H.cpu_info("")["flags"] is None                 # an empty file: nothing known either
 
 
