@@ -86,17 +86,14 @@ def gemm_rates_gflops(threads: int, n: int = 2048, seconds: float = 2.0, dtype=t
 
 
 def cpu_name() -> str:
-    """The CPU's model name and family (/proc/cpuinfo on Linux: 'AMD EPYC' names both this project's AMD
+    """The CPU's model name and family (model.hardware.cpu_info: 'AMD EPYC' names both this project's AMD
     kinds, family 23 = Zen 1, 26 = Zen 5), with AVX-512 or its absence noted: GEMM speeds depend on all."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
+    from model.hardware import cpu_info
+    cpu = cpu_info()
+    if cpu["flags"] is None:
         return platform.processor() or platform.machine()
-    def field(key: str) -> str:
-        return next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith(key)), "")
-    family = f" (family {field('cpu family')})" if field("cpu family") else ""
-    return field("model name") + family + (", AVX-512" if "avx512f" in info else ", no AVX-512")
+    family = f" (family {cpu['family']})" if cpu["family"] is not None else ""
+    return (cpu["name"] or "") + family + (", AVX-512" if "avx512f" in cpu["flags"] else ", no AVX-512")
 
 
 def machine() -> str:

@@ -66,6 +66,22 @@ def sentences(path: str) -> list[list[str]]:
     return out
 
 
+def next_word_task(wikitext: str) -> tuple[dict, list[str]]:
+    """The task's splits {train, dev, test: [{"tokens", "tags"}]} and its classes (tags index them)."""
+    valid, test = sentences(os.path.join(wikitext, "valid.txt")), sentences(os.path.join(wikitext, "test.txt"))
+    parts = {"train": valid[:2500], "dev": test[:600], "test": test[600:1800]}
+    classes = sorted({word_class(t) for s in valid for t in s} | {"END"})
+    return {name: [{"tokens": s, "tags": [classes.index(word_class(s[i + 1] if i + 1 < len(s) else None))
+                                          for i in range(len(s))]} for s in sents]
+            for name, sents in parts.items()}, classes
+
+
+def embed_task(emb, records: list[dict]) -> list[dict]:
+    """The records with their "layers" (the embedder's vectors of "tokens")."""
+    vectors = emb.embed_sentences([r["tokens"] for r in records], max_tokens=8192)
+    return [{**r, "layers": v} for r, v in zip(records, vectors)]
+
+
 def main() -> int:
     from downstream.probe import ProbeConfig, Split, logistic_regression_accuracy, train_setting
     from model.embedder import ElmoEmbedder
@@ -74,16 +90,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    valid, test = sentences(os.path.join(args.wikitext, "valid.txt")), sentences(os.path.join(args.wikitext, "test.txt"))
-    parts = {"train": valid[:2500], "dev": test[:600], "test": test[600:1800]}
-    classes = sorted({word_class(t) for s in valid for t in s} | {"END"})
     emb = ElmoEmbedder()
-    splits = {}
-    for name, sents in parts.items():
-        recs = [{"layers": v, "tags": [classes.index(word_class(s[i + 1] if i + 1 < len(s) else None))
-                                       for i in range(len(s))]}
-                for s, v in zip(sents, emb.embed_sentences(sents, max_tokens=8192))]
-        splits[name] = Split(name, recs).prepare("token")
+    parts, classes = next_word_task(args.wikitext)
+    splits = {name: Split(name, embed_task(emb, recs)).prepare("token") for name, recs in parts.items()}
     train, dev, tst = splits["train"], splits["dev"], splits["test"]
     stats = train.token_stats()
     rows = []

@@ -25,6 +25,7 @@ from model.batching import plan_batches
 from model.bilm import BiLM
 from model.char_ids import BOS_TOKEN, EOS_TOKEN, distinct_char_ids
 from model.device import host_side, resolve_device
+from model.hardware import warn_if_emulated
 from model.options import COMPUTE_DTYPES, STATE_MODES
 
 # Fixed warm-up text for the `warm` mode: ordinary English, run sentence by sentence from zeros.
@@ -48,8 +49,9 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class ElmoEmbedder:
     """Per-sentence ELMo vectors: float32 arrays (n_layers + 1, T, 2P). token_cache: how many distinct
     tokens' char-CNN vectors to keep across batches (0: none). dtype: the precision the biLM runs in
-    (float32, exact; bfloat16/float16 for GPUs, within 1e-2 relative error per layer; results are float32
-    either way); None: a given `model` keeps its own, a loaded one runs in float32.
+    (float32, exact; bfloat16/float16 within 1e-2 relative error per layer, faster only where the hardware runs
+    them natively: GPUs, CPUs with AVX512_BF16/AMX for bfloat16; model.hardware, docs/exactness.md); results are
+    float32 either way; None: a given `model` keeps its own, a loaded one runs in float32.
 
     Layer 0 is the token vector duplicated to 2P (AllenNLP compatible); layer k the concatenated
     forward and backward outputs of LSTM layer k. <S> and </S> are added and removed internally.
@@ -84,6 +86,7 @@ class ElmoEmbedder:
         moved = any(t.device != self.device or (t.is_floating_point() and t.dtype != self.dtype)
                     for t in (*model.parameters(), *model.buffers()))
         self.model = (model.to(self.device, self.dtype) if moved else model).eval()
+        warn_if_emulated(self.dtype, self.device)    # once per process: an emulated dtype is slower than float32
         if self.model.opts.char_cnn is not None:   # char-CNN vectors of up to `token_cache` distinct tokens are reused
             self.model.enable_token_cache(token_cache)
         self.state_mode = state

@@ -1,4 +1,5 @@
-"""The `elmo-pipeline` command: subcommands elmo, run (the Beam pipeline), train, evaluate, export, probe, models."""
+"""The `elmo-pipeline` command: subcommands elmo, run (the Beam pipeline), train, evaluate, export, probe, models,
+doctor."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ SUBCOMMANDS = {
     "export": ("pipeline.export_command", "export a training checkpoint to options.json + weights.hdf5 + vocab.txt"),
     "probe": ("pipeline.probe_command", "train and evaluate a classifier on extracted vectors, per layer setting"),
     "models": ("pipeline.models_command", "list the models known by name: sizes, dims, tokenization, cache state"),
+    "doctor": ("pipeline.doctor_command", "this machine: CPU, its flags, GPUs, and which compute dtypes run natively"),
 }
 # Subcommands whose module parses its own argv (module.main(argv), its own --help): the parser only lists them,
 # so `elmo-pipeline --help` and the other subcommands never import Beam.

@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "stateless/warm only; 8192-16384 is fastest on a CPU (default 0: --batch-size)")
     p.add_argument("--cuda-device", type=int, default=-1, help="GPU index; -1 for the CPU (default)")
     p.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",
-                   help="precision the biLM runs in: float32 (default, exact), bfloat16 or float16 for GPUs; "
-                   "the file holds float32 either way")
+                   help="precision the biLM runs in: float32 (default, exact), bfloat16 or float16 (faster only where "
+                   "the hardware runs them natively: GPUs, and for bfloat16 CPUs with AVX512_BF16 or AMX; "
+                   "`elmo-pipeline doctor` tells); the file holds float32 either way")
     p.add_argument("--forget-sentences", action="store_true", help="do not write sentence_to_index")
     p.add_argument("--use-sentence-keys", action="store_true", help="key datasets by the sentence text, not the line index")
     p.add_argument("--state", choices=STATE_MODES, default="stateless",

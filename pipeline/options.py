@@ -62,8 +62,9 @@ class ElmoOptions(PipelineOptions):
         g("--layers", default="all", help="all | top | average | comma-separated indices (default all)")
         g("--dtype", choices=STORAGE_DTYPES, default="float32", help="storage precision (default float32)")
         g("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",
-          help="precision the biLM runs in: float32 (default, exact), bfloat16 or float16 for GPUs "
-          "(within 1e-2 relative error per layer)")
+          help="precision the biLM runs in: float32 (default, exact), bfloat16 or float16 (within 1e-2 relative "
+          "error per layer; faster only where the hardware runs them natively: GPUs, and for bfloat16 CPUs with "
+          "AVX512_BF16 or AMX; `elmo-pipeline doctor` tells; docs/exactness.md)")
         g("--duplicate-layer0", action="store_true",
           help="Parquet: store layer 0 as [x, x] (2P wide) as AllenNLP does, instead of x once")
         g("--vector-compression", choices=VECTOR_COMPRESSIONS, default="none",

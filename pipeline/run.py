@@ -206,6 +206,7 @@ def plan(opts: PipelineOptions) -> Plan:
                    **({"urls": model_urls(model_name)} if is_published(model_name) else {})}
     manifest = layout.manifest_header(
         model_entry, columns, hdf5_layout(selection, n_layers), flags, formats, files, {"key": key})
+    manifest["compute_support"] = compute_support_here(o.compute_dtype, o.device) if local else None
     shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
                       selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
                       o.row_group_bytes, n_layers, dim, o.vector_compression)
@@ -225,6 +226,14 @@ def plan(opts: PipelineOptions) -> Plan:
                 tokenizer_processes=children,
                 embed_threads=embed_threads(o.embed_threads or 0, threads, local, o.state, workers, children),
                 iceberg=iceberg, schema=schema)
+
+
+def compute_support_here(compute_dtype: str, device: str) -> dict:
+    """The manifest's `compute_support`: how this machine (a local runner's workers run here) runs the biLM in
+    the compute dtype on the device the workers pick (model.hardware.compute_support; no GPU is claimed)."""
+    from model.device import resolve_device
+    from model.hardware import compute_support
+    return compute_support(compute_dtype, resolve_device(device))
 
 
 def check_iceberg(iceberg: IcebergTarget, schema, output: str, key: str, overwrite: bool, so: dict) -> None:

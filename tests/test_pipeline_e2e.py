@@ -155,12 +155,15 @@ def test_stateful_keeps_input_order_in_consecutive_batches(small_run, tiny_model
 
 
 def test_compute_dtype_bfloat16_close_to_float32(small_run, tiny_model_files, tmp_path):
-    """--compute-dtype bfloat16 (what a GPU run would use) on the CPU: float32 files, the manifest says
-    so, each layer close to the float32 run; the `elmo` command takes it too."""
+    """--compute-dtype bfloat16 on the CPU: float32 files, the manifest says so (and how this machine runs it:
+    compute_support), each layer close to the float32 run; the `elmo` command takes it too."""
+    from model.hardware import compute_support
     inp, out32, _, m32 = small_run
     out = str(tmp_path / "bf16")
     _, m = run_pipeline(tiny_model_files, str(inp), out, "--max-tokens-per-batch", "40", "--compute-dtype", "bfloat16")
     assert m["compute_dtype"] == "bfloat16" and m32["compute_dtype"] == "float32"
+    assert m["compute_support"] == compute_support("bfloat16", "cpu") and m["compute_support"]["dtype"] == "bfloat16"
+    assert m32["compute_support"]["support"] == "native" and m32["compute_support"]["dtype"] == "float32"
     lo, hi = parquet_rows(out, m), parquet_rows(out32, m32)
     assert sorted(lo) == sorted(hi)
     for name in ("layer_0", "layer_1", "layer_2"):
