@@ -87,13 +87,17 @@ def gemm_rates_gflops(threads: int, n: int = 2048, seconds: float = 2.0, dtype=t
 
 def cpu_name() -> str:
     """The CPU's model name and family (model.hardware.cpu_info: 'AMD EPYC' names both this project's AMD
-    kinds, family 23 = Zen 1, 26 = Zen 5), with AVX-512 or its absence noted: GEMM speeds depend on all."""
+    kinds, family 23 = Zen 1, 26 = Zen 5), with AVX-512 or its absence and native bf16 (AVX512_BF16, AMX) noted:
+    GEMM speeds depend on all."""
     from model.hardware import cpu_info
     cpu = cpu_info()
     if cpu["flags"] is None:
         return platform.processor() or platform.machine()
     family = f" (family {cpu['family']})" if cpu["family"] is not None else ""
-    return (cpu["name"] or "") + family + (", AVX-512" if "avx512f" in cpu["flags"] else ", no AVX-512")
+    flags = cpu["flags"]
+    bf16 = [name for flag, name in (("avx512_bf16", "AVX512_BF16"), ("amx_bf16", "AMX-BF16")) if flag in flags]
+    return (cpu["name"] or "") + family + (", AVX-512" if "avx512f" in flags else ", no AVX-512") + \
+        "".join(f" + {b}" for b in bf16)
 
 
 def machine() -> str:
