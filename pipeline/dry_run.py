@@ -2,9 +2,9 @@
 
 estimate(): the run's plan (pipeline.run.plan, without the object-store write probe), then
 - inputs: every file matched, with its size;
-- a sample: about SAMPLE_BYTES of the inputs read in up to CHUNKS slices spread evenly over each sampled
-  file (whole lines; compressed and Parquet files from their start), read and tokenized with the run's own
-  code; documents, sentences, tokens and dead letters scaled by stored bytes (Parquet: rows);
+- a sample: the lines starting in up to CHUNKS windows, about SAMPLE_BYTES in all, spread evenly over each
+  sampled file (compressed and Parquet files: from their start), read and tokenized with the run's own code;
+  documents, sentences, tokens and dead letters scaled by stored bytes (Parquet: rows);
 - time: the run's biLM (its threads, state and dtype) on length-sorted batches of sample sentences under
   --max-tokens-per-batch, the first batch untimed; tokens/s of the rest. Tokenizing and encoding are timed on
   the same sample;
@@ -31,25 +31,31 @@ TIME_SECONDS = 10.0             # ... or until this much time was spent embeddin
 COMPRESSED = (".gz", ".bz2", ".zst", ".xz", ".lzma")
 
 
-def _whole_lines(f, size: int, budget: int) -> list[bytes]:
-    """Slices of whole lines spread evenly over a seekable file of `size` bytes, about `budget` bytes in all."""
+def _whole_lines(f, size: int, budget: int) -> tuple[list[bytes], int]:
+    """(slices, bytes they stand for): the lines that start in each of up to CHUNKS windows spread evenly over a
+    seekable file of `size` bytes, about `budget` bytes of windows in all. A line is taken whole when it starts
+    in a window, so every line is as likely to be in the sample whatever its length (no bias to short lines)."""
     if size <= budget:
-        return [f.read()]
+        return [f.read()], size
     n = max(1, min(CHUNKS, budget // MIN_CHUNK))
     width = budget // n
     out = []
     for j in range(n):
         start = j * size // n
-        f.seek(start)
-        data = f.read(width)
-        if start > 0:                       # the line cut by the slice's start belongs to the slice before
+        f.seek(max(0, start - 1))
+        data = f.read(width + (1 if start else 0))
+        if start > 0:                   # data[0] is the byte before the window: lines start after a newline
             cut = data.find(b"\n")
             data = data[cut + 1:] if cut >= 0 else b""
-        if start + width < size:            # ... and the line cut by its end to none
-            data = data[: data.rfind(b"\n") + 1]
+        while data and not data.endswith(b"\n"):      # the window's last line, to its end
+            more = f.read(1 << 16)
+            if not more:
+                break
+            cut = more.find(b"\n")
+            data += more if cut < 0 else more[: cut + 1]
         if data:
             out.append(data)
-    return out
+    return out, n * width
 
 
 def sample_file(url: str, size: int, budget: int, fmt: str, label: str, text_field: str, id_field: str | None,
@@ -60,10 +66,10 @@ def sample_file(url: str, size: int, budget: int, fmt: str, label: str, text_fie
     from transforms.read import _line_records, _Meter, read_documents
     if fmt != "parquet" and not url.endswith(COMPRESSED):
         with open_file(url, "rb", so) as f:
-            slices = _whole_lines(f, size, budget)
-        covered = sum(len(s) for s in slices)
-        records = [r for s in slices for r in _line_records(io.BytesIO(s), _Meter(io.BytesIO(s)), fmt, label,
-                                                            text_field, id_field)]
+            slices, covered = _whole_lines(f, size, budget)
+        records = [r for j, s in enumerate(slices)     # ids numbered in each slice: the slice in the label
+                   for r in _line_records(io.BytesIO(s), _Meter(io.BytesIO(s)), fmt, f"{label}~{j}" if j else label,
+                                          text_field, id_field)]
         return records, size / covered if covered else 0.0
     records, stored, done = [], 0, False
     for r in read_documents(url, fmt, label, text_field, id_field, so):
@@ -218,6 +224,7 @@ def output_state(pl) -> str:
 def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     """The plan of `run ARGV` as numbers (see the module docstring)."""
     from formats.estimate import layer_bytes
+    from pipeline.exits import after_plan
     from pipeline.run import pipeline_options, plan
     from transforms import embed as E
     from transforms.resume import input_fingerprints
@@ -226,8 +233,12 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     try:
         pl = plan(opts, probe_output=False)
         sizes = {url: int(size or 0) for url, size, _ in input_fingerprints(pl.files, pl.so)}
-        s = sample_inputs(pl, sizes, sample_bytes)
-        m = measure(pl, s.pop("written"))
+        try:
+            s = sample_inputs(pl, sizes, sample_bytes)
+            m = measure(pl, s.pop("written"))
+        except Exception as e:
+            after_plan(e)
+            raise
     finally:
         E.withdraw_models()
     est, spec = s["estimated"], pl.shard
@@ -280,8 +291,8 @@ def render(p: dict) -> str:
     lines += [f"  {i['url']}  {_size(i['bytes'])}" for i in p["inputs"][:20]]
     if len(p["inputs"]) > 20:
         lines.append(f"  ... and {len(p['inputs']) - 20} more")
-    lines.append(f"sample: {_size(smp['bytes'])} read from {smp['files']} file(s) in slices of whole lines spread "
-                 f"over each file: {smp['input_records']:,} records, {smp['documents']:,} documents, "
+    lines.append(f"sample: the lines starting in {_size(smp['bytes'])} of windows spread over {smp['files']} "
+                 f"file(s): {smp['input_records']:,} records, {smp['documents']:,} documents, "
                  f"{smp['tokens_written']:,} tokens")
     lines.append(f"estimated (sample scaled by bytes): {e['input_records']:,} records, {e['documents']:,} documents, "
                  f"{e['sentences']:,} sentences, {e['tokens_written']:,} tokens written, "

@@ -29,7 +29,9 @@ TRANSIENT_TYPES = ("LeaseHeld", "IcebergUnavailable", "ConnectionError", "Endpoi
                    "ServerDisconnectedError", "ClientOSError", "ProxyConnectionError", "TimeoutError",
                    "CommitFailedException")
 DATA_TYPES = ("WeightsError", "OptionsError")
-USAGE_TYPES = ("ValueError", "PermissionError", "FileExistsError", "NotADirectoryError", "IsADirectoryError")
+USAGE_TYPES = ("PermissionError", "FileExistsError", "NotADirectoryError", "IsADirectoryError")
+PLANNING_USAGE_TYPES = ("ValueError",)    # while planning: a bad value; once running: a bug or a library's complaint
+AFTER_PLAN = "_elmo_pipeline_after_plan"
 # messages that say the same when only text came through (multi-process workers, Beam's wrapping)
 TRANSIENT_TEXT = re.compile(
     r"No space left on device|Disk quota exceeded|\[Errno (28|122|11|16|110|111|104|103|113|101|100)\]|"
@@ -50,6 +52,14 @@ class Failure:
     def line(self) -> str:
         """The one line a failure prints: `error: <message> (exit N: <what to do>)`."""
         return f"error: {self.message} (exit {self.status}: {MEANINGS[self.status]})"
+
+
+def after_plan(exc: BaseException) -> None:
+    """Mark a failure as raised after the command was checked and planned: a ValueError then is no bad flag."""
+    try:
+        setattr(exc, AFTER_PLAN, True)
+    except AttributeError:      # an exception type without a __dict__
+        pass
 
 
 def chain(exc: BaseException) -> list[BaseException]:
@@ -93,8 +103,9 @@ def classify(exc: BaseException) -> Failure:
     """The exit status and one-line message of a failure (see the module docstring).
 
     Order: a transient cause anywhere in the chain wins (a full disk under Beam's wrapping is still a full
-    disk), then a data cause, then the messages (text from other processes), then the outermost type:
-    ValueError and the like are the command's fault, anything else SOFTWARE."""
+    disk), then a data cause, then the messages (text from other processes), then the outermost type: a
+    ValueError raised while planning (not marked after_plan()), a permission or an output holding another
+    command's run are the command's fault, anything else SOFTWARE."""
     excs = chain(exc)
     for want in (INTERRUPTED, TEMPFAIL, DATA):
         for e in excs:
@@ -105,7 +116,7 @@ def classify(exc: BaseException) -> Failure:
         return Failure(TEMPFAIL, _one_line(exc))
     if DATA_TEXT.search(text):
         return Failure(DATA, _one_line(exc))
-    if _names(exc) & set(USAGE_TYPES):
+    if _names(exc) & set(USAGE_TYPES) or (_names(exc) & set(PLANNING_USAGE_TYPES) and not getattr(exc, AFTER_PLAN, False)):
         return Failure(USAGE, _one_line(exc))
     return Failure(SOFTWARE, _one_line(exc))
 

@@ -30,6 +30,7 @@ from formats.hdf5 import hdf5_layout
 from formats.iceberg import IcebergTarget, redact
 from formats.parquet import layer_columns, shard_schema
 from model.options import load_options
+from pipeline.exits import after_plan
 from pipeline.options import ElmoOptions, JobOptions, default_torch_threads
 from pipeline.validate import check_model, check_numbers, check_output_writable, check_state
 from fsio import expand, url_fs
@@ -312,6 +313,19 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
     t0 = time.perf_counter()
     try:
         pl = plan(opts)
+        result = _run_planned(opts, pl)
+    finally:
+        E.withdraw_models()
+        P.close()          # this process's bar (a local run's only worker runs here)
+    result.elapsed_seconds = time.perf_counter() - t0
+    result.iceberg = pl.registration
+    return result
+
+
+def _run_planned(opts: PipelineOptions, pl: Plan):
+    """After plan(): 'already complete', or the run under the output's lease. A failure here is marked
+    after_plan() (pipeline/exits.py: a ValueError now is no bad flag)."""
+    try:
         if not pl.o.overwrite and is_complete(pl.o.output, pl.key, pl.so):
             result = AlreadyComplete(_manifest(pl))
             if pl.iceberg is not None:        # e.g. --iceberg-table newly given: registered now, once, under the
@@ -322,11 +336,9 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
         else:
             with Lease(lease_url(pl.o.output), pl.o.lease_stale_seconds, pl.so) as lease:
                 result = _execute(opts, pl, lease)
-    finally:
-        E.withdraw_models()
-        P.close()          # this process's bar (a local run's only worker runs here)
-    result.elapsed_seconds = time.perf_counter() - t0
-    result.iceberg = pl.registration
+    except Exception as e:
+        after_plan(e)
+        raise
     return result
 
 
