@@ -24,13 +24,14 @@ TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EBUSY, errno
                     errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
                     errno.EPIPE}
 # exception classes by name (botocore, aiohttp, urllib3, requests, pyiceberg: none imported here)
-TRANSIENT_TYPES = ("LeaseHeld", "IcebergUnavailable", "ConnectionError", "EndpointConnectionError",
+TRANSIENT_TYPES = ("LeaseHeld", "ConnectionError", "EndpointConnectionError",
                    "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError", "ClientConnectorError",
                    "ServerDisconnectedError", "ClientOSError", "ProxyConnectionError", "TimeoutError",
                    "CommitFailedException")
 DATA_TYPES = ("WeightsError", "OptionsError")
 USAGE_TYPES = ("PermissionError", "FileExistsError", "NotADirectoryError", "IsADirectoryError")
-PLANNING_USAGE_TYPES = ("ValueError",)    # while planning: a bad value; once running: a bug or a library's complaint
+PLANNING_USAGE_TYPES = ("ValueError", "RuntimeError")   # while planning: a bad value, a missing GPU; once running: a
+#                                                       bug or a library's complaint
 AFTER_PLAN = "_elmo_pipeline_after_plan"
 # messages that say the same when only text came through (multi-process workers, Beam's wrapping)
 TRANSIENT_TEXT = re.compile(
@@ -103,14 +104,17 @@ def classify(exc: BaseException) -> Failure:
     """The exit status and one-line message of a failure (see the module docstring).
 
     Order: a transient cause anywhere in the chain wins (a full disk under Beam's wrapping is still a full
-    disk), then a data cause, then the messages (text from other processes), then the outermost type: a
-    ValueError raised while planning (not marked after_plan()), a permission or an output holding another
-    command's run are the command's fault, anything else SOFTWARE."""
+    disk), then a data cause, a missing optional package (USAGE), then the messages (text from other
+    processes), then the outermost type: a ValueError or RuntimeError raised while planning (not marked
+    after_plan()), a permission or an output holding another command's run are the command's fault, anything
+    else SOFTWARE."""
     excs = chain(exc)
     for want in (INTERRUPTED, TEMPFAIL, DATA):
         for e in excs:
             if _status(e) == want:
                 return Failure(want, _one_line(e) + _step(excs, e))
+    if any(isinstance(e, ImportError) for e in excs):      # an optional package not installed: the setup's fault
+        return Failure(USAGE, _one_line(exc))
     text = " ".join(str(e) for e in excs)
     if TRANSIENT_TEXT.search(text):
         return Failure(TEMPFAIL, _one_line(exc))
