@@ -37,7 +37,8 @@ setup(
         "test": ["pytest>=8", "duckdb>=1.1", "moto[server]>=5", "s3fs>=2024.6", "boto3>=1.34",
                  "dask[distributed]>=2024.6",
                  "datasets>=3", "matplotlib>=3.7",
-                 "pyiceberg[sql-sqlite,pyarrow]>=0.12,<0.13"],
+                 "pyiceberg[sql-sqlite,pyarrow]>=0.12,<0.13",
+                 "prometheus_client>=0.20"],   # the reference parser of metrics.prom (tests/test_metrics.py)
     },
     entry_points={"console_scripts": ["elmo-pipeline=pipeline.cli:main"]},
 )

@@ -2,7 +2,7 @@
 
     <out>/parquet/part-00000-of-00002.parquet   <out>/hdf5/part-00000-of-00002.hdf5   (same sentences in shard i)
     <out>/dead_letters/part-00000-of-00001.jsonl                                       (only when there are any)
-    <out>/manifest.json, <out>/report.html                                             (by Finalize, after all shards)
+    <out>/manifest.json, <out>/report.html, <out>/metrics.prom                         (by Finalize, after all shards)
     <out>/_SUCCESS                                                                     (written last)
     <out>/_staging/<run key>/   while a run is live: <uuid>.parquet|.hdf5, committed/<uuid>.json (commit
                                records), dead/<uuid>.jsonl (dead letters), counts/<file hash>.json (per
@@ -35,9 +35,10 @@ DEAD = "dead"                                 # <staging>/dead/<uuid>.jsonl: sta
 COUNTS = "counts"                             # <staging>/counts/<hash of the file URL>.json: its record counts
 STATS = "stats"                               # <staging>/stats/<uuid>.json: run statistics (transforms/stats.py)
 REPORT = "report.html"                        # <out>/report.html: the run report (transforms/report.py)
+METRICS = "metrics.prom"                      # <out>/metrics.prom: counts and stage times (formats/metrics.py)
 LEASE = "_lease.json"                         # <out>/_lease.json: the live run holding the output
 DEAD_LETTERS = "dead_letters"
-FINAL_NAMES = ("parquet", "hdf5", DEAD_LETTERS, MANIFEST, REPORT, SUCCESS)
+FINAL_NAMES = ("parquet", "hdf5", DEAD_LETTERS, MANIFEST, REPORT, METRICS, SUCCESS)
 EXCERPT_CHARS = 200                           # dead letters keep the first 200 characters
 
 

@@ -45,11 +45,19 @@ def expand(patterns: list[str], storage_options: dict | None = None) -> list[str
     files: list[str] = []
     for pattern in patterns:
         fs, _, paths = fsspec.get_fs_token_paths(pattern, storage_options=options_for(pattern, storage_options))
-        found = [p for p in paths if fs.isfile(p)]
+        found = [p for p in paths if _is_file(fs, p)]
         if not found:
             raise FileNotFoundError(f"input {pattern!r} matches no file")
         files += [fs.unstrip_protocol(p) if "://" in pattern else p for p in found]
     return sorted(set(files))
+
+
+def _is_file(fs, path: str) -> bool:
+    """fs.isfile(), except that a store that cannot be reached raises (isfile() says False: 'matches no file')."""
+    try:
+        return fs.info(path).get("type") == "file"
+    except FileNotFoundError:
+        return False
 
 
 def is_local_fs(fs) -> bool:

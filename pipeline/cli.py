@@ -1,5 +1,5 @@
-"""The `elmo-pipeline` command: subcommands elmo, run (the Beam pipeline), train, evaluate, export, probe, models,
-doctor."""
+"""The `elmo-pipeline` command: subcommands elmo, run (the Beam pipeline), plan (run --dry-run), train, evaluate,
+export, probe, models, doctor."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS = {
     "elmo": ("pipeline.elmo_command", "embed a file of tokenized sentences into HDF5 (allennlp elmo)"),
     "run": ("pipeline.run", "run the Beam pipeline"),
+    "plan": ("pipeline.run", "what `run` with the same flags would do (run --dry-run): nothing is written"),
     "train": ("pipeline.train_command", "train or fine-tune a biLM (torchrun for several processes)"),
     "evaluate": ("pipeline.evaluate_command", "forward, backward and mean perplexity of a biLM on held-out text"),
     "export": ("pipeline.export_command", "export a training checkpoint to options.json + weights.hdf5 + vocab.txt"),
@@ -21,7 +22,7 @@ SUBCOMMANDS = {
 }
 # Subcommands whose module parses its own argv (module.main(argv), its own --help): the parser only lists them,
 # so `elmo-pipeline --help` and the other subcommands never import Beam.
-FORWARDED = {"run"}
+FORWARDED = {"run": [], "plan": ["--dry-run"]}    # subcommand -> flags it adds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # `run` forwards everything to the Beam pipeline's own parser (Beam options included).
     if argv and argv[0] in FORWARDED:
-        return importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:])
+        return importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(FORWARDED[argv[0]] + list(argv[1:]))
     args = build_parser().parse_args(argv)
     return importlib.import_module(args._module).run(args)
 

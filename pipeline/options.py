@@ -110,6 +110,23 @@ class ElmoOptions(PipelineOptions):
         return fmts
 
 
+class JobOptions(PipelineOptions):
+    """How the job reports, not what it computes: outside ElmoOptions, so neither in the run key nor in the
+    manifest's options."""
+    @classmethod
+    def _add_argparse_args(cls, parser):
+        g = parser.add_argument
+        g("--dry-run", action="store_true",
+          help="print the plan (inputs, documents and tokens estimated from a sample, output bytes per format, "
+          "layer and dtype, shards, time at this machine's measured biLM rate) and exit 0; --output is not "
+          "touched (also: elmo-pipeline plan ...)")
+        g("--metrics-file", default=None, metavar="PATH",
+          help="also write the run's metrics (Prometheus text format, as <output>/metrics.prom) to this local file, "
+          "atomically: e.g. into node_exporter's textfile collector folder. Written on failure too, with the exit "
+          "status")
+        g("--verbose", action="store_true", help="on failure, the traceback too (default: one line `error: ...`)")
+
+
 def default_torch_threads(num_workers: int) -> int:
     """Cores / local worker processes (at least 1): more threads than cores make LSTMs crawl."""
     return max(1, (os.cpu_count() or 1) // max(1, num_workers))

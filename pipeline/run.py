@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from pipeline.quiet import quiet_beam
+from pipeline.quiet import quiet_beam, quiet_failures
 
 quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
 import apache_beam as beam
@@ -30,7 +30,8 @@ from formats.hdf5 import hdf5_layout
 from formats.iceberg import IcebergTarget, redact
 from formats.parquet import layer_columns, shard_schema
 from model.options import load_options
-from pipeline.options import ElmoOptions, default_torch_threads
+from pipeline.exits import after_plan
+from pipeline.options import ElmoOptions, JobOptions, default_torch_threads
 from pipeline.validate import check_model, check_numbers, check_output_writable, check_state
 from fsio import expand, url_fs
 from fsio.lease import Lease
@@ -151,9 +152,10 @@ def embed_threads(flag: int, torch_threads: int, local: bool, state: str, worker
                  and cores // max(1, workers) >= 2) else 1
 
 
-def plan(opts: PipelineOptions) -> Plan:
+def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     """Check the options, the model and --output, and settle what the graph does. Nothing is written under
-    --output (on an object store, a probe object is written and removed: check_output_writable)."""
+    --output (on an object store, a probe object is written and removed: check_output_writable; not with
+    probe_output=False, as for --dry-run, which checks only what it can read)."""
     o = opts.view_as(ElmoOptions)
     if not o.input or not o.output:
         raise ValueError("--input and --output are required")
@@ -184,7 +186,8 @@ def plan(opts: PipelineOptions) -> Plan:
         from model.device import resolve_device
         resolve_device(o.device)
     model = check_model(local_options, local_weights)   # a bad model fails here, not in every worker
-    check_output_writable(o.output, so)
+    if probe_output or "://" not in o.output or o.output.startswith("file://"):    # local: reads only
+        check_output_writable(o.output, so)
     identity = E.model_identity(spec)
     spec = dataclasses.replace(spec, weights_sha256=identity["weights_sha256"])   # what workers elsewhere check
     flags = {k: getattr(o, k) for k in o._visible_option_list()}
@@ -295,24 +298,43 @@ def lease_url(output: str) -> str:
     return output.rstrip("/") + "/" + layout.LEASE
 
 
+def pipeline_options(argv: list[str]) -> PipelineOptions:
+    """The options of a command line, checked (unknown flags and bad values: ValueError, one line, before anything
+    runs); the local default runner is FnApiRunner."""
+    argv = list(argv)
+    if not any(a == "--runner" or a.startswith("--runner=") for a in argv):
+        argv.append("--runner=FnApiRunner")
+    if any("DaskRunner" in a for a in argv):
+        import apache_beam.runners.dask.dask_runner  # noqa: F401 - its options (--dask_client_address, ...)
+    from pipeline.validate import check_flags
+    check_flags(argv)
+    return PipelineOptions(argv)
+
+
 def run(argv: list[str] | None = None, save_main_session: bool = False):
     """Plan, take the output's lease, run the pipeline and finalize; returns the PipelineResult (or a
     NoPipeline when nothing had to run) with `manifest` and `elapsed_seconds`.
 
     A finished output of the same run key is left as it is ('already complete'); when --output only lacked
     the end of an interrupted Finalize of the same command, that is completed and no pipeline runs."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--runner" or a.startswith("--runner=") for a in argv):
-        argv.append("--runner=FnApiRunner")
-    if any("DaskRunner" in a for a in argv):
-        import apache_beam.runners.dask.dask_runner  # noqa: F401 - its options (--dask_client_address, ...)
-    from pipeline.validate import check_flags
-    check_flags(argv)          # unknown flags and bad values: one line, before anything runs
-    opts = PipelineOptions(argv)
+    opts = pipeline_options(sys.argv[1:] if argv is None else argv)
     opts.view_as(SetupOptions).save_main_session = save_main_session
     t0 = time.perf_counter()
     try:
         pl = plan(opts)
+        result = _run_planned(opts, pl)
+    finally:
+        E.withdraw_models()
+        P.close()          # this process's bar (a local run's only worker runs here)
+    result.elapsed_seconds = time.perf_counter() - t0
+    result.iceberg = pl.registration
+    return result
+
+
+def _run_planned(opts: PipelineOptions, pl: Plan):
+    """After plan(): 'already complete', or the run under the output's lease. A failure here is marked
+    after_plan() (pipeline/exits.py: a ValueError now is no bad flag)."""
+    try:
         if not pl.o.overwrite and is_complete(pl.o.output, pl.key, pl.so):
             result = AlreadyComplete(_manifest(pl))
             if pl.iceberg is not None:        # e.g. --iceberg-table newly given: registered now, once, under the
@@ -323,11 +345,9 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
         else:
             with Lease(lease_url(pl.o.output), pl.o.lease_stale_seconds, pl.so) as lease:
                 result = _execute(opts, pl, lease)
-    finally:
-        E.withdraw_models()
-        P.close()          # this process's bar (a local run's only worker runs here)
-    result.elapsed_seconds = time.perf_counter() - t0
-    result.iceberg = pl.registration
+    except Exception as e:
+        after_plan(e)
+        raise
     return result
 
 
@@ -447,7 +467,42 @@ def add_arguments(parser) -> None:
     ElmoOptions._add_argparse_args(parser)
 
 
+def job_flags(argv: list[str]):
+    """--dry-run, --metrics-file, --verbose (pipeline.options.JobOptions) and --output, read leniently: they
+    decide how a failure of the rest of the command line is reported."""
+    import argparse
+
+    class Lenient(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(message)
+
+    parser = Lenient(add_help=False, allow_abbrev=False)
+    JobOptions._add_argparse_args(parser)
+    parser.add_argument("--output", default=None)
+    try:
+        return parser.parse_known_args(argv)[0]
+    except ValueError:
+        return argparse.Namespace(dry_run=False, metrics_file=None, verbose=False, output=None)
+
+
+def write_metrics_file(path: str, output: str | None, status: int, manifest_metrics: str = "") -> None:
+    """--metrics-file: the output's metrics.prom (when the run finished) and the exit status, atomically."""
+    from formats.metrics import render, status_families, write_textfile
+    write_textfile(path, manifest_metrics + render(status_families(output or "", status, time.time())))
+
+
+def _output_metrics(output: str, so: dict | None = None) -> str:
+    fs, root = url_fs(output, so)
+    try:
+        return fs.cat_file(root.rstrip("/") + "/" + layout.METRICS).decode("utf-8")
+    except FileNotFoundError:
+        return ""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command: one summary line and exit 0, or one line `error: ...` and the exit status of
+    pipeline/exits.py (the traceback too with --verbose)."""
+    from pipeline import exits
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -457,15 +512,38 @@ def main(argv: list[str] | None = None) -> int:
                                          "Beam's standard options (--runner, --direct_num_workers, ...) also apply.")
         add_arguments(parser)
         parser.print_help()
-        return 0
+        return exits.OK
+    job = job_flags(argv)
+    if not job.verbose:
+        quiet_failures()
+    so = None
     try:
+        if job.dry_run:
+            from pipeline.dry_run import dry_run
+            print(dry_run(argv))
+            return exits.OK
         result = run(argv)
-    except (ValueError, OSError, RuntimeError) as e:   # OSError: files, permissions, object stores; LeaseHeld
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    output = PipelineOptions(argv).view_as(ElmoOptions).output
-    print(("\n" if sys.stderr.isatty() else "") + summary(result, output), file=sys.stderr)
-    return 0
+        so = storage_options(PipelineOptions(argv))
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure ends in one line and a status
+        failure = exits.classify(e)
+        if job.verbose:
+            import traceback
+            traceback.print_exception(e)
+        print(failure.line(), file=sys.stderr)
+        if job.metrics_file and not job.dry_run:
+            _try_metrics_file(job.metrics_file, job.output, failure.status)
+        return failure.status
+    print(("\n" if sys.stderr.isatty() else "") + summary(result, job.output), file=sys.stderr)
+    if job.metrics_file:
+        _try_metrics_file(job.metrics_file, job.output, exits.OK, _output_metrics(job.output, so))
+    return exits.OK
+
+
+def _try_metrics_file(path: str, output: str | None, status: int, text: str = "") -> None:
+    try:
+        write_metrics_file(path, output, status, text)
+    except OSError as e:      # the run's result stands; the collector file is an extra
+        print(f"warning: --metrics-file {path}: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

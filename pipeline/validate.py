@@ -1,5 +1,5 @@
 """Checks run before the pipeline is built: a bad command line fails in a second with one line naming the
-problem (pipeline.run.main prints it and exits 2), before Beam starts and before --output is touched."""
+problem (pipeline.run.main prints it and exits 2, or 65 for bad model files: pipeline/exits.py), before Beam starts and before --output is touched."""
 from __future__ import annotations
 
 import os

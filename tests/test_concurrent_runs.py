@@ -54,8 +54,8 @@ def _snapshot(root):
     return snap
 
 
-def test_second_run_while_the_first_lives_exits_2_naming_it(corpus, tiny_model_files, reference, tmp_path):
-    """(1) Two identical commands seconds apart on one output: the second exits 2 at once naming the
+def test_second_run_while_the_first_lives_exits_75_naming_it(corpus, tiny_model_files, reference, tmp_path):
+    """(1) Two identical commands seconds apart on one output: the second exits 75 (retry later) at once naming the
     holder and touches nothing; the first completes."""
     out = str(tmp_path / "out")
     args = argv(tiny_model_files, corpus, out, *SMALL)
@@ -68,7 +68,7 @@ def test_second_run_while_the_first_lives_exits_2_naming_it(corpus, tiny_model_f
         second = run_subprocess(args)
         took = time.time() - t0
         assert first.poll() is None, "the first run ended before the second started: make it slower"
-        assert second.returncode == 2, second.stderr[-2000:]
+        assert second.returncode == 75, second.stderr[-2000:]
         assert f"is held by a live run: pid {first.pid} on host" in second.stderr, second.stderr[-2000:]
         assert _lease(out)["token"] == holder["token"]         # the second run left the lease alone
         _, err = first.communicate(timeout=240)
@@ -94,7 +94,7 @@ def test_lease_of_a_killed_run_on_a_lost_machine_is_taken_over_when_stale(corpus
     with open(os.path.join(out, "_lease.json"), "w") as f:
         json.dump(lease, f)
     early = run_subprocess(args)
-    assert early.returncode == 2 and "on host a-lost-machine" in early.stderr, early.stderr[-2000:]
+    assert early.returncode == 75 and "on host a-lost-machine" in early.stderr, early.stderr[-2000:]
     assert "older than 10 s (--lease-stale-seconds)" in early.stderr
     time.sleep(max(0.0, lease["heartbeat"] + 10.5 - time.time()))
     late = run_subprocess(args)
@@ -152,7 +152,7 @@ def test_the_same_command_on_a_finished_output_changes_nothing(corpus, tiny_mode
 
 def test_on_s3_concurrent_runs_and_finished_reruns(corpus, tiny_model_files, reference):
     """(5) The same on moto's S3 server on loopback: the lease is a conditional PUT (If-None-Match), a second
-    run exits 2 naming the holder, the first completes; rerunning it changes no object."""
+    run exits 75 naming the holder, the first completes; rerunning it changes no object."""
     with moto_s3("elmo-lease") as (endpoint, fs):
         fs.put_file(corpus, "elmo-lease/in/docs.txt")
         s3 = ("--s3_endpoint_url", endpoint, "--s3_access_key_id", "testing", "--s3_secret_access_key", "testing")
@@ -167,7 +167,7 @@ def test_on_s3_concurrent_runs_and_finished_reruns(corpus, tiny_model_files, ref
             holder = json.loads(fs.cat_file("elmo-lease/out/_lease.json"))
             second = run_subprocess(args)
             assert first.poll() is None, "the first run ended before the second started: make it slower"
-            assert second.returncode == 2 and f"held by a live run: pid {first.pid}" in second.stderr, \
+            assert second.returncode == 75 and f"held by a live run: pid {first.pid}" in second.stderr, \
                 second.stderr[-2000:]
             assert json.loads(fs.cat_file("elmo-lease/out/_lease.json"))["token"] == holder["token"]
             _, err = first.communicate(timeout=240)
@@ -210,7 +210,7 @@ def test_on_s3_a_killed_runs_lease_is_taken_over_when_stale(corpus, tiny_model_f
         lease.update(host="a-lost-machine", heartbeat=time.time())     # its last heartbeat: just now
         fs.pipe_file("elmo-stale/out/_lease.json", json.dumps(lease).encode())
         early = run_subprocess(args)
-        assert early.returncode == 2 and "on host a-lost-machine" in early.stderr, early.stderr[-2000:]
+        assert early.returncode == 75 and "on host a-lost-machine" in early.stderr, early.stderr[-2000:]
         assert "older than 10 s (--lease-stale-seconds)" in early.stderr
         fs.invalidate_cache()
         assert json.loads(fs.cat_file("elmo-stale/out/_lease.json"))["token"] == lease["token"]

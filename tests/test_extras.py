@@ -11,7 +11,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONAL = {"pyiceberg", "sqlalchemy", "s3fs", "boto3", "datasets", "matplotlib", "dask", "distributed", "duckdb",
-            "moto", "pytest"}
+            "moto", "pytest", "prometheus_client"}
 
 
 def _setup_kwargs() -> dict:

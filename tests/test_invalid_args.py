@@ -1,4 +1,5 @@
-"""A bad command line fails before any work: exit 2, one line "error: ..." naming the problem, no output folder."""
+"""A bad command line fails before any work: exit 2 (65 for an input matching no file: the data is missing), one line
+"error: ..." naming the problem, no output folder."""
 import json
 import os
 
@@ -14,10 +15,10 @@ def corpus(tmp_path):
     return str(p)
 
 
-def _fails(capsys, argv, out, message):
+def _fails(capsys, argv, out, message, status=2):
     rc = main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2, err
+    assert rc == status, err
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not os.path.exists(out), f"{out} was created"
     return err[0]
@@ -48,7 +49,7 @@ def test_bad_flags(capsys, tmp_path, corpus, tiny_model_files, flags, message):
 def test_input_matching_no_file(capsys, tmp_path, tiny_model_files):
     out = str(tmp_path / "out")
     _fails(capsys, ["--input", str(tmp_path / "nothing*.txt"), "--output", out, "--options-file", tiny_model_files[0],
-                    "--weight-file", tiny_model_files[1]], out, "matches no file")
+                    "--weight-file", tiny_model_files[1]], out, "matches no file", status=65)
 
 
 def test_unwritable_output(capsys, tmp_path, corpus, tiny_model_files):
@@ -68,21 +69,22 @@ def test_read_only_output_parent(capsys, tmp_path, corpus, tiny_model_files):
 
 
 def test_bad_model_files(capsys, tmp_path, corpus, tiny_model_files):
+    """The data is bad, not the command: 65 (pipeline/exits.py)."""
     options, weights = tiny_model_files
     out = str(tmp_path / "out")
     (tmp_path / "trunc.hdf5").write_bytes(open(weights, "rb").read()[:1000])
     _fails(capsys, ["--input", corpus, "--output", out, "--options-file", options, "--weight-file",
-                    str(tmp_path / "trunc.hdf5")], out, "not a valid HDF5 file (truncated or corrupted?)")
+                    str(tmp_path / "trunc.hdf5")], out, "not a valid HDF5 file (truncated or corrupted?)", status=65)
     (tmp_path / "o.json").write_text("{not json")
     _fails(capsys, ["--input", corpus, "--output", out, "--options-file", str(tmp_path / "o.json"), "--weight-file",
-                    weights], out, "not valid JSON")
+                    weights], out, "not valid JSON", status=65)
     raw = json.load(open(options))
     raw["lstm"]["projection_dim"] = 9
     (tmp_path / "o2.json").write_text(json.dumps(raw))
     _fails(capsys, ["--input", corpus, "--output", out, "--options-file", str(tmp_path / "o2.json"), "--weight-file",
-                    weights], out, "expected")
+                    weights], out, "expected", status=65)
     _fails(capsys, ["--input", corpus, "--output", out, "--options-file", options, "--weight-file",
-                    str(tmp_path / "missing.hdf5")], out, "missing.hdf5")
+                    str(tmp_path / "missing.hdf5")], out, "missing.hdf5", status=65)
 
 
 def test_console_command_run_exits_2(capsys, tmp_path, corpus):

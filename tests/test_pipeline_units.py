@@ -170,7 +170,7 @@ def test_stage_and_finalize(tmp_path):
     staged = plan_from_staging(staging, ["x"])
     assert len(staged.shards) == 2
     m = finalize(out, staging, staged, {})
-    assert sorted(os.listdir(out)) == ["_SUCCESS", "hdf5", "manifest.json", "parquet", "report.html"]
+    assert sorted(os.listdir(out)) == ["_SUCCESS", "hdf5", "manifest.json", "metrics.prom", "parquet", "report.html"]
     assert m["counts"]["sentences"] == 2 and m["counts"]["tokens_written"] == 4
     assert [s["parquet"] for s in m["shards"]] == ["parquet/part-00000-of-00002.parquet", "parquet/part-00001-of-00002.parquet"]
     assert pq.read_table(os.path.join(out, m["shards"][0]["parquet"])).column("id").to_pylist() == ["d/x:1#0"]

@@ -141,8 +141,10 @@ def test_a_rerun_of_an_interrupted_finalize_still_writes_it(tmp_path, monkeypatc
     assert not os.path.exists(os.path.join(out, "report.html"))
     F.complete_finalize(out, staging)
     assert os.path.exists(os.path.join(out, "report.html")) and os.path.exists(os.path.join(out, "_SUCCESS"))
+    assert os.path.exists(os.path.join(out, "metrics.prom"))
     F.clear_final(__import__("fsspec").filesystem("file"), out)
     assert not os.path.exists(os.path.join(out, "report.html"))        # a final name: cleared with the rest
+    assert not os.path.exists(os.path.join(out, "metrics.prom"))
 
 
 def test_a_report_that_fails_does_not_fail_the_run(tmp_path, monkeypatch, caplog):

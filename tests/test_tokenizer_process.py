@@ -114,7 +114,7 @@ def test_no_child_or_thread_left_after_a_run(fail, tmp_path, tiny_model_files, m
         monkeypatch.setattr(D, "stage_shard", full)
     corpus = write_corpus(str(tmp_path / "docs.txt"), n_docs=20)
     rc = main(argv(tiny_model_files, corpus, str(tmp_path / "out"), "--tokenizer-process", "on"))
-    assert rc == (2 if fail else 0)
+    assert rc == (75 if fail else 0)      # out of space: retry later (pipeline/exits.py)
     assert started and all(p.returncode is not None for p in started)
     assert _tokenizer_processes_alive() == []
     assert not [t.name for t in threading.enumerate() if t.name.startswith("elmo-tokenizer")]

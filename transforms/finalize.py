@@ -9,8 +9,9 @@ one object per input file.
 
 - plan_from_staging(): that reading, checked: every selected shard's files are there and every sentence
   id any record names is covered (else Incomplete: the missing sentences are embedded by another round).
-- finalize(): dead letters written as final-size files and the run report (report.html, from the commit
-  records and the staged run statistics: transforms/report.py), then the plan (finalize.json: every move
+- finalize(): dead letters written as final-size files, the run report (report.html, from the commit
+  records and the staged run statistics: transforms/report.py) and metrics.prom (the manifest's counts and
+  the stage times: formats/metrics.py), then the plan (finalize.json: every move
   and the manifest) before the first move, then complete_finalize().
 - complete_finalize(): the moves not yet done, manifest.json, removal of the staging folder, the
   `register` hook when given (--iceberg-table: the Parquet shards added to an Iceberg table, idempotent),
@@ -26,14 +27,17 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from formats import layout
-from formats.layout import (COUNTS, DEAD, DEAD_LETTERS, FINAL_NAMES, MANIFEST, PLAN, RECORDS, REPORT, STAGING, STATS,
-                            SUCCESS, DeadLetter, ShardInfo)
+from formats.layout import (COUNTS, DEAD, DEAD_LETTERS, FINAL_NAMES, MANIFEST, METRICS, PLAN, RECORDS, REPORT, STAGING,
+                            STATS, SUCCESS, DeadLetter, ShardInfo)
+from formats.metrics import metrics_text
 from fsio import atomic_write, makedirs, move, remove_temp_files, url_fs
 from transforms.faults import crash_point
+from transforms.stats import STAGES, merge_stats
 
 logger = logging.getLogger("elmo-pipeline.finalize")
 DEAD_LETTERS_PER_FILE = 100_000
@@ -111,7 +115,7 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
 def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_options: dict | None = None,
              register: Callable[[dict], None] | None = None, run_seconds: float | None = None) -> dict:
     """Publish `staged`: dead letters as files of at most DEAD_LETTERS_PER_FILE (sorted by id), the run
-    report (report.html; `run_seconds`: the run's wall time so far, for it), then the plan (finalize.json:
+    report (report.html; `run_seconds`: the run's wall time so far, for it) and metrics.prom, then the plan (finalize.json:
     every move and `manifest` completed with counts and the shard list), then complete_finalize() (with
     `register`). Returns the manifest."""
     fs, _ = url_fs(output, storage_options)
@@ -137,6 +141,12 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
         atomic_write(fs, posixpath.join(st, REPORT), page.encode("utf-8"))
         moves.append([posixpath.join(st, REPORT), REPORT])
         m["report"] = REPORT
+    m["metrics"] = METRICS      # the manifest's counts, so written from it once it is complete
+    seconds = merge_stats(staged.stats)["seconds"]
+    text = metrics_text(m, output, {k: seconds.get(k, 0.0) for k in STAGES}, run_seconds,
+                        time.time())
+    atomic_write(fs, posixpath.join(st, METRICS), text.encode("utf-8"))
+    moves.append([posixpath.join(st, METRICS), METRICS])
     atomic_write(fs, posixpath.join(st, PLAN), json.dumps({"moves": moves, "manifest": m}).encode())
     complete_finalize(output, staging, storage_options, register)
     return m

@@ -1,0 +1,113 @@
+"""<out>/metrics.prom: a run's counts and stage times in the Prometheus text exposition format (0.0.4), the
+format node_exporter's textfile collector reads (and Prometheus/OpenMetrics scrapers parse). No Beam import.
+
+The counts are manifest.json's `counts` (the same numbers, by construction: metrics_text() reads them from
+the manifest); stage seconds are those of the run report (transforms/stats.py). Every sample carries the
+label output="<--output>", so one collector folder can hold the files of many outputs (partitions).
+"""
+from __future__ import annotations
+
+import math
+
+PREFIX = "elmo_pipeline_"
+# manifest counts key -> help; each becomes elmo_pipeline_<key>_total
+COUNTS = {
+    "input_records": "Input records read (lines of text/JSONL files, rows of Parquet files).",
+    "blank_records": "Input records that were empty or whitespace only.",
+    "record_dead_letters": "Input records that could not be read as documents (dead letters).",
+    "documents": "Documents (input records with text).",
+    "sentences": "Sentences, written or dead-lettered.",
+    "sentences_written": "Sentences written to the output.",
+    "tokens_written": "Tokens written to the output.",
+    "dead_letters": "Dead letters (record and sentence level).",
+    "dead_letter_sentences": "Sentences dead-lettered (too long, no tokens, embedding failed, ...).",
+}
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _value(v: float) -> str:
+    if isinstance(v, bool):
+        v = int(v)
+    if isinstance(v, int):
+        return str(v)
+    if math.isnan(v):
+        return "NaN"
+    return repr(float(v)) if math.isfinite(v) else ("+Inf" if v > 0 else "-Inf")
+
+
+def render(families: list[tuple[str, str, str, list[tuple[dict, float]]]]) -> str:
+    """Text of [(name, type, help, [(labels, value)])]: # HELP, # TYPE, then one line per sample."""
+    lines = []
+    for name, typ, help_text, samples in families:
+        if not samples:
+            continue
+        lines.append(f"# HELP {name} {help_text.replace(chr(92), chr(92) * 2).replace(chr(10), ' ')}")
+        lines.append(f"# TYPE {name} {typ}")
+        for labels, v in samples:
+            lab = ",".join(f'{k}="{_escape(val)}"' for k, val in labels.items())
+            lines.append(f"{name}{{{lab}}} {_value(v)}" if lab else f"{name} {_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def metrics_families(manifest: dict, output: str, stage_seconds: dict[str, float] | None = None,
+                     run_seconds: float | None = None, finished_at: float | None = None) -> list:
+    """The metric families of a finished run: manifest counts (as counters), shards, resumed sentences, stage
+    and run seconds, the finish time, and an info metric naming the run key and model."""
+    out = {"output": output}
+    counts = manifest.get("counts", {})
+    run = manifest.get("run", {})
+    fams = [(f"{PREFIX}{k}_total", "counter", h, [(out, int(counts.get(k, 0)))]) for k, h in COUNTS.items()]
+    fams.append((f"{PREFIX}dead_letters_by_reason_total", "counter", "Dead letters by the kind of their reason.",
+                 [({**out, "reason": r}, int(n)) for r, n in sorted(counts.get("dead_letters_by_reason", {}).items())]))
+    fams.append((f"{PREFIX}resumed_sentences_total", "counter",
+                 "Sentences committed by an interrupted run of the same command and skipped by this one.",
+                 [(out, int(run.get("resumed_sentences", 0)))]))
+    fams.append((f"{PREFIX}shards", "gauge", "Output shards (Parquet and/or HDF5 file sets).",
+                 [(out, len(manifest.get("shards", [])))]))
+    fams.append((f"{PREFIX}stage_seconds", "gauge",
+                 "Wall seconds inside each stage, summed over worker processes (as report.html).",
+                 [({**out, "stage": s}, float(v)) for s, v in (stage_seconds or {}).items()]))
+    if run_seconds is not None:
+        fams.append((f"{PREFIX}run_seconds", "gauge", "Wall seconds of the run until its finalize.",
+                     [(out, float(run_seconds))]))
+    if finished_at is not None:
+        fams.append((f"{PREFIX}last_success_timestamp_seconds", "gauge",
+                     "Unix time the output was finalized.", [(out, float(finished_at))]))
+    model = manifest.get("model", {})
+    fams.append((f"{PREFIX}run_info", "gauge", "The run key and model of the output (value 1).",
+                 [({**out, "run_key": run.get("key", ""), "model": model.get("name", "")}, 1)]))
+    return fams
+
+
+def status_families(output: str, status: int, at: float) -> list:
+    """Exit status and time of the command's end (pipeline.exits): what --metrics-file adds, alone on failure."""
+    out = {"output": output}
+    return [(f"{PREFIX}exit_status", "gauge", "Exit status of the last run (0 done; 75 retry later; "
+             "docs/failure-behaviour.md#exit-statuses).", [(out, int(status))]),
+            (f"{PREFIX}last_run_timestamp_seconds", "gauge", "Unix time the last run ended.", [(out, float(at))])]
+
+
+def metrics_text(manifest: dict, output: str, stage_seconds: dict[str, float] | None = None,
+                 run_seconds: float | None = None, finished_at: float | None = None) -> str:
+    return render(metrics_families(manifest, output, stage_seconds, run_seconds, finished_at))
+
+
+def write_textfile(path: str, text: str) -> None:
+    """Write a local metrics file as the textfile collector needs it: a temporary file in the same folder (a
+    name the collector ignores: not *.prom), then a rename over `path`."""
+    import os
+    import tempfile
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

@@ -1,0 +1,134 @@
+"""Exit statuses of `python -m pipeline.run` / `elmo-pipeline run|plan`, and the mapping of a failure to one.
+
+A scheduler acts on the status: fix the command (USAGE), fix the data (DATA), retry later (TEMPFAIL, the
+BSD sysexits EX_TEMPFAIL that mail and job systems retry), or look at it (SOFTWARE). The table is in
+docs/failure-behaviour.md#exit-statuses. Beam wraps exceptions raised in DoFns (a new exception whose message
+ends "[while running 'Step']", the original as its __context__; a multi-process worker's error reaches the
+launcher as text only), so classify() looks through the exception chain and, failing that, at the messages.
+"""
+from __future__ import annotations
+
+import errno
+import re
+from dataclasses import dataclass
+
+OK = 0            # done, or already complete (nothing to do)
+USAGE = 2         # bad flag or value, conflicting options, an output that needs --overwrite: fix the command
+DATA = 65         # EX_DATAERR: the model files or the inputs are bad or missing: fix the data
+SOFTWARE = 70     # EX_SOFTWARE: anything else (a bug, a worker lost): look at the log; a rerun resumes
+TEMPFAIL = 75     # EX_TEMPFAIL: retry later: lease held by a live run, storage unreachable or failing after
+#                   its retries, out of space; a rerun of the same command resumes
+INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell's 128 + 2
+
+TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNREFUSED,
+                    errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
+                    errno.EPIPE}
+# exception classes by name (botocore, aiohttp, urllib3, requests, pyiceberg: none imported here)
+TRANSIENT_TYPES = ("LeaseHeld", "ConnectionError", "EndpointConnectionError",
+                   "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError", "ClientConnectorError",
+                   "ServerDisconnectedError", "ClientOSError", "ProxyConnectionError", "TimeoutError",
+                   "CommitFailedException")
+DATA_TYPES = ("WeightsError", "OptionsError")
+USAGE_TYPES = ("PermissionError", "FileExistsError", "NotADirectoryError", "IsADirectoryError")
+PLANNING_USAGE_TYPES = ("ValueError", "RuntimeError")   # while planning: a bad value, a missing GPU; once running: a
+#                                                       bug or a library's complaint
+AFTER_PLAN = "_elmo_pipeline_after_plan"
+# messages that say the same when only text came through (multi-process workers, Beam's wrapping)
+TRANSIENT_TEXT = re.compile(
+    r"No space left on device|Disk quota exceeded|\[Errno (28|122|11|16|110|111|104|103|113|101|100)\]|"
+    r"is held by a live run|lost the lease|Could not connect to the endpoint|Connection (refused|reset)|"
+    r"SlowDown|Service Unavailable|InternalError|Read timeout|Connect timeout|ServiceUnavailable|"
+    r"every commit conflicted|rerun the same command|changed while this run waited")
+DATA_TEXT = re.compile(r"WeightsError|OptionsError|sha256 mismatch|differs from its first download|"
+                       r"download truncated|download failed after|matches no file|not a valid HDF5 file")
+MEANINGS = {OK: "done", USAGE: "fix the command", DATA: "fix the data", SOFTWARE: "failed",
+            TEMPFAIL: "retry later", INTERRUPTED: "interrupted"}
+
+
+@dataclass(frozen=True)
+class Failure:
+    status: int
+    message: str          # one line
+
+    def line(self) -> str:
+        """The one line a failure prints: `error: <message> (exit N: <what to do>)`."""
+        return f"error: {self.message} (exit {self.status}: {MEANINGS[self.status]})"
+
+
+def after_plan(exc: BaseException) -> None:
+    """Mark a failure as raised after the command was checked and planned: a ValueError then is no bad flag."""
+    try:
+        setattr(exc, AFTER_PLAN, True)
+    except AttributeError:      # an exception type without a __dict__
+        pass
+
+
+def chain(exc: BaseException) -> list[BaseException]:
+    """The exception and its causes/contexts, outermost first (no loops)."""
+    out, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _names(exc: BaseException) -> set[str]:
+    return {c.__name__ for c in type(exc).__mro__}
+
+
+def _one_line(exc: BaseException) -> str:
+    raw = str(exc)
+    if "Traceback (most recent call last)" in raw:    # a worker's error as text: its last 'XError: ...' line
+        found = re.findall(r"^\w*(?:Error|Exception|Exit)\b.*$", raw, re.M)
+        raw = found[-1] if found else raw
+    text = " ".join(raw.split()) or type(exc).__name__
+    if not isinstance(exc, (ValueError, OSError, RuntimeError)) or type(exc).__name__ in DATA_TYPES:
+        text = f"{type(exc).__name__}: {text}" if not text.startswith(type(exc).__name__) else text
+    return text if len(text) <= 600 else text[:597] + "..."
+
+
+def _status(exc: BaseException) -> int | None:
+    """The status one exception (not its chain) says by its type or errno; None when it says nothing."""
+    names = _names(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return INTERRUPTED
+    if names & set(TRANSIENT_TYPES) or (isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS):
+        return TEMPFAIL
+    if names & set(DATA_TYPES) or isinstance(exc, FileNotFoundError):
+        return DATA
+    return None
+
+
+def classify(exc: BaseException) -> Failure:
+    """The exit status and one-line message of a failure (see the module docstring).
+
+    Order: a transient cause anywhere in the chain wins (a full disk under Beam's wrapping is still a full
+    disk), then a data cause, a missing optional package (USAGE), then the messages (text from other
+    processes), then the outermost type: a ValueError or RuntimeError raised while planning (not marked
+    after_plan()), a permission or an output holding another command's run are the command's fault, anything
+    else SOFTWARE."""
+    excs = chain(exc)
+    for want in (INTERRUPTED, TEMPFAIL, DATA):
+        for e in excs:
+            if _status(e) == want:
+                return Failure(want, _one_line(e) + _step(excs, e))
+    if any(isinstance(e, ImportError) for e in excs):      # an optional package not installed: the setup's fault
+        return Failure(USAGE, _one_line(exc))
+    text = " ".join(str(e) for e in excs)
+    if TRANSIENT_TEXT.search(text):
+        return Failure(TEMPFAIL, _one_line(exc))
+    if DATA_TEXT.search(text):
+        return Failure(DATA, _one_line(exc))
+    if _names(exc) & set(USAGE_TYPES) or (_names(exc) & set(PLANNING_USAGE_TYPES) and not getattr(exc, AFTER_PLAN, False)):
+        return Failure(USAGE, _one_line(exc))
+    return Failure(SOFTWARE, _one_line(exc))
+
+
+def _step(excs: list[BaseException], found: BaseException) -> str:
+    """" [while running 'Step']" from Beam's wrapper in the chain, when `found` does not say it already."""
+    for e in excs:
+        m = re.search(r" \[while running '[^']*'\]", str(e))
+        if m and m.group(0) not in str(found):
+            return m.group(0)
+    return ""

@@ -1,0 +1,76 @@
+"""--dry-run / `elmo-pipeline plan`: estimates from a sample within 10 % of the real run (documents, tokens,
+output bytes per format), on WikiText-2 text read through a sample much smaller than the input; exit 0; not one
+byte under --output (not created when absent, unchanged when finished)."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.dry_run import estimate
+from pipeline.run import main
+from tests.conftest import shared_path
+from tests.resume_helpers import REPO, argv
+
+LINES = 1500           # of WikiText-2 valid: ~400 KB, ~80,000 tokens
+
+
+def folder_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def snapshot(root) -> dict:
+    return {os.path.relpath(os.path.join(d, f), root): (hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest(),
+                                                          os.stat(os.path.join(d, f)).st_mtime_ns)
+            for d, _, fs in os.walk(root) for f in fs}
+
+
+@pytest.fixture(scope="module")
+def wikitext(tmp_path_factory):
+    src = shared_path("data", "wikitext-2", "valid.txt")
+    path = tmp_path_factory.mktemp("wt") / "valid-head.txt"
+    with open(src, "rb") as f:
+        path.write_bytes(b"".join(f.readline() for _ in range(LINES)))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_estimates_within_10_percent_of_the_run(wikitext, tiny_model_files, tmp_path):
+    out = str(tmp_path / "out")
+    args = argv(tiny_model_files, wikitext, out, "--shard-sentences", "2000")
+    size = os.path.getsize(wikitext)
+    plan = estimate(args, sample_bytes=size // 5)           # a fifth of the input, in slices spread over it
+    assert plan["sample"]["bytes"] <= size // 5 < size
+    assert not os.path.exists(out)
+    assert main(args) == 0
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    real = {"documents": m["counts"]["documents"], "tokens_written": m["counts"]["tokens_written"],
+            "sentences": m["counts"]["sentences"], "input_records": m["counts"]["input_records"]}
+    for k, v in real.items():
+        assert abs(plan["estimated"][k] - v) <= 0.1 * v, (k, plan["estimated"][k], v)
+    for fmt in ("parquet", "hdf5"):
+        got = folder_bytes(os.path.join(out, fmt))
+        assert abs(plan["output_bytes"][fmt] - got) <= 0.1 * got, (fmt, plan["output_bytes"][fmt], got)
+    assert plan["rate"]["tokens_per_s"] > 0 and plan["seconds"]["embed"] > 0
+    per_layer = {r["layer"]: r for r in plan["layer_bytes"] if r["format"] == "parquet"}
+    assert per_layer["layer_0"]["float16"] * 2 == per_layer["layer_0"]["float32"]
+    print({k: (plan["estimated"][k], v) for k, v in real.items()}, plan["output_bytes"])
+
+
+@pytest.mark.slow
+def test_plan_exits_0_and_touches_no_output(wikitext, tiny_model_files, tmp_path):
+    out = tmp_path / "out"
+    args = argv(tiny_model_files, wikitext, str(out))
+    cmd = [sys.executable, "-m", "pipeline.cli", "plan", *args]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "nothing was written" in p.stdout and "tokens written" in p.stdout and "tokens/s" in p.stdout
+    assert not out.exists()
+    assert main(args) == 0
+    before = snapshot(out)
+    again = subprocess.run([sys.executable, "-m", "pipeline.run", "--dry-run", *args], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0 and "holds the finished run of this same command" in again.stdout, again.stderr
+    assert snapshot(out) == before

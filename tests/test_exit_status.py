@@ -1,0 +1,160 @@
+"""Exit statuses a scheduler acts on (pipeline/exits.py, docs/failure-behaviour.md#exit-statuses), each from a
+real `python -m pipeline.run` process: a bad flag (2), bad model files (65), a live run holding the lease (75),
+a full disk (a small tmpfs, 75; the rerun after space was freed resumes and matches an uninterrupted run) and an
+unreachable S3 endpoint (moto's server, stopped: 75). Every failure prints one line `error: ...` and no
+traceback unless --verbose. Plus the mapping itself on a full disk inside a real Beam pipeline (FnApiRunner)."""
+import errno
+import os
+import shutil
+import subprocess
+import sys
+
+import apache_beam as beam
+import pytest
+
+from fsio.lease import Lease
+from pipeline import exits
+from tests.pipeline_helpers import moto_s3
+from tests.resume_helpers import REPO, argv, assert_same_output, read_output, run_subprocess, write_corpus
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def _one_line(p, status: int, *words: str) -> str:
+    """The process exited `status` with exactly one `error:` line holding `words`, and no traceback."""
+    assert p.returncode == status, p.stderr[-3000:]
+    (line,) = _error_lines(p.stderr)
+    assert f"(exit {status}: " in line and all(w in line for w in words), line
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    return line
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(str(tmp_path_factory.mktemp("corpus") / "docs.txt"), n_docs=12, seed=3)
+
+
+# ---------------------------------------------------------------- the mapping (no process)
+class _Full(beam.DoFn):
+    def process(self, x):
+        raise OSError(errno.ENOSPC, "No space left on device", "/full/shard.parquet")
+
+
+def test_a_full_disk_under_beams_wrapping_is_retry_later():
+    with pytest.raises(Exception) as info:
+        with beam.Pipeline(runner="FnApiRunner") as p:
+            _ = p | beam.Create([1]) | "EmbedShards" >> beam.ParDo(_Full())
+    f = exits.classify(info.value)
+    assert f.status == exits.TEMPFAIL and "No space left on device" in f.message, (f, repr(info.value))
+    assert "EmbedShards" in f.message
+
+
+@pytest.mark.parametrize("exc, status", [
+    (ValueError("--dtype: invalid choice"), exits.USAGE),
+    (FileExistsError("out holds a finished run of a different command"), exits.USAGE),
+    (FileNotFoundError("input 'x/*.txt' matches no file"), exits.DATA),
+    (RuntimeError("OSError: [Errno 28] No space left on device [while running 'EmbedShards']"), exits.TEMPFAIL),
+    (RuntimeError("Traceback (most recent call last):\n  File x\nOSError: [Errno 122] Disk quota exceeded"),
+     exits.TEMPFAIL),
+    (ConnectionResetError(errno.ECONNRESET, "reset"), exits.TEMPFAIL),
+    (KeyError("a bug"), exits.SOFTWARE),
+    (KeyboardInterrupt(), exits.INTERRUPTED),
+])
+def test_classify(exc, status):
+    assert exits.classify(exc).status == status
+
+
+def test_a_value_error_after_planning_is_no_bad_flag():
+    e = ValueError("Unable to create dataset (name already exists)")
+    exits.after_plan(e)
+    assert exits.classify(e).status == exits.SOFTWARE
+
+
+# ---------------------------------------------------------------- real processes
+
+
+@pytest.mark.slow
+def test_bad_flag_exits_2_in_one_line_traceback_only_with_verbose(corpus, tiny_model_files, tmp_path):
+    out = str(tmp_path / "out")
+    p = run_subprocess(argv(tiny_model_files, corpus, out, "--max-sentence-token", "5"))
+    _one_line(p, exits.USAGE, "unknown flag(s): --max-sentence-token")
+    cli = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", *argv(tiny_model_files, corpus, out,
+                                                                                "--dtype", "float64")],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    _one_line(cli, exits.USAGE, "--dtype")
+    verbose = run_subprocess(argv(tiny_model_files, corpus, out, "--dtype", "float64", "--verbose"))
+    assert verbose.returncode == exits.USAGE and "Traceback" in verbose.stderr
+    assert len(_error_lines(verbose.stderr)) == 1
+    assert not os.path.exists(out)
+
+
+@pytest.mark.slow
+def test_bad_model_files_exit_65(corpus, tiny_model_files, tmp_path):
+    options, weights = tiny_model_files
+    bad = str(tmp_path / "weights.hdf5")
+    with open(weights, "rb") as f, open(bad, "wb") as g:
+        g.write(f.read()[:1000])
+    p = run_subprocess(argv((options, bad), corpus, str(tmp_path / "out")))
+    _one_line(p, exits.DATA, "WeightsError", "not a valid HDF5 file")
+
+
+@pytest.mark.slow
+def test_a_live_runs_lease_exits_75_and_the_metrics_file_says_so(corpus, tiny_model_files, tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+    out = tmp_path / "out"
+    out.mkdir()
+    metrics = tmp_path / "collector" / "elmo.prom"
+    metrics.parent.mkdir()
+    with Lease(str(out / "_lease.json"), 60):            # held by this (live) process, heartbeat running
+        p = run_subprocess(argv(tiny_model_files, corpus, str(out), "--metrics-file", str(metrics)))
+    _one_line(p, exits.TEMPFAIL, "is held by a live run", f"pid {os.getpid()}", "retry later")
+    assert sorted(os.listdir(out)) == []                 # the lease went with its holder; nothing else written
+    fams = {f.name: f for f in text_string_to_metric_families(metrics.read_text())}
+    (sample,) = fams["elmo_pipeline_exit_status"].samples
+    assert sample.value == exits.TEMPFAIL and sample.labels == {"output": str(out)}
+    assert os.listdir(metrics.parent) == ["elmo.prom"]    # written by rename: no temporary file left
+
+
+def _mount_tmpfs(path, size: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    if not shutil.which("mount"):
+        pytest.skip("no mount command to make a small tmpfs")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+
+
+@pytest.mark.slow
+def test_out_of_space_exits_75_and_the_rerun_after_freeing_space_resumes(corpus, tmp_path):
+    """The shipped model's vectors (3 layers of 256 floats a token) do not fit a 256 KiB tmpfs: the run fails
+    in EmbedShards with ENOSPC; grown to 64 MiB, the same command finishes, equal to a run on a roomy disk."""
+    ref = str(tmp_path / "ref")
+    common = ("--torch-threads", "1", "--progress", "off", "--max-tokens-per-batch", "512", "--shard-sentences", "8")
+    assert run_subprocess(["--input", corpus, "--output", ref, *common]).returncode == 0
+    mnt = tmp_path / "mnt"
+    _mount_tmpfs(mnt, "256k")
+    try:
+        args = ["--input", corpus, "--output", str(mnt / "out"), *common]
+        p = run_subprocess(args)
+        _one_line(p, exits.TEMPFAIL, "No space left on device", "retry later")
+        r = subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        again = run_subprocess(args)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert_same_output(read_output(str(mnt / "out")), read_output(ref))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_an_unreachable_s3_endpoint_exits_75(corpus, tiny_model_files):
+    with moto_s3("elmo-gone") as (endpoint, fs):
+        fs.put_file(corpus, "elmo-gone/in/docs.txt")
+    # the server has stopped: its endpoint refuses connections
+    p = run_subprocess(argv(tiny_model_files, "s3://elmo-gone/in/docs.txt", "s3://elmo-gone/out",
+                            "--s3-max-attempts", "2", "--s3_endpoint_url", endpoint, "--s3_access_key_id", "testing",
+                            "--s3_secret_access_key", "testing"))
+    _one_line(p, exits.TEMPFAIL, "Could not connect to the endpoint URL", "retry later")

@@ -1,0 +1,87 @@
+"""<out>/metrics.prom and --metrics-file: read back with prometheus_client's parser (the Prometheus text format
+node_exporter's textfile collector reads), the counts equal manifest.json's; the collector file is written by
+rename and adds the exit status."""
+import json
+import os
+
+import pytest
+
+from pipeline.run import main
+from tests.resume_helpers import argv
+from tests.test_dask import dirty_corpus
+
+parser = pytest.importorskip("prometheus_client.parser")
+
+
+def families(path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return {fam.name: fam for fam in parser.text_string_to_metric_families(f.read())}
+
+
+def value(fams, name, **labels):
+    (s,) = [s for s in fams[name].samples if s.name == name or s.name == name + "_total"
+            if all(s.labels.get(k) == v for k, v in labels.items())]
+    return s.value
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_files, tmp_path_factory):
+    d = tmp_path_factory.mktemp("metrics")
+    files = dirty_corpus(d / "corpus")
+    out, collector = str(d / "out"), d / "collector"
+    collector.mkdir()
+    args = argv(tiny_model_files, files, out, "--shard-sentences", "7", "--metrics-file",
+                str(collector / "elmo.prom"))
+    assert main(args) == 0
+    return out, collector, json.load(open(os.path.join(out, "manifest.json")))
+
+
+def test_metrics_file_equals_the_manifests_counts(run):
+    out, _, m = run
+    fams = families(os.path.join(out, "metrics.prom"))
+    assert m["metrics"] == "metrics.prom"
+    counts = m["counts"]
+    for key in ("input_records", "blank_records", "record_dead_letters", "documents", "sentences",
+                "sentences_written", "tokens_written", "dead_letters", "dead_letter_sentences"):
+        # prometheus_client names a counter family without its _total
+        assert value(fams, f"elmo_pipeline_{key}", output=out) == counts[key], key
+    assert counts["dead_letters_by_reason"]               # the dirty corpus has some
+    for reason, n in counts["dead_letters_by_reason"].items():
+        assert value(fams, "elmo_pipeline_dead_letters_by_reason", output=out, reason=reason) == n
+    assert value(fams, "elmo_pipeline_shards", output=out) == len(m["shards"]) >= 2
+    assert value(fams, "elmo_pipeline_resumed_sentences", output=out) == m["run"]["resumed_sentences"]
+    stages = {s.labels["stage"]: s.value for s in fams["elmo_pipeline_stage_seconds"].samples}
+    assert set(stages) == {"read", "tokenize", "batch", "embed", "write"} and stages["embed"] > 0
+    assert fams["elmo_pipeline_run_info"].samples[0].labels["run_key"] == m["run"]["key"]
+    assert fams["elmo_pipeline_sentences_written"].type == "counter"
+
+
+def test_the_collector_file_adds_the_exit_status_and_is_renamed_into_place(run):
+    out, collector, m = run
+    assert os.listdir(collector) == ["elmo.prom"]
+    fams = families(collector / "elmo.prom")
+    assert value(fams, "elmo_pipeline_exit_status", output=out) == 0
+    assert value(fams, "elmo_pipeline_tokens_written", output=out) == m["counts"]["tokens_written"]
+
+
+def test_an_already_complete_rerun_rewrites_the_collector_file_with_the_same_counts(run, tiny_model_files):
+    out, collector, m = run
+    before = os.path.getmtime(os.path.join(out, "metrics.prom"))
+    target = collector / "again.prom"
+    args = argv(tiny_model_files, run_input(out), out, "--shard-sentences", "7", "--metrics-file", str(target))
+    assert main(args) == 0
+    assert os.path.getmtime(os.path.join(out, "metrics.prom")) == before       # the output is left as it is
+    fams = families(target)
+    assert value(fams, "elmo_pipeline_sentences", output=out) == m["counts"]["sentences"]
+    assert value(fams, "elmo_pipeline_exit_status", output=out) == 0
+
+
+def run_input(out) -> str:
+    return os.path.join(os.path.dirname(out), "corpus", "*.txt")
+
+
+def test_label_values_are_escaped():
+    from formats.metrics import render
+    text = render([("x_total", "counter", "h", [({"output": 'a"b\\c\nd'}, 3)])])
+    (fam,) = parser.text_string_to_metric_families(text)
+    assert fam.samples[0].labels["output"] == 'a"b\\c\nd' and fam.samples[0].value == 3
