@@ -65,3 +65,31 @@ def test_fused_cell_compiles_to_one_graph_and_equals_the_eager_cell():
         got_c, got_out = fused(gates, c, 3.0, torch.empty(2, n, 16))
         assert (got_c - want_c).abs().max() <= 1e-6 and (got_out - want_out).abs().max() <= 1e-6
         assert got_c.abs().max() <= 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_step_gemms_keep_a_rows_bits_for_every_multiple_of_row_tile(dtype):
+    """What --batch-invariant relies on in the oneDNN loop: the step GEMMs of the original shape (gates with sigmoid,
+    gate j with tanh, the projection with its clip) give a row the same bits for every row count that is a multiple
+    of ROW_TILE, at any row position, at 1 thread and at this process's thread count (docs/exactness.md)."""
+    if not torch.backends.mkldnn.is_available() or (dtype == torch.bfloat16
+                                                    and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("no oneDNN for this dtype in this torch build")
+    linear, reorder = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in sorted({1, threads}):
+            torch.set_num_threads(n_threads)
+            for k, n, attr, scalars in ((1024, 12288, "sigmoid", []), (1024, 4096, "tanh", []),
+                                        (4096, 512, "hardtanh", [-3.0, 3.0])):
+                w = reorder((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype))
+                b = torch.randn(n, generator=g).to(dtype)
+                x = torch.randn(132, k, generator=g).to(dtype)
+                ref = linear(x[:4], w, b, attr, scalars, "")
+                for m in range(bilm.ROW_TILE, 133, bilm.ROW_TILE):
+                    assert torch.equal(linear(x[:m], w, b, attr, scalars, "")[:4], ref), (n_threads, k, n, m)
+                moved = linear(torch.cat([x[4:8], x[:4]]), w, b, attr, scalars, "")[4:]    # rows at another position
+                assert torch.equal(moved, ref)
+    finally:
+        torch.set_num_threads(threads)
