@@ -33,7 +33,8 @@ from benchmarks.common import (RESULTS, flops_per_token, gemm_ceiling_gflops, ge
 from model.batching import plan_batches
 from model.char_ids import batch_char_ids
 from model.embedder import ElmoEmbedder
-from model.synthetic import random_bilm
+from model.options import parse_options
+from model.synthetic import PUBLISHED_OPTIONS, random_bilm
 
 
 def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype,
@@ -210,7 +211,7 @@ def main() -> None:
                          processes=args.processes if path == "processes" else 1, batch_invariant=inv,
                          repeats=args.repeats, tokens_per_s_all=[x["tokens_per_s"] for x in runs[v]],
                          gemm_ceiling_gflops=top, gemm_rates_gflops=rates[d], fraction_of_ceiling=r["gflops"] / top,
-                         lstm_gflops=r["tokens_per_s"] * lstm_flops_per_token(random_bilm(config).opts) / 1e9)
+                         lstm_gflops=r["tokens_per_s"] * lstm_flops_per_token(parse_options(PUBLISHED_OPTIONS[config])) / 1e9)
                 r["lstm_fraction_of_ceiling"] = r["lstm_gflops"] / top
                 if (config, d) in errors:
                     r["relative_error_vs_float32_per_layer"] = errors[(config, d)]

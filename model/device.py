@@ -80,7 +80,7 @@ def upload(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, tor
     dev = flat.to(device, non_blocking=True)
     out, at = {}, 0
     for name, shape in zip(host, shapes):
-        n = shapes and int(torch.Size(shape).numel())
+        n = shape.numel()
         out[name] = dev.narrow(0, at, n).view(shape)
         at += n
     return out
