@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from fsio.lease import RetryLater
+
 INSTALL = "pip install 'elmo-pipeline[iceberg]'"
 OUTPUT_PROPERTY, RUN_KEY_PROPERTY, FILES_PROPERTY = "elmo-pipeline.output", "elmo-pipeline.run-key", "elmo-pipeline.files"
 SCHEMA_PROPERTY = "elmo-pipeline.arrow-schema"
@@ -217,7 +219,7 @@ class IcebergTarget:
                 table = catalog.load_table(self.table)
                 continue
             return Registration(self.table, table.current_snapshot().snapshot_id, True, len(files))
-        raise RuntimeError(f"--iceberg-table {self.table}: every commit conflicted with another; rerun the same command")
+        raise RetryLater(f"--iceberg-table {self.table}: every commit conflicted with another; rerun the same command")
 
 
 def _columns(schema_text: str) -> dict[str, str]:

@@ -96,18 +96,8 @@ def metrics_text(manifest: dict, output: str, stage_seconds: dict[str, float] | 
 
 
 def write_textfile(path: str, text: str) -> None:
-    """Write a local metrics file as the textfile collector needs it: a temporary file in the same folder (a
-    name the collector ignores: not *.prom), then a rename over `path`."""
-    import os
-    import tempfile
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    """Write a local metrics file as the textfile collector needs it: written beside `path` under a name the
+    collector ignores (not *.prom), then renamed over it (fsio.atomic_write)."""
+    from fsio import atomic_write, url_fs
+    fs, local = url_fs(path)
+    atomic_write(fs, local, text.encode("utf-8"))

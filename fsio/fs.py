@@ -88,9 +88,14 @@ def atomic_write(fs, path: str, data: bytes) -> None:
     a local file is written beside it and renamed; an object store PUT is atomic by itself."""
     if is_local_fs(fs):
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
     else:
         fs.pipe_file(path, data)
 

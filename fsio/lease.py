@@ -33,6 +33,11 @@ class LeaseHeld(RuntimeError):
     """The lease is held by a live process (the message names it)."""
 
 
+class RetryLater(RuntimeError):
+    """A run that cannot finish now but that the same command, rerun, finishes (another run took the output, a
+    commit kept conflicting, work is still missing): the scheduler's "retry later" (pipeline/exits.py: 75)."""
+
+
 def _pidns() -> str:
     try:
         return str(os.stat("/proc/self/ns/pid").st_ino)

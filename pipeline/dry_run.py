@@ -229,12 +229,11 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     from pipeline.exits import after_plan
     from pipeline.run import pipeline_options, plan
     from transforms import embed as E
-    from transforms.resume import input_fingerprints
     t_start = time.perf_counter()
     opts = pipeline_options(argv)
     try:
         pl = plan(opts, probe_output=False)
-        sizes = {url: int(size or 0) for url, size, _ in input_fingerprints(pl.files, pl.so)}
+        sizes = {url: int(size or 0) for url, size, _ in pl.ingredients["inputs"]}    # plan() stat'ed them
         try:
             s = sample_inputs(pl, sizes, sample_bytes)
             m = measure(pl, s.pop("written"))

@@ -24,7 +24,7 @@ TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EBUSY, errno
                     errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
                     errno.EPIPE}
 # exception classes by name (botocore, aiohttp, urllib3, requests, pyiceberg: none imported here)
-TRANSIENT_TYPES = ("LeaseHeld", "ConnectionError", "EndpointConnectionError",
+TRANSIENT_TYPES = ("LeaseHeld", "RetryLater", "ConnectionError", "EndpointConnectionError",
                    "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError", "ClientConnectorError",
                    "ServerDisconnectedError", "ClientOSError", "ProxyConnectionError", "TimeoutError",
                    "CommitFailedException")
@@ -36,9 +36,8 @@ AFTER_PLAN = "_elmo_pipeline_after_plan"
 # messages that say the same when only text came through (multi-process workers, Beam's wrapping)
 TRANSIENT_TEXT = re.compile(
     r"No space left on device|Disk quota exceeded|\[Errno (28|122|11|16|110|111|104|103|113|101|100)\]|"
-    r"is held by a live run|lost the lease|Could not connect to the endpoint|Connection (refused|reset)|"
-    r"SlowDown|Service Unavailable|InternalError|Read timeout|Connect timeout|ServiceUnavailable|"
-    r"every commit conflicted|rerun the same command|changed while this run waited")
+    r"is held by a live run|Could not connect to the endpoint|Connection (refused|reset)|"
+    r"SlowDown|Service Unavailable|InternalError|Read timeout|Connect timeout|ServiceUnavailable")
 DATA_TEXT = re.compile(r"WeightsError|OptionsError|sha256 mismatch|differs from its first download|"
                        r"download truncated|download failed after|matches no file|not a valid HDF5 file")
 MEANINGS = {OK: "done", USAGE: "fix the command", DATA: "fix the data", SOFTWARE: "failed",

@@ -34,7 +34,7 @@ from pipeline.exits import after_plan
 from pipeline.options import ElmoOptions, JobOptions, default_torch_threads
 from pipeline.validate import check_model, check_numbers, check_output_writable, check_state
 from fsio import expand, url_fs
-from fsio.lease import Lease
+from fsio.lease import Lease, RetryLater
 from transforms import embed as E
 from formats.layout import ShardInfo
 from transforms import coders  # noqa: F401 - registers the element coders
@@ -340,7 +340,7 @@ def _run_planned(opts: PipelineOptions, pl: Plan):
             if pl.iceberg is not None:        # e.g. --iceberg-table newly given: registered now, once, under the
                 with Lease(lease_url(pl.o.output), pl.o.lease_stale_seconds, pl.so):    # lease (no run replacing it)
                     if not is_complete(pl.o.output, pl.key, pl.so):
-                        raise RuntimeError(f"{pl.o.output} changed while this run waited for its lease; rerun")
+                        raise RetryLater(f"{pl.o.output} changed while this run waited for its lease; rerun")
                     pl.register(result.manifest)
         else:
             with Lease(lease_url(pl.o.output), pl.o.lease_stale_seconds, pl.so) as lease:
@@ -380,7 +380,7 @@ def _execute(opts: PipelineOptions, pl: Plan, lease: Lease):
             if getattr(result, "client", None) is not None:      # DaskRunner: its connection to the cluster
                 result.client.close()
         if lease.lost.is_set():
-            raise RuntimeError(f"lost the lease on {pl.o.output} to another run while running; that run now "
+            raise RetryLater(f"lost the lease on {pl.o.output} to another run while running; that run now "
                                "owns the output (this run's staged work is left for it)")
         try:
             staged = plan_from_staging(state.staging, pl.files, pl.so)
@@ -393,7 +393,7 @@ def _execute(opts: PipelineOptions, pl: Plan, lease: Lease):
                                    run_seconds=time.time() - started)
         result.resumed_tokens = sum(r["tokens"] for r in first.records)
         return result
-    raise RuntimeError(f"{pl.o.output}: sentences still missing after {MAX_ROUNDS} rounds; rerun the same command")
+    raise RetryLater(f"{pl.o.output}: sentences still missing after {MAX_ROUNDS} rounds; rerun the same command")
 
 
 class NoPipeline:
@@ -516,14 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     job = job_flags(argv)
     if not job.verbose:
         quiet_failures()
-    so = None
     try:
         if job.dry_run:
             from pipeline.dry_run import dry_run
             print(dry_run(argv))
             return exits.OK
         result = run(argv)
-        so = storage_options(PipelineOptions(argv))
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure ends in one line and a status
         failure = exits.classify(e)
         if job.verbose:
@@ -535,14 +533,17 @@ def main(argv: list[str] | None = None) -> int:
         return failure.status
     print(("\n" if sys.stderr.isatty() else "") + summary(result, job.output), file=sys.stderr)
     if job.metrics_file:
-        _try_metrics_file(job.metrics_file, job.output, exits.OK, _output_metrics(job.output, so))
+        _try_metrics_file(job.metrics_file, job.output, exits.OK,
+                          lambda: _output_metrics(job.output, storage_options(PipelineOptions(argv))))
     return exits.OK
 
 
-def _try_metrics_file(path: str, output: str | None, status: int, text: str = "") -> None:
+def _try_metrics_file(path: str, output: str | None, status: int, text=lambda: "") -> None:
+    """--metrics-file with the exit status (and text(): the output's metrics, read back); a failure here is one
+    warning line: the run's result and exit status stand, the collector file is an extra."""
     try:
-        write_metrics_file(path, output, status, text)
-    except OSError as e:      # the run's result stands; the collector file is an extra
+        write_metrics_file(path, output, status, text())
+    except Exception as e:  # noqa: BLE001
         print(f"warning: --metrics-file {path}: {e}", file=sys.stderr)
 
 

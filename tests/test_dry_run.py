@@ -42,20 +42,18 @@ def test_estimates_within_10_percent_of_the_run(wikitext, tiny_model_files, tmp_
     args = argv(tiny_model_files, wikitext, out, "--shard-sentences", "2000")
     size = os.path.getsize(wikitext)
     plan = estimate(args, sample_bytes=size // 5)           # a fifth of the input, in slices spread over it
-    assert plan["sample"]["bytes"] <= size // 5 < size
     assert not os.path.exists(out)
     assert main(args) == 0
     m = json.load(open(os.path.join(out, "manifest.json")))
     real = {"documents": m["counts"]["documents"], "tokens_written": m["counts"]["tokens_written"],
             "sentences": m["counts"]["sentences"], "input_records": m["counts"]["input_records"]}
+    assert 0 < plan["sample"]["tokens_written"] < 0.5 * real["tokens_written"]    # a sample, scaled up
     for k, v in real.items():
         assert abs(plan["estimated"][k] - v) <= 0.1 * v, (k, plan["estimated"][k], v)
     for fmt in ("parquet", "hdf5"):
         got = folder_bytes(os.path.join(out, fmt))
         assert abs(plan["output_bytes"][fmt] - got) <= 0.1 * got, (fmt, plan["output_bytes"][fmt], got)
     assert plan["rate"]["tokens_per_s"] > 0 and plan["seconds"]["embed"] > 0
-    per_layer = {r["layer"]: r for r in plan["layer_bytes"] if r["format"] == "parquet"}
-    assert per_layer["layer_0"]["float16"] * 2 == per_layer["layer_0"]["float32"]
     print({k: (plan["estimated"][k], v) for k, v in real.items()}, plan["output_bytes"])
 
 

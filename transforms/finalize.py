@@ -36,6 +36,7 @@ from formats.layout import (COUNTS, DEAD, DEAD_LETTERS, FINAL_NAMES, MANIFEST, M
                             STATS, SUCCESS, DeadLetter, ShardInfo)
 from formats.metrics import metrics_text
 from fsio import atomic_write, makedirs, move, remove_temp_files, url_fs
+from fsio.lease import RetryLater
 from transforms.faults import crash_point
 from transforms.stats import STAGES, merge_stats
 
@@ -195,7 +196,7 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
                 makedirs(fs, posixpath.dirname(dst))
                 move(fs, src, dst)
             elif not fs.exists(dst):
-                raise FileNotFoundError(f"finalize: staged file {src} is gone and {dst} was never written; "
+                raise RetryLater(f"finalize: staged file {src} is gone and {dst} was never written; "
                                         "rerun the same command: it re-embeds that shard")
             crash_point("finalize_move")
         atomic_write(fs, posixpath.join(root, MANIFEST), layout.manifest_bytes(plan["manifest"]))
