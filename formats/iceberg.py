@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from fsio.lease import RetryLater
-
 INSTALL = "pip install 'elmo-pipeline[iceberg]'"
 OUTPUT_PROPERTY, RUN_KEY_PROPERTY, FILES_PROPERTY = "elmo-pipeline.output", "elmo-pipeline.run-key", "elmo-pipeline.files"
 SCHEMA_PROPERTY = "elmo-pipeline.arrow-schema"
@@ -206,6 +204,7 @@ class IcebergTarget:
         table = self._table_or_create(catalog, schema)
         key = str((manifest.get("run") or {}).get("key"))
         base = output_url(output)
+        conflict = None
         for _ in range(5):
             found = find_registration(table, base, key, files)
             if found is not None:
@@ -216,10 +215,13 @@ class IcebergTarget:
                                                                 FILES_PROPERTY: str(len(files))})
             except CommitFailedException as e:      # another commit came first: reread, then decide again
                 logger.warning("%s: %s; retrying", self.table, e)
+                conflict = e
                 table = catalog.load_table(self.table)
                 continue
             return Registration(self.table, table.current_snapshot().snapshot_id, True, len(files))
-        raise RetryLater(f"--iceberg-table {self.table}: every commit conflicted with another; rerun the same command")
+        # chained to the conflict: a retry-later failure (pipeline/exits.py: 75)
+        raise RuntimeError(f"--iceberg-table {self.table}: every commit conflicted with another; rerun the same "
+                           "command") from conflict
 
 
 def _columns(schema_text: str) -> dict[str, str]:

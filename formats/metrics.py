@@ -93,11 +93,3 @@ def status_families(output: str, status: int, at: float) -> list:
 def metrics_text(manifest: dict, output: str, stage_seconds: dict[str, float] | None = None,
                  run_seconds: float | None = None, finished_at: float | None = None) -> str:
     return render(metrics_families(manifest, output, stage_seconds, run_seconds, finished_at))
-
-
-def write_textfile(path: str, text: str) -> None:
-    """Write a local metrics file as the textfile collector needs it: written beside `path` under a name the
-    collector ignores (not *.prom), then renamed over it (fsio.atomic_write)."""
-    from fsio import atomic_write, url_fs
-    fs, local = url_fs(path)
-    atomic_write(fs, local, text.encode("utf-8"))

@@ -33,7 +33,7 @@ from model.options import load_options
 from pipeline.exits import after_plan
 from pipeline.options import ElmoOptions, JobOptions, default_torch_threads
 from pipeline.validate import check_model, check_numbers, check_output_writable, check_state
-from fsio import expand, url_fs
+from fsio import atomic_write, expand, url_fs
 from fsio.lease import Lease, RetryLater
 from transforms import embed as E
 from formats.layout import ShardInfo
@@ -486,9 +486,11 @@ def job_flags(argv: list[str]):
 
 
 def write_metrics_file(path: str, output: str | None, status: int, manifest_metrics: str = "") -> None:
-    """--metrics-file: the output's metrics.prom (when the run finished) and the exit status, atomically."""
-    from formats.metrics import render, status_families, write_textfile
-    write_textfile(path, manifest_metrics + render(status_families(output or "", status, time.time())))
+    """--metrics-file: the output's metrics.prom (when the run finished) and the exit status, written as the
+    textfile collector needs it: beside `path` under a name it ignores (not *.prom), then renamed over it."""
+    from formats.metrics import render, status_families
+    fs, local = url_fs(path)
+    atomic_write(fs, local, (manifest_metrics + render(status_families(output or "", status, time.time()))).encode())
 
 
 def _output_metrics(output: str, so: dict | None = None) -> str:
