@@ -38,9 +38,10 @@ from model.synthetic import PUBLISHED_OPTIONS, random_bilm
 
 
 def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype,
-                     warm_sentences: list[list[str]], barrier=None, batch_invariant: bool = False) -> dict:
+                     warm_sentences: list[list[str]], barrier=None, batch_invariant: bool = False,
+                     lanes: bool = True) -> dict:
     model = random_bilm(config).to(device=device, dtype=dtype)
-    embedder = ElmoEmbedder(model=model, device=device, batch_invariant=batch_invariant)
+    embedder = ElmoEmbedder(model=model, device=device, batch_invariant=batch_invariant, lanes=lanes)
     seen: dict[str, None] = {}
     for s in warm_sentences:
         seen.update(dict.fromkeys(s))
@@ -151,6 +152,9 @@ def main() -> None:
     ap.add_argument("--warm-cache-sentences", type=int, default=5000)
     ap.add_argument("--batch-invariant", choices=["off", "on", "both"], default="off",
                     help="the fast path (default, as the embedder's), the batch-invariant path, or both")
+    ap.add_argument("--lanes", nargs="+", choices=["on", "off"], default=["on"],
+                    help="embedder path: sentences laid end to end in the LSTMs' lanes (ElmoEmbedder lanes=); "
+                    "several are measured side by side")
     ap.add_argument("--repeats", type=int, default=1, help="measurements per row (variants interleaved); median kept")
     ap.add_argument("--tag", default="", help="appended to the results file name")
     ap.add_argument("--processes", type=int, default=1,
@@ -183,32 +187,34 @@ def main() -> None:
             print(f"{config:<9} {d} vs float32, relative error per layer: "
                   + " ".join(f"{e:.2e}" for e in errors[(config, d)]), flush=True)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.batch_invariant]
-    variants = [(d, g, inv) for d in args.dtype for g in args.lstm_gemm for inv in modes]
+    variants = [(d, g, inv, ln) for d in args.dtype for g in args.lstm_gemm for ln in args.lanes for inv in modes]
     for config in args.configs:
         for budget, path in ((b, p) for b in args.max_tokens for p in paths):
             runs: dict[tuple, list[dict]] = {v: [] for v in variants}
             for _ in range(args.repeats):
                 for v in variants:      # interleaved: every variant sees the same machine load
-                    d, gemm, inv = v
+                    d, gemm, inv, lanes = v
                     dtype = getattr(torch, d)
                     bilm.LSTM_GEMM = os.environ["ELMO_LSTM_GEMM"] = gemm      # this process and spawned ones
                     if path == "forward":
                         r = measure(config, sentences, budget, args.device, dtype, inv)
                     elif path == "embedder":
-                        r = measure_embedder(config, sentences, budget, args.device, dtype, warm, batch_invariant=inv)
+                        r = measure_embedder(config, sentences, budget, args.device, dtype, warm, batch_invariant=inv,
+                                             lanes=lanes == "on")
                     else:
                         r = measure_processes(config, sentences, budget, args.threads, args.processes, warm, inv)
                     r["lstm_gemm_used"] = bilm.lstm_gemm(torch.device(args.device), dtype)
                     runs[v].append(r)
             medians = {}
             for v in variants:
-                d, gemm, inv = v
+                d, gemm, inv, lanes = v
                 top = whole[d] if path == "processes" else ceiling[d]
                 tps = sorted(x["tokens_per_s"] for x in runs[v])
                 r = dict(sorted(runs[v], key=lambda x: x["tokens_per_s"])[len(tps) // 2])    # the median run
                 medians[v] = r["tokens_per_s"]
                 r.update(max_tokens=budget, threads=args.threads, device=args.device, dtype=d, lstm_gemm=gemm,
                          processes=args.processes if path == "processes" else 1, batch_invariant=inv,
+                         lanes=lanes if path == "embedder" else None,
                          repeats=args.repeats, tokens_per_s_all=[x["tokens_per_s"] for x in runs[v]],
                          gemm_ceiling_gflops=top, gemm_rates_gflops=rates[d], fraction_of_ceiling=r["gflops"] / top,
                          lstm_gflops=r["tokens_per_s"] * lstm_flops_per_token(parse_options(PUBLISHED_OPTIONS[config])) / 1e9)
@@ -220,8 +226,8 @@ def main() -> None:
                 r["tokens_per_cpu_s_all"] = [x.get("tokens_per_cpu_s") for x in runs[v]]
                 r["tokens_per_s_median"] = tps[len(tps) // 2]
                 extra = ""
-                if inv and (d, gemm, False) in runs:      # medians of each mode, wall and CPU time
-                    fast = runs[(d, gemm, False)]
+                if inv and (d, gemm, False, lanes) in runs:      # medians of each mode, wall and CPU time
+                    fast = runs[(d, gemm, False, lanes)]
                     base = sorted(x["tokens_per_s"] for x in fast)[len(tps) // 2]
                     base_cpu = sorted(x.get("tokens_per_cpu_s", 0.0) for x in fast)[len(tps) // 2]
                     r["tokens_per_s_vs_fast_path"] = r["tokens_per_s_median"] / base - 1
@@ -232,9 +238,11 @@ def main() -> None:
                 first = variants[0]
                 if v != first and first[2] == inv:
                     r["tokens_per_s_vs_first_variant"] = r["tokens_per_s_median"] / medians[first]
-                    extra += f"  {r['tokens_per_s_vs_first_variant']:.2f}x {first[0]}/{first[1]}"
+                    extra += f"  {r['tokens_per_s_vs_first_variant']:.2f}x {first[0]}/{first[1]}" + \
+                        (f"/lanes {first[3]}" if len(args.lanes) > 1 else "")
                 rows.append(r)
                 print(f"{config:<9} {r['path']:<22} {d:<8} {gemm + '=' + r['lstm_gemm_used']:<12} "
+                      + (f"lanes {lanes:<3} " if len(args.lanes) > 1 else "") +
                       f"{'invariant' if inv else 'fast':<9} budget {budget:>6}  "
                       f"{r['tokens_per_s']:>9.0f} tokens/s ({r['tokens_per_cpu_s_median']:.0f}/CPU s)  "
                       f"{r['gflops']:>7.1f} GFLOP/s = "

@@ -1,33 +1,68 @@
 """Length-sorted batches under a token budget (the embedder, the pipeline and the benchmarks use it).
 
-A batch's cost is its padded size: n_sentences * (longest + 2) token slots (<S> and </S> included).
+A batch's cost is its padded size: n_sentences * (longest + 2) token slots (<S> and </S> included); where
+the model lays sentences end to end in lanes (pack_lanes; stateless and warm modes), its token slots.
 """
 from __future__ import annotations
 
+import heapq
 
-def plan_batches(lengths: list[int], max_tokens: int, sort: bool = True) -> list[list[int]]:
+
+def plan_batches(lengths: list[int], max_tokens: int, sort: bool = True, lanes: bool = False) -> list[list[int]]:
     """Indices grouped into batches whose padded size n * (max_len + 2) stays <= max_tokens.
 
     sort=True orders by length first (less padding); sort=False keeps input order (stateful mode).
+    lanes=True (the model lays a batch's sentences end to end in lanes, pack_lanes): a batch's size is its
+    token slots, sum(len + 2), as there is next to no padding left to pay for.
     A sentence longer than the budget is a batch of its own."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
     order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if sort else range(len(lengths))
     batches: list[list[int]] = []
     cur: list[int] = []
-    cur_max = 0
+    cur_max = slots = 0
     for i in order:
         new_max = max(cur_max, lengths[i] + 2)
-        if cur and new_max * (len(cur) + 1) > max_tokens:
+        size = slots + lengths[i] + 2 if lanes else new_max * (len(cur) + 1)
+        if cur and size > max_tokens:
             batches.append(cur)
-            cur, new_max = [], lengths[i] + 2
+            cur, new_max, slots = [], lengths[i] + 2, 0
         cur.append(i)
         cur_max = new_max
+        slots += lengths[i] + 2
     if cur:
         batches.append(cur)
     return batches
 
 
-def padding(lengths: list[int]) -> tuple[int, int]:
-    """(real tokens, padded token slots) of one batch of sentence lengths, without <S>/</S>."""
-    return sum(lengths), len(lengths) * max(lengths, default=0)
+def padding(lengths: list[int], lanes: bool = False) -> tuple[int, int]:
+    """(real tokens, padded token slots) of one batch of sentence lengths, without <S>/</S>.
+    lanes=True: the slots of the lanes pack_lanes lays them in (each lane as long as the longest sentence)."""
+    if not lanes or len(lengths) < 2:
+        return sum(lengths), len(lengths) * max(lengths, default=0)
+    longest = max(lengths) + 2
+    n_lanes = max(pack_lanes([n + 2 for n in lengths], longest)[0]) + 1
+    return sum(lengths), n_lanes * longest - 2 * len(lengths)
+
+
+def pack_lanes(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
+    """Sentences laid end to end in lanes of at most `capacity` token slots, so that the LSTM loop runs
+    every lane at every step instead of a tail of steps where only the longest sentences remain.
+
+    Worst-fit decreasing: longest first, each into the lane with the most room, a new lane when none has
+    room (a sentence longer than capacity opens its own). Lanes come out nearly equal in length.
+    Returns (lane, start) per sentence: its lane and its first slot in that lane."""
+    lane, start = [0] * len(lengths), [0] * len(lengths)
+    used: list[int] = []
+    heap: list[tuple[int, int]] = []          # (-room, lane)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        if heap and -heap[0][0] >= n:
+            k = heapq.heappop(heap)[1]
+        else:
+            k = len(used)
+            used.append(0)
+        lane[i], start[i] = k, used[k]
+        used[k] += n
+        heapq.heappush(heap, (used[k] - capacity, k))
+    return lane, start

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.batching import pack_lanes
 from model.device import host_side, upload
 from model.options import BiLMOptions
 from model.padded_forward import padded_forward
@@ -248,7 +249,8 @@ def pack_onednn_weights(layers: list[LstmProjection]) -> list[tuple[Tensor, Tens
 
 
 def run_lstm_layers(layers: list[LstmProjection], weights, x: Tensor,
-                    batch_sizes: list[int], h0: Tensor, c0: Tensor, step_rows: list[int] | None = None):
+                    batch_sizes: list[int], h0: Tensor, c0: Tensor, step_rows: list[int] | None = None,
+                    resets: dict | None = None):
     """Run G independent LSTM layers of equal shapes in lock-step (e.g. the forward and the backward
     direction, which share the packed step sizes). Inference only (in place, no autograd);
     model/padded_forward.py is the path under autograd.
@@ -261,15 +263,26 @@ def run_lstm_layers(layers: list[LstmProjection], weights, x: Tensor,
     packed layout: step t's first batch_sizes[t] rows are the live sequences, the rest are computed and their
     outputs are junk). x, the outputs and h0/c0 then have step_rows rows per step / step_rows[0] rows; the final
     states are still each sequence's own, taken when it ends.
+
+    resets (lanes, PackedBatch.resets): {step: (rows of layer 0, rows of layer 1)} (int64 row indices or None):
+    before that step those rows take their state from h0/c0 again (a new sentence starts in that lane).
     """
     step_rows = batch_sizes if step_rows is None else step_rows
     if not step_rows:
         return x.new_empty(len(layers), 0, layers[0].proj_dim), h0, c0
     loop = _onednn_loop if isinstance(weights, list) else _bmm_loop
-    return loop(layers, weights, x, batch_sizes, step_rows, h0, c0)
+    return loop(layers, weights, x, batch_sizes, step_rows, h0, c0, resets or {})
 
 
-def _onednn_loop(layers, weights, x, batch_sizes, step_rows, h0, c0):
+def _reset(h: Tensor, c: Tensor, h0: Tensor, c0: Tensor, rows) -> None:
+    """In place: the given rows of h (G, n, P) and c (G, n, H) from h0/c0, per layer g (rows[g] or None)."""
+    for g, r in enumerate(rows):
+        if r is not None:
+            h[g].index_copy_(0, r, h0[g].index_select(0, r))
+            c[g].index_copy_(0, r, c0[g].index_select(0, r))
+
+
+def _onednn_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, resets):
     """run_lstm_layers on a CPU: per step and direction, gates = act([x_t, h] @ W.T + b) by oneDNN with the
     activations fused (sigmoid for i, f, o; tanh for j), the cell update in place, then the projection with its
     clip fused (hardtanh). Every GEMM reads the step's rows once; nothing of the size of the gates is written
@@ -285,13 +298,15 @@ def _onednn_loop(layers, weights, x, batch_sizes, step_rows, h0, c0):
     out = x.new_empty(step_rows[0], H)                   # sigmoid(o) * tanh(c) of the step's rows
     c = c0.clone()                                       # (G, rows, H), each step updates its first rows
     h, done_h, done_c, offset = h0, [], [], 0
-    for n, m in zip(batch_sizes, step_rows):
+    for step, (n, m) in enumerate(zip(batch_sizes, step_rows)):
         if n < live:                           # sequences [n:live) have ended: keep their final state
             done_h.append(h[:, n:live])
             done_c.append(c[:, n:live].clone())
             live = n
         xh[:, :m, :D] = x[:, offset: offset + m]
         xh[:, :m, D:] = h[:, :m]
+        if step in resets:
+            _reset(xh[:, :, D:], c, h0, c0, resets[step])
         for g, (w_sig, b_sig, w_j, b_j, w_proj) in enumerate(weights):
             sig = linear(xh[g, :m], w_sig, b_sig, "sigmoid", [], "")     # (m, 3H): i, f, o
             j = linear(xh[g, :m], w_j, b_j, "tanh", [], "")               # (m, H)
@@ -350,7 +365,7 @@ def _cell(gates: Tensor, c: Tensor, cell_clip: float | None, out: Tensor) -> tup
     return _COMPILED_CELL["fn"](gates, c, cell_clip, out)
 
 
-def _bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0):
+def _bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, resets):
     """run_lstm_layers with one batched GEMM per step for all G layers (torch.bmm: cuBLAS on a GPU). The input
     projection is computed for chunks of consecutive steps (about CHUNK_ELEMENTS floats each)."""
     first = layers[0]
@@ -372,13 +387,16 @@ def _bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0):
         xw.add_(bias)                                                   # (G, rows, 4H)
         base, offset = offset, offset + rows
         r = 0
-        for n, m in zip(batch_sizes[t0:t1], step_rows[t0:t1]):
+        for step, (n, m) in enumerate(zip(batch_sizes[t0:t1], step_rows[t0:t1]), start=t0):
             if n < live:                       # sequences [n:live) have ended: keep their final state
                 done_h.append(h[:, n:live])
                 done_c.append(c[:, n:live].clone())                     # c may be a view into xw
                 live = n
             if m < h.shape[1]:
                 h, c = h[:, :m], c[:, :m]
+            if step in resets:                 # h is the previous step's output: a copy takes the resets
+                h = h.clone()
+                _reset(h, c, h0, c0, resets[step])
             n = m                              # rows computed at this step
             gates = xw[:, r: r + n]
             r += n
@@ -395,53 +413,106 @@ class PackedBatch:
     """Index maps between a padded (B, T) batch and the packed layouts of both directions, built on the host
     from the host-side lengths and sent to the device in one copy (model/device.py: upload).
 
+    The LSTMs run over lanes: one sentence each, or with lanes=True several laid end to end
+    (model.batching.pack_lanes, capacity T), each starting from the initial state again (`resets`), so that
+    nearly every lane runs at every step. The packed layout is time-major over the lanes, longest first.
     Packed element k of the forward direction is flat position fwd_index[k] (= row * T + t);
-    of the backward direction, bwd_index[k] (each sequence reversed within its own length);
-    bwd_from_fwd[k] is the forward packed element holding the same token as backward element k.
-    `order` is the packed row order (longest first, stable) in terms of batch rows, `inv_order` its inverse.
+    of the backward direction, bwd_index[k] (each lane reversed, so each of its sentences is reversed within
+    its own length); bwd_from_fwd[k] is the forward packed element holding the same token as backward element k.
+    `order` is, per lane in packed order, the batch row whose initial state the lane takes (its first
+    sentence); `inv_order` its inverse while every lane holds one sentence (lanes == B), else None.
+    resets: step -> (forward rows, backward rows) (device int64, rows of the step, or None) where a new sentence
+    starts at that step: those rows take their initial state again. Empty when every lane holds one sentence.
     tokens=True: fwd_rows / bwd_rows (the tokens layout, see _token_rows) instead of fwd_index / bwd_index.
     batch_invariant=True: step_rows (rows per step, multiples of ROW_TILE) and `at` (padded position of each
     packed element). extra(fwd_index_host) -> more host int64 tensors to send in the same copy.
-    Host attributes: lengths, batch_sizes, rows, steps, step_rows; everything else is on `device`.
+    Host attributes: lengths, batch_sizes, lanes, rows, steps, step_rows; everything else is on `device`.
     """
 
     def __init__(self, lengths: Tensor, max_len: int, device: torch.device, *, tokens: bool = False,
-                 batch_invariant: bool = False, extra=None):
+                 batch_invariant: bool = False, extra=None, lanes: bool = False):
         with host_side():
             lengths = torch.as_tensor(lengths).to("cpu", torch.int64)   # host data (a device tensor here syncs)
             self.lengths = lengths
             B, T = len(lengths), max_len
-            sorted_len, order = torch.sort(lengths, descending=True, stable=True)
+            if lanes and B > 1:
+                lane_of, start = (torch.tensor(v, dtype=torch.int64) for v in pack_lanes(lengths.tolist(), T))
+            else:
+                lane_of, start = torch.arange(B), torch.zeros(B, dtype=torch.int64)
+            L = int(lane_of.max()) + 1 if B else 0
+            self.lanes = L
+            lane_len = torch.zeros(L, dtype=torch.int64).index_add_(0, lane_of, lengths)
+            first = torch.zeros(L, dtype=torch.int64)                   # each lane's first sentence
+            first[lane_of[start == 0]] = torch.arange(B)[start == 0]
+            sorted_len, lane_order = torch.sort(lane_len, descending=True, stable=True)
             steps = torch.arange(T)
-            active = steps[:, None] < sorted_len[None, :]                   # (T, B)
+            active = steps[:, None] < sorted_len[None, :]                   # (T, L)
             self.batch_sizes = active.sum(dim=1).tolist()
             while self.batch_sizes and self.batch_sizes[-1] == 0:
                 self.batch_sizes.pop()
-            self.rows = order[None, :].expand(T, -1)[active]                # time-major, longest first
-            self.steps = steps[:, None].expand(-1, B)[active]
-            rows, t = self.rows, self.steps
-            fwd, bwd = rows * T + t, rows * T + (lengths[rows] - 1 - t)
+            lane = lane_order[None, :].expand(T, -1)[active]                # per packed element, time-major
+            t = steps[:, None].expand(-1, L)[active]
+            # which sentence, and which of its positions, sits at each slot of each lane
+            sent = torch.repeat_interleave(torch.arange(B), lengths)
+            pos = torch.arange(len(sent)) - (torch.cumsum(lengths, 0) - lengths)[sent]
+            sent_at = torch.zeros(L, T, dtype=torch.int64)
+            pos_at = torch.zeros(L, T, dtype=torch.int64)
+            sent_at[lane_of[sent], start[sent] + pos] = sent
+            pos_at[lane_of[sent], start[sent] + pos] = pos
+            back = lane_len[lane] - 1 - t                                   # the backward direction's slot
+            self.rows, self.steps = sent_at[lane, t], pos_at[lane, t]
+            self.bwd_rows_host, self.bwd_steps = sent_at[lane, back], pos_at[lane, back]
+            fwd = self.rows * T + self.steps
+            bwd = self.bwd_rows_host * T + self.bwd_steps
             packed_at = torch.empty(B * T, dtype=torch.int64)
             packed_at[fwd] = torch.arange(len(fwd))
-            inv = torch.empty_like(order)
-            inv[order] = torch.arange(B)
-            host = {"order": order, "inv_order": inv, "bwd_from_fwd": packed_at[bwd]}
+            order = first[lane_order]
+            host = {"order": order, "bwd_from_fwd": packed_at[bwd]}
+            if L == B:
+                inv = torch.empty_like(order)
+                inv[order] = torch.arange(B)
+                host["inv_order"] = inv
+            else:
+                self.inv_order = None
             if tokens:
                 host["fwd_rows"], host["bwd_rows"], self.n_tokens = self._token_rows()
             else:
                 host["fwd_index"], host["bwd_index"] = fwd, bwd
             self.step_rows = None
+            firsts = torch.tensor([0, *self.batch_sizes[:-1]], dtype=torch.int64).cumsum(0)
             if batch_invariant and self.batch_sizes:
                 self.step_rows = [_round_up(n, ROW_TILE) for n in self.batch_sizes]
                 # padded position of each packed element: step t's rows start at sum(step_rows[:t])
                 starts = torch.tensor([0, *self.step_rows[:-1]], dtype=torch.int64).cumsum(0)
-                firsts = torch.tensor([0, *self.batch_sizes[:-1]], dtype=torch.int64).cumsum(0)
                 host["at"] = starts[t] + torch.arange(len(t)) - firsts[t]
+            resets = self._resets(t, firsts, lengths)
+            if resets is not None:
+                host["reset_rows"] = resets[0]
             if extra is not None:
                 host.update(extra(fwd))
         self.host = host
         for name, tensor in upload(host, device).items():
             setattr(self, name, tensor)
+        self.resets = {}
+        if resets is not None:          # device slices of the one uploaded tensor: no copies
+            for step, (a, b, c) in resets[1].items():
+                self.resets[step] = (self.reset_rows[a:b] if b > a else None, self.reset_rows[b:c] if c > b else None)
+
+    def _resets(self, t: Tensor, firsts: Tensor, lengths: Tensor):
+        """Rows (of their step) where a sentence other than a lane's first starts, per direction: None when
+        there are none, else (all rows, forward then backward per step, {step: (start, middle, end)})."""
+        fwd = (self.steps == 0) & (t > 0)
+        bwd = (self.bwd_steps == lengths[self.bwd_rows_host] - 1) & (t > 0)
+        if not bool(fwd.any()) and not bool(bwd.any()):
+            return None
+        row = torch.arange(len(t)) - firsts[t]                        # row of each element within its step
+        chunks, spans, at = [], {}, 0
+        for step in torch.unique(torch.cat([t[fwd], t[bwd]])).tolist():
+            f, b = row[fwd & (t == step)], row[bwd & (t == step)]
+            chunks += [f, b]
+            spans[step] = (at, at + len(f), at + len(f) + len(b))
+            at += len(f) + len(b)
+        return torch.cat(chunks), spans
 
     def _token_rows(self) -> tuple[Tensor, Tensor, int]:
         """Rows of the tokens layout for each packed element of both directions: the real tokens (neither
@@ -451,12 +522,11 @@ class PackedBatch:
         starts = torch.cumsum(real, 0) - real
         n = int(real.sum())
 
-        def rows_of(pos: Tensor) -> Tensor:
-            r = self.rows
+        def rows_of(r: Tensor, pos: Tensor) -> Tensor:
             inside = (pos >= 1) & (pos <= self.lengths[r] - 2)
             return torch.where(inside, starts[r] + pos - 1, n + 2 * r + (pos > 0).long())
 
-        return rows_of(self.steps), rows_of(self.lengths[self.rows] - 1 - self.steps), n
+        return rows_of(self.rows, self.steps), rows_of(self.bwd_rows_host, self.bwd_steps), n
 
 
 class TokenCache:
@@ -605,8 +675,8 @@ class BiLM(nn.Module):
         state = self._run_layers(emb, pb, state, out, pb.fwd_index, pb.bwd_index, batch_invariant)
         return out.view(-1, B, T, out.shape[-1]), state
 
-    def prepare_tokens(self, uniq: Tensor, index: Tensor, lengths: Tensor, batch_invariant: bool = False
-                       ) -> tuple[PackedBatch, Tensor]:
+    def prepare_tokens(self, uniq: Tensor, index: Tensor, lengths: Tensor, batch_invariant: bool = False,
+                       lanes: bool = False) -> tuple[PackedBatch, Tensor]:
         """forward_tokens' first part: the packed layout and the token vectors emb (N_packed, P), through the token
         cache. Its bits depend on the order of calls (the cache keeps the vectors of the batch that first had a
         token): calls in a fixed order, then forward_tokens(..., prepared=) on any thread, give the same vectors
@@ -615,7 +685,10 @@ class BiLM(nn.Module):
         Host data in, one copy: uniq, index and lengths on the host (CPU tensors, as ElmoEmbedder.batch_inputs
         gives them) are looked up in the token cache and laid out there, and what the device needs (the char ids
         of the tokens not cached, the index maps) goes to the model's device in ONE host-to-device copy. uniq and
-        index already on the device also work (index is then read back to the host: a sync)."""
+        index already on the device also work (index is then read back to the host: a sync).
+
+        lanes: sentences laid end to end in the LSTMs' lanes (PackedBatch): faster where a batch's lengths differ,
+        for sentences that all start from the same state (stateless, warm); forward_tokens then returns no state."""
         B, T = index.shape
         device = next(self.parameters()).device
         cache = self.__dict__.get("token_cache")
@@ -632,7 +705,7 @@ class BiLM(nn.Module):
                 more["uniq"] = uniq[more["missing_at"]] if hits else uniq
             return more
 
-        pb = PackedBatch(lengths, T, device, tokens=True, batch_invariant=batch_invariant, extra=extra)
+        pb = PackedBatch(lengths, T, device, tokens=True, batch_invariant=batch_invariant, extra=extra, lanes=lanes)
         new = pb.__dict__.pop("uniq", None)
         if new is None:
             new = uniq.index_select(0, pb.missing_at) if hits else uniq
@@ -645,8 +718,8 @@ class BiLM(nn.Module):
 
     def forward_tokens(self, uniq: Tensor | None, index: Tensor | None, lengths: Tensor | None,
                        state: tuple[Tensor, Tensor] | None = None, batch_invariant: bool = False,
-                       layers: Sequence[int] | None = None, prepared: tuple[PackedBatch, Tensor] | None = None
-                       ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+                       layers: Sequence[int] | None = None, prepared: tuple[PackedBatch, Tensor] | None = None,
+                       lanes: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
         """The same vectors as forward(), for the real tokens only, without padding or <S> </S>, and without
         building or zero-filling a padded batch (inference, char CNN or word ids alike).
 
@@ -656,8 +729,10 @@ class BiLM(nn.Module):
         each layer contiguous; and the state as forward() returns it. batch_invariant: as forward().
         layers: only these layers, ascending, are returned, (len(layers), N, 2P): the others are still
         computed (each feeds the next) but never copied out. prepared: prepare_tokens()'s result for these inputs
-        (uniq, index and lengths are then not read)."""
-        pb, emb = prepared if prepared is not None else self.prepare_tokens(uniq, index, lengths, batch_invariant)
+        (uniq, index and lengths are then not read). lanes: as prepare_tokens (the state is then None where a
+        lane holds several sentences; the same initial state, given or zeros, starts each)."""
+        pb, emb = prepared if prepared is not None else self.prepare_tokens(uniq, index, lengths, batch_invariant,
+                                                                            lanes)
         B = len(pb.lengths)
         fwd_rows, bwd_rows, n = pb.fwd_rows, pb.bwd_rows, pb.n_tokens
         layers = range(self.opts.n_layers + 1) if layers is None else layers
@@ -689,15 +764,16 @@ class BiLM(nn.Module):
             x = emb.new_zeros(2, sum(step_rows), P)
             x[0, at], x[1, at] = emb, emb[pb.bwd_from_fwd]
 
-            def pad(s: Tensor) -> Tensor:          # (2, B, D) -> (2, step_rows[0], D), zero rows appended
-                return torch.cat([s, s.new_zeros(2, step_rows[0] - B, s.shape[2])], dim=1) if step_rows[0] > B else s
+            def pad(s: Tensor) -> Tensor:          # (2, lanes, D) -> (2, step_rows[0], D), zero rows appended
+                n = s.shape[1]
+                return torch.cat([s, s.new_zeros(2, step_rows[0] - n, s.shape[2])], dim=1) if step_rows[0] > n else s
             h0, c0 = [pad(s) for s in h0], [pad(s) for s in c0]
         else:
             x = torch.stack([emb, emb[pb.bwd_from_fwd]])                          # (2, N, P)
         h_out, c_out = [], []
         for k, (fl, bl) in enumerate(zip(self.forward_layers, self.backward_layers)):
             y, h, c = run_lstm_layers([fl, bl], self._pair_weights(k), self._drop(x), pb.batch_sizes,
-                                      h0[k], c0[k], step_rows)
+                                      h0[k], c0[k], step_rows, pb.resets)
             if self.opts.use_skip_connections and k > 0:
                 y.add_(x)          # bilm-tf's ResidualWrapper, on every layer but the first (y is new)
             if k + 1 in slot:
@@ -707,6 +783,8 @@ class BiLM(nn.Module):
             h_out.append(h)
             c_out.append(c)
             x = y
-        # final states back from packed row order to batch-row order
+        # final states back from packed row order to batch-row order (lanes of several sentences: none)
         inv = pb.inv_order
+        if inv is None:
+            return None
         return torch.stack(h_out, dim=1)[:, :, inv], torch.stack(c_out, dim=1)[:, :, inv]   # (2, L, B, P|H)

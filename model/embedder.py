@@ -58,13 +58,18 @@ class ElmoEmbedder:
 
     batch_invariant: True = every sentence's vectors are bit-identical whatever the batching (module docstring;
     stateless and warm only: stateful results depend on the batches by design); False (default): the fast path.
+
+    lanes: a batch's sentences laid end to end in the LSTMs' lanes, each from the initial state again
+    (model.bilm.PackedBatch): the loop runs nearly every lane at every step instead of a tail of steps with the
+    longest sentences alone. None (default): on in stateless and warm modes (off in stateful, which needs each
+    sentence's final state); the same vectors up to float rounding, bit-identical with batch_invariant.
     """
 
     def __init__(self, options_file: str | None = None, weight_file: str | None = None, *,
                  device: str | int | torch.device | None = "cpu", state: str = "stateless",
                  batch_size: int = 64, model: BiLM | None = None, vocab_file: str | None = None,
                  token_cache: int = 50_000, dtype: str | torch.dtype | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, lanes: bool | None = None):
         if state not in STATE_MODES:
             raise ValueError(f"state must be one of {STATE_MODES}, got {state!r}")
         if batch_invariant and state == "stateful":
@@ -90,6 +95,9 @@ class ElmoEmbedder:
         if self.model.opts.char_cnn is not None:   # char-CNN vectors of up to `token_cache` distinct tokens are reused
             self.model.enable_token_cache(token_cache)
         self.state_mode = state
+        if lanes and state == "stateful":
+            raise ValueError("lanes need state='stateless' or 'warm' (stateful carries each sentence's final state)")
+        self.lanes = state != "stateful" if lanes is None else bool(lanes)
         self.batch_size = batch_size
         self.vocab = None
         if self.model.opts.char_cnn is None:
@@ -180,7 +188,7 @@ class ElmoEmbedder:
         state (BiLM.forward_tokens)."""
         inputs = self.batch_inputs(sentences) if prepared is None else (None, None, None)
         return self.model.forward_tokens(*inputs, state, batch_invariant=self.batch_invariant, layers=layers,
-                                         prepared=prepared)
+                                         prepared=prepared, lanes=self.lanes)
 
     @torch.inference_mode()
     def prepare_packed(self, sentences: Sequence[Sequence[str]]):
@@ -190,7 +198,8 @@ class ElmoEmbedder:
         (stateless and warm; stateful carries state from batch to batch: one thread). None for no sentences."""
         if not sentences:
             return None
-        return self.model.prepare_tokens(*self.batch_inputs(sentences), batch_invariant=self.batch_invariant)
+        return self.model.prepare_tokens(*self.batch_inputs(sentences), batch_invariant=self.batch_invariant,
+                                         lanes=self.lanes)
 
     def embed_packed(self, sentences: Sequence[Sequence[str]], layers: Sequence[int] | None = None, prepared=None
                      ) -> tuple[np.ndarray, np.ndarray]:
@@ -243,7 +252,7 @@ class ElmoEmbedder:
 
     def _embed_window(self, sents: list[list[str]], bs: int, max_tokens: int | None = None) -> list[np.ndarray]:
         if max_tokens:
-            batches = plan_batches([len(s) for s in sents], max_tokens)
+            batches = plan_batches([len(s) for s in sents], max_tokens, lanes=self.lanes)
         else:
             order = list(range(len(sents)))
             if self.state_mode != "stateful":

@@ -43,7 +43,8 @@ class ElmoOptions(PipelineOptions):
           help="tokens shared by consecutive windows; each position's vectors come from the window where it is "
           "farthest from an edge (default 200, at most --window-tokens / 5)")
         g("--max-tokens-per-batch", type=int, default=4096,
-          help="token budget of a batch, padding and <S> </S> included (default 4096)")
+          help="token budget of a batch, <S> </S> included: token slots, or padded slots in stateful mode "
+          "(default 4096)")
         g("--sort-buffer", type=int, default=2000,
           help="sentences buffered and length-sorted before batching (default 2000)")
         g("--options-file", default=None, help="biLM options.json (path or URL)")

@@ -275,10 +275,10 @@ class SortAndBatch(beam.DoFn):
         items, self.buf = self.buf, []
         t0 = time.perf_counter()
         lengths = [len(i.tokens) for i in items]
-        batches = plan_batches(lengths, self.max_tokens, self.sort)
+        batches = plan_batches(lengths, self.max_tokens, self.sort, lanes=self.sort)   # lanes unless stateful
         self.run_stats.time("batch", time.perf_counter() - t0)
         for idx in batches:
-            real, slots = padding([lengths[i] for i in idx])
+            real, slots = padding([lengths[i] for i in idx], lanes=self.sort)
             self.run_stats.batch(slots // len(idx) if idx else 0, real, slots)
             self.batches.inc()
             self.real.inc(real)

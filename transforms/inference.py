@@ -10,7 +10,7 @@
 ElmoModelHandler: token list in, PredictionResult(example=tokens, inference=float32 (L+1, T, 2P)) out: the
 arrays ElmoEmbedder.embed_sentence gives. Batches are cut by a token budget (BatchElements with
 element_size_fn = T + 2, min = max = the budget: deterministic given the bundle's order); inside a batch the
-sentences run in length-sorted sub-batches of at most the budget in padded slots (model.batching.plan_batches).
+sentences run in length-sorted sub-batches of at most the budget in token slots (model.batching.plan_batches).
 RunInference loads the model once per process (its shared handle); KeyedModelHandler(handler) takes
 (key, tokens). Stateless and warm state modes only (stateful needs consecutive sentences in input order).
 """
@@ -81,11 +81,12 @@ def _slots(tokens: Sequence[str]) -> int:
 
 def embed_budgeted(embedder, sentences: Sequence[Sequence[str]], max_tokens: int) -> list[np.ndarray]:
     """(L+1, T_i, 2P) float32 per sentence, in order, run in length-sorted sub-batches of at most `max_tokens`
-    padded slots (a sentence over the budget runs alone)."""
+    padded slots, or token slots where the embedder lays sentences in lanes (a sentence over the budget runs
+    alone)."""
     from model.batching import plan_batches
     sentences = [list(s) for s in sentences]
     out: list[np.ndarray | None] = [None] * len(sentences)
-    for idx in plan_batches([len(s) for s in sentences], max_tokens):
+    for idx in plan_batches([len(s) for s in sentences], max_tokens, lanes=getattr(embedder, "lanes", False)):
         for i, arr in zip(idx, embedder.embed_batch([sentences[i] for i in idx])):
             out[i] = arr
     return out
