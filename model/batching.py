@@ -50,7 +50,8 @@ def pack_lanes(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]
     every lane at every step instead of a tail of steps where only the longest sentences remain.
 
     Worst-fit decreasing: longest first, each into the lane with the most room, a new lane when none has
-    room (a sentence longer than capacity opens its own). Lanes come out nearly equal in length.
+    room (a sentence longer than capacity opens its own). A lane stays within capacity, so the loop's steps
+    stay those of the longest sentence, and every lane but the last few opened is full to a short sentence.
     Returns (lane, start) per sentence: its lane and its first slot in that lane."""
     lane, start = [0] * len(lengths), [0] * len(lengths)
     used: list[int] = []
