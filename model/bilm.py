@@ -264,8 +264,8 @@ def run_lstm_layers(layers: list[LstmProjection], weights, x: Tensor,
     outputs are junk). x, the outputs and h0/c0 then have step_rows rows per step / step_rows[0] rows; the final
     states are still each sequence's own, taken when it ends.
 
-    resets (lanes, PackedBatch.resets): {step: (rows of layer 0, rows of layer 1)} (int64 row indices or None):
-    before that step those rows take their state from h0/c0 again (a new sentence starts in that lane).
+    resets (lanes, PackedBatch.resets): {step: (layers, rows)} (int64 index pairs): before that step those
+    rows of those layers take their state from h0/c0 again (a new sentence starts in that lane).
     """
     step_rows = batch_sizes if step_rows is None else step_rows
     if not step_rows:
@@ -274,12 +274,10 @@ def run_lstm_layers(layers: list[LstmProjection], weights, x: Tensor,
     return loop(layers, weights, x, batch_sizes, step_rows, h0, c0, resets or {})
 
 
-def _reset(h: Tensor, c: Tensor, h0: Tensor, c0: Tensor, rows) -> None:
-    """In place: the given rows of h (G, n, P) and c (G, n, H) from h0/c0, per layer g (rows[g] or None)."""
-    for g, r in enumerate(rows):
-        if r is not None:
-            h[g].index_copy_(0, r, h0[g].index_select(0, r))
-            c[g].index_copy_(0, r, c0[g].index_select(0, r))
+def _reset(h: Tensor, c: Tensor, h0: Tensor, c0: Tensor, at: tuple[Tensor, Tensor]) -> None:
+    """In place: h (G, n, P) and c (G, n, H) at (layer, row) pairs `at` from h0/c0 (4 kernels, no host sync)."""
+    h.index_put_(at, h0[at])
+    c.index_put_(at, c0[at])
 
 
 def _onednn_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, resets):
@@ -421,8 +419,8 @@ class PackedBatch:
     its own length); bwd_from_fwd[k] is the forward packed element holding the same token as backward element k.
     `order` is, per lane in packed order, the batch row whose initial state the lane takes (its first
     sentence); `inv_order` its inverse while every lane holds one sentence (lanes == B), else None.
-    resets: step -> (forward rows, backward rows) (device int64, rows of the step, or None) where a new sentence
-    starts at that step: those rows take their initial state again. Empty when every lane holds one sentence.
+    resets: step -> (directions, rows) (device int64 pairs: 0 forward, 1 backward; rows of the step) where a new
+    sentence starts at that step: those rows take their initial state again. Empty when lanes hold one sentence.
     tokens=True: fwd_rows / bwd_rows (the tokens layout, see _token_rows) instead of fwd_index / bwd_index.
     batch_invariant=True: step_rows (rows per step, multiples of ROW_TILE) and `at` (padded position of each
     packed element). extra(fwd_index_host) -> more host int64 tensors to send in the same copy.
@@ -487,32 +485,32 @@ class PackedBatch:
                 host["at"] = starts[t] + torch.arange(len(t)) - firsts[t]
             resets = self._resets(t, firsts, lengths)
             if resets is not None:
-                host["reset_rows"] = resets[0]
+                host["reset_dirs"], host["reset_rows"], spans = resets
             if extra is not None:
                 host.update(extra(fwd))
         self.host = host
         for name, tensor in upload(host, device).items():
             setattr(self, name, tensor)
         self.resets = {}
-        if resets is not None:          # device slices of the one uploaded tensor: no copies
-            for step, (a, b, c) in resets[1].items():
-                self.resets[step] = (self.reset_rows[a:b] if b > a else None, self.reset_rows[b:c] if c > b else None)
+        if resets is not None:          # device slices of the uploaded tensors: no copies
+            for step, (a, b) in spans.items():
+                self.resets[step] = (self.reset_dirs[a:b], self.reset_rows[a:b])
 
     def _resets(self, t: Tensor, firsts: Tensor, lengths: Tensor):
-        """Rows (of their step) where a sentence other than a lane's first starts, per direction: None when
-        there are none, else (all rows, forward then backward per step, {step: (start, middle, end)})."""
+        """Where a sentence other than a lane's first starts: None when nowhere, else (direction, row of its
+        step) of each such element, sorted by step, and {step: (start, end)} into them."""
         fwd = (self.steps == 0) & (t > 0)
         bwd = (self.bwd_steps == lengths[self.bwd_rows_host] - 1) & (t > 0)
         if not bool(fwd.any()) and not bool(bwd.any()):
             return None
         row = torch.arange(len(t)) - firsts[t]                        # row of each element within its step
-        chunks, spans, at = [], {}, 0
-        for step in torch.unique(torch.cat([t[fwd], t[bwd]])).tolist():
-            f, b = row[fwd & (t == step)], row[bwd & (t == step)]
-            chunks += [f, b]
-            spans[step] = (at, at + len(f), at + len(f) + len(b))
-            at += len(f) + len(b)
-        return torch.cat(chunks), spans
+        step = torch.cat([t[fwd], t[bwd]])
+        order = torch.argsort(step, stable=True)
+        dirs = torch.cat([torch.zeros(int(fwd.sum()), dtype=torch.int64), torch.ones(int(bwd.sum()), dtype=torch.int64)])
+        steps, counts = torch.unique_consecutive(step[order], return_counts=True)
+        ends = counts.cumsum(0).tolist()
+        spans = {s: (e - n, e) for s, n, e in zip(steps.tolist(), counts.tolist(), ends)}
+        return dirs[order], torch.cat([row[fwd], row[bwd]])[order], spans
 
     def _token_rows(self) -> tuple[Tensor, Tensor, int]:
         """Rows of the tokens layout for each packed element of both directions: the real tokens (neither
