@@ -8,7 +8,8 @@ Each batch is the first plan_batches() batch of WikiText-2 validation sentences 
 common.py), counted from the host data handed to the model to the results back on the host, after one
 warm-up batch (weights stacked, token cache filled with that batch's tokens). Paths: forward (BiLM.forward,
 fast), forward_invariant (batch_invariant=True), embedder (ElmoEmbedder.embed_batch: char ids, token cache,
-numpy out), stateful (the embedder in stateful mode), windows (one sentence of `budget` tokens in windows of
+numpy out; its sentences in lanes, the batch cut by token slots), embedder_no_lanes (the same without lanes, the
+padded-slot batch), stateful (the embedder in stateful mode), windows (one sentence of `budget` tokens in windows of
 512, overlap 128, model/windows.py), training (the padded forward under autograd, no backward).
 Launches by region: encoder (token encoder), lstm (model.bilm.run_lstm_layers), other.
 Prints a table and writes benchmarks/results/launches_<tag>.json naming the machine. Works on any tree with
@@ -31,7 +32,8 @@ from model.char_ids import batch_char_ids
 LAUNCH_US = 5.0                                   # host cost of one kernel launch, stated, not measured
 PEAK_TFLOPS = {"fp32": 67.0, "bf16": 990.0}       # H100 SXM dense: fp32 non-tensor (TF32 off), bf16 tensor
 SHARE = 0.5                                       # achievable share of the peak for the GEMMs, assumed
-PATHS = ("forward", "forward_invariant", "embedder", "stateful", "windows", "training")
+PATHS = ("forward", "forward_invariant", "embedder", "embedder_no_lanes", "stateful", "windows", "training")
+LANES = ("embedder", "windows")          # paths whose batches the model lays in lanes (token-slot budgets)
 
 
 def _embedder(model, **kw):
@@ -45,8 +47,9 @@ def count_path(path: str, config: str, batch: list[list[str]], warm: list[list[s
     """One batch of `path` counted on a fake CUDA device: OpCounter.report() plus tokens."""
     with fake_cuda() as dev:
         model = fake_model(config, dev)
-        if path in ("embedder", "stateful", "windows"):
-            e = _embedder(model, state="stateful" if path == "stateful" else "stateless")
+        if path in ("embedder", "embedder_no_lanes", "stateful", "windows"):
+            e = _embedder(model, state="stateful" if path == "stateful" else "stateless",
+                          **({"lanes": False} if path == "embedder_no_lanes" else {}))
             e.embed_batch(warm)
             with OpCounter(model) as n:
                 if path == "windows":
@@ -102,10 +105,10 @@ def main() -> None:
           f"{'other':>6} {'h2d':>3} {'d2h':>3} {'launch ms':>9} {'fp32 ms':>8} {'share':>6} {'bf16 ms':>8} "
           f"{'share':>6} {'bf16 tok/s':>10}")
     for budget in args.budgets:
-        idx = plan_batches([len(s) for s in sentences], budget)[0]
-        batch = [sentences[i] for i in idx]
-        ids, lengths = (torch.from_numpy(a) for a in batch_char_ids(batch))
         for path in args.paths:
+            idx = plan_batches([len(s) for s in sentences], budget, lanes=path in LANES)[0]
+            batch = [sentences[i] for i in idx]
+            ids, lengths = (torch.from_numpy(a) for a in batch_char_ids(batch))
             r = count_path(path, args.config, batch, warm, ids, lengths)
             r.update(path=path, budget=budget, config=args.config, launches_per_token=r["launches"] / r["tokens"])
             r.update(project(r, fpt))
