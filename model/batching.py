@@ -13,11 +13,16 @@ def plan_batches(lengths: list[int], max_tokens: int, sort: bool = True, lanes: 
 
     sort=True orders by length first (less padding); sort=False keeps input order (stateful mode).
     lanes=True (the model lays a batch's sentences end to end in lanes, pack_lanes): a batch's size is its
-    token slots, sum(len + 2), as there is next to no padding left to pay for.
+    token slots, sum(len + 2), as there is next to no padding left to pay for; and batches are cut from the
+    longest sentence down, so that the partial batch holds the shortest sentences (few rows for a few steps,
+    not for the longest sentence's many). Either way the batches come shortest first, and their
+    concatenation is the same length-sorted order.
     A sentence longer than the budget is a batch of its own."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if sort else range(len(lengths))
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if sort else list(range(len(lengths)))
+    if lanes:
+        order.reverse()
     batches: list[list[int]] = []
     cur: list[int] = []
     cur_max = slots = 0
@@ -32,6 +37,8 @@ def plan_batches(lengths: list[int], max_tokens: int, sort: bool = True, lanes: 
         slots += lengths[i] + 2
     if cur:
         batches.append(cur)
+    if lanes:
+        return [b[::-1] for b in reversed(batches)]
     return batches
 
 

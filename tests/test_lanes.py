@@ -71,6 +71,17 @@ def test_plan_batches_with_lanes_counts_token_slots():
     assert len(plan_batches(lengths, 1000, lanes=True)) < len(plan_batches(lengths, 1000))
 
 
+def test_plan_batches_with_lanes_keeps_the_sorted_order_and_leaves_the_short_batch_partial():
+    """The same concatenated order as without lanes (the pipeline writes batches in this order); cut from the
+    longest down, so every batch but the first (the shortest sentences) is full to within one sentence."""
+    rng = random.Random(4)
+    lengths = [rng.randint(1, 120) for _ in range(700)]
+    batches = plan_batches(lengths, 2048, lanes=True)
+    assert [i for b in batches for i in b] == sorted(range(len(lengths)), key=lambda i: lengths[i])
+    for b in batches[1:]:
+        assert sum(lengths[i] + 2 for i in b) > 2048 - 122
+
+
 def test_padding_with_lanes():
     assert padding([2, 4]) == (6, 8)
     assert padding([2, 4], lanes=True) == (6, 2 * 6 - 4)        # two lanes of 6 slots (4 + 2 boundaries)
