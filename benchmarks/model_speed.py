@@ -13,6 +13,11 @@ with the cross-batch token cache first filled from other text (WikiText-2 train,
 (bit-identical vectors whatever the batching, model/bilm.py), or both side by side; with --repeats N each (config, budget, path) is measured N times, the two modes interleaved, and
 the median is reported (the cost of the batch-invariant path: benchmarks/README.md).
 
+Shares of the ceiling: "% of GEMM" counts flops_per_token for every token (the char CNN included, as the figures
+since the start do); "done" counts the char CNN only for the rows it actually encoded (the token cache skips most
+tokens on the embedder path), so it is the share of the ceiling the machine's work used; "LSTM alone" counts only
+the LSTMs' FLOPs.
+
 With --dtype bfloat16/float16 it first measures, per output layer, the relative error of that dtype
 against float32 (same weights, first 200 sentences). Prints a table and writes
 benchmarks/results/model_speed_<device>_<dtype>_<threads>t.json.
@@ -37,6 +42,29 @@ from model.options import parse_options
 from model.synthetic import PUBLISHED_OPTIONS, random_bilm
 
 
+class EncodedRows:
+    """Counts the rows the token encoder (char CNN, highway, projection) computes while active: with the token
+    cache most tokens skip it, so the FLOPs done are the LSTM's for every token plus the encoder's for these."""
+
+    def __init__(self, model):
+        self.model, self.rows = model, 0
+
+    def __enter__(self):
+        self.hook = self.model.token_encoder.register_forward_hook(lambda m, a, out: self._add(out.shape[0]))
+        return self
+
+    def _add(self, n: int) -> None:
+        self.rows += n
+
+    def __exit__(self, *exc):
+        self.hook.remove()
+
+    def gflops_done(self, n_tokens: int, wall: float) -> float:
+        o = self.model.opts
+        lstm = lstm_flops_per_token(o)
+        return (n_tokens * lstm + self.rows * (flops_per_token(o) - lstm)) / wall / 1e9
+
+
 def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype,
                      warm_sentences: list[list[str]], barrier=None, batch_invariant: bool = False,
                      lanes: bool = True) -> dict:
@@ -56,16 +84,18 @@ def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype
     if barrier is not None:             # several processes: all start timing together
         barrier.wait()
     t, cpu = time.perf_counter(), time.process_time()
-    n_batches = len(plan_batches([len(s) for s in sentences], max_tokens))
-    for _ in embedder.embed_sentences(sentences, max_tokens=max_tokens):
-        pass
+    n_batches = len(plan_batches([len(s) for s in sentences], max_tokens, lanes=embedder.lanes))
+    with EncodedRows(model) as encoded:
+        for _ in embedder.embed_sentences(sentences, max_tokens=max_tokens):
+            pass
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     n_tokens = sum(len(s) for s in sentences)
     fpt = flops_per_token(model.opts)
     return {"config": config, "path": "embedder", "tokens": n_tokens, "sentences": len(sentences),
             "batches": n_batches, "cache_words": len(words), "wall_s": wall, "tokens_per_s": n_tokens / wall,
-            "cpu_s": cpu, "tokens_per_cpu_s": n_tokens / cpu,
-            "flops_per_token": fpt, "gflops": n_tokens / wall * fpt / 1e9}
+            "cpu_s": cpu, "tokens_per_cpu_s": n_tokens / cpu, "encoder_rows": encoded.rows,
+            "flops_per_token": fpt, "gflops": n_tokens / wall * fpt / 1e9,
+            "gflops_done": encoded.gflops_done(n_tokens, wall)}
 
 
 def measure(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype,
@@ -82,15 +112,16 @@ def measure(config: str, sentences, max_tokens: int, device: str, dtype: torch.d
         if device != "cpu":
             torch.cuda.synchronize()
         t, cpu = time.perf_counter(), time.process_time()
-        for ids, lengths in inputs:
-            out, _ = model(ids, lengths, batch_invariant=batch_invariant)
-            out = out.float().cpu()                         # results back on the host, as a user needs them
+        with EncodedRows(model) as encoded:
+            for ids, lengths in inputs:
+                out, _ = model(ids, lengths, batch_invariant=batch_invariant)
+                out = out.float().cpu()                         # results back on the host, as a user needs them
         wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     fpt = flops_per_token(model.opts)
     return {"config": config, "path": "forward", "tokens": n_tokens, "sentences": len(sentences), "batches": len(batches),
             "wall_s": wall, "tokens_per_s": n_tokens / wall, "cpu_s": cpu, "tokens_per_cpu_s": n_tokens / cpu,
-            "flops_per_token": fpt,
-            "gflops": n_tokens / wall * fpt / 1e9}
+            "flops_per_token": fpt, "encoder_rows": encoded.rows,
+            "gflops": n_tokens / wall * fpt / 1e9, "gflops_done": encoded.gflops_done(n_tokens, wall)}
 
 
 def layer_relative_errors(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype) -> list[float]:
@@ -219,6 +250,8 @@ def main() -> None:
                          gemm_ceiling_gflops=top, gemm_rates_gflops=rates[d], fraction_of_ceiling=r["gflops"] / top,
                          lstm_gflops=r["tokens_per_s"] * lstm_flops_per_token(parse_options(PUBLISHED_OPTIONS[config])) / 1e9)
                 r["lstm_fraction_of_ceiling"] = r["lstm_gflops"] / top
+                if "gflops_done" in r:
+                    r["done_fraction_of_ceiling"] = r["gflops_done"] / top
                 if (config, d) in errors:
                     r["relative_error_vs_float32_per_layer"] = errors[(config, d)]
                 cpus = sorted(x.get("tokens_per_cpu_s", 0.0) for x in runs[v])
@@ -246,7 +279,9 @@ def main() -> None:
                       f"{'invariant' if inv else 'fast':<9} budget {budget:>6}  "
                       f"{r['tokens_per_s']:>9.0f} tokens/s ({r['tokens_per_cpu_s_median']:.0f}/CPU s)  "
                       f"{r['gflops']:>7.1f} GFLOP/s = "
-                      f"{100 * r['fraction_of_ceiling']:5.1f}% of GEMM {top:.0f} (LSTM alone "
+                      f"{100 * r['fraction_of_ceiling']:5.1f}% of GEMM {top:.0f} ("
+                      + (f"done {100 * r['done_fraction_of_ceiling']:.1f}%, " if "gflops_done" in r else "")
+                      + f"LSTM alone "
                       f"{100 * r['lstm_fraction_of_ceiling']:.1f}%){extra}", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     name = f"model_speed_{args.device.split(':')[0]}_{'_'.join(args.dtype)}_{args.threads}t" + \
