@@ -233,7 +233,7 @@ class ElmoEmbedder:
 
         Stateful: consecutive batches of batch_size in input order. Otherwise results do not depend on
         batching, so sentences are length-sorted within a window of 16 batches to cut padding; with
-        max_tokens, batches are cut by a token budget (padded slots, <S> </S> included) instead of a
+        max_tokens, batches are cut by a token budget (token slots, <S> </S> included; lanes) instead of a
         count: on a CPU, budgets of 8k-16k tokens run the LSTMs' GEMMs much faster than 64 sentences."""
         bs = batch_size or self.batch_size
         if max_tokens is not None and self.state_mode == "stateful":

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-file", help="vocabulary, for word-encoder models only")
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch (default 64)")
     p.add_argument("--max-tokens-per-batch", type=int, default=0,
-                   help="batch by a token budget (padded slots, <S> </S> included) instead of --batch-size; "
+                   help="batch by a token budget (token slots, <S> </S> included) instead of --batch-size; "
                    "stateless/warm only; 8192-16384 is fastest on a CPU (default 0: --batch-size)")
     p.add_argument("--cuda-device", type=int, default=-1, help="GPU index; -1 for the CPU (default)")
     p.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",
