@@ -13,32 +13,49 @@ def plan_batches(lengths: list[int], max_tokens: int, sort: bool = True, lanes: 
 
     sort=True orders by length first (less padding); sort=False keeps input order (stateful mode).
     lanes=True (the model lays a batch's sentences end to end in lanes, pack_lanes): a batch's size is its
-    token slots, sum(len + 2), as there is next to no padding left to pay for; and batches are cut from the
-    longest sentence down, so that the partial batch holds the shortest sentences (few rows for a few steps,
-    not for the longest sentence's many). Either way the batches come shortest first, and their
-    concatenation is the same length-sorted order.
+    token slots, sum(len + 2), as there is next to no padding left to pay for; and the slots are shared out
+    evenly between the fewest batches the budget allows, so no batch is a small remainder (a remainder of the
+    longest sentences would run their many steps on few lanes). Either way the concatenated batches are the
+    same length-sorted order.
     A sentence longer than the budget is a batch of its own."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
     order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if sort else list(range(len(lengths)))
     if lanes:
-        order.reverse()
+        return _even_batches([lengths[i] + 2 for i in order], order, max_tokens)
     batches: list[list[int]] = []
     cur: list[int] = []
-    cur_max = slots = 0
+    cur_max = 0
     for i in order:
         new_max = max(cur_max, lengths[i] + 2)
-        size = slots + lengths[i] + 2 if lanes else new_max * (len(cur) + 1)
-        if cur and size > max_tokens:
+        if cur and new_max * (len(cur) + 1) > max_tokens:
             batches.append(cur)
-            cur, new_max, slots = [], lengths[i] + 2, 0
+            cur, new_max = [], lengths[i] + 2
         cur.append(i)
         cur_max = new_max
-        slots += lengths[i] + 2
     if cur:
         batches.append(cur)
-    if lanes:
-        return [b[::-1] for b in reversed(batches)]
+    return batches
+
+
+def _even_batches(slots: list[int], order: list[int], max_tokens: int) -> list[list[int]]:
+    """order cut into consecutive batches of <= max_tokens slots each (a sentence over it alone), each closed
+    once it holds its share of the slots left: left / ceil(left / max_tokens)."""
+    left = sum(slots)
+    share = left / max(1, -(-left // max_tokens))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, s in zip(order, slots):
+        if cur and (size + s > max_tokens or size >= share):
+            batches.append(cur)
+            left -= size
+            share = left / max(1, -(-left // max_tokens))
+            cur, size = [], 0
+        cur.append(i)
+        size += s
+    if cur:
+        batches.append(cur)
     return batches
 
 

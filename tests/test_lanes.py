@@ -71,15 +71,18 @@ def test_plan_batches_with_lanes_counts_token_slots():
     assert len(plan_batches(lengths, 1000, lanes=True)) < len(plan_batches(lengths, 1000))
 
 
-def test_plan_batches_with_lanes_keeps_the_sorted_order_and_leaves_the_short_batch_partial():
-    """The same concatenated order as without lanes (the pipeline writes batches in this order); cut from the
-    longest down, so every batch but the first (the shortest sentences) is full to within one sentence."""
+def test_plan_batches_with_lanes_keeps_the_sorted_order_and_evens_the_batches():
+    """The same concatenated order as without lanes (the pipeline writes batches in this order); the fewest
+    batches the budget allows (or one more), within one sentence of an even share: no small remainder."""
     rng = random.Random(4)
     lengths = [rng.randint(1, 120) for _ in range(700)]
     batches = plan_batches(lengths, 2048, lanes=True)
     assert [i for b in batches for i in b] == sorted(range(len(lengths)), key=lambda i: lengths[i])
-    for b in batches[1:]:
-        assert sum(lengths[i] + 2 for i in b) > 2048 - 122
+    total = sum(n + 2 for n in lengths)
+    fewest = -(-total // 2048)
+    assert len(batches) in (fewest, fewest + 1)
+    sizes = [sum(lengths[i] + 2 for i in b) for b in batches]
+    assert min(sizes) >= total / len(batches) - 2 * 122 and max(sizes) <= 2048
 
 
 def test_padding_with_lanes():
