@@ -9,7 +9,9 @@ so loading and saving the published HDF5 files is a transpose and nothing else (
 
 Without autograd, sequences run in torch's packed layout (time-major, longest first), in place: each LSTM
 layer's input projection is one GEMM over the real tokens only, the time loop touches only sentences still
-running, and every sentence's result is independent of the others in its batch. Under autograd (training)
+running, and every sentence's result is independent of the others in its batch. With lanes (PackedBatch; the
+embedder's stateless and warm modes) a batch's sentences run end to end in the loop's rows, each from the initial
+state again, so nearly every row runs at every step. Under autograd (training)
 BiLM.forward runs the padded path of model/padded_forward.py instead: the same math, faster backward passes.
 
 batch_invariant=True (inference; forward, forward_tokens, encode_tokens): a sentence's vectors are the same
