@@ -426,7 +426,8 @@ class PackedBatch:
     tokens=True: fwd_rows / bwd_rows (the tokens layout, see _token_rows) instead of fwd_index / bwd_index.
     batch_invariant=True: step_rows (rows per step, multiples of ROW_TILE) and `at` (padded position of each
     packed element). extra(fwd_index_host) -> more host int64 tensors to send in the same copy.
-    Host attributes: lengths, batch_sizes, lanes, rows, steps, step_rows; everything else is on `device`.
+    Host attributes: lengths, batch_sizes, lanes (their number), rows / steps and bwd_rows_host / bwd_steps (each
+    packed element's sentence and position in it, per direction), step_rows; everything else is on `device`.
     """
 
     def __init__(self, lengths: Tensor, max_len: int, device: torch.device, *, tokens: bool = False,
