@@ -25,6 +25,7 @@ benchmarks/results/model_speed_<device>_<dtype>_<threads>t.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -65,9 +66,22 @@ class EncodedRows:
         return (n_tokens * lstm + self.rows * (flops_per_token(o) - lstm)) / wall / 1e9
 
 
+# Ops of a torch profile by kind (self CPU time): the GEMMs, and the LSTM cell's pointwise work.
+GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
+            "aten::baddbmm_"}
+CELL_OPS = {"aten::tanh", "aten::tanh_", "aten::sigmoid_", "aten::mul_", "aten::addcmul_", "aten::clamp_"}
+
+
+def profile_shares(prof) -> dict:
+    """Self CPU seconds of a torch profile: total, in GEMM_OPS and in CELL_OPS."""
+    by_op = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+    return {"total_s": sum(by_op.values()), "gemm_s": sum(v for k, v in by_op.items() if k in GEMM_OPS),
+            "cell_s": sum(v for k, v in by_op.items() if k in CELL_OPS)}
+
+
 def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype,
                      warm_sentences: list[list[str]], barrier=None, batch_invariant: bool = False,
-                     lanes: bool = True) -> dict:
+                     lanes: bool = True, profile: bool = False) -> dict:
     model = random_bilm(config).to(device=device, dtype=dtype)
     embedder = ElmoEmbedder(model=model, device=device, batch_invariant=batch_invariant, lanes=lanes)
     seen: dict[str, None] = {}
@@ -85,13 +99,19 @@ def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype
         barrier.wait()
     t, cpu = time.perf_counter(), time.process_time()
     n_batches = len(plan_batches([len(s) for s in sentences], max_tokens, lanes=embedder.lanes))
-    with EncodedRows(model) as encoded:
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile \
+        else contextlib.nullcontext()
+    with EncodedRows(model) as encoded, prof:
         for _ in embedder.embed_sentences(sentences, max_tokens=max_tokens):
             pass
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     n_tokens = sum(len(s) for s in sentences)
     fpt = flops_per_token(model.opts)
-    return {"config": config, "path": "embedder", "tokens": n_tokens, "sentences": len(sentences),
+    extra = {}
+    if profile:
+        extra["profile"] = p = profile_shares(prof)
+        p["gemm_gflops_inside"] = encoded.gflops_done(n_tokens, p["gemm_s"])    # the FLOPs done / the GEMMs' time
+    return {**extra, "config": config, "path": "embedder", "tokens": n_tokens, "sentences": len(sentences),
             "batches": n_batches, "cache_words": len(words), "wall_s": wall, "tokens_per_s": n_tokens / wall,
             "cpu_s": cpu, "tokens_per_cpu_s": n_tokens / cpu, "encoder_rows": encoded.rows,
             "flops_per_token": fpt, "gflops": n_tokens / wall * fpt / 1e9,
@@ -186,6 +206,9 @@ def main() -> None:
     ap.add_argument("--lanes", nargs="+", choices=["on", "off"], default=["on"],
                     help="embedder path: sentences laid end to end in the LSTMs' lanes (ElmoEmbedder lanes=); "
                     "several are measured side by side")
+    ap.add_argument("--profile", action="store_true",
+                    help="embedder path: run under torch's profiler (slower: compare its rows only with each other) and "
+                    "report the GEMMs' and the LSTM cell's share of the CPU time and the GEMMs' GFLOP/s inside the calls")
     ap.add_argument("--repeats", type=int, default=1, help="measurements per row (variants interleaved); median kept")
     ap.add_argument("--tag", default="", help="appended to the results file name")
     ap.add_argument("--processes", type=int, default=1,
@@ -231,7 +254,7 @@ def main() -> None:
                         r = measure(config, sentences, budget, args.device, dtype, inv)
                     elif path == "embedder":
                         r = measure_embedder(config, sentences, budget, args.device, dtype, warm, batch_invariant=inv,
-                                             lanes=lanes == "on")
+                                             lanes=lanes == "on", profile=args.profile)
                     else:
                         r = measure_processes(config, sentences, budget, args.threads, args.processes, warm, inv)
                     r["lstm_gemm_used"] = bilm.lstm_gemm(torch.device(args.device), dtype)
@@ -283,6 +306,12 @@ def main() -> None:
                       + (f"done {100 * r['done_fraction_of_ceiling']:.1f}%, " if "gflops_done" in r else "")
                       + f"LSTM alone "
                       f"{100 * r['lstm_fraction_of_ceiling']:.1f}%){extra}", flush=True)
+                if "profile" in r:
+                    p = r["profile"]
+                    print(f"{'':<9} profiled: GEMMs {100 * p['gemm_s'] / p['total_s']:.1f}% of CPU time at "
+                          f"{p['gemm_gflops_inside']:.0f} GFLOP/s inside the calls "
+                          f"({100 * p['gemm_gflops_inside'] / top:.1f}% of {top:.0f}), LSTM cell pointwise "
+                          f"{100 * p['cell_s'] / p['total_s']:.1f}%", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     name = f"model_speed_{args.device.split(':')[0]}_{'_'.join(args.dtype)}_{args.threads}t" + \
         (f"_x{args.processes}p" if args.processes > 1 else "") + \
