@@ -26,7 +26,7 @@ from model.bilm import BiLM
 from model.char_ids import BOS_TOKEN, EOS_TOKEN, distinct_char_ids
 from model.device import host_side, resolve_device
 from model.hardware import warn_if_emulated
-from model.options import COMPUTE_DTYPES, STATE_MODES
+from model.options import COMPUTE_DTYPES, STATE_MODES, sentences_independent
 
 # Fixed warm-up text for the `warm` mode: ordinary English, run sentence by sentence from zeros.
 WARMUP_TEXT = [
@@ -97,7 +97,7 @@ class ElmoEmbedder:
         self.state_mode = state
         if lanes and state == "stateful":
             raise ValueError("lanes need state='stateless' or 'warm' (stateful carries each sentence's final state)")
-        self.lanes = state != "stateful" if lanes is None else bool(lanes)
+        self.lanes = sentences_independent(state) if lanes is None else bool(lanes)
         self.batch_size = batch_size
         self.vocab = None
         if self.model.opts.char_cnn is None:

@@ -12,6 +12,13 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")   # precisions the biLM may 
 STATE_MODES = ("stateless", "warm", "stateful")        # what each sentence's LSTMs start from (model/embedder.py)
 
 
+def sentences_independent(state: str) -> bool:
+    """Whether a sentence's vectors depend on nothing but the sentence in this state mode (stateless, warm): its
+    batches may then be sorted by length and laid end to end in the LSTMs' lanes. Stateful carries each batch
+    row's state to the next batch, so its batches keep input order, one sentence a row."""
+    return state != "stateful"
+
+
 class OptionsError(ValueError):
     """options.json is unreadable or a key is missing or wrong."""
 

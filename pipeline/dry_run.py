@@ -165,8 +165,7 @@ def measure(pl, written: list, seed: int = 0) -> dict:
     if not chosen:
         return {"tokens_per_s": 0.0, "timed_tokens": 0, "timed_batches": 0, "bytes_per_token": {}, "encode_seconds": 0}
     embedder = E.load_embedder(pl.spec)
-    batches = plan_batches([len(w[3]) for w in chosen], o.max_tokens_per_batch, sort=o.state != "stateful",
-                           lanes=o.state != "stateful")
+    batches = plan_batches([len(w[3]) for w in chosen], o.max_tokens_per_batch, sort=pl.sort, lanes=pl.sort)
     for b in batches:     # the token cache warmed on these sentences, as a run's is by the corpus's frequent words
         embedder.prepare_packed([chosen[i][3] for i in b])
     layers = pl.shard.layers_read

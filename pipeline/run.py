@@ -29,7 +29,7 @@ from formats import layout
 from formats.hdf5 import hdf5_layout
 from formats.iceberg import IcebergTarget, redact
 from formats.parquet import layer_columns, shard_schema
-from model.options import load_options
+from model.options import load_options, sentences_independent
 from pipeline.exits import after_plan
 from pipeline.options import ElmoOptions, JobOptions, default_torch_threads
 from pipeline.validate import check_model, check_numbers, check_output_writable, check_state
@@ -94,7 +94,7 @@ class Plan:
     shard: ShardSpec               # formats, layout, layer selection and columns, dtype, row groups
     spread_documents: bool         # Reshuffle documents over workers (clusters; not one local worker)
     unique_ids: bool               # group documents by --id-field value: duplicates become dead letters
-    sort: bool                     # length-sort batches (not stateful: its batches are consecutive sentences)
+    sort: bool                     # length-sort batches and lay them in lanes (model.options.sentences_independent)
     sentence_limit: int            # longer sentences are dead letters
     limit_flag: str                # the flag to name in their reason
     window: int                    # windowed sentences (0: none, stateful)
@@ -219,7 +219,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
                 # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
                 # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
                 spread_documents=not stateful and not (local and workers == 1),
-                unique_ids=bool(o.id_field) and not stateful, sort=not stateful,
+                unique_ids=bool(o.id_field) and not stateful, sort=sentences_independent(o.state),
                 sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
                 progress=P.ProgressSpec(sum(f[1] or 0 for f in fingerprints), {f[0]: f[1] or 0 for f in fingerprints},
                                         workers) if o.progress == "on" or (o.progress == "auto" and local and

@@ -259,7 +259,8 @@ class SkipCommitted(beam.DoFn):
 
 
 class SortAndBatch(beam.DoFn):
-    """Items -> lists of Items: a bounded buffer, sorted by length (unless stateful), cut by a token budget."""
+    """Items -> lists of Items: a bounded buffer cut by a token budget. sort (model.options.sentences_independent):
+    sorted by length and budgeted in lane token slots; False (stateful) keeps input order and counts padded slots."""
 
     def __init__(self, max_tokens: int, buffer_size: int, sort: bool = True):
         self.max_tokens, self.buffer_size, self.sort = max_tokens, buffer_size, sort
@@ -275,7 +276,7 @@ class SortAndBatch(beam.DoFn):
         items, self.buf = self.buf, []
         t0 = time.perf_counter()
         lengths = [len(i.tokens) for i in items]
-        batches = plan_batches(lengths, self.max_tokens, self.sort, lanes=self.sort)   # lanes unless stateful
+        batches = plan_batches(lengths, self.max_tokens, self.sort, lanes=self.sort)
         self.run_stats.time("batch", time.perf_counter() - t0)
         for idx in batches:
             real, slots = padding([lengths[i] for i in idx], lanes=self.sort)
