@@ -252,7 +252,7 @@ def pack_onednn_weights(layers: list[LstmProjection]) -> list[tuple[Tensor, Tens
 
 def run_lstm_layers(layers: list[LstmProjection], weights, x: Tensor,
                     batch_sizes: list[int], h0: Tensor, c0: Tensor, step_rows: list[int] | None = None,
-                    resets: dict | None = None):
+                    resets: Resets | None = None):
     """Run G independent LSTM layers of equal shapes in lock-step (e.g. the forward and the backward
     direction, which share the packed step sizes). Inference only (in place, no autograd);
     model/padded_forward.py is the path under autograd.
@@ -266,14 +266,49 @@ def run_lstm_layers(layers: list[LstmProjection], weights, x: Tensor,
     outputs are junk). x, the outputs and h0/c0 then have step_rows rows per step / step_rows[0] rows; the final
     states are still each sequence's own, taken when it ends.
 
-    resets (lanes, PackedBatch.resets): {step: (layers, rows)} (int64 index pairs): before that step those
-    rows of those layers take their state from h0/c0 again (a new sentence starts in that lane).
+    resets (lanes, PackedBatch.resets: Resets): before a step, the rows of the layers it names take their state
+    from h0/c0 again (a new sentence starts in that lane).
     """
     step_rows = batch_sizes if step_rows is None else step_rows
     if not step_rows:
         return x.new_empty(len(layers), 0, layers[0].proj_dim), h0, c0
     loop = _onednn_loop if isinstance(weights, list) else _bmm_loop
-    return loop(layers, weights, x, batch_sizes, step_rows, h0, c0, resets or {})
+    return loop(layers, weights, x, batch_sizes, step_rows, h0, c0, resets or NO_RESETS)
+
+
+class Resets:
+    """Where lanes of several sentences restart (PackedBatch.resets): before step t, the (layer, row) pairs
+    at(t) take their initial state again (a new sentence starts in that lane). `step in resets` says whether any
+    do. The oneDNN loop writes those rows in place (at: 4 small kernels); the bmm loop selects whole steps by
+    mask(t) (G, width, 1) bool, 2 kernels a step, the masks built on the device for the whole batch on first use
+    (2 kernels). dirs, rows, index: device int64 per pair (layer, row, index of its step among the resets);
+    spans: step -> (start, end, index) into them; width: rows of the widest step."""
+
+    def __init__(self, dirs: Tensor, rows: Tensor, index: Tensor, spans: dict[int, tuple[int, int, int]],
+                 width: int):
+        self.dirs, self.rows, self.index, self.spans, self.width = dirs, rows, index, spans, width
+        self._masks = None
+
+    def __contains__(self, step: int) -> bool:
+        return step in self.spans
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def at(self, step: int) -> tuple[Tensor, Tensor]:
+        a, b, _ = self.spans[step]
+        return self.dirs[a:b], self.rows[a:b]
+
+    def mask(self, step: int) -> Tensor:
+        if self._masks is None:
+            masks = torch.zeros(len(self.spans), 2, self.width, 1, dtype=torch.bool, device=self.dirs.device)
+            masks[self.index, self.dirs, self.rows] = True
+            self._masks = masks
+        return self._masks[self.spans[step][2]]
+
+
+NO_RESETS = Resets(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+                   torch.empty(0, dtype=torch.int64), {}, 0)
 
 
 def _reset(h: Tensor, c: Tensor, h0: Tensor, c0: Tensor, at: tuple[Tensor, Tensor]) -> None:
@@ -306,7 +341,7 @@ def _onednn_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, resets):
         xh[:, :m, :D] = x[:, offset: offset + m]
         xh[:, :m, D:] = h[:, :m]
         if step in resets:
-            _reset(xh[:, :, D:], c, h0, c0, resets[step])
+            _reset(xh[:, :, D:], c, h0, c0, resets.at(step))
         for g, (w_sig, b_sig, w_j, b_j, w_proj) in enumerate(weights):
             sig = linear(xh[g, :m], w_sig, b_sig, "sigmoid", [], "")     # (m, 3H): i, f, o
             j = linear(xh[g, :m], w_j, b_j, "tanh", [], "")               # (m, H)
@@ -394,9 +429,10 @@ def _bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, resets):
                 live = n
             if m < h.shape[1]:
                 h, c = h[:, :m], c[:, :m]
-            if step in resets:                 # h is the previous step's output: a copy takes the resets
-                h = h.clone()
-                _reset(h, c, h0, c0, resets[step])
+            if step in resets:                 # h is a view of the previous step's output: selected, not written
+                restart = resets.mask(step)[:, :m]                      # (G, m, 1)
+                h = torch.where(restart, h0[:, :m], h)
+                c = torch.where(restart, c0[:, :m], c, out=c)
             n = m                              # rows computed at this step
             gates = xw[:, r: r + n]
             r += n
@@ -421,8 +457,8 @@ class PackedBatch:
     its own length); bwd_from_fwd[k] is the forward packed element holding the same token as backward element k.
     `order` is, per lane in packed order, the batch row whose initial state the lane takes (its first
     sentence); `inv_order` its inverse while every lane holds one sentence (lanes == B), else None.
-    resets: step -> (directions, rows) (device int64 pairs: 0 forward, 1 backward; rows of the step) where a new
-    sentence starts at that step: those rows take their initial state again. Empty when lanes hold one sentence.
+    resets (Resets): the (direction, row) pairs (0 forward, 1 backward; rows of the step) where a new sentence
+    starts at a step: those rows take their initial state again. Empty when lanes hold one sentence.
     tokens=True: fwd_rows / bwd_rows (the tokens layout, see _token_rows) instead of fwd_index / bwd_index.
     batch_invariant=True: step_rows (rows per step, multiples of ROW_TILE) and `at` (padded position of each
     packed element). extra(fwd_index_host) -> more host int64 tensors to send in the same copy.
@@ -488,20 +524,19 @@ class PackedBatch:
                 host["at"] = starts[t] + torch.arange(len(t)) - firsts[t]
             resets = self._resets(t, firsts, lengths)
             if resets is not None:
-                host["reset_dirs"], host["reset_rows"], spans = resets
+                host["reset_dirs"], host["reset_rows"], host["reset_index"], spans = resets
             if extra is not None:
                 host.update(extra(fwd))
         self.host = host
         for name, tensor in upload(host, device).items():
             setattr(self, name, tensor)
-        self.resets = {}
-        if resets is not None:          # device slices of the uploaded tensors: no copies
-            for step, (a, b) in spans.items():
-                self.resets[step] = (self.reset_dirs[a:b], self.reset_rows[a:b])
+        self.resets = NO_RESETS if resets is None else \
+            Resets(self.reset_dirs, self.reset_rows, self.reset_index, spans, self.step_rows[0] if self.step_rows else L)
 
     def _resets(self, t: Tensor, firsts: Tensor, lengths: Tensor):
         """Where a sentence other than a lane's first starts: None when nowhere, else (direction, row of its
-        step) of each such element, sorted by step, and {step: (start, end)} into them."""
+        step, index of its step among these steps) of each such element, sorted by step, and
+        {step: (start, end, index)} into them."""
         fwd = (self.steps == 0) & (t > 0)
         bwd = (self.bwd_steps == lengths[self.bwd_rows_host] - 1) & (t > 0)
         if not bool(fwd.any()) and not bool(bwd.any()):
@@ -510,10 +545,10 @@ class PackedBatch:
         step = torch.cat([t[fwd], t[bwd]])
         order = torch.argsort(step, stable=True)
         dirs = torch.cat([torch.zeros(int(fwd.sum()), dtype=torch.int64), torch.ones(int(bwd.sum()), dtype=torch.int64)])
-        steps, counts = torch.unique_consecutive(step[order], return_counts=True)
+        steps, index, counts = torch.unique_consecutive(step[order], return_inverse=True, return_counts=True)
         ends = counts.cumsum(0).tolist()
-        spans = {s: (e - n, e) for s, n, e in zip(steps.tolist(), counts.tolist(), ends)}
-        return dirs[order], torch.cat([row[fwd], row[bwd]])[order], spans
+        spans = {s: (e - n, e, k) for k, (s, n, e) in enumerate(zip(steps.tolist(), counts.tolist(), ends))}
+        return dirs[order], torch.cat([row[fwd], row[bwd]])[order], index, spans
 
     def _token_rows(self) -> tuple[Tensor, Tensor, int]:
         """Rows of the tokens layout for each packed element of both directions: the real tokens (neither
