@@ -2,13 +2,18 @@
 from the whole-sequence vectors, and what one very long sentence costs through the pipeline.
 
     .venv/bin/python -m benchmarks.windows [--tokens 3000] [--window 1000] [--overlaps 0 100 200 300] \
-        [--pipeline-tokens 100000] [--threads 1]
+        [--pipeline-tokens 100000] [--threads 1] [--speed N [--config original] [--max-tokens 4096 16384]
+        [--repeats 3]] [--tag NAME]
 
 Shipped default model, stateless. A WikiText-2 valid sequence of --tokens tokens is embedded whole and
 windowed; the table gives the top layer's mean |diff| by distance from a window cut (overlap 0, where the
 cuts are window edges) and, per overlap, the mean |diff| over all positions relative to the mean |vector|.
 With --pipeline-tokens N, one sentence of N tokens runs through `pipeline.run` in a child process, which
-reports wall time, windowed sentences and peak RSS. Writes benchmarks/results/windows.json.
+reports wall time, windowed sentences and peak RSS. With --speed N, N consecutive WikiText-2 valid sequences of
+--tokens tokens (window --window, overlap 200 at most window / 5) are embedded one sentence at a time
+(model.windows.embed_long, as the pipeline did before session 12) and all at once (embed_long_many: the windows of
+all of them share the sub-batches), side by side per budget, medians of --repeats; --config names a published
+shape with random weights instead of the shipped model. Writes benchmarks/results/windows[_TAG].json.
 """
 from __future__ import annotations
 
@@ -73,6 +78,33 @@ def long_sentence_run(n: int, threads: int) -> dict:
     return {"tokens": len(tokens), "wall_s": time.perf_counter() - t, **out}
 
 
+def windows_speed(embedder, n: int, tokens: int, window: int, budgets: list[int], repeats: int) -> list[dict]:
+    """tokens/s of N sentences of `tokens` tokens in windows: one sentence at a time against all at once."""
+    import statistics
+
+    from model.windows import default_overlap, embed_long, embed_long_many
+    seq = wikitext_tokens(n * tokens)
+    sentences = [seq[i * tokens: (i + 1) * tokens] for i in range(n)]
+    overlap = default_overlap(window)
+    ways = {"one at a time": lambda b: [embed_long(embedder, s, window, overlap, b) for s in sentences],
+            "together": lambda b: embed_long_many(embedder, sentences, window, overlap, b)}
+    rows = []
+    for budget in budgets:
+        ways["together"](budget)                       # warm-up: token cache, workspaces
+        times = {name: [] for name in ways}
+        for _ in range(repeats):
+            for name, call in ways.items():
+                t = time.perf_counter()
+                call(budget)
+                times[name].append(time.perf_counter() - t)
+        n_tokens = sum(len(s) for s in sentences)
+        row = {"budget": budget, "sentences": n, "tokens": n_tokens, "window": window, "overlap": overlap,
+               **{f"{name} tokens_per_s": n_tokens / statistics.median(ts) for name, ts in times.items()}}
+        row["speed-up"] = row["together tokens_per_s"] / row["one at a time tokens_per_s"]
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=3000)
@@ -80,6 +112,12 @@ def main() -> None:
     ap.add_argument("--overlaps", type=int, nargs="+", default=[0, 100, 200, 300])
     ap.add_argument("--pipeline-tokens", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--speed", type=int, default=0, metavar="N",
+                    help="also time N sentences of --tokens tokens in windows: one at a time against together")
+    ap.add_argument("--config", default=None, help="--speed: a published shape with random weights (default: shipped)")
+    ap.add_argument("--max-tokens", type=int, nargs="+", default=[4096], help="--speed: budgets (token slots)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tag", default="")
     args = ap.parse_args()
     import torch
 
@@ -97,8 +135,18 @@ def main() -> None:
         result["pipeline"] = p = long_sentence_run(args.pipeline_tokens, args.threads)
         print(f"one {p['tokens']}-token sentence through pipeline.run: {p['wall_s']:.1f} s, "
               f"windowed sentences {p['windowed_sentences']}, peak RSS {p['peak_rss_mb']:.0f} MB")
+    if args.speed:
+        from model.synthetic import random_bilm
+        embedder = ElmoEmbedder() if args.config is None else ElmoEmbedder(model=random_bilm(args.config))
+        result["speed"] = rows = windows_speed(embedder, args.speed, args.tokens, args.window, args.max_tokens,
+                                               args.repeats)
+        print(f"{args.speed} sentences of {args.tokens} tokens, window {args.window}, "
+              f"{args.config or 'shipped'} model, {args.threads} thread(s):")
+        for r in rows:
+            print(f"  budget {r['budget']:>6}: one at a time {r['one at a time tokens_per_s']:8.0f} tokens/s, "
+                  f"together {r['together tokens_per_s']:8.0f} tokens/s, {r['speed-up']:.2f}x")
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "windows.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"windows{'_' + args.tag if args.tag else ''}.json"), "w") as f:
         json.dump(result, f, indent=2)
 
 

@@ -97,19 +97,30 @@ def embed_long(embedder, tokens: Sequence[str], window: int, overlap: int, max_t
     A sentence of at most `effective_window(window, max_tokens)` tokens is embedded whole, exactly as
     `embedder.embed_sentence(tokens)`. Not for the `stateful` state mode (windows are not consecutive
     sentences); `stateless` and `warm` start every window from the same state as any sentence."""
+    return embed_long_many(embedder, [tokens], window, overlap, max_tokens)[0]
+
+
+def embed_long_many(embedder, sentences: Sequence[Sequence[str]], window: int, overlap: int,
+                    max_tokens: int) -> list[np.ndarray]:
+    """embed_long for several sentences at once: the windows of all of them (in order) share the sub-batches,
+    so a step of the LSTMs runs as many windows as the budget holds, not only one sentence's few.
+    Returns one (L, T_i, D) float32 array per sentence."""
     if getattr(embedder, "state_mode", "stateless") == "stateful":
         raise ValueError("windows need a deterministic state mode (stateless or warm), not stateful")
-    tokens = list(tokens)
     check_window(window, overlap, max_tokens)
     w, v = effective_window(window, max_tokens), effective_overlap(window, overlap, max_tokens)
-    spans = window_spans(len(tokens), w, v)
-    if len(spans) == 1:
-        return embedder.embed_batch([tokens])[0]
+    sentences = [list(tokens) for tokens in sentences]
+    spans = [window_spans(len(tokens), w, v) for tokens in sentences]
+    pieces = [tokens[s:e] for tokens, sp in zip(sentences, spans) for s, e in sp]
     per_batch = max(1, max_tokens // (w + 2))
-    pieces: list[np.ndarray] = []
-    for i in range(0, len(spans), per_batch):
-        pieces += embedder.embed_batch([tokens[s:e] for s, e in spans[i:i + per_batch]])
-    return stitch(pieces, spans)
+    out: list[np.ndarray] = []
+    for i in range(0, len(pieces), per_batch):
+        out += embedder.embed_batch(pieces[i:i + per_batch])
+    vectors, at = [], 0
+    for sp in spans:
+        vectors.append(out[at] if len(sp) == 1 else stitch(out[at: at + len(sp)], sp))
+        at += len(sp)
+    return vectors
 
 
-__all__ = ["check_window", "default_overlap", "effective_overlap", "effective_window", "embed_long", "stitch", "stitch_plan", "window_spans"]
+__all__ = ["check_window", "default_overlap", "effective_overlap", "effective_window", "embed_long", "embed_long_many", "stitch", "stitch_plan", "window_spans"]

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from model import ElmoEmbedder
-from model.windows import check_window, effective_overlap, effective_window, embed_long, stitch_plan, window_spans
+from model.windows import (check_window, effective_overlap, effective_window, embed_long, embed_long_many, stitch_plan,
+                           window_spans)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,40 @@ def test_long_sentence_positions_come_from_their_window(embedder):
     # layer 0 is the context-free token vector everywhere
     for p in (0, 13, 14, 50, 94):
         np.testing.assert_allclose(out[0, p], embedder.embed_sentence([toks[p]])[0, 0], atol=1e-5)
+
+
+def test_many_sentences_share_the_sub_batches(embedder, tiny_model_files):
+    sents = [_tokens(95), _tokens(12), _tokens(61), _tokens(21)]      # 12 tokens: one window, the sentence whole
+    w, v, budget = 20, 6, 70          # 3 windows per sub-batch
+    rec = BudgetRecorder(embedder)
+    got = embed_long_many(rec, sents, w, v, budget)
+    windows = sum(len(window_spans(len(s), w, v)) for s in sents)
+    assert len(rec.slots) == -(-windows // 3) and max(rec.slots) <= budget      # sub-batches cross sentences
+    for s, g in zip(sents, got):
+        assert g.shape == (embedder.n_layers, len(s), embedder.output_dim)
+        np.testing.assert_allclose(g, embed_long(embedder, s, w, v, budget), atol=1e-5)
+    exact = ElmoEmbedder(*tiny_model_files, batch_invariant=True)     # the same bits whatever shares a batch
+    for s, g in zip(sents, embed_long_many(exact, sents, w, v, budget)):
+        assert np.array_equal(g, embed_long(exact, s, w, v, budget))
+
+
+def test_pipeline_embeds_a_batch_s_long_sentences_together(tiny_model_files, tmp_path, embedder):
+    from tests.pipeline_helpers import hdf5_arrays, run_pipeline
+    from formats.hdf5 import hdf5_key
+
+    lines = [" ".join(_tokens(n)) for n in (95, 8, 61, 40, 5)]
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(lines) + "\n")
+    out = str(tmp_path / "out")
+    from pipeline.run import counters
+
+    result, manifest = run_pipeline(tiny_model_files, str(inp), out, "--tokenizer", "whitespace", "--format", "hdf5",
+                                    "--window-tokens", "20", "--window-overlap", "6", "--max-tokens-per-batch", "256")
+    arrays = hdf5_arrays(out, manifest)
+    assert counters(result)["windowed_sentences"] == 3 and len(arrays) == len(lines)
+    for i, line in enumerate(lines):
+        want = embed_long(embedder, line.split(), 20, 6, 256)
+        np.testing.assert_allclose(arrays[hdf5_key(f"in.txt:{i + 1}#0")], want, atol=1e-5)
 
 
 def test_window_capped_by_budget(embedder):

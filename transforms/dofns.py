@@ -17,7 +17,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from formats.layout import EXCERPT_CHARS, DeadLetter, sentence_id
 from model.batching import padding, plan_batches
-from model.windows import effective_window, embed_long
+from model.windows import effective_window, embed_long, embed_long_many
 from transforms import embed as E
 from transforms.faults import crash_point
 from transforms.progress import ProgressSpec, advance, split_bytes
@@ -303,11 +303,12 @@ class _Holder:
 
 
 class _Job:
-    """One batch in Embed: its items, the part embedded as one batch (`short`, its result or error once known) and
-    the sentences embedded one by one (`single`), with the batch's start times."""
+    """One batch in Embed: its items, the part embedded as one batch (`short`, its result or error once known),
+    the sentences over the window (`long`, embedded in windows together) and those embedded one by one
+    (`single`: a failed part's), with the batch's start times."""
 
-    def __init__(self, batch: list[Item], short: list[Item], single: list[Item]):
-        self.batch, self.short, self.single = batch, short, single
+    def __init__(self, batch: list[Item], short: list[Item], long: list[Item]):
+        self.batch, self.short, self.long, self.single = batch, short, long, []
         self.t0, self.start = time.perf_counter(), time.time()
         self.future: Future | None = None
 
@@ -318,7 +319,8 @@ class Embed(beam.DoFn):
 
     A failing batch is retried sentence by sentence; sentences that still fail go to DEAD.
     window > 0: a sentence longer than the (budget-capped) window is embedded as overlapping windows in
-    sub-batches of at most `max_tokens` slots, stitched back together (model/windows.py).
+    sub-batches of at most `max_tokens` slots, stitched back together (model/windows.py); the windows of all such
+    sentences of a batch share the sub-batches.
     `progress`: the bar advances by the batch's input bytes (transforms/progress.py).
     layers: only these layers (ascending) are copied out of the model (ShardSpec.layers_read; None: all).
     threads > 1 (stateless and warm state): up to `threads` batches run through the biLM at once, each on a
@@ -365,7 +367,7 @@ class Embed(beam.DoFn):
     def process(self, batch: list[Item]):
         limit = effective_window(self.window, self.max_tokens) if self.window else None
         job = _Job(batch, [i for i in batch if limit is None or len(i.tokens) <= limit],
-                   [i for i in batch if limit is not None and len(i.tokens) > limit])   # windowed, one by one
+                   [i for i in batch if limit is not None and len(i.tokens) > limit])   # windowed
         if job.short:
             tokens = [i.tokens for i in job.short]
             try:
@@ -386,6 +388,16 @@ class Embed(beam.DoFn):
             for out in self._finish(self.pending.pop(0)):
                 yield _windowed(out)
 
+    def _one_by_one(self, items: list[Item], outs: list[EmbeddedBatch]):
+        """Each item embedded alone into outs; those that fail go to DEAD (yielded)."""
+        for item in items:
+            try:
+                outs.append(self._embed_one(item))
+            except Exception as e:  # noqa: BLE001
+                self.dead.inc()
+                yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(
+                    item.id, f"embedding failed: {type(e).__name__}: {e}"[:500], " ".join(item.tokens)[:EXCERPT_CHARS]))
+
     def _finish(self, job: _Job):
         """The job's EmbeddedBatches (waiting for its biLM thread) and its dead letters."""
         crash_point("embed")       # the k-th time: the k-th batch is embedded (or being embedded), not emitted
@@ -395,13 +407,16 @@ class Embed(beam.DoFn):
                 outs.append(EmbeddedBatch(job.short, *job.future.result(), self.layers))
             except Exception:  # noqa: BLE001 - isolate the failing sentence(s), below
                 job.single = job.short + job.single
-        for item in job.single:
+        yield from self._one_by_one(job.single, outs)
+        if job.long:
             try:
-                outs.append(self._embed_one(item))
-            except Exception as e:  # noqa: BLE001
-                self.dead.inc()
-                yield beam.pvalue.TaggedOutput(DEAD, DeadLetter(
-                    item.id, f"embedding failed: {type(e).__name__}: {e}"[:500], " ".join(item.tokens)[:EXCERPT_CHARS]))
+                vectors = embed_long_many(self.embedder, [i.tokens for i in job.long], self.window, self.overlap,
+                                          self.max_tokens)
+                self.windowed.inc(len(job.long))
+                outs += [EmbeddedBatch([i], v, np.array([0, len(i.tokens)], dtype=np.int64))
+                         for i, v in zip(job.long, vectors)]
+            except Exception:  # noqa: BLE001 - isolate the failing sentence(s)
+                yield from self._one_by_one(job.long, outs)
         seconds = time.perf_counter() - job.t0
         self.seconds.inc(int(1000 * seconds))
         tokens = sum(int(b.offsets[-1]) for b in outs)
