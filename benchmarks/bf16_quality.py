@@ -10,9 +10,11 @@ the same), and are probed the same way (same seeds):
 and per output layer the relative error ||v_D - v_fp32|| / ||v_fp32|| (Frobenius over all real tokens of the
 task's vectors, as benchmarks/model_speed.py measures it on a random biLM).
 
-    python -m benchmarks.bf16_quality [--dtype bfloat16] [--seeds 2] [--tasks sst2,nextword] [--tag NAME]
+    python -m benchmarks.bf16_quality [--dtype bfloat16] [--seeds 2] [--tasks sst2,nextword] [--device cuda] [--tag NAME]
 Prints the table; writes benchmarks/results/bf16_quality[_TAG].json (machine, CPU support, every score).
-Intermediate outputs go to out/bf16_quality/ (a finished pipeline output is reused: the pipeline skips it).
+Intermediate outputs go to out/bf16_quality/<device>/ (a finished pipeline output is reused: the pipeline skips it).
+--device: where the vectors are computed (the pipeline's --device and the embedder's; default cpu); the probes train
+on the CPU.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
 
 
-def sst2(work: str, dtypes: list[str], seeds: int, source: str, limit: int | None = None) -> dict:
+def sst2(work: str, dtypes: list[str], seeds: int, source: str, limit: int | None = None, device: str = "cpu") -> dict:
     from downstream.readers import ElmoOutput
     data = os.path.join(work, "sst2", "data")
     run([sys.executable, "-m", "downstream.sst2", source, data, *(["--limit", str(limit)] if limit else [])])
@@ -64,7 +66,8 @@ def sst2(work: str, dtypes: list[str], seeds: int, source: str, limit: int | Non
         for s in ("train", "dev", "test"):
             run([sys.executable, "-m", "pipeline.run", "--input", f"{data}/{s}.jsonl", "--input-format", "jsonl",
                  "--id-field", "id", "--tokenizer", "whitespace", "--output", f"{work}/sst2/{dt}/{s}",
-                 "--shard-sentences", "2000", "--torch-threads", "1", "--progress", "off", "--compute-dtype", dt])
+                 "--shard-sentences", "2000", "--torch-threads", "1", "--progress", "off", "--compute-dtype", dt,
+                 "--device", device])
         extract_s = time.perf_counter() - t0
         labels = [a for s in ("train", "dev", "test") for a in ("--labels", f"{data}/{s}.jsonl")]
         probe = f"{work}/sst2/{dt}/probe-linear"
@@ -84,7 +87,7 @@ def sst2(work: str, dtypes: list[str], seeds: int, source: str, limit: int | Non
     return out
 
 
-def nextword(dtypes: list[str], seeds: int, wikitext: str, limit: int | None = None) -> dict:
+def nextword(dtypes: list[str], seeds: int, wikitext: str, limit: int | None = None, device: str = "cpu") -> dict:
     from benchmarks.probe_linear_fit import embed_task, next_word_task
     from downstream.probe import ProbeConfig, Split, train_setting
     from model.embedder import ElmoEmbedder
@@ -94,7 +97,7 @@ def nextword(dtypes: list[str], seeds: int, wikitext: str, limit: int | None = N
                  "tokens": {k: sum(len(r["tags"]) for r in v) for k, v in parts.items()}}
     ref = None
     for dt in dtypes:
-        emb = ElmoEmbedder(dtype=dt)
+        emb = ElmoEmbedder(dtype=dt, device=device)
         t0 = time.perf_counter()
         recs = {name: embed_task(emb, rs) for name, rs in parts.items()}
         entry: dict = {"embed_seconds": round(time.perf_counter() - t0, 1)}
@@ -163,24 +166,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default="sst2,nextword")
     ap.add_argument("--sst2", default=os.path.join(SHARED, "data", "sst2"))
     ap.add_argument("--wikitext", default=os.path.join(SHARED, "data", "wikitext-2"))
-    ap.add_argument("--work", default=os.path.join(ROOT, "out", "bf16_quality"))
+    ap.add_argument("--device", default="cpu", help="where the vectors are computed (cpu, cuda)")
+    ap.add_argument("--work", default=None, help="intermediate outputs (default out/bf16_quality/<device>)")
     ap.add_argument("--limit", type=int, help="at most this many sentences per split (a quick check, not a result)")
     ap.add_argument("--tag", default="", help="results file suffix (e.g. the machine kind)")
     args = ap.parse_args(argv)
+    work = args.work or os.path.join(ROOT, "out", "bf16_quality", args.device.replace(":", "_"))
     torch.set_num_threads(1)
     dtypes = ["float32", args.dtype]
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     t0 = time.perf_counter()
-    results: dict = {"machine": machine(), "support": compute_support(args.dtype, "cpu"), "seeds": args.seeds,
-                     "threads": 1, "model": "wikitext2-small", "state": "stateless", "tasks": {}}
+    results: dict = {"machine": machine(), "device": args.device, "support": compute_support(args.dtype, args.device),
+                     "seeds": args.seeds, "threads": 1, "model": "wikitext2-small", "state": "stateless", "tasks": {}}
     if "sst2" in tasks:
-        results["tasks"]["sst2"] = sst2(args.work, dtypes, args.seeds, args.sst2, args.limit)
+        results["tasks"]["sst2"] = sst2(work, dtypes, args.seeds, args.sst2, args.limit, args.device)
     if "nextword" in tasks:
-        results["tasks"]["nextword"] = nextword(dtypes, args.seeds, args.wikitext, args.limit)
+        results["tasks"]["nextword"] = nextword(dtypes, args.seeds, args.wikitext, args.limit, args.device)
     table = [row for task, res in results["tasks"].items() for row in rows(task, res, dtypes)]
     errors = {task: res["dtypes"][args.dtype]["relative_error_per_layer"] for task, res in results["tasks"].items()}
     results.update(table=table, relative_error_per_layer=errors, seconds=round(time.perf_counter() - t0, 1))
-    print(f"{machine()}; {args.dtype} on this CPU: {results['support']['support']}")
+    print(f"{machine()}; {args.dtype} on {args.device}: {results['support']['support']}")
     print(markdown(table, errors, dtypes))
     os.makedirs(RESULTS, exist_ok=True)
     name = os.path.join(RESULTS, f"bf16_quality{'_' + args.tag if args.tag else ''}.json")

@@ -1,13 +1,18 @@
 """One command for the day a GPU is available: correctness and speed of the GPU path, in one JSON.
 
-    python -m benchmarks.gpu_check [--device cuda] [--quick]      # on a CPU: --device cpu (same steps)
+    python -m benchmarks.gpu_check [--device cuda] [--quick] [--steps NAME ...] [--budgets 16384 65536]
+        # on a CPU: --device cpu (same steps)
 
-Steps (each recorded with its status; one failing step does not stop the others):
-  tests        pytest on the parity, oracle, state-mode and batch-invariant tests with ELMO_TEST_DEVICE=<device>
-               (tests/conftest.py: every ElmoEmbedder those tests make runs there)
+Steps (each recorded with its status; one failing step does not stop the others; --steps picks some, so that
+each call fits a time limit, and --out names each call's JSON):
+  tests        pytest on the parity, oracle, state-mode, batch-invariant, lanes and windows tests with
+               ELMO_TEST_DEVICE=<device> (tests/conftest.py: every ElmoEmbedder those tests make runs there)
   low_precision bf16 / fp16 relative error per output layer against fp32 (benchmarks.model_speed)
-  model_speed  tokens/s of BiLM.forward (fp32 with TF32 off, bf16) beside the square-GEMM ceiling of each
-               dtype measured in the same run (benchmarks.common.gemm_ceiling_gflops)
+  model_speed  tokens/s per budget (--budgets), fp32 (TF32 off) and bf16, beside the square-GEMM ceiling of each
+               dtype measured in the same run (benchmarks.common.gemm_ceiling_gflops): BiLM.forward, and the
+               embedder (what a user calls, token cache warm) with lanes on and off
+  quality      benchmarks.bf16_quality on the device: the SST-2 and WikiText-2 next-word probes' accuracy in bf16
+               against fp32, relative error per layer of the shipped model (not in --quick)
   pipeline     the Beam pipeline end to end on WikiText-2 lines with 1 and 4 worker processes sharing the device
 Writes benchmarks/results/gpu_check_<device name>.json (or --out) naming the device and the machine.
 """
@@ -29,7 +34,8 @@ from benchmarks.common import RESULTS, gemm_ceiling_gflops, machine, wikitext_se
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_FILES = ["tests/test_fixture_parity.py", "tests/test_oracle.py", "tests/test_state_modes.py",
-              "tests/test_batch_invariant.py"]
+              "tests/test_batch_invariant.py", "tests/test_lanes.py", "tests/test_windows.py"]
+STEPS = ("tests", "low_precision", "model_speed", "quality", "pipeline")
 
 
 def device_name(device: str) -> str:
@@ -56,8 +62,9 @@ def step_low_precision(device: str, config: str, sentences) -> dict:
             for dt in ("bfloat16", "float16")}
 
 
-def step_model_speed(device: str, config: str, sentences, budget: int) -> list[dict]:
-    from benchmarks.model_speed import measure
+def step_model_speed(device: str, config: str, sentences, budgets: list[int], warm) -> list[dict]:
+    """Per dtype (its ceiling measured first) and budget: BiLM.forward, then the embedder with lanes on and off."""
+    from benchmarks.model_speed import measure, measure_embedder
     rows = []
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False      # fp32 as fp32: the non-tensor-core peak
@@ -66,10 +73,33 @@ def step_model_speed(device: str, config: str, sentences, budget: int) -> list[d
         dtype = getattr(torch, dt)
         ceiling = gemm_ceiling_gflops(torch.get_num_threads(), n=2048 if device != "cpu" else 512,
                                       seconds=1.0, dtype=dtype, device=device)
-        r = measure(config, sentences, budget, device, dtype)
-        r.update(dtype=dt, gemm_ceiling_gflops=ceiling, fraction_of_ceiling=r["gflops"] / ceiling, max_tokens=budget)
-        rows.append(r)
+        for budget in budgets:
+            runs = [("forward", None, lambda: measure(config, sentences, budget, device, dtype))]
+            runs += [("embedder", lanes, lambda lanes=lanes: measure_embedder(config, sentences, budget, device, dtype,
+                                                                             warm, lanes=lanes))
+                     for lanes in (True, False)]
+            for path, lanes, call in runs:
+                r = call()
+                r.update(path=path, lanes=lanes, dtype=dt, gemm_ceiling_gflops=ceiling,
+                         fraction_of_ceiling=r["gflops"] / ceiling, max_tokens=budget)
+                rows.append(r)
     return rows
+
+
+def step_quality(device: str, quick: bool) -> dict:
+    """benchmarks.bf16_quality on the device (its JSON beside this report's); quick: a few sentences, one seed,
+    its intermediate outputs in a temporary folder."""
+    from benchmarks import bf16_quality
+    tag = "gpu_" + re.sub(r"[^A-Za-z0-9]+", "_", device_name(device)).strip("_") + ("_quick" if quick else "")
+    argv = ["--device", device, "--tag", tag] + (["--seeds", "1", "--limit", "200"] if quick else ["--seeds", "2"])
+    with tempfile.TemporaryDirectory() as tmp:
+        rc = bf16_quality.main(argv + (["--work", tmp] if quick else []))
+    path = os.path.join(RESULTS, f"bf16_quality_{tag}.json")
+    with open(path) as f:
+        result = {"returncode": rc, **json.load(f)}
+    if quick:
+        os.remove(path)          # a check, not a result
+    return result
 
 
 def step_pipeline(device: str, lines: int, workers: list[int]) -> list[dict]:
@@ -90,18 +120,22 @@ def step_pipeline(device: str, lines: int, workers: list[int]) -> list[dict]:
     return rows
 
 
-def run(device: str, quick: bool, out: str | None) -> dict:
+def run(device: str, quick: bool, out: str | None, steps: list[str] | None = None,
+        budgets: list[int] | None = None) -> dict:
     sentences = wikitext_sentences(40 if quick else 2000)
     config = "tiny" if quick else "original"
+    budgets = budgets or ([4096] if quick else [16384, 65536])
     report = {"device": device, "device_name": device_name(device), "machine": machine(),
               "torch": torch.__version__, "quick": quick, "config": config, "steps": {}}
-    steps = {
+    calls = {
         "tests": lambda: step_tests(device, quick),
         "low_precision": lambda: step_low_precision(device, config, sentences[:200]),
-        "model_speed": lambda: step_model_speed(device, config, sentences, 4096 if quick else 16384),
+        "model_speed": lambda: step_model_speed(device, config, sentences, budgets,
+                                                wikitext_sentences(200 if quick else 2000, split="train")),
+        "quality": lambda: step_quality(device, quick),
         "pipeline": lambda: step_pipeline(device, 20 if quick else 1000, [1, 4]),
     }
-    for name, fn in steps.items():
+    for name, fn in ((n, calls[n]) for n in (steps or STEPS)):
         t = time.perf_counter()
         try:
             result, status = fn(), "ok"
@@ -124,8 +158,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny model, few sentences, a subset of the tests")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu_check_<device>.json)")
+    ap.add_argument("--steps", nargs="+", choices=STEPS, default=None, help="these steps only (default: all)")
+    ap.add_argument("--budgets", type=int, nargs="+", default=None,
+                    help="model_speed token budgets (default 16384 65536; --quick 4096)")
     args = ap.parse_args()
-    run(args.device, args.quick, args.out)
+    run(args.device, args.quick, args.out, args.steps, args.budgets)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,19 @@ def test_gpu_check_cpu_report(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["device"] == "cpu" and saved["device_name"] and saved["machine"]
     steps = saved["steps"]
-    assert set(steps) == {"tests", "low_precision", "model_speed", "pipeline"}
+    assert set(steps) == {"tests", "low_precision", "model_speed", "quality", "pipeline"}
     for name, step in steps.items():
         assert step["status"] == "ok", (name, step["result"])
     assert steps["tests"]["result"]["returncode"] == 0 and steps["tests"]["result"]["passed"] > 0
     errs = steps["low_precision"]["result"]
     assert set(errs) == {"bfloat16", "float16"} and all(0 < e < 5e-2 for v in errs.values() for e in v)
-    assert [r["dtype"] for r in steps["model_speed"]["result"]] == ["float32", "bfloat16"]
-    assert all(r["tokens_per_s"] > 0 and r["gemm_ceiling_gflops"] > 0 for r in steps["model_speed"]["result"])
+    speed = steps["model_speed"]["result"]
+    assert [(r["dtype"], r["max_tokens"], r["path"], r["lanes"]) for r in speed] == [
+        (dt, 4096, path, lanes) for dt in ("float32", "bfloat16")
+        for path, lanes in (("forward", None), ("embedder", True), ("embedder", False))]
+    assert all(r["tokens_per_s"] > 0 and r["gemm_ceiling_gflops"] > 0 for r in speed)
+    quality = steps["quality"]["result"]
+    assert quality["returncode"] == 0 and quality["device"] == "cpu" and set(quality["tasks"]) == {"sst2", "nextword"}
+    assert all(0 < e < 5e-2 for v in quality["relative_error_per_layer"].values() for e in v)
     assert [(r["workers"], r["returncode"]) for r in steps["pipeline"]["result"]] == [(1, 0), (4, 0)]
     assert report["path"] == str(out) and os.path.exists(out)

@@ -1,6 +1,7 @@
 """Lanes (model.batching.pack_lanes, model.bilm.PackedBatch(lanes=True)): a batch's sentences laid end to end in
 the LSTMs' lanes, each starting from the initial state again. Every sentence gets the oracle's vectors; with
 batch_invariant the same bits as without lanes; both GEMM loops; batches cut by token slots."""
+import os
 import random
 
 import numpy as np
@@ -15,7 +16,9 @@ from model.synthetic import random_bilm
 from tests.oracle import oracle_forward
 from tests.test_batch_invariant import sentences
 
-GEMMS = ["onednn", "bmm"] if torch.backends.mkldnn.is_available() else ["bmm"]
+# oneDNN's loop is the CPU's: where ELMO_TEST_DEVICE puts the embedders on a GPU (benchmarks/gpu_check.py), bmm only
+GEMMS = ["onednn", "bmm"] if torch.backends.mkldnn.is_available() and \
+    os.environ.get("ELMO_TEST_DEVICE", "cpu") == "cpu" else ["bmm"]
 
 
 def _check_lanes(lengths, capacity):
