@@ -136,6 +136,12 @@ def test_elmo_command_windows(tiny_model_files, tmp_path, embedder):
         np.testing.assert_allclose(f["1"][...], embedder.embed_sentence(short), atol=1e-5)
     with pytest.raises(SystemExit, match="stateless or warm"):
         main(["elmo", str(inp), str(out), "--all", "--window-tokens", "20", "--state", "stateful", *model])
+    # a line's windows run together (--batch-size of them a sub-batch): the bits of one window per call
+    exact = ElmoEmbedder(*tiny_model_files, batch_invariant=True)
+    assert main(["elmo", str(inp), str(out), "--all", "--window-tokens", "20", "--window-overlap", "4",
+                 "--batch-invariant", *model]) == 0
+    with h5py.File(out) as f:
+        assert np.array_equal(f["0"][...], embed_long(exact, long, 20, 4, 22))
 
 
 def test_a_failing_windowed_sentence_is_a_dead_letter_and_the_others_come_out(tiny_model_files, embedder):
