@@ -13,7 +13,8 @@ each call fits a time limit, and --out names each call's JSON):
                embedder (what a user calls, token cache warm) with lanes on and off
   quality      benchmarks.bf16_quality on the device: the SST-2 and WikiText-2 next-word probes' accuracy in bf16
                against fp32, relative error per layer of the shipped model (not in --quick)
-  pipeline     the Beam pipeline end to end on WikiText-2 lines with 1 and 4 worker processes sharing the device
+  pipeline     the Beam pipeline end to end on WikiText-2 lines with 1 and 4 worker processes sharing the device:
+               tokens/s and the GPU's busy share (nvidia-smi), beside the model alone on the same sentences
 Writes benchmarks/results/gpu_check_<device name>.json (or --out) naming the device and the machine.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -102,7 +104,51 @@ def step_quality(device: str, quick: bool) -> dict:
     return result
 
 
-def step_pipeline(device: str, lines: int, workers: list[int]) -> list[dict]:
+class BusyShare:
+    """The GPU's busy share while a block runs: nvidia-smi's utilization.gpu sampled every 200 ms (None where there
+    is no nvidia-smi, e.g. on a CPU)."""
+
+    def __init__(self, device: str):
+        self.proc, self.share = None, None
+        if device.startswith("cuda") and shutil.which("nvidia-smi"):
+            index = torch.device(device).index or 0
+            self.proc = subprocess.Popen(["nvidia-smi", f"--id={index}", "--query-gpu=utilization.gpu",
+                                          "--format=csv,noheader,nounits", "-lms", "200"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            samples = [float(x) for x in self.proc.communicate()[0].split() if x.replace(".", "", 1).isdigit()]
+            self.share = sum(samples) / len(samples) / 100 if samples else None
+
+
+PIPELINE_BUDGET = 4096          # pipeline.run's --max-tokens-per-batch default
+
+
+def model_alone(device: str, sentences: list[list[str]], budget: int) -> dict:
+    """The shipped model's embedder alone on `sentences` at `budget`, after one warm-up batch (as a fresh worker
+    starts): tokens/s and the GPU's busy share."""
+    from model.embedder import ElmoEmbedder
+    embedder = ElmoEmbedder(device=device)
+    list(embedder.embed_sentences(sentences[:50], max_tokens=budget))
+    t = time.perf_counter()
+    with BusyShare(device) as busy:
+        for _ in embedder.embed_sentences(sentences, max_tokens=budget):
+            pass
+    wall = time.perf_counter() - t
+    tokens = sum(len(s) for s in sentences)
+    return {"path": "model alone (ElmoEmbedder.embed_sentences)", "budget": budget, "tokens": tokens,
+            "wall_s": wall, "tokens_per_s": tokens / wall, "gpu_busy_share": busy.share}
+
+
+def step_pipeline(device: str, lines: int, workers: list[int]) -> dict:
+    """The pipeline (shipped model, default budget) on `lines` WikiText-2 lines with each worker count: tokens/s
+    from its manifest and the GPU's busy share; then the model alone on the sentences the first run wrote."""
+    import pyarrow.dataset as ds
     src = os.path.join(REPO, "..", "shared", "data", "wikitext-2", "valid.txt")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,10 +160,25 @@ def step_pipeline(device: str, lines: int, workers: list[int]) -> list[dict]:
             cmd = [sys.executable, "-m", "pipeline.run", "--input", inp, "--output", out, "--device", device,
                    "--direct_running_mode", "multi_processing", f"--direct_num_workers={n}"]
             t = time.perf_counter()
-            p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True)
-            rows.append({"workers": n, "returncode": p.returncode, "wall_s": time.perf_counter() - t,
-                         "lines": lines, "stderr_tail": p.stderr[-2000:] if p.returncode else ""})
-    return rows
+            with BusyShare(device) as busy:
+                p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True,
+                                   text=True)
+            wall = time.perf_counter() - t
+            tokens = None
+            if p.returncode == 0:
+                with open(os.path.join(out, "manifest.json")) as f:
+                    tokens = json.load(f)["counts"]["tokens_written"]
+            rows.append({"workers": n, "returncode": p.returncode, "wall_s": wall, "lines": lines, "tokens": tokens,
+                         "tokens_per_s": tokens / wall if tokens else None, "gpu_busy_share": busy.share,
+                         "stderr_tail": p.stderr[-2000:] if p.returncode else ""})
+        alone = None
+        if rows and rows[0]["returncode"] == 0:
+            out = os.path.join(tmp, f"out{workers[0]}")
+            with open(os.path.join(out, "manifest.json")) as f:
+                files = [os.path.join(out, sh["parquet"]) for sh in json.load(f)["shards"]]
+            sentences = ds.dataset(files, format="parquet").to_table(columns=["tokens"]).column("tokens").to_pylist()
+            alone = model_alone(device, sentences, PIPELINE_BUDGET)
+    return {"runs": rows, "model_alone": alone}
 
 
 def run(device: str, quick: bool, out: str | None, steps: list[str] | None = None,

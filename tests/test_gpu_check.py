@@ -29,5 +29,8 @@ def test_gpu_check_cpu_report(tmp_path):
     quality = steps["quality"]["result"]
     assert quality["returncode"] == 0 and quality["device"] == "cpu" and set(quality["tasks"]) == {"sst2", "nextword"}
     assert all(0 < e < 5e-2 for v in quality["relative_error_per_layer"].values() for e in v)
-    assert [(r["workers"], r["returncode"]) for r in steps["pipeline"]["result"]] == [(1, 0), (4, 0)]
+    pipe = steps["pipeline"]["result"]
+    assert [(r["workers"], r["returncode"]) for r in pipe["runs"]] == [(1, 0), (4, 0)]
+    assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["gpu_busy_share"] is None for r in pipe["runs"])
+    assert pipe["model_alone"]["tokens"] == pipe["runs"][0]["tokens"] and pipe["model_alone"]["tokens_per_s"] > 0
     assert report["path"] == str(out) and os.path.exists(out)
