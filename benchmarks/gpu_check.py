@@ -13,6 +13,8 @@ each call fits a time limit, and --out names each call's JSON):
                embedder (what a user calls, token cache warm) with lanes on and off
   quality      benchmarks.bf16_quality on the device: the SST-2 and WikiText-2 next-word probes' accuracy in bf16
                against fp32, relative error per layer of the shipped model (not in --quick)
+  levers       benchmarks.gpu_levers: CUDA graphs for the LSTM step against eager launches, pinned and overlapped
+               result copies (its JSON beside this report's)
   pipeline     the Beam pipeline end to end on WikiText-2 lines with 1 and 4 worker processes sharing the device:
                tokens/s and the GPU's busy share (nvidia-smi), beside the model alone on the same sentences
 Writes benchmarks/results/gpu_check_<device name>.json (or --out) naming the device and the machine.
@@ -37,7 +39,7 @@ from benchmarks.common import RESULTS, gemm_ceiling_gflops, machine, wikitext_se
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_FILES = ["tests/test_fixture_parity.py", "tests/test_oracle.py", "tests/test_state_modes.py",
               "tests/test_batch_invariant.py", "tests/test_lanes.py", "tests/test_windows.py"]
-STEPS = ("tests", "low_precision", "model_speed", "quality", "pipeline")
+STEPS = ("tests", "low_precision", "model_speed", "quality", "levers", "pipeline")
 
 
 def device_name(device: str) -> str:
@@ -126,6 +128,15 @@ class BusyShare:
             self.share = sum(samples) / len(samples) / 100 if samples else None
 
 
+def step_levers(device: str, quick: bool) -> dict:
+    """benchmarks.gpu_levers on the device; quick: the tiny shape, a few rows and steps, its JSON not kept."""
+    from benchmarks import gpu_levers
+    argv = ["--device", device] + (["--config", "tiny", "--rows", "4", "--steps", "3"] if quick else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        report = gpu_levers.main(argv + (["--out", os.path.join(tmp, "levers.json")] if quick else []))
+    return {k: v for k, v in report.items() if k != "path"}
+
+
 PIPELINE_BUDGET = 4096          # pipeline.run's --max-tokens-per-batch default
 
 
@@ -194,6 +205,7 @@ def run(device: str, quick: bool, out: str | None, steps: list[str] | None = Non
         "model_speed": lambda: step_model_speed(device, config, sentences, budgets,
                                                 wikitext_sentences(200 if quick else 2000, split="train")),
         "quality": lambda: step_quality(device, quick),
+        "levers": lambda: step_levers(device, quick),
         "pipeline": lambda: step_pipeline(device, 20 if quick else 1000, [1, 4]),
     }
     for name, fn in ((n, calls[n]) for n in (steps or STEPS)):

@@ -15,7 +15,7 @@ def test_gpu_check_cpu_report(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["device"] == "cpu" and saved["device_name"] and saved["machine"]
     steps = saved["steps"]
-    assert set(steps) == {"tests", "low_precision", "model_speed", "quality", "pipeline"}
+    assert set(steps) == {"tests", "low_precision", "model_speed", "quality", "levers", "pipeline"}
     for name, step in steps.items():
         assert step["status"] == "ok", (name, step["result"])
     assert steps["tests"]["result"]["returncode"] == 0 and steps["tests"]["result"]["passed"] > 0
@@ -29,6 +29,9 @@ def test_gpu_check_cpu_report(tmp_path):
     quality = steps["quality"]["result"]
     assert quality["returncode"] == 0 and quality["device"] == "cpu" and set(quality["tasks"]) == {"sst2", "nextword"}
     assert all(0 < e < 5e-2 for v in quality["relative_error_per_layer"].values() for e in v)
+    levers = steps["levers"]["result"]
+    assert [(r["dtype"], r["rows"]) for r in levers["step"]] == [("float32", 4), ("bfloat16", 4)]
+    assert all(r["eager_ms_per_step"] > 0 and "graph_ms_per_step" not in r for r in levers["step"])  # graphs: CUDA
     pipe = steps["pipeline"]["result"]
     assert [(r["workers"], r["returncode"]) for r in pipe["runs"]] == [(1, 0), (4, 0)]
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["gpu_busy_share"] is None for r in pipe["runs"])
