@@ -11,8 +11,8 @@ each call fits a time limit, and --out names each call's JSON):
   model_speed  tokens/s per budget (--budgets), fp32 (TF32 off) and bf16, beside the square-GEMM ceiling of each
                dtype measured in the same run (benchmarks.common.gemm_ceiling_gflops): BiLM.forward, and the
                embedder (what a user calls, token cache warm) with lanes on and off
-  quality      benchmarks.bf16_quality on the device: the SST-2 and WikiText-2 next-word probes' accuracy in bf16
-               against fp32, relative error per layer of the shipped model (not in --quick)
+  quality      benchmarks.bf16_quality on the device: the SST-2 probe's accuracy in bf16 against fp32, relative
+               error per layer of the shipped model (--quick: a few sentences, and the next-word probe too)
   levers       benchmarks.gpu_levers: CUDA graphs for the LSTM step against eager launches, pinned and overlapped
                result copies (its JSON beside this report's)
   pipeline     the Beam pipeline end to end on WikiText-2 lines with 1 and 4 worker processes sharing the device:
@@ -95,7 +95,9 @@ def step_quality(device: str, quick: bool) -> dict:
     its intermediate outputs in a temporary folder."""
     from benchmarks import bf16_quality
     tag = "gpu_" + re.sub(r"[^A-Za-z0-9]+", "_", device_name(device)).strip("_") + ("_quick" if quick else "")
-    argv = ["--device", device, "--tag", tag] + (["--seeds", "1", "--limit", "200"] if quick else ["--seeds", "2"])
+    # the issue asks for SST-2; the next-word probe's training (about 4 CPU minutes a dtype) runs in --quick only
+    argv = ["--device", device, "--tag", tag] + (["--seeds", "1", "--limit", "200"] if quick else
+                                                 ["--seeds", "2", "--tasks", "sst2"])
     with tempfile.TemporaryDirectory() as tmp:
         rc = bf16_quality.main(argv + (["--work", tmp] if quick else []))
     path = os.path.join(RESULTS, f"bf16_quality_{tag}.json")

@@ -100,7 +100,8 @@ def test_killed_at_each_stage_then_rerun_equals_uninterrupted(corpus, tiny_model
         assert p.returncode == -9, p.stderr[-2000:]
         assert not os.path.exists(os.path.join(st, partial[0]))     # the garbage was cleared
         committed = sum(r["sentences"] for r in _records(st))
-        assert len(_records(st)) == len(first) + 1 and committed < total
+        # the other writer thread may commit its shard between this one's record and the kill
+        assert 1 <= len(_records(st)) - len(first) <= WriteShards.WRITERS and committed < total
 
         # 4. killed in Finalize after 3 moves: the plan is written, 3 files have final names, no manifest
         p = run_subprocess(args, "finalize_move:3")
