@@ -88,25 +88,28 @@ def windows_speed(embedder, n: int, tokens: int, window: int, budgets: list[int]
     seq = wikitext_tokens(n * tokens)
     sentences = [seq[i * tokens: (i + 1) * tokens] for i in range(n)]
     overlap = default_overlap(window)
-    ways = {"one window per call": lambda b: [embed_long(embedder, s, window, overlap, window + 2) for s in sentences],
-            "one at a time": lambda b: [embed_long(embedder, s, window, overlap, b) for s in sentences],
+    n_tokens = sum(len(s) for s in sentences)
+    ways = {"one at a time": lambda b: [embed_long(embedder, s, window, overlap, b) for s in sentences],
             "together": lambda b: embed_long_many(embedder, sentences, window, overlap, b)}
+
+    def seconds(call) -> float:
+        t = time.perf_counter()
+        call()
+        return time.perf_counter() - t
+    per_call: list[float] = []          # one window per call (budget window + 2): the same at every budget
     rows = []
-    for k, budget in enumerate(budgets):
+    for budget in budgets:
         ways["together"](budget)                       # warm-up: token cache, workspaces
         times = {name: [] for name in ways}
-        for _ in range(repeats):
+        for _ in range(repeats):                       # the ways interleaved
+            if len(per_call) < repeats:
+                per_call.append(seconds(lambda: [embed_long(embedder, s, window, overlap, window + 2)
+                                                 for s in sentences]))
             for name, call in ways.items():
-                if k and name == "one window per call":      # the same at every budget: timed at the first
-                    times[name] = rows[0]["times"][name]
-                    continue
-                t = time.perf_counter()
-                call(budget)
-                times[name].append(time.perf_counter() - t)
-        n_tokens = sum(len(s) for s in sentences)
+                times[name].append(seconds(lambda: call(budget)))
         row = {"budget": budget, "sentences": n, "tokens": n_tokens, "window": window, "overlap": overlap,
-               **{f"{name} tokens_per_s": n_tokens / statistics.median(ts) for name, ts in times.items()},
-               "times": times}
+               "one window per call tokens_per_s": n_tokens / statistics.median(per_call),
+               **{f"{name} tokens_per_s": n_tokens / statistics.median(ts) for name, ts in times.items()}}
         row["speed-up"] = row["together tokens_per_s"] / row["one at a time tokens_per_s"]
         rows.append(row)
     return rows

@@ -95,7 +95,7 @@ class ElmoEmbedder:
         if self.model.opts.char_cnn is not None:   # char-CNN vectors of up to `token_cache` distinct tokens are reused
             self.model.enable_token_cache(token_cache)
         self.state_mode = state
-        if lanes and state == "stateful":
+        if lanes and not sentences_independent(state):
             raise ValueError("lanes need state='stateless' or 'warm' (stateful carries each sentence's final state)")
         self.lanes = sentences_independent(state) if lanes is None else bool(lanes)
         self.batch_size = batch_size
