@@ -91,6 +91,30 @@ def stitch(pieces: Sequence[np.ndarray], spans: list[tuple[int, int]]) -> np.nda
     return np.ascontiguousarray(np.concatenate(parts, axis=1))
 
 
+def _sub_batches(window: int, overlap: int, max_tokens: int) -> tuple[int, int, int]:
+    """(window, overlap) as used under the budget, and how many windows one sub-batch of `max_tokens` holds."""
+    check_window(window, overlap, max_tokens)
+    w = effective_window(window, max_tokens)
+    return w, effective_overlap(window, overlap, max_tokens), max(1, max_tokens // (w + 2))
+
+
+def window_groups(lengths: Sequence[int], window: int, overlap: int, max_tokens: int) -> list[list[int]]:
+    """Indices 0..len(lengths)-1 cut in order into groups of sentences whose windows fill one sub-batch of
+    `embed_long_many` (a sentence with more windows than that is a group of its own): a caller that keeps input
+    order embeds a group at a time, holding one group's vectors, with as many windows a step as fit."""
+    w, v, per_batch = _sub_batches(window, overlap, max_tokens)
+    groups: list[list[int]] = []
+    filled = 0
+    for i, n in enumerate(lengths):
+        k = len(window_spans(n, w, v))
+        if not groups or filled + k > per_batch:
+            groups.append([])
+            filled = 0
+        groups[-1].append(i)
+        filled += k
+    return groups
+
+
 def embed_long(embedder, tokens: Sequence[str], window: int, overlap: int, max_tokens: int) -> np.ndarray:
     """(L, T, D) float32 for one sentence of any length: windows embedded in budget-sized sub-batches.
 
@@ -107,12 +131,10 @@ def embed_long_many(embedder, sentences: Sequence[Sequence[str]], window: int, o
     Returns one (L, T_i, D) float32 array per sentence."""
     if getattr(embedder, "state_mode", "stateless") == "stateful":
         raise ValueError("windows need a deterministic state mode (stateless or warm), not stateful")
-    check_window(window, overlap, max_tokens)
-    w, v = effective_window(window, max_tokens), effective_overlap(window, overlap, max_tokens)
+    w, v, per_batch = _sub_batches(window, overlap, max_tokens)
     sentences = [list(tokens) for tokens in sentences]
     spans = [window_spans(len(tokens), w, v) for tokens in sentences]
     pieces = [tokens[s:e] for tokens, sp in zip(sentences, spans) for s, e in sp]
-    per_batch = max(1, max_tokens // (w + 2))
     out: list[np.ndarray] = []
     for i in range(0, len(pieces), per_batch):
         out += embedder.embed_batch(pieces[i:i + per_batch])
@@ -123,4 +145,4 @@ def embed_long_many(embedder, sentences: Sequence[Sequence[str]], window: int, o
     return vectors
 
 
-__all__ = ["check_window", "default_overlap", "effective_overlap", "effective_window", "embed_long", "embed_long_many", "stitch", "stitch_plan", "window_spans"]
+__all__ = ["check_window", "default_overlap", "effective_overlap", "effective_window", "embed_long", "embed_long_many", "stitch", "stitch_plan", "window_groups", "window_spans"]

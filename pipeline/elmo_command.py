@@ -101,17 +101,26 @@ def run(args: argparse.Namespace) -> int:
     sentences = [line.split() for line in lines]
     t0 = time.perf_counter()              # after the model load, as AllenNLP's command timed itself
     long = {i: s for i, s in enumerate(sentences) if args.window_tokens and len(s) > args.window_tokens}
-    # a long line's windows share sub-batches of --max-tokens-per-batch slots, else of --batch-size windows (the
+    # long lines' windows share sub-batches of --max-tokens-per-batch slots, else of --batch-size windows (the
     # memory of a batch of --batch-size lines as long as the window); never fewer than one whole window
     window_budget = max(args.window_tokens + 2,
                         args.max_tokens_per_batch or args.batch_size * (args.window_tokens + 2))
     batched = ([] if i in long else s for i, s in enumerate(sentences))
+    group_of, ready = {}, {}      # long lines by group of windows that fill one sub-batch; their vectors, ahead
+    if long:
+        from model.windows import embed_long_many, window_groups
+        ids = list(long)
+        for g in window_groups([len(long[i]) for i in ids], args.window_tokens, args.window_overlap, window_budget):
+            group_of.update(dict.fromkeys((ids[k] for k in g), [ids[k] for k in g]))
     with h5py.File(args.output_file, "w") as fout:
         for i, vectors in enumerate(embedder.embed_sentences(batched, args.batch_size,
                                                                    args.max_tokens_per_batch or None)):
-            if i in long:    # its windows together, as many as one batch of this command holds
-                from model.windows import embed_long
-                vectors = embed_long(embedder, long[i], args.window_tokens, args.window_overlap, window_budget)
+            if i in long:    # its group's windows together, as many as one batch of this command holds
+                if i not in ready:
+                    group = group_of[i]
+                    ready.update(zip(group, embed_long_many(embedder, [long[j] for j in group], args.window_tokens,
+                                                            args.window_overlap, window_budget)))
+                vectors = ready.pop(i)
             if args.top:
                 vectors = vectors[-1]
             elif args.average:

@@ -4,7 +4,7 @@ import pytest
 
 from model import ElmoEmbedder
 from model.windows import (check_window, effective_overlap, effective_window, embed_long, embed_long_many, stitch_plan,
-                           window_spans)
+                           window_groups, window_spans)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +142,39 @@ def test_elmo_command_windows(tiny_model_files, tmp_path, embedder):
                  "--batch-invariant", *model]) == 0
     with h5py.File(out) as f:
         assert np.array_equal(f["0"][...], embed_long(exact, long, 20, 4, 22))
+
+
+def test_window_groups_fill_one_sub_batch_in_order():
+    lengths = [95, 12, 61, 21, 300, 40, 40]     # windows of 20 with overlap 6: 7, 1, 5, 2, 22, 3, 3
+    groups = window_groups(lengths, 20, 6, 8 * 22)           # 8 windows a sub-batch
+    assert groups == [[0, 1], [2, 3], [4], [5, 6]]
+    assert [i for g in groups for i in g] == list(range(len(lengths))) and window_groups([], 20, 6, 100) == []
+
+
+def test_elmo_command_runs_several_lines_windows_together(tiny_model_files, tmp_path, monkeypatch):
+    """Long lines between short ones: their windows share sub-batches of --batch-size windows, and each line
+    still gets its own vectors under its own key (the same bits as alone under --batch-invariant)."""
+    import h5py
+
+    from pipeline.cli import main
+    lines = [_tokens(50), ["a", "short", "one"], _tokens(44), _tokens(61), ["and", "another"], _tokens(30)]
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(" ".join(t) for t in lines) + "\n")
+    out = tmp_path / "o.hdf5"
+    calls = []
+    real = ElmoEmbedder.embed_batch
+    monkeypatch.setattr(ElmoEmbedder, "embed_batch", lambda self, s: calls.append(len(s)) or real(self, s))
+    assert main(["elmo", str(inp), str(out), "--all", "--window-tokens", "20", "--window-overlap", "4", "--batch-size",
+                 "8", "--batch-invariant", "--options-file", tiny_model_files[0], "--weight-file",
+                 tiny_model_files[1]]) == 0
+    exact = ElmoEmbedder(*tiny_model_files, batch_invariant=True)
+    # the long lines' windows: 3, 3, 4, 2; two sub-batches of two lines each, not four of one line
+    assert [len(window_spans(len(t), 20, 4)) for t in lines if len(t) > 20] == [3, 3, 4, 2]
+    assert calls == [6, 6, 6]         # the six lines (long ones as placeholders), then the two sub-batches
+    with h5py.File(out) as f:
+        for i, toks in enumerate(lines):
+            want = embed_long(exact, toks, 20, 4, 8 * 22) if len(toks) > 20 else exact.embed_sentence(toks)
+            assert np.array_equal(f[str(i)][...], want), i
 
 
 def test_a_failing_windowed_sentence_is_a_dead_letter_and_the_others_come_out(tiny_model_files, embedder):
