@@ -73,10 +73,22 @@ CELL_OPS = {"aten::tanh", "aten::tanh_", "aten::sigmoid_", "aten::mul_", "aten::
 
 
 def profile_shares(prof) -> dict:
-    """Self CPU seconds of a torch profile: total, in GEMM_OPS and in CELL_OPS."""
+    """Self CPU seconds of a torch profile: total, in GEMM_OPS and in CELL_OPS; and the oneDNN linears (the LSTM
+    step's and the encoder's) by rows per call, m in [2^k, 2^(k+1)): calls, seconds and GFLOP/s inside the calls."""
     by_op = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+    by_rows: dict[int, list] = {}
+    for e in prof.events():
+        shapes = e.input_shapes if e.name == "mkldnn::_linear_pointwise" else None
+        if shapes and len(shapes[0]) == 2 and len(shapes[1]) == 2 and shapes[0][0]:
+            (m, k), n = shapes[0], shapes[1][0]
+            row = by_rows.setdefault(1 << (m.bit_length() - 1), [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += e.self_cpu_time_total / 1e6
+            row[2] += 2 * m * k * n
     return {"total_s": sum(by_op.values()), "gemm_s": sum(v for k, v in by_op.items() if k in GEMM_OPS),
-            "cell_s": sum(v for k, v in by_op.items() if k in CELL_OPS)}
+            "cell_s": sum(v for k, v in by_op.items() if k in CELL_OPS),
+            "linear_by_rows": [{"rows": f"{lo}-{2 * lo - 1}", "calls": c, "seconds": t, "gflops": f / t / 1e9}
+                               for lo, (c, t, f) in sorted(by_rows.items()) if t > 0]}
 
 
 def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype: torch.dtype,
@@ -99,7 +111,7 @@ def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype
         barrier.wait()
     t, cpu = time.perf_counter(), time.process_time()
     n_batches = len(plan_batches([len(s) for s in sentences], max_tokens, lanes=embedder.lanes))
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile \
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) if profile \
         else contextlib.nullcontext()
     with EncodedRows(model) as encoded, prof:
         for _ in embedder.embed_sentences(sentences, max_tokens=max_tokens):
@@ -208,7 +220,8 @@ def main() -> None:
                     "several are measured side by side")
     ap.add_argument("--profile", action="store_true",
                     help="embedder path: run under torch's profiler (slower: compare its rows only with each other) and "
-                    "report the GEMMs' and the LSTM cell's share of the CPU time and the GEMMs' GFLOP/s inside the calls")
+                    "report the GEMMs' and the LSTM cell's share of the CPU time, the GEMMs' GFLOP/s inside the calls, "
+                    "and the oneDNN linears' GFLOP/s by rows per call")
     ap.add_argument("--repeats", type=int, default=1, help="measurements per row (variants interleaved); median kept")
     ap.add_argument("--tag", default="", help="appended to the results file name")
     ap.add_argument("--processes", type=int, default=1,
@@ -312,6 +325,10 @@ def main() -> None:
                           f"{p['gemm_gflops_inside']:.0f} GFLOP/s inside the calls "
                           f"({100 * p['gemm_gflops_inside'] / top:.1f}% of {top:.0f}), LSTM cell pointwise "
                           f"{100 * p['cell_s'] / p['total_s']:.1f}%", flush=True)
+                    for b in p["linear_by_rows"]:
+                        print(f"{'':<9}   oneDNN linears of {b['rows']:>9} rows: {b['calls']:>5} calls, "
+                              f"{b['seconds']:6.2f} s, {b['gflops']:4.0f} GFLOP/s ({100 * b['gflops'] / top:.1f}%)",
+                              flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     name = f"model_speed_{args.device.split(':')[0]}_{'_'.join(args.dtype)}_{args.threads}t" + \
         (f"_x{args.processes}p" if args.processes > 1 else "") + \

@@ -93,3 +93,17 @@ def test_onednn_step_gemms_keep_a_rows_bits_for_every_multiple_of_row_tile(dtype
                 assert torch.equal(moved, ref)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_profile_counts_the_onednn_linears_by_rows():
+    """benchmarks.model_speed --profile: each oneDNN linear lands in its rows bucket with its FLOPs."""
+    from benchmarks.model_speed import profile_shares
+
+    w = torch.ops.mkldnn._reorder_linear_weight(torch.rand(48, 32))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for m in (3, 40, 40, 63, 64):
+            torch.ops.mkldnn._linear_pointwise(torch.rand(m, 32), w, None, "none", [], "")
+    rows = {r["rows"]: r for r in profile_shares(prof)["linear_by_rows"]}
+    assert {k: r["calls"] for k, r in rows.items()} == {"2-3": 1, "32-63": 3, "64-127": 1}
+    r = rows["32-63"]
+    assert abs(r["gflops"] * r["seconds"] * 1e9 - 2 * (40 + 40 + 63) * 32 * 48) < 1
