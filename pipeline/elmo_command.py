@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         from model.windows import embed_long_many, window_groups
         ids = list(long)
         for g in window_groups([len(long[i]) for i in ids], args.window_tokens, args.window_overlap, window_budget):
-            group_of.update(dict.fromkeys((ids[k] for k in g), [ids[k] for k in g]))
+            members = [ids[k] for k in g]
+            group_of.update(dict.fromkeys(members, members))
     with h5py.File(args.output_file, "w") as fout:
         for i, vectors in enumerate(embedder.embed_sentences(batched, args.batch_size,
                                                                    args.max_tokens_per_batch or None)):
