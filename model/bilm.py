@@ -292,9 +292,6 @@ class Resets:
     def __contains__(self, step: int) -> bool:
         return step in self.spans
 
-    def __len__(self) -> int:
-        return len(self.spans)
-
     def at(self, step: int) -> tuple[Tensor, Tensor]:
         a, b, _ = self.spans[step]
         return self.dirs[a:b], self.rows[a:b]

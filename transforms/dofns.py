@@ -378,7 +378,7 @@ class Embed(beam.DoFn):
                     job.future = Future()
                     job.future.set_result(self.embedder.embed_packed(tokens, self.layers, prepared))
             except Exception:  # noqa: BLE001 - isolate the failing sentence(s), in _finish
-                job.single, job.short = job.short + job.single, []
+                job.single, job.short = job.short, []
         self.pending.append(job)
         while len(self.pending) >= self.threads:
             yield from self._finish(self.pending.pop(0))
@@ -406,7 +406,7 @@ class Embed(beam.DoFn):
             try:
                 outs.append(EmbeddedBatch(job.short, *job.future.result(), self.layers))
             except Exception:  # noqa: BLE001 - isolate the failing sentence(s), below
-                job.single = job.short + job.single
+                job.single = job.short
         yield from self._one_by_one(job.single, outs)
         if job.long:
             try:
