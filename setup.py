@@ -21,7 +21,8 @@ setup(
         "numpy>=1.24,<2.5",
         "pyarrow>=17,<26",
         "h5py>=3.10",
-        "fsspec>=2024.6",
+        "fsspec[http]>=2024.6",    # https:// model files and inputs (published models by name) need aiohttp
+        "requests>=2.31",          # ... and fsspec's HTTPFileSystem imports requests too
         "tqdm>=4.66",
         "sacremoses>=0.1",        # Moses word tokenization (tokenization/tokenizers.py)
         "blingfire>=0.1.8",       # sentence splitting with offsets
@@ -34,7 +35,7 @@ setup(
         "downstream": ["datasets>=3", "matplotlib>=3.7"],
         # --iceberg-table: pyiceberg with its SQL catalog (SQLite; Postgres needs a driver too) and pyarrow I/O
         "iceberg": ["pyiceberg[sql-sqlite,pyarrow]>=0.12,<0.13"],
-        "test": ["pytest>=8", "duckdb>=1.1", "moto[server]>=5", "s3fs>=2024.6", "boto3>=1.34",
+        "test": ["pytest>=8", "hypothesis>=6.100", "duckdb>=1.1", "moto[server]>=5", "s3fs>=2024.6", "boto3>=1.34",
                  "dask[distributed]>=2024.6",
                  "datasets>=3", "matplotlib>=3.7",
                  "pyiceberg[sql-sqlite,pyarrow]>=0.12,<0.13",
