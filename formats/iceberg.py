@@ -6,8 +6,9 @@ Parquet paths), all of one output in one append snapshot whose summary carries t
 key (elmo-pipeline.output, elmo-pipeline.run-key). Finalize calls register() after every file is in place
 and before _SUCCESS (transforms/finalize.py), and again on every rerun that finishes or finds the output, so
 register() is idempotent: an output already registered (a snapshot of the table's history with its URL and
-run key, or its files all referenced by the current snapshot) is not added again. Two registrations racing
-are settled by the catalog's optimistic commit (the loser rereads and finds the winner's snapshot).
+run key, or its files all referenced by the current snapshot) is not added again; an output with an id the
+table holds already is not added at all (DuplicateIdError: check_new_ids, before each commit). Two
+registrations racing are settled by the catalog's optimistic commit (the loser rereads and decides again).
 
 A table that does not exist is created (its namespace too) from the run's shard schema; Iceberg has no
 fixed-size lists, so vectors read back as plain lists, and the shard schema with its widths is kept in the
@@ -26,6 +27,10 @@ import pyarrow as pa
 INSTALL = "pip install 'elmo-pipeline[iceberg]'"
 OUTPUT_PROPERTY, RUN_KEY_PROPERTY, FILES_PROPERTY = "elmo-pipeline.output", "elmo-pipeline.run-key", "elmo-pipeline.files"
 SCHEMA_PROPERTY = "elmo-pipeline.arrow-schema"
+ID_COLUMN = "id"
+# a new table keeps the full min/max of `id` per data file in its manifests (pyiceberg truncates to 16
+# characters by default): check_new_ids() then skips, unread, the files whose ids cannot overlap a run's
+ID_METRICS_PROPERTY = f"write.metadata.metrics.column.{ID_COLUMN}"
 # pyiceberg's default catalog name: a SQL catalog keeps each table under a catalog name, and readers see it
 # with load_catalog("default", uri=...) (Spark's JDBC catalog: a catalog named default)
 CATALOG_NAME = "default"
@@ -34,6 +39,10 @@ logger = logging.getLogger("elmo-pipeline.iceberg")
 
 class IcebergUnavailable(RuntimeError):
     """--iceberg-table without pyiceberg installed."""
+
+
+class DuplicateIdError(ValueError):
+    """A registration that would add ids the table holds already (pipeline/exits.py: DATA, exit 65)."""
 
 
 def import_pyiceberg():
@@ -163,7 +172,8 @@ class IcebergTarget:
         except NamespaceAlreadyExistsError:
             pass
         try:
-            return catalog.create_table(self.table, schema=schema, properties={SCHEMA_PROPERTY: schema.to_string()})
+            return catalog.create_table(self.table, schema=schema, properties={SCHEMA_PROPERTY: schema.to_string(),
+                                                                               ID_METRICS_PROPERTY: "full"})
         except TableAlreadyExistsError:       # created meanwhile by a run racing this one
             return catalog.load_table(self.table)
 
@@ -204,11 +214,13 @@ class IcebergTarget:
         table = self._table_or_create(catalog, schema)
         key = str((manifest.get("run") or {}).get("key"))
         base = output_url(output)
-        conflict = None
+        conflict, ids = None, None
         for _ in range(5):
             found = find_registration(table, base, key, files)
             if found is not None:
                 return Registration(self.table, found, False, len(files))
+            ids = run_ids(table.io, files) if ids is None else ids
+            check_new_ids(table, ids, base)
             try:
                 with _quiet_statistics():
                     table.add_files(files, snapshot_properties={OUTPUT_PROPERTY: base, RUN_KEY_PROPERTY: key,
@@ -280,6 +292,44 @@ def find_registration(table, base: str, key: str, files: list[str]) -> int | Non
         raise RuntimeError(f"Iceberg table {'.'.join(table.name())}: {len(present)} of the {len(files)} Parquet shards of "
                            f"{base} are in the table already, the others not; remove them from the table and rerun")
     return None
+
+
+def run_ids(io, files: list[str]) -> pa.Array:
+    """The distinct ids of an output's Parquet shards (their `id` column alone is read), as a string array."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    columns = []
+    for f in files:
+        with io.new_input(f).open() as stream:
+            columns += pq.ParquetFile(stream).read(columns=[ID_COLUMN]).column(0).chunks
+    return pc.unique(pa.chunked_array(columns, pa.string()))
+
+
+def check_new_ids(table, ids: pa.Array, base: str) -> None:
+    """DuplicateIdError when the table's current snapshot holds any of `ids` (those of the output at `base`).
+
+    Cost: the table's manifests, then the `id` column alone of the data files whose id bounds overlap
+    [min(ids), max(ids)], streamed batch by batch against `ids` (held in memory). With the default ids of
+    --iceberg-table (each file's full path) another partition's files fall outside that range and are not
+    read, in tables created with full id bounds (ID_METRICS_PROPERTY); with --id-field values spread over
+    the whole range, every file's `id` column is read."""
+    if table.current_snapshot() is None or len(ids) == 0:
+        return
+    import pyarrow.compute as pc
+    from pyiceberg.expressions import And, GreaterThanOrEqual, LessThanOrEqual
+    low, high = (v.as_py() for v in pc.min_max(ids).values())
+    scan = table.scan(row_filter=And(GreaterThanOrEqual(ID_COLUMN, low), LessThanOrEqual(ID_COLUMN, high)),
+                      selected_fields=(ID_COLUMN,))
+    held = [pc.unique(c.filter(pc.is_in(c, value_set=ids))) for c in
+            (batch.column(0) for batch in scan.to_arrow_batch_reader())]
+    held = pc.unique(pa.chunked_array(held)) if held else []
+    if len(held):
+        examples = pc.array_take(held, pc.array_sort_indices(held)[:3]).to_pylist()
+        raise DuplicateIdError(
+            f"Iceberg table {'.'.join(table.name())} already holds {len(held)} of the {len(ids)} ids of {base} "
+            f"(e.g. {', '.join(map(repr, examples))}): nothing was added, ids must be unique in the table. "
+            "Give each output ids of its own (the default ids of --iceberg-table name each file by its full path; "
+            "or --id-root, or unique --id-field values), or remove those rows from the table")
 
 
 def registrations_under(table, base: str) -> list[int]:

@@ -28,7 +28,7 @@ TRANSIENT_TYPES = ("LeaseHeld", "RetryLater", "ConnectionError", "EndpointConnec
                    "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError", "ClientConnectorError",
                    "ServerDisconnectedError", "ClientOSError", "ProxyConnectionError", "TimeoutError",
                    "CommitFailedException")
-DATA_TYPES = ("WeightsError", "OptionsError")
+DATA_TYPES = ("WeightsError", "OptionsError", "DuplicateIdError")
 USAGE_TYPES = ("PermissionError", "FileExistsError", "NotADirectoryError", "IsADirectoryError")
 PLANNING_USAGE_TYPES = ("ValueError", "RuntimeError")   # while planning: a bad value, a missing GPU; once running: a
 #                                                       bug or a library's complaint

@@ -24,6 +24,10 @@ class ElmoOptions(PipelineOptions):
         g("--text-field", default="text", help="JSONL field / Parquet column holding the text (default text)")
         g("--id-field", default=None, help="JSONL field / Parquet column holding the document id "
           "(default: <file>:<line or row>)")
+        g("--id-root", default=None, metavar="PATH",
+          help="default ids name each file by its path relative to this folder (path or URL; an input outside it is "
+          "an error). Default: relative to the folder common to the inputs, or with --iceberg-table the file's full "
+          "path or URL, so that partitions' ids never collide (docs/warehouses.md)")
         g("--output", default=None, help="output folder (path or URL)")
         g("--overwrite", action="store_true", help="replace a finished run in --output (also one of this same command, which is otherwise left as "
           "it is: 'already complete')")

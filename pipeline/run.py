@@ -42,7 +42,7 @@ from transforms.dofns import (Chain, DropDuplicateIds, Embed, ReadFiles, SkipCom
                               WriteShards)
 from transforms import progress as P
 from transforms.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
-from transforms.read import file_labels
+from transforms.read import file_labels, public_url
 from transforms.records import Document, Item
 from transforms.resume import (OutputState, finalize_started, input_fingerprints, is_complete, prepare_output,
                                run_ingredients, run_key)
@@ -164,6 +164,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, formats, o.dtype)
     so = storage_options(opts)
     files = expand(o.input, so)
+    labels = file_labels(files, o.id_root, full=iceberg is not None and not o.id_field)
     options_file, weight_file, vocab_file, model_name = resolve_model(o)
     from model.pretrained import is_published, model_tokenization, model_urls
     from tokenization import resolve_tokenizer
@@ -193,8 +194,12 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     flags = {k: getattr(o, k) for k in o._visible_option_list()}
     if flags.get("iceberg_catalog"):
         flags["iceberg_catalog"] = redact(flags["iceberg_catalog"])     # no password in the manifest
+    if o.id_root:
+        flags["id_root"] = public_url(o.id_root)
     fingerprints = input_fingerprints(files, so)
     ingredients = run_ingredients(flags, fingerprints, identity)
+    if labels != file_labels(files):      # ids other than the default ones (--id-root itself is not in the key)
+        ingredients["options"]["id_root"] = flags["id_root"] or "full paths (--iceberg-table)"
     key = run_key(ingredients)
     schema = shard_schema(o.parquet_layout, columns, o.dtype) if iceberg else None
     if iceberg:
@@ -215,7 +220,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
                       o.row_group_bytes, n_layers, dim, o.vector_compression)
     children = tokenizer_processes(o.tokenizer_process, tokenizer, local,
                                    opts.view_as(StandardOptions).runner or "FnApiRunner", workers)
-    return Plan(o, so, files, file_labels(files), formats, spec, shard,
+    return Plan(o, so, files, labels, formats, spec, shard,
                 # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
                 # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
                 spread_documents=not stateful and not (local and workers == 1),

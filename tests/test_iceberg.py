@@ -75,7 +75,8 @@ def runs(tiny_model_files, tmp_path_factory):
     plain, first, second, warehouse = str(d / "plain"), str(d / "first"), str(d / "second"), d / "wh"
     warehouse.mkdir()
     assert main(argv(tiny_model_files, a, plain, *SMALL)) == 0
-    assert main(argv(tiny_model_files, a, first, *SMALL, *ice(warehouse))) == 0
+    # --id-root: the ids a run without --iceberg-table gives (with it, by default, each file's full path)
+    assert main(argv(tiny_model_files, a, first, *SMALL, *ice(warehouse), "--id-root", str(d))) == 0
     after_first = [s.snapshot_id for s in table_of(warehouse).snapshots()]
     assert main(argv(tiny_model_files, b, second, *SMALL, *ice(warehouse))) == 0
     return dict(a=a, b=b, plain=plain, first=first, second=second, wh=warehouse, after_first=after_first)
@@ -111,7 +112,7 @@ def test_the_flags_change_no_file_and_not_the_run_key(runs):
 def test_finished_output_registered_when_the_flag_is_new_then_never_again(runs, tiny_model_files, tmp_path, capsys):
     wh = tmp_path / "wh"
     wh.mkdir()
-    args = argv(tiny_model_files, runs["a"], runs["plain"], *SMALL, *ice(wh))
+    args = argv(tiny_model_files, runs["a"], runs["plain"], *SMALL, *ice(wh), "--id-root", os.path.dirname(runs["a"]))
     before = {p: os.stat(os.path.join(runs["plain"], p)).st_mtime_ns for p in os.listdir(runs["plain"])}
     assert main(args) == 0
     err = capsys.readouterr().err

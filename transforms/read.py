@@ -32,12 +32,45 @@ def decode_line(raw: bytes, record_id: str) -> str | DeadLetter:
                           raw.decode("utf-8", "replace")[:EXCERPT_CHARS], level="record")
 
 
-def file_labels(files: list[str]) -> dict[str, str]:
-    """file URL -> label: its path relative to the deepest folder common to all files."""
+def file_labels(files: list[str], root: str | None = None, full: bool = False) -> dict[str, str]:
+    """file URL -> label. Default: its path relative to the deepest folder common to all files (a lone file:
+    its name). `root` (--id-root, a folder path or URL): its path relative to that folder; ValueError for a file
+    outside it. `full`: the file's absolute path, or its URL for remote files (scheme kept). Labels from `root`
+    and `full` never hold a URL's user info (credentials), query or fragment."""
+    if root is not None:
+        return {f: _label_under(f, root) for f in files}
+    if full:
+        return {f: public_url(f) for f in files}
     if len(files) == 1:
         return {files[0]: posixpath.basename(files[0])}
     common = posixpath.commonpath([f.split("://", 1)[-1] for f in files])
     return {f: posixpath.relpath(f.split("://", 1)[-1], common) for f in files}
+
+
+def _place(url: str) -> tuple[str, str]:
+    """(scheme, normalized path) of a file or folder: ("", absolute path) for local paths and file:// URLs;
+    for remote URLs the bucket/host and path, without user info, query or fragment."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme == "file":
+        return "", posixpath.abspath(rest if sep else url)
+    rest = rest.split("?", 1)[0].split("#", 1)[0]
+    host, slash, path = rest.partition("/")
+    return scheme, posixpath.normpath(host.rpartition("@")[2] + slash + path)
+
+
+def public_url(url: str) -> str:
+    """A file's absolute path, or its remote URL without user info, query or fragment."""
+    scheme, path = _place(url)
+    return f"{scheme}://{path}" if scheme else path
+
+
+def _label_under(url: str, root: str) -> str:
+    """The file's path relative to the folder `root`; ValueError when it is not under it."""
+    (scheme, path), (root_scheme, root_path) = _place(url), _place(root)
+    if scheme != root_scheme or not path.startswith(root_path.rstrip("/") + "/"):
+        raise ValueError(f"--id-root {public_url(root)}: the input {public_url(url)} is not under it "
+                         "(ids are the files' paths relative to --id-root)")
+    return posixpath.relpath(path, root_path)
 
 
 def split_lines(f, block: int = 1 << 16) -> Iterator[bytes]:

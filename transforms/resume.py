@@ -31,14 +31,16 @@ KEY_VERSION = 1
 # Options left out of the run key: they change neither which sentences are written nor their vectors
 # (beyond float32 round-off): layout (shard sizes, row groups), speed (threads, device), the output itself,
 # the sort buffer (batches only; not in stateful mode, where batches decide the vectors), and where the
-# finished output is registered (--iceberg-*: the same files, added to a table). Every other
+# finished output is registered (--iceberg-*: the same files, added to a table), and --id-root (the ids it
+# gives are in the key when they differ from the default ones: pipeline/run.py plan()). Every other
 # option of ElmoOptions is in the key, new ones included: a flag nobody thought about refuses a resume
 # rather than mixing two outputs. The batch budget stays in (it caps long-sentence windows). The model
 # files are in through their identity (weights sha256, parsed options), the inputs through their
 # fingerprints (input_fingerprints), not their names.
 NOT_CONTENT = {"output", "overwrite", "progress", "torch_threads", "device", "shard_sentences", "shard_bytes",
                "row_group_bytes", "vector_compression", "sort_buffer", "input", "options_file", "weight_file", "model", "s3_max_attempts",
-               "lease_stale_seconds", "tokenizer_process", "embed_threads", "iceberg_table", "iceberg_catalog", "iceberg_warehouse"}
+               "lease_stale_seconds", "tokenizer_process", "embed_threads", "iceberg_table", "iceberg_catalog", "iceberg_warehouse",
+               "id_root"}
 
 
 def input_fingerprints(files: list[str], storage_options: dict | None = None) -> list[list]:
