@@ -188,7 +188,8 @@ def test_id_field_values_repeated_across_partitions_are_refused(tiny_model_files
 def test_check_new_ids_reads_the_ids_of_the_table(tmp_path):
     catalog = load_catalog("default", uri=f"sqlite:///{tmp_path}/c.db", warehouse=f"file://{tmp_path}")
     catalog.create_namespace("ns")
-    table = catalog.create_table("ns.t", schema=pa.schema([("id", pa.string())]), properties={ID_METRICS_PROPERTY: "full"})
+    table = catalog.create_table("ns.t", schema=pa.schema([("id", pa.string())]),
+                                 properties={ID_METRICS_PROPERTY: "full"})
     check_new_ids(table, pa.array(["x"]), "out")                       # an empty table holds nothing
     table.append(pa.table({"id": pa.array(["a", "b", "c"], pa.string())}))
     check_new_ids(table, pa.array(["d", "e"]), "out")

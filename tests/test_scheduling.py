@@ -31,7 +31,7 @@ def job_script() -> str:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("schedule")
-    for i, day in enumerate(DAYS):     # one folder per day, the date in the file name (ids unique across days)
+    for i, day in enumerate(DAYS):     # one folder per day, the date in the file name
         os.makedirs(d / "corpus" / f"dt={day}")
         write_corpus(str(d / "corpus" / f"dt={day}" / f"news-{day}.txt"), n_docs=5, seed=10 + i)
     (d / "bin").mkdir()
@@ -93,7 +93,7 @@ def test_three_daily_partitions_into_one_table(env):
     assert len(ids) == sum(m["counts"]["sentences"] for m in manifests) == \
         sum(m["counts"]["sentences_written"] for m in manifests)
     assert len(ids) == len(set(ids))
-    assert {i.split(":")[0] for i in ids} == {f"news-{day}.txt" for day in DAYS}
+    assert {i.split(":")[0] for i in ids} == {str(d / "corpus" / f"dt={day}" / f"news-{day}.txt") for day in DAYS}
 
     from prometheus_client.parser import text_string_to_metric_families
     fams = {f.name: f for f in text_string_to_metric_families((d / "metrics" / "elmo_pipeline.prom").read_text())}
