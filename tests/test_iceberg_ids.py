@@ -169,17 +169,17 @@ def test_a_finished_output_that_only_registers_is_refused_on_duplicate_ids(parti
 def test_id_field_values_repeated_across_partitions_are_refused(tiny_model_files, tmp_path, capsys):
     wh = tmp_path / "wh"
     wh.mkdir()
-    outs = []
-    for day, ids in (("1", ("a", "b", "c")), ("2", ("d", "b"))):
-        path = tmp_path / f"day{day}.jsonl"
-        path.write_text("".join(json.dumps({"id": i, "text": f"Document {i} of day {day}."}) + "\n" for i in ids))
-        outs.append(str(tmp_path / f"out{day}"))
-        rc = main(argv(tiny_model_files, str(path), outs[-1], *ice(wh), "--input-format", "jsonl", "--id-field", "id"))
-        if day == "1":
-            assert rc == 0
-            before = state(wh)
-            capsys.readouterr()
-    assert rc == exits.DATA
+
+    def day(n, ids):
+        path = tmp_path / f"day{n}.jsonl"
+        path.write_text("".join(json.dumps({"id": i, "text": f"Document {i} of day {n}."}) + "\n" for i in ids))
+        return main(argv(tiny_model_files, str(path), str(tmp_path / f"out{n}"), *ice(wh), "--input-format", "jsonl",
+                         "--id-field", "id"))
+
+    assert day(1, ("a", "b", "c")) == 0
+    before = state(wh)
+    capsys.readouterr()
+    assert day(2, ("d", "b")) == exits.DATA
     err = one_error_line(capsys)
     assert "already holds 1 of the 2 ids" in err and "(e.g. 'b#0')" in err, err
     assert state(wh) == before
