@@ -307,11 +307,7 @@ class MappedDataset(_TorchDataset):
                  "ids": [m["id"] for m in metas], "doc_ids": [m["doc_id"] for m in metas],
                  "tokens": [self._tokens(p) for p in pos] if self.with_tokens else [None] * B}
         if self._labels is not None:
-            from downstream.readers import collate
-            recs = [{"layers": np.zeros((L, int(n), 0), np.float32), self.label_key: self._labels[int(i) % len(self)]}
-                    for i, n in zip(positions, lengths)]
-            labelled = collate(recs)
-            batch[self.label_key] = labelled[self.label_key]
+            batch[self.label_key] = _label_batch([self._labels[int(i) % len(self)] for i in positions], T, self.label_key)
         return batch
 
     __getitems__ = batch
@@ -348,6 +344,20 @@ def _fill(out: np.ndarray, ds: MappedDataset, pos: list[int], lengths: np.ndarra
         out[b, :, n:] = 0
 
 
+def _label_batch(values: list, T: int, key: str):
+    """Labels as readers.collate batches them: "label" (B,) int64 when all ints; "tags" (B, T) int64 padded with
+    -100 when int lists; other values stay a list."""
+    import torch
+    if key == "tags" and all(isinstance(v, list) and all(isinstance(t, int) for t in v) for v in values):
+        tags = torch.full((len(values), T), -100, dtype=torch.int64)
+        for b, v in enumerate(values):
+            tags[b, : len(v)] = torch.tensor(v, dtype=torch.int64)
+        return tags
+    if key != "tags" and all(isinstance(v, int) for v in values):
+        return torch.tensor(values, dtype=torch.int64)
+    return values
+
+
 def unbatched(batch: dict) -> dict:
     """collate_fn for DataLoader(MappedDataset, batch_sampler=...): the dataset's __getitems__ already made
     the batch."""
@@ -369,9 +379,10 @@ def _download(fs, path: str, local: str) -> None:
 class BucketBatchSampler(_TorchSampler):
     """Batches of dataset positions, deterministic per (seed, epoch), split across ranks, resumable.
 
-    lengths: tokens per sentence (MappedDataset.lengths). shuffle=False: positions in order, `batch_size`
-    at a time. shuffle=True: a permutation of (seed, epoch), cut into buckets of `bucket_batches` batches,
-    each bucket sorted by length before it is cut into batches (little padding), and the batches permuted.
+    lengths: tokens per sentence (MappedDataset.lengths). Positions (in order, or with shuffle=True a
+    permutation of (seed, epoch)) are cut into buckets of `bucket_batches` batches, each bucket sorted by
+    length before it is cut into batches (little padding); with shuffle the batches are then permuted.
+    bucket_batches=0: no sorting, batches of consecutive positions.
     max_tokens: cap a batch at this many padded tokens (B x longest) instead of a fixed count.
     Ranks (DistributedSampler's splitting): rank r takes batches r, r + world_size, ...; the list is
     wrapped so every rank gets the same count. set_epoch(e, start_batch=k): epoch e's order, resumed after
@@ -386,7 +397,7 @@ class BucketBatchSampler(_TorchSampler):
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.lengths = np.asarray(lengths)
         self.batch_size, self.shuffle, self.seed = max(1, batch_size), shuffle, seed
-        self.rank, self.world_size, self.bucket_batches = rank, world_size, max(1, bucket_batches)
+        self.rank, self.world_size, self.bucket_batches = rank, world_size, max(0, bucket_batches)
         self.max_tokens, self.drop_last = max_tokens, drop_last
         self.epoch, self.start_batch = 0, 0
 
@@ -409,16 +420,16 @@ class BucketBatchSampler(_TorchSampler):
     def all_batches(self) -> list[np.ndarray]:
         """Every batch of this epoch, all ranks, in order."""
         n = len(self.lengths)
-        if not self.shuffle:
-            return self._cut(np.arange(n))
         rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(n)
-        size = self.batch_size * self.bucket_batches
-        batches = []
-        for s in range(0, n, size):
-            chunk = order[s: s + size]
-            batches += self._cut(chunk[np.argsort(self.lengths[chunk], kind="stable")])
-        return [batches[j] for j in rng.permutation(len(batches))]
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        if not self.bucket_batches:
+            batches = self._cut(order)
+        else:
+            size, batches = self.batch_size * self.bucket_batches, []
+            for s in range(0, n, size):
+                chunk = order[s: s + size]
+                batches += self._cut(chunk[np.argsort(self.lengths[chunk], kind="stable")])
+        return [batches[j] for j in rng.permutation(len(batches))] if self.shuffle else batches
 
     def rank_batches(self) -> list[np.ndarray]:
         """This rank's batches of this epoch (before start_batch is applied)."""
