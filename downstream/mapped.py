@@ -127,6 +127,7 @@ class MappedDataset(_TorchDataset):
         self.cache_dir = cache_dir
         self.units = [(k, i) for k, out in enumerate(self.outputs) for i in range(len(out.shards))]
         self._maps: dict[int, pa.RecordBatch] = {}
+        self._views: dict[int, list[np.ndarray]] = {}
         self._pid = os.getpid()
         self._fetching: dict[int, threading.Thread] = {}
         self._build_index(labels)
@@ -145,6 +146,7 @@ class MappedDataset(_TorchDataset):
             unit_first.append(unit_first[-1] + len(sid))
         self._ids, self._doc_ids, self._sentence_indices = ids, doc_ids, sidx
         self._unit_first = np.asarray(unit_first, dtype=np.int64)       # (U+1,) first position of each unit
+        self._firsts = unit_first                                        # the same, a list (bisect)
         self._starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
         all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
         self.unlabelled = 0
@@ -183,15 +185,16 @@ class MappedDataset(_TorchDataset):
         return int(self.lengths.sum())
 
     def _position(self, i: int) -> int:
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"position {i} out of range ({len(self)} sentences)")
-        i = i % len(self)
+        n = len(self.lengths)
+        if not -n <= i < n:
+            raise IndexError(f"position {i} out of range ({n} sentences)")
+        i = i % n
         return int(self._keep[i]) if self._keep is not None else i
 
     def _unit(self, p: int) -> tuple[int, int]:
         """(unit, sentence within it) of global position p."""
-        u = int(np.searchsorted(self._unit_first, p, side="right")) - 1
-        return u, p - int(self._unit_first[u])
+        u = bisect.bisect_right(self._firsts, p) - 1
+        return u, p - self._firsts[u]
 
     def _meta(self, p: int) -> dict:
         u, s = self._unit(p)
@@ -216,14 +219,14 @@ class MappedDataset(_TorchDataset):
     # -- the mapped shards (opened lazily in each process: DataLoader workers map the files themselves)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_maps"], state["_fetching"] = {}, {}
+        state["_maps"], state["_views"], state["_fetching"] = {}, {}, {}
         return state
 
     def _open(self, u: int, fields: Sequence[str] | None = None) -> pa.RecordBatch:
         if fields is not None:
             return open_arrow_shard(self._local(u), fields)
         if self._pid != os.getpid():
-            self._maps, self._fetching, self._pid = {}, {}, os.getpid()
+            self._maps, self._views, self._fetching, self._pid = {}, {}, {}, os.getpid()
         b = self._maps.get(u)
         if b is None:
             b = self._maps[u] = open_arrow_shard(self._local(u))
@@ -264,11 +267,17 @@ class MappedDataset(_TorchDataset):
     # -- records
     def views(self, i: int) -> list[np.ndarray]:
         """The stored (T, D_k) arrays of record i, one per selected layer: views of the mapped file."""
-        u, s = self._unit(self._position(i))
-        b = self._open(u)
-        a = int(self._starts[int(self._unit_first[u]) + s])
-        n = int(self._all_lengths[int(self._unit_first[u]) + s])
-        return [flat_vectors(b, name)[a: a + n] for name in self.layers]
+        p = self._position(i)
+        a, n = int(self._starts[p]), int(self._all_lengths[p])
+        return [v[a: a + n] for v in self._layer_views(self._unit(p)[0])]
+
+    def _layer_views(self, u: int) -> list[np.ndarray]:
+        """(N, D_k) views of unit u's selected layers (kept beside the mapped batch)."""
+        self._open(u)
+        views = self._views.get(u)
+        if views is None:
+            views = self._views[u] = [flat_vectors(self._maps[u], name) for name in self.layers]
+        return views
 
     def __getitem__(self, i: int) -> dict:
         p = self._position(i)
@@ -332,8 +341,7 @@ def _fill(out: np.ndarray, ds: MappedDataset, pos: list[int], lengths: np.ndarra
     for b, (p, n) in enumerate(zip(pos, lengths)):
         u, _ = ds._unit(p)
         if u not in views:
-            shard = ds._open(u)
-            views[u] = [flat_vectors(shard, name) for name in ds.layers]
+            views[u] = ds._layer_views(u)
         a, n = int(ds._starts[p]), int(n)
         for k, v in enumerate(views[u]):
             src = v[a: a + n]
