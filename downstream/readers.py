@@ -33,7 +33,7 @@ import numpy as np
 from formats.hdf5 import hdf5_unkey
 from formats.layout import FORMATS, read_manifest
 from formats.parquet import META_COLUMNS
-from fsio import keyed, url_fs
+from fsio import is_local_fs, keyed, url_fs
 
 _LINE_ID = re.compile(r":(\d+)$")
 
@@ -44,7 +44,8 @@ class ElmoOutput:
     path: the folder (path or URL); storage_options: fsspec options for its filesystem.
     Attributes: manifest, shards (manifest entries), layer_names (['layer_0', 'layer_1', ...] or
     ['average']), layer_dims ({name: stored width}), dim (2P, the width of a record's layers),
-    formats, parquet_layout.
+    formats, parquet_layout. Formats: parquet, hdf5, arrow (--format arrow; downstream/mapped.py reads it
+    without loading it).
     """
 
     def __init__(self, path: str, storage_options: Mapping[str, Any] | None = None):
@@ -77,7 +78,7 @@ class ElmoOutput:
         return posixpath.join(self.root, self.shards[i][fmt])
 
     def default_format(self) -> str:
-        return "parquet" if "parquet" in self.formats else "hdf5"
+        return next((f for f in ("parquet", "hdf5") if f in self.formats), "arrow")
 
     def _check(self, fmt: str | None, layers: Sequence[str] | None) -> tuple[str, list[str]]:
         fmt = fmt or self.default_format()
@@ -99,6 +100,8 @@ class ElmoOutput:
         fmt, names = self._check(fmt, layers)
         if fmt == "parquet":
             it = self._iter_parquet_tokens(i, names) if self.parquet_layout == "token" else self._iter_parquet(i, names)
+        elif fmt == "arrow":
+            it = self._iter_arrow(i, names)
         else:
             it = self._iter_hdf5(i, names)
         for r in it:
@@ -159,6 +162,24 @@ class ElmoOutput:
             yield {"id": ids[first], "doc_id": docs[first], "sentence_index": sidx[first],
                    "tokens": [toks[r] for r in rows], "stored": [m[rows] for m in mats]}
             start = end
+
+    # -- Arrow IPC, a row per token (formats/arrow.py): memory-mapped when local, else read whole
+    def _iter_arrow(self, i: int, names: list[str]) -> Iterator[dict]:
+        import pyarrow as pa
+        from downstream.mapped import flat_vectors, open_arrow_shard, sentence_index
+        path = self.shard_path(i, "arrow")
+        if is_local_fs(self.fs):
+            batch = open_arrow_shard(path)
+        else:
+            reader = pa.ipc.open_file(pa.BufferReader(self.fs.cat_file(path)))
+            batch = reader.get_batch(0) if reader.num_record_batches else pa.RecordBatch.from_pylist([], schema=reader.schema)
+        ids, offsets, doc_ids, indices = sentence_index(batch)
+        mats = [flat_vectors(batch, n) for n in names]
+        tokens = batch.column("token")
+        for s, (sid, did) in enumerate(zip(ids.to_pylist(), doc_ids.to_pylist())):
+            a, e = int(offsets[s]), int(offsets[s + 1])
+            yield {"id": sid, "doc_id": did, "sentence_index": int(indices[s]),
+                   "tokens": tokens.slice(a, e - a).to_pylist(), "stored": [m[a:e] for m in mats]}
 
     # -- HDF5 (AllenNLP layout): (layers, T, 2P) or (T, 2P); tokens from the Parquet twin when there is one
     def _iter_hdf5(self, i: int, names: list[str]) -> Iterator[dict]:

@@ -1,6 +1,7 @@
 """The output folder: file names, staging and commit records, dead letters, the manifest (built and read).
 
     <out>/parquet/part-00000-of-00002.parquet   <out>/hdf5/part-00000-of-00002.hdf5   (same sentences in shard i)
+    <out>/arrow/part-00000-of-00002.arrow       (with --format arrow: formats/arrow.py)
     <out>/dead_letters/part-00000-of-00001.jsonl                                       (only when there are any)
     <out>/manifest.json, <out>/report.html, <out>/metrics.prom                         (by Finalize, after all shards)
     <out>/_SUCCESS                                                                     (written last)
@@ -23,8 +24,9 @@ import zlib
 from dataclasses import dataclass, field
 
 SCHEMA_VERSION = 1
-FORMATS = ("parquet", "hdf5")                 # output file formats (--format)
+FORMATS = ("parquet", "hdf5", "arrow")        # output file formats (--format; arrow: formats/arrow.py)
 PARQUET_LAYOUTS = ("sentence", "token")       # --parquet-layout
+ARROW_LAYOUT = "token-rows"                   # the manifest's arrow_layout (formats/arrow.py)
 STORAGE_DTYPES = ("float32", "float16")       # --dtype: precision of the stored vectors
 MANIFEST, SUCCESS = "manifest.json", "_SUCCESS"
 STAGING = "_staging"                          # <out>/_staging/<run key>/
@@ -38,7 +40,7 @@ REPORT = "report.html"                        # <out>/report.html: the run repor
 METRICS = "metrics.prom"                      # <out>/metrics.prom: counts and stage times (formats/metrics.py)
 LEASE = "_lease.json"                         # <out>/_lease.json: the live run holding the output
 DEAD_LETTERS = "dead_letters"
-FINAL_NAMES = ("parquet", "hdf5", DEAD_LETTERS, MANIFEST, REPORT, METRICS, SUCCESS)
+FINAL_NAMES = ("parquet", "hdf5", "arrow", DEAD_LETTERS, MANIFEST, REPORT, METRICS, SUCCESS)
 EXCERPT_CHARS = 200                           # dead letters keep the first 200 characters
 
 
@@ -147,6 +149,7 @@ def manifest_header(model: dict, columns: list[tuple[str, int]], hdf5_layout: st
         "hdf5_layout": hdf5_layout,
         "dtype": o["dtype"], "compute_dtype": o["compute_dtype"], "state": o["state"], "tokenizer": o["tokenizer"],
         "formats": formats, "parquet_layout": o["parquet_layout"], "duplicate_layer0": o["duplicate_layer0"],
+        **({"arrow_layout": ARROW_LAYOUT} if "arrow" in formats else {}),
         "inputs": inputs, "input_format": o["input_format"],
         "options": flags,
         "run": run,

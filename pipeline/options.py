@@ -31,7 +31,9 @@ class ElmoOptions(PipelineOptions):
         g("--output", default=None, help="output folder (path or URL)")
         g("--overwrite", action="store_true", help="replace a finished run in --output (also one of this same command, which is otherwise left as "
           "it is: 'already complete')")
-        g("--format", default="parquet,hdf5", help="comma-separated: parquet, hdf5 (default both)")
+        g("--format", default="parquet,hdf5",
+          help="comma-separated: parquet, hdf5 (default both), arrow (Arrow IPC, a row per token, memory-mapped by "
+          "downstream.mapped for training: docs/downstream.md)")
         g("--parquet-layout", choices=PARQUET_LAYOUTS, default="sentence",
           help="sentence: one row per sentence (default); token: one row per token (BigQuery)")
         g("--tokenizer", choices=TOKENIZERS, default="raw",
@@ -111,7 +113,7 @@ class ElmoOptions(PipelineOptions):
         fmts = [f.strip() for f in self.format.split(",") if f.strip()]
         bad = [f for f in fmts if f not in FORMATS]
         if not fmts or bad:
-            raise ValueError(f"--format takes parquet and/or hdf5, got {self.format!r}")
+            raise ValueError(f"--format takes a comma-separated list of {', '.join(FORMATS)}, got {self.format!r}")
         return fmts
 
 

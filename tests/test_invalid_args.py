@@ -28,7 +28,7 @@ def _fails(capsys, argv, out, message, status=2):
     (["--layers", "5"], "--layers '5': indices must be distinct and in 0..2"),
     (["--layers", "middle"], "--layers must be all, top, average or indices"),
     (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
-    (["--format", "csv"], "--format takes parquet and/or hdf5"),
+    (["--format", "csv"], "--format takes a comma-separated list of parquet, hdf5, arrow"),
     (["--max-tokens-per-batch", "0"], "--max-tokens-per-batch must be >= 1, got 0"),
     (["--max-sentence-tokens", "-5"], "--max-sentence-tokens must be >= 1, got -5"),
     (["--shard-bytes", "0"], "--shard-bytes must be >= 1"),

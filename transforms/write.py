@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from formats import layout
+from formats.arrow import arrow_bytes, arrow_table, write_arrow
 from formats.hdf5 import hdf5_bytes
 from formats.layout import DEAD, RECORDS, ShardInfo
 from formats.parquet import ShardColumns, build_table, parquet_bytes, write_parquet
@@ -42,12 +43,12 @@ class ShardSpec:
     def bytes_per_token(self) -> int:
         """Stored bytes of one token's vectors over all formats (a shard's memory bound counts these)."""
         item = np.dtype(self.dtype).itemsize
-        parquet = sum(d for _, d in self.columns) if "parquet" in self.formats else 0
+        flat = sum(d for _, d in self.columns) * sum(f in self.formats for f in ("parquet", "arrow"))
         h5 = 0
         if "hdf5" in self.formats:
             h5 = self.dim if self.selection == "average" or len(self.selection) == 1 and \
                 self.selection[0] == self.n_layers - 1 else len(self.selection) * self.dim
-        return (parquet + h5) * item
+        return (flat + h5) * item
 
     @property
     def layers_read(self) -> tuple[int, ...] | None:
@@ -116,8 +117,9 @@ def stage_shard(sentences: list[tuple[EmbeddedBatch, int]], staging: str, spec: 
     makedirs(fs, root)
     name = uuid.uuid4().hex
     files = {}
+    columns = shard_columns(sentences, spec) if {"parquet", "arrow"} & set(spec.formats) else None
     if "parquet" in spec.formats:
-        table = build_table(shard_columns(sentences, spec), spec.layout, list(spec.columns))
+        table = build_table(columns, spec.layout, list(spec.columns))
         files["parquet"] = posixpath.join(root, name + ".parquet")
         if is_local_fs(fs):     # encoded straight into the file by Arrow's own writer, without the GIL
             write_parquet(table, files["parquet"], spec.row_group_bytes, spec.vector_compression,
@@ -128,6 +130,12 @@ def stage_shard(sentences: list[tuple[EmbeddedBatch, int]], staging: str, spec: 
                 f.write(data[: len(data) // 2])
                 crash_point("stage_shard")
                 f.write(data[len(data) // 2:])
+    if "arrow" in spec.formats:
+        files["arrow"] = posixpath.join(root, name + ".arrow")
+        if is_local_fs(fs):
+            write_arrow(arrow_table(columns, list(spec.columns)), files["arrow"])
+        else:
+            fs.pipe_file(files["arrow"], arrow_bytes(arrow_table(columns, list(spec.columns))))
     if "hdf5" in spec.formats:
         files["hdf5"] = posixpath.join(root, name + ".hdf5")
         fs.pipe_file(files["hdf5"], hdf5_bytes(hdf5_sentences(sentences, spec)))

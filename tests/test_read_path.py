@@ -1,0 +1,156 @@
+"""The read path for training: --format arrow shards, downstream.mapped's MappedDataset and BucketBatchSampler,
+over real pipeline outputs (tiny random biLM)."""
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from downstream.mapped import BucketBatchSampler, MappedDataset, unbatched
+from downstream.readers import ElmoDataset, ElmoOutput, collate
+from pipeline.cli import main as cli_main
+from tests.pipeline_helpers import moto_s3, run_pipeline
+
+TEXT = ["the first line", "and a second one with more words", "third", "a fourth line here", "five",
+        "six is a longer line than most of the others", "seven", "eight nine ten"]
+COMMON = ("--input-format", "lines", "--tokenizer", "whitespace", "--shard-sentences", "3")
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory, tiny_model_files):
+    """Runs over the same lines: default formats, the three formats (fp32), the three formats (fp16), and a
+    second partition (other lines) with arrow."""
+    tmp = tmp_path_factory.mktemp("read_path")
+    (tmp / "a.txt").write_text("\n".join(TEXT) + "\n")
+    (tmp / "b.txt").write_text("\n".join(TEXT[:3]) + "\n")
+    runs = {"default": (), "all": ("--format", "parquet,hdf5,arrow"),
+            "fp16": ("--format", "parquet,arrow", "--dtype", "float16")}
+    outs = {}
+    for name, flags in runs.items():
+        outs[name] = str(tmp / name)
+        run_pipeline(tiny_model_files, str(tmp / "a.txt"), outs[name], *COMMON, *flags)
+    outs["part2"] = str(tmp / "part2")
+    run_pipeline(tiny_model_files, str(tmp / "b.txt"), outs["part2"], *COMMON, "--format", "arrow")
+    return outs
+
+
+def test_arrow_shards_listed_and_readable_by_pyarrow(outputs):
+    m = json.load(open(os.path.join(outputs["all"], "manifest.json")))
+    assert m["formats"] == ["parquet", "hdf5", "arrow"] and m["arrow_layout"] == "token-rows"
+    assert all(s["arrow"].startswith("arrow/part-") for s in m["shards"]) and len(m["shards"]) == 3
+    t = pa.ipc.open_file(os.path.join(outputs["all"], m["shards"][0]["arrow"])).read_all()
+    assert t.schema.field("layer_1").type == pa.list_(pa.float32(), 2 * m["layer_dims"]["layer_0"])
+    assert t.num_rows == m["shards"][0]["tokens"] and t.column("token").to_pylist()[:3] == ["the", "first", "line"]
+    assert "arrow_layout" not in json.load(open(os.path.join(outputs["default"], "manifest.json")))
+
+
+def test_arrow_records_equal_parquet_and_default_output_unchanged(outputs):
+    default, all3 = ElmoOutput(outputs["default"]), ElmoOutput(outputs["all"])
+    base = list(default.sentences("parquet"))
+    for fmt in ("parquet", "hdf5", "arrow"):
+        got = list(all3.sentences(fmt))
+        assert [r["id"] for r in got] == [r["id"] for r in base]
+        assert all(np.array_equal(a["layers"], b["layers"]) for a, b in zip(got, base))   # bit-identical fp32
+        assert all(a["doc_id"] == b["doc_id"] and a["sentence_index"] == b["sentence_index"] for a, b in zip(got, base))
+    assert [r["tokens"] for r in all3.sentences("arrow")] == [r["tokens"] for r in base]
+    assert ElmoOutput(outputs["part2"]).default_format() == "arrow"
+
+
+def test_mapped_dataset_records_batches_and_lookup(outputs):
+    ref = ElmoDataset(outputs["all"])
+    ds = MappedDataset(outputs["all"])
+    assert len(ds) == len(ref) == len(TEXT) and ds.num_tokens == sum(len(t.split()) for t in TEXT)
+    for i in range(len(ds)):
+        a, b = ds[i], ref[i]
+        assert (a["id"], a["doc_id"], a["sentence_index"], a["tokens"]) == (b["id"], b["doc_id"], b["sentence_index"], b["tokens"])
+        assert np.array_equal(a["layers"], b["layers"])
+        assert ds.position(b["id"]) == i and ds.by_id(b["id"])["id"] == b["id"]
+    with pytest.raises(KeyError):
+        ds.position("a.txt:99#0")
+    views = ds.views(2)
+    assert not views[0].flags.owndata and not views[0].flags.writeable    # a view of the mapped file
+    order = [5, 0, 7, 3]
+    got, want = ds.batch(order), collate([ref[i] for i in order])
+    assert torch.equal(got["layers"], want["layers"]) and torch.equal(got["mask"], want["mask"])
+    assert torch.equal(got["lengths"], want["lengths"]) and got["ids"] == want["ids"] and got["tokens"] == want["tokens"]
+    assert ds.index_bytes() < 100 * len(ds)                      # bytes per sentence, not per float
+
+
+def test_mapped_dataset_fp16_labels_and_partitions(outputs):
+    fp16 = MappedDataset(outputs["fp16"], dtype=None, tokens=False)
+    stored = list(ElmoOutput(outputs["fp16"]).iter_shard(0, "parquet", stacked=False))
+    assert fp16.views(0)[1].dtype == np.float16 and np.array_equal(fp16.views(0)[1], stored[0]["stored"][1])
+    b = fp16.batch([0, 1])
+    assert b["layers"].dtype == torch.float16 and b["tokens"] == [None, None]
+    assert MappedDataset(outputs["fp16"]).batch([0])["layers"].dtype == torch.float32
+    both = MappedDataset([outputs["all"], outputs["part2"]], labels={"1": 1, "3": 0, "5": 1})
+    assert len(both) == 5 and both.unlabelled == len(TEXT) + 3 - 5    # line labels: lines 1, 3 of both, 5 of a
+    assert [r["label"] for r in both] == [1, 0, 1, 1, 0] and both.batch([0, 1])["label"].tolist() == [1, 0]
+    assert both[3]["id"] == "b.txt:1#0" and both.position("b.txt:3#0") == 4
+
+
+def test_bucket_sampler_deterministic_split_and_resumable():
+    lengths = np.random.default_rng(0).integers(1, 60, 1000)
+    s = BucketBatchSampler(lengths, batch_size=16, shuffle=True, seed=3, bucket_batches=8)
+    e0 = list(s)
+    assert e0 == list(BucketBatchSampler(lengths, batch_size=16, shuffle=True, seed=3, bucket_batches=8))
+    assert sorted(p for b in e0 for p in b) == list(range(1000))
+    s.set_epoch(1)
+    assert list(s) != e0
+    s.set_epoch(0, start_batch=10)
+    assert list(s) == e0[10:] and len(s) == len(e0) - 10
+    ranks = [list(BucketBatchSampler(lengths, 16, shuffle=True, seed=3, bucket_batches=8, rank=r, world_size=3))
+             for r in range(3)]
+    assert len({len(r) for r in ranks}) == 1 and {p for r in ranks for b in r for p in b} == set(range(1000))
+    padded = lambda batches: sum(len(b) * lengths[b].max() for b in batches) / lengths.sum()   # noqa: E731
+    plain = list(BucketBatchSampler(lengths, 16, bucket_batches=0))
+    assert plain[1] == list(range(16, 32)) and padded(e0) < 1.2 < 1.5 < padded(plain)
+    capped = list(BucketBatchSampler(lengths, 64, max_tokens=300))
+    assert all(len(b) * lengths[b].max() <= 300 or len(b) == 1 for b in capped)
+    with pytest.raises(ValueError, match="rank"):
+        BucketBatchSampler(lengths, rank=2, world_size=2)
+
+
+def test_probe_from_arrow_same_accuracy(outputs, tmp_path):
+    (tmp_path / "labels.tsv").write_text("".join(f"{n}\t{n % 2}\n" for n in range(1, len(TEXT) + 1)))
+    results = {}
+    for fmt in ("parquet", "arrow"):
+        report = str(tmp_path / fmt)
+        assert cli_main(["probe", "--threads", "1", "--quiet", "--train", outputs["all"], "--test", outputs["all"],
+                         "--labels", str(tmp_path / "labels.tsv"), "--format", fmt, "--settings", "layer2,mix",
+                         "--epochs", "5", "--seeds", "1", "--out", report]) == 0
+        results[fmt] = [(r["setting"], r["train_accuracy"], r["test_accuracy"])
+                        for r in json.load(open(os.path.join(report, "results.json")))["summary"]]
+    assert results["arrow"] == results["parquet"]
+
+
+@pytest.mark.slow
+def test_dataloader_workers_each_batch_once(outputs):
+    ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False)
+    sampler = BucketBatchSampler(ds.lengths, batch_size=2, shuffle=True, seed=1)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=2)
+    got = [b["ids"] for b in loader]
+    want = [[ds[i]["id"] for i in b] for b in sampler]
+    assert got == want and sorted(i for b in got for i in b) == sorted(ds[i]["id"] for i in range(len(ds)))
+    first = next(iter(loader))
+    assert torch.equal(first["layers"], ds.batch(next(iter(sampler)))["layers"])
+
+
+@pytest.mark.slow
+def test_mapped_dataset_on_s3(outputs, tmp_path):
+    with moto_s3("readpath") as (endpoint, fs):
+        for root, _, files in os.walk(outputs["all"]):
+            for name in files:
+                local = os.path.join(root, name)
+                fs.put_file(local, "readpath/out/" + os.path.relpath(local, outputs["all"]))
+        so = {"key": "testing", "secret": "testing", "endpoint_url": endpoint}
+        remote = MappedDataset("s3://readpath/out", storage_options=so, cache_dir=str(tmp_path / "cache"))
+        local = MappedDataset(outputs["all"])
+        assert len(remote) == len(local)
+        for i in range(len(local)):
+            a, b = remote[i], local[i]
+            assert a["id"] == b["id"] and a["tokens"] == b["tokens"] and np.array_equal(a["layers"], b["layers"])
+        assert len(os.listdir(next((tmp_path / "cache").iterdir()))) == 3     # every shard cached once
+        assert [r["id"] for r in ElmoOutput("s3://readpath/out", so).sentences("arrow")] == [local[i]["id"] for i in range(len(local))]
