@@ -246,6 +246,10 @@ def parse_options(raw: dict, where: str = "options.json") -> BiLMOptions:
     opts = BiLMOptions(raw, n_layers, dim, proj, cell_clip, proj_clip, skip, char_cnn,
                        None if char_cnn is not None else vocab)
     _check_size(opts, r)
+    try:
+        json.dumps(raw)        # the other keys ride along in raw and are written back (to_json, save_bilm)
+    except (TypeError, ValueError, RecursionError) as e:    # a key or value JSON has no form for, a too long integer
+        raise OptionsError(f"{where}: not JSON data ({' '.join(str(e).split())[:100]})") from None
     return opts
 
 
