@@ -32,11 +32,13 @@ class Bound:
     published: str
 
 
-# Every number options.json sets, and the parameters they add up to. `largest` is 4-8x the largest value of the
-# published biLMs (bilm-tf small / medium / original / original-5.5B, which share one char CNN; n_tokens_vocab:
-# bilm-tf's 1B Word Benchmark vocabulary), so options alone never ask for more memory than a model 4-8x the
-# original's size (fp32: `parameters` x 4 bytes, 2 GiB at most). The weights file must then hold exactly the
-# shapes the options imply (model/weights.py checks its metadata before any tensor is built).
+# Every number options.json sets, and the parameters they add up to: the one table of the schema's bounds.
+# `largest` is 4-8x the largest value of the published biLMs (bilm-tf small / medium / original / original-5.5B,
+# which share one char CNN; n_tokens_vocab: bilm-tf's 1B Word Benchmark vocabulary); one filter's count may take
+# the whole summed budget (16x the largest published count); the clips' range only refuses nonsense. So options
+# alone never ask for more than `parameters` (about 5.7x the original's; 2 GiB in fp32), and the weights file
+# must then hold exactly the shapes the options imply (model/weights.py reads its metadata before any tensor is
+# built).
 BOUNDS: dict[str, Bound] = {
     # key                                     smallest  largest       published
     "lstm.n_layers":                     Bound(1,       16,           "2"),
@@ -56,6 +58,7 @@ BOUNDS: dict[str, Bound] = {
 }
 CHOICES = {"char_cnn.n_characters": (261, 262),      # 261 trained rows; 262 with the padding row
            "char_cnn.activation": ("relu", "tanh")}
+OPTIONS_MAX_BYTES = 1 << 20     # an options.json is about 1 KB; a larger file is not read
 
 
 @dataclass(frozen=True)
@@ -110,14 +113,14 @@ class BiLMOptions:
         E, F_ = self.char_cnn["embedding"]["dim"], self.n_filters
         convs = sum(n * (w * E + 1) for w, n in self.filters)
         highways = (self.char_cnn.get("n_highway") or 0) * (2 * F_ * F_ + 2 * F_)
-        return 262 * E + convs + highways + (F_ * P + P if F_ != P else 0)
+        projection = F_ * P + P if F_ != P else 0
+        return 262 * E + convs + highways + projection      # 262: model.bilm.N_CHAR_ROWS
 
     def to_json(self) -> str:
         return json.dumps(self.raw, indent=2, sort_keys=True)
 
 
 _MISSING = object()
-OPTIONS_MAX_BYTES = 1 << 20     # an options.json is about 1 KB; a larger file is not read
 
 
 def _show(value: Any) -> str:
@@ -145,10 +148,10 @@ class _Reader:
         for i, part in enumerate(parts):
             if not isinstance(cur, dict):
                 self.fail(".".join(parts[:i]), f"should be an object, found {_show(cur)}")
-            cur = cur.get(part)
-            if cur is None:
+            cur = cur.get(part, _MISSING)
+            if cur is _MISSING or cur is None:
                 if default is _MISSING:
-                    self.fail(key, "is missing" if i == len(parts) - 1 else "is missing (its object is absent)")
+                    self.fail(".".join(parts[: i + 1]), "is missing" if cur is _MISSING else "should not be null")
                 return default
         return cur
 
