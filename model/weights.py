@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 
 import h5py
 import numpy as np
@@ -25,7 +26,7 @@ import torch
 
 from model.bilm import N_CHAR_ROWS, BiLM
 from fsio import local_path
-from model.options import load_options
+from model.options import BiLMOptions, load_options
 
 
 class WeightsError(ValueError):
@@ -36,14 +37,63 @@ def _cell(d: int, k: int) -> str:
     return f"RNN_{d}/RNN/MultiRNNCell/Cell{k}/LSTMCell"
 
 
-def _read(f, name: str, shape: tuple, where: str) -> np.ndarray:
-    if name not in f:
-        raise WeightsError(f"{where}: missing dataset '{name}'")
+def weight_shapes(opts: BiLMOptions) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every dataset of the layout (module docstring) these options use: name -> (shape, the options.json keys
+    the shape follows), in reading order. Computed from the options alone: no tensor is built. char_embed has the
+    trained N_CHAR_ROWS - 1 rows here (a file with the padding row, N_CHAR_ROWS, is accepted too)."""
+    P, H = opts.projection_dim, opts.lstm_dim
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    if opts.char_cnn is not None:
+        E, F_ = opts.char_cnn["embedding"]["dim"], opts.n_filters
+        shapes["char_embed"] = (N_CHAR_ROWS - 1, E), "char_cnn.embedding.dim"
+        for i, (width, num) in enumerate(opts.filters):
+            shapes[f"CNN/W_cnn_{i}"] = (1, width, E, num), f"char_cnn.filters[{i}], char_cnn.embedding.dim"
+            shapes[f"CNN/b_cnn_{i}"] = (num,), f"char_cnn.filters[{i}]"
+        for k in range(opts.char_cnn.get("n_highway") or 0):
+            for part in ("transform", "carry"):
+                shapes[f"CNN_high_{k}/W_{part}"] = (F_, F_), "char_cnn.filters (counts summed), char_cnn.n_highway"
+                shapes[f"CNN_high_{k}/b_{part}"] = (F_,), "char_cnn.filters (counts summed), char_cnn.n_highway"
+        if F_ != P:
+            shapes["CNN_proj/W_proj"] = (F_, P), "char_cnn.filters (counts summed), lstm.projection_dim"
+            shapes["CNN_proj/b_proj"] = (P,), "lstm.projection_dim"
+    else:
+        shapes["embedding"] = (opts.n_tokens_vocab, P), "n_tokens_vocab, lstm.projection_dim"
+    for d in range(2):
+        for k in range(opts.n_layers):
+            g = _cell(d, k)
+            shapes[f"{g}/W_0"] = (2 * P, 4 * H), "lstm.projection_dim, lstm.dim, lstm.n_layers"
+            shapes[f"{g}/B"] = (4 * H,), "lstm.dim, lstm.n_layers"
+            shapes[f"{g}/W_P_0"] = (H, P), "lstm.dim, lstm.projection_dim, lstm.n_layers"
+    return shapes
+
+
+def check_weights_match(f: h5py.File, opts: BiLMOptions, where: str) -> None:
+    """WeightsError unless the file holds every dataset the options use, in the shape they imply, and no other
+    model dataset (MODEL_PREFIXES). Reads the HDF5 metadata only, so it runs before any tensor is built: options
+    that do not match the weights never allocate what they ask for."""
+    used = weight_shapes(opts)
+    for name, (shape, keys) in used.items():
+        if name not in f:
+            raise WeightsError(f"{where}: missing dataset '{name}' (options.json: {keys})")
+        ds = f[name]
+        if not isinstance(ds, h5py.Dataset):
+            raise WeightsError(f"{where}: '{name}' is a group, expected a dataset")
+        found = tuple(ds.shape) if ds.shape is not None else ()
+        if found != shape and not (name == "char_embed" and found == (N_CHAR_ROWS, shape[1])):
+            raise WeightsError(f"{where}: dataset '{name}' has shape {found}, expected {shape} "
+                               f"(options.json: {keys})")
+    names: list[str] = []
+    f.visit(names.append)
+    unused = sorted(n for n in names if n.startswith(MODEL_PREFIXES) and n not in used
+                    and isinstance(f[n], h5py.Dataset))
+    if unused:
+        raise WeightsError(f"{where}: {len(unused)} dataset(s) the options do not use, e.g. '{unused[0]}' "
+                           f"(options.json does not match the weights: lstm.n_layers, char_cnn or filters?)")
+
+
+def _read(f, name: str, where: str) -> np.ndarray:
+    """A dataset check_weights_match accepted, as float32; WeightsError when unreadable or not finite."""
     ds = f[name]
-    if not isinstance(ds, h5py.Dataset):
-        raise WeightsError(f"{where}: '{name}' is a group, expected a dataset")
-    if tuple(ds.shape) != tuple(shape):
-        raise WeightsError(f"{where}: dataset '{name}' has shape {tuple(ds.shape)}, expected {tuple(shape)}")
     try:
         arr = np.asarray(ds[...], dtype=np.float32)
     except (OSError, ValueError, TypeError) as e:
@@ -59,100 +109,89 @@ def _copy(param: torch.Tensor, array: np.ndarray) -> None:
         param.copy_(torch.from_numpy(np.ascontiguousarray(array)))
 
 
-def load_weights_into(model: BiLM, weight_file: str, sha256: str | None = None) -> BiLM:
-    """Fill `model` from an HDF5 weights file (path or URL). Raises WeightsError naming the problem."""
+def _open(weight_file: str, sha256: str | None) -> h5py.File:
     path = local_path(weight_file, sha256=sha256)
     try:
-        f = h5py.File(path, "r")
+        return h5py.File(path, "r")
     except OSError as e:
         size = os.path.getsize(path)
         raise WeightsError(f"{weight_file}: not a valid HDF5 file (truncated or corrupted?): {size} bytes, "
                            f"{' '.join(str(e).split())}") from None
-    with f:
-        used = _Used(f)
-        try:
-            _load(model, used, str(weight_file))
-            names: list[str] = []
-            f.visit(names.append)
-        except WeightsError:
-            raise
-        except (OSError, KeyError, RuntimeError, ValueError) as e:   # h5py on damaged metadata or chunks
-            raise WeightsError(f"{weight_file}: corrupted HDF5 file (truncated or damaged?): "
-                               f"{type(e).__name__}: {' '.join(str(e).split())}") from None
-        unused = sorted(n for n in names if n.startswith(MODEL_PREFIXES) and isinstance(f[n], h5py.Dataset)
-                        and n not in used.names)
-        if unused:
-            raise WeightsError(f"{weight_file}: {len(unused)} dataset(s) the options do not use, e.g. '{unused[0]}' "
-                               f"(options.json does not match the weights: lstm.n_layers, char_cnn or filters?)")
+
+
+@contextmanager
+def _damage_named(weight_file: str):
+    """h5py's errors on damaged metadata or chunks as one WeightsError."""
+    try:
+        yield
+    except WeightsError:
+        raise
+    except (OSError, KeyError, RuntimeError, ValueError) as e:
+        raise WeightsError(f"{weight_file}: corrupted HDF5 file (truncated or damaged?): "
+                           f"{type(e).__name__}: {' '.join(str(e).split())}") from None
+
+
+def load_weights_into(model: BiLM, weight_file: str, sha256: str | None = None) -> BiLM:
+    """Fill `model` from an HDF5 weights file (path or URL). Raises WeightsError naming the problem."""
+    with _open(weight_file, sha256) as f:
+        with _damage_named(weight_file):
+            check_weights_match(f, model.opts, str(weight_file))
+            _load(model, f, str(weight_file))
     return model
 
 
 MODEL_PREFIXES = ("char_embed", "CNN", "embedding", "RNN_")   # other datasets (softmax/...) ride along unread
 
 
-class _Used:
-    """An h5py.File view that records which datasets were read."""
-
-    def __init__(self, f: h5py.File):
-        self.f, self.names = f, set()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.f
-
-    def __getitem__(self, name: str):
-        self.names.add(name)
-        return self.f[name]
-
-
 def _load(model: BiLM, f: h5py.File, where: str) -> None:
+    """Copy the datasets into `model` (check_weights_match has accepted the file for model.opts)."""
     o = model.opts
-    P, H = o.projection_dim, o.lstm_dim
     enc = model.token_encoder
     if o.char_cnn is not None:
-        E = enc.char_embed.embedding_dim
-        n_rows = f["char_embed"].shape[0] if "char_embed" in f else None
+        char_embed = _read(f, "char_embed", where)
         # Trained files have 261 rows (ids 0..260); ids are +1 shifted at inference, so row 0 is a
         # zero row for padded positions (options say n_characters 262). A 262-row file has it already.
-        rows = N_CHAR_ROWS if n_rows == N_CHAR_ROWS else N_CHAR_ROWS - 1
-        char_embed = _read(f, "char_embed", (rows, E), where)
-        full = np.zeros((N_CHAR_ROWS, E), np.float32)
-        full[N_CHAR_ROWS - rows:] = char_embed
+        full = np.zeros((N_CHAR_ROWS, char_embed.shape[1]), np.float32)
+        full[N_CHAR_ROWS - char_embed.shape[0]:] = char_embed
         _copy(enc.char_embed.weight, full)
-        for i, ((width, num), conv) in enumerate(zip(o.filters, enc.convs)):
-            w = _read(f, f"CNN/W_cnn_{i}", (1, width, E, num), where)
+        for i, conv in enumerate(enc.convs):
+            w = _read(f, f"CNN/W_cnn_{i}", where)
             _copy(conv.weight, w[0].transpose(2, 1, 0))                # (num, E, width)
-            _copy(conv.bias, _read(f, f"CNN/b_cnn_{i}", (num,), where))
-        F_ = o.n_filters
+            _copy(conv.bias, _read(f, f"CNN/b_cnn_{i}", where))
         for k, hw in enumerate(enc.highways):
             g = f"CNN_high_{k}"
-            w = np.concatenate([_read(f, f"{g}/W_transform", (F_, F_), where).T,
-                                _read(f, f"{g}/W_carry", (F_, F_), where).T])
-            b = np.concatenate([_read(f, f"{g}/b_transform", (F_,), where),
-                                _read(f, f"{g}/b_carry", (F_,), where)])
+            w = np.concatenate([_read(f, f"{g}/W_transform", where).T, _read(f, f"{g}/W_carry", where).T])
+            b = np.concatenate([_read(f, f"{g}/b_transform", where), _read(f, f"{g}/b_carry", where)])
             _copy(hw.linear.weight, w)
             _copy(hw.linear.bias, b)
         if enc.proj is not None:
-            _copy(enc.proj.weight, _read(f, "CNN_proj/W_proj", (F_, P), where).T)
-            _copy(enc.proj.bias, _read(f, "CNN_proj/b_proj", (P,), where))
+            _copy(enc.proj.weight, _read(f, "CNN_proj/W_proj", where).T)
+            _copy(enc.proj.bias, _read(f, "CNN_proj/b_proj", where))
     else:
-        _copy(enc.embedding.weight, _read(f, "embedding", (o.n_tokens_vocab, P), where))
+        _copy(enc.embedding.weight, _read(f, "embedding", where))
     for d, stack in enumerate((model.forward_layers, model.backward_layers)):
         for k, layer in enumerate(stack):
             g = _cell(d, k)
             d_in = layer.w_in.shape[1]
-            w0 = _read(f, f"{g}/W_0", (d_in + P, 4 * H), where)
+            w0 = _read(f, f"{g}/W_0", where)
             _copy(layer.w_in, w0[:d_in].T)
             _copy(layer.w_rec, w0[d_in:].T)
-            _copy(layer.bias, _read(f, f"{g}/B", (4 * H,), where))
-            _copy(layer.w_proj, _read(f, f"{g}/W_P_0", (H, P), where).T)
+            _copy(layer.bias, _read(f, f"{g}/B", where))
+            _copy(layer.w_proj, _read(f, f"{g}/W_P_0", where).T)
 
 
 def load_bilm(options_file: str, weight_file: str, device: str | torch.device = "cpu",
               sha256: str | None = None) -> BiLM:
-    """A BiLM (eval mode) from options.json + weights.hdf5, each a path or fsspec URL."""
+    """A BiLM (eval mode) from options.json + weights.hdf5, each a path or fsspec URL. The options are checked
+    against their schema and the weights' shapes (HDF5 metadata) before the BiLM's tensors are built."""
     opts = load_options(options_file)
-    model = BiLM(opts)
-    load_weights_into(model, weight_file, sha256=sha256)
+    where = str(weight_file)
+    with _open(weight_file, sha256) as f:
+        with _damage_named(where):
+            check_weights_match(f, opts, where)
+        model = BiLM(opts)
+        with _damage_named(where):
+            _load(model, f, where)
     return model.to(device).eval()
 
 
@@ -204,4 +243,5 @@ def save_bilm(model: BiLM, options_file: str, weight_file: str) -> None:
         json.dump(raw, f, indent=2, sort_keys=True)
 
 
-__all__ = ["WeightsError", "load_bilm", "load_weights_into", "save_bilm", "save_weights"]
+__all__ = ["WeightsError", "check_weights_match", "load_bilm", "load_weights_into", "save_bilm", "save_weights",
+           "weight_shapes"]

@@ -99,7 +99,8 @@ def check_state(state: str, *, workers: int = 1, budget_batches: bool = False, w
 
 def check_model(options_file: str, weight_file: str):
     """Load the biLM once here: a bad options.json or weights file (truncated, missing datasets, wrong shapes,
-    options that do not match the weights) fails now with OptionsError/WeightsError, not in every worker.
+    options out of their schema's bounds or not matching the weights) fails now with OptionsError/WeightsError,
+    not in every worker, and before any tensor is built from the options (model.weights.load_bilm).
     Returns the loaded BiLM (a local run hands it to its in-process workers: transforms.embed.offer_model)."""
     from model.weights import load_bilm
     return load_bilm(options_file, weight_file)
