@@ -67,8 +67,10 @@ def split_lines(f, block: int = 1 << 16, max_bytes: int | None = None) -> Iterat
             size += end - start
             if max_bytes is None or size <= max_bytes:
                 parts.append(chunk[start:end])
-            elif parts or not head:     # just went over: keep the head only
+            elif parts:                 # just went over: keep the head only
                 head, parts = _head([*parts, chunk[start:end]]), []
+            elif len(head) < HEAD_BYTES:
+                head += chunk[start:min(end, start + HEAD_BYTES - len(head))]
             if i < 0:
                 break
             yield TooLong(size, head) if max_bytes is not None and size > max_bytes else b"".join(parts)
