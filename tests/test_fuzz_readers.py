@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from formats.layout import DeadLetter
-from tokenization import TOKENIZERS, tokenize_document
+from tokenization import TOKENIZERS
 from tokenization.process import tokenize_or_reason
 from transforms.records import Blank, Document
 
@@ -142,7 +142,6 @@ def test_the_tokenizer_never_raises_and_offsets_stay_in_the_text(text, mode, spl
     if isinstance(out, str):        # the tokenizer failed: that document's dead letter, sentence #0
         assert document_reason(out, 10).startswith("tokenizer failed")
         return
-    assert out == tokenize_document(text, mode, split)
     for s in out:
         assert s.tokens and len(s.tokens) == len(s.offsets)
         assert all(0 <= a <= b <= len(text) for a, b in s.offsets)
