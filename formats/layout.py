@@ -135,7 +135,7 @@ def record_ids(record: dict) -> list[str]:
 
 def counts_name(url: str) -> str:
     """<staging>-relative name of an input file's record counts (the same for every attempt at the file)."""
-    return f"{COUNTS}/{hashlib.sha256(url.encode()).hexdigest()[:32]}.json"
+    return f"{COUNTS}/{hashlib.sha256(url.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}.json"
 
 
 def manifest_header(model: dict, columns: list[tuple[str, int]], hdf5_layout: str, flags: dict,

@@ -9,7 +9,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from formats.layout import FORMATS, PARQUET_LAYOUTS, STORAGE_DTYPES
 from formats.parquet import VECTOR_COMPRESSIONS
 from model.options import COMPUTE_DTYPES, STATE_MODES
-from transforms.read import INPUT_FORMATS
+from transforms.read import INPUT_FORMATS, MAX_RECORD_BYTES
+from transforms.records import MAX_DOCUMENT_TOKENS
 from tokenization import TOKENIZERS
 
 
@@ -28,6 +29,13 @@ class ElmoOptions(PipelineOptions):
           help="default ids name each file by its path relative to this folder (path or URL; an input outside it is "
           "an error). Default: relative to the folder common to the inputs, or with --iceberg-table the file's full "
           "path or URL, so that partitions' ids never collide (docs/warehouses.md)")
+        g("--max-record-bytes", type=int, default=MAX_RECORD_BYTES,
+          help="a longer input record (a line of a text/JSONL file as stored, without its newline, or a Parquet "
+          f"text cell in UTF-8) is a dead letter 'too long', read in blocks and never held whole (default "
+          f"{MAX_RECORD_BYTES} = {MAX_RECORD_BYTES >> 20} MiB): bounds the memory a record can take")
+        g("--max-document-tokens", type=int, default=MAX_DOCUMENT_TOKENS,
+          help="a document with more tokens in all its sentences is one dead letter 'too long' (its sentence #0; "
+          f"default {MAX_DOCUMENT_TOKENS})")
         g("--output", default=None, help="output folder (path or URL)")
         g("--overwrite", action="store_true", help="replace a finished run in --output (also one of this same command, which is otherwise left as "
           "it is: 'already complete')")

@@ -32,7 +32,7 @@ from formats.parquet import layer_columns, shard_schema
 from model.options import load_options, sentences_independent
 from pipeline.exits import after_plan
 from pipeline.options import ElmoOptions, JobOptions, default_torch_threads
-from pipeline.validate import check_model, check_numbers, check_output_writable, check_state
+from pipeline.validate import check_input_columns, check_model, check_numbers, check_output_writable, check_state
 from fsio import atomic_write, expand, url_fs
 from fsio.lease import Lease, RetryLater
 from transforms import embed as E
@@ -165,6 +165,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     so = storage_options(opts)
     files = expand(o.input, so)
     labels = file_labels(files, o.id_root, full=iceberg is not None and not o.id_field)
+    check_input_columns(files, o.input_format, o.text_field, o.id_field, so)
     options_file, weight_file, vocab_file, model_name = resolve_model(o)
     from model.pretrained import is_published, model_tokenization, model_urls
     from tokenization import resolve_tokenizer
@@ -269,9 +270,9 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
         out = pcoll | label >> beam.ParDo(Chain(staging, so, *dofns)).with_output_types(output_type)
         return out | f"{label}Encoded" >> beam.Reshuffle() if pl.break_fusion else out
 
-    files = p | "ListFiles" >> beam.Create(pl.files) | "SpreadFiles" >> beam.Reshuffle()
-    docs = stage(files, "ReadFiles", ReadFiles(o.input_format, pl.labels, o.text_field, o.id_field, so, staging,
-                                               pl.progress), output_type=Document)
+    files = p | "ListFiles" >> beam.Create(range(len(pl.files))) | "SpreadFiles" >> beam.Reshuffle()
+    docs = stage(files, "ReadFiles", ReadFiles(o.input_format, pl.files, pl.labels, o.text_field, o.id_field, so,
+                                               staging, pl.progress, o.max_record_bytes), output_type=Document)
     if pl.unique_ids:          # grouping by id also spreads the documents over workers
         keyed = docs | "KeyById" >> beam.Map(lambda d: (d.doc_id, d)).with_output_types(tuple[str, Document])
         docs = stage(keyed | "GroupById" >> beam.GroupByKey(), "DropDuplicateIds", DropDuplicateIds(pl.progress),
@@ -279,7 +280,8 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
     elif pl.spread_documents and not pl.break_fusion:
         docs = docs | "SpreadDocuments" >> beam.Reshuffle()
     items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag,
-                                             processes=pl.tokenizer_processes, progress=pl.progress),
+                                             processes=pl.tokenizer_processes, progress=pl.progress,
+                                             max_document_tokens=o.max_document_tokens),
                   output_type=Item)
     if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
         items = items | "SkipCommitted" >> beam.ParDo(

@@ -45,7 +45,7 @@ def check_flags(argv: list[str]) -> None:
 
 
 POSITIVE = ("max_sentence_tokens", "max_tokens_per_batch", "sort_buffer", "row_group_bytes", "shard_sentences",
-            "shard_bytes", "window_tokens", "lease_stale_seconds")
+            "shard_bytes", "window_tokens", "lease_stale_seconds", "max_record_bytes", "max_document_tokens")
 
 
 def check_numbers(o) -> None:
@@ -129,3 +129,23 @@ def check_output_writable(output: str, storage_options: dict | None = None) -> N
         fs.rm(probe)
     except Exception as e:  # noqa: BLE001
         raise PermissionError(f"--output {output} is not writable: {type(e).__name__}: {e}") from None
+
+
+def check_input_columns(files: list[str], input_format: str, text_field: str, id_field: str | None,
+                        storage_options: dict | None = None) -> None:
+    """ValueError naming the first Parquet input without the --text-field or --id-field column, and the columns
+    it has (read from each file's footer), so a wrong field fails before anything is staged. A file whose
+    footer cannot be read is left to the run, where it is a dead letter "unreadable file"."""
+    if input_format != "parquet":
+        return
+    from transforms.read import parquet_columns, printable_label
+    wanted = [("--text-field", text_field)] + ([("--id-field", id_field)] if id_field else [])
+    for url in files:
+        try:
+            names = parquet_columns(url, storage_options)
+        except Exception:  # noqa: BLE001 - the reader reports it, for this file alone
+            continue
+        for flag, column in wanted:
+            if column not in names:
+                raise ValueError(f"{flag} {column!r}: the Parquet input {printable_label(url)} has no such column "
+                                 f"(its columns: {', '.join(names) or 'none'})")

@@ -21,8 +21,8 @@ from model.windows import effective_window, embed_long, embed_long_many
 from transforms import embed as E
 from transforms.faults import crash_point
 from transforms.progress import ProgressSpec, advance, split_bytes
-from transforms.read import read_documents, split_duplicate_ids
-from transforms.records import Blank, Document, EmbeddedBatch, Item
+from transforms.read import MAX_RECORD_BYTES, read_documents, split_duplicate_ids
+from transforms.records import MAX_DOCUMENT_TOKENS, Blank, Document, EmbeddedBatch, Item
 from transforms.resume import load_done_ids
 from tokenization.process import TokenizerProcesses, tokenize_or_reason
 from transforms.stats import RunStats, merge_stats
@@ -37,24 +37,27 @@ def _windowed(x):
 
 
 class ReadFiles(beam.DoFn):
-    """file URL -> Document ...; unreadable records to the DEAD output; per file, its record counts (input
-    records, blank records) staged under the run's staging folder (transforms.write.stage_counts). The
-    progress bar advances by the file's bytes that no Document carries (blank and unreadable records)."""
+    """index of a file in `files` -> Document ...; unreadable records to the DEAD output; per file, its record
+    counts (input records, blank records) staged under the run's staging folder (transforms.write.stage_counts).
+    The progress bar advances by the file's bytes that no Document carries (blank and unreadable records).
+    Files travel by index: a local name that is not valid UTF-8 cannot be a Beam string."""
 
-    def __init__(self, fmt, labels, text_field, id_field, storage_options, staging,
-                 progress: ProgressSpec | None = None):
+    def __init__(self, fmt, files, labels, text_field, id_field, storage_options, staging,
+                 progress: ProgressSpec | None = None, max_record_bytes: int = MAX_RECORD_BYTES):
         self.args = (fmt, labels, text_field, id_field, storage_options)
+        self.files, self.max_record_bytes = list(files), max_record_bytes
         self.staging, self.progress = staging, progress
         self.docs = Metrics.counter(NS, "documents")
         self.dead = Metrics.counter(NS, "dead_letters")
         self.blank = Metrics.counter(NS, "blank_records")
         self.run_stats = RunStats()
 
-    def process(self, url):
+    def process(self, index: int):
         fmt, labels, text_field, id_field, so = self.args
+        url = self.files[index]
         records = blank = doc_bytes = 0
         busy, t = 0.0, time.perf_counter()      # time reading, not the time downstream steps take per yield
-        for rec in read_documents(url, fmt, labels[url], text_field, id_field, so):
+        for rec in read_documents(url, fmt, labels[url], text_field, id_field, so, self.max_record_bytes):
             busy += time.perf_counter() - t
             records += 1
             if isinstance(rec, Blank):
@@ -100,15 +103,18 @@ class Tokenize(beam.DoFn):
     """Document -> Item per sentence; sentences over max_tokens to the DEAD output.
 
     Every document gives at least one sentence: one whose text has no tokens at all (only control
-    characters, say), or that the tokenizer fails on, is dead-lettered as its sentence #0.
+    characters, say), that the tokenizer fails on, or whose sentences hold more than max_document_tokens
+    tokens in all, is dead-lettered as its sentence #0.
     processes 0: tokenized inline; N: in N child processes, ahead of this thread, which goes on with the
     steps fused after it (the biLM): tokenization.process. Its last Items come from finish_bundle, so
     only on runners that pass those on (not DaskRunner: docs/runner-notes.md). The run report's "tokenize"
     time is this thread's (with a child: handing documents over and taking sentences back)."""
 
     def __init__(self, mode: str, max_tokens: int, limit_flag: str = "--max-sentence-tokens",
-                 processes: int = 0, progress: ProgressSpec | None = None):
+                 processes: int = 0, progress: ProgressSpec | None = None,
+                 max_document_tokens: int = MAX_DOCUMENT_TOKENS):
         self.mode, self.max_tokens, self.limit_flag = mode, max_tokens, limit_flag
+        self.max_document_tokens = max_document_tokens
         self.processes, self.progress = processes, progress
         self.sentences = Metrics.counter(NS, "sentences")
         self.tokens = Metrics.counter(NS, "tokens")
@@ -148,9 +154,8 @@ class Tokenize(beam.DoFn):
 
     def _items(self, doc: Document, sentences):
         """Items (and dead letters) of `doc` from tokenize_or_reason()'s result."""
-        if isinstance(sentences, str) or not sentences:
-            reason = (f"tokenizer failed: {sentences}"[:500] if isinstance(sentences, str) else
-                      "no tokens: the text has no tokens (only control, format or other characters the tokenizer drops)")
+        reason = document_reason(sentences, self.max_document_tokens)
+        if reason:
             self.sentences.inc()
             self.dead.inc()
             advance(self.progress, doc.nbytes)
@@ -172,6 +177,19 @@ class Tokenize(beam.DoFn):
                 continue
             self.tokens.inc(len(s.tokens))
             yield Item(sid, doc.doc_id, i, s.tokens, s.offsets, nbytes)
+
+
+def document_reason(sentences, max_document_tokens: int) -> str | None:
+    """Why a document's tokenize_or_reason() result (its sentences, or the tokenizer's error) is one dead
+    letter, its sentence #0: the tokenizer failed, no tokens, or more tokens than max_document_tokens. None: fine."""
+    if isinstance(sentences, str):
+        return f"tokenizer failed: {sentences}"[:500]
+    if not sentences:
+        return "no tokens: the text has no tokens (only control, format or other characters the tokenizer drops)"
+    total = sum(len(s.tokens) for s in sentences)
+    if total > max_document_tokens:
+        return f"too long: document of {total} tokens > --max-document-tokens {max_document_tokens}"
+    return None
 
 
 class Chain(beam.DoFn):

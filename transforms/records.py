@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+MAX_DOCUMENT_TOKENS = 1_000_000     # --max-document-tokens default: a document with more is one dead letter
+
 
 @dataclass(frozen=True)
 class Document:
