@@ -25,7 +25,8 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, machine
-from model.bilm import _cell
+from model.lstm import options_from_env
+from model.lstm_loops import cell_for
 from model.options import parse_options
 from model.synthetic import PUBLISHED_OPTIONS
 
@@ -39,6 +40,7 @@ def make_steps(H: int, P: int, rows: int, steps: int, dtype: torch.dtype, device
     """A function running `steps` LSTM steps of both directions at `rows` rows in place on static buffers (so a
     CUDA graph can capture it): per step gates = xw + h @ W_rec, the cell, h = clip(out @ W_proj)."""
     g = torch.Generator().manual_seed(0)
+    cell = cell_for(torch.device(device), options_from_env()[1])     # the cell as a model built here runs it
 
     def rand(*shape, scale=1.0):
         return ((torch.rand(*shape, generator=g) * 2 - 1) * scale).to(device=device, dtype=dtype)
@@ -51,7 +53,7 @@ def make_steps(H: int, P: int, rows: int, steps: int, dtype: torch.dtype, device
         for _ in range(steps):
             gates.copy_(xw)                      # the model's gates are rows of its input projection: no copy there
             gates.baddbmm_(h, w_rec)
-            c_new, o = _cell(gates, c, clip, out)
+            c_new, o = cell(gates, c, clip, out)
             c.copy_(c_new)
             torch.bmm(o, w_proj, out=y)
             y.clamp_(-clip, clip)

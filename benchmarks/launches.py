@@ -11,7 +11,7 @@ fast), forward_invariant (batch_invariant=True), embedder (ElmoEmbedder.embed_ba
 numpy out; its sentences in lanes, the batch cut by token slots), embedder_no_lanes (the same without lanes, the
 padded-slot batch), stateful (the embedder in stateful mode), windows (one sentence of `budget` tokens in windows of
 512, overlap 128, model/windows.py), training (the padded forward under autograd, no backward).
-Launches by region: encoder (token encoder), lstm (model.bilm.run_lstm_layers), other.
+Launches by region: encoder (token encoder), lstm (model.lstm.run_lstm_layers), other.
 Prints a table and writes benchmarks/results/launches_<tag>.json naming the machine. Works on any tree with
 model.device.host_side (host work then runs for real, uncounted).
 """

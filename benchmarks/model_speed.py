@@ -33,12 +33,12 @@ import time
 
 import torch
 
-import model.bilm as bilm
 from benchmarks.common import (RESULTS, flops_per_token, gemm_ceiling_gflops, gemm_rates_gflops,
                                lstm_flops_per_token, machine, wikitext_sentences)
 from model.batching import plan_batches
 from model.char_ids import batch_char_ids
 from model.embedder import ElmoEmbedder
+from model.lstm import LSTM_LOOPS, step_loop
 from model.options import parse_options
 from model.synthetic import PUBLISHED_OPTIONS, random_bilm
 
@@ -209,8 +209,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                     help="one or more: several are measured side by side (interleaved)")
-    ap.add_argument("--lstm-gemm", nargs="+", default=["auto"], choices=list(bilm.LSTM_GEMMS),
-                    help="the LSTM loop's GEMMs (model/bilm.py LSTM_GEMMS); several are measured side by side")
+    ap.add_argument("--lstm-gemm", nargs="+", default=["auto"], choices=list(LSTM_LOOPS),
+                    help="the LSTM loop (BiLM.lstm_loop, model/lstm.py LSTM_LOOPS); several are measured side by side")
     ap.add_argument("--path", nargs="+", default=["forward", "embedder"], choices=["forward", "embedder"])
     ap.add_argument("--warm-cache-sentences", type=int, default=5000)
     ap.add_argument("--batch-invariant", choices=["off", "on", "both"], default="off",
@@ -262,7 +262,7 @@ def main() -> None:
                 for v in variants:      # interleaved: every variant sees the same machine load
                     d, gemm, inv, lanes = v
                     dtype = getattr(torch, d)
-                    bilm.LSTM_GEMM = os.environ["ELMO_LSTM_GEMM"] = gemm      # this process and spawned ones
+                    os.environ["ELMO_LSTM_GEMM"] = gemm      # the models built below, here and in spawned processes
                     if path == "forward":
                         r = measure(config, sentences, budget, args.device, dtype, inv)
                     elif path == "embedder":
@@ -270,7 +270,7 @@ def main() -> None:
                                              lanes=lanes == "on", profile=args.profile)
                     else:
                         r = measure_processes(config, sentences, budget, args.threads, args.processes, warm, inv)
-                    r["lstm_gemm_used"] = bilm.lstm_gemm(torch.device(args.device), dtype)
+                    r["lstm_gemm_used"] = step_loop(torch.device(args.device), dtype, gemm, compile_cell=False).name
                     runs[v].append(r)
             medians = {}
             for v in variants:

@@ -129,43 +129,57 @@ class _IndexAsAten(TorchFunctionMode):
 _COUNTERS: list = []     # the OpCounters active now, innermost last
 
 
-def _fused_cell_stand_in(cell):
-    """model.bilm._cell as a GPU runs it: torch.compile's one fused kernel (unless ELMO_COMPILE_CELL=0), which
-    fake tensors cannot be compiled into here. Computes the eager cell uncounted and counts one launch."""
-    import model.bilm as bilm
+def _fused_cell_stand_in(cell, eager):
+    """The compiled LSTM cell as a GPU runs it: torch.compile's one fused kernel (unless ELMO_COMPILE_CELL=0), which
+    fake tensors cannot be compiled into here. Computes the eager cell uncounted and counts one launch.
+    cell: what runs instead off a GPU or with ELMO_COMPILE_CELL=0; eager: the eager cell."""
 
     def fused(gates, c, cell_clip, out):
         if gates.device.type != "cuda" or os.environ.get("ELMO_COMPILE_CELL", "1") == "0":
             return cell(gates, c, cell_clip, out)
         counter = _COUNTERS[-1] if _COUNTERS else None
         if counter is None:
-            return bilm._cell_eager(gates, c, cell_clip, out)
+            return eager(gates, c, cell_clip, out)
         counter.ops["fused LSTM cell (torch.compile)"] += 1
         counter.by_region[counter.region] += 1
         counter.silent = True
         try:
-            return bilm._cell_eager(gates, c, cell_clip, out)
+            return eager(gates, c, cell_clip, out)
         finally:
             counter.silent = False
     return fused
+
+
+def _compiled_cell_hook():
+    """(owner, name, stand-in) for the attribute through which the model gets its compiled cell:
+    model.lstm_loops.compiled_cell, or on a tree without it model.bilm._cell; None when neither is there."""
+    try:
+        import model.lstm_loops as loops
+    except ImportError:
+        import model.bilm as bilm
+        cell = getattr(bilm, "_cell", None)
+        return None if cell is None else (bilm, "_cell", _fused_cell_stand_in(cell, bilm._cell_eager))
+    stand_in = _fused_cell_stand_in(loops.cell_eager, loops.cell_eager)
+    return loops, "compiled_cell", lambda: stand_in
 
 
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[torch.device]:
     """FakeTensorMode with fake CUDA tensors (real host tensors allowed as inputs: they become fake constants).
     Yields the fake device (cuda:0). The biLM's compiled cell is stood in for (_fused_cell_stand_in)."""
-    import model.bilm as bilm
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shim = _IndexAsAten(mode) if not torch.backends.cuda.is_built() else contextlib.nullcontext()
-    cell = getattr(bilm, "_cell", None)
-    if cell is not None:
-        bilm._cell = _fused_cell_stand_in(cell)
+    hook = _compiled_cell_hook()
+    if hook is not None:
+        owner, name, stand_in = hook
+        original = getattr(owner, name)
+        setattr(owner, name, stand_in)
     try:
         with mode, shim:
             yield DEVICE
     finally:
-        if cell is not None:
-            bilm._cell = cell
+        if hook is not None:
+            setattr(owner, name, original)
 
 
 def to_fake(module: torch.nn.Module, device: torch.device = DEVICE) -> torch.nn.Module:
@@ -186,7 +200,7 @@ def to_fake(module: torch.nn.Module, device: torch.device = DEVICE) -> torch.nn.
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched inside it: launches (ops that run a kernel: not views, not bare
     allocations), by region, and the copies between host and device. Regions: 'encoder' (the token encoder),
-    'lstm' (model.bilm.run_lstm_layers), 'other' (everything else); given a model, its token encoder and the
+    'lstm' (model.lstm.run_lstm_layers, as model.bilm calls it), 'other' (everything else); given a model, its token encoder and the
     LSTM loop are wrapped for the time of the count (on any tree that has them)."""
 
     def __init__(self, model: torch.nn.Module | None = None):

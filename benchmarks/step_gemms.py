@@ -2,7 +2,7 @@
 close bf16 can get to 2x fp32 inside the model's own calls on this CPU.
 
 One step of model/bilm.py's oneDNN loop for one direction is three oneDNN linears on prepacked weights
-(torch.ops.mkldnn._linear_pointwise, as _onednn_loop calls them), for rows m (the lanes live at that step):
+(torch.ops.mkldnn._linear_pointwise, as model.lstm_loops.onednn_loop calls them), for rows m (the lanes live at that step):
   gates i, f, o   (m, D+P) x (D+P, 3H), sigmoid fused
   gate j          (m, D+P) x (D+P, H), tanh fused
   projection      (m, H) x (H, P)

@@ -60,16 +60,19 @@ class ElmoEmbedder:
     stateless and warm only: stateful results depend on the batches by design); False (default): the fast path.
 
     lanes: a batch's sentences laid end to end in the LSTMs' lanes, each from the initial state again
-    (model.bilm.PackedBatch): the loop runs nearly every lane at every step instead of a tail of steps with the
+    (model.packing.PackedBatch): the loop runs nearly every lane at every step instead of a tail of steps with the
     longest sentences alone. None (default): on in stateless and warm modes (off in stateful, which needs each
     sentence's final state); the same vectors up to float rounding, bit-identical with batch_invariant.
+
+    lstm_loop: the LSTM loop the model runs, 'auto', 'onednn' or 'bmm' (BiLM.lstm_loop, model/lstm.py); None
+    (default): the model's own (ELMO_LSTM_GEMM when it was constructed, else 'auto'). Set on the model.
     """
 
     def __init__(self, options_file: str | None = None, weight_file: str | None = None, *,
                  device: str | int | torch.device | None = "cpu", state: str = "stateless",
                  batch_size: int = 64, model: BiLM | None = None, vocab_file: str | None = None,
                  token_cache: int = 50_000, dtype: str | torch.dtype | None = None,
-                 batch_invariant: bool = False, lanes: bool | None = None):
+                 batch_invariant: bool = False, lanes: bool | None = None, lstm_loop: str | None = None):
         if state not in STATE_MODES:
             raise ValueError(f"state must be one of {STATE_MODES}, got {state!r}")
         if batch_invariant and state == "stateful":
@@ -91,6 +94,8 @@ class ElmoEmbedder:
         moved = any(t.device != self.device or (t.is_floating_point() and t.dtype != self.dtype)
                     for t in (*model.parameters(), *model.buffers()))
         self.model = (model.to(self.device, self.dtype) if moved else model).eval()
+        if lstm_loop is not None:
+            self.model.lstm_loop = lstm_loop
         warn_if_emulated(self.dtype, self.device)    # once per process: an emulated dtype is slower than float32
         if self.model.opts.char_cnn is not None:   # char-CNN vectors of up to `token_cache` distinct tokens are reused
             self.model.enable_token_cache(token_cache)

@@ -12,16 +12,27 @@ padded_forward: BiLM.forward's full contract (every layer, zeros at padded posit
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from model.device import host_side, upload
+from model.lstm import LstmProjection
+from model.options import BiLMOptions
 
-if TYPE_CHECKING:
-    from model.bilm import BiLM, LstmProjection
+
+class BiLM(Protocol):
+    """What these functions read of a model.bilm.BiLM (which imports this module: no import back)."""
+    opts: BiLMOptions
+    dropout: float
+    training: bool
+    forward_layers: Sequence[LstmProjection]
+    backward_layers: Sequence[LstmProjection]
+
+    def encode_tokens(self, inputs: Tensor, batch_invariant: bool = False) -> Tensor: ...
 
 
 def _run_layer(layer: LstmProjection, x: Tensor, state: tuple[Tensor, Tensor] | None = None,

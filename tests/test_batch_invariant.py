@@ -134,14 +134,12 @@ def test_bits_do_not_depend_on_batching_small_shape():
     assert_same_across_threads(res[1]["alone"], res[2]["alone"], "small, 1 thread vs 2 threads")
 
 
-def test_the_previous_path_does_depend_on_batching(monkeypatch):
+def test_the_previous_path_does_depend_on_batching():
     """What the switch buys: without it, some sentences come out in other bits in a batch (few ulps). Shown on the
     bmm loop (GPUs, and MKL on CPUs): oneDNN's CPU GEMMs give a row other bits for fewer row counts, so on
     these sentences its fast path happens to agree, which nothing guarantees."""
-    import model.bilm as bilm
-    monkeypatch.setattr(bilm, "LSTM_GEMM", "bmm")
     sents = sentences(40)
-    e = embedder("tiny", batch_invariant=False)
+    e = embedder("tiny", batch_invariant=False, lstm_loop="bmm")
     alone = [e.embed_sentence(s) for s in sents]
     batched = e.embed_batch(sents)
     assert any(a.tobytes() != b.tobytes() for a, b in zip(alone, batched))
@@ -174,13 +172,13 @@ def test_invariant_path_equals_oracle_and_fast_path(options):
 
 def test_chunked_input_projection_keeps_the_bits(monkeypatch):
     """Input projections a few steps at a time (tiny CHUNK_ELEMENTS): the same bits as one chunk."""
-    import model.bilm as bilm
-    monkeypatch.setattr(bilm, "LSTM_GEMM", "bmm")      # the chunked loop (GPUs)
+    import model.lstm_loops as lstm_loops
     model = random_bilm("tiny", seed=3)
+    model.lstm_loop = "bmm"                            # the chunked loop (GPUs)
     ids, lengths = (torch.from_numpy(a) for a in batch_char_ids(sentences(12, seed=4, max_len=20)))
     with torch.inference_mode():
         ref, _ = model(ids, lengths, batch_invariant=True)
-        monkeypatch.setattr(bilm, "CHUNK_ELEMENTS", 2 * 4 * 32 * 8)      # 8 padded rows per chunk
+        monkeypatch.setattr(lstm_loops, "CHUNK_ELEMENTS", 2 * 4 * 32 * 8)      # 8 padded rows per chunk
         got, _ = model(ids, lengths, batch_invariant=True)
     assert torch.equal(ref, got)
 

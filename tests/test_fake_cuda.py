@@ -73,7 +73,7 @@ def test_embedder(dev, state, batch_invariant):
     exactly one copy each way per batch; cold cache and warm cache alike."""
     model = fake_model("original", dev)
     e = embedder(model, state=state, batch_invariant=batch_invariant)
-    e.embed_batch([["Warm", "up"]])                     # weights stacked once (model.bilm.stack_weights)
+    e.embed_batch([["Warm", "up"]])                     # weights stacked once (model.lstm.stack_weights)
     for batch in (SENTS[:2], SENTS, SENTS[1:]):       # new tokens, some cached, all cached
         with OpCounter(model) as n:
             out = e.embed_batch(batch)

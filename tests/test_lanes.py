@@ -1,4 +1,4 @@
-"""Lanes (model.batching.pack_lanes, model.bilm.PackedBatch(lanes=True)): a batch's sentences laid end to end in
+"""Lanes (model.batching.pack_lanes, model.packing.PackedBatch(lanes=True)): a batch's sentences laid end to end in
 the LSTMs' lanes, each starting from the initial state again. Every sentence gets the oracle's vectors; with
 batch_invariant the same bits as without lanes; both GEMM loops; batches cut by token slots."""
 import os
@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-import model.bilm as bilm
 from model.batching import pack_lanes, padding, plan_batches
 from model.char_ids import batch_char_ids
 from model.embedder import ElmoEmbedder
@@ -101,11 +100,11 @@ def _batch(n=40, seed=5, max_len=30):
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
-def test_lanes_give_the_oracles_vectors(monkeypatch, gemm):
+def test_lanes_give_the_oracles_vectors(gemm):
     """Each sentence in a lane of several equals the oracle's run of it alone, from zeros and from a
     nonzero state shared by every sentence (the warm mode's)."""
-    monkeypatch.setattr(bilm, "LSTM_GEMM", gemm)
     model = random_bilm("tiny", seed=4)
+    model.lstm_loop = gemm
     ids, lengths = _batch()
     B = len(lengths)
     _, warm = oracle_forward(model, ids[:1], lengths[:1])
@@ -115,7 +114,7 @@ def test_lanes_give_the_oracles_vectors(monkeypatch, gemm):
         with torch.inference_mode():
             pb, _ = model.prepare_tokens(*_inputs(ids, lengths), lanes=True)
             got, final = model.forward_tokens(*_inputs(ids, lengths), state, lanes=True)
-        assert pb.lanes < B and pb.resets          # lanes of several sentences, restarted mid-lane
+        assert pb.n_lanes < B and pb.resets          # lanes of several sentences, restarted mid-lane
         assert final is None                       # no per-sentence final state from shared lanes
         want = torch.cat([ref[:, b, 1: int(lengths[b]) - 1] for b in range(B)], dim=1)
         assert (got - want).abs().max() <= 1e-5
@@ -132,10 +131,10 @@ def _inputs(ids, lengths):
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
-def test_lanes_keep_batch_invariant_bits(monkeypatch, gemm):
+def test_lanes_keep_batch_invariant_bits(gemm):
     """batch_invariant: the same bits with and without lanes, and in any batching with lanes."""
-    monkeypatch.setattr(bilm, "LSTM_GEMM", gemm)
     model = random_bilm("tiny", seed=4)
+    model.lstm_loop = gemm
     sents = sentences(60, seed=9, max_len=35)
     runs = []
     for lanes, budget in ((False, 4096), (True, 4096), (True, 256), (True, 64)):

@@ -1,10 +1,15 @@
-"""The LSTM loop's two GEMM implementations (model/bilm.py LSTM_GEMMS) and the fused cell a GPU compiles."""
+"""The LSTM step loops (model/lstm.py: LSTM_LOOPS, step_loop; model/lstm_loops.py) and the fused cell a GPU compiles."""
 import pytest
 import torch
 
-import model.bilm as bilm
+import model.lstm_loops as lstm_loops
+from model.bilm import BiLM
 from model.char_ids import batch_char_ids
-from model.synthetic import random_bilm
+from model.embedder import ElmoEmbedder
+from model.lstm import step_loop
+from model.row_tile import ROW_TILE
+from model.synthetic import PUBLISHED_OPTIONS, random_bilm
+from model.options import parse_options
 from tests.oracle import oracle_forward
 from tests.test_batch_invariant import sentences
 
@@ -14,54 +19,83 @@ def _batch(n=9, seed=2):
 
 
 @pytest.mark.parametrize("gemm", ["onednn", "bmm"])
-def test_each_loop_equals_the_oracle(monkeypatch, gemm):
-    """Both loops, forced, give the oracle's vectors and final states (lengths vary: sequences end mid-batch)."""
+def test_each_loop_equals_the_oracle(gemm):
+    """Both loops, chosen, give the oracle's vectors and final states (lengths vary: sequences end mid-batch)."""
     if gemm == "onednn" and not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
-    monkeypatch.setattr(bilm, "LSTM_GEMM", gemm)
     model = random_bilm("tiny", seed=4)
+    model.lstm_loop = gemm
     ids, lengths = _batch()
     ref, (rh, rc) = oracle_forward(model, ids, lengths, None)
     with torch.inference_mode():
         got, (h, c) = model(ids, lengths)
-    assert bilm.lstm_gemm(torch.device("cpu"), torch.float32) == gemm
+    assert model._pair_weights(0)[0].name == gemm
     assert (got - ref).abs().max() <= 1e-5
     assert (h - rh).abs().max() <= 1e-5 and (c - rc).abs().max() <= 1e-5
 
 
 def test_auto_choice():
     """auto: oneDNN on a CPU whose torch has it (for the dtype), the bmm loop on a GPU."""
-    assert bilm.lstm_gemm(torch.device("cuda"), torch.float32) == "bmm"
+    assert step_loop(torch.device("cuda"), torch.float32, "auto", compile_cell=False).name == "bmm"
     want = "onednn" if torch.backends.mkldnn.is_available() else "bmm"
-    assert bilm.lstm_gemm(torch.device("cpu"), torch.float32) == want
+    assert step_loop(torch.device("cpu"), torch.float32).name == want
 
 
-def test_weights_follow_the_choice(monkeypatch):
+def test_weights_follow_the_choice():
     """The cached weights are re-made in the other form when the choice changes."""
     model = random_bilm("tiny", seed=4)
-    monkeypatch.setattr(bilm, "LSTM_GEMM", "bmm")
-    assert isinstance(model._pair_weights(0), tuple)
+    model.lstm_loop = "bmm"
+    assert isinstance(model._pair_weights(0)[1], tuple)
     if torch.backends.mkldnn.is_available():
-        monkeypatch.setattr(bilm, "LSTM_GEMM", "onednn")
-        assert isinstance(model._pair_weights(0), list)
+        model.lstm_loop = "onednn"
+        assert isinstance(model._pair_weights(0)[1], list)
 
 
 def test_bad_choice_is_an_error(monkeypatch):
-    monkeypatch.setattr(bilm, "LSTM_GEMM", "cublas")
+    """An unknown loop is a ValueError naming where it came from: the option, or the variable."""
+    opts = parse_options(PUBLISHED_OPTIONS["tiny"])
+    with pytest.raises(ValueError, match="lstm_loop"):
+        BiLM(opts, lstm_loop="cublas")
+    with pytest.raises(ValueError, match="lstm_loop"):
+        random_bilm("tiny").lstm_loop = "cublas"
+    monkeypatch.setenv("ELMO_LSTM_GEMM", "cublas")
     with pytest.raises(ValueError, match="ELMO_LSTM_GEMM"):
-        bilm.lstm_gemm(torch.device("cpu"), torch.float32)
+        BiLM(opts)
+
+
+def test_the_choice_is_the_models_option(monkeypatch):
+    """The loop is an option of each model: its default is ELMO_LSTM_GEMM when the model is constructed (not
+    when model.bilm was imported), and the constructor's argument, the attribute or ElmoEmbedder(lstm_loop=) set it;
+    ELMO_COMPILE_CELL=0 likewise turns the compiled cell off for the models constructed under it."""
+    opts = parse_options(PUBLISHED_OPTIONS["tiny"])
+    assert BiLM(opts).lstm_loop == "auto" and BiLM(opts).compile_cell
+    monkeypatch.setenv("ELMO_LSTM_GEMM", "bmm")
+    monkeypatch.setenv("ELMO_COMPILE_CELL", "0")
+    model = random_bilm("tiny", seed=4)
+    assert model.lstm_loop == "bmm" and not model.compile_cell
+    assert BiLM(opts, lstm_loop="auto").lstm_loop == "auto"
+    monkeypatch.delenv("ELMO_LSTM_GEMM")
+    assert model._pair_weights(0)[0].name == "bmm"          # chosen when the model was made
+    assert ElmoEmbedder(model=random_bilm("tiny"), lstm_loop="bmm").model.lstm_loop == "bmm"
+
+
+def test_the_compiled_cell_only_on_a_gpu_when_asked():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert lstm_loops.cell_for(cuda, True) is lstm_loops.compiled_cell()
+    assert lstm_loops.cell_for(cuda, False) is lstm_loops.cell_eager
+    assert lstm_loops.cell_for(cpu, True) is lstm_loops.cell_eager
 
 
 @pytest.mark.slow
 def test_fused_cell_compiles_to_one_graph_and_equals_the_eager_cell():
-    """What a GPU runs (torch.compile of _cell_fused, here with inductor's CPU code): one graph (fullgraph),
+    """What a GPU runs (torch.compile of cell_fused, here with inductor's CPU code): one graph (fullgraph),
     one compilation for every row count (dynamic), the eager cell's values to float rounding."""
-    fused = torch.compile(bilm._cell_fused, dynamic=True, fullgraph=True)
+    fused = torch.compile(lstm_loops.cell_fused, dynamic=True, fullgraph=True)
     g = torch.Generator().manual_seed(0)
     for n in (3, 8, 13):
         gates = torch.randn(2, n, 4 * 16, generator=g) * 3
         c = torch.randn(2, n, 16, generator=g) * 3
-        want_c, want_out = bilm._cell_eager(gates.clone(), c.clone(), 3.0, torch.empty(2, n, 16))
+        want_c, want_out = lstm_loops.cell_eager(gates.clone(), c.clone(), 3.0, torch.empty(2, n, 16))
         got_c, got_out = fused(gates, c, 3.0, torch.empty(2, n, 16))
         assert (got_c - want_c).abs().max() <= 1e-6 and (got_out - want_out).abs().max() <= 1e-6
         assert got_c.abs().max() <= 3.0
@@ -87,7 +121,7 @@ def test_onednn_step_gemms_keep_a_rows_bits_for_every_multiple_of_row_tile(dtype
                 b = torch.randn(n, generator=g).to(dtype)
                 x = torch.randn(132, k, generator=g).to(dtype)
                 ref = linear(x[:4], w, b, attr, scalars, "")
-                for m in range(bilm.ROW_TILE, 133, bilm.ROW_TILE):
+                for m in range(ROW_TILE, 133, ROW_TILE):
                     assert torch.equal(linear(x[:m], w, b, attr, scalars, "")[:4], ref), (n_threads, k, n, m)
                 moved = linear(torch.cat([x[4:8], x[:4]]), w, b, attr, scalars, "")[4:]    # rows at another position
                 assert torch.equal(moved, ref)

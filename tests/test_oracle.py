@@ -42,12 +42,12 @@ def test_fast_path_equals_oracle(skip, grad):
 
 def test_chunked_input_projection_equals_oracle(monkeypatch):
     """Input projections computed a few steps at a time."""
-    import model.bilm as bilm
-    monkeypatch.setattr(bilm, "LSTM_GEMM", "bmm")      # the chunked loop (GPUs)
+    import model.lstm_loops as lstm_loops
     model = random_bilm("tiny", seed=3)
+    model.lstm_loop = "bmm"                            # the chunked loop (GPUs)
     ids, lengths = _batch(11, n=12)
     ref, (rh, rc) = oracle_forward(model, ids, lengths, None)
-    monkeypatch.setattr(bilm, "CHUNK_ELEMENTS", 2 * 4 * 32 * 5)      # 5 packed rows per chunk
+    monkeypatch.setattr(lstm_loops, "CHUNK_ELEMENTS", 2 * 4 * 32 * 5)      # 5 packed rows per chunk
     with torch.no_grad():
         fast, (h, c) = model(ids, lengths)
     assert (fast - ref).abs().max() <= 1e-5
@@ -71,12 +71,12 @@ def test_autograd_path_gives_gradients():
 
 
 def test_reused_workspace_across_modes_and_sizes(monkeypatch):
-    """The per-thread gate buffer (model/bilm.py: _workspace) is reused across calls: a small batch,
+    """The per-thread gate buffer (model/lstm_loops.py: _workspace) is reused across calls: a small batch,
     then a larger one (the buffer grows), under inference_mode and then no_grad, all equal the oracle."""
-    import model.bilm as bilm
-    monkeypatch.setattr(bilm, "LSTM_GEMM", "bmm")      # the chunked loop (GPUs)
+    import model.lstm_loops as lstm_loops
     model = random_bilm("tiny", seed=5)
-    monkeypatch.setattr(bilm, "CHUNK_ELEMENTS", 2 * 4 * 32 * 7)      # several chunks per layer
+    model.lstm_loop = "bmm"                            # the chunked loop (GPUs)
+    monkeypatch.setattr(lstm_loops, "CHUNK_ELEMENTS", 2 * 4 * 32 * 7)      # several chunks per layer
     for seed, n, mode in ((21, 3, torch.inference_mode), (22, 14, torch.inference_mode), (23, 9, torch.no_grad)):
         ids, lengths = _batch(seed, n=n)
         ref, _ = oracle_forward(model, ids, lengths, None)
@@ -100,8 +100,8 @@ def test_bfloat16_model_runs_within_1e2_of_float32_per_layer():
 def test_char_cnn_gemm_path_equals_conv_path(monkeypatch):
     """Inference runs the char CNN as GEMMs over unfolded windows, in chunks of tokens; autograd runs
     nn.Conv1d. Both give the same token vectors (relu and tanh activations)."""
-    import model.bilm as bilm
-    monkeypatch.setattr(bilm, "CNN_CHUNK", 3)                        # several chunks, a ragged last one
+    import model.encoders as encoders
+    monkeypatch.setattr(encoders, "CNN_CHUNK", 3)                        # several chunks, a ragged last one
     ids, _ = _batch(41, n=6)
     flat = ids.reshape(-1, ids.shape[-1])[:17]
     for activation in ("relu", "tanh"):

@@ -1,0 +1,115 @@
+"""Token encoders: a token's context-free vector, from its characters (CharCNNEncoder) or its id (WordEncoder).
+
+bilm-tf's char CNN: char embedding -> Conv1d per filter width -> max over positions -> activation
+-> highway layers -> a projection when the filter count differs from the LSTMs' width.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.options import BiLMOptions
+from model.row_tile import ROW_TILE, round_up
+
+N_CHAR_ROWS = 262  # 261 trained character rows + row 0, all zeros, for padded positions
+
+# Tokens per chunk of the char CNN's GEMMs: (512 * 44, 112) @ (112, 1024) for the widest filter of the
+# published models, output about 90 MB whatever the number of distinct tokens. A multiple of ROW_TILE.
+CNN_CHUNK = 512
+
+
+class Highway(nn.Module):
+    """y = t * relu(x @ W_transform + b_transform) + (1 - t) * x,  t = sigmoid(x @ W_carry + b_carry).
+
+    bilm-tf's convention: its "carry" gate t weighs the transformed path. (AllenNLP flips the sign
+    of W_carry/b_carry to use g * x + (1 - g) * f(x); we keep TF's form and its weights as they are.)
+    The two linear maps are one GEMM: weight rows [:d] = transform, [d:] = carry.
+    """
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: Tensor, batch_invariant: bool = False) -> Tensor:  # (N, d) -> (N, d)
+        transform, carry = self.linear(x).split(self.dim, dim=-1)
+        # batch_invariant: a sigmoid whose result does not depend on where the element falls in the tensor
+        # (torch.sigmoid's scalar tail differs from its vector body; exp(-x) + 1 -> reciprocal agrees)
+        t = torch.exp(-carry).add_(1.0).reciprocal_() if batch_invariant else torch.sigmoid(carry)
+        return t * F.relu(transform) + (1.0 - t) * x
+
+
+class CharCNNEncoder(nn.Module):
+    """Token vectors from character ids: (N, max_chars) int64 (+1 shifted, 0 = padding) -> (N, P).
+
+    Under autograd the filters are nn.Conv1d; without, GEMMs over unfolded character windows (faster), in
+    chunks of CNN_CHUNK tokens. batch_invariant (inference): the rows are padded to a multiple of ROW_TILE."""
+
+    def __init__(self, opts: BiLMOptions):
+        super().__init__()
+        cc = opts.char_cnn
+        char_dim = int(cc["embedding"]["dim"])
+        self.char_embed = nn.Embedding(N_CHAR_ROWS, char_dim, padding_idx=0)
+        # TF's conv2d over (1, width) with VALID padding is a plain cross-correlation: Conv1d.
+        self.convs = nn.ModuleList(nn.Conv1d(char_dim, n, w) for w, n in opts.filters)
+        self.activation = torch.tanh if cc.get("activation", "relu") == "tanh" else F.relu
+        n_filters = opts.n_filters
+        self.highways = nn.ModuleList(Highway(n_filters) for _ in range(int(cc.get("n_highway") or 0)))
+        # bilm-tf projects only when the widths differ, after the highway layers.
+        self.proj = nn.Linear(n_filters, opts.projection_dim) if n_filters != opts.projection_dim else None
+
+    def forward(self, char_ids: Tensor, batch_invariant: bool = False) -> Tensor:
+        if torch.is_grad_enabled():
+            return self._highways(self._filters_by_conv(char_ids), False)
+        if not batch_invariant:
+            return self._highways(self._filters_in_chunks(char_ids), False)
+        # every GEMM below gets a multiple of ROW_TILE rows: pad with all-padding tokens (char id 0)
+        n = char_ids.shape[0]
+        pad = round_up(n, ROW_TILE) - n
+        if pad:
+            char_ids = torch.cat([char_ids, char_ids.new_zeros(pad, *char_ids.shape[1:])])
+        return self._highways(self._filters_in_chunks(char_ids), True)[:n]
+
+    def _highways(self, h: Tensor, batch_invariant: bool) -> Tensor:
+        """(N, n_filters) filter outputs -> (N, P): the highway layers, then the projection if any."""
+        for hw in self.highways:
+            h = hw(h, batch_invariant)
+        return self.proj(h) if self.proj is not None else h
+
+    def _filters_by_conv(self, char_ids: Tensor) -> Tensor:
+        """(N, C) ids -> (N, n_filters) by nn.Conv1d (autograd)."""
+        x = self.char_embed(char_ids).transpose(1, 2)            # (N, E, C)
+        # bilm-tf max-pools over time, then applies the activation (the same, both monotonic).
+        return torch.cat([self.activation(conv(x).amax(dim=-1)) for conv in self.convs], dim=-1)
+
+    def _filters_in_chunks(self, char_ids: Tensor) -> Tensor:
+        """(N, C) ids -> (N, n_filters), _filters_by_gemm over chunks of CNN_CHUNK tokens (bounded memory)."""
+        return torch.cat([self._filters_by_gemm(char_ids[s: s + CNN_CHUNK])
+                          for s in range(0, char_ids.shape[0], CNN_CHUNK)])
+
+    def _filters_by_gemm(self, char_ids: Tensor) -> Tensor:
+        """The convolutions as GEMMs over unfolded character windows (inference; faster than mkldnn's conv1d here):
+        (m, C) ids -> (m, n_filters). Per filter width w: (m * (C-w+1), w * E) @ (w * E, n), max over
+        positions, then bias and activation (max(x + b) = max(x) + b exactly; the activation is monotonic)."""
+        x = self.char_embed(char_ids)                                   # (m, C, E)
+        m, C, E = x.shape
+        out = []
+        for conv in self.convs:
+            n, _, w = conv.weight.shape                                 # Conv1d weight (n, E, w)
+            windows = x.unfold(1, w, 1).transpose(2, 3).reshape(m * (C - w + 1), w * E)   # rows (w, E)
+            weight = conv.weight.permute(2, 1, 0).reshape(w * E, n)
+            y = torch.mm(windows, weight).view(m, C - w + 1, n).amax(dim=1)
+            out.append(self.activation(y.add_(conv.bias)))
+        return torch.cat(out, dim=-1)
+
+
+class WordEncoder(nn.Module):
+    """Token vectors from a word-embedding table: (N,) int64 ids -> (N, P)."""
+
+    def __init__(self, opts: BiLMOptions):
+        super().__init__()
+        self.embedding = nn.Embedding(opts.n_tokens_vocab, opts.projection_dim)
+
+    def forward(self, token_ids: Tensor, batch_invariant: bool = False) -> Tensor:
+        return self.embedding(token_ids)      # a table lookup: the same bits in any batch

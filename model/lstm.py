@@ -1,0 +1,147 @@
+"""The biLM's LSTM layers: parameters in bilm-tf's layout, and the inference step loop behind one interface.
+
+A layer is TF's LSTMCell(num_proj, cell_clip, proj_clip) (LstmProjection). At inference the forward and
+backward layers of one depth run together (run_lstm_layers) through a StepLoop, chosen once per device and
+dtype from an explicit option, lstm_loop (BiLM.lstm_loop; ElmoEmbedder(lstm_loop=)):
+  'onednn'  oneDNN's linear with prepacked weights and fused activations (CPU; on AMD CPUs MKL's sgemm reached
+            43 % of oneDNN's fp32 rate, benchmarks/README.md)
+  'bmm'     torch.bmm / baddbmm_ for both directions at once (GPUs, and CPUs without oneDNN)
+  'auto'    oneDNN on a CPU whose torch has it for the dtype, else bmm.
+Under autograd model/padded_forward.py runs the same layers.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from model.lstm_loops import bmm_loop, cell_for, onednn_loop
+from model.packing import NO_RESETS, Resets
+
+LSTM_LOOPS = ("auto", "onednn", "bmm")
+
+
+class LstmProjection(nn.Module):
+    """One LSTM layer with projected output, as TF's LSTMCell(num_proj, cell_clip, proj_clip).
+
+    Gate rows of w_in / w_rec / bias are in TF's order: i (input), j (candidate), f (forget),
+    o (output). TF keeps forget_bias=1.0 out of the weights and adds it at run time; so do we.
+      c' = clip(sigmoid(f + 1) * c + sigmoid(i) * tanh(j), cell_clip)
+      h' = clip((sigmoid(o) * tanh(c')) @ w_proj.T, proj_clip)
+    Shapes: w_in (4H, D_in), w_rec (4H, P), bias (4H,), w_proj (P, H).
+    Parameters only: run_lstm_layers (inference) and model/padded_forward.py (autograd) run it.
+    """
+
+    def __init__(self, input_dim: int, dim: int, proj_dim: int, cell_clip: float | None, proj_clip: float | None):
+        super().__init__()
+        self.dim, self.proj_dim = dim, proj_dim
+        self.cell_clip, self.proj_clip = cell_clip, proj_clip
+        self.w_in = nn.Parameter(torch.empty(4 * dim, input_dim))
+        self.w_rec = nn.Parameter(torch.empty(4 * dim, proj_dim))
+        self.bias = nn.Parameter(torch.zeros(4 * dim))
+        self.w_proj = nn.Parameter(torch.empty(proj_dim, dim))
+        forget = torch.zeros(4 * dim)
+        forget[2 * dim: 3 * dim] = 1.0
+        self.register_buffer("forget_bias", forget, persistent=False)
+        for w in (self.w_in, self.w_rec, self.w_proj):
+            nn.init.xavier_uniform_(w)
+
+
+def stack_weights(layers: list[LstmProjection]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The G layers' weights stacked for batched GEMMs (the bmm loop), gate columns reordered from TF's
+    (i, j, f, o) to (i, f, o, j) so that the three sigmoid gates are one contiguous slice:
+    bias with TF's forget bias (G, 1, 4H), w_in (G, D_in, 4H), w_rec (G, P, 4H), w_proj (G, H, P)."""
+    H = layers[0].dim
+    perm = torch.cat([torch.arange(0, H), torch.arange(2 * H, 4 * H), torch.arange(H, 2 * H)])
+    perm = perm.to(layers[0].bias.device)
+    return (torch.stack([(l.bias + l.forget_bias)[perm] for l in layers])[:, None],
+            torch.stack([l.w_in[perm].t() for l in layers]),
+            torch.stack([l.w_rec[perm].t() for l in layers]),
+            torch.stack([l.w_proj.t() for l in layers]))
+
+
+def pack_onednn_weights(layers: list[LstmProjection]) -> list[tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]:
+    """Per layer, oneDNN-prepacked weights for the oneDNN loop, where one GEMM per gate group reads
+    [x_t, h_{t-1}] (D_in + P wide): (w_sig (3H, D_in+P) for gates i, f, o, their bias with TF's forget bias (3H,),
+    w_j (H, D_in+P), bias_j (H,), w_proj (P, H)), weights in nn.Linear's (out, in) layout."""
+    H = layers[0].dim
+    packed = []
+    for l in layers:
+        w = torch.cat([l.w_in, l.w_rec], dim=1).detach()             # (4H, D_in + P), TF gate order i, j, f, o
+        b = (l.bias + l.forget_bias).detach()
+        sig = torch.cat([torch.arange(0, H), torch.arange(2 * H, 4 * H)]).to(w.device)
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        packed.append((reorder(w[sig].contiguous()), b[sig].contiguous(),
+                       reorder(w[H: 2 * H].contiguous()), b[H: 2 * H].contiguous(),
+                       reorder(l.w_proj.detach().contiguous())))
+    return packed
+
+
+@dataclass(frozen=True)
+class StepLoop:
+    """One way to run the time loop: name ('onednn' | 'bmm'), weights(layers) -> the layers' weights in the form
+    run reads, and run (model/lstm_loops.py's contract)."""
+    name: str
+    weights: Callable[[list[LstmProjection]], object]
+    run: Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
+def check_loop_choice(choice: str, source: str = "lstm_loop") -> str:
+    """choice if it is one of LSTM_LOOPS, else ValueError naming `source` (the option or variable it came from)."""
+    if choice not in LSTM_LOOPS:
+        raise ValueError(f"{source} must be one of {LSTM_LOOPS}, got {choice!r}")
+    return choice
+
+
+def options_from_env() -> tuple[str, bool]:
+    """The defaults of a model's loop options, from the environment when called (BiLM reads them when it is
+    constructed): lstm_loop = $ELMO_LSTM_GEMM (else 'auto'), compile_cell = $ELMO_COMPILE_CELL != '0'."""
+    return (check_loop_choice(os.environ.get("ELMO_LSTM_GEMM", "auto"), "ELMO_LSTM_GEMM"),
+            os.environ.get("ELMO_COMPILE_CELL", "1") != "0")
+
+
+def step_loop(device: torch.device, dtype: torch.dtype, choice: str = "auto", compile_cell: bool = True) -> StepLoop:
+    """The loop for weights on this device and dtype. choice: one of LSTM_LOOPS; compile_cell: the bmm loop's cell
+    as one compiled kernel on a GPU (model.lstm_loops.cell_for)."""
+    if check_loop_choice(choice) == "auto":
+        choice = "onednn" if _onednn_runs(device, dtype) else "bmm"
+    if choice == "onednn":
+        return StepLoop("onednn", pack_onednn_weights, onednn_loop)
+    return StepLoop("bmm", stack_weights, functools.partial(bmm_loop, cell=cell_for(device, compile_cell)))
+
+
+def _onednn_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN runs this dtype natively here (a CPU whose torch build has it)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    supported = {torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}
+    return supported.get(dtype, False)
+
+
+def run_lstm_layers(loop: StepLoop, layers: list[LstmProjection], weights, x: Tensor, batch_sizes: list[int],
+                    h0: Tensor, c0: Tensor, step_rows: list[int] | None = None, resets: Resets | None = None):
+    """Run G independent LSTM layers of equal shapes in lock-step (e.g. the forward and the backward
+    direction, which share the packed step sizes). Inference only (in place, no autograd);
+    model/padded_forward.py is the path under autograd.
+
+    loop: step_loop()'s choice; weights: loop.weights(layers). x (G, N, D_in) packed; h0 (G, B, P), c0 (G, B, H)
+    in packed row order. Returns outputs (G, N, P) and final states h (G, B, P), c (G, B, H).
+
+    step_rows (batch_invariant): rows computed at each step, >= batch_sizes[t] and non-increasing (a padded
+    packed layout: step t's first batch_sizes[t] rows are the live sequences, the rest are computed and their
+    outputs are junk). x, the outputs and h0/c0 then have step_rows rows per step / step_rows[0] rows; the final
+    states are still each sequence's own, taken when it ends: the batch_sizes[0] sequences of step 0.
+
+    resets (lanes, PackedBatch.resets): before a step, the rows of the layers it names take their state
+    from h0/c0 again (a new sentence starts in that lane).
+    """
+    if not batch_sizes:
+        return x.new_empty(len(layers), 0, layers[0].proj_dim), h0, c0
+    live = h0.shape[1] if step_rows is None else batch_sizes[0]     # unpadded: length-0 rows end before step 0
+    step_rows = batch_sizes if step_rows is None else step_rows
+    return loop.run(layers, weights, x, batch_sizes, step_rows, h0, c0, live, NO_RESETS if resets is None else resets)

@@ -1,0 +1,188 @@
+"""The LSTM time loops (inference, in place): G layers of equal shapes in lock-step over a packed batch.
+
+Two implementations of the same step, chosen by model/lstm.py (step_loop):
+  onednn_loop  CPU: per step and direction one oneDNN linear over [x_t, h_{t-1}] with the gate activations fused.
+  bmm_loop     one batched GEMM per step for all G layers (torch.bmm: cuBLAS on a GPU, MKL on a CPU), the input
+               projection computed ahead for chunks of steps, the cell eager or (GPU) one compiled kernel.
+Both: x (G, N, D_in) packed, time-major, longest first; step t computes step_rows[t] >= batch_sizes[t] rows
+(the first batch_sizes[t] are live sequences); h0 (G, rows, P), c0 (G, rows, H); `live` sequences at the start.
+Returns y (G, sum(step_rows), P) and each sequence's final h (G, live, P), c (G, live, H) in packed row order.
+resets (model.packing.Resets): rows that take h0/c0 again before a step (a new sentence starts in a lane).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+# Rows of the input projection computed at once: (G, rows, 4H) floats of about 2**24 elements
+# (64 MB in fp32), so a batch of any size needs bounded memory and each GEMM is still large.
+CHUNK_ELEMENTS = 1 << 24
+
+Cell = Callable[[Tensor, Tensor, "float | None", Tensor], "tuple[Tensor, Tensor]"]
+
+
+def onednn_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets):
+    """Per step and direction, gates = act([x_t, h] @ W.T + b) by oneDNN with the activations fused (sigmoid for
+    i, f, o; tanh for j), the cell update in place, then the projection with its clip fused (hardtanh). Every GEMM
+    reads the step's rows once; nothing of the size of the gates is written twice, and the packed weights stream
+    through once per step. weights: model.lstm.pack_onednn_weights(layers)."""
+    linear = torch.ops.mkldnn._linear_pointwise
+    first = layers[0]
+    G, H, P, D = len(layers), first.dim, first.proj_dim, x.shape[-1]
+    cell_clip, proj_clip = first.cell_clip, first.proj_clip
+    clip = ("hardtanh", [-proj_clip, proj_clip]) if proj_clip is not None else ("none", [])
+    y = x.new_empty(G, sum(step_rows), P)                # every step's h, written in place
+    xh = x.new_empty(G, step_rows[0], D + P)             # [x_t, h_{t-1}] of the step's rows
+    out = x.new_empty(step_rows[0], H)                   # sigmoid(o) * tanh(c) of the step's rows
+    c = c0.clone()                                       # (G, rows, H), each step updates its first rows
+    h, done_h, done_c, offset = h0, [], [], 0
+    for step, (n, m) in enumerate(zip(batch_sizes, step_rows)):
+        if n < live:                           # sequences [n:live) have ended: keep their final state
+            done_h.append(h[:, n:live])
+            done_c.append(c[:, n:live].clone())
+            live = n
+        xh[:, :m, :D] = x[:, offset: offset + m]
+        xh[:, :m, D:] = h[:, :m]
+        if step in resets:
+            _reset(xh[:, :, D:], c, h0, c0, resets.at(step))
+        for g, (w_sig, b_sig, w_j, b_j, w_proj) in enumerate(weights):
+            sig = linear(xh[g, :m], w_sig, b_sig, "sigmoid", [], "")     # (m, 3H): i, f, o
+            j = linear(xh[g, :m], w_j, b_j, "tanh", [], "")               # (m, H)
+            i, f, o = sig.split(H, dim=1)
+            cg = c[g, :m].mul_(f).addcmul_(i, j)
+            if cell_clip is not None:
+                cg.clamp_(-cell_clip, cell_clip)
+            y[g, offset: offset + m] = linear(torch.tanh(cg, out=out[:m]).mul_(o), w_proj, None, *clip, "")
+        h, offset = y[:, offset: offset + m], offset + m
+    return y, *_final_state(h, c, live, done_h, done_c)
+
+
+def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, cell: Cell):
+    """One batched GEMM per step for all G layers. The input projection is computed for chunks of consecutive
+    steps (about CHUNK_ELEMENTS floats each). weights: model.lstm.stack_weights(layers); cell: cell_eager or
+    compiled_cell() (cell_for)."""
+    first = layers[0]
+    G, H, cell_clip, proj_clip = len(layers), first.dim, first.cell_clip, first.proj_clip
+    bias, w_in, w_rec, w_proj = weights
+    h, c = h0, c0
+    done_h, done_c = [], []
+    y = x.new_empty(G, sum(step_rows), first.proj_dim)   # every step's h written in place: no cat
+    offset = 0
+    max_rows = max(1, CHUNK_ELEMENTS // (G * 4 * H))
+    chunks = _chunks(step_rows, max_rows)
+    # the gates of every chunk in one reused buffer; c lives in it between steps
+    ws = _workspace(G * max(rows for _, _, rows in chunks) * 4 * H, x)
+    tanh_c = x.new_empty(G * step_rows[0] * H)
+    for t0, t1, rows in chunks:
+        c = c.clone() if t0 else c          # c is a view into the previous chunk's rows of ws
+        xw = torch.bmm(x[:, offset: offset + rows], w_in, out=ws[: G * rows * 4 * H].view(G, rows, 4 * H))
+        xw.add_(bias)                                                   # (G, rows, 4H)
+        base, offset = offset, offset + rows
+        r = 0
+        for step, (n, m) in enumerate(zip(batch_sizes[t0:t1], step_rows[t0:t1]), start=t0):
+            if n < live:                       # sequences [n:live) have ended: keep their final state
+                done_h.append(h[:, n:live])
+                done_c.append(c[:, n:live].clone())                     # c may be a view into xw
+                live = n
+            if m < h.shape[1]:
+                h, c = h[:, :m], c[:, :m]
+            if step in resets:                 # h is a view of the previous step's output: selected, not written
+                restart = resets.mask(step)[:, :m]                      # (G, m, 1)
+                h = torch.where(restart, h0[:, :m], h)
+                c = torch.where(restart, c0[:, :m], c, out=c)
+            n = m                              # rows computed at this step
+            gates = xw[:, r: r + n]
+            r += n
+            # everything in xw's own rows: no per-step allocations but h
+            gates.baddbmm_(h, w_rec)
+            c, out = cell(gates, c, cell_clip, tanh_c[: G * n * H].view(G, n, H))
+            h = torch.bmm(out, w_proj, out=y[:, base + r - n: base + r])
+            if proj_clip is not None:
+                h.clamp_(-proj_clip, proj_clip)
+    return y, *_final_state(h, c, live, done_h, done_c)
+
+
+def _reset(h: Tensor, c: Tensor, h0: Tensor, c0: Tensor, at: tuple[Tensor, Tensor]) -> None:
+    """In place: h (G, n, P) and c (G, n, H) at (layer, row) pairs `at` from h0/c0 (4 kernels, no host sync)."""
+    h.index_put_(at, h0[at])
+    c.index_put_(at, c0[at])
+
+
+def _final_state(h: Tensor, c: Tensor, live: int, done_h: list[Tensor], done_c: list[Tensor]):
+    """Each sequence's final (h, c) in packed row order: the sequences still live after the last step, then
+    those that ended earlier (recorded as they ended, latest first)."""
+    h, c = h[:, :live].clone(), c[:, :live].clone()     # h: a view into y, which callers may change in place
+    h_final = torch.cat([h, *reversed(done_h)], dim=1) if done_h else h
+    c_final = torch.cat([c, *reversed(done_c)], dim=1) if done_c else c
+    return h_final, c_final
+
+
+def _chunks(batch_sizes: list[int], max_rows: int) -> list[tuple[int, int, int]]:
+    """Consecutive steps grouped so each group has <= max_rows packed rows (at least one step).
+    Returns (first step, end step, rows) per group."""
+    out, t = [], 0
+    while t < len(batch_sizes):
+        end, rows = t + 1, batch_sizes[t]
+        while end < len(batch_sizes) and rows + batch_sizes[end] <= max_rows:
+            rows += batch_sizes[end]
+            end += 1
+        out.append((t, end, rows))
+        t = end
+    return out
+
+
+_WORKSPACE = threading.local()   # per thread: callers may share one model across threads
+
+
+def _workspace(numel: int, like: Tensor) -> Tensor:
+    """A flat buffer of >= numel elements of like's dtype/device, kept for this thread and reused.
+    Reusing it matters on CPU: a fresh tensor this large is new pages from the OS each time, and
+    first-touch page faults cost about a quarter of the input-projection GEMM's time."""
+    buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
+    key = (like.dtype, like.device, torch.is_inference_mode_enabled())   # inference tensors stay in it
+    if key not in buffers or buffers[key].numel() < numel:
+        buffers[key] = like.new_empty(numel)
+    return buffers[key]
+
+
+def cell_eager(gates: Tensor, c: Tensor, cell_clip: float | None, out: Tensor) -> tuple[Tensor, Tensor]:
+    """The LSTM cell's pointwise work, in place: gates (G, n, 4H) before activation in order i, f, o, j and
+    c (G, n, H) -> (c' = clip(sigmoid(f) * c + sigmoid(i) * tanh(j)), sigmoid(o) * tanh(c') in out (G, n, H)).
+    c' is written into gates' f columns (the bmm loop's c lives in its gate buffer between steps)."""
+    H = c.shape[-1]
+    sig = gates[..., : 3 * H].sigmoid_()
+    j = gates[..., 3 * H:].tanh_()
+    i, f, o = sig.split(H, dim=-1)
+    c = f.mul_(c).addcmul_(i, j)
+    if cell_clip is not None:
+        c.clamp_(-cell_clip, cell_clip)
+    return c, torch.tanh(c, out=out).mul_(o)
+
+
+def cell_fused(gates: Tensor, c: Tensor, cell_clip: float | None, out: Tensor) -> tuple[Tensor, Tensor]:
+    """cell_eager's math out of place, for torch.compile to fuse into one kernel: (c', sigmoid(o) * tanh(c'))."""
+    H = c.shape[-1]
+    i, f, o = gates[..., : 3 * H].sigmoid().split(H, dim=-1)
+    c = f * c + i * gates[..., 3 * H:].tanh()
+    if cell_clip is not None:
+        c = c.clamp(-cell_clip, cell_clip)
+    return c, o * c.tanh()
+
+
+_COMPILED_CELL: dict[str, Cell] = {}
+
+
+def compiled_cell() -> Cell:
+    """torch.compile of cell_fused, made once per process: one kernel launch a step instead of 7 (GPUs)."""
+    if "fn" not in _COMPILED_CELL:
+        _COMPILED_CELL["fn"] = torch.compile(cell_fused, dynamic=True, fullgraph=True)
+    return _COMPILED_CELL["fn"]
+
+
+def cell_for(device: torch.device, compile_cell: bool) -> Cell:
+    """The bmm loop's cell for weights on `device`: compiled_cell() on a GPU when compile_cell, else cell_eager
+    (in place, no allocation)."""
+    return compiled_cell() if device.type == "cuda" and compile_cell else cell_eager
