@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.device import host_side, upload
-from model.encoders import N_CHAR_ROWS, CharCNNEncoder, WordEncoder  # noqa: F401 (N_CHAR_ROWS: model/weights.py)
+from model.encoders import CharCNNEncoder, WordEncoder
 from model.lstm import LstmProjection, StepLoop, check_loop_choice, options_from_env, run_lstm_layers, step_loop
 from model.options import BiLMOptions
 from model.packing import PackedBatch

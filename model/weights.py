@@ -24,7 +24,8 @@ import h5py
 import numpy as np
 import torch
 
-from model.bilm import N_CHAR_ROWS, BiLM
+from model.bilm import BiLM
+from model.encoders import N_CHAR_ROWS
 from fsio import local_path
 from model.options import BiLMOptions, load_options
 
