@@ -45,8 +45,9 @@ def test_stale_heartbeat_is_taken_over_fresh_is_not(tmp_path):
 def test_a_dead_process_of_this_host_is_stale_at_once(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from fsio.lease import _pidns
-    holder = {"host": socket.gethostname(), "pidns": _pidns(), "pid": dead.pid, "heartbeat": time.time()}
+    from fsio.lease import _machine, _pidns
+    holder = {"host": socket.gethostname(), "machine": _machine(), "pidns": _pidns(), "pid": dead.pid,
+              "heartbeat": time.time()}
     assert is_stale(holder, 3600)
     assert not is_stale(dict(holder, pid=os.getpid()), 3600)
     assert not is_stale(dict(holder, host="elsewhere"), 3600)      # another machine: only the heartbeat tells
