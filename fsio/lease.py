@@ -248,7 +248,8 @@ class Lease:
             if found is not None and found.token != self.me["token"]:
                 if not found.stale(self.stale):
                     raise LeaseHeld(f"{self.url} is held by a live run: {found.describe()}; it is taken over only "
-                                    f"when its heartbeat is older than {self.stale:.0f} s (--lease-stale-seconds)")
+                                    "when its heartbeat (without a usable one: the lease object itself) is "
+                                    f"older than {self.stale:.0f} s (--lease-stale-seconds)")
                 self.taken_over, replaced = found.holder, found.describe()
             try:
                 self._write(self._body(), create=found is None, etag=found and found.etag)
