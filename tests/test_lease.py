@@ -45,9 +45,8 @@ def test_stale_heartbeat_is_taken_over_fresh_is_not(tmp_path):
 def test_a_dead_process_of_this_host_is_stale_at_once(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from fsio.lease import _machine, _pidns
-    holder = {"host": socket.gethostname(), "machine": _machine(), "pidns": _pidns(), "pid": dead.pid,
-              "heartbeat": time.time()}
+    me = Lease(str(tmp_path / "_lease.json")).me          # what this machine writes in a lease
+    holder = dict({k: me[k] for k in ("host", "machine", "pidns") if k in me}, pid=dead.pid, heartbeat=time.time())
     assert is_stale(holder, 3600)
     assert not is_stale(dict(holder, pid=os.getpid()), 3600)
     assert not is_stale(dict(holder, host="elsewhere"), 3600)      # another machine: only the heartbeat tells
@@ -91,15 +90,14 @@ def test_a_damaged_lease_is_held_while_the_object_is_fresh_and_taken_over_once_i
     assert not os.path.exists(url)
 
 
-def test_another_machine_of_the_same_host_name_is_judged_by_its_heartbeat_alone():
+def test_another_machine_of_the_same_host_name_is_judged_by_its_heartbeat_alone(tmp_path):
     """The dead-process rule holds only on this machine: a lease written by a process of another machine that
     has the same host name and pid-namespace inode (the same number on every Linux host) is not stale while
     its heartbeat is fresh, even though no process of that pid exists here."""
-    from fsio.lease import _machine, _pidns
     with open("/proc/sys/kernel/pid_max") as f:
         no_such_pid = int(f.read()) + 1
-    here = {"host": socket.gethostname(), "machine": _machine(), "pidns": _pidns(), "pid": no_such_pid,
-            "heartbeat": time.time()}
+    me = Lease(str(tmp_path / "_lease.json")).me          # what this machine writes in a lease
+    here = dict({k: me[k] for k in ("host", "machine", "pidns") if k in me}, pid=no_such_pid, heartbeat=time.time())
     assert is_stale(here, 3600)
     assert not is_stale(dict(here, machine="another-machine"), 3600)
     assert not is_stale({k: v for k, v in here.items() if k != "machine"}, 3600)    # written without one

@@ -18,14 +18,13 @@ import pytest
 
 from fsio.lease import RetryLater
 from pipeline.run import main
-from pipeline.validate import check_inputs_outside_output
 from tests.pipeline_helpers import moto_s3
 from tests.resume_helpers import (SMALL, argv, assert_same_output, corpus, read_output,  # noqa: F401 (fixtures)
                                   reference, run_subprocess)
 from tests.test_concurrent_runs import _start, _wait_for
 from tests.test_crash_resume import _stage
 from transforms import resume
-from transforms.finalize import complete_finalize, finalize, plan_from_staging
+from transforms.finalize import finalize, plan_from_staging
 from transforms.write import stage_counts
 
 
@@ -61,7 +60,8 @@ def _finished(out, key, fence=None, register=None):
     _stage(st, ["d:1#0", "d:1#1"])
     _stage(st, ["d:2#0"])
     stage_counts("d", {"input_records": 2, "blank_records": 0}, st)
-    return finalize(out, st, plan_from_staging(st, ["d"]), {"run": {"key": key}}, register=register, fence=fence)
+    hooks = {k: v for k, v in (("register", register), ("fence", fence)) if v is not None}
+    return finalize(out, st, plan_from_staging(st, ["d"]), {"run": {"key": key}}, **hooks)
 
 
 def test_a_folder_of_unknown_files_is_refused_and_overwrite_writes_beside_them(tmp_path):
@@ -172,6 +172,7 @@ def test_finalize_checks_the_fence_before_each_irreversible_step(tmp_path):
 
 
 def test_an_input_inside_the_output_is_refused(tmp_path):
+    from pipeline.validate import check_inputs_outside_output
     out = tmp_path / "out"
     (out / "parquet").mkdir(parents=True)
     (tmp_path / "link").symlink_to(out)
