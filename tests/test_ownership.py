@@ -7,7 +7,6 @@ while another run finished the output exits 75 and changes nothing more. Real fi
 loopback, real `python -m pipeline.run` processes."""
 import glob
 import hashlib
-import json
 import os
 import signal
 import time
