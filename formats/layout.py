@@ -11,6 +11,12 @@
                                finalize.json (the plan of a started finalize), run.json
     <out>/_lease.json           while a run is live: who holds the output (fsio/lease.py)
 
+Ownership: the pipeline deletes or replaces only what it can show it wrote (owned_names): the files its
+manifest.json lists (and manifest.json, _SUCCESS beside it), the final names a finalize plan moves files to,
+everything under _staging/, the lease, and the temporary files of its own writes. Any other file in
+SHARD_FOLDERS or at a name Finalize writes makes a run refuse (readers glob those folders); other files are
+left alone.
+
 Ids: a sentence is "<doc id>#<index>". Readers trust manifest.json (or _SUCCESS) only.
 No Beam import.
 """
@@ -20,6 +26,7 @@ import base64
 import hashlib
 import json
 import posixpath
+import re
 import zlib
 from dataclasses import dataclass, field
 
@@ -41,6 +48,15 @@ METRICS = "metrics.prom"                      # <out>/metrics.prom: counts and s
 LEASE = "_lease.json"                         # <out>/_lease.json: the live run holding the output
 DEAD_LETTERS = "dead_letters"
 FINAL_NAMES = ("parquet", "hdf5", "arrow", DEAD_LETTERS, MANIFEST, REPORT, METRICS, SUCCESS)
+SHARD_FOLDERS = ("parquet", "hdf5", "arrow", DEAD_LETTERS)  # readers glob these: only listed files may be there
+PROBE = "_write_probe-"                       # <out>/_write_probe-<uuid hex>: an object store's write probe
+_FINAL_FILE = re.compile(r"(parquet/part-\d{5}-of-\d{5}\.parquet|hdf5/part-\d{5}-of-\d{5}\.hdf5|"
+                         r"arrow/part-\d{5}-of-\d{5}\.arrow|"
+                         r"dead_letters/part-\d{5}-of-\d{5}\.jsonl|report\.html|metrics\.prom)")
+# the lease, and what a write of the pipeline's own leaves behind when cut short (fsio.atomic_write's
+# "<name>.tmp-<uuid hex>", the probe of pipeline/validate.check_output_writable)
+_SCRATCH = re.compile(r"(_lease\.json|manifest\.json\.tmp-[0-9a-f]{32}|_SUCCESS\.tmp-[0-9a-f]{32}|"
+                      r"_lease\.json\.tmp-[0-9a-f]{32}|_write_probe-[0-9a-f]{32})")
 EXCERPT_CHARS = 200                           # dead letters keep the first 200 characters
 
 
@@ -200,9 +216,36 @@ def manifest_bytes(manifest: dict) -> bytes:
     return json.dumps(manifest, indent=1, sort_keys=True).encode()
 
 
+def is_manifest(m) -> bool:
+    """True for a manifest this pipeline writes (complete_manifest: a schema version and a shard list)."""
+    return isinstance(m, dict) and "schema_version" in m and isinstance(m.get("shards"), list)
+
+
 def read_manifest(fs, root: str) -> dict | None:
-    """The manifest.json of the output folder `root` on `fs`, or None when there is none."""
+    """The manifest.json of the output folder `root` on `fs`, or None when there is none, or when the file
+    there is no manifest of this pipeline (see is_manifest)."""
     try:
-        return json.loads(fs.cat_file(posixpath.join(root, MANIFEST)))
-    except FileNotFoundError:
+        m = json.loads(fs.cat_file(posixpath.join(root, MANIFEST)))
+    except (FileNotFoundError, ValueError):
         return None
+    return m if is_manifest(m) else None
+
+
+def is_final_name(rel: str) -> bool:
+    """True for a name (relative to the output folder) that Finalize moves a file to: a shard or dead-letter
+    file named as shard_name()/dead_letter_name() make them, the report, metrics.prom."""
+    return isinstance(rel, str) and _FINAL_FILE.fullmatch(rel) is not None
+
+
+def is_scratch_name(rel: str) -> bool:
+    """True for the lease and the leftovers of the pipeline's own writes cut short, at the top of the output."""
+    return _SCRATCH.fullmatch(rel) is not None
+
+
+def listed_names(manifest: dict) -> set[str]:
+    """The final names a manifest lists (shard files, dead-letter files, the report, metrics.prom): only names
+    of this layout (is_final_name), whatever else an edited manifest may hold."""
+    names = [s.get(f) for s in manifest.get("shards", []) if isinstance(s, dict) for f in FORMATS]
+    names += [d.get("path") for d in manifest.get("dead_letter_files", []) if isinstance(d, dict)]
+    names += [manifest.get("report"), manifest.get("metrics")]
+    return {n for n in names if is_final_name(n)}

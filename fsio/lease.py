@@ -1,9 +1,16 @@
 """A lease: one live holder of a lock object (a local file or an object-store key) at a time.
 
-The lease object is JSON: {token, owner, host, pid, pidns, start, heartbeat} (times in Unix seconds). It is
-created atomically, refreshed by a heartbeat thread while its holder lives, and taken over by another
-process only when it is stale: its heartbeat is older than `stale_seconds`, or its holder is a process of
-this host (same pid namespace) that no longer exists. Every change is a compare-and-swap:
+The lease object is JSON: {token, owner, host, machine, pid, pidns, start, heartbeat} (times in Unix seconds).
+It is created atomically, refreshed by a heartbeat thread while its holder lives, and taken over by another
+process only when it is stale (is_stale):
+- its heartbeat is older than `stale_seconds`;
+- or its holder is a process of this machine (same host name, machine identity: /etc/machine-id and the
+  kernel's boot id, and pid namespace) that no longer exists;
+- an object that is no lease (not JSON, not an object, a heartbeat that is no finite number) or whose
+  heartbeat lies more than `stale_seconds` in the future: once the object itself (its modification time on
+  the store) is older than `stale_seconds`. So an edited or damaged lease never jams the output.
+The token is a fencing token: check_held() reads it back before each irreversible step of its holder, which
+stops (RetryLater) once another run took the lease over. Every change is a compare-and-swap:
 - local files: read-check-write under an flock on the folder holding the lease (held for microseconds;
   the kernel drops it when a process dies);
 - s3://: conditional PUTs, If-None-Match: * to create and If-Match: <ETag> to refresh or take over
@@ -17,12 +24,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from fsio.fs import atomic_write, is_local_fs, makedirs, protocol, url_fs
 
@@ -45,36 +54,128 @@ def _pidns() -> str:
         return ""
 
 
+def _machine() -> str:
+    """This machine's identity: /etc/machine-id and the boot id of its running kernel ('' where neither exists).
+    Unlike the pid-namespace inode (the same number on every Linux host), it differs between machines."""
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("")
+    return ":".join(parts) if any(parts) else ""
+
+
 def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except OSError:          # EPERM: it exists, owned by someone else
         return True
     return True
 
 
-def describe(holder: dict, now: float | None = None) -> str:
-    """'pid 123 on host h (owner u, started 40 s ago, last heartbeat 2 s ago)'."""
+def heartbeat_of(holder) -> float | None:
+    """The heartbeat (Unix seconds) of a well-formed lease object: a JSON object whose heartbeat is a finite
+    number; None for anything else."""
+    beat = holder.get("heartbeat") if isinstance(holder, dict) else None
+    if isinstance(beat, bool) or not isinstance(beat, (int, float)) or not math.isfinite(beat):
+        return None
+    return float(beat)
+
+
+def _token(holder) -> str | None:
+    return holder.get("token") if isinstance(holder, dict) else None
+
+
+def _dated_by_object(holder, stale_seconds: float, now: float) -> bool:
+    """True when the lease object's own modification time decides its age: no readable heartbeat, or one more
+    than `stale_seconds` in the future."""
+    beat = heartbeat_of(holder)
+    return beat is None or beat - now > stale_seconds
+
+
+def describe(holder, now: float | None = None, mtime: float | None = None) -> str:
+    """'pid 123 on host h (owner u, started 40 s ago, last heartbeat 2 s ago)'; for an object without a usable
+    heartbeat, its age as the store reports it (`mtime`, Unix seconds)."""
     now = time.time() if now is None else now
-    started, beat = now - holder.get("start", now), now - holder.get("heartbeat", now)
+    beat = heartbeat_of(holder)
+    written = f"last written {now - mtime:.0f} s ago" if mtime is not None else "age unknown"
+    if beat is None:
+        return f"a lease object without a usable heartbeat ({written})"
+    start = holder.get("start")
+    start = start if isinstance(start, (int, float)) and not isinstance(start, bool) else beat
+    when = (f"last heartbeat {now - beat:.0f} s ago" if beat <= now + 1 else
+            f"heartbeat dated {beat - now:.0f} s in the future, {written}")
     return (f"pid {holder.get('pid')} on host {holder.get('host')} (owner {holder.get('owner')}, started "
-            f"{started:.0f} s ago, last heartbeat {beat:.0f} s ago)")
+            f"{now - start:.0f} s ago, {when})")
 
 
-def is_stale(holder: dict, stale_seconds: float, now: float | None = None) -> bool:
-    """True when `holder` can be taken over: an old heartbeat, or a dead process of this host."""
+def _same_machine(holder: dict) -> bool:
+    machine = _machine()
+    return bool(machine) and (holder.get("host"), holder.get("machine"), holder.get("pidns")) == (
+        socket.gethostname(), machine, _pidns())
+
+
+def is_stale(holder, stale_seconds: float, now: float | None = None, mtime: float | None = None) -> bool:
+    """True when `holder` (the parsed lease object, any JSON value) can be taken over: its heartbeat is older
+    than `stale_seconds`, or it is a process of this machine that no longer exists. An object without a
+    usable heartbeat (or one more than `stale_seconds` in the future) is stale once its modification time
+    `mtime` (Unix seconds) is older than `stale_seconds`, or when that time is unknown (None)."""
     now = time.time() if now is None else now
-    if now - float(holder.get("heartbeat", 0)) > stale_seconds:
+    if _dated_by_object(holder, stale_seconds, now):
+        return mtime is None or now - mtime > stale_seconds
+    if now - heartbeat_of(holder) > stale_seconds:
         return True
-    return (holder.get("host") == socket.gethostname() and holder.get("pidns") == _pidns()
-            and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]))
+    pid = holder.get("pid")
+    return (_same_machine(holder) and isinstance(pid, int) and not isinstance(pid, bool) and not _alive(pid))
+
+
+def _modified(info: dict) -> float | None:
+    """An fsspec info dict's modification time in Unix seconds (local mtime, S3 LastModified, ...), or None."""
+    for k in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        v = info.get(k)
+        if v is None:
+            continue
+        if hasattr(v, "timestamp"):
+            return v.timestamp()
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+@dataclass
+class LeaseObject:
+    """The lease object as read: its parsed JSON (any value; NOT_JSON when it does not parse), its ETag (s3) and
+    its modification time (Unix seconds, None when the store gives none)."""
+    holder: object
+    etag: str | None
+    mtime: float | None
+
+    @property
+    def token(self) -> str | None:
+        return _token(self.holder)
+
+    def stale(self, stale_seconds: float) -> bool:
+        return is_stale(self.holder, stale_seconds, mtime=self.mtime)
+
+    def describe(self) -> str:
+        return describe(self.holder, mtime=self.mtime)
+
+
+NOT_JSON = "<not JSON>"
 
 
 class Lease:
     """Acquire with acquire() (LeaseHeld when live elsewhere), give back with release(); `lost` is set when
-    the heartbeat finds the lease taken over or gone. Also a context manager."""
+    the heartbeat finds the lease taken over or gone; check_held() before each irreversible step raises
+    RetryLater once it is lost. Also a context manager."""
 
     def __init__(self, url: str, stale_seconds: float = 60.0, storage_options: dict | None = None,
                  heartbeat_seconds: float | None = None):
@@ -84,45 +185,45 @@ class Lease:
         self.local, self.s3 = is_local_fs(self.fs), protocol(url) == "s3"
         now = time.time()
         self.me = {"token": uuid.uuid4().hex, "owner": os.environ.get("USER", ""), "host": socket.gethostname(),
-                   "pid": os.getpid(), "pidns": _pidns(), "start": now, "heartbeat": now}
+                   "machine": _machine(), "pid": os.getpid(), "pidns": _pidns(), "start": now, "heartbeat": now}
         self.etag: str | None = None
-        self.taken_over: dict | None = None      # the stale holder this lease replaced, if any
+        self.taken_over = None       # the parsed stale lease object this one replaced, if any
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._mutex = threading.Lock()    # the heartbeat thread and check_held() write in turn
 
     # -- the store ------------------------------------------------------------------------------------
     @contextmanager
     def _guard(self):
-        """Serialises read-check-write on a local lease: an flock on the folder holding it (never a file of
-        its own, which a release would have to remove while another process may be waiting on it)."""
-        if not self.local:
-            yield
-            return
-        import fcntl
-        makedirs(self.fs, os.path.dirname(self.path))
-        fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+        """Serialises read-check-write: between this process's threads, and on a local lease between processes
+        with an flock on the folder holding it (never a file of its own, which a release would have to remove
+        while another process may be waiting on it)."""
+        with self._mutex:
+            if not self.local:
+                yield
+                return
+            import fcntl
+            makedirs(self.fs, os.path.dirname(self.path))
+            fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
 
-    def _read(self) -> tuple[dict | None, str | None]:
-        """(holder, ETag) of the lease object, (None, None) when there is none. An unreadable object is a
-        holder with no heartbeat (stale)."""
+    def _read(self) -> LeaseObject | None:
+        """The lease object, None when there is none."""
         try:
-            if self.s3:
-                etag = self.fs.info(self.path, refresh=True).get("ETag")   # a change in between fails the If-Match
-                data = self.fs.cat_file(self.path)
-            else:
-                data, etag = self.fs.cat_file(self.path), None
+            info = self.fs.info(self.path, refresh=True) if self.s3 else self.fs.info(self.path)
+            data = self.fs.cat_file(self.path)    # s3: a change since info() fails the If-Match on its ETag
         except FileNotFoundError:
-            return None, None
+            return None
         try:
-            return json.loads(data), etag
+            holder = json.loads(data)
         except ValueError:
-            return {"host": "?", "pid": None, "heartbeat": 0}, etag
+            holder = NOT_JSON
+        return LeaseObject(holder, info.get("ETag") if self.s3 else None, _modified(info))
 
     def _write(self, data: bytes, create: bool, etag: str | None) -> None:
         """Create (create=True) or replace the lease object; FileExistsError / OSError when the condition fails."""
@@ -141,26 +242,28 @@ class Lease:
 
     # -- the protocol ---------------------------------------------------------------------------------
     def acquire(self) -> "Lease":
+        replaced = ""
         with self._guard():
-            holder, etag = self._read()
-            if holder is not None and holder.get("token") != self.me["token"]:
-                if not is_stale(holder, self.stale):
-                    raise LeaseHeld(f"{self.url} is held by a live run: {describe(holder)}; it is taken over only "
-                                    f"when its heartbeat is older than {self.stale:.0f} s (--lease-stale-seconds)")
-                self.taken_over = holder
+            found = self._read()
+            if found is not None and found.token != self.me["token"]:
+                if not found.stale(self.stale):
+                    raise LeaseHeld(f"{self.url} is held by a live run: {found.describe()}; it is taken over only "
+                                    "when its heartbeat (without a usable one: the lease object itself) is "
+                                    f"older than {self.stale:.0f} s (--lease-stale-seconds)")
+                self.taken_over, replaced = found.holder, found.describe()
             try:
-                self._write(self._body(), create=holder is None, etag=etag)
+                self._write(self._body(), create=found is None, etag=found and found.etag)
             except FileExistsError:     # s3: created by another process since we looked (or by our own retry)
-                now_holder, _ = self._read()
-                if not now_holder or now_holder.get("token") != self.me["token"]:
+                now_found = self._read()
+                if now_found is None or now_found.token != self.me["token"]:
                     raise LeaseHeld(f"{self.url} was taken by another run a moment ago: "
-                                    f"{describe(now_holder or {})}") from None
+                                    f"{now_found.describe() if now_found else 'since released'}") from None
             except OSError as e:        # s3: If-Match failed, another process took the stale lease first
                 if not self.s3:
                     raise
                 raise LeaseHeld(f"{self.url} was taken over by another run a moment ago ({e})") from None
-        if self.taken_over:
-            logger.warning("took over a stale lease: %s", describe(self.taken_over))
+        if self.taken_over is not None:
+            logger.warning("took over a stale lease: %s", replaced)
         self._thread = threading.Thread(target=self._beat, name="elmo-lease", daemon=True)
         self._thread.start()
         return self
@@ -177,19 +280,40 @@ class Lease:
     def refresh(self) -> None:
         """Write a new heartbeat if the lease is still ours; set `lost` otherwise."""
         with self._guard():
-            holder, etag = self._read()
-            if not holder or holder.get("token") != self.me["token"]:
+            self._renew()
+
+    def _renew(self) -> None:
+        found = self._read()
+        if found is None or found.token != self.me["token"]:
+            self.lost.set()
+            logger.error("lost the lease %s to %s", self.url, found.describe() if found else "nobody (removed)")
+            return
+        self.me["heartbeat"] = time.time()
+        try:
+            self._write(self._body(), create=False, etag=found.etag)
+        except OSError:
+            if self.s3:       # If-Match failed: taken over between our read and write
                 self.lost.set()
-                logger.error("lost the lease %s to %s", self.url, describe(holder) if holder else "nobody (removed)")
                 return
-            self.me["heartbeat"] = time.time()
-            try:
-                self._write(self._body(), create=False, etag=etag)
-            except OSError:
-                if self.s3:       # If-Match failed: taken over between our read and write
-                    self.lost.set()
-                    return
-                raise
+            raise
+
+    def check_held(self) -> None:
+        """RetryLater unless the lease object still carries this holder's token (a fencing token), read from the
+        store now; a heartbeat that is due is written first, under the same guard, so that nobody can judge the
+        lease stale between this check and the step it allows (unless this process is paused past the stale
+        age right after it). Called before each irreversible step (transforms/finalize.py)."""
+        if not self.lost.is_set():
+            with self._guard():
+                if time.time() - self.me["heartbeat"] >= self.every:
+                    self._renew()
+                else:
+                    found = self._read()
+                    if found is None or found.token != self.me["token"]:
+                        self.lost.set()
+        if self.lost.is_set():
+            raise RetryLater(f"lost the lease {self.url} to another run (this run was paused or cut off longer "
+                             f"than --lease-stale-seconds {self.stale:.0f}); that run owns the output now, and "
+                             "this one changed nothing more")
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease object if it is still ours."""
@@ -197,8 +321,8 @@ class Lease:
         if self._thread is not None:
             self._thread.join()
         with self._guard():
-            holder, _ = self._read()
-            if holder and holder.get("token") == self.me["token"]:
+            found = self._read()
+            if found is not None and found.token == self.me["token"]:
                 self.fs.rm_file(self.path)
 
     def __enter__(self) -> "Lease":

@@ -32,7 +32,8 @@ from formats.parquet import layer_columns, shard_schema
 from model.options import load_options, sentences_independent
 from pipeline.exits import after_plan
 from pipeline.options import ElmoOptions, JobOptions, default_torch_threads
-from pipeline.validate import check_input_columns, check_model, check_numbers, check_output_writable, check_state
+from pipeline.validate import (check_input_columns, check_inputs_outside_output, check_model, check_numbers,
+                               check_output_writable, check_state)
 from fsio import atomic_write, expand, url_fs
 from fsio.lease import Lease, RetryLater
 from transforms import embed as E
@@ -166,6 +167,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     files = expand(o.input, so)
     labels = file_labels(files, o.id_root, full=iceberg is not None and not o.id_field)
     check_input_columns(files, o.input_format, o.text_field, o.id_field, so)
+    check_inputs_outside_output(files, o.output)
     options_file, weight_file, vocab_file, model_name = resolve_model(o)
     from model.pretrained import is_published, model_tokenization, model_urls
     from tokenization import resolve_tokenizer
@@ -377,7 +379,7 @@ def _execute(opts: PipelineOptions, pl: Plan, lease: Lease):
                 pl.register(done.manifest)
             return done
         if state.action == "finalize":
-            return FinalizeOnly(complete_finalize(pl.o.output, state.staging, pl.so, pl.registrar))
+            return FinalizeOnly(complete_finalize(pl.o.output, state.staging, pl.so, pl.registrar, lease.check_held))
         p = beam.Pipeline(options=opts)
         build(p, pl, state)
         result = p.run()
@@ -397,7 +399,7 @@ def _execute(opts: PipelineOptions, pl: Plan, lease: Lease):
         manifest = dict(pl.manifest, run={"key": pl.key, "resumed_shards": len(first.records),
                                           "resumed_sentences": first.sentences})
         result.manifest = finalize(pl.o.output, state.staging, staged, manifest, pl.so, pl.registrar,
-                                   run_seconds=time.time() - started)
+                                   run_seconds=time.time() - started, fence=lease.check_held)
         result.resumed_tokens = sum(r["tokens"] for r in first.records)
         return result
     raise RetryLater(f"{pl.o.output}: sentences still missing after {MAX_ROUNDS} rounds; rerun the same command")

@@ -121,9 +121,10 @@ def check_output_writable(output: str, storage_options: dict | None = None) -> N
         if not os.access(parent, os.W_OK | os.X_OK):
             raise PermissionError(f"--output {output}: {parent} is not writable")
         return
+    from formats.layout import PROBE
     from fsio import url_fs
     fs, root = url_fs(output, storage_options)
-    probe = posixpath.join(root, f"_write_probe-{uuid.uuid4().hex}")
+    probe = posixpath.join(root, f"{PROBE}{uuid.uuid4().hex}")
     try:
         fs.pipe_file(probe, b"")
         fs.rm(probe)
@@ -149,3 +150,17 @@ def check_input_columns(files: list[str], input_format: str, text_field: str, id
             if column not in names:
                 raise ValueError(f"{flag} {column!r}: the Parquet input {printable_label(url)} has no such column "
                                  f"(its columns: {', '.join(names) or 'none'})")
+def check_inputs_outside_output(files: list[str], output: str) -> None:
+    """ValueError when an input file lies inside --output (a run may clear or replace what it reads there).
+    Local paths are compared resolved (symbolic links, '..'); URLs by scheme and path."""
+    def place(url: str) -> str:
+        if "://" in url and not url.startswith("file://"):
+            scheme, path = url.split("://", 1)
+            return f"{scheme}://{path.rstrip('/')}"
+        return os.path.realpath(url[len("file://"):] if url.startswith("file://") else url)
+    out = place(output)
+    inside = [f for f in files if place(f) == out or place(f).startswith(out.rstrip("/") + "/")]
+    if inside:
+        more = f" and {len(inside) - 1} more" if len(inside) > 1 else ""
+        raise ValueError(f"--input {inside[0]}{more} lies inside --output {output}: a run may clear or replace "
+                         "what it reads there. Write to another --output, or move the input out first")

@@ -188,8 +188,11 @@ def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path):
     _stage(st, ["d:1#1", "d:2#0"])       # a retried bundle's shard overlapping the other
     _stage(st, ["d:3#0"])
     open(os.path.join(st, "partial.parquet"), "wb").write(b"PAR1 half")
-    os.makedirs(os.path.join(out, "parquet"))
+    os.makedirs(os.path.join(out, "parquet"))      # a finished finalize of this key whose hdf5 file is gone
     open(os.path.join(out, "parquet", "part-00000-of-00009.parquet"), "wb").write(b"stale")
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump({"schema_version": 1, "run": {"key": key}, "dead_letter_files": [], "shards": [
+            {"parquet": "parquet/part-00000-of-00009.parquet", "hdf5": "hdf5/part-00000-of-00009.hdf5"}]}, f)
 
     state = resume.prepare_output(out, key, ing, False)
     assert state.action == "resume" and len(state.records) == 2
@@ -200,6 +203,7 @@ def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path):
     assert "partial.parquet" not in left and len([f for f in left if f.endswith(".parquet")]) == 2
     assert len(os.listdir(os.path.join(st, "committed"))) == 2 and "run.json" in left
     assert not os.path.exists(os.path.join(out, "parquet"))          # stale final names removed
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
     assert {s.first_id for s in state.shards} == {r["first_id"] for r in state.records}
 
     # --state stateful keeps nothing (its vectors depend on the batches before)

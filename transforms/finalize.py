@@ -20,7 +20,11 @@ one object per input file.
   name (deleted by hand, or by a run that ignored the lease) is rolled back: the files already moved go
   back to their staged names and the plan is dropped, so the next round resumes from the commit records
   whose files are all present and embeds the rest again.
-No final-named data file appears before the plan is complete and consistent.
+- clear_final(): removes only the final-name files the pipeline can show it wrote (owned_final_names: what
+  its manifest lists, what a plan moved), the proof (manifest.json, the plans) last.
+No final-named data file appears before the plan is complete and consistent. `fence` (the lease's
+check_held: fsio/lease.py) runs before each irreversible step (each move, the manifest, the staging removal,
+the register hook, _SUCCESS): a run that lost its lease stops there (RetryLater) and changes nothing more.
 """
 from __future__ import annotations
 
@@ -32,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from formats import layout
-from formats.layout import (COUNTS, DEAD, DEAD_LETTERS, FINAL_NAMES, MANIFEST, METRICS, PLAN, RECORDS, REPORT, STAGING,
-                            STATS, SUCCESS, DeadLetter, ShardInfo)
+from formats.layout import (COUNTS, DEAD, DEAD_LETTERS, MANIFEST, METRICS, PLAN, RECORDS, REPORT, SHARD_FOLDERS,
+                            STAGING, STATS, SUCCESS, DeadLetter, ShardInfo)
 from formats.metrics import metrics_text
-from fsio import atomic_write, makedirs, move, remove_temp_files, url_fs
+from fsio import atomic_write, is_local_fs, makedirs, move, remove_temp_files, url_fs
 from fsio.lease import RetryLater
 from transforms.faults import crash_point
 from transforms.stats import STAGES, merge_stats
@@ -114,11 +118,12 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
 
 
 def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_options: dict | None = None,
-             register: Callable[[dict], None] | None = None, run_seconds: float | None = None) -> dict:
+             register: Callable[[dict], None] | None = None, run_seconds: float | None = None,
+             fence: Callable[[], None] | None = None) -> dict:
     """Publish `staged`: dead letters as files of at most DEAD_LETTERS_PER_FILE (sorted by id), the run
     report (report.html; `run_seconds`: the run's wall time so far, for it) and metrics.prom, then the plan (finalize.json:
     every move and `manifest` completed with counts and the shard list), then complete_finalize() (with
-    `register`). Returns the manifest."""
+    `register` and `fence`). Returns the manifest."""
     fs, _ = url_fs(output, storage_options)
     _, st = url_fs(staging, storage_options)
     dead = []
@@ -148,9 +153,14 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
                         time.time())
     atomic_write(fs, posixpath.join(st, METRICS), text.encode("utf-8"))
     moves.append([posixpath.join(st, METRICS), METRICS])
+    (fence or _unfenced)()
     atomic_write(fs, posixpath.join(st, PLAN), json.dumps({"moves": moves, "manifest": m}).encode())
-    complete_finalize(output, staging, storage_options, register)
+    complete_finalize(output, staging, storage_options, register, fence)
     return m
+
+
+def _unfenced() -> None:
+    """No lease to check (a finalize called outside a run: tests, tools)."""
 
 
 def read_plan(fs, st: str) -> dict | None:
@@ -167,24 +177,31 @@ def plan_consistent(fs, root: str, st: str, plan: dict) -> bool:
 
 
 def roll_back(fs, root: str, st: str, plan: dict) -> None:
-    """Undo a plan that cannot be completed: files already moved go back to their staged names, the plan
-    and manifest.json are removed (their shards' commit records then decide what is kept)."""
+    """Undo a plan that cannot be completed: files already moved go back to their staged names (a copy left
+    at the final name by an object-store move cut short is removed), the plan and manifest.json are removed
+    (their shards' commit records then decide what is kept)."""
     staged = set(fs.find(st))
     for src, rel in plan["moves"]:
         dst = posixpath.join(root, rel)
-        if src not in staged and fs.exists(dst):
-            move(fs, dst, src)
+        if fs.exists(dst):
+            if src in staged:
+                fs.rm_file(dst)
+            else:
+                move(fs, dst, src)
     for p in (posixpath.join(root, MANIFEST), posixpath.join(st, PLAN)):
         if fs.exists(p):
             fs.rm_file(p)
 
 
 def complete_finalize(output: str, staging: str, storage_options: dict | None = None,
-                      register: Callable[[dict], None] | None = None) -> dict | None:
+                      register: Callable[[dict], None] | None = None,
+                      fence: Callable[[], None] | None = None) -> dict | None:
     """Carry out (again) the finalize plan in `staging`: every move not yet done, manifest.json, removal of
     the staging folder, then register(manifest) when given (every file is in place; it must be idempotent:
-    a run killed after it calls it again), _SUCCESS last. Without a plan (already removed), only the last
-    steps. Returns the manifest written (or found), or None."""
+    a run killed after it calls it again), _SUCCESS last; fence() before each of these steps (RetryLater
+    when the lease is lost). Without a plan (already removed), only the last steps. Returns the manifest
+    written (or found), or None."""
+    fence = fence or _unfenced
     fs, root = url_fs(output, storage_options)
     _, st = url_fs(staging, storage_options)
     staged = set(fs.find(st)) if fs.exists(st) else set()     # one listing instead of a request per file
@@ -193,15 +210,18 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
         for src, rel in plan["moves"]:
             dst = posixpath.join(root, rel)
             if src in staged:                # not moved yet (or copied but not deleted, on an object store)
+                fence()
                 makedirs(fs, posixpath.dirname(dst))
                 move(fs, src, dst)
             elif not fs.exists(dst):
                 raise RetryLater(f"finalize: staged file {src} is gone and {dst} was never written; "
                                         "rerun the same command: it re-embeds that shard")
             crash_point("finalize_move")
+        fence()
         atomic_write(fs, posixpath.join(root, MANIFEST), layout.manifest_bytes(plan["manifest"]))
         crash_point("finalize_manifest")
     if fs.exists(st):
+        fence()
         fs.rm(st, recursive=True)
     staging_parent = posixpath.join(root, STAGING)
     if fs.exists(staging_parent) and not fs.ls(staging_parent):
@@ -210,17 +230,76 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
     manifest = plan["manifest"] if plan else layout.read_manifest(fs, root)
     if register is not None and manifest is not None:
         crash_point("register")            # just before the table is looked at and the files added
+        fence()
         register(manifest)
         crash_point("registered")          # added, _SUCCESS not yet written
+    fence()
     remove_temp_files(fs, root, (MANIFEST, SUCCESS))
     atomic_write(fs, posixpath.join(root, SUCCESS), b"")
     return manifest
 
 
-def clear_final(fs, root: str) -> None:
-    """Remove the final-name outputs (shard folders, manifest.json, _SUCCESS) under `root`."""
-    for sub in FINAL_NAMES:
-        p = posixpath.join(root, sub)
-        if fs.exists(p):
-            fs.rm(p, recursive=True)
+def staged_plans(fs, root: str) -> dict[str, dict]:
+    """{staging folder: its finalize plan} of every run under <root>/_staging/ whose Finalize started (a plan
+    that does not parse is left out)."""
+    parent = posixpath.join(root, STAGING)
+    if not fs.exists(parent):
+        return {}
+    plans = {}
+    for entry in fs.ls(parent, detail=True):
+        if entry["type"] != "directory":
+            continue
+        try:
+            plan = read_plan(fs, entry["name"].rstrip("/"))
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(plan, dict) and isinstance(plan.get("moves"), list):
+            plans[entry["name"].rstrip("/")] = plan
+    return plans
+
+
+def plan_names(plan: dict) -> set[str]:
+    """The final names (relative to the output folder) that a finalize plan moves files to."""
+    return {m[1] for m in plan["moves"] if isinstance(m, list) and len(m) == 2 and layout.is_final_name(m[1])}
+
+
+def owned_final_names(fs, root: str) -> set[str]:
+    """Names (relative to `root`) of final-name files the pipeline can show it wrote there: what its
+    manifest.json lists, with manifest.json and _SUCCESS, and what the finalize plans under _staging/ move
+    there (formats/layout.py, ownership)."""
+    names = set()
+    manifest = layout.read_manifest(fs, root)
+    if manifest is not None:
+        names |= layout.listed_names(manifest) | {MANIFEST, SUCCESS}
+    for plan in staged_plans(fs, root).values():
+        names |= plan_names(plan)
+    return names
+
+
+def files_under(fs, root: str, folders: tuple[str, ...]) -> set[str]:
+    """Names (relative to `root`) of the files under the given subfolders of `root` (one listing each)."""
+    found = set()
+    for sub in folders:
+        path = posixpath.join(root, sub)
+        if fs.isdir(path):
+            found.update(posixpath.relpath(p, root) for p in fs.find(path))
+    return found
+
+
+def clear_final(fs, root: str, keep: set[str] = frozenset()) -> None:
+    """Remove the final-name files the pipeline wrote under `root` (owned_final_names), but those in `keep`:
+    _SUCCESS first, manifest.json last (until then it shows whose the rest are), then shard folders left
+    empty and the temporary files of manifest.json and _SUCCESS. Files of unknown origin stay."""
+    owned = owned_final_names(fs, root) - set(keep)
+    present = files_under(fs, root, SHARD_FOLDERS) | {n for n in (SUCCESS, MANIFEST, REPORT, METRICS)
+                                                       if fs.exists(posixpath.join(root, n))}
+    data = sorted((owned & present) - {SUCCESS, MANIFEST})
+    for group in ([SUCCESS], data, [MANIFEST]):
+        paths = [posixpath.join(root, n) for n in group if n in owned and n in present]
+        if paths:
+            fs.rm(paths)
+    for sub in SHARD_FOLDERS:
+        path = posixpath.join(root, sub)
+        if is_local_fs(fs) and fs.isdir(path) and not fs.ls(path):
+            fs.rmdir(path)
     remove_temp_files(fs, root, (MANIFEST, SUCCESS))

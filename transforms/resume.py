@@ -11,7 +11,8 @@ command after a crash finds the same folder:
   dead/, counts/           dead letters and per-file counts: not resumed (every run reads and tokenizes all)
   stats/                   run statistics for the report: kept (its timings count every attempt)
 
-prepare_output() decides what a new run does with the folder it is given; see its docstring.
+prepare_output() decides what a new run does with the folder it is given; see its docstring. It first
+checks that the folder holds nothing in the way that the pipeline did not write (check_ownership).
 """
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ import logging
 import posixpath
 from dataclasses import dataclass, field
 
-from formats.layout import PLAN, RUN_FILE, STAGING, STATS, SUCCESS, ShardInfo, read_manifest, record_ids
+from formats.layout import (FINAL_NAMES, FORMATS, MANIFEST, PLAN, RUN_FILE, SHARD_FOLDERS, STAGING, STATS, SUCCESS,
+                            ShardInfo, is_scratch_name, read_manifest, record_ids)
 from fsio import atomic_write, makedirs, url_fs
-from transforms.finalize import clear_final, plan_consistent, read_plan, roll_back, select_records
+from transforms.finalize import (clear_final, owned_final_names, plan_consistent, plan_names, read_plan, roll_back,
+                                 select_records)
 
 logger = logging.getLogger("elmo-pipeline.resume")
 
@@ -144,15 +147,75 @@ def finalize_started(output: str, key: str, storage_options: dict | None = None)
 
 
 def _listed_files_present(fs, root: str, manifest: dict) -> bool:
-    rels = [s[f] for s in manifest.get("shards", []) for f in ("parquet", "hdf5") if f in s]
+    rels = [s[f] for s in manifest.get("shards", []) for f in FORMATS if f in s]
     rels += [d["path"] for d in manifest.get("dead_letter_files", [])]
     return all(fs.exists(posixpath.join(root, r)) for r in rels)
+
+
+@dataclass
+class Foreign:
+    """What an output folder holds that the pipeline cannot show it wrote (names relative to the folder;
+    formats/layout.py, ownership)."""
+    in_the_way: list[str]      # under the shard folders or at a name Finalize writes: readers would take them
+    #                            for output, or Finalize would replace them
+    elsewhere: list[str]       # anything else (a folder ends in '/'): left alone
+    ours: bool                 # the folder holds a run of the pipeline (its manifest.json or _staging/)
+
+
+def foreign_files(fs, root: str) -> Foreign:
+    """Sort the top of `root` and its shard folders into owned and foreign (see Foreign). Reads only."""
+    owned = owned_final_names(fs, root)
+    try:
+        top = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        top = []
+    found = Foreign([], [], MANIFEST in owned)
+    for entry in top:
+        name = posixpath.basename(entry["name"].rstrip("/"))
+        if entry["type"] == "directory" and name == STAGING:
+            found.ours = True
+        elif entry["type"] == "directory" and name in SHARD_FOLDERS:
+            found.in_the_way += sorted(n for n in (posixpath.relpath(p, root) for p in fs.find(entry["name"]))
+                                       if n not in owned)
+        elif entry["type"] == "directory":
+            found.elsewhere.append(name + "/")
+        elif name in owned or is_scratch_name(name):
+            continue
+        elif name in FINAL_NAMES or name == STAGING:
+            found.in_the_way.append(name)
+        else:
+            found.elsewhere.append(name)
+    found.in_the_way.sort()
+    found.elsewhere.sort()
+    return found
+
+
+def _some(names: list[str], n: int = 3) -> str:
+    """'a, b, c and 4 more'."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def check_ownership(output: str, fs, root: str, overwrite: bool) -> None:
+    """FileExistsError (one line naming a few of them) when `output` holds files the pipeline did not write
+    in the way of its output (even with --overwrite), or, on a folder that holds no run of the pipeline,
+    any file or folder at all (unless --overwrite, which writes beside them and leaves them alone)."""
+    found = foreign_files(fs, root)
+    if found.in_the_way:
+        raise FileExistsError(
+            f"{output} holds {len(found.in_the_way)} file(s) this pipeline did not write where its output goes: "
+            f"{_some(found.in_the_way)}. It never deletes or replaces them, and readers of its shard folders "
+            "would take them for output: move them away or choose another --output")
+    if found.elsewhere and not found.ours and not overwrite:
+        raise FileExistsError(
+            f"{output} is not empty and holds no run of this pipeline: {_some(found.elsewhere)}. Choose an "
+            "empty or new --output, or pass --overwrite to write beside them (they are left alone)")
 
 
 def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, storage_options: dict | None = None,
                    resumable: bool = True) -> OutputState:
     """Decide what a run with run key `key` does with `output`, and make the folder ready for it. The caller
-    holds the output's lease.
+    holds the output's lease. Nothing is removed before every refusal has been decided; only what the
+    pipeline wrote is ever removed (check_ownership first, then transforms/finalize.clear_final).
 
     - _SUCCESS of this key: 'complete' (with `overwrite`: cleared, fresh). Of another key: refused unless
       `overwrite`, which clears it.
@@ -160,52 +223,46 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
       only the finalize is left ('finalize'), unless a file it lists is gone (then everything is cleared
       and the run starts fresh); another key is refused unless `overwrite`.
     - an unfinished run of another key in _staging/: refused (naming the difference) unless `overwrite`,
-      which deletes it.
+      which deletes it (and the files its finalize had moved).
     - _staging/<key>/finalize.json: 'finalize' when every file of the plan is still there (staged or
       moved); otherwise the plan is rolled back (transforms/finalize.roll_back) and the run resumes.
     - commit records: 'resume' with a pairwise-disjoint set of those whose files are all present; staged
       files no kept record names (partial shards, dropped records, dead letters, counts) are deleted.
       `resumable` False (--state stateful: vectors depend on batch history) keeps nothing.
-    - otherwise 'fresh'. Outside 'finalize', leftover final-name files are removed first.
+    - otherwise 'fresh'. Outside 'finalize', leftover final-name files of the pipeline are removed first.
     """
     fs, root = url_fs(output, storage_options)
     fs.invalidate_cache()
+    check_ownership(output, fs, root, overwrite)
     scheme = _scheme(output)
     parent = posixpath.join(root, STAGING)
     st = posixpath.join(parent, key)
     state = OutputState("fresh", scheme + st, key)
     manifest = read_manifest(fs, root)
     mine = ((manifest or {}).get("run") or {}).get("key") == key
-    if fs.exists(posixpath.join(root, SUCCESS)):
-        if mine and not overwrite:
-            state.action = "complete"
-            return state
-        if not overwrite:
-            raise FileExistsError(f"{output} holds a finished run of a different command (_SUCCESS); pass "
-                                  "--overwrite to replace it")
+    finished = fs.exists(posixpath.join(root, SUCCESS))
+    others = [d for d in _dirs(fs, parent) if d != key]
+    plan = read_plan(fs, st)
+    if finished and mine and not overwrite:
+        state.action = "complete"
+        return state
+    if not finished and mine and plan is None and _listed_files_present(fs, root, manifest):
+        state.action = "finalize"
+        return state
+    _refuse_another_command(output, fs, parent, manifest, mine, finished, others, ingredients, overwrite)
+    if finished:                    # --overwrite: start over
         clear_final(fs, root)
         if fs.exists(parent):
             fs.rm(parent, recursive=True)
-        manifest = None
-    if manifest is not None and not mine and not overwrite:
-        raise FileExistsError(f"{output} holds a manifest.json of a different command whose finalize was "
-                              "interrupted; rerun that command to finish it, or pass --overwrite to replace it")
-    plan = read_plan(fs, st)
+        manifest, others, plan = None, [], None
     if manifest is not None and mine and plan is None:
-        if _listed_files_present(fs, root, manifest):
-            state.action = "finalize"
-            return state
         logger.warning("%s: manifest.json lists files that are gone and the staged shards were removed: "
                        "starting over", output)
         clear_final(fs, root)
-    others = [d for d in _dirs(fs, parent) if d != key]
-    if others and not overwrite:
-        old = _read_json(fs, posixpath.join(parent, others[0], RUN_FILE))
-        raise FileExistsError(
-            f"{output} holds an unfinished run of a different command ({describe_difference(old, ingredients)}). "
-            "Rerun the original command to resume it, or pass --overwrite to discard it and start over")
-    for d in others:
-        fs.rm(posixpath.join(parent, d), recursive=True)
+    if others or (manifest is not None and not mine):     # --overwrite: another command's files go first
+        clear_final(fs, root, keep=plan_names(plan) if plan else set())
+        for d in others:
+            fs.rm(posixpath.join(parent, d), recursive=True)
     if plan is not None:
         if plan_consistent(fs, root, st, plan):
             state.action = "finalize"
@@ -224,6 +281,25 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
     if not fs.exists(posixpath.join(st, RUN_FILE)):
         atomic_write(fs, posixpath.join(st, RUN_FILE), json.dumps(ingredients, default=str).encode())
     return state
+
+
+def _refuse_another_command(output: str, fs, parent: str, manifest: dict | None, mine: bool, finished: bool,
+                            others: list[str], ingredients: dict, overwrite: bool) -> None:
+    """FileExistsError, without --overwrite, when `output` holds a finished run, an interrupted finalize or an
+    unfinished run of another command."""
+    if overwrite:
+        return
+    if finished:
+        raise FileExistsError(f"{output} holds a finished run of a different command (_SUCCESS); pass "
+                              "--overwrite to replace it")
+    if manifest is not None and not mine:
+        raise FileExistsError(f"{output} holds a manifest.json of a different command whose finalize was "
+                              "interrupted; rerun that command to finish it, or pass --overwrite to replace it")
+    if others:
+        old = _read_json(fs, posixpath.join(parent, others[0], RUN_FILE))
+        raise FileExistsError(
+            f"{output} holds an unfinished run of a different command ({describe_difference(old, ingredients)}). "
+            "Rerun the original command to resume it, or pass --overwrite to discard it and start over")
 
 
 def _keep_disjoint_records(fs, st: str, state: OutputState) -> None:
