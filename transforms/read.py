@@ -17,7 +17,7 @@ from typing import Iterator
 import fsspec.utils
 
 from formats.layout import EXCERPT_CHARS, DeadLetter
-from fsio import open_file
+from fsio import open_file, redact
 from transforms.records import Blank, Document
 
 INPUT_FORMATS = ("text", "lines", "jsonl", "parquet")
@@ -33,11 +33,12 @@ def decode_line(raw: bytes, record_id: str) -> str | DeadLetter:
 
 
 def file_labels(files: list[str]) -> dict[str, str]:
-    """file URL -> label: its path relative to the deepest folder common to all files."""
+    """file URL -> label: its path relative to the deepest folder common to all files (redacted: a presigned
+    URL's signature is in no document id)."""
     if len(files) == 1:
-        return {files[0]: posixpath.basename(files[0])}
+        return {files[0]: redact(posixpath.basename(files[0]))}
     common = posixpath.commonpath([f.split("://", 1)[-1] for f in files])
-    return {f: posixpath.relpath(f.split("://", 1)[-1], common) for f in files}
+    return {f: redact(posixpath.relpath(f.split("://", 1)[-1], common)) for f in files}
 
 
 def split_lines(f, block: int = 1 << 16) -> Iterator[bytes]:
