@@ -7,7 +7,7 @@ In text (a URL, a DSN, an exception message holding URLs):
 - credential-like query parameters: ?password=...&sig=...&X-Amz-Signature=... -> their values ***.
 In a dict (storage options, flags): the string values of credential-like keys (key, secret, token, password,
 aws_secret_access_key, ...) -> ***, and everything else redacted in turn. A name is credential-like when one of
-its words (split at _ - . and camelCase, any case) is in SECRET_WORDS.
+its words (split at _ - . and camelCase, any case) is in SECRET_WORDS, or it holds one of SECRET_PARTS.
 
 Text without a secret comes back unchanged (the same string), so what is hashed or compared from redacted values
 (run keys) does not move for ordinary inputs.
@@ -21,6 +21,9 @@ MASK = "***"
 SECRET_WORDS = frozenset({
     "password", "passwd", "pwd", "pass", "passphrase", "secret", "token", "key", "apikey", "accesskey",
     "secretkey", "sig", "signature", "credential", "credentials", "auth", "authorization", "sas"})
+# ... and, in a name run together (awsaccesskeyid, xamzsignature), these parts of it
+SECRET_PARTS = ("password", "passwd", "secret", "signature", "credential", "apikey", "accesskey", "privatekey",
+                "accountkey", "sessiontoken", "securitytoken", "accesstoken", "authtoken", "refreshtoken")
 
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 # scheme://user:password@ : the password runs to the authority's last @ (an unescaped @ inside it too); one
@@ -28,7 +31,7 @@ _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://[^\s:/?#@'\"<>]*):"
                            r"(?P<secret>[^\s/?#]+|(?!\d*[/?#])[^\s?#'\"<>]+)@")
 # user:password@host with no scheme; not a path's part (after / or :) and not a port
-_BARE_PASSWORD = re.compile(r"(?<![\w.+%/:@-])(?P<head>[\w.+-]+):(?P<secret>(?!\d*[/?#])[^\s@/'\"<>][^\s@'\"<>]*)"
+_BARE_PASSWORD = re.compile(r"(?<![\w.+%/:@-])(?P<head>[\w.+-]+):(?P<secret>(?!\d*[/?#])[^\s@/][^\s@]*)"
                             r"@(?=[\w\[])")
 _QUERY_PARAMETER = re.compile(r"(?P<head>[?&](?P<name>[^=&#\s?'\"<>]+)=)(?P<value>[^&#\s'\"<>]+)")
 
@@ -36,7 +39,8 @@ _QUERY_PARAMETER = re.compile(r"(?P<head>[?&](?P<name>[^=&#\s?'\"<>]+)=)(?P<valu
 def secret_name(name: str) -> bool:
     """Whether a query parameter or option named `name` holds a credential (X-Amz-Signature, aws_secret_access_key,
     apiKey: yes; max_tokens_per_batch, author: no)."""
-    return any(w.lower() in SECRET_WORDS for w in _WORDS.findall(name))
+    joined = re.sub(r"[\W_]", "", name.lower())
+    return any(w.lower() in SECRET_WORDS for w in _WORDS.findall(name)) or any(p in joined for p in SECRET_PARTS)
 
 
 def redact(value):
@@ -57,7 +61,8 @@ def _redact_text(text: str) -> str:
         text = _URL_PASSWORD.sub(lambda m: f"{m['head']}:{MASK}@", text)
         text = _BARE_PASSWORD.sub(lambda m: f"{m['head']}:{MASK}@", text)
     if "=" in text:
-        text = _QUERY_PARAMETER.sub(lambda m: m["head"] + MASK if secret_name(m["name"]) else m[0], text)
+        text = _QUERY_PARAMETER.sub(lambda m: m["head"] + MASK if secret_name(m["name"])
+                                    and not m["value"].startswith(MASK) else m[0], text)   # ***:1#0: an id
     return text
 
 
