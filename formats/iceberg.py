@@ -2,8 +2,8 @@
 
 pyiceberg is an optional extra (pip install 'elmo-pipeline[iceberg]'), imported only when a table is named.
 The shards are added as they are (pyiceberg's add_files: no rewrite; the table points at the output's final
-Parquet paths), all of one output in one append snapshot whose summary carries the output URL and the run
-key (elmo-pipeline.output, elmo-pipeline.run-key). Finalize calls register() after every file is in place
+Parquet paths), all of one output in one append snapshot whose summary carries the output URL (redacted:
+fsio/redact.py) and the run key (elmo-pipeline.output, elmo-pipeline.run-key). Finalize calls register() after every file is in place
 and before _SUCCESS (transforms/finalize.py), and again on every rerun that finishes or finds the output, so
 register() is idempotent: an output already registered (a snapshot of the table's history with its URL and
 run key, or its files all referenced by the current snapshot) is not added again; an output with an id the
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 
 import pyarrow as pa
+
+from fsio import redact
 
 INSTALL = "pip install 'elmo-pipeline[iceberg]'"
 OUTPUT_PROPERTY, RUN_KEY_PROPERTY, FILES_PROPERTY = "elmo-pipeline.output", "elmo-pipeline.run-key", "elmo-pipeline.files"
@@ -53,11 +54,6 @@ def import_pyiceberg():
         raise IcebergUnavailable(f"--iceberg-table needs pyiceberg, which is not installed ({e}): {INSTALL}") from None
     import pyiceberg
     return pyiceberg
-
-
-def redact(uri: str) -> str:
-    """A catalog URI without the password of its user info (for the manifest and messages)."""
-    return re.sub(r"^([a-zA-Z][\w+.-]*://[^/:@]*):[^/@]*@", r"\1:***@", uri)
 
 
 def output_url(output: str) -> str:
@@ -151,8 +147,8 @@ class IcebergTarget:
         try:
             return load_catalog(CATALOG_NAME, **self.properties(storage_options))
         except Exception as e:  # noqa: BLE001 - drivers raise their own kinds (sqlalchemy, requests, ...)
-            raise RuntimeError(f"--iceberg-catalog {redact(self.catalog)} cannot be opened: "
-                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+            raise RuntimeError(redact(f"--iceberg-catalog {self.catalog} cannot be opened: "
+                                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")) from None
 
     def _load_table(self, catalog):
         from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
@@ -223,7 +219,7 @@ class IcebergTarget:
             check_new_ids(table, ids, base)
             try:
                 with _quiet_statistics():
-                    table.add_files(files, snapshot_properties={OUTPUT_PROPERTY: base, RUN_KEY_PROPERTY: key,
+                    table.add_files(files, snapshot_properties={OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key,
                                                                 FILES_PROPERTY: str(len(files))})
             except CommitFailedException as e:      # another commit came first: reread, then decide again
                 logger.warning("%s: %s; retrying", self.table, e)
@@ -275,7 +271,7 @@ def _current_files(table, keep) -> list[str]:
 def _marked(table, base: str) -> list:
     """Snapshots of the table's history that registered the output at `base`."""
     return [s for s in table.snapshots() if (s.summary.additional_properties if s.summary else {})
-            .get(OUTPUT_PROPERTY) == base]
+            .get(OUTPUT_PROPERTY) == redact(base)]
 
 
 def find_registration(table, base: str, key: str, files: list[str]) -> int | None:

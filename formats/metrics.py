@@ -3,11 +3,13 @@ format node_exporter's textfile collector reads (and Prometheus/OpenMetrics scra
 
 The counts are manifest.json's `counts` (the same numbers, by construction: metrics_text() reads them from
 the manifest); stage seconds are those of the run report (transforms/stats.py). Every sample carries the
-label output="<--output>", so one collector folder can hold the files of many outputs (partitions).
+label output="<--output>" (redacted: fsio/redact.py), so one collector folder can hold the files of many outputs (partitions).
 """
 from __future__ import annotations
 
 import math
+
+from fsio import redact
 
 PREFIX = "elmo_pipeline_"
 # manifest counts key -> help; each becomes elmo_pipeline_<key>_total
@@ -56,7 +58,7 @@ def metrics_families(manifest: dict, output: str, stage_seconds: dict[str, float
                      run_seconds: float | None = None, finished_at: float | None = None) -> list:
     """The metric families of a finished run: manifest counts (as counters), shards, resumed sentences, stage
     and run seconds, the finish time, and an info metric naming the run key and model."""
-    out = {"output": output}
+    out = {"output": redact(output)}
     counts = manifest.get("counts", {})
     run = manifest.get("run", {})
     fams = [(f"{PREFIX}{k}_total", "counter", h, [(out, int(counts.get(k, 0)))]) for k, h in COUNTS.items()]
@@ -84,7 +86,7 @@ def metrics_families(manifest: dict, output: str, stage_seconds: dict[str, float
 
 def status_families(output: str, status: int, at: float) -> list:
     """Exit status and time of the command's end (pipeline.exits): what --metrics-file adds, alone on failure."""
-    out = {"output": output}
+    out = {"output": redact(output)}
     return [(f"{PREFIX}exit_status", "gauge", "Exit status of the last run (0 done; 75 retry later; "
              "docs/failure-behaviour.md#exit-statuses).", [(out, int(status))]),
             (f"{PREFIX}last_run_timestamp_seconds", "gauge", "Unix time the last run ended.", [(out, float(at))])]

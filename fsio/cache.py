@@ -14,8 +14,9 @@ from pathlib import Path
 
 import fsspec
 
+from fsio.fs import check_protocol, options_for, protocol
 from fsio.fs import is_local_url as is_local
-from fsio.fs import options_for, protocol
+from fsio.redact import redact
 
 
 def cache_dir() -> str:
@@ -26,6 +27,7 @@ def open_url(url: str, mode: str = "rb", storage_options: dict | None = None, **
     """fsspec.open for a path or URL (kwargs: encoding, newline, ...); remote reads go through the local
     file cache. storage_options: {protocol: {...}}."""
     url = str(url)
+    check_protocol(url)
     if is_local(url) or "w" in mode:
         return fsspec.open(url, mode, **kwargs, **options_for(url, storage_options))
     return fsspec.open(f"filecache::{url}", mode, filecache={"cache_storage": cache_dir()}, **kwargs,
@@ -42,9 +44,9 @@ def local_path(url: str, sha256: str | None = None, storage_options: dict | None
         path = url[len("file://"):] if url.startswith("file://") else url
         if not os.path.exists(path):
             raise FileNotFoundError(f"no such file: {path}")
-    else:
-        path = fsspec.open_local(f"filecache::{url}", filecache={"cache_storage": cache_dir()},
-                                 **{protocol(url): options_for(url, storage_options)})
+    else:       # fsspec.open: one file, never a glob (a presigned URL's ?X-Amz-Signature=... is no wildcard)
+        with open_url(url, storage_options=storage_options) as f:
+            path = f.name
     if sha256 is not None:
         found = file_sha256(path)
         if found != sha256.lower():
@@ -98,7 +100,7 @@ def pinned_download(url: str, path: str, progress: bool | None = None, storage_o
     if record is None:
         tmp = f"{record_path}.part-{uuid.uuid4().hex[:8]}"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"url": url, "sha256": digest, "size": size}, f)
+            json.dump({"url": redact(url), "sha256": digest, "size": size}, f)
         os.replace(tmp, record_path)
     return path
 
@@ -128,6 +130,7 @@ def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict
     """Copy `url` to `dest` in 1 MiB blocks with a progress bar; (sha256, size). OSError if the stream ends
     before the size the server announced (or breaks)."""
     from tqdm import tqdm
+    check_protocol(url)
     fs, fs_path = fsspec.core.url_to_fs(url, **options_for(url, storage_options))
     try:
         expected = fs.size(fs_path)

@@ -9,14 +9,42 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import uuid
 
 import fsspec
+from fsspec.registry import known_implementations
+
+# protocol -> the command that installs its fsspec implementation (others: the package fsspec's registry names)
+INSTALL = {"s3": "pip install 'elmo-pipeline[s3]'", "s3a": "pip install 'elmo-pipeline[s3]'",
+           "http": "pip install 'fsspec[http]' requests", "https": "pip install 'fsspec[http]' requests"}
+_QUERY = re.compile(r"\?[^/?#=&]+=")      # a URL's query string (?name=...): not fsspec's ? wildcard
+
+
+class StorageUnavailable(ImportError):
+    """A URL whose protocol's fsspec implementation (or a package it imports) is not installed."""
 
 
 def protocol(url: str) -> str:
     """'s3' for 's3://b/k', 'file' for a local path or file:// URL."""
     return str(url).split("://", 1)[0] if "://" in str(url) else "file"
+
+
+def check_protocol(url: str) -> None:
+    """StorageUnavailable (an ImportError) naming what to install when `url`'s protocol (each of a chained URL's)
+    has no importable fsspec implementation; an unknown protocol is left to fsspec's own error."""
+    for proto in protocol(url).split("::"):
+        try:
+            fsspec.get_filesystem_class(proto)
+        except ImportError as e:
+            known = known_implementations.get(proto, {}).get("class", "")
+            package = (known.split(".", 1)[0] if known and not known.startswith("fsspec.")
+                       else getattr(e.__cause__, "name", None) or proto)     # fsspec's own: what it imports
+            install = INSTALL.get(proto, f"pip install {package}")
+            raise StorageUnavailable(f"{proto}:// URLs need {package}, which cannot be imported "
+                                     f"({e.__cause__ or e}): {install}") from None
+        except ValueError:
+            pass
 
 
 def options_for(url: str, storage_options: dict | None) -> dict:
@@ -31,25 +59,55 @@ def keyed(url: str, flat_options: dict | None) -> dict:
 
 def url_fs(url: str, storage_options: dict | None = None):
     """(fsspec filesystem, path within it) for a local path or URL."""
+    check_protocol(url)
     return fsspec.core.url_to_fs(url, **options_for(url, storage_options))
 
 
 def open_file(url: str, mode: str = "rb", storage_options: dict | None = None, **kwargs):
     """fsspec.open(url, mode) with the options for its protocol (kwargs: compression, encoding, ...)."""
+    check_protocol(url)
     return fsspec.open(url, mode, **kwargs, **options_for(url, storage_options))
 
 
 def expand(patterns: list[str], storage_options: dict | None = None) -> list[str]:
-    """Sorted, de-duplicated files matching paths, URLs or globs; a pattern matching no file is an error.
-    Remote matches keep their scheme (s3://bucket/key); local ones are plain paths."""
-    files: list[str] = []
+    """Sorted files matching paths, URLs or globs, each file once however it is spelled (x.txt, ./x.txt,
+    dir//x.txt; /abs/x.txt and file:///abs/x.txt); a pattern matching no file is an error. Remote matches keep
+    their scheme (s3://bucket/key); local ones are plain paths. A URL with a query string (a presigned URL:
+    ?X-Amz-Signature=...) is one file, never a pattern."""
+    found: dict[str, str] = {}          # the file (a path, or a URL) -> its spelling first in sort order
     for pattern in patterns:
-        fs, _, paths = fsspec.get_fs_token_paths(pattern, storage_options=options_for(pattern, storage_options))
-        found = [p for p in paths if _is_file(fs, p)]
-        if not found:
-            raise FileNotFoundError(f"input {pattern!r} matches no file")
-        files += [fs.unstrip_protocol(p) if "://" in pattern else p for p in found]
-    return sorted(set(files))
+        for url in _matches(pattern, storage_options):
+            same = url[len("file://"):] if url.startswith("file://") else url
+            found[same] = min(found.get(same, url), url)
+    return sorted(found.values())
+
+
+def normalise(url: str) -> str:
+    """A path or URL with its path part normalised (no empty, . or .. segments), its query string as it is."""
+    if "://" not in url:
+        return os.path.normpath(url)
+    head, rest = url.split("://", 1)
+    query = _QUERY.search(rest)
+    rest, query = (rest[:query.start()], rest[query.start():]) if query else (rest, "")
+    host, slash, path = rest.partition("/")
+    if slash:
+        path = posixpath.normpath(re.sub("/+", "/", "/" + path))
+    return f"{head}://{host}{path}{query}"
+
+
+def _matches(pattern: str, storage_options: dict | None) -> list[str]:
+    """The files a pattern names, normalised (FileNotFoundError when none)."""
+    url = normalise(pattern)
+    if "://" in url and _QUERY.search(url):
+        fs, path = url_fs(url, storage_options)
+        found = [url] if _is_file(fs, path) else []
+    else:
+        check_protocol(url)
+        fs, _, paths = fsspec.get_fs_token_paths(url, storage_options=options_for(url, storage_options))
+        found = [fs.unstrip_protocol(p) if "://" in url else p for p in paths if _is_file(fs, p)]
+    if not found:
+        raise FileNotFoundError(f"input {pattern!r} matches no file")
+    return found
 
 
 def _is_file(fs, path: str) -> bool:

@@ -233,7 +233,7 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     opts = pipeline_options(argv)
     try:
         pl = plan(opts, probe_output=False)
-        sizes = {url: int(size or 0) for url, size, _ in pl.ingredients["inputs"]}    # plan() stat'ed them
+        sizes = {url: int(size or 0) for url, (_, size, _) in zip(pl.files, pl.ingredients["inputs"])}  # plan() stat'ed them
         try:
             s = sample_inputs(pl, sizes, sample_bytes)
             m = measure(pl, s.pop("written"))

@@ -12,6 +12,8 @@ import errno
 import re
 from dataclasses import dataclass
 
+from fsio import redact
+
 OK = 0            # done, or already complete (nothing to do)
 USAGE = 2         # bad flag or value, conflicting options, an output that needs --overwrite: fix the command
 DATA = 65         # EX_DATAERR: the model files or the inputs are bad or missing: fix the data
@@ -47,11 +49,11 @@ MEANINGS = {OK: "done", USAGE: "fix the command", DATA: "fix the data", SOFTWARE
 @dataclass(frozen=True)
 class Failure:
     status: int
-    message: str          # one line
+    message: str          # one line, its URLs' secrets redacted (fsio/redact.py)
 
     def line(self) -> str:
         """The one line a failure prints: `error: <message> (exit N: <what to do>)`."""
-        return f"error: {self.message} (exit {self.status}: {MEANINGS[self.status]})"
+        return f"error: {redact(self.message)} (exit {self.status}: {MEANINGS[self.status]})"
 
 
 def after_plan(exc: BaseException) -> None:
@@ -81,8 +83,8 @@ def _one_line(exc: BaseException) -> str:
     if "Traceback (most recent call last)" in raw:    # a worker's error as text: its last 'XError: ...' line
         found = re.findall(r"^\w*(?:Error|Exception|Exit)\b.*$", raw, re.M)
         raw = found[-1] if found else raw
-    text = " ".join(raw.split()) or type(exc).__name__
-    if not isinstance(exc, (ValueError, OSError, RuntimeError)) or type(exc).__name__ in DATA_TYPES:
+    text = redact(" ".join(raw.split())) or type(exc).__name__     # redacted before it is cut
+    if not isinstance(exc, (ValueError, OSError, RuntimeError, ImportError)) or type(exc).__name__ in DATA_TYPES:
         text = f"{type(exc).__name__}: {text}" if not text.startswith(type(exc).__name__) else text
     return text if len(text) <= 600 else text[:597] + "..."
 
@@ -103,7 +105,8 @@ def classify(exc: BaseException) -> Failure:
     """The exit status and one-line message of a failure (see the module docstring).
 
     Order: a transient cause anywhere in the chain wins (a full disk under Beam's wrapping is still a full
-    disk), then a data cause, a missing optional package (USAGE), then the messages (text from other
+    disk), then a data cause, a missing optional package (USAGE; for a URL's storage the message names what to
+    install: fsio.fs.check_protocol), then the messages (text from other
     processes), then the outermost type: a ValueError or RuntimeError raised while planning (not marked
     after_plan()), a permission or an output holding another command's run are the command's fault, anything
     else SOFTWARE."""

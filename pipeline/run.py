@@ -27,14 +27,14 @@ from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions
 
 from formats import layout
 from formats.hdf5 import hdf5_layout
-from formats.iceberg import IcebergTarget, redact
+from formats.iceberg import IcebergTarget
 from formats.parquet import layer_columns, shard_schema
 from model.options import load_options, sentences_independent
 from pipeline.exits import after_plan
 from pipeline.options import ElmoOptions, JobOptions, default_torch_threads
 from pipeline.validate import (check_input_columns, check_inputs_outside_output, check_model, check_numbers,
                                check_output_writable, check_state)
-from fsio import atomic_write, expand, url_fs
+from fsio import atomic_write, expand, redact, redact_logs, url_fs
 from fsio.lease import Lease, RetryLater
 from transforms import embed as E
 from formats.layout import ShardInfo
@@ -194,13 +194,11 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
         check_output_writable(o.output, so)
     identity = E.model_identity(spec)
     spec = dataclasses.replace(spec, weights_sha256=identity["weights_sha256"])   # what workers elsewhere check
-    flags = {k: getattr(o, k) for k in o._visible_option_list()}
-    if flags.get("iceberg_catalog"):
-        flags["iceberg_catalog"] = redact(flags["iceberg_catalog"])     # no password in the manifest
+    flags = redact({k: getattr(o, k) for k in o._visible_option_list()})    # no secret in the manifest
     if o.id_root:
         flags["id_root"] = public_url(o.id_root)
     fingerprints = input_fingerprints(files, so)
-    ingredients = run_ingredients(flags, fingerprints, identity)
+    ingredients = run_ingredients(flags, redact(fingerprints), identity)   # as run.json records them
     if labels != file_labels(files):      # ids other than the default ones (--id-root itself is not in the key)
         ingredients["options"]["id_root"] = flags["id_root"] or "full paths (--iceberg-table)"
     key = run_key(ingredients)
@@ -213,10 +211,10 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     limit, flag = o.max_sentence_tokens, "--max-sentence-tokens"
     if stateful and o.window_tokens < limit:
         limit, flag = o.window_tokens, "--window-tokens (--state stateful embeds sentences whole)"
-    model_entry = {"name": model_name, **identity, "tokenization": tokenization, "tokenizer": tokenizer,
-                   **({"urls": model_urls(model_name)} if is_published(model_name) else {})}
+    model_entry = redact({"name": model_name, **identity, "tokenization": tokenization, "tokenizer": tokenizer,
+                          **({"urls": model_urls(model_name)} if is_published(model_name) else {})})
     manifest = layout.manifest_header(
-        model_entry, columns, hdf5_layout(selection, n_layers), flags, formats, files, {"key": key})
+        model_entry, columns, hdf5_layout(selection, n_layers), flags, formats, redact(files), {"key": key})
     manifest["compute_support"] = compute_support_here(o.compute_dtype, o.device) if local else None
     shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
                       selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
@@ -515,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     pipeline/exits.py (the traceback too with --verbose)."""
     from pipeline import exits
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    redact_logs()
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         import argparse
@@ -530,19 +529,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if job.dry_run:
             from pipeline.dry_run import dry_run
-            print(dry_run(argv))
+            print(redact(dry_run(argv)))
             return exits.OK
         result = run(argv)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure ends in one line and a status
         failure = exits.classify(e)
         if job.verbose:
             import traceback
-            traceback.print_exception(e)
+            print(redact("".join(traceback.format_exception(e))), end="", file=sys.stderr)
         print(failure.line(), file=sys.stderr)
         if job.metrics_file and not job.dry_run:
             _try_metrics_file(job.metrics_file, job.output, failure.status)
         return failure.status
-    print(("\n" if sys.stderr.isatty() else "") + summary(result, job.output), file=sys.stderr)
+    print(("\n" if sys.stderr.isatty() else "") + redact(summary(result, job.output)), file=sys.stderr)
     if job.metrics_file:
         _try_metrics_file(job.metrics_file, job.output, exits.OK,
                           lambda: _output_metrics(job.output, storage_options(PipelineOptions(argv))))
@@ -555,7 +554,7 @@ def _try_metrics_file(path: str, output: str | None, status: int, text=lambda: "
     try:
         write_metrics_file(path, output, status, text())
     except Exception as e:  # noqa: BLE001
-        print(f"warning: --metrics-file {path}: {e}", file=sys.stderr)
+        print(redact(f"warning: --metrics-file {path}: {e}"), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Iterator
 import fsspec.utils
 
 from formats.layout import EXCERPT_CHARS, DeadLetter
-from fsio import open_file
+from fsio import open_file, redact
 from transforms.records import Blank, Document
 
 INPUT_FORMATS = ("text", "lines", "jsonl", "parquet")
@@ -35,17 +35,17 @@ def decode_line(raw: bytes, record_id: str) -> str | DeadLetter:
 
 def file_labels(files: list[str], root: str | None = None, full: bool = False) -> dict[str, str]:
     """file URL -> label. Default: its path relative to the deepest folder common to all files (a lone file:
-    its name). `root` (--id-root, a folder path or URL): its path relative to that folder; ValueError for a file
-    outside it. `full`: the file's absolute path, or its URL for remote files (scheme kept). Labels from `root`
+    its name; redacted, so a presigned URL's signature is in no id). `root` (--id-root, a folder path or URL):
+    its path relative to that folder; ValueError for a file outside it. `full`: the file's absolute path, or its URL for remote files (scheme kept). Labels from `root`
     and `full` never hold a URL's user info (credentials), query or fragment."""
     if root is not None:
         return {f: _label_under(f, root) for f in files}
     if full:
         return {f: public_url(f) for f in files}
     if len(files) == 1:
-        return {files[0]: posixpath.basename(files[0])}
+        return {files[0]: redact(posixpath.basename(files[0]))}
     common = posixpath.commonpath([f.split("://", 1)[-1] for f in files])
-    return {f: posixpath.relpath(f.split("://", 1)[-1], common) for f in files}
+    return {f: redact(posixpath.relpath(f.split("://", 1)[-1], common)) for f in files}
 
 
 def _place(url: str) -> tuple[str, str]:

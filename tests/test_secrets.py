@@ -1,0 +1,273 @@
+"""No secret in anything the pipeline records or prints: fsio.redact() alone (examples and properties), then
+runs with secrets planted in every place a URL or an option reaches (model files over HTTP with a password and
+a presigned query, inputs and output on S3 with keys as storage options, a presigned HTTP input, an Iceberg
+catalog URI with a password), their every output file, stdout/stderr line and the catalog's snapshots read."""
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsio import redact
+from tests.model_server import ModelServer
+from tests.resume_helpers import REPO
+
+# --- redact() -----------------------------------------------------------------------------------------------
+
+EXAMPLES = [
+    ("postgresql://host/db?user=u&password=s", "postgresql://host/db?user=u&password=***"),
+    ("user:se/cret@host", "user:***@host"),
+    ("postgresql://user:se/cret@host/db", "postgresql://user:***@host/db"),
+    ("postgresql+psycopg2://user:secret@db:5432/cat", "postgresql+psycopg2://user:***@db:5432/cat"),
+    ("sqlite:///cat.db?password=QSECRET", "sqlite:///cat.db?password=***"),
+    ("http://alice:S3CRETPW@127.0.0.1:8080/options.json", "http://alice:***@127.0.0.1:8080/options.json"),
+    ("http://alice:p@ss@host/x", "http://alice:***@host/x"),
+    ("redis://:pw@host:6379/0", "redis://:***@host:6379/0"),
+    ("https://b.s3.amazonaws.com/w.hdf5?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA%2F20240101"
+     "&X-Amz-Date=20240101T000000Z&X-Amz-Expires=3600&X-Amz-Security-Token=FQo&X-Amz-Signature=abc123",
+     "https://b.s3.amazonaws.com/w.hdf5?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=***"
+     "&X-Amz-Date=20240101T000000Z&X-Amz-Expires=3600&X-Amz-Security-Token=***&X-Amz-Signature=***"),
+    ("https://acct.blob.core.windows.net/c/in.txt?sv=2022&se=2030&sig=Zm9v", "https://acct.blob.core.windows.net/c/in.txt?sv=2022&se=2030&sig=***"),
+    ("https://h/x?PASSWORD=a&Api_Key=b&access_key=c&token=d&auth=e&pwd=f&passwd=g&secret=h&key=i&signature=j"
+     "&credential=k", "https://h/x?PASSWORD=***&Api_Key=***&access_key=***&token=***&auth=***&pwd=***&passwd=***"
+     "&secret=***&key=***&signature=***&credential=***"),
+    # an exception message holding URLs
+    ("FileNotFoundError: http://alice:pw1@h:81/o.json?sig=s1 (and 'https://bob:pw2@g/x')",
+     "FileNotFoundError: http://alice:***@h:81/o.json?sig=*** (and 'https://bob:***@g/x')"),
+]
+UNCHANGED = ["sqlite:////tmp/x.db", "s3://bucket/in/*.txt", "s3://bucket/in/part-?.txt", "/data/a:b@c.txt", "docs.txt:1#0",
+             "http://127.0.0.1:5000/bucket/file@v2.txt", "https://h/x?author=me&max_tokens=3&page=2&key=",
+             "gs://b/k", "file:///tmp/in.txt", "memory://x.txt", "https://token@github.com/o/r.git",
+             "in.txt?sig=***:1#0", "http://alice:***@h/x"]
+
+
+@pytest.mark.parametrize("text,want", EXAMPLES)
+def test_redact_examples(text, want):
+    assert redact(text) == want
+
+
+@pytest.mark.parametrize("text", UNCHANGED)
+def test_text_without_a_secret_is_unchanged(text):
+    assert redact(text) == text
+
+
+def test_secret_valued_options_in_any_dict():
+    so = {"s3": {"endpoint_url": "http://u:pw@127.0.0.1:9000", "key": "AKID", "secret": "SK", "token": "ST",
+                 "client_kwargs": {"region_name": "eu-west-1", "aws_session_token": "T2",
+                                   "aws_secret_access_key": "SK2", "aws_access_key_id": "AK2"},
+                 "config_kwargs": {"retries": {"total_max_attempts": 5}}},
+          "gs": {"token": "/path/creds.json", "project": "p"}, "az": {"account_key": "AK3", "sas_token": "?sv=1&sig=S"}}
+    assert redact(so) == {
+        "s3": {"endpoint_url": "http://u:***@127.0.0.1:9000", "key": "***", "secret": "***", "token": "***",
+               "client_kwargs": {"region_name": "eu-west-1", "aws_session_token": "***",
+                                 "aws_secret_access_key": "***", "aws_access_key_id": "***"},
+               "config_kwargs": {"retries": {"total_max_attempts": 5}}},
+        "gs": {"token": "***", "project": "p"}, "az": {"account_key": "***", "sas_token": "***"}}
+    # numbers and option names that merely hold a word like token(s) are kept (the biLM's options, flags)
+    flags = {"max_tokens_per_batch": 4096, "max_characters_per_token": 50, "window_tokens": 1000, "tokenizer": "raw",
+             "input": ["s3://b/x.txt", "http://h/y.txt?sig=Q"], "iceberg_catalog": None}
+    assert redact(flags) == dict(flags, input=["s3://b/x.txt", "http://h/y.txt?sig=***"])
+
+
+# planted secrets carry an upper-case Z: nothing else in the generated text has one
+LOWER = "abcdefghijklmnopqrstuvwxyz0123456789"
+USERINFO = LOWER + "ABCDEFGHIJKLMNOPQRSTUVWXY-._~!$&'()*+,;=:%@"     # RFC 3986 userinfo, @ unescaped too
+QUERY_VALUE = LOWER + "ABCDEFGHIJKLMNOPQRSTUVWXY-._~%+/="
+SECRET_PARAMETERS = ["password", "passwd", "pwd", "token", "secret", "key", "access_key", "sig", "signature",
+                     "X-Amz-Signature", "X-Amz-Credential", "X-Amz-Security-Token", "credential", "api_key", "apiKey",
+                     "auth", "AWSAccessKeyId", "sas_token", "client_secret", "Signature", "X-Goog-Signature"]
+PLAIN_PARAMETERS = ["page", "v", "format", "X-Amz-Date", "X-Amz-Expires", "X-Amz-Algorithm", "response-content-type",
+                    "max_tokens", "author", "sv", "se", "monkey", "keyword"]
+
+words = st.text(LOWER, min_size=1, max_size=8)
+hosts = st.one_of(st.lists(words, min_size=1, max_size=3).map(".".join),
+                  st.integers(1, 65535).map(lambda p: f"127.0.0.1:{p}"))
+paths = st.lists(words, max_size=4).map(lambda p: "/" + "/".join(p))
+schemes = st.sampled_from(["http", "https", "s3", "gs", "postgresql", "postgresql+psycopg2", "sqlite", "thrift"])
+
+
+def planted(alphabet):
+    return st.text(alphabet, min_size=1, max_size=12).map(lambda s: "Z" + s)
+
+
+def case_of(name):
+    return st.sampled_from([name, name.lower(), name.upper()])
+
+
+@st.composite
+def secret_url(draw):
+    """(a URL or DSN holding a planted secret, the secret)."""
+    kind = draw(st.sampled_from(["userinfo", "query", "bare"]))
+    if kind == "bare":                          # user:password@host, no scheme (libpq, SQLAlchemy)
+        secret = draw(planted(USERINFO.replace("@", "") + "/"))
+        return f"{draw(words)}:{secret}@{draw(hosts)}{draw(paths)}", secret
+    host, path, scheme = draw(hosts), draw(paths), draw(schemes)
+    if kind == "userinfo":
+        secret = draw(planted(USERINFO))
+        return f"{scheme}://{draw(words)}:{secret}@{host}{path}", secret
+    secret = draw(planted(QUERY_VALUE))
+    name = draw(st.sampled_from(SECRET_PARAMETERS).flatmap(case_of))
+    before = draw(st.lists(st.tuples(st.sampled_from(PLAIN_PARAMETERS), words), max_size=3))
+    after = draw(st.lists(st.tuples(st.sampled_from(PLAIN_PARAMETERS), words), max_size=3))
+    query = "&".join(f"{k}={v}" for k, v in [*before, (name, secret), *after])
+    return f"{scheme}://{host}{path}?{query}", secret
+
+
+@st.composite
+def plain_url(draw):
+    """A URL without a secret: maybe a user without password, a port, non-credential query parameters."""
+    user = draw(st.one_of(st.just(""), words.map(lambda u: u + "@")))
+    query = draw(st.lists(st.tuples(st.sampled_from(PLAIN_PARAMETERS), words), max_size=4))
+    return (f"{draw(schemes)}://{user}{draw(hosts)}{draw(paths)}"
+            + ("?" + "&".join(f"{k}={v}" for k, v in query) if query else ""))
+
+
+@settings(max_examples=300, deadline=None)
+@given(secret_url(), st.sampled_from(["{}", "error: cannot open '{}': 404 Not Found", "{} [while running 'Read']",
+                                      "url={}, other=s3://b/k"]))
+def test_a_planted_secret_never_survives(url_secret, message):
+    url, secret = url_secret
+    for value in (url, message.format(url), {"uri": url}, [url, (url,)]):
+        out = redact(value)
+        assert secret not in str(out)
+        assert redact(out) == out                       # redacting twice changes nothing more
+
+
+@settings(max_examples=300, deadline=None)
+@given(plain_url())
+def test_a_url_without_secrets_is_returned_unchanged(url):
+    assert redact(url) == url
+    assert redact({"input": [url], "output": url}) == {"input": [url], "output": url}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["key", "secret", "token", "password", "session_token", "aws_secret_access_key",
+                        "aws_session_token", "client_secret", "account_key", "sas_token", "SecretAccessKey"]),
+       planted(QUERY_VALUE))
+def test_a_secret_valued_storage_option_never_survives(name, secret):
+    out = redact({"s3": {name: secret, "client_kwargs": {name: secret, "region_name": "r"}}})
+    assert secret not in json.dumps(out) and out["s3"]["client_kwargs"]["region_name"] == "r"
+
+
+# --- runs with planted secrets ------------------------------------------------------------------------------
+
+PASSWORD, SIG, AMZ_SIGNATURE, AMZ_CREDENTIAL = "Pw7SECRETalice", "Sg4SECRETsig", "Am5SECRETsignature", "Cr6SECRETcred"
+KEY_ID, SECRET_KEY, CATALOG_PASSWORD, INPUT_SIG = "AKIA9SECRETKEYID", "Sk8SECRETaccesskey", "Ct3SECRETcatalog", "In2SECRETsig"
+SECRETS = (PASSWORD, SIG, AMZ_SIGNATURE, AMZ_CREDENTIAL, KEY_ID, SECRET_KEY, CATALOG_PASSWORD, INPUT_SIG)
+QUERY = f"?sig={SIG}&X-Amz-Date=20240101T000000Z&X-Amz-Signature={AMZ_SIGNATURE}&X-Amz-Credential={AMZ_CREDENTIAL}"
+DOCS = ("Seagulls argued over the last chip on the pier. Nobody intervened.\n"
+        "The keeper lit the lamp at dusk and the ships came home one after another before the storm broke.\n")
+
+
+def pipeline_process(args, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", ELMO_PIPELINE_CACHE=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def texts_of(name: str, data: bytes) -> list[str]:
+    """A file's bytes as text, and for Parquet and HDF5 what their readers show: rows, key-value metadata,
+    dataset names, attributes."""
+    out = [data.decode("utf-8", "replace"), data.decode("latin-1")]
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        f = pq.ParquetFile(io.BytesIO(data))
+        out += [str(f.metadata.metadata), str(f.schema_arrow), str(f.read().to_pylist())]
+    elif name.endswith(".hdf5"):
+        import h5py
+        with h5py.File(io.BytesIO(data), "r") as h:
+            out.append(str(dict(h.attrs)))
+            h.visititems(lambda key, obj: out.extend([key, str(dict(obj.attrs))]))
+    return out
+
+
+def local_files(root) -> dict[str, bytes]:
+    return {os.path.join(d, n): open(os.path.join(d, n), "rb").read()
+            for d, _, names in os.walk(root) for n in names}
+
+
+def assert_no_secret(where: str, texts) -> None:
+    for text in texts:
+        found = [s for s in SECRETS if s in text]
+        assert not found, f"{where} holds {found}: ...{text[max(0, text.find(found[0]) - 200):][:400]}..."
+
+
+def model_server(tiny_model_files) -> ModelServer:
+    server = ModelServer()
+    for name, path in zip(("options.json", "weights.hdf5"), tiny_model_files):
+        server.files[f"/m/{name}{QUERY}"] = open(path, "rb").read()
+    server.files[f"/in/docs.txt?sig={INPUT_SIG}"] = DOCS.encode()
+    return server
+
+
+def with_password(url: str) -> str:
+    return url.replace("http://", f"http://alice:{PASSWORD}@", 1)
+
+
+@pytest.mark.slow
+def test_no_secret_in_any_output_line_or_table(tiny_model_files, tmp_path):
+    from pyiceberg.catalog import load_catalog
+
+    from tests.pipeline_helpers import moto_s3
+    with model_server(tiny_model_files) as server, moto_s3("bucket") as (endpoint, fs):
+        base = with_password(server.url)
+        model = ["--options-file", f"{base}/m/options.json{QUERY}", "--weight-file", f"{base}/m/weights.hdf5{QUERY}",
+                 "--torch-threads", "1", "--progress", "off", "--max-sentence-tokens", "12"]
+        fs.pipe("bucket/in/docs.txt", DOCS.encode())
+        catalog = f"sqlite:///{tmp_path}/catalog/catalog.db?password={CATALOG_PASSWORD}"
+        s3 = ["--s3_endpoint_url", endpoint, "--s3_access_key_id", KEY_ID, "--s3_secret_access_key", SECRET_KEY]
+        on_s3 = pipeline_process(["--input", "s3://bucket/in/*.txt", "--output", "s3://bucket/out", *model, *s3,
+                                  "--iceberg-table", "ns.vectors", "--iceberg-catalog", catalog,
+                                  "--metrics-file", str(tmp_path / "run.prom")], tmp_path)
+        assert on_s3.returncode == 0, on_s3.stderr
+        fs.invalidate_cache()
+        written = {p: fs.cat_file(p) for p in fs.find("bucket/out")}
+        assert any(p.endswith("manifest.json") for p in written) and any("dead_letters" in p for p in written)
+        # a presigned HTTP input with a password, local output; --verbose (Beam's and our logs), then the plan
+        local_in = ["--input", f"{base}/in/docs.txt?sig={INPUT_SIG}", "--output", str(tmp_path / "out"), *model]
+        verbose = pipeline_process([*local_in, "--verbose"], tmp_path)
+        assert verbose.returncode == 0, verbose.stderr
+        plan = pipeline_process([*local_in, "--dry-run"], tmp_path)
+        assert plan.returncode == 0 and "docs.txt?sig=***" in plan.stdout, plan.stderr
+    m = json.loads(next(v for p, v in written.items() if p.endswith("manifest.json")))
+    assert m["model"]["options_file"] == f"http://alice:***@{server.url[7:]}/m/options.json" + QUERY.replace(
+        SIG, "***").replace(AMZ_SIGNATURE, "***").replace(AMZ_CREDENTIAL, "***")
+    assert m["counts"]["dead_letters"] >= 1 and m["counts"]["sentences_written"] >= 1
+    for name, data in written.items():
+        assert_no_secret(name, texts_of(name, data))
+    for name, data in {**local_files(tmp_path / "out"), **local_files(tmp_path / "catalog"),
+                       str(tmp_path / "run.prom"): (tmp_path / "run.prom").read_bytes()}.items():
+        assert_no_secret(name, texts_of(name, data))
+    ids = json.load(open(tmp_path / "out" / "manifest.json"))
+    assert ids["inputs"] == [f"http://alice:***@{server.url[7:]}/in/docs.txt?sig=***"]
+    for p in (on_s3, verbose, plan):
+        assert_no_secret(f"the output of {p.args[3:]}", [p.stdout, p.stderr])
+    assert "Traceback" not in on_s3.stderr
+    table = load_catalog("default", uri=f"sqlite:///{tmp_path}/catalog/catalog.db",
+                         warehouse=f"file://{tmp_path}/catalog").load_table("ns.vectors")
+    (snapshot,) = table.snapshots()
+    assert snapshot.summary.additional_properties["elmo-pipeline.output"] == "s3://bucket/out"
+    assert_no_secret("the Iceberg table", [str(snapshot.summary), str(table.properties),
+                                           table.metadata.model_dump_json()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verbose", [False, True])
+def test_missing_model_file_at_a_url_with_a_password(tiny_model_files, tmp_path, verbose):
+    corpus = tmp_path / "in.txt"
+    corpus.write_text(DOCS)
+    with model_server(tiny_model_files) as server:
+        base = with_password(server.url)
+        p = pipeline_process(["--input", str(corpus), "--output", str(tmp_path / "out"),
+                              "--options-file", f"{base}/m/gone.json{QUERY}",
+                              "--weight-file", f"{base}/m/weights.hdf5{QUERY}", "--torch-threads", "1",
+                              *(["--verbose"] if verbose else [])], tmp_path)
+    assert p.returncode == 65, p.stderr
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "gone.json" in line and "alice:***@" in line, line
+    assert_no_secret("the failing run's output", [p.stdout, p.stderr])
+    assert ("Traceback" in p.stderr) == verbose
