@@ -130,7 +130,7 @@ class MappedDataset(_TorchDataset):
     ds[i]: a record as ElmoDataset's (id, doc_id, sentence_index, tokens, layers (L, T, dim) float32,
     layer 0 duplicated to [x, x]); ds.views(i): the stored (T, D_k) arrays, no copy; ds.batch(positions):
     a padded batch (the keys of readers.collate) copied in one pass, also what DataLoader's batched fetch
-    (__getitems__) returns.
+    (__getitems__) returns; ds.stream(batch_tokens): every sentence in file order at page-cache speed.
     """
 
     def __init__(self, sources: "str | ElmoOutput | Sequence[str | ElmoOutput]", layers: Sequence[str] | None = None,
