@@ -3,13 +3,16 @@
     python -m benchmarks.read_path [--lines 3000] [--big-tokens 10000000] [--out benchmarks/results/read_path.json]
 
 Outputs of WikiText-2 valid (its first --lines lines) are written by the pipeline with a near-free biLM as
-wide as the original (benchmarks/host_cost.WIDE_CHEAP), fp16 and fp32, --format parquet,hdf5,arrow. Per dtype:
-`cat` of the files (the page-cache bandwidth), `dd` of the arrow files after posix_fadvise(DONTNEED) (cold),
-then each reader streaming every sentence; each reader's rate is in stored bytes of the vectors it read per
-second, its line ending in "NN.N % of page-cache bandwidth". MappedDataset: padded batches of 32 (length
-buckets), all layers and the top layer; random access by position and by id (views, and with a copy).
+wide as the original (benchmarks/host_cost.WIDE_CHEAP), one dtype at a time (fp16, then fp32; each deleted
+before the next so both stay in the page cache), --format parquet,arrow (hdf5 too with --slow-readers).
+Each row is the best of 3 runs, each run right after a `cat` of the files the row reads (the page-cache
+bandwidth: the best of those 3 cats); the files are read once before the first row (warm). A row's rate is
+in stored vector bytes per second that land in torch tensors (or numpy arrays for pyarrow), its line ending
+in "NN.N % of page-cache bandwidth". Cold rows: `dd` and the reader each after posix_fadvise(DONTNEED),
+best of 3. Random access: views by position and by id, float32 records (best of 3 passes).
 The index's memory: a --big-tokens output of synthetic vectors (one 64-wide float16 layer: the index does
-not depend on the width) written by formats.arrow, RSS after the index is built and after random reads.
+not depend on the width) written by formats.arrow, RSS after the index is built, after random reads and
+after id lookups (which build the id hash table).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import glob
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,14 +40,11 @@ def _size(files: list[str]) -> int:
     return sum(os.path.getsize(f) for f in files)
 
 
-def cat_rate(files: list[str], runs: int = 3) -> float:
-    """Best bytes/s of `cat` of the files to /dev/null (page cache warm after the first)."""
-    best = 0.0
-    for _ in range(runs + 1):
-        t = time.perf_counter()
-        subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
-        best = max(best, _size(files) / (time.perf_counter() - t))
-    return best
+def cat_rate(files: list[str]) -> float:
+    """Bytes/s of one `cat` of the files to /dev/null (read(2) of 128 KiB into one buffer)."""
+    t = time.perf_counter()
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    return _size(files) / (time.perf_counter() - t)
 
 
 def drop_cache(files: list[str]) -> None:
@@ -55,22 +56,40 @@ def drop_cache(files: list[str]) -> None:
         os.close(fd)
 
 
-def dd_cold_rate(files: list[str]) -> float:
-    drop_cache(files)
+def dd_rate(files: list[str]) -> float:
+    """Bytes/s of `dd bs=4M` of each file to /dev/null."""
     t = time.perf_counter()
     for f in files:
         subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=4M"], stderr=subprocess.DEVNULL, check=True)
     return _size(files) / (time.perf_counter() - t)
 
 
-def timed(fn, best_of: int = 2) -> tuple[float, int]:
-    """(best seconds, what fn returned: bytes read) over best_of runs."""
-    best, n = float("inf"), 0
-    for _ in range(best_of):
+def paired(fn, reference, before=None, runs: int = 3) -> dict:
+    """Best of `runs` of fn (returns bytes read) and of reference (bytes/s), each run of fn right after one
+    of reference; before() runs ahead of each (e.g. drop_cache)."""
+    best_s, n, ref = float("inf"), 0, 0.0
+    for _ in range(runs):
+        if before:
+            before()
+        ref = max(ref, reference())
+        if before:
+            before()
         t = time.perf_counter()
         n = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, n
+        best_s = min(best_s, time.perf_counter() - t)
+    return {"seconds": best_s, "bytes": n, "reference_bytes_per_s": ref, "fraction": n / best_s / ref,
+            "best_of": runs}
+
+
+def stream(out: str, layers, batch_tokens: int = 2048, padded: bool = False) -> int:
+    """Every sentence in file order with MappedDataset.stream (the vectors land in a reused torch buffer;
+    padded: also (B, L, T, dim) float32 batches); returns stored vector bytes read."""
+    from downstream.mapped import MappedDataset
+    ds = MappedDataset(out, tokens=False, dtype="float32" if padded else None)
+    total = 0
+    for b in ds.stream(batch_tokens=batch_tokens, layers=layers, padded=padded):
+        total += sum(v.numel() * v.element_size() for v in b["vectors"])
+    return total
 
 
 def stream_mapped(out: str, layers, dtype) -> int:
@@ -117,29 +136,32 @@ def pyarrow_columns(out: str, layers) -> int:
     return total
 
 
-def random_access(out: str, n: int, copy: bool, by_id: bool) -> dict:
-    """Random lookups from the page cache: sentences/s (views of all layers, or a float32 record with copy)."""
+def random_access(out: str, n: int, copy: bool, by_id: bool, passes: int = 3) -> dict:
+    """Random lookups from the page cache, best of `passes`: sentences/s (views of all layers, by position or
+    by id, or a float32 record by position with copy)."""
     from downstream.mapped import MappedDataset
     ds = MappedDataset(out, tokens=False)
-    rng = np.random.default_rng(0)
-    picks = rng.integers(0, len(ds), n).tolist()
-    ids = [ds._meta(p)["id"] for p in picks] if by_id else None
-    for p in picks[:1000]:
-        ds.views(p)
-    t = time.perf_counter()
-    if by_id:
-        for s in ids:
-            ds.views(ds.position(s))
-    elif copy:
-        for p in picks:
-            ds[p]
-    else:
-        for p in picks:
-            ds.views(p)
-    return {"sentences_per_s": n / (time.perf_counter() - t), "lookups": n}
+    picks = np.random.default_rng(0).integers(0, len(ds), n).tolist()
+    ids = [ds._meta(p)["id"] for p in picks]
+    ds.position(ids[0])                                  # the id hash table (built once)
+    best = 0.0
+    for _ in range(passes):
+        t = time.perf_counter()
+        if by_id:
+            for s in ids:
+                ds.views(ds.position(s))
+        elif copy:
+            for p in picks:
+                ds[p]
+        else:
+            for p in picks:
+                ds.views(p)
+        best = max(best, n / (time.perf_counter() - t))
+    return {"sentences_per_s": best, "lookups": n, "best_of": passes}
 
 
-def build_outputs(tmp: str, lines: int) -> dict[str, str]:
+def build_model(tmp: str, lines: int) -> tuple[tuple[str, str], str]:
+    """(model files, input text) under tmp: the near-free wide biLM and WikiText-2 valid's first `lines` lines."""
     from benchmarks.host_cost import WIDE_CHEAP
     from model.synthetic import write_random_bilm
     model = write_random_bilm(WIDE_CHEAP, os.path.join(tmp, "model"))
@@ -148,14 +170,14 @@ def build_outputs(tmp: str, lines: int) -> dict[str, str]:
     src = os.path.join(tmp, "valid.txt")
     with open(src, "w", encoding="utf-8", newline="\n") as f:
         f.writelines(text)
-    outs = {}
-    for dtype in ("float16", "float32"):
-        outs[dtype] = os.path.join(tmp, dtype)
-        subprocess.run([sys.executable, "-m", "pipeline.run", "--input", src, "--output", outs[dtype],
-                        "--options-file", model[0], "--weight-file", model[1], "--torch-threads", "1",
-                        "--progress", "off", "--format", "parquet,hdf5,arrow", "--dtype", dtype],
-                       check=True, capture_output=True)
-    return outs
+    return model, src
+
+
+def build_output(model: tuple[str, str], src: str, out: str, dtype: str, formats: str) -> str:
+    subprocess.run([sys.executable, "-m", "pipeline.run", "--input", src, "--output", out,
+                    "--options-file", model[0], "--weight-file", model[1], "--torch-threads", "1",
+                    "--progress", "off", "--format", formats, "--dtype", dtype], check=True, capture_output=True)
+    return out
 
 
 def rss_kb() -> int:
@@ -192,17 +214,85 @@ def big_index(tmp: str, tokens: int, shard_tokens: int = 1_000_000) -> dict:
     t = time.perf_counter()
     ds = MappedDataset(out, tokens=False)
     build_s = time.perf_counter() - t
-    after_index = rss_kb()
+    after_index, index_bytes = rss_kb(), ds.index_bytes()
     picks = np.random.default_rng(1).integers(0, len(ds), 100_000).tolist()
     t = time.perf_counter()
     for p in picks:
         ds.views(p)
     rate = len(picks) / (time.perf_counter() - t)
     after_reads = rss_kb()
-    return {"tokens": tokens, "sentences": len(ds), "file_bytes": size, "index_bytes": ds.index_bytes(),
-            "index_build_s": build_s, "rss_growth_index_mb": (after_index - before) / 1024,
+    ids = [ds._meta(p)["id"] for p in picks]
+    t = time.perf_counter()
+    ds.position(ids[0])
+    table_s = time.perf_counter() - t
+    t = time.perf_counter()
+    for sid in ids:
+        ds.views(ds.position(sid))
+    id_rate = len(ids) / (time.perf_counter() - t)
+    after_ids = rss_kb()
+    n = len(ds)
+    return {"tokens": tokens, "sentences": n, "file_bytes": size, "index_bytes": index_bytes,
+            "index_bytes_with_id_table": ds.index_bytes(), "index_build_s": build_s, "id_table_build_s": table_s,
+            "rss_growth_index_mb": (after_index - before) / 1024,
             "rss_growth_after_100k_random_reads_mb": (after_reads - before) / 1024,
-            "random_views_per_s": rate, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "rss_growth_after_100k_id_lookups_mb": (after_ids - before) / 1024,
+            "rss_bytes_per_sentence": (after_ids - before) * 1024 / n,
+            "random_views_per_s": rate, "views_by_id_per_s": id_rate,
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def dtype_rows(out: str, dtype: str, slow: bool) -> dict:
+    """Every row of one output (module docstring), printed as they come."""
+    from downstream.readers import ElmoDataset, ElmoOutput
+    o = ElmoOutput(out)
+    top = [o.layer_names[-1]]
+    arrow, parquet = _files(out, "arrow"), _files(out, "parquet")
+    sizes = {fmt: _size(_files(out, fmt)) for fmt in o.formats}
+    d = {"tokens": o.manifest["counts"]["tokens_written"], "sentences": o.num_sentences, "file_bytes": sizes,
+         "rows": {}}
+    print(f"\n## {dtype}: {d['tokens']} tokens, {d['sentences']} sentences; files {sizes}")
+    cold = lambda: drop_cache(arrow)     # noqa: E731
+    rows = {"MappedDataset.stream, all layers, cold cache (vs cold dd)": (lambda: stream(out, None),
+                                                                          lambda: dd_rate(arrow), cold)}
+    for f in (arrow, parquet):
+        cat_rate(f)                                      # warm
+    on_arrow, on_parquet = (lambda: cat_rate(arrow)), (lambda: cat_rate(parquet))
+    rows.update({
+        "MappedDataset.stream, all layers, stored dtype": (lambda: stream(out, None), on_arrow, None),
+        "MappedDataset.stream, top layer, stored dtype": (lambda: stream(out, top), on_arrow, None),
+        "MappedDataset.stream, all layers, batch_tokens=8192": (lambda: stream(out, None, 8192), on_arrow, None),
+        "MappedDataset.stream, all layers, padded float32 batches": (lambda: stream(out, None, padded=True),
+                                                                      on_arrow, None),
+        "MappedDataset.batches (length buckets of 32), all layers, stored dtype":
+            (lambda: stream_mapped(out, None, None), on_arrow, None),
+        "pyarrow read_table of the vector columns (parquet)": (lambda: pyarrow_columns(out, o.layer_names),
+                                                               on_parquet, None),
+        "ElmoIterableDataset (parquet) + collate": (lambda: stream_records(out, "parquet", None, True), on_parquet, None),
+        "ElmoIterableDataset (arrow) + collate": (lambda: stream_records(out, "arrow", None, True), on_arrow, None),
+    })
+    if slow:
+        hdf5 = _files(out, "hdf5")
+        rows["ElmoIterableDataset (hdf5) + collate"] = (lambda: stream_records(out, "hdf5", None, True),
+                                                        lambda: cat_rate(hdf5), None)
+    for name, (fn, ref, before) in rows.items():
+        r = d["rows"][name] = paired(fn, ref, before)
+        r["vs"] = "dd_cold" if before else "cat"
+        r["tokens_per_s"] = d["tokens"] / r["seconds"]
+        what = "cold dd bandwidth" if before else "page-cache bandwidth"
+        print(f"{name}: {r['bytes'] / r['seconds'] / 1e9:.2f} GB/s, {r['tokens_per_s'] / 1e3:.0f}k tokens/s; "
+              f"{'dd cold' if before else 'cat'} {r['reference_bytes_per_s'] / 1e9:.2f} GB/s; "
+              f"{100 * r['fraction']:.1f} % of {what}", flush=True)
+    d["random_access"] = {"views_by_position": random_access(out, 200_000, False, False),
+                          "views_by_id": random_access(out, 200_000, False, True),
+                          "float32_record_by_position": random_access(out, 20_000, True, False)}
+    for k, v in d["random_access"].items():
+        print(f"random access, {k}: {v['sentences_per_s'] / 1e3:.0f}k sentences/s", flush=True)
+    t = time.perf_counter()
+    before = rss_kb()
+    ElmoDataset(out)
+    d["ElmoDataset_build"] = {"seconds": time.perf_counter() - t, "rss_growth_mb": (rss_kb() - before) / 1024}
+    print(f"ElmoDataset build: {d['ElmoDataset_build']['seconds']:.1f} s, RSS +{d['ElmoDataset_build']['rss_growth_mb']:.0f} MB")
+    return d
 
 
 def main() -> int:
@@ -214,64 +304,29 @@ def main() -> int:
     args = ap.parse_args()
     import torch
     torch.set_num_threads(1)
-    res = {"machine": machine(), "lines": args.lines, "one_process": True, "torch_threads": 1, "dtypes": {}}
-    print(f"# read path, {res['machine']}, one process, 1 torch thread")
+    res = {"machine": machine(), "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30,
+           "load_average_at_start": os.getloadavg(), "lines": args.lines, "one_process": True, "torch_threads": 1,
+           "best_of": 3, "stream_batch_tokens": 2048,
+           "method": "each row: best of 3 runs, each right after one cat (page cache) or, cold, after dd with "
+                     "both preceded by posix_fadvise(DONTNEED); the reference is the best of those 3",
+           "dtypes": {}}
+    print(f"# read path, {res['machine']}, one process, 1 torch thread; each row best of 3, cat before each run")
+    formats = "parquet,hdf5,arrow" if args.slow_readers else "parquet,arrow"
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
-        outs = build_outputs(tmp, args.lines)
-        for dtype, out in outs.items():
-            from downstream.readers import ElmoOutput
-            o = ElmoOutput(out)
-            top = [o.layer_names[-1]]
-            sizes = {fmt: _size(_files(out, fmt)) for fmt in ("parquet", "hdf5", "arrow")}
-            cold = dd_cold_rate(_files(out, "arrow"))
-            bw = cat_rate(_files(out, "parquet") + _files(out, "arrow"))
-            d = {"tokens": o.manifest["counts"]["tokens_written"], "sentences": o.num_sentences, "file_bytes": sizes,
-                 "cat_bytes_per_s": bw, "dd_cold_arrow_bytes_per_s": cold, "rows": {}}
-            print(f"\n## {dtype}: {d['tokens']} tokens, {d['sentences']} sentences; files {sizes}")
-            print(f"cat (parquet + arrow files): {bw / 1e9:.2f} GB/s; dd of the arrow files, cold: {cold / 1e9:.2f} GB/s")
-            drop_cache(_files(out, "arrow"))
-            t0 = time.perf_counter()
-            n = stream_mapped(out, None, None)
-            cold_s = time.perf_counter() - t0
-            d["rows"]["MappedDataset (arrow), all layers, stored dtype, cold cache"] = \
-                {"seconds": cold_s, "bytes": n, "vs": "dd_cold", "fraction": n / cold_s / cold}
-            rows = {
-                "MappedDataset (arrow), all layers, stored dtype": lambda: stream_mapped(out, None, None),
-                "MappedDataset (arrow), top layer, stored dtype": lambda: stream_mapped(out, top, None),
-                "MappedDataset (arrow), all layers, float32 tensors": lambda: stream_mapped(out, None, "float32"),
-                "pyarrow read_table of the vector columns (parquet)": lambda: pyarrow_columns(out, o.layer_names),
-                "ElmoIterableDataset (parquet) + collate": lambda: stream_records(out, "parquet", None, True),
-                "ElmoIterableDataset (arrow) + collate": lambda: stream_records(out, "arrow", None, True),
-            }
-            if args.slow_readers:
-                rows["ElmoIterableDataset (hdf5) + collate"] = lambda: stream_records(out, "hdf5", None, True)
-            for name, fn in rows.items():
-                s, n = timed(fn, best_of=2 if name.startswith("Mapped") else 1)
-                d["rows"][name] = {"seconds": s, "bytes": n, "vs": "cat", "fraction": n / s / bw}
-            for name, r in d["rows"].items():
-                ref = "page-cache bandwidth" if r["vs"] == "cat" else "cold dd bandwidth"
-                r["tokens_per_s"] = d["tokens"] / r["seconds"]
-                print(f"{name}: {r['bytes'] / r['seconds'] / 1e9:.2f} GB/s, {r['tokens_per_s'] / 1e3:.0f}k tokens/s, "
-                      f"{100 * r['fraction']:.1f} % of {ref}")
-            t = time.perf_counter()
-            from downstream.readers import ElmoDataset
-            before = rss_kb()
-            ElmoDataset(out)
-            d["ElmoDataset_build"] = {"seconds": time.perf_counter() - t, "rss_growth_mb": (rss_kb() - before) / 1024}
-            d["random_access"] = {"views_by_position": random_access(out, 200_000, False, False),
-                                  "views_by_id": random_access(out, 50_000, False, True),
-                                  "float32_record_by_position": random_access(out, 20_000, True, False)}
-            for k, v in d["random_access"].items():
-                print(f"random access, {k}: {v['sentences_per_s'] / 1e3:.0f}k sentences/s")
-            print(f"ElmoDataset build: {d['ElmoDataset_build']['seconds']:.1f} s, RSS +{d['ElmoDataset_build']['rss_growth_mb']:.0f} MB")
-            res["dtypes"][dtype] = d
+        model, src = build_model(tmp, args.lines)
+        for dtype in ("float16", "float32"):
+            out = build_output(model, src, os.path.join(tmp, dtype), dtype, formats)
+            res["dtypes"][dtype] = dtype_rows(out, dtype, args.slow_readers)
+            shutil.rmtree(out)                           # out of the page cache before the next dtype
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
-        res["big_index"] = big_index(tmp, args.big_tokens)
-        b = res["big_index"]
-        print(f"\n## index of a {b['tokens']}-token output ({b['sentences']} sentences): {b['index_bytes'] / 1e6:.1f} MB, "
-              f"built in {b['index_build_s']:.1f} s; RSS +{b['rss_growth_index_mb']:.0f} MB, +"
-              f"{b['rss_growth_after_100k_random_reads_mb']:.0f} MB after 100k random reads "
-              f"({b['random_views_per_s'] / 1e3:.0f}k sentences/s)")
+        res["big_index"] = b = big_index(tmp, args.big_tokens)
+        print(f"\n## index of a {b['tokens']}-token output ({b['sentences']} sentences): {b['index_bytes'] / 1e6:.1f} MB "
+              f"({b['index_bytes_with_id_table'] / 1e6:.1f} MB with the id table), built in {b['index_build_s']:.1f} s "
+              f"(+{b['id_table_build_s']:.1f} s); RSS +{b['rss_growth_index_mb']:.0f} MB, "
+              f"+{b['rss_growth_after_100k_random_reads_mb']:.0f} MB after 100k random reads "
+              f"({b['random_views_per_s'] / 1e3:.0f}k sentences/s), +{b['rss_growth_after_100k_id_lookups_mb']:.0f} MB "
+              f"after 100k id lookups ({b['views_by_id_per_s'] / 1e3:.0f}k sentences/s): "
+              f"{b['rss_bytes_per_sentence']:.0f} bytes a sentence")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -4,6 +4,7 @@
 
     ds = MappedDataset(["out/part1", "out/part2"], layers=["layer_2"])   # index only: ids, offsets, lengths
     ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's, built from memory-mapped views
+    for b in ds.stream(batch_tokens=2048): ...      # file order at page-cache speed: b["vectors"] (N, D_k) per layer
     sampler = BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0, rank=r, world_size=w)
     loader = DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=2, pin_memory=True)
     for batch in loader: ...                        # layers (B, L, T, D), mask, lengths, ids (collate's keys)
@@ -11,7 +12,9 @@
 
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
 mapped files); vectors are never loaded whole: a batch copies its sentences' rows out of the mapped shards
-(page cache) into one padded tensor. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir`
+(page cache) into one padded tensor; stream() reads consecutive sentences' rows with one pread per layer
+into a reused buffer (the system call `cat` uses). Id lookup: a sorted array of 64-bit hashes of the ids
+(16 bytes a sentence, built on the first lookup), a hit checked against the stored id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir`
 on first use (the next shard is fetched in the background: read-ahead) and mapped from there.
 """
 from __future__ import annotations
@@ -61,6 +64,45 @@ def flat_vectors(batch: pa.RecordBatch, name: str) -> np.ndarray:
     return values.to_numpy(zero_copy_only=True).reshape(-1, d)
 
 
+def vector_offsets(path: str, names: Sequence[str]) -> list[tuple[int, int]]:
+    """(file offset of row 0, bytes per row) of each named fixed_size_list column of a local Arrow shard: the
+    address of the column's values buffer in the memory map minus the map's base address."""
+    source = pa.memory_map(path, "r")
+    base = source.read_buffer(1).address if source.size() else 0
+    reader = pa.ipc.open_file(source)
+    if reader.num_record_batches == 0:
+        return [(0, 0) for _ in names]
+    batch, out = reader.get_batch(0), []
+    for name in names:
+        col = batch.column(name)
+        values, row = col.values, col.type.list_size * col.values.type.byte_width
+        out.append((values.buffers()[1].address - base + (values.offset + col.offset * col.type.list_size)
+                    * values.type.byte_width, row))
+    return out
+
+
+def _id_hash(sentence_id: bytes) -> int:
+    """64-bit hash of an id's UTF-8 bytes (the id lookup's key)."""
+    return int.from_bytes(hashlib.blake2b(sentence_id, digest_size=8).digest(), "little")
+
+
+def _string_buffers(array: pa.Array) -> tuple[np.ndarray, memoryview]:
+    """(offsets (n+1,) int32, data) of a string array: item i is data[offsets[i]:offsets[i+1]], no copy."""
+    _, offsets, data = array.buffers()
+    offs = np.frombuffer(offsets, np.int32)[array.offset: array.offset + len(array) + 1] if len(array) else \
+        np.zeros(1, np.int32)
+    return offs, memoryview(data).cast("B") if data is not None else memoryview(b"")
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` with the file's bytes from `offset` (preadv, repeated over short reads)."""
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise EOFError(f"file ends before byte {offset + len(view)}")
+        view, offset = view[n:], offset + n
+
+
 def sentence_index(batch: pa.RecordBatch) -> tuple[pa.Array, np.ndarray, pa.Array, np.ndarray]:
     """(ids (S,) string, token offsets (S+1,) int64, doc ids (S,) string, sentence indices (S,) int32) of a
     shard's id/doc_id/sentence_index columns: rows are sorted by sentence, so sentence s holds the rows whose
@@ -76,19 +118,6 @@ def sentence_index(batch: pa.RecordBatch) -> tuple[pa.Array, np.ndarray, pa.Arra
     return ids.dictionary, offsets, doc_ids, indices
 
 
-class _Sorted:
-    """A sorted string array seen as a Python sequence, for bisect (one element decoded per probe)."""
-
-    def __init__(self, array: pa.Array):
-        self.array = array
-
-    def __len__(self) -> int:
-        return len(self.array)
-
-    def __getitem__(self, i: int) -> str:
-        return self.array[i].as_py()
-
-
 class MappedDataset(_TorchDataset):
     """Map-style dataset over the Arrow shards of one or more `--format arrow` outputs (several partitions
     read as one: positions run output after output, shard after shard, sentences sorted by id in a shard).
@@ -101,7 +130,7 @@ class MappedDataset(_TorchDataset):
     ds[i]: a record as ElmoDataset's (id, doc_id, sentence_index, tokens, layers (L, T, dim) float32,
     layer 0 duplicated to [x, x]); ds.views(i): the stored (T, D_k) arrays, no copy; ds.batch(positions):
     a padded batch (the keys of readers.collate) copied in one pass, also what DataLoader's batched fetch
-    (__getitems__) returns.
+    (__getitems__) returns; ds.stream(batch_tokens): every sentence in file order at page-cache speed.
     """
 
     def __init__(self, sources: "str | ElmoOutput | Sequence[str | ElmoOutput]", layers: Sequence[str] | None = None,
@@ -164,7 +193,8 @@ class MappedDataset(_TorchDataset):
             self._keep, self._labels = np.asarray(keep, dtype=np.int64), values
         self._all_lengths = all_lengths
         self.lengths = all_lengths if self._keep is None else all_lengths[self._keep]   # (len(self),) tokens
-        self._sorted_ids = [_Sorted(a) for a in ids]
+        self._id_table: tuple[np.ndarray, np.ndarray] | None = None     # built by the first id lookup
+        self._id_buffers: list[tuple[np.ndarray, memoryview]] | None = None
 
     @property
     def stored_dtype(self) -> np.dtype:
@@ -172,9 +202,11 @@ class MappedDataset(_TorchDataset):
         return np.dtype(self.outputs[0].manifest.get("dtype", "float32"))
 
     def index_bytes(self) -> int:
-        """Bytes of the in-memory index (offsets, lengths, labels kept; ids are views of the mapped files)."""
+        """Bytes of the in-memory index (offsets, lengths, doc ids, labels kept, the id hash table once built;
+        ids are views of the mapped files)."""
         n = self._starts.nbytes + self._all_lengths.nbytes + self._unit_first.nbytes + \
-            sum(a.nbytes for a in self._sentence_indices) + sum(a.nbytes for a in self._doc_ids)
+            sum(a.nbytes for a in self._sentence_indices) + sum(a.nbytes for a in self._doc_ids) + \
+            (sum(a.nbytes for a in self._id_table) if self._id_table is not None else 0)
         return n + (self._keep.nbytes if self._keep is not None else 0)
 
     def __len__(self) -> int:
@@ -202,24 +234,45 @@ class MappedDataset(_TorchDataset):
                 "sentence_index": int(self._sentence_indices[u][s])}
 
     def position(self, sentence_id: str) -> int:
-        """The dataset position of a sentence id (binary search in the shards' sorted ids); KeyError if absent."""
-        for u, ids in enumerate(self._sorted_ids):
-            if not len(ids) or not ids[0] <= sentence_id <= ids[len(ids) - 1]:
-                continue
-            s = bisect.bisect_left(ids, sentence_id)
-            if s < len(ids) and ids[s] == sentence_id:
-                p = int(self._unit_first[u]) + s
-                if self._keep is None:
-                    return p
-                k = int(np.searchsorted(self._keep, p))
-                if k < len(self._keep) and self._keep[k] == p:
-                    return k
+        """The dataset position of a sentence id; KeyError if absent. A binary search in the sorted 64-bit
+        hashes of all ids (built on the first call: 16 bytes a sentence), each hit checked against the id."""
+        key = sentence_id.encode()
+        hashes, positions = self._ids_by_hash()
+        h = np.uint64(_id_hash(key))
+        k = int(hashes.searchsorted(h))
+        while k < len(hashes) and hashes[k] == h:
+            p = int(positions[k])
+            u, s = self._unit(p)
+            offs, data = self._id_buffers[u]
+            if data[offs[s]: offs[s + 1]] == key:
+                return self._kept_position(p, sentence_id)
+            k += 1
         raise KeyError(sentence_id)
+
+    def _kept_position(self, p: int, sentence_id: str) -> int:
+        """Dataset position of global position p (its index among the labelled ones when labels are given)."""
+        if self._keep is None:
+            return p
+        k = int(np.searchsorted(self._keep, p))
+        if k < len(self._keep) and self._keep[k] == p:
+            return k
+        raise KeyError(sentence_id)
+
+    def _ids_by_hash(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted id hashes (S,) uint64, their global positions (S,) int64); the ids' string buffers too."""
+        if self._id_buffers is None:
+            self._id_buffers = [_string_buffers(a) for a in self._ids]
+        if self._id_table is None:
+            hashes = np.fromiter((_id_hash(data[offs[s]: offs[s + 1]]) for offs, data in self._id_buffers
+                                  for s in range(len(offs) - 1)), dtype=np.uint64, count=len(self._all_lengths))
+            order = np.argsort(hashes, kind="stable")
+            self._id_table = (hashes[order], order.astype(np.int64))
+        return self._id_table
 
     # -- the mapped shards (opened lazily in each process: DataLoader workers map the files themselves)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_maps"], state["_views"], state["_fetching"] = {}, {}, {}
+        state["_maps"], state["_views"], state["_fetching"], state["_id_buffers"] = {}, {}, {}, None
         return state
 
     def _open(self, u: int, fields: Sequence[str] | None = None) -> pa.RecordBatch:
@@ -331,6 +384,100 @@ class MappedDataset(_TorchDataset):
                                                     for s in range(0, len(self), batch_size))
         for positions in plan:
             yield self.batch(list(positions))
+
+    def stream(self, batch_tokens: int = 2048, layers: Sequence[str] | None = None, padded: bool = False,
+               pin_memory: bool = False) -> Iterator[dict]:
+        """Every sentence of the dataset in file order (output, shard, id), in batches of consecutive sentences
+        spanning at most `batch_tokens` rows (a longer sentence alone). Each layer's rows of a batch are one
+        byte range of the shard: one pread per layer straight into a reused buffer (pinned with pin_memory
+        when CUDA is there), no per-sentence work.
+
+        Yields dicts: vectors, one (N, D_k) tensor per layer in the stored dtype (views of the reused
+        buffer: valid until the next batch, clone to keep); starts, lengths (B,) int64: sentence b is rows
+        starts[b]:starts[b] + lengths[b] of each (a labelled dataset skips the unlabelled rows between);
+        ids, doc_ids (lists), the label as batch() gives it; padded=True adds layers (B, L, T, dim) in
+        `dtype` (layer 0 duplicated, zero past each length) and mask (B, T) bool.
+        layers: a subset of the dataset's layers (default all)."""
+        import torch
+        names = list(layers) if layers else self.layers
+        missing = [n for n in names if n not in self.layers]
+        if missing:
+            raise ValueError(f"layers {missing} are not among the dataset's {self.layers}")
+        plan = self._stream_plan(max(1, batch_tokens))
+        rows = max((int(self._starts[q[-1]] + self._all_lengths[q[-1]] - self._starts[q[0]]) for _, q, _ in plan),
+                   default=0)
+        stored = getattr(torch, self.stored_dtype.name)
+        width = [self.outputs[0].layer_dims[n] * self.stored_dtype.itemsize for n in names]
+        region = [-(-rows * w // 64) * 64 for w in width]                   # each layer's share, 64-byte aligned
+        buf = torch.empty(sum(region), dtype=torch.uint8, pin_memory=pin_memory and torch.cuda.is_available())
+        view, base = memoryview(buf.numpy()), np.cumsum([0] + region[:-1]).tolist()
+        fd, fd_unit = -1, -1
+        try:
+            for u, pos, kept in plan:
+                if u != fd_unit:
+                    if fd >= 0:
+                        os.close(fd)
+                    path = self._local(u)
+                    if not is_local_fs(self.outputs[self.units[u][0]].fs) and u + 1 < len(self.units):
+                        self._prefetch(u + 1)
+                    offsets, fd, fd_unit = vector_offsets(path, names), os.open(path, os.O_RDONLY), u
+                first = int(self._starts[pos[0]])
+                n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
+                vectors = []
+                for (off, row), at, w in zip(offsets, base, width):
+                    _pread_into(fd, view[at: at + n * row], off + first * row)
+                    vectors.append(buf[at: at + n * row].view(stored).view(n, row // self.stored_dtype.itemsize))
+                yield self._stream_batch(vectors, pos, kept, first, padded)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _stream_plan(self, batch_tokens: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(unit, global positions (B,), dataset positions (B,)) of each stream batch: consecutive positions
+        of one unit whose rows span at most batch_tokens (or one sentence)."""
+        kept = self._keep if self._keep is not None else np.arange(len(self._all_lengths), dtype=np.int64)
+        plan = []
+        for u in range(len(self.units)):
+            lo, hi = np.searchsorted(kept, self._firsts[u: u + 2])
+            j = lo
+            while j < hi:
+                first, k = int(self._starts[kept[j]]), j + 1
+                while k < hi and int(self._starts[kept[k]] + self._all_lengths[kept[k]]) - first <= batch_tokens:
+                    k += 1
+                plan.append((u, kept[j:k], np.arange(j, k)))
+                j = k
+        return plan
+
+    def _stream_batch(self, vectors: list, pos: np.ndarray, kept: np.ndarray, first: int, padded: bool) -> dict:
+        import torch
+        u, s = self._unit(int(pos[0]))
+        lengths = torch.from_numpy(self._all_lengths[pos].astype(np.int64))
+        starts = torch.from_numpy(self._starts[pos] - first)
+        rel = slice(s, s + len(pos)) if self._keep is None else (pos - self._firsts[u])
+        ids, docs = self._ids[u], self._doc_ids[u]
+        pick = (lambda a: a.slice(rel.start, len(pos))) if isinstance(rel, slice) else (lambda a: a.take(pa.array(rel)))
+        batch = {"vectors": vectors, "starts": starts, "lengths": lengths,
+                 "ids": pick(ids).to_pylist(), "doc_ids": pick(docs).to_pylist()}
+        T = int(lengths.max()) if len(lengths) else 0
+        if self._labels is not None:
+            batch[self.label_key] = _label_batch([self._labels[int(i)] for i in kept], T, self.label_key)
+        if padded:
+            batch["layers"], batch["mask"] = self._padded(vectors, starts, lengths, T)
+        return batch
+
+    def _padded(self, vectors: list, starts, lengths, T: int):
+        """(layers (B, L, T, dim) in `dtype`, mask (B, T)) of flat (N, D_k) vectors: one gather per layer."""
+        import torch
+        mask = torch.arange(T)[None, :] < lengths[:, None]
+        rows = (starts[:, None] + torch.arange(T)[None, :]).clamp_(max=max(0, len(vectors[0]) - 1))
+        dtype = getattr(torch, (self.dtype or self.stored_dtype).name)
+        out = torch.empty((len(lengths), len(vectors), T, self.dim), dtype=dtype)
+        for k, v in enumerate(vectors):
+            g = v[rows].to(dtype).masked_fill_(~mask[..., None], 0)
+            out[:, k, :, : v.shape[1]] = g
+            if v.shape[1] != self.dim:
+                out[:, k, :, v.shape[1]:] = g
+        return out, mask
 
 
 def _fill(out: np.ndarray, ds: MappedDataset, pos: list[int], lengths: np.ndarray) -> None:

@@ -91,6 +91,78 @@ def test_mapped_dataset_fp16_labels_and_partitions(outputs):
     assert both[3]["id"] == "b.txt:1#0" and both.position("b.txt:3#0") == 4
 
 
+
+def _streamed(ds: MappedDataset, output: ElmoOutput, **kw) -> list[dict]:
+    """The stream's sentences as records (id, doc_id, layers stacked as ElmoOutput does), each batch checked
+    before the next overwrites its buffer."""
+    records = []
+    for b in ds.stream(**kw):
+        assert [len(v) for v in b["vectors"]] == [int(b["starts"][-1] + b["lengths"][-1])] * len(b["vectors"])
+        for j, sid in enumerate(b["ids"]):
+            a, n = int(b["starts"][j]), int(b["lengths"][j])
+            records.append({"id": sid, "doc_id": b["doc_ids"][j],
+                            "layers": output.stack([v[a: a + n].numpy() for v in b["vectors"]])})
+        if kw.get("padded"):
+            want = collate([records[-len(b["ids"]) + j] for j in range(len(b["ids"]))])
+            assert torch.equal(b["layers"], want["layers"]) and torch.equal(b["mask"], want["mask"])
+    return records
+
+
+@pytest.mark.parametrize("name", ["all", "fp16"])
+def test_stream_records_identical_to_sentences(outputs, name):
+    output = ElmoOutput(outputs[name])
+    want = list(output.sentences("arrow"))
+    assert [r["id"] for r in want] == [r["id"] for r in output.sentences("parquet")]
+    ds = MappedDataset(outputs[name], dtype=None)
+    assert ds.stored_dtype == np.dtype("float16" if name == "fp16" else "float32")
+    for kw in ({}, {"batch_tokens": 1}, {"batch_tokens": 9, "padded": True}):
+        got = _streamed(ds, output, **kw)
+        assert [(r["id"], r["doc_id"]) for r in got] == [(r["id"], r["doc_id"]) for r in want]
+        assert all(np.array_equal(a["layers"], b["layers"]) for a, b in zip(got, want))      # bit for bit
+    batches = list(ds.stream(batch_tokens=9))
+    assert len(batches) > len(output.shards) and all(int(b["lengths"].sum()) <= 9 or len(b["ids"]) == 1 for b in batches)
+    top = output.layer_names[-1]
+    b = next(ds.stream(layers=[top]))
+    assert len(b["vectors"]) == 1 and b["vectors"][0].dtype == getattr(torch, ds.stored_dtype.name)
+    assert np.array_equal(b["vectors"][0][: int(b["lengths"][0])].numpy(), ds.views(0)[-1])
+    with pytest.raises(ValueError, match="layers"):
+        next(ds.stream(layers=["layer_9"]))
+
+
+def test_stream_labelled_partitions(outputs):
+    both = MappedDataset([outputs["all"], outputs["part2"]], labels={"1": 1, "3": 0, "5": 1}, tokens=False)
+    ids, labels = [], []
+    for b in both.stream(batch_tokens=1000, padded=True):        # vectors are valid until the next batch
+        ids += b["ids"]
+        labels += b["label"].tolist()
+        for j, sid in enumerate(b["ids"]):
+            a, n = int(b["starts"][j]), int(b["lengths"][j])
+            want = both[both.position(sid)]["layers"]
+            assert np.array_equal(b["layers"][j, :, :n].numpy(), want)
+            assert np.array_equal(ElmoOutput(outputs["all"]).stack([v[a: a + n].numpy() for v in b["vectors"]]), want)
+    assert ids == [both[i]["id"] for i in range(len(both))] and labels == [1, 0, 1, 1, 0]
+
+
+def test_id_lookup_every_id_and_hash_collisions(outputs, monkeypatch):
+    ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False)
+    ids = [ds[i]["id"] for i in range(len(ds))]
+    assert [ds.position(s) for s in ids] == list(range(len(ds)))
+    before = ds.index_bytes()
+    assert ds._id_table is not None and before >= 16 * len(ds)     # 16 bytes a sentence: hash + position
+    for missing in ("a.txt:99#0", "", "b.txt:1#1", ids[0] + " "):
+        with pytest.raises(KeyError):
+            ds.position(missing)
+    import downstream.mapped as mapped
+    monkeypatch.setattr(mapped, "_id_hash", lambda key: 7)        # every id collides: the stored id decides
+    same = MappedDataset([outputs["all"], outputs["part2"]], tokens=False)
+    assert [same.position(s) for s in ids] == list(range(len(ds)))
+    with pytest.raises(KeyError):
+        same.position("a.txt:99#0")
+    labelled = MappedDataset(outputs["all"], labels={"1": 1, "3": 0}, tokens=False)
+    assert labelled.position(labelled[1]["id"]) == 1
+    with pytest.raises(KeyError):
+        labelled.position(ids[1])                                  # present, but unlabelled
+
 def test_bucket_sampler_deterministic_split_and_resumable():
     lengths = np.random.default_rng(0).integers(1, 60, 1000)
     s = BucketBatchSampler(lengths, batch_size=16, shuffle=True, seed=3, bucket_batches=8)
