@@ -36,8 +36,9 @@ def decode_line(raw: bytes, record_id: str) -> str | DeadLetter:
 def file_labels(files: list[str], root: str | None = None, full: bool = False) -> dict[str, str]:
     """file URL -> label. Default: its path relative to the deepest folder common to all files (a lone file:
     its name; redacted, so a presigned URL's signature is in no id). `root` (--id-root, a folder path or URL):
-    its path relative to that folder; ValueError for a file outside it. `full`: the file's absolute path, or its URL for remote files (scheme kept). Labels from `root`
-    and `full` never hold a URL's user info (credentials), query or fragment."""
+    its path relative to that folder; ValueError for a file outside it. `full`: the file's absolute path, or its
+    URL for remote files (scheme kept). Labels from `root` and `full` never hold a URL's user info (credentials),
+    query or fragment."""
     if root is not None:
         return {f: _label_under(f, root) for f in files}
     if full:
