@@ -5,7 +5,7 @@ the same), and are probed the same way (same seeds):
   sst2      SST-2 sentences through the pipeline (docs/downstream.md "SST-2 with the shipped default model":
             python -m pipeline.run ... --compute-dtype D, stateless, 1 torch thread), then
             `elmo-pipeline probe --classifier linear --settings layers,mix-trainable,mix-frozen --seeds N`
-  nextword  WikiText-2 next-word-class token task (benchmarks/probe_linear_fit.py) through the embedder
+  nextword  WikiText-2 next-word-class token task (next_word_task, below) through the embedder
             (ElmoEmbedder(dtype=D)), the probe's linear tagger (L-BFGS) per layer, N seeds
 and per output layer the relative error ||v_D - v_fp32|| / ||v_fp32|| (Frobenius over all real tokens of the
 task's vectors, as benchmarks/model_speed.py measures it on a random biLM).
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -87,8 +88,68 @@ def sst2(work: str, dtypes: list[str], seeds: int, source: str, limit: int | Non
     return out
 
 
+# The next-word-class token task: each token tagged with the word class of the NEXT token, so contextual layers
+# matter. Train: the first 2,500 sentences of valid.txt; dev: test.txt sentences 1-600; test: 601-1,800.
+CLOSED = {"DET": {"the", "a", "an", "this", "that", "these", "those"},
+          "PREP": {"of", "in", "to", "for", "on", "with", "by", "at", "from", "as", "into", "after", "during", "between"},
+          "PRON": {"he", "she", "it", "they", "his", "her", "its", "their", "i", "we", "you", "him", "them", "which", "who"},
+          "CONJ": {"and", "or", "but"},
+          "AUX": {"is", "was", "are", "were", "be", "been", "has", "have", "had", "will", "would", "can", "could"}}
+
+
+def word_class(token: str | None) -> str:
+    """The next-word task's class of a token (None: the end of the sentence)."""
+    if token is None:
+        return "END"
+    if token == "<unk>":
+        return "UNK"
+    if re.fullmatch(r"\W+", token) or token.startswith("@"):
+        return "PUNCT"
+    if re.fullmatch(r"[\d.,]+", token):
+        return "NUM"
+    for name, words in CLOSED.items():
+        if token.lower() in words:
+            return name
+    if token[0].isupper():
+        return "CAP"
+    return next(("-" + s for s in ("ly", "ing", "ed", "s") if token.lower().endswith(s)), "OTHER")
+
+
+def sentences(path: str) -> list[list[str]]:
+    """A WikiText-2 file's sentences (cut at "."), headings left out."""
+    out = []
+    for line in open(path, encoding="utf-8"):
+        toks = line.split()
+        if not toks or toks[0] == "=":
+            continue
+        cur = []
+        for t in toks:
+            cur.append(t)
+            if t == ".":
+                out.append(cur)
+                cur = []
+        if cur:
+            out.append(cur)
+    return out
+
+
+def next_word_task(wikitext: str) -> tuple[dict, list[str]]:
+    """The task's splits {train, dev, test: [{"tokens", "tags"}]} and its classes (tags index them)."""
+    valid, test = sentences(os.path.join(wikitext, "valid.txt")), sentences(os.path.join(wikitext, "test.txt"))
+    parts = {"train": valid[:2500], "dev": test[:600], "test": test[600:1800]}
+    classes = sorted({word_class(t) for s in valid for t in s} | {"END"})
+    return {name: [{"tokens": s, "tags": [classes.index(word_class(s[i + 1] if i + 1 < len(s) else None))
+                                          for i in range(len(s))]} for s in sents]
+            for name, sents in parts.items()}, classes
+
+
+def embed_task(emb, records: list[dict]) -> list[dict]:
+    """The records with their "layers" (the embedder's vectors of "tokens")."""
+    vectors = emb.embed_sentences([r["tokens"] for r in records], max_tokens=8192)
+    return [{**r, "layers": v} for r, v in zip(records, vectors)]
+
+
 def nextword(dtypes: list[str], seeds: int, wikitext: str, limit: int | None = None, device: str = "cpu") -> dict:
-    from benchmarks.probe_linear_fit import embed_task, next_word_task
     from downstream.probe import ProbeConfig, Split, train_setting
     from model.embedder import ElmoEmbedder
     parts, classes = next_word_task(wikitext)

@@ -224,6 +224,8 @@ def main() -> None:
                     "and the oneDNN linears' GFLOP/s by rows per call")
     ap.add_argument("--repeats", type=int, default=1, help="measurements per row (variants interleaved); median kept")
     ap.add_argument("--tag", default="", help="appended to the results file name")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/model_speed_<device>_<dtypes>_"
+                    "<threads>t[_TAG].json; kept results are named model_speed_<machine kind>[_variant].json)")
     ap.add_argument("--processes", type=int, default=1,
                     help="CPU: also run the embedder path in this many processes of --threads threads each, "
                     "against the GEMM ceiling of processes x threads threads")
@@ -334,7 +336,7 @@ def main() -> None:
         (f"_x{args.processes}p" if args.processes > 1 else "") + \
         (f"_invariant_{args.batch_invariant}" if args.batch_invariant != "off" else "") + \
         (f"_{args.tag}" if args.tag else "") + ".json"
-    with open(os.path.join(RESULTS, name), "w") as f:
+    with open(args.out or os.path.join(RESULTS, name), "w") as f:
         json.dump({"machine": machine(), "command": "python -m benchmarks.model_speed " + " ".join(
             __import__("sys").argv[1:]), "rows": rows}, f, indent=2)
 

@@ -10,7 +10,7 @@ frozen, learned. For linear settings (single layers, scalar mixes) with the mlp 
 are mean-pooled per layer once and mixed after pooling (identical result: both are linear).
 Training, cross-entropy: a linear head (token tagger, sentence linear) on a linear combination is a logistic
 regression, fitted by full-batch L-BFGS to convergence (no dropout; optional l2 on the head's weights): minibatch
-Adam with input dropout 0.3 for 20 epochs, the earlier default, under-fit it (benchmarks/probe_linear_fit.py).
+Adam with input dropout 0.3 for 20 epochs, the earlier default, under-fit it (docs/decisions/probe-linear-fit.md).
 Everything else: Adam. With a dev split the state with the best dev accuracy (per epoch; L-BFGS: every 25
 iterations) is kept and its test scores reported, else the last. Metrics: accuracy and macro-F1 (mean of per-class F1 over the
 classes present in the gold labels or predictions).

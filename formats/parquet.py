@@ -123,7 +123,7 @@ def vector_leaves(schema: pa.Schema) -> list[str]:
 
 def writer_options(schema: pa.Schema, vector_compression: str = "none") -> dict:
     """pq.ParquetWriter's settings for a shard: pyarrow's defaults elsewhere (page size, batch size, page
-    version and plain encoding measured no slower by benchmarks/parquet_settings.py)."""
+    version and plain encoding measured no slower: docs/decisions/parquet-settings.md)."""
     vectors = set(vector_leaves(schema))
     return dict(compression={leaf: vector_compression if leaf in vectors else "zstd"
                              for f in schema for leaf in _leaf_paths(f.name, f.type)},

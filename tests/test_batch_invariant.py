@@ -196,7 +196,7 @@ def test_token_cache_never_mixes_the_two_paths():
 
 
 def test_defaults_and_stateful():
-    """Off by default (it costs speed: benchmarks/README.md); stateful cannot have it."""
+    """Off by default (it costs speed: docs/decisions/batch-invariant-cost.md); stateful cannot have it."""
     assert not ElmoEmbedder(model=random_bilm("tiny")).batch_invariant
     assert ElmoEmbedder(model=random_bilm("tiny"), state="warm", batch_invariant=True).batch_invariant
     assert not ElmoEmbedder(model=random_bilm("tiny"), state="stateful").batch_invariant

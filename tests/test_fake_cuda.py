@@ -1,7 +1,7 @@
 """Every forward path on a fake CUDA device at the original shape (FakeTensorMode; no GPU, no data, no FLOPs):
 no device mismatch (FakeTensorDeviceMismatchError), no host sync inside the model (DataDependentOutputException,
 DynamicOutputShapeException), and per batch one host-to-device copy in and one device-to-host copy out.
-benchmarks/opcount.py holds the harness; benchmarks/launches.py counts the same runs' launches."""
+tests/fake_cuda.py holds the harness."""
 from __future__ import annotations
 
 from unittest import mock
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorDeviceMismatchError
 
-from benchmarks.opcount import OpCounter, fake_cuda, fake_model
 from model.char_ids import batch_char_ids, distinct_char_ids
 from model.embedder import ElmoEmbedder
+from tests.fake_cuda import OpCounter, fake_cuda, fake_model
 
 SENTS = [("The quick brown fox jumps over the lazy dog .".split()),
          ("It was the best of times , it was the worst of times .".split()),
@@ -79,6 +79,22 @@ def test_embedder(dev, state, batch_invariant):
             out = e.embed_batch(batch)
         assert [o.shape for o in out] == [(3, len(s), 1024) for s in batch]
         assert (n.h2d, n.d2h) == (1, 1), n.report()
+
+
+@pytest.mark.parametrize("compile_cell", [True, False])
+def test_bmm_loop_cell_on_a_gpu(dev, compile_cell):
+    """The bmm loop's cell as model.lstm_loops.cell_for picks it for a GPU: the compiled cell counts one launch per
+    step and layer; with compile_cell off, the eager cell's 7 ops do."""
+    model = fake_model("original", dev)
+    model.compile_cell = compile_cell
+    with torch.inference_mode():
+        model(IDS.to(dev), LENGTHS)                          # weights stacked once
+        with OpCounter(model) as n:
+            model(IDS.to(dev), LENGTHS)
+    steps = max(len(s) for s in SENTS) + 2                   # <S> and </S>
+    fused = n.ops["fused LSTM cell (torch.compile)"]
+    assert fused == (2 * steps if compile_cell else 0), n.report()
+    assert n.ops["sigmoid_"] == (0 if compile_cell else 2 * steps), n.report()
 
 
 def test_embedder_without_token_cache(dev):

@@ -1,17 +1,23 @@
 """benchmarks.gpu_check --device cpu --quick: every step runs and the report has its shape."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
 def test_gpu_check_cpu_report(tmp_path):
-    from benchmarks.gpu_check import run
     from tests.conftest import shared_path
     shared_path("data", "wikitext-2", "valid.txt")
     out = tmp_path / "report.json"
-    report = run("cpu", quick=True, out=str(out))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"wrote {out}" in proc.stdout
     saved = json.loads(out.read_text())
     assert saved["device"] == "cpu" and saved["device_name"] and saved["machine"]
     steps = saved["steps"]
@@ -36,4 +42,3 @@ def test_gpu_check_cpu_report(tmp_path):
     assert [(r["workers"], r["returncode"]) for r in pipe["runs"]] == [(1, 0), (4, 0)]
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["gpu_busy_share"] is None for r in pipe["runs"])
     assert pipe["model_alone"]["tokens"] == pipe["runs"][0]["tokens"] and pipe["model_alone"]["tokens_per_s"] > 0
-    assert report["path"] == str(out) and os.path.exists(out)

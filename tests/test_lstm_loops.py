@@ -1,4 +1,9 @@
 """The LSTM step loops (model/lstm.py: LSTM_LOOPS, step_loop; model/lstm_loops.py) and the fused cell a GPU compiles."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -129,15 +134,20 @@ def test_onednn_step_gemms_keep_a_rows_bits_for_every_multiple_of_row_tile(dtype
         torch.set_num_threads(threads)
 
 
-def test_profile_counts_the_onednn_linears_by_rows():
-    """benchmarks.model_speed --profile: each oneDNN linear lands in its rows bucket with its FLOPs."""
-    from benchmarks.model_speed import profile_shares
-
-    w = torch.ops.mkldnn._reorder_linear_weight(torch.rand(48, 32))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        for m in (3, 40, 40, 63, 64):
-            torch.ops.mkldnn._linear_pointwise(torch.rand(m, 32), w, None, "none", [], "")
-    rows = {r["rows"]: r for r in profile_shares(prof)["linear_by_rows"]}
-    assert {k: r["calls"] for k, r in rows.items()} == {"2-3": 1, "32-63": 3, "64-127": 1}
-    r = rows["32-63"]
-    assert abs(r["gflops"] * r["seconds"] * 1e9 - 2 * (40 + 40 + 63) * 32 * 48) < 1
+@pytest.mark.slow
+def test_model_speed_profile_counts_the_onednn_linears_by_rows(tmp_path):
+    """python -m benchmarks.model_speed --profile: the oneDNN linears by rows per call, [2^k, 2^(k+1)) buckets
+    with their calls, seconds and GFLOP/s; the LSTM steps' GEMMs are most of the CPU time."""
+    out = tmp_path / "speed.json"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.model_speed", "--configs", "small", "--sentences", "40",
+                           "--threads", "1", "--path", "embedder", "--warm-cache-sentences", "40", "--profile",
+                           "--out", str(out)], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    buckets = row["profile"]["linear_by_rows"]
+    assert buckets and sum(b["calls"] for b in buckets) > 0
+    for b in buckets:
+        lo, hi = map(int, b["rows"].split("-"))
+        assert hi == 2 * lo - 1 and lo & (lo - 1) == 0 and b["seconds"] > 0 and b["gflops"] > 0
+    assert 0 < row["profile"]["gemm_s"] <= row["profile"]["total_s"]

@@ -1,8 +1,13 @@
-"""Parquet writer settings (formats.parquet.writer_options) and the benchmark that chose them."""
-import pyarrow as pa
+"""Parquet writer settings (formats.parquet.writer_options; chosen by docs/decisions/parquet-settings.md)."""
+import io
 
-from benchmarks.parquet_settings import measure, shard, variants
-from formats.parquet import layer_columns, shard_schema, vector_leaves, writer_options
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from formats.parquet import ShardColumns, build_table, layer_columns, shard_schema, vector_leaves, writer_options
 
 
 def test_writer_options_vectors_uncompressed_text_zstd_statistics_on_ids():
@@ -17,8 +22,36 @@ def test_writer_options_vectors_uncompressed_text_zstd_statistics_on_ids():
     assert "token" in writer_options(token)["write_statistics"]
 
 
-def test_every_benchmarked_setting_reads_back_equal():
-    table = shard(120)
+def shard(sentences: int, length: int = 28) -> pa.Table:
+    """A sentence-layout shard of the default layers (layer 0 512 wide, layers 1-2 1,024) with random vectors."""
+    rng = np.random.default_rng(0)
+    lengths = np.full(sentences, length, np.int32)
+    n = int(lengths.sum())
+    cols = layer_columns([0, 1, 2], 1024, duplicate_layer0=False)
+    c = ShardColumns(ids=[f"d{i // 10}#{i % 10}" for i in range(sentences)],
+                     doc_ids=[f"d{i // 10}" for i in range(sentences)], indices=[i % 10 for i in range(sentences)],
+                     lengths=lengths, tokens=[f"w{i % 500}" for i in range(n)],
+                     offsets=np.stack([np.arange(n) * 5, np.arange(n) * 5 + 4], 1).astype(np.int32),
+                     layers=[rng.standard_normal((n, d), dtype=np.float32) for _, d in cols])
+    return build_table(c, "sentence", cols)
+
+
+def encoded(table: pa.Table, options: dict, path) -> bytes:
+    with pq.ParquetWriter(path, table.schema, **options) as w:
+        w.write_table(table, row_group_size=2)
+    return path.read_bytes()
+
+
+def test_default_and_zstd_vectors_read_back_equal(tmp_path):
+    """Both vector settings read back equal by pyarrow and DuckDB; zstd vectors make a smaller file."""
+    table = shard(4)
     assert table.schema.field("layer_1").type == pa.list_(pa.list_(pa.float32(), 1024))
-    sizes = {name: measure(table, options, rows=64, repeats=1)[1] for name, options in variants(table.schema).items()}
-    assert sizes["vectors zstd (--vector-compression zstd)"] < sizes["pipeline's settings (vectors uncompressed)"]
+    sizes = {}
+    for name in ("none", "zstd"):
+        path = tmp_path / f"{name}.parquet"
+        sizes[name] = len(encoded(table, writer_options(table.schema, name), path))
+        assert pq.read_table(io.BytesIO(path.read_bytes())).equals(table)
+        got = duckdb.connect().sql(f"SELECT layer_1 FROM '{path}'").to_arrow_table().column("layer_1")
+        flat = lambda col: pc.list_flatten(pc.list_flatten(col)).to_numpy()
+        assert np.array_equal(flat(got), flat(table.column("layer_1")))
+    assert sizes["zstd"] < sizes["none"]

@@ -11,20 +11,24 @@ On a CPU-only torch build, Python indexing of a CUDA tensor (x[1:3], x[idx] = y)
 that such a build lacks; `fake_cuda` then routes Tensor.__getitem__/__setitem__ of fake CUDA tensors to the
 aten ops they stand for (slice, select, unsqueeze, index, index_put_), which is what they dispatch on a GPU.
 Host-side work (model.device.host_side) suspends every dispatch mode: it runs for real and is not counted.
-Used by tests/test_fake_cuda.py and benchmarks/launches.py.
+Used by tests/test_fake_cuda.py.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import Counter
 from collections.abc import Iterator
+from unittest import mock
 
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import model.bilm as bilm
+import model.lstm_loops as lstm_loops
+from model.lstm_loops import Cell, cell_eager
 
 aten = torch.ops.aten
 DEVICE = torch.device("cuda:0")   # an explicit index: torch.device("cuda") would ask a CPU build for the current GPU
@@ -129,57 +133,34 @@ class _IndexAsAten(TorchFunctionMode):
 _COUNTERS: list = []     # the OpCounters active now, innermost last
 
 
-def _fused_cell_stand_in(cell, eager):
-    """The compiled LSTM cell as a GPU runs it: torch.compile's one fused kernel (unless ELMO_COMPILE_CELL=0), which
-    fake tensors cannot be compiled into here. Computes the eager cell uncounted and counts one launch.
-    cell: what runs instead off a GPU or with ELMO_COMPILE_CELL=0; eager: the eager cell."""
+def _fused_cell() -> Cell:
+    """What model.lstm_loops.compiled_cell() returns inside fake_cuda(): torch.compile's one fused kernel, which fake
+    tensors cannot be compiled into here. Runs cell_eager uncounted and counts one launch. The real dispatch
+    (model.lstm_loops.cell_for: a GPU and compile_cell) decides when it is called."""
 
     def fused(gates, c, cell_clip, out):
-        if gates.device.type != "cuda" or os.environ.get("ELMO_COMPILE_CELL", "1") == "0":
-            return cell(gates, c, cell_clip, out)
         counter = _COUNTERS[-1] if _COUNTERS else None
         if counter is None:
-            return eager(gates, c, cell_clip, out)
+            return cell_eager(gates, c, cell_clip, out)
         counter.ops["fused LSTM cell (torch.compile)"] += 1
         counter.by_region[counter.region] += 1
         counter.silent = True
         try:
-            return eager(gates, c, cell_clip, out)
+            return cell_eager(gates, c, cell_clip, out)
         finally:
             counter.silent = False
     return fused
 
 
-def _compiled_cell_hook():
-    """(owner, name, stand-in) for the attribute through which the model gets its compiled cell:
-    model.lstm_loops.compiled_cell, or on a tree without it model.bilm._cell; None when neither is there."""
-    try:
-        import model.lstm_loops as loops
-    except ImportError:
-        import model.bilm as bilm
-        cell = getattr(bilm, "_cell", None)
-        return None if cell is None else (bilm, "_cell", _fused_cell_stand_in(cell, bilm._cell_eager))
-    stand_in = _fused_cell_stand_in(loops.cell_eager, loops.cell_eager)
-    return loops, "compiled_cell", lambda: stand_in
-
-
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[torch.device]:
     """FakeTensorMode with fake CUDA tensors (real host tensors allowed as inputs: they become fake constants).
-    Yields the fake device (cuda:0). The biLM's compiled cell is stood in for (_fused_cell_stand_in)."""
+    Yields the fake device (cuda:0). model.lstm_loops.compiled_cell is stood in for (_fused_cell)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shim = _IndexAsAten(mode) if not torch.backends.cuda.is_built() else contextlib.nullcontext()
-    hook = _compiled_cell_hook()
-    if hook is not None:
-        owner, name, stand_in = hook
-        original = getattr(owner, name)
-        setattr(owner, name, stand_in)
-    try:
-        with mode, shim:
-            yield DEVICE
-    finally:
-        if hook is not None:
-            setattr(owner, name, original)
+    stand_in = _fused_cell()
+    with mock.patch.object(lstm_loops, "compiled_cell", lambda: stand_in), mode, shim:
+        yield DEVICE
 
 
 def to_fake(module: torch.nn.Module, device: torch.device = DEVICE) -> torch.nn.Module:
@@ -200,8 +181,8 @@ def to_fake(module: torch.nn.Module, device: torch.device = DEVICE) -> torch.nn.
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched inside it: launches (ops that run a kernel: not views, not bare
     allocations), by region, and the copies between host and device. Regions: 'encoder' (the token encoder),
-    'lstm' (model.lstm.run_lstm_layers, as model.bilm calls it), 'other' (everything else); given a model, its token encoder and the
-    LSTM loop are wrapped for the time of the count (on any tree that has them)."""
+    'lstm' (model.lstm.run_lstm_layers, as model.bilm calls it), 'other' (everything else); given a model, its
+    token encoder and the LSTM loop are wrapped for the time of the count."""
 
     def __init__(self, model: torch.nn.Module | None = None):
         super().__init__()
@@ -243,7 +224,6 @@ class OpCounter(TorchDispatchMode):
     def __enter__(self):
         _COUNTERS.append(self)
         if self.model is not None:
-            import model.bilm as bilm
             self._wrap(bilm, "run_lstm_layers", "lstm")
             enc = getattr(self.model, "token_encoder", None)
             if enc is not None:
