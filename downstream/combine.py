@@ -1,6 +1,7 @@
 """Combining biLM layers (B, L, T, D) into one vector per token (B, T, D). No Beam import.
 
-Settings (`make_combiner(name, n_layers, dim)`, the probe's --combine / --settings):
+Settings (`make_combiner(name, n_layers, dim)`; `expand_settings` turns the probe's --settings / --combine
+into their names):
   layerK     layer K alone (layer0 = the non-contextual char-CNN token vector)
   trainable  scalar mix with trainable weights and scale: gamma * sum_k softmax(w)_k * layer_k
              (Peters et al. 2018, eq. 1), weights start uniform
@@ -15,6 +16,7 @@ before mixing (same result, much less work).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -87,3 +89,19 @@ def make_combiner(name: str, n_layers: int, dim: int, seed: int = 0) -> nn.Modul
     if name == "learned":
         return LearnedCombine(n_layers, dim)
     raise ValueError(f"unknown layer setting {name!r}: layer<K>, trainable, frozen or learned")
+
+
+def expand_settings(settings: Sequence[str], combine: Sequence[str], n_layers: int) -> list[str]:
+    """'layers' -> layer0..layer{L-1}; 'mix' -> mix-<c> for each --combine c; others kept."""
+    out = []
+    for s in settings:
+        s = s.strip()
+        if s == "layers":
+            out += [f"layer{k}" for k in range(n_layers)]
+        elif s == "mix":
+            out += [f"mix-{c}" for c in combine]
+        elif s:
+            out.append(s if s.startswith(("layer", "mix-")) else f"mix-{s}")
+    for s in out:
+        make_combiner(s, n_layers, 2)   # validates
+    return list(dict.fromkeys(out))

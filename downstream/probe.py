@@ -1,199 +1,32 @@
-"""Probing the vectors: train and evaluate a classifier on the pipeline's output, per layer setting.
+"""Training the probe: one classifier per layer setting, fitted on a train split, selected on dev.
 
-Tasks and classifiers:
-  sentence / mlp     combine layers per token -> mean over the sentence's tokens -> MLP (one hidden layer)
-  sentence / bilstm  combine layers per token -> BiLSTM -> max over tokens -> linear
-  sentence / linear  combine layers per token -> mean over the sentence's tokens -> linear
-  token              combine layers per token -> linear tagger
-Settings (downstream.combine): layer0 (non-contextual), layer1, layer2, ..., and the mixes trainable,
-frozen, learned. For linear settings (single layers, scalar mixes) with the mlp classifier, sentences
-are mean-pooled per layer once and mixed after pooling (identical result: both are linear).
-Training, cross-entropy: a linear head (token tagger, sentence linear) on a linear combination is a logistic
-regression, fitted by full-batch L-BFGS to convergence (no dropout; optional l2 on the head's weights): minibatch
-Adam with input dropout 0.3 for 20 epochs, the earlier default, under-fit it (docs/decisions/probe-linear-fit.md).
-Everything else: Adam. With a dev split the state with the best dev accuracy (per epoch; L-BFGS: every 25
-iterations) is kept and its test scores reported, else the last. Metrics: accuracy and macro-F1 (mean of per-class F1 over the
-classes present in the gold labels or predictions).
+Classifiers (downstream.heads) by task: sentence / mlp, bilstm, linear; token: a linear tagger. For linear
+settings (single layers, scalar mixes; downstream.combine) the mlp and linear sentence classifiers read
+per-layer means (batches "pooled", downstream.splits) and mix after pooling: the same result, as both are
+linear.
+Optimizers, cross-entropy loss: a linear head (token tagger, sentence linear) on a linear combination is a
+logistic regression, fitted by full-batch L-BFGS to convergence (no dropout; optional l2 on the head's
+weights); everything else by minibatch Adam with dropout. With a dev split the state with the best dev
+accuracy (Adam: per epoch; L-BFGS: every `lbfgs_check` iterations) is kept and its scores reported, else
+the last. train_setting returns, per split, accuracy and macro-F1 (fractions; downstream.metrics), and
+the seconds it took.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
-from downstream.combine import SelectLayer, make_combiner
+from downstream.combine import make_combiner
+from downstream.heads import LinearHead, SentenceBiLSTM, SentenceLinear, SentenceMLP, Standardized, TokenTagger
+from downstream.metrics import accuracy, scores
+from downstream.splits import Split, batches, n_rows
 
 
-# ---------------------------------------------------------------- metrics
-def accuracy(gold: Sequence[int], pred: Sequence[int]) -> float:
-    gold, pred = np.asarray(gold), np.asarray(pred)
-    return float((gold == pred).mean()) if len(gold) else float("nan")
-
-
-def macro_f1(gold: Sequence[int], pred: Sequence[int]) -> float:
-    gold, pred = np.asarray(gold), np.asarray(pred)
-    classes = np.union1d(gold, pred)
-    f1s = []
-    for c in classes:
-        tp = int(((pred == c) & (gold == c)).sum())
-        fp = int(((pred == c) & (gold != c)).sum())
-        fn = int(((pred != c) & (gold == c)).sum())
-        f1s.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
-    return float(np.mean(f1s)) if f1s else float("nan")
-
-
-def scores(gold, pred) -> dict:
-    return {"accuracy": accuracy(gold, pred), "macro_f1": macro_f1(gold, pred), "n": int(len(gold))}
-
-
-# ---------------------------------------------------------------- models
-class Standardized(nn.Module):
-    """z-score each layer's features with training-set token statistics, then combine. Affine per
-    feature, so it commutes with mean pooling (the pooled path stays exact)."""
-
-    def __init__(self, combiner: nn.Module, mean: torch.Tensor, std: torch.Tensor):
-        super().__init__()
-        self.combiner = combiner
-        self.linear = combiner.linear
-        self.register_buffer("mean", mean[:, None, :].clone())    # (L, 1, D)
-        self.register_buffer("std", std[:, None, :].clone())
-
-    def forward(self, layers: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(self.combiner, SelectLayer):      # the same result, one layer's work
-            k = self.combiner.index
-            return (layers[:, k] - self.mean[k]) / self.std[k]
-        return self.combiner((layers - self.mean) / self.std, mask)
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    m = mask.unsqueeze(-1).to(x.dtype)
-    return (x * m).sum(1) / m.sum(1).clamp_min(1)
-
-
-class SentenceMLP(nn.Module):
-    def __init__(self, combiner: nn.Module, dim: int, n_classes: int, hidden: int = 256, dropout: float = 0.3):
-        super().__init__()
-        self.combiner = combiner
-        self.mlp = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, hidden), nn.ReLU(), nn.Dropout(dropout),
-                                 nn.Linear(hidden, n_classes))
-
-    def forward(self, layers: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.mlp(_masked_mean(self.combiner(layers, mask), mask))
-
-
-class SentenceLinear(nn.Module):
-    """combine -> mean over the sentence's tokens -> linear: a logistic regression on the pooled mix."""
-
-    def __init__(self, combiner: nn.Module, dim: int, n_classes: int, dropout: float = 0.0):
-        super().__init__()
-        self.combiner = combiner
-        self.drop = nn.Dropout(dropout)
-        self.out = nn.Linear(dim, n_classes)
-
-    def forward(self, layers: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.out(self.drop(_masked_mean(self.combiner(layers, mask), mask)))
-
-
-class SentenceBiLSTM(nn.Module):
-    def __init__(self, combiner: nn.Module, dim: int, n_classes: int, hidden: int = 128, dropout: float = 0.3):
-        super().__init__()
-        self.combiner = combiner
-        self.drop = nn.Dropout(dropout)
-        self.lstm = nn.LSTM(dim, hidden, batch_first=True, bidirectional=True)
-        self.out = nn.Linear(2 * hidden, n_classes)
-
-    def forward(self, layers: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = self.drop(self.combiner(layers, mask))
-        lengths = mask.sum(1).clamp_min(1).cpu()
-        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
-        h, _ = self.lstm(packed)
-        h, _ = nn.utils.rnn.pad_packed_sequence(h, batch_first=True, total_length=x.shape[1])
-        h = h.masked_fill(~mask.unsqueeze(-1), float("-inf")).amax(1)
-        return self.out(self.drop(h))
-
-
-class TokenTagger(nn.Module):
-    def __init__(self, combiner: nn.Module, dim: int, n_classes: int, dropout: float = 0.3):
-        super().__init__()
-        self.combiner = combiner
-        self.drop = nn.Dropout(dropout)
-        self.out = nn.Linear(dim, n_classes)
-
-    def forward(self, layers: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.out(self.drop(self.combiner(layers, mask)))   # (B, T, C)
-
-
-# ---------------------------------------------------------------- data
-@dataclass
-class Split:
-    """Records of one split (dicts with "layers" (L, T, D) float32 and an int "label" or "tags")."""
-    name: str
-    records: list
-    pooled: torch.Tensor | None = None     # (N, L, D): per-layer mean over tokens, for linear settings
-    tokens: torch.Tensor | None = None     # (Ntok, L, D): all tokens, for the tagger
-    targets: torch.Tensor | None = None    # (N,) or (Ntok,)
-
-    def token_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per layer and feature mean and std over all tokens: (L, D) each."""
-        n, s1, s2 = 0, 0.0, 0.0
-        for r in self.records:
-            x = r["layers"].astype(np.float64)
-            n, s1, s2 = n + x.shape[1], s1 + x.sum(1), s2 + (x * x).sum(1)
-        mean = s1 / max(n, 1)
-        std = np.sqrt(np.maximum(s2 / max(n, 1) - mean * mean, 0)) + 1e-5
-        return torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
-
-    def prepare(self, task: str) -> "Split":
-        if task == "sentence":
-            self.pooled = torch.stack([torch.from_numpy(r["layers"].mean(1)) if r["layers"].shape[1]
-                                       else torch.zeros(r["layers"].shape[0], r["layers"].shape[2]) for r in self.records])
-            self.targets = torch.tensor([r["label"] for r in self.records], dtype=torch.int64)
-        else:
-            self.tokens = torch.from_numpy(np.concatenate([r["layers"].transpose(1, 0, 2) for r in self.records]))
-            self.targets = torch.tensor([t for r in self.records for t in r["tags"]], dtype=torch.int64)
-        return self
-
-
-def _padded(records: list) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(r["layers"].shape[1] for r in records)
-    L, _, D = records[0]["layers"].shape
-    x = torch.zeros(len(records), L, max(T, 1), D)
-    mask = torch.zeros(len(records), max(T, 1), dtype=torch.bool)
-    for b, r in enumerate(records):
-        n = r["layers"].shape[1]
-        x[b, :, :n] = torch.from_numpy(r["layers"])
-        mask[b, :n] = True
-    return x, mask
-
-
-def _batches(split: Split, mode: str, batch_size: int, order: np.ndarray):
-    """(layers, mask, targets) batches in `order`. mode: pooled | padded | tokens."""
-    for s in range(0, len(order), batch_size):
-        idx = order[s:s + batch_size]
-        if mode == "pooled":
-            x = split.pooled[idx].unsqueeze(2)                   # (B, L, 1, D)
-            yield x, torch.ones(len(idx), 1, dtype=torch.bool), split.targets[idx]
-        elif mode == "tokens":
-            x = split.tokens[idx].unsqueeze(2)                   # (B, L, 1, D)
-            yield x, torch.ones(len(idx), 1, dtype=torch.bool), split.targets[idx]
-        else:
-            recs = [split.records[i] for i in idx]
-            x, mask = _padded(recs)
-            yield x, mask, torch.tensor([r["label"] for r in recs], dtype=torch.int64)
-
-
-def _size(split: Split, mode: str) -> int:
-    return len(split.targets) if mode == "tokens" else len(split.records)
-
-
-# ---------------------------------------------------------------- training
 OPTIMIZERS = ("auto", "lbfgs", "adam")
 
 
@@ -236,14 +69,14 @@ def resolve_optimizer(model: nn.Module, cfg: ProbeConfig) -> str:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
     if cfg.optimizer != "auto":
         return cfg.optimizer
-    return "lbfgs" if isinstance(model, (TokenTagger, SentenceLinear)) and model.combiner.linear else "adam"
+    return "lbfgs" if isinstance(model, LinearHead) and model.combiner.linear else "adam"
 
 
 @torch.no_grad()
 def predict(model: nn.Module, split: Split, mode: str, batch_size: int = 256) -> np.ndarray:
     model.eval()
     preds = []
-    for x, mask, _ in _batches(split, mode, batch_size, np.arange(_size(split, mode))):
+    for x, mask, _ in batches(split, mode, batch_size, np.arange(n_rows(split, mode))):
         logits = model(x, mask)
         preds.append(logits.reshape(-1, logits.shape[-1]).argmax(-1))
     return torch.cat(preds).numpy() if preds else np.zeros(0, np.int64)
@@ -279,7 +112,7 @@ def _fit_adam(model, params, mode, cfg, train, best, rng, log, setting) -> None:
     for epoch in range(1, cfg.epochs + 1):
         model.train()
         total, count = 0.0, 0
-        for x, mask, y in _batches(train, mode, cfg.batch_size, rng.permutation(_size(train, mode))):
+        for x, mask, y in batches(train, mode, cfg.batch_size, rng.permutation(n_rows(train, mode))):
             logits = model(x, mask)
             loss = loss_fn(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             opt.zero_grad()
@@ -365,7 +198,7 @@ def train_setting(setting: str, cfg: ProbeConfig, train: Split, dev: Split | Non
     t0 = time.perf_counter()
     best = _Best(model, dev, mode)
     if optimizer == "lbfgs":
-        if not isinstance(model, (TokenTagger, SentenceLinear)):
+        if not isinstance(model, LinearHead):
             raise ValueError("the lbfgs optimizer fits linear heads: --task token or --classifier linear")
         if mode not in ("tokens", "pooled"):
             raise ValueError(f"the lbfgs optimizer needs a linear layer combination, not {setting!r}")
@@ -386,134 +219,3 @@ def train_setting(setting: str, cfg: ProbeConfig, train: Split, dev: Split | Non
         result["layer_weights"] = [round(w, 4) for w in comb.layer_weights()]
         result["gamma"] = round(float(comb.mix.gamma.detach()), 4)
     return result
-
-
-def expand_settings(settings: Sequence[str], combine: Sequence[str], n_layers: int) -> list[str]:
-    """'layers' -> layer0..layer{L-1}; 'mix' -> mix-<c> for each --combine c; others kept."""
-    out = []
-    for s in settings:
-        s = s.strip()
-        if s == "layers":
-            out += [f"layer{k}" for k in range(n_layers)]
-        elif s == "mix":
-            out += [f"mix-{c}" for c in combine]
-        elif s:
-            out.append(s if s.startswith(("layer", "mix-")) else f"mix-{s}")
-    for s in out:
-        make_combiner(s, n_layers, 2)   # validates
-    return list(dict.fromkeys(out))
-
-
-def summarize(runs: list[dict]) -> list[dict]:
-    """Runs of several seeds per setting -> one row per setting: mean and std of each score."""
-    rows = []
-    for setting in dict.fromkeys(r["setting"] for r in runs):
-        rs = [r for r in runs if r["setting"] == setting]
-        row = {"setting": setting, "classifier": rs[0]["classifier"], "seeds": len(rs),
-               "seconds": round(sum(r["seconds"] for r in rs), 2),
-               "best_epochs": [r["best_epoch"] for r in rs]}
-        for split in ("train", "dev", "test"):
-            if split in rs[0]:
-                for m in ("accuracy", "macro_f1"):
-                    v = np.array([r[split][m] for r in rs])
-                    row[f"{split}_{m}"] = float(v.mean())
-                    row[f"{split}_{m}_std"] = float(v.std()) if len(v) > 1 else 0.0
-        if "layer_weights" in rs[0]:
-            row["layer_weights"] = np.mean([r["layer_weights"] for r in rs], 0).round(3).tolist()
-        rows.append(row)
-    return rows
-
-
-def markdown_table(rows: list[dict], baseline: dict | None = None) -> str:
-    splits = [s for s in ("dev", "test") if f"{s}_accuracy" in rows[0]] or ["train"]
-    seeds = rows[0]["seeds"]
-    fmt = (lambda r, k: f"{100 * r[k]:.1f} ± {100 * r[k + '_std']:.1f}") if seeds > 1 else (lambda r, k: f"{100 * r[k]:.1f}")
-    head = ["setting", "classifier"] + [f"{s} {m}" for s in splits for m in ("acc", "macro-F1")] + ["mix weights (softmax)", "seconds"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        w = ", ".join(f"{x:.2f}" for x in r["layer_weights"]) if "layer_weights" in r else ""
-        lines.append("| " + " | ".join([r["setting"], r["classifier"]] + [fmt(r, f"{s}_{m}") for s in splits
-                                        for m in ("accuracy", "macro_f1")] + [w, f"{r['seconds']:.1f}"]) + " |")
-    if baseline:
-        lines.append("| majority class | - | " + " | ".join(
-            f"{100 * baseline[s][m]:.1f}" for s in splits for m in ("accuracy", "macro_f1")) + " |  |  |")
-    note = f"\nScores in %, mean ± std over {seeds} seeds." if seeds > 1 else "\nScores in %."
-    return "\n".join(lines) + "\n" + note + "\n"
-
-
-def bar_chart(rows: list[dict], png_path: str, title: str = "") -> None:
-    """Accuracy and macro-F1 per setting (test split if any, else dev, else train) as a PNG bar chart."""
-    split = next(s for s in ("test", "dev", "train") if f"{s}_accuracy" in rows[0])
-    names = [r["setting"] for r in rows]
-    acc = [100 * r[f"{split}_accuracy"] for r in rows]
-    f1 = [100 * r[f"{split}_macro_f1"] for r in rows]
-    err = [[100 * r.get(f"{split}_{m}_std", 0.0) for r in rows] for m in ("accuracy", "macro_f1")]
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _bars_pillow(names, acc, f1, png_path, f"{title} ({split})")
-        return
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names)), 4.5))
-    x = np.arange(len(names))
-    seeds = rows[0].get("seeds", 1)
-    b1 = ax.bar(x - 0.2, acc, 0.4, label="accuracy", yerr=err[0] if seeds > 1 else None, capsize=3)
-    b2 = ax.bar(x + 0.2, f1, 0.4, label="macro-F1", yerr=err[1] if seeds > 1 else None, capsize=3)
-    ax.bar_label(b1, fmt="%.1f", fontsize=8)
-    ax.bar_label(b2, fmt="%.1f", fontsize=8)
-    ax.set_xticks(x, names, rotation=20)
-    lo = max(0.0, min(acc + f1) - 10)
-    ax.set_ylim(lo, 100)
-    ax.set_ylabel(f"{split} score (%)")
-    ax.set_title(title + (f" (mean ± std over {seeds} seeds)" if seeds > 1 else ""))
-    ax.legend(loc="upper left")
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.savefig(png_path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-
-
-def _bars_pillow(names, acc, f1, png_path, title, size=(900, 480)) -> None:
-    from PIL import Image, ImageDraw
-    W, H = size
-    left, right, top, bottom = 50, 20, 30, 60
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    lo = max(0.0, min(acc + f1) - 10)
-    y = lambda v: top + (H - top - bottom) * (1 - (v - lo) / (100 - lo))
-    d.text((left, 8), title, fill="black")
-    d.line([(left, top), (left, H - bottom), (W - right, H - bottom)], fill="black")
-    for t in range(int(math.ceil(lo / 10) * 10), 101, 10):
-        d.text((5, y(t) - 6), str(t), fill="black")
-    slot = (W - left - right) / max(1, len(names))
-    for i, n in enumerate(names):
-        x0 = left + i * slot + slot * 0.1
-        for j, (v, c) in enumerate(((acc[i], (31, 119, 180)), (f1[i], (255, 127, 14)))):
-            xa = x0 + j * slot * 0.4
-            d.rectangle([xa, y(v), xa + slot * 0.38, H - bottom], fill=c)
-            d.text((xa, y(v) - 12), f"{v:.1f}", fill="black")
-        d.text((x0, H - bottom + 8), n, fill="black")
-    d.text((W - 200, 8), "blue: accuracy  orange: macro-F1", fill="black")
-    img.save(png_path)
-
-
-def write_report(out_dir: str, rows: list[dict], runs: list[dict], meta: dict, baseline: dict | None) -> dict:
-    os.makedirs(out_dir, exist_ok=True)
-    table = markdown_table(rows, baseline)
-    with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write(table)
-    result = {"meta": meta, "summary": rows, "runs": runs, "majority_baseline": baseline}
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    title = f"{meta.get('task', '')} probe, {meta.get('classifier', '')}"
-    bar_chart(rows, os.path.join(out_dir, "chart.png"), title)
-    return result
-
-
-def majority_baseline(train: Split, others: Sequence[Split | None]) -> dict:
-    majority = int(np.bincount(train.targets.numpy()).argmax())
-    out = {}
-    for s in (train, *others):
-        if s is not None:
-            out[s.name] = scores(s.targets.numpy(), np.full(len(s.targets), majority))
-    return out

@@ -66,7 +66,7 @@ def _sort_classes(values) -> list[str]:
 def load_splits(args: argparse.Namespace, log) -> tuple[dict, list[str], int, int]:
     """{split name: downstream.probe.Split}, classes, n_layers, dim."""
     from downstream.labels import conllu_tag_labels, load_sentence_labels, read_conllu
-    from downstream.probe import Split
+    from downstream.splits import Split
     from downstream.readers import ElmoDataset, ElmoOutput
 
     so = json.loads(args.storage_options) if args.storage_options else None
@@ -138,8 +138,10 @@ def load_splits(args: argparse.Namespace, log) -> tuple[dict, list[str], int, in
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from downstream.probe import (ProbeConfig, expand_settings, majority_baseline, summarize, train_setting,
-                                  write_report)
+    from downstream.combine import expand_settings
+    from downstream.metrics import majority_baseline
+    from downstream.probe import ProbeConfig, train_setting
+    from downstream.report import summarize, write_report
     if args.threads:
         torch.set_num_threads(args.threads)
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))

@@ -8,7 +8,7 @@ import torch
 
 from downstream.combine import LearnedCombine, MixLayers, SelectLayer, make_combiner
 from downstream.labels import load_sentence_labels, read_conllu
-from downstream.probe import macro_f1
+from downstream.metrics import macro_f1
 from formats.hdf5 import hdf5_unkey
 from downstream.readers import (ElmoDataset, ElmoIterableDataset, ElmoOutput, collate, to_arrow_table,
                                 to_hf_dataset)
@@ -160,7 +160,7 @@ def test_combiners_frozen_stay_trainable_move():
 def test_metrics_and_pillow_chart(tmp_path):
     assert macro_f1([0, 0, 1, 1], [0, 0, 1, 1]) == 1.0
     assert macro_f1([0, 0, 0, 1], [0, 0, 0, 0]) == pytest.approx((6 / 7 + 0) / 2)
-    from downstream.probe import _bars_pillow       # the chart without matplotlib
+    from downstream.chart import _bars_pillow        # the chart without matplotlib
     _bars_pillow(["layer0", "mix-trainable"], [60.0, 70.0], [59.0, 69.5], str(tmp_path / "c.png"), "t")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -263,7 +263,8 @@ def test_linear_probe_matches_logistic_regression():
     """The token tagger's default fit reaches a converged logistic regression on the same standardized vectors
     (within 0.5 points of test accuracy), for the informative layer and an uninformative one. (The earlier
     default, Adam with dropout 0.3 for 20 epochs, scored 70.7 here against the regression's 71.8 on layer 1.)"""
-    from downstream.probe import ProbeConfig, Split, logistic_regression_accuracy, train_setting
+    from downstream.probe import ProbeConfig, logistic_regression_accuracy, train_setting
+    from downstream.splits import Split
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     teacher = rng.normal(size=(256, 10)) * 0.4
