@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from formats.layout import ARROW_LAYOUT  # noqa: F401  (the manifest names this layout)
-from formats.parquet import ShardColumns, _fixed
+from formats.parquet import ShardColumns, token_fields, token_sentence_indices
 
 
 def _per_token_dictionary(values: list[str], sentence_of: np.ndarray) -> pa.DictionaryArray:
@@ -36,13 +36,9 @@ def arrow_table(c: ShardColumns, columns: list[tuple[str, int]]) -> pa.Table:
     data = {
         "id": pa.DictionaryArray.from_arrays(pa.array(sentence_of), pa.array(c.ids, pa.string())),
         "doc_id": _per_token_dictionary(c.doc_ids, sentence_of),
-        "sentence_index": pa.array(np.repeat(np.asarray(c.indices, dtype=np.int32), c.lengths)),
-        "token": pa.array(c.tokens, pa.string()),
-        "start": pa.array(np.ascontiguousarray(c.offsets[:, 0])),
-        "end": pa.array(np.ascontiguousarray(c.offsets[:, 1])),
+        "sentence_index": token_sentence_indices(c),
+        **token_fields(c, columns),
     }
-    for (name, dim), values in zip(columns, c.layers):
-        data[name] = _fixed(values, dim)
     return pa.table(data)
 
 

@@ -79,15 +79,26 @@ def token_table(c: ShardColumns, columns: list[tuple[str, int]]) -> pa.Table:
     data = {
         "id": pa.array(c.ids, pa.string()).take(sentence_of),
         "doc_id": pa.array(c.doc_ids, pa.string()).take(sentence_of),
-        "sentence_index": pa.array(np.repeat(np.asarray(c.indices, dtype=np.int32), c.lengths)),
+        "sentence_index": token_sentence_indices(c),
         "token_index": pa.array((np.arange(len(c.tokens)) - starts).astype(np.int32)),
-        "token": pa.array(c.tokens, pa.string()),
-        "start": pa.array(np.ascontiguousarray(c.offsets[:, 0])),
-        "end": pa.array(np.ascontiguousarray(c.offsets[:, 1])),
+        **token_fields(c, columns),
     }
+    return pa.table(data)
+
+
+def token_sentence_indices(c: ShardColumns) -> pa.Array:
+    """int32 (N,): each token's sentence index in its document."""
+    return pa.array(np.repeat(np.asarray(c.indices, dtype=np.int32), c.lengths))
+
+
+def token_fields(c: ShardColumns, columns: list[tuple[str, int]]) -> dict[str, pa.Array]:
+    """The per-token columns after the ids, in order: token, start, end (code points), then each layer as
+    fixed_size_list<float, D> (views of c.layers, no copy)."""
+    data = {"token": pa.array(c.tokens, pa.string()), "start": pa.array(np.ascontiguousarray(c.offsets[:, 0])),
+            "end": pa.array(np.ascontiguousarray(c.offsets[:, 1]))}
     for (name, dim), values in zip(columns, c.layers):
         data[name] = _fixed(values, dim)
-    return pa.table(data)
+    return data
 
 
 def build_table(c: ShardColumns, layout: str, columns: list[tuple[str, int]]) -> pa.Table:

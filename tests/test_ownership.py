@@ -6,7 +6,6 @@ inside --output is refused at planning. Finalize is fenced by the lease: a run p
 while another run finished the output exits 75 and changes nothing more. Real files, moto's S3 server on
 loopback, real `python -m pipeline.run` processes."""
 import glob
-import hashlib
 import os
 import signal
 import time
@@ -20,7 +19,7 @@ from pipeline.run import main
 from tests.pipeline_helpers import moto_s3
 from tests.resume_helpers import (SMALL, argv, assert_same_output, corpus, read_output,  # noqa: F401 (fixtures)
                                   reference, run_subprocess)
-from tests.test_concurrent_runs import _start, _wait_for
+from tests.test_concurrent_runs import _snapshot, _start, _wait_for
 from tests.test_crash_resume import _stage
 from transforms import resume
 from transforms.finalize import finalize, plan_from_staging
@@ -34,13 +33,7 @@ def _ingredients(layers="all"):
 
 def _contents(root):
     """{relative path: sha256} of every file under root."""
-    out = {}
-    for d, _, files in os.walk(root):
-        for name in files:
-            p = os.path.join(d, name)
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
+    return {p: digest for p, (digest, _) in _snapshot(root).items()}
 
 
 def _plant(root, names):
@@ -284,7 +277,7 @@ def test_a_run_paused_in_finalize_past_the_stale_age_exits_75_and_changes_nothin
         assert "took over a stale lease" in second.stderr and "finished the interrupted finalize" in second.stderr
         finished = read_output(out)
         assert_same_output(finished, reference)
-        snapshot = {p: (h, os.stat(os.path.join(out, p)).st_mtime_ns) for p, h in _contents(out).items()}
+        snapshot = _snapshot(out)
     finally:
         if stopped:
             os.kill(first.pid, signal.SIGCONT)
@@ -292,7 +285,7 @@ def test_a_run_paused_in_finalize_past_the_stale_age_exits_75_and_changes_nothin
     assert first.returncode == 75, err[-2000:]
     (line,) = _error_lines(err)
     assert "lost the lease" in line and "changed nothing more" in line
-    assert {p: (h, os.stat(os.path.join(out, p)).st_mtime_ns) for p, h in _contents(out).items()} == snapshot
+    assert _snapshot(out) == snapshot
 
 
 @pytest.mark.slow   # a moto S3 server
