@@ -3,8 +3,8 @@
 A layer is TF's LSTMCell(num_proj, cell_clip, proj_clip) (LstmProjection). At inference the forward and
 backward layers of one depth run together (run_lstm_layers) through a StepLoop, chosen once per device and
 dtype from an explicit option, lstm_loop (BiLM.lstm_loop; ElmoEmbedder(lstm_loop=)):
-  'onednn'  oneDNN's linear with prepacked weights and fused activations (CPU; on AMD CPUs MKL's sgemm reached
-            43 % of oneDNN's fp32 rate, benchmarks/README.md)
+  'onednn'  oneDNN's linear with prepacked weights and fused activations (CPU: faster than MKL's sgemm on
+            AMD CPUs, docs/pipeline.md)
   'bmm'     torch.bmm / baddbmm_ for both directions at once (GPUs, and CPUs without oneDNN)
   'auto'    oneDNN on a CPU whose torch has it for the dtype, else bmm.
 Under autograd model/padded_forward.py runs the same layers.
