@@ -8,10 +8,10 @@ State modes (what each sentence's LSTMs start from):
              bilm-tf / AllenNLP (batches are consecutive input sentences, never reordered). For parity
              and compatibility only: results depend on batch size and on what came before.
 
-batch_invariant=True (stateless and warm; off by default for its cost in speed: docs/decisions/batch-invariant-cost.md):
-a sentence's vectors are the same bits whatever it is
-batched with (alone, in any batch size or order, any token budget), at a given torch thread count (and,
-measured, the same at 1 and 2 threads): BiLM.forward_tokens(batch_invariant=True). False (default): the fast
+batch_invariant=True (stateless and warm; off by default for its cost in speed:
+docs/decisions/batch-invariant-cost.md): a sentence's vectors are the same bits whatever it is batched with
+(alone, in any batch size or order, any token budget), at a given torch thread count (and, measured, the same
+at 1 and 2 threads): BiLM.forward_tokens(batch_invariant=True). False (default): the fast
 path, equal up to float rounding (a few ulps). Stateful mode always runs the fast path.
 """
 from __future__ import annotations
