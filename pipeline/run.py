@@ -4,7 +4,7 @@ run(): plan() settles what varies with the options (reading only); the run takes
 (fsio/lease.py); prepare_output() decides fresh / resume / finish a finalize; build() is the graph, which
 only stages data under <out>/_staging/<run key>/:
     ListFiles -> ReadFiles -> [DropDuplicateIds | SpreadDocuments] -> Tokenize -> [SkipCommitted]
-    -> SortAndBatch -> Embed -> WriteShards (shards + commit records); dead letters from every stage
+    -> SortAndBatch -> EmbedBatches -> WriteShards (shards + commit records); dead letters from every stage
     -> WriteDeadLetters; per-file record counts staged by ReadFiles.
 Once the runner has finished, Finalize runs here, from what is staged (transforms/finalize.py).
 The local default runner is FnApiRunner (never Prism, which Beam would try to download).

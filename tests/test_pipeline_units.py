@@ -135,7 +135,7 @@ SPEC = ShardSpec(("parquet", "hdf5"), "sentence", (("layer_0", 2), ("layer_1", 4
 
 
 def _batch() -> EmbeddedBatch:
-    """Two embedded sentences (3 and 1 tokens) of a 3-layer model with 2P = 4, packed as Embed gives them."""
+    """Two embedded sentences (3 and 1 tokens) of a 3-layer model with 2P = 4, packed as EmbedBatches gives them."""
     rng = np.random.default_rng(0)
     items = [Item(f"d/x:1#{i}", "d/x:1", i, tuple(f"t{k}" for k in range(n)), tuple((2 * k, 2 * k + 1) for k in range(n)))
              for i, n in enumerate([3, 1])]
