@@ -1,4 +1,7 @@
-"""Length-sorted batches under a token budget (the embedder, the pipeline and the benchmarks use it).
+"""Length-sorted batches under a token budget: the one batching rule of the pipeline (SortAndBatch), the
+embedder (ElmoEmbedder.embed_sentences), RunInference (transforms.inference), long sentences' windows
+(model.windows) and the dry run. plan_batches decides which sentences go in which batch; embed_in_batches
+runs a plan through an embedder's embed_batch and puts the results back in input order.
 
 A batch's cost is its padded size: n_sentences * (longest + 2) token slots (<S> and </S> included); where
 the model lays sentences end to end in lanes (pack_lanes; stateless and warm modes), its token slots.
@@ -6,9 +9,11 @@ the model lays sentences end to end in lanes (pack_lanes; stateless and warm mod
 from __future__ import annotations
 
 import heapq
+from typing import Callable, Sequence
 
 
-def plan_batches(lengths: list[int], max_tokens: int, sort: bool = True, lanes: bool = False) -> list[list[int]]:
+def plan_batches(lengths: list[int], max_tokens: int = 0, sort: bool = True, lanes: bool = False, *,
+                 max_sentences: int = 0) -> list[list[int]]:
     """Indices grouped into batches whose padded size n * (max_len + 2) stays <= max_tokens.
 
     sort=True orders by length first (less padding); sort=False keeps input order (stateful mode).
@@ -17,10 +22,14 @@ def plan_batches(lengths: list[int], max_tokens: int, sort: bool = True, lanes: 
     evenly between the fewest batches the budget allows, so no batch is a small remainder (a remainder of the
     longest sentences would run their many steps on few lanes). Either way the concatenated batches are the
     same length-sorted order.
-    A sentence longer than the budget is a batch of its own."""
+    A sentence longer than the budget is a batch of its own.
+    max_sentences > 0: batches of that many sentences of the same order instead (the last one the rest;
+    max_tokens and lanes unused)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if sort else list(range(len(lengths)))
+    if max_sentences > 0:
+        return [order[start:start + max_sentences] for start in range(0, len(order), max_sentences)]
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if sort else list(range(len(lengths)))
     if lanes:
         return _even_batches([lengths[i] + 2 for i in order], order, max_tokens)
     batches: list[list[int]] = []
@@ -36,6 +45,16 @@ def plan_batches(lengths: list[int], max_tokens: int, sort: bool = True, lanes: 
     if cur:
         batches.append(cur)
     return batches
+
+
+def embed_in_batches(embed_batch: Callable[[list], list], sentences: Sequence, batches: list[list[int]]) -> list:
+    """embed_batch run on each planned batch of `sentences` in plan order (plan_batches); its results (one
+    per sentence) in input order."""
+    out: list = [None] * len(sentences)
+    for idx in batches:
+        for i, result in zip(idx, embed_batch([sentences[i] for i in idx])):
+            out[i] = result
+    return out
 
 
 def _even_batches(slots: list[int], order: list[int], max_tokens: int) -> list[list[int]]:

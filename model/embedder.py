@@ -21,7 +21,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from model.batching import plan_batches
+from model.batching import embed_in_batches, plan_batches
 from model.bilm import BiLM
 from model.char_ids import BOS_TOKEN, EOS_TOKEN, distinct_char_ids
 from model.device import host_side, resolve_device
@@ -256,15 +256,7 @@ class ElmoEmbedder:
             yield from self._embed_window(buf, bs, max_tokens)
 
     def _embed_window(self, sents: list[list[str]], bs: int, max_tokens: int | None = None) -> list[np.ndarray]:
-        if max_tokens:
-            batches = plan_batches([len(s) for s in sents], max_tokens, lanes=self.lanes)
-        else:
-            order = list(range(len(sents)))
-            if self.state_mode != "stateful":
-                order.sort(key=lambda i: len(sents[i]))
-            batches = [order[start: start + bs] for start in range(0, len(order), bs)]
-        results: list[np.ndarray | None] = [None] * len(sents)
-        for idx in batches:
-            for i, arr in zip(idx, self.embed_batch([sents[i] for i in idx])):
-                results[i] = arr
-        return results
+        lengths = [len(s) for s in sents]
+        batches = plan_batches(lengths, max_tokens, lanes=self.lanes) if max_tokens else \
+            plan_batches(lengths, sort=self.state_mode != "stateful", max_sentences=bs)
+        return embed_in_batches(self.embed_batch, sents, batches)

@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from model.batching import embed_in_batches, plan_batches
 
 DEFAULT_OVERLAP = 200
 
@@ -135,9 +136,8 @@ def embed_long_many(embedder, sentences: Sequence[Sequence[str]], window: int, o
     sentences = [list(tokens) for tokens in sentences]
     spans = [window_spans(len(tokens), w, v) for tokens in sentences]
     pieces = [tokens[s:e] for tokens, sp in zip(sentences, spans) for s, e in sp]
-    out: list[np.ndarray] = []
-    for i in range(0, len(pieces), per_batch):
-        out += embedder.embed_batch(pieces[i:i + per_batch])
+    out = embed_in_batches(embedder.embed_batch, pieces,
+                           plan_batches([len(p) for p in pieces], sort=False, max_sentences=per_batch))
     vectors, at = [], 0
     for sp in spans:
         vectors.append(out[at] if len(sp) == 1 else stitch(out[at: at + len(sp)], sp))

@@ -63,7 +63,8 @@ def sample_file(url: str, size: int, budget: int, fmt: str, label: str, text_fie
     """(records, scale): records read from the file (Document, Blank, DeadLetter) and the factor from them to
     the whole file."""
     from fsio import open_file
-    from transforms.read import _line_records, _Meter, read_documents
+    from transforms.lines import Meter as _Meter
+    from transforms.read import _line_records, read_documents
     if fmt != "parquet" and not url.endswith(COMPRESSED):
         with open_file(url, "rb", so) as f:
             slices, covered = _whole_lines(f, size, budget)

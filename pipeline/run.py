@@ -4,7 +4,7 @@ run(): plan() settles what varies with the options (reading only); the run takes
 (fsio/lease.py); prepare_output() decides fresh / resume / finish a finalize; build() is the graph, which
 only stages data under <out>/_staging/<run key>/:
     ListFiles -> ReadFiles -> [DropDuplicateIds | SpreadDocuments] -> Tokenize -> [SkipCommitted]
-    -> SortAndBatch -> Embed -> WriteShards (shards + commit records); dead letters from every stage
+    -> SortAndBatch -> EmbedBatches -> WriteShards (shards + commit records); dead letters from every stage
     -> WriteDeadLetters; per-file record counts staged by ReadFiles.
 Once the runner has finished, Finalize runs here, from what is staged (transforms/finalize.py).
 The local default runner is FnApiRunner (never Prism, which Beam would try to download).
@@ -39,11 +39,14 @@ from fsio.lease import Lease, RetryLater
 from transforms import embed as E
 from formats.layout import ShardInfo
 from transforms import coders  # noqa: F401 - registers the element coders
-from transforms.dofns import (Chain, DropDuplicateIds, Embed, ReadFiles, SkipCommitted, SortAndBatch, Tokenize,
-                              WriteShards)
+from transforms.chain import Chain
+from transforms.embed_step import EmbedBatches, SortAndBatch
+from transforms.read_step import DropDuplicateIds, ReadFiles
+from transforms.tokenize_step import Tokenize
+from transforms.write_step import SkipCommitted, WriteShards
 from transforms import progress as P
 from transforms.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
-from transforms.read import file_labels, public_url
+from transforms.ids import file_labels, public_url
 from transforms.records import Document, Item
 from transforms.resume import (OutputState, finalize_started, input_fingerprints, is_complete, prepare_output,
                                run_ingredients, run_key)
@@ -292,8 +295,8 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
     shards = items | "EmbedShards" >> beam.ParDo(Chain(
         staging, so,
         SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort),
-        Embed(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap, max_tokens=o.max_tokens_per_batch,
-              layers=pl.shard.layers_read, threads=pl.embed_threads),
+        EmbedBatches(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap,
+                     max_tokens=o.max_tokens_per_batch, layers=pl.shard.layers_read, threads=pl.embed_threads),
         WriteShards(staging, pl.shard, o.shard_sentences, so, o.shard_bytes))).with_output_types(ShardInfo)
     _ = shards | "CountStagedShards" >> beam.combiners.Count.Globally()
 

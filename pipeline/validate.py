@@ -139,7 +139,8 @@ def check_input_columns(files: list[str], input_format: str, text_field: str, id
     footer cannot be read is left to the run, where it is a dead letter "unreadable file"."""
     if input_format != "parquet":
         return
-    from transforms.read import parquet_columns, printable_label
+    from transforms.ids import printable_label
+    from transforms.read import parquet_columns
     wanted = [("--text-field", text_field)] + ([("--id-field", id_field)] if id_field else [])
     for url in files:
         try:

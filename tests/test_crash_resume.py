@@ -17,7 +17,7 @@ from tests.resume_helpers import (SMALL, argv, assert_same_output, corpus, read_
                                   run_subprocess, write_corpus)
 from transforms import resume
 from formats.layout import PLAN, record_ids
-from transforms.dofns import WriteShards
+from transforms.write_step import WriteShards
 from transforms.write import stage_shard
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
@@ -277,7 +277,7 @@ def test_sigkill_leaves_no_hdf5_temp_file(corpus, tiny_model_files, tmp_path):
     st = _staging(out)
     named = {f for r in _records(st) for f in r["files"].values()}
     data = {f for f in os.listdir(st) if os.path.isfile(os.path.join(st, f)) and f != "run.json"}
-    from transforms.dofns import WriteShards
+    from transforms.write_step import WriteShards
     assert len(_records(st)) == 2 and named <= data and not any(".tmp-" in f for f in data)
     unnamed = {f.rsplit(".", 1)[0] for f in data - named}            # a shard's .parquet and .hdf5 share a stem
     assert len(unnamed) <= WriteShards.WRITERS - 1, sorted(data - named)

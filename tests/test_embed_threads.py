@@ -1,4 +1,4 @@
-"""Several batches in the biLM at once (Embed threads, --embed-threads): the same batches, vectors bit for bit,
+"""Several batches in the biLM at once (EmbedBatches threads, --embed-threads): the same batches, vectors bit for bit,
 dead letters and order as one at a time; how the flag resolves."""
 import os
 
@@ -25,12 +25,12 @@ def _batches(n_batches: int = 12) -> list[list[Item]]:
 
 
 def _run(model_files, threads: int) -> list:
-    """Every output of Embed(threads) over _batches(), process() and finish_bundle() in order."""
+    """Every output of EmbedBatches(threads) over _batches(), process() and finish_bundle() in order."""
     from apache_beam.utils.windowed_value import WindowedValue
 
-    from transforms.dofns import Embed
+    from transforms.embed_step import EmbedBatches
     from transforms.embed import ModelSpec
-    d = Embed(ModelSpec(*model_files, device="cpu"), threads=threads)
+    d = EmbedBatches(ModelSpec(*model_files, device="cpu"), threads=threads)
     d.setup()
     embed = d.embedder.embed_packed
 

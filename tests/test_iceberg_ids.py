@@ -12,7 +12,7 @@ import pytest
 from pipeline import exits
 from pipeline.run import main
 from tests.resume_helpers import argv, write_corpus
-from transforms.read import file_labels
+from transforms.ids import file_labels
 
 pyiceberg = pytest.importorskip("pyiceberg")
 from pyiceberg.catalog import load_catalog  # noqa: E402

@@ -23,7 +23,8 @@ ALLOWED = {
     "downstream": {"model", "formats", "fsio"},
 }
 OURS = set(ALLOWED) | {"pipeline", "benchmarks", "tests"}
-BEAM_SHELLS = {"transforms/dofns.py", "transforms/coders.py", "transforms/inference.py",
+BEAM_SHELLS = {"transforms/chain.py", "transforms/read_step.py", "transforms/tokenize_step.py",
+               "transforms/embed_step.py", "transforms/write_step.py", "transforms/coders.py", "transforms/inference.py",
                "pipeline/run.py", "pipeline/options.py",
                "pipeline/validate.py"}
 

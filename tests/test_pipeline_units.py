@@ -17,7 +17,8 @@ from model.batching import padding
 from transforms.records import Blank, Document, EmbeddedBatch, Item
 from formats.layout import DeadLetter
 from fsio import expand as expand_inputs
-from transforms.read import file_labels, read_documents
+from transforms.ids import file_labels
+from transforms.read import read_documents
 from tokenization import align_tokens, tokenize_document, tokenize_text
 from formats.hdf5 import hdf5_key
 from formats.parquet import layer_columns, sentence_table, token_table
@@ -77,7 +78,7 @@ def test_read_text_lines_jsonl_parquet_compressed(tmp_path):
 
 
 def test_duplicate_ids_are_dead_letters_naming_every_copy():
-    from transforms.read import split_duplicate_ids
+    from transforms.ids import split_duplicate_ids
     assert list(split_duplicate_ids("x", [Document("x", "One.", source="d:1")])) == [Document("x", "One.", source="d:1")]
     dup = list(split_duplicate_ids("x", [Document("x", "Two.", source="d:7"), Document("x", "One.", source="d:1")]))
     assert [(d.id, d.level, d.excerpt) for d in dup] == [("d:1", "record", "One."), ("d:7", "record", "Two.")]
@@ -134,7 +135,7 @@ SPEC = ShardSpec(("parquet", "hdf5"), "sentence", (("layer_0", 2), ("layer_1", 4
 
 
 def _batch() -> EmbeddedBatch:
-    """Two embedded sentences (3 and 1 tokens) of a 3-layer model with 2P = 4, packed as Embed gives them."""
+    """Two embedded sentences (3 and 1 tokens) of a 3-layer model with 2P = 4, packed as EmbedBatches gives them."""
     rng = np.random.default_rng(0)
     items = [Item(f"d/x:1#{i}", "d/x:1", i, tuple(f"t{k}" for k in range(n)), tuple((2 * k, 2 * k + 1) for k in range(n)))
              for i, n in enumerate([3, 1])]
@@ -219,7 +220,7 @@ def test_finalize_lists_dead_letters(tmp_path):
 def test_write_shards_in_background_keeps_order_and_raises_errors(tmp_path):
     """WriteShards (the DoFn, driven by hand as a runner would) writes full shards on its own threads:
     every shard comes out once, in order, by the bundle's end; a failing write raises in the Beam thread."""
-    from transforms.dofns import WriteShards
+    from transforms.write_step import WriteShards
     batches = [_batch()] * 3                                  # 6 sentences, shards of 2
     dofn = WriteShards(str(tmp_path / "st"), SPEC, 2, None)
     dofn.setup()

@@ -196,7 +196,7 @@ def test_documents_carry_the_bytes_of_the_stored_file(tmp_path, name):
 
 
 def test_tokenize_splits_a_documents_bytes_over_its_items():
-    from transforms.dofns import Tokenize
+    from transforms.tokenize_step import Tokenize
     t = Tokenize("wikitext", 1000, progress=P.ProgressSpec(1000))
     t.setup()
     t.run_stats.reset()

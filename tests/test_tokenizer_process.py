@@ -102,7 +102,7 @@ def test_no_child_or_thread_left_after_a_run(fail, tmp_path, tiny_model_files, m
     """The children were started and are gone, with their threads, after a run, and after a failed one."""
     import threading
     import tokenization.process as TP
-    import transforms.dofns as D
+    import transforms.write_step as D
     from pipeline.run import main
     from tests.resume_helpers import argv, write_corpus
     started = []
@@ -123,7 +123,7 @@ def test_no_child_or_thread_left_after_a_run(fail, tmp_path, tiny_model_files, m
 def test_a_failed_bundles_documents_are_not_emitted_with_the_next():
     """A bundle that failed after handing documents over (no finish_bundle), then another bundle on the same
     DoFn: only that bundle's Items come out."""
-    from transforms.dofns import Tokenize
+    from transforms.tokenize_step import Tokenize
     from transforms.records import Document, Item
     t = Tokenize("wikitext", 1000, processes=1)
     t.setup()

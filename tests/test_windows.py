@@ -183,13 +183,14 @@ def test_a_failing_windowed_sentence_is_a_dead_letter_and_the_others_come_out(ti
     from apache_beam.pvalue import TaggedOutput
     from apache_beam.utils.windowed_value import WindowedValue
 
-    from transforms.dofns import DEAD, Embed
+    from transforms.chain import DEAD
+    from transforms.embed_step import EmbedBatches
     from transforms.embed import ModelSpec
     from transforms.records import Item
 
     sents = [_tokens(61), ["BOOM", *_tokens(40)], _tokens(8), _tokens(33)]
     batch = [Item(f"d#{i}", "d", i, tuple(s), tuple((j, j + 1) for j in range(len(s)))) for i, s in enumerate(sents)]
-    d = Embed(ModelSpec(*tiny_model_files, device="cpu"), window=20, overlap=6, max_tokens=256)
+    d = EmbedBatches(ModelSpec(*tiny_model_files, device="cpu"), window=20, overlap=6, max_tokens=256)
     d.setup()
     real = d.embedder.embed_batch
 

@@ -1,6 +1,6 @@
 """Sentence splitting and word tokenization with character offsets (tokenization/tokenizers.py).
 
-Used by the pipeline (transforms/dofns.py) and by language-model training (training/data.py); imports
+Used by the pipeline (transforms/tokenize_step.py) and by language-model training (training/data.py); imports
 neither Beam nor torch.
 """
 from tokenization.tokenizers import (RAW_SCHEMES, TOKENIZERS, Sentence, align_tokens, moses_tokens, resolve_tokenizer,

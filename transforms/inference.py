@@ -82,14 +82,11 @@ def _slots(tokens: Sequence[str]) -> int:
 def embed_budgeted(embedder, sentences: Sequence[Sequence[str]], max_tokens: int) -> list[np.ndarray]:
     """(L+1, T_i, 2P) float32 per sentence, in order, run in length-sorted sub-batches of at most `max_tokens`
     padded slots, or token slots where the embedder lays sentences in lanes (a sentence over the budget runs
-    alone)."""
-    from model.batching import plan_batches
+    alone): model.batching."""
+    from model.batching import embed_in_batches, plan_batches
     sentences = [list(s) for s in sentences]
-    out: list[np.ndarray | None] = [None] * len(sentences)
-    for idx in plan_batches([len(s) for s in sentences], max_tokens, lanes=getattr(embedder, "lanes", False)):
-        for i, arr in zip(idx, embedder.embed_batch([sentences[i] for i in idx])):
-            out[i] = arr
-    return out
+    batches = plan_batches([len(s) for s in sentences], max_tokens, lanes=getattr(embedder, "lanes", False))
+    return embed_in_batches(embedder.embed_batch, sentences, batches)
 
 
 class Embedded(NamedTuple):

@@ -1,7 +1,8 @@
 """The elements that flow between the pipeline's stages. No Beam import.
 
 Document (ReadFiles -> Tokenize), Blank (counted by ReadFiles), Item (a tokenized sentence: Tokenize ->
-SortAndBatch -> Embed), EmbeddedBatch (a batch of embedded sentences, columnar: Embed -> WriteShards).
+SortAndBatch -> EmbedBatches), EmbeddedBatch (a batch of embedded sentences, columnar: EmbedBatches ->
+WriteShards).
 Dead letters and staged-shard descriptions are part of the output format (formats.layout). Their Beam coders
 are in transforms/coders.py.
 """

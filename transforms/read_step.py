@@ -1,0 +1,80 @@
+"""The reading step's Beam shells: ReadFiles (a file's records, transforms.read) and DropDuplicateIds
+(transforms.ids.split_duplicate_ids)."""
+from __future__ import annotations
+
+import time
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+
+from formats.layout import DeadLetter
+from transforms.chain import DEAD, NS
+from transforms.ids import split_duplicate_ids
+from transforms.progress import ProgressSpec, advance
+from transforms.read import MAX_RECORD_BYTES, read_documents
+from transforms.records import Blank
+from transforms.stats import RunStats
+from transforms.write import stage_counts
+
+
+class ReadFiles(beam.DoFn):
+    """index of a file in `files` -> Document ...; unreadable records to the DEAD output; per file, its record
+    counts (input records, blank records) staged under the run's staging folder (transforms.write.stage_counts).
+    The progress bar advances by the file's bytes that no Document carries (blank and unreadable records).
+    Files travel by index: a local name that is not valid UTF-8 cannot be a Beam string."""
+
+    def __init__(self, fmt, files, labels, text_field, id_field, storage_options, staging,
+                 progress: ProgressSpec | None = None, max_record_bytes: int = MAX_RECORD_BYTES):
+        self.args = (fmt, labels, text_field, id_field, storage_options)
+        self.files, self.max_record_bytes = list(files), max_record_bytes
+        self.staging, self.progress = staging, progress
+        self.docs = Metrics.counter(NS, "documents")
+        self.dead = Metrics.counter(NS, "dead_letters")
+        self.blank = Metrics.counter(NS, "blank_records")
+        self.run_stats = RunStats()
+
+    def process(self, index: int):
+        fmt, labels, text_field, id_field, so = self.args
+        url = self.files[index]
+        records = blank = doc_bytes = 0
+        busy, t = 0.0, time.perf_counter()      # time reading, not the time downstream steps take per yield
+        for rec in read_documents(url, fmt, labels[url], text_field, id_field, so, self.max_record_bytes):
+            busy += time.perf_counter() - t
+            records += 1
+            if isinstance(rec, Blank):
+                blank += 1
+            elif isinstance(rec, DeadLetter):
+                self.dead.inc()
+                yield beam.pvalue.TaggedOutput(DEAD, rec)
+            else:
+                self.docs.inc()
+                doc_bytes += rec.nbytes
+                yield rec
+            t = time.perf_counter()
+        busy += time.perf_counter() - t
+        self.run_stats.time("read", busy)
+        self.blank.inc(blank)
+        stage_counts(url, {"input_records": records, "blank_records": blank}, self.staging, so)
+        if self.progress:
+            advance(self.progress, max(0, self.progress.sizes.get(url, doc_bytes) - doc_bytes))
+
+
+class DropDuplicateIds(beam.DoFn):
+    """(doc id, its Documents) -> the Document when it is the only one; else every one of them to DEAD
+    (transforms.read.split_duplicate_ids)."""
+
+    def __init__(self, progress: ProgressSpec | None = None):
+        self.dead = Metrics.counter(NS, "dead_letters")
+        self.progress = progress
+
+    def process(self, keyed):
+        doc_id, docs = keyed[0], list(keyed[1])
+        outs = list(split_duplicate_ids(doc_id, docs))
+        if self.progress and len(docs) > 1:       # all dead letters: their input is done with
+            advance(self.progress, sum(d.nbytes for d in docs))
+        for out in outs:
+            if isinstance(out, DeadLetter):
+                self.dead.inc()
+                yield beam.pvalue.TaggedOutput(DEAD, out)
+            else:
+                yield out
