@@ -24,8 +24,8 @@ ALLOWED = {
 }
 OURS = set(ALLOWED) | {"pipeline", "benchmarks", "tests"}
 BEAM_SHELLS = {"transforms/dofns.py", "transforms/coders.py", "transforms/inference.py",
-               "pipeline/run.py", "pipeline/options.py",
-               "pipeline/validate.py"}
+               "pipeline/run.py", "pipeline/plan.py", "pipeline/graph.py", "pipeline/execute.py",
+               "pipeline/options.py", "pipeline/validate.py"}
 
 
 def _modules():
