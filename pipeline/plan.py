@@ -67,7 +67,7 @@ class Plan:
     sentence_limit: int            # longer sentences are dead letters
     limit_flag: str                # the flag to name in their reason
     window: int                    # windowed sentences (0: none, stateful)
-    progress: ProgressSpec | None      # the bar by input bytes (transforms/progress.py), or None: no bar
+    progress: ProgressSpec | None  # the bar by input bytes (transforms/progress.py), or None: no bar
     key: str                       # the run key (transforms/resume.py)
     ingredients: dict              # what it hashes
     manifest: dict                 # manifest.json as known before the run
@@ -90,6 +90,7 @@ class Plan:
 
 
 def local_workers(opts: PipelineOptions) -> int:
+    """The worker processes of a local run: --direct_num_workers in multi_processing mode, else 1."""
     d = opts.view_as(DirectOptions)
     return (d.direct_num_workers or 1) if d.direct_running_mode == "multi_processing" else 1
 
