@@ -84,8 +84,9 @@ class ElmoEmbedder:
         if model is None:
             from model.weights import load_bilm
             if options_file is None and weight_file is None:
-                from model.pretrained import default_model_files
-                options_file, weight_file, vocab_file = default_model_files()
+                from model.resolve import resolve_model
+                default = resolve_model()
+                options_file, weight_file, vocab_file = default.options_file, default.weight_file, default.vocab_file
             elif options_file is None or weight_file is None:
                 raise ValueError("give both options_file and weight_file, or neither (the shipped default)")
             model = load_bilm(options_file, weight_file)
@@ -122,10 +123,15 @@ class ElmoEmbedder:
         """An embedder of a model by name (model.pretrained.MODELS: the shipped one, or a published one,
         downloaded into the cache on first use and verified on every use); kwargs as for the constructor.
         Its `model_name` and `tokenization` (the scheme of its training text) are set."""
-        from model.pretrained import model_files, model_tokenization
-        options_file, weight_file, vocab_file = model_files(name, progress)
-        embedder = cls(options_file, weight_file, vocab_file=vocab_file, **kwargs)
-        embedder.model_name, embedder.tokenization = name, model_tokenization(name)
+        from model.resolve import resolve_model
+        return cls.from_model(resolve_model(name, progress=progress), **kwargs)
+
+    @classmethod
+    def from_model(cls, model, **kwargs) -> "ElmoEmbedder":
+        """An embedder of a model.resolve.ResolvedModel (its files as given: paths or URLs); kwargs as for the
+        constructor. Its `model_name` and `tokenization` are set (None for custom files)."""
+        embedder = cls(model.options_file, model.weight_file, vocab_file=model.vocab_file, **kwargs)
+        embedder.model_name, embedder.tokenization = model.model_name, model.tokenization
         return embedder
 
     @property

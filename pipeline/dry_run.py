@@ -1,6 +1,6 @@
 """`--dry-run` / `elmo-pipeline plan`: what a run of the same command would do, without touching --output.
 
-estimate(): the run's plan (pipeline.run.plan, without the object-store write probe), then
+estimate(): the run's plan (pipeline.plan.plan, without the object-store write probe), then
 - inputs: every file matched, with its size;
 - a sample: the lines starting in up to CHUNKS windows, about SAMPLE_BYTES in all, spread evenly over each
   sampled file (compressed and Parquet files: from their start), read and tokenized with the run's own code;
@@ -63,13 +63,13 @@ def sample_file(url: str, size: int, budget: int, fmt: str, label: str, text_fie
     """(records, scale): records read from the file (Document, Blank, DeadLetter) and the factor from them to
     the whole file."""
     from fsio import open_file
-    from transforms.lines import Meter as _Meter
-    from transforms.read import _line_records, read_documents
+    from transforms.lines import Meter
+    from transforms.read import line_records, read_documents
     if fmt != "parquet" and not url.endswith(COMPRESSED):
         with open_file(url, "rb", so) as f:
             slices, covered = _whole_lines(f, size, budget)
         records = [r for j, s in enumerate(slices)     # ids numbered in each slice: the slice in the label
-                   for r in _line_records(io.BytesIO(s), _Meter(io.BytesIO(s)), fmt, f"{label}~{j}" if j else label,
+                   for r in line_records(io.BytesIO(s), Meter(io.BytesIO(s)), fmt, f"{label}~{j}" if j else label,
                                           text_field, id_field)]
         return records, size / covered if covered else 0.0
     records, stored, done = [], 0, False
@@ -97,7 +97,7 @@ def sample_inputs(pl, sizes: dict[str, int], budget: int = SAMPLE_BYTES) -> dict
     """Counts of the sample, scaled to all inputs, and the sample's written sentences (tokens) for timing."""
     from tokenization.process import tokenize_or_reason
     from transforms.records import Blank, Document
-    o = pl.o
+    o = pl.options
     files = pl.files
     picked = files if len(files) <= MAX_SAMPLE_FILES else \
         [files[round(i * (len(files) - 1) / (MAX_SAMPLE_FILES - 1))] for i in range(MAX_SAMPLE_FILES)]
@@ -111,7 +111,7 @@ def sample_inputs(pl, sizes: dict[str, int], budget: int = SAMPLE_BYTES) -> dict
     for url in picked:
         share = max(MIN_CHUNK, int(budget * sizes[url] / picked_bytes))
         records, scale = sample_file(url, sizes[url], share, o.input_format, pl.labels[url], o.text_field,
-                                     o.id_field, pl.so)
+                                     o.id_field, pl.storage_options)
         read_bytes += min(sizes[url], share)
         scale *= total_bytes / picked_bytes
         c = dict.fromkeys(keys, 0)
@@ -152,8 +152,8 @@ def measure(pl, written: list, seed: int = 0) -> dict:
 
     from formats.estimate import sample_file_bytes
     from model.batching import plan_batches
-    from transforms import embed as E
-    o = pl.o
+    from transforms.embed import load_embedder
+    o = pl.options
     limit = max(1, min(o.max_tokens_per_batch - 2, pl.window or o.max_tokens_per_batch))
     pool = [w for w in written if 0 < len(w[3]) <= limit]
     random.Random(seed).shuffle(pool)
@@ -165,7 +165,7 @@ def measure(pl, written: list, seed: int = 0) -> dict:
         tokens += len(w[3])
     if not chosen:
         return {"tokens_per_s": 0.0, "timed_tokens": 0, "timed_batches": 0, "bytes_per_token": {}, "encode_seconds": 0}
-    embedder = E.load_embedder(pl.spec)
+    embedder = load_embedder(pl.spec)
     batches = plan_batches([len(w[3]) for w in chosen], o.max_tokens_per_batch, sort=pl.sort, lanes=pl.sort)
     for b in batches:     # the token cache warmed on these sentences, as a run's is by the corpus's frequent words
         embedder.prepare_packed([chosen[i][3] for i in b])
@@ -209,7 +209,7 @@ def output_state(pl) -> str:
     from fsio import url_fs
     from fsio.lease import describe, is_stale
     from transforms.resume import finalize_started, is_complete
-    o, so = pl.o, pl.so
+    o, so = pl.options, pl.storage_options
     if not o.overwrite and is_complete(o.output, pl.key, so):
         return "holds the finished run of this same command: `run` would exit 0 at once and change nothing"
     fs, root = url_fs(o.output, so)
@@ -228,8 +228,8 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     """The plan of `run ARGV` as numbers (see the module docstring)."""
     from formats.estimate import layer_bytes
     from pipeline.exits import after_plan
-    from pipeline.run import pipeline_options, plan
-    from transforms import embed as E
+    from pipeline.plan import pipeline_options, plan
+    from transforms.embed import withdraw_models
     t_start = time.perf_counter()
     opts = pipeline_options(argv)
     try:
@@ -242,7 +242,7 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
             after_plan(e)
             raise
     finally:
-        E.withdraw_models()
+        withdraw_models()
     est, spec = s["estimated"], pl.shard
     tokens = est["tokens_written"]
     h5_layers = 1 if spec.selection == "average" or list(spec.selection) == [spec.n_layers - 1] \
@@ -254,16 +254,16 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     seconds = {"embed": tokens / rate if rate else None, "tokenize": tokens / tok_rate if tok_rate else None,
                "encode": tokens / enc_rate if enc_rate else None}
     return {
-        "output": pl.o.output, "run_key": pl.key, "output_state": output_state(pl),
+        "output": pl.options.output, "run_key": pl.key, "output_state": output_state(pl),
         "inputs": [{"url": u, "bytes": sizes[u]} for u in pl.files], "input_bytes": sum(sizes.values()),
         "sample": {"bytes": s["sample_bytes"], "files": s["files_sampled"], **s["sampled"]},
         "estimated": est,
-        "formats": pl.formats, "dtype": pl.o.dtype, "layers": [c for c, _ in spec.columns],
+        "formats": pl.formats, "dtype": pl.options.dtype, "layers": [c for c, _ in spec.columns],
         "output_bytes": out_bytes,
         "layer_bytes": layer_bytes(list(spec.columns) if "parquet" in spec.formats else [],
                                    h5_layers if "hdf5" in spec.formats else 0, spec.dim, tokens),
-        "shards_at_least": max(1, math.ceil(est["sentences_written"] / pl.o.shard_sentences),
-                               math.ceil(tokens * spec.bytes_per_token / pl.o.shard_bytes)),
+        "shards_at_least": max(1, math.ceil(est["sentences_written"] / pl.options.shard_sentences),
+                               math.ceil(tokens * spec.bytes_per_token / pl.options.shard_bytes)),
         "rate": {"tokens_per_s": rate, "timed_tokens": m["timed_tokens"], "timed_batches": m["timed_batches"],
                  "torch_threads": m.get("threads"), "tokenize_tokens_per_s": tok_rate, "encode_tokens_per_s": enc_rate},
         "seconds": seconds, "plan_seconds": time.perf_counter() - t_start,

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from model.embedder import ElmoEmbedder
+    from model.resolve import resolve_model
 
     if args.batch_size < 1:
         raise SystemExit("error: --batch-size must be >= 1")
@@ -91,8 +92,9 @@ def run(args: argparse.Namespace) -> int:
     common = dict(device=args.cuda_device, state=args.state, batch_size=args.batch_size, dtype=args.compute_dtype,
                   batch_invariant=args.batch_invariant)
     try:
-        embedder = (ElmoEmbedder.from_name(args.model, **common) if args.model else
-                    ElmoEmbedder(args.options_file, args.weight_file, vocab_file=args.vocab_file, **common))
+        model = resolve_model(args.model, args.options_file, args.weight_file,
+                              args.vocab_file if args.options_file else None)    # with files given only
+        embedder = ElmoEmbedder.from_model(model, **common)
     except (ValueError, OSError) as e:   # unknown name, failed download, changed cached file
         raise SystemExit(f"error: {e}") from None
     for i, line in enumerate(lines):

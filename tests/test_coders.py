@@ -1,6 +1,8 @@
 """Element coders (transforms/coders.py): exact, deterministic round trips, found by Beam's registry; and the
-whole graph with every element encoded and decoded between stages (a Reshuffle at every stage boundary,
-ELMO_PIPELINE_BREAK_FUSION=1) gives what the fused in-process run gives."""
+whole graph with every element encoded and decoded between stages (a Reshuffle at every stage boundary:
+Plan.break_fusion) gives what the fused in-process run gives."""
+import dataclasses
+
 import numpy as np
 import pytest
 from apache_beam import coders as beam_coders
@@ -50,8 +52,20 @@ def test_embedded_batch_vectors_bit_for_bit():
     assert got.layers == (0, 2) and got.vectors.tobytes() == vectors[[0, 2]].tobytes()
 
 
+@pytest.fixture
+def break_fusion(monkeypatch):
+    """break_fusion(True): the runs after it plan a Reshuffle at every stage boundary (Plan.break_fusion);
+    break_fusion(False): fused again."""
+    from pipeline import plan, run
+
+    def set_to(on: bool):
+        monkeypatch.setattr(run, "plan", lambda *a, **k: dataclasses.replace(plan.plan(*a, **k), break_fusion=on))
+    return set_to
+
+
 @pytest.mark.slow
-def test_every_element_encoded_between_stages_equals_the_fused_run(tmp_path, tiny_model_files, monkeypatch):
+def test_every_element_encoded_between_stages_equals_the_fused_run(tmp_path, tiny_model_files, monkeypatch,
+                                                                    break_fusion):
     """With a Reshuffle at every stage boundary, Documents and Items (and the id grouping's key-value pairs)
     go through their coders; ids, tokens, offsets, counts, dead letters and vectors equal the fused run."""
     from pipeline.run import main
@@ -66,7 +80,7 @@ def test_every_element_encoded_between_stages_equals_the_fused_run(tmp_path, tin
             calls[_name] = calls.get(_name, 0) + 1
             return _encode(self, value)
         monkeypatch.setattr(c, "encode", counted)
-    monkeypatch.setenv("ELMO_PIPELINE_BREAK_FUSION", "1")
+    break_fusion(True)
     broken = str(tmp_path / "broken")
     assert main(argv(tiny_model_files, files, broken, *extra)) == 0
     ref = read_output(fused)
@@ -82,7 +96,7 @@ def test_every_element_encoded_between_stages_equals_the_fused_run(tmp_path, tin
     jsonl = str(tmp_path / "j.jsonl")
     calls.clear()
     assert main(argv(tiny_model_files, jsonl, str(tmp_path / "jb"), *args)) == 0
-    monkeypatch.delenv("ELMO_PIPELINE_BREAK_FUSION")
+    break_fusion(False)
     assert main(argv(tiny_model_files, jsonl, str(tmp_path / "jf"), *args)) == 0
     got, ref = read_output(str(tmp_path / "jb")), read_output(str(tmp_path / "jf"))
     assert_same_output(got, ref)

@@ -25,8 +25,8 @@ ALLOWED = {
 OURS = set(ALLOWED) | {"pipeline", "benchmarks", "tests"}
 BEAM_SHELLS = {"transforms/chain.py", "transforms/read_step.py", "transforms/tokenize_step.py",
                "transforms/embed_step.py", "transforms/write_step.py", "transforms/coders.py", "transforms/inference.py",
-               "pipeline/run.py", "pipeline/options.py",
-               "pipeline/validate.py"}
+               "pipeline/run.py", "pipeline/plan.py", "pipeline/graph.py", "pipeline/execute.py",
+               "pipeline/options.py", "pipeline/validate.py"}
 
 
 def _modules():

@@ -1,10 +1,10 @@
-"""Beam coders for the elements that cross a stage boundary, registered on import (pipeline.run imports this
+"""Beam coders for the elements that cross a stage boundary, registered on import (pipeline.graph imports this
 module before building the graph; runners ship the coders with the pipeline, so workers import it too).
 
 Explicit and deterministic, so every runner that encodes elements between stages (Dataflow, Flink, Spark,
 FnApiRunner with several workers) gets back exactly the objects it was given, with no pickle: Document,
 Item, EmbeddedBatch (float32 vectors bit for bit), DeadLetter, ShardInfo. Built from Beam's own component
-coders; PCollections are typed in pipeline.run.build() so that the registry finds them.
+coders; PCollections are typed in pipeline.graph.build() so that the registry finds them.
 """
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""The model on the pipeline's workers: what to load (ModelSpec), loading it once per process, its identity
-for the manifest, and the --layers selection. No Beam import.
+"""The model on the pipeline's workers: what to load (ModelSpec; which files: model/resolve.py), loading it
+once per process, and the --layers selection. No Beam import.
 
 Embedder output: float32 (L, N, 2P), L = LSTM layers + 1, layer 0 = token vector duplicated ([x, x]).
 Selections: "all" | "top" | "average" | "0,1,2" (layer indices).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,40 +33,12 @@ class ModelSpec:
     weights_sha256: str | None = None
 
     def local_files(self) -> tuple[str, str, str | None]:
-        """(options, weights, vocab) as local paths: remote files fetched into the cache (fsio.local_path)
-        with this spec's storage options, so model downloads retry like the data path; a named model whose
-        files are not at the launcher's paths here, from model.pretrained, verified against weights_sha256."""
-        from fsio import is_local_url
-        paths = [p for p in (self.options_file, self.weight_file, self.vocab_file) if p]
-        if self.model_name and not all(is_local_url(p) and os.path.exists(p.removeprefix("file://")) for p in paths):
-            from fsio import file_sha256
-            from model.pretrained import model_files
-            options, weights, vocab = model_files(self.model_name)
-            if self.weights_sha256 and file_sha256(weights) != self.weights_sha256:
-                raise ValueError(f"model {self.model_name!r} here ({weights}) is not the one the run was planned "
-                                 f"with (weights sha256 {self.weights_sha256})")
-            return options, weights, self._vocab_here(vocab)
-        return fetch_model_files(self.options_file, self.weight_file, self.vocab_file, self.storage_options)
-
-    def _vocab_here(self, model_vocab: str | None) -> str | None:
-        """The vocabulary on this machine when the model files came from model.pretrained: the one given, where
-        it can be read here (a URL, or a path that exists), else the named model's own."""
-        from fsio import is_local_url, local_path
-        v = self.vocab_file
-        if not v:
-            return None
-        if not is_local_url(v):
-            return local_path(v, storage_options=self.storage_options)
-        return v if os.path.exists(v.removeprefix("file://")) else model_vocab
-
-
-def fetch_model_files(options_file: str, weight_file: str, vocab_file: str | None = None,
-                      storage_options: dict | None = None) -> tuple[str, str, str | None]:
-    """Local paths of model files given as paths or URLs (remote ones downloaded once into the cache)."""
-    from fsio import local_path
-    return (local_path(options_file, storage_options=storage_options),
-            local_path(weight_file, storage_options=storage_options),
-            local_path(vocab_file, storage_options=storage_options) if vocab_file else None)
+        """(options, weights, vocab) as local paths on this machine (model.resolve.files_here: remote files
+        fetched with this spec's storage options, so model downloads retry like the data path; a named model
+        not at the launcher's paths here, from model.pretrained, checked against weights_sha256)."""
+        from model.resolve import files_here
+        return files_here(self.options_file, self.weight_file, self.vocab_file, self.model_name,
+                          self.weights_sha256, self.storage_options)
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int] | str:
@@ -138,17 +109,3 @@ def load_embedder(spec: ModelSpec):
     return ElmoEmbedder(options_file, weight_file, device=resolve_device(spec.device, share_gpus=True), model=model,
                         state=spec.state, vocab_file=vocab_file, dtype=spec.compute_dtype,
                         batch_invariant=spec.batch_invariant)
-
-
-def model_identity(spec: ModelSpec) -> dict:
-    """Model files, weights sha256, parsed options and how the vectors are computed (batch_invariant), for the
-    manifest."""
-    import json
-
-    from fsio import file_sha256
-    options_file, weight_file, _ = spec.local_files()
-    with open(options_file) as f:
-        options = json.load(f)
-    return {"options_file": spec.options_file, "weight_file": spec.weight_file, "vocab_file": spec.vocab_file,
-            "weights_sha256": file_sha256(weight_file), "options": options,
-            "batch_invariant": spec.batch_invariant}

@@ -51,10 +51,11 @@ class ElmoModelHandler(ModelHandler):
     def from_name(cls, name: str, *, device: str = "auto", state: str = "stateless", torch_threads: int = 0,
                   compute_dtype: str = "float32", **kwargs) -> "ElmoModelHandler":
         """A handler for a model by name (model.pretrained: downloaded and verified here, at construction)."""
-        from model.pretrained import model_files, model_tokenization
-        options, weights, vocab = model_files(name)
-        spec = ModelSpec(options, weights, vocab, device, state, torch_threads, compute_dtype)
-        return cls(spec, tokenization=model_tokenization(name), **kwargs)
+        from model.resolve import resolve_model
+        model = resolve_model(name)
+        spec = ModelSpec(model.options_file, model.weight_file, model.vocab_file, device, state, torch_threads,
+                         compute_dtype)
+        return cls(spec, tokenization=model.tokenization, **kwargs)
 
     def load_model(self):
         return load_embedder(self.spec)

@@ -1,6 +1,6 @@
 """The progress bar of a run: percent and ETA by input bytes, tokens/s beside. No Beam import.
 
-The total is the input files' sizes as stored (known at plan time: pipeline.run.plan). Each Document carries
+The total is the input files' sizes as stored (known at plan time: pipeline.plan.plan). Each Document carries
 its share of its file's bytes (transforms/read.py), split over its sentences by Tokenize (Item.nbytes); the
 bar advances when a batch is embedded by the bytes of its sentences, and when input is dropped (blank and
 unreadable records, dead-lettered sentences, sentences committed by an interrupted run). So it costs a few

@@ -59,7 +59,7 @@ def _file_records(url, fmt, label, text_field, id_field, storage_options, max_re
         yield from _read_parquet(url, label, text_field, id_field, storage_options, max_record_bytes)
         return
     with open_decompressed(url, storage_options) as (f, meter):
-        yield from _line_records(f, meter, fmt, label, text_field, id_field, max_record_bytes)
+        yield from line_records(f, meter, fmt, label, text_field, id_field, max_record_bytes)
 
 
 def too_long(nbytes: int, max_record_bytes: int) -> str:
@@ -67,7 +67,7 @@ def too_long(nbytes: int, max_record_bytes: int) -> str:
     return f"too long: record of {nbytes} bytes > --max-record-bytes {max_record_bytes}"
 
 
-def _line_records(f, meter: Meter, fmt: str, label: str, text_field: str, id_field: str | None,
+def line_records(f, meter: Meter, fmt: str, label: str, text_field: str, id_field: str | None,
                   max_record_bytes: int = MAX_RECORD_BYTES):
     """The records of a line format (text, lines, jsonl); each Document's nbytes is the bytes of the stored
     file read since the previous Document (so read-ahead and skipped records count with the next one)."""

@@ -35,7 +35,7 @@ KEY_VERSION = 1
 # (beyond float32 round-off): layout (shard sizes, row groups), speed (threads, device), the output itself,
 # the sort buffer (batches only; not in stateful mode, where batches decide the vectors), and where the
 # finished output is registered (--iceberg-*: the same files, added to a table), and --id-root (the ids it
-# gives are in the key when they differ from the default ones: pipeline/run.py plan()). Every other
+# gives are in the key when they differ from the default ones: pipeline/plan.py plan()). Every other
 # option of ElmoOptions is in the key, new ones included: a flag nobody thought about refuses a resume
 # rather than mixing two outputs. The batch budget stays in (it caps long-sentence windows). The model
 # files are in through their identity (weights sha256, parsed options), the inputs through their

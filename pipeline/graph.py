@@ -1,0 +1,61 @@
+"""The pipeline's graph, one labelled chain that only stages data under <out>/_staging/<run key>/:
+    ListFiles -> ReadFiles -> [DropDuplicateIds | SpreadDocuments] -> Tokenize -> [SkipCommitted]
+    -> SortAndBatch -> Embed -> WriteShards (shards + commit records); dead letters from every stage
+    -> WriteDeadLetters; per-file record counts staged by ReadFiles.
+"""
+from __future__ import annotations
+
+from pipeline.quiet import quiet_beam
+
+quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
+import apache_beam as beam
+
+from formats.layout import ShardInfo
+from pipeline.plan import Plan
+from transforms import coders  # noqa: F401 - registers the element coders
+from transforms.chain import Chain
+from transforms.embed_step import EmbedBatches, SortAndBatch
+from transforms.read_step import DropDuplicateIds, ReadFiles
+from transforms.tokenize_step import Tokenize
+from transforms.write_step import SkipCommitted, WriteShards
+from transforms.records import Document, Item
+from transforms.resume import OutputState
+
+
+def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
+    """The graph, top to bottom: one chain of single-output steps with typed elements, ending in one leaf.
+    It only stages data under state.staging (dead letters and counts as side effects of the steps that
+    find them); Finalize runs after it (pipeline/execute.py). With pl.break_fusion every stage boundary is a
+    Reshuffle, so every element is encoded and decoded with its coder (transforms/coders.py) on every runner."""
+    o, so, staging = pl.options, pl.storage_options, state.staging
+
+    def stage(pcoll, label, *dofns, output_type):
+        out = pcoll | label >> beam.ParDo(Chain(staging, so, *dofns)).with_output_types(output_type)
+        return out | f"{label}Encoded" >> beam.Reshuffle() if pl.break_fusion else out
+
+    files = p | "ListFiles" >> beam.Create(range(len(pl.files))) | "SpreadFiles" >> beam.Reshuffle()
+    docs = stage(files, "ReadFiles", ReadFiles(o.input_format, pl.files, pl.labels, o.text_field, o.id_field, so,
+                                               staging, pl.progress, o.max_record_bytes), output_type=Document)
+    if pl.unique_ids:          # grouping by id also spreads the documents over workers
+        keyed = docs | "KeyById" >> beam.Map(lambda d: (d.doc_id, d)).with_output_types(tuple[str, Document])
+        docs = stage(keyed | "GroupById" >> beam.GroupByKey(), "DropDuplicateIds", DropDuplicateIds(pl.progress),
+                     output_type=Document)
+    elif pl.spread_documents and not pl.break_fusion:
+        docs = docs | "SpreadDocuments" >> beam.Reshuffle()
+    items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag,
+                                             processes=pl.tokenizer_processes, progress=pl.progress,
+                                             max_document_tokens=o.max_document_tokens),
+                  output_type=Item)
+    if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
+        items = items | "SkipCommitted" >> beam.ParDo(
+            SkipCommitted(state.record_paths, so, pl.progress)).with_output_types(Item)
+    # batching, embedding and writing in one step: a bundle's last batches and shard never leave it. The count
+    # (unused) gives the step a consumer across a stage boundary: FnApiRunner's multi-process mode notices a
+    # dead worker on that data channel, and waits forever without one (docs/runner-notes.md)
+    shards = items | "EmbedShards" >> beam.ParDo(Chain(
+        staging, so,
+        SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort),
+        EmbedBatches(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap,
+                     max_tokens=o.max_tokens_per_batch, layers=pl.shard.layers_read, threads=pl.embed_threads),
+        WriteShards(staging, pl.shard, o.shard_sentences, so, o.shard_bytes))).with_output_types(ShardInfo)
+    _ = shards | "CountStagedShards" >> beam.combiners.Count.Globally()

@@ -1,0 +1,241 @@
+"""What a run of `python -m pipeline.run` does, settled from its options before anything runs: plan() checks the
+options, the model (model/resolve.py) and --output, and returns a Plan, which the graph (pipeline/graph.py), the
+run under the output's lease (pipeline/execute.py) and --dry-run (pipeline/dry_run.py) take. Reads only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from pipeline.quiet import quiet_beam
+
+quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
+from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, S3Options, StandardOptions
+
+from formats import layout
+from formats.hdf5 import hdf5_layout
+from formats.iceberg import IcebergTarget
+from formats.parquet import layer_columns, shard_schema
+from fsio import expand, redact
+from model.options import load_options, sentences_independent
+from model.resolve import resolve_model
+from pipeline.options import ElmoOptions, default_torch_threads
+from pipeline.validate import (check_input_columns, check_inputs_outside_output, check_model, check_numbers,
+                               check_output_writable, check_state)
+from transforms.embed import ModelSpec, offer_model, parse_layers
+from transforms.progress import ProgressSpec
+from transforms.ids import file_labels, public_url
+from transforms.resume import finalize_started, input_fingerprints, run_ingredients, run_key
+from transforms.write import ShardSpec
+
+logger = logging.getLogger("elmo-pipeline.run")
+LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
+
+
+def storage_options(opts: PipelineOptions) -> dict:
+    """Storage options {protocol: {...}} from Beam's standard --s3_* flags (one config for both),
+    plus botocore's retry policy from --s3-max-attempts."""
+    s3 = opts.view_as(S3Options)
+    so = {}
+    if s3.s3_endpoint_url:
+        so["endpoint_url"] = s3.s3_endpoint_url
+    if s3.s3_access_key_id:
+        so["key"], so["secret"] = s3.s3_access_key_id, s3.s3_secret_access_key
+    if s3.s3_region_name:
+        so["client_kwargs"] = {"region_name": s3.s3_region_name}
+    attempts = opts.view_as(ElmoOptions).s3_max_attempts
+    so["config_kwargs"] = {"retries": {"total_max_attempts": max(1, attempts), "mode": "standard"}}
+    return {"s3": so}
+
+
+@dataclass
+class Plan:
+    """Everything the graph needs, settled once from the options (plan())."""
+    options: ElmoOptions
+    storage_options: dict          # {protocol: {...}}
+    files: list[str]               # expanded inputs
+    labels: dict[str, str]         # file URL -> label used in document ids
+    formats: list[str]
+    spec: ModelSpec
+    shard: ShardSpec               # formats, layout, layer selection and columns, dtype, row groups
+    spread_documents: bool         # Reshuffle documents over workers (clusters; not one local worker)
+    unique_ids: bool               # group documents by --id-field value: duplicates become dead letters
+    sort: bool                     # length-sort batches and lay them in lanes (model.options.sentences_independent)
+    sentence_limit: int            # longer sentences are dead letters
+    limit_flag: str                # the flag to name in their reason
+    window: int                    # windowed sentences (0: none, stateful)
+    progress: ProgressSpec | None  # the bar by input bytes (transforms/progress.py), or None: no bar
+    key: str                       # the run key (transforms/resume.py)
+    ingredients: dict              # what it hashes
+    manifest: dict                 # manifest.json as known before the run
+    tokenizer: str                 # --tokenizer resolved (raw -> the model's scheme: tokenization.resolve_tokenizer)
+    tokenizer_processes: int       # child processes tokenizing for each worker (--tokenizer-process resolved)
+    embed_threads: int = 1         # batches in the biLM at once per worker (--embed-threads resolved)
+    break_fusion: bool = False     # a Reshuffle at every stage boundary: every element encoded (tests set it)
+    iceberg: IcebergTarget | None = None    # --iceberg-table: where Finalize registers the Parquet shards
+    schema: object = None          # the shards' Arrow schema (with --iceberg-table)
+    registration: object = None    # what the registration did (formats.iceberg.Registration), once done
+
+    def register(self, manifest: dict) -> None:
+        """Finalize's hook (transforms/finalize.py): the finished output's shards into the Iceberg table."""
+        self.registration = self.iceberg.register(self.options.output, manifest, self.schema, self.storage_options)
+        logger.info("%s", self.registration.describe())
+
+    @property
+    def registrar(self):
+        return self.register if self.iceberg is not None else None
+
+
+def local_workers(opts: PipelineOptions) -> int:
+    """The worker processes of a local run: --direct_num_workers in multi_processing mode, else 1."""
+    d = opts.view_as(DirectOptions)
+    return (d.direct_num_workers or 1) if d.direct_running_mode == "multi_processing" else 1
+
+
+def tokenizer_processes(flag: str, tokenizer: str, local: bool, runner: str, workers: int = 1) -> int:
+    """--tokenizer-process resolved to a number of child processes per worker (0: tokenize inline): the
+    cores each worker has, at most 2 and at least 1. auto: only where the tokenizer is costly (not
+    whitespace), on local runners with a core beside the biLM. on: ValueError on DaskRunner, which drops the
+    Items a child still owes at a bundle's end."""
+    if flag == "on" and "DaskRunner" in runner:
+        raise ValueError("--tokenizer-process on does not work with DaskRunner (it drops what a step emits "
+                         "from finish_bundle: docs/runner-notes.md); use auto or off")
+    cores = os.cpu_count() or 1
+    if flag == "off" or flag == "auto" and not (local and tokenizer != "whitespace" and cores >= 2):
+        return 0
+    return max(1, min(2, cores // max(1, workers)))
+
+
+def embed_threads(flag: int, torch_threads: int, local: bool, state: str, workers: int = 1,
+                  tokenizer_children: int = 0) -> int:
+    """--embed-threads resolved: the flag when given; auto (0): 2 on a local runner when each worker has a core
+    beside its one torch thread that no tokenizer child takes (tokenizing inline) and the state lets batches
+    run at once (not stateful), else 1. With tokenizer children on 2 cores, a second biLM thread only adds
+    contention (benchmarks/README.md, host cost)."""
+    if flag:
+        return flag
+    cores = os.cpu_count() or 1
+    return 2 if (local and state != "stateful" and torch_threads == 1 and not tokenizer_children
+                 and cores // max(1, workers) >= 2) else 1
+
+
+def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
+    """Check the options, the model and --output, and settle what the graph does. Nothing is written under
+    --output (on an object store, a probe object is written and removed: check_output_writable; not with
+    probe_output=False, as for --dry-run, which checks only what it can read)."""
+    o = opts.view_as(ElmoOptions)
+    if not o.input or not o.output:
+        raise ValueError("--input and --output are required")
+    check_numbers(o)
+    formats = o.formats()
+    iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, formats, o.dtype)
+    so = storage_options(opts)
+    files = expand(o.input, so)
+    labels = file_labels(files, o.id_root, full=iceberg is not None and not o.id_field)
+    check_input_columns(files, o.input_format, o.text_field, o.id_field, so)
+    check_inputs_outside_output(files, o.output)
+    resolved = resolve_model(o.model, o.options_file, o.weight_file, o.vocab_file, so,
+                             progress={"on": True, "off": False}.get(o.progress))
+    from model.pretrained import is_published, model_urls
+    from tokenization import resolve_tokenizer
+    model_name, tokenization = resolved.name, resolved.tokenization
+    tokenizer = resolve_tokenizer(o.tokenizer, tokenization)
+    local_options, local_weights, _ = resolved.local_files()
+    bilm_opts = load_options(local_options)
+    n_layers, dim = bilm_opts.n_layers + 1, bilm_opts.output_dim
+    selection = parse_layers(o.layers, n_layers)
+    columns = layer_columns(selection, dim, o.duplicate_layer0)
+    local = (opts.view_as(StandardOptions).runner or "FnApiRunner") in LOCAL_RUNNERS
+    workers = local_workers(opts)
+    o.batch_invariant = check_state(o.state, workers=workers, batch_invariant=o.batch_invariant)   # resolved
+    stateful = o.state == "stateful"
+    threads = o.torch_threads or (default_torch_threads(workers) if local else 0)
+    spec = ModelSpec(resolved.options_file, resolved.weight_file, resolved.vocab_file, o.device, o.state, threads,
+                     o.compute_dtype, batch_invariant=o.batch_invariant, storage_options=so,
+                     model_name=resolved.model_name)
+    if local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
+        from model.device import resolve_device
+        resolve_device(o.device)
+    model = check_model(local_options, local_weights)   # a bad model fails here, not in every worker
+    if probe_output or "://" not in o.output or o.output.startswith("file://"):    # local: reads only
+        check_output_writable(o.output, so)
+    identity = {**resolved.identity(), "batch_invariant": o.batch_invariant}
+    spec = dataclasses.replace(spec, weights_sha256=identity["weights_sha256"])   # what workers elsewhere check
+    flags = redact({k: getattr(o, k) for k in o._visible_option_list()})    # no secret in the manifest
+    if o.id_root:
+        flags["id_root"] = public_url(o.id_root)
+    fingerprints = input_fingerprints(files, so)
+    ingredients = run_ingredients(flags, redact(fingerprints), identity)   # as run.json records them
+    if labels != file_labels(files):      # ids other than the default ones (--id-root itself is not in the key)
+        ingredients["options"]["id_root"] = flags["id_root"] or "full paths (--iceberg-table)"
+    key = run_key(ingredients)
+    schema = shard_schema(o.parquet_layout, columns, o.dtype) if iceberg else None
+    if iceberg:
+        check_iceberg(iceberg, schema, o.output, key, o.overwrite, so)
+    if local and workers == 1:     # the worker runs in this process: it takes the model loaded above
+        offer_model(resolved.options_file, resolved.weight_file, model)
+    # stateful mode embeds sentences whole (windows are not consecutive sentences): longer than the window is dead
+    limit, flag = o.max_sentence_tokens, "--max-sentence-tokens"
+    if stateful and o.window_tokens < limit:
+        limit, flag = o.window_tokens, "--window-tokens (--state stateful embeds sentences whole)"
+    model_entry = redact({"name": model_name, **identity, "tokenization": tokenization, "tokenizer": tokenizer,
+                          **({"urls": model_urls(model_name)} if is_published(model_name) else {})})
+    manifest = layout.manifest_header(
+        model_entry, columns, hdf5_layout(selection, n_layers), flags, formats, redact(files), {"key": key})
+    manifest["compute_support"] = compute_support_here(o.compute_dtype, o.device) if local else None
+    shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
+                      selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
+                      o.row_group_bytes, n_layers, dim, o.vector_compression)
+    children = tokenizer_processes(o.tokenizer_process, tokenizer, local,
+                                   opts.view_as(StandardOptions).runner or "FnApiRunner", workers)
+    return Plan(o, so, files, labels, formats, spec, shard,
+                # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
+                # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
+                spread_documents=not stateful and not (local and workers == 1),
+                unique_ids=bool(o.id_field) and not stateful, sort=sentences_independent(o.state),
+                sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
+                progress=ProgressSpec(sum(f[1] or 0 for f in fingerprints), {f[0]: f[1] or 0 for f in fingerprints},
+                                      workers) if o.progress == "on" or (o.progress == "auto" and local and
+                                                                         sys.stderr.isatty()) else None,
+                key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
+                tokenizer_processes=children,
+                embed_threads=embed_threads(o.embed_threads or 0, threads, local, o.state, workers, children),
+                iceberg=iceberg, schema=schema)
+
+
+def compute_support_here(compute_dtype: str, device: str) -> dict:
+    """The manifest's `compute_support`: how this machine (a local runner's workers run here) runs the biLM in
+    the compute dtype on the device the workers pick (model.hardware.compute_support; no GPU is claimed)."""
+    from model.device import resolve_device
+    from model.hardware import compute_support
+    return compute_support(compute_dtype, resolve_device(device))
+
+
+def check_iceberg(iceberg: IcebergTarget, schema, output: str, key: str, overwrite: bool, so: dict) -> None:
+    """Before a run with --iceberg-table: the catalog answers, an existing table takes this run's shards, and
+    the table points at no files under --output that this run would replace (--overwrite, or an output that
+    no longer holds the finished run registered from it): refused, since the table would then point at
+    replaced files. Reads only."""
+    held = iceberg.check(schema, output, so)
+    if held and (overwrite or not finalize_started(output, key, so)):
+        why = ("--overwrite would replace them" if overwrite else
+               "it no longer holds the finished run of this command registered from it")
+        raise ValueError(f"--iceberg-table {iceberg.table} already references Parquet files under {output} "
+                         f"(snapshot {held[-1]}), and {why}: the table would point at replaced files. Write to a "
+                         "new --output, or remove those files from the table first")
+
+
+def pipeline_options(argv: list[str]) -> PipelineOptions:
+    """The options of a command line, checked (unknown flags and bad values: ValueError, one line, before anything
+    runs); the local default runner is FnApiRunner."""
+    argv = list(argv)
+    if not any(a == "--runner" or a.startswith("--runner=") for a in argv):
+        argv.append("--runner=FnApiRunner")
+    if any("DaskRunner" in a for a in argv):
+        import apache_beam.runners.dask.dask_runner  # noqa: F401 - its options (--dask_client_address, ...)
+    from pipeline.validate import check_flags
+    check_flags(argv)
+    return PipelineOptions(argv)
