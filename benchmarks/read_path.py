@@ -95,7 +95,8 @@ def stream(out: str, layers, batch_tokens: int = 2048, padded: bool = False) -> 
 def stream_mapped(out: str, layers, dtype) -> int:
     """Every sentence, padded batches of 32 in length buckets (every stored byte copied out of the mapped file
     into a batch tensor); returns stored vector bytes read."""
-    from downstream.mapped import BucketBatchSampler, MappedDataset
+    from downstream.mapped import MappedDataset
+    from downstream.sampler import BucketBatchSampler
     ds = MappedDataset(out, layers=layers, tokens=False, dtype=dtype)
     item = ds.stored_dtype.itemsize
     width = sum(ds.widths)
@@ -106,7 +107,7 @@ def stream_mapped(out: str, layers, dtype) -> int:
 
 
 def stream_records(out: str, fmt: str, layers, iterable: bool) -> int:
-    from downstream.readers import ElmoDataset, ElmoIterableDataset, collate
+    from downstream import ElmoDataset, ElmoIterableDataset, collate
     ds = ElmoIterableDataset(out, fmt=fmt, layers=layers, shuffle=False) if iterable else \
         ElmoDataset(out, fmt=fmt, layers=layers)
     o = ds.outputs[0]
@@ -243,7 +244,7 @@ def big_index(tmp: str, tokens: int, shard_tokens: int = 1_000_000) -> dict:
 
 def dtype_rows(out: str, dtype: str, slow: bool) -> dict:
     """Every row of one output (module docstring), printed as they come."""
-    from downstream.readers import ElmoDataset, ElmoOutput
+    from downstream import ElmoDataset, ElmoOutput
     o = ElmoOutput(out)
     top = [o.layer_names[-1]]
     arrow, parquet = _files(out, "arrow"), _files(out, "parquet")

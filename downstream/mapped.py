@@ -1,6 +1,7 @@
 """Training input at memory speed: the Arrow shards of `--format arrow` outputs, memory-mapped. No Beam import.
 
-    from downstream.mapped import MappedDataset, BucketBatchSampler
+    from downstream.mapped import MappedDataset, unbatched
+    from downstream.sampler import BucketBatchSampler
 
     ds = MappedDataset(["out/part1", "out/part2"], layers=["layer_2"])   # index only: ids, offsets, lengths
     ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's, built from memory-mapped views
@@ -14,108 +15,35 @@ Memory: the index, per sentence an int64 token offset, an int32 length and the a
 mapped files); vectors are never loaded whole: a batch copies its sentences' rows out of the mapped shards
 (page cache) into one padded tensor; stream() reads consecutive sentences' rows with one pread per layer
 into a reused buffer (the system call `cat` uses). Id lookup: a sorted array of 64-bit hashes of the ids
-(16 bytes a sentence, built on the first lookup), a hit checked against the stored id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir`
-on first use (the next shard is fetched in the background: read-ahead) and mapped from there.
+(16 bytes a sentence, built on the first lookup: downstream/id_table.py), a hit checked against the stored
+id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir` on first use (the next shard is
+fetched in the background: read-ahead; downstream/shard_cache.py) and mapped from there.
 """
 from __future__ import annotations
 
 import bisect
-import hashlib
 import os
-import posixpath
-import tempfile
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from downstream.readers import ElmoOutput, _attach, _open
+from downstream.arrow_shards import flat_vectors, open_arrow_shard, sentence_index, vector_offsets
+from downstream.id_table import IdTable
+from downstream.output import ElmoOutput, open_outputs
+from downstream.record_labels import attach_label, label_batch
+from downstream.sampler import BucketBatchSampler
+from downstream.shard_cache import ShardCache
+from downstream.stream_rows import RowBuffer, pad_rows, stream_plan
 from fsio import is_local_fs
 
 _META = ("id", "doc_id", "sentence_index")
 
 try:
     from torch.utils.data import Dataset as _TorchDataset
-    from torch.utils.data import Sampler as _TorchSampler
 except ImportError:  # pragma: no cover
-    _TorchDataset = _TorchSampler = object  # type: ignore[assignment,misc]
-
-
-def open_arrow_shard(path: str, fields: Sequence[str] | None = None) -> pa.RecordBatch:
-    """The record batch of a local Arrow shard, memory-mapped (zero-copy); `fields` selects columns."""
-    source = pa.memory_map(path, "r")
-    reader = pa.ipc.open_file(source)
-    if fields is not None:
-        names = reader.schema.names
-        reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(
-            included_fields=[names.index(f) for f in fields]))
-    if reader.num_record_batches == 0:
-        return pa.RecordBatch.from_pylist([], schema=reader.schema)
-    return reader.get_batch(0)
-
-
-def flat_vectors(batch: pa.RecordBatch, name: str) -> np.ndarray:
-    """(N, D) view of a fixed_size_list<float, D> column, in its stored dtype, without a copy."""
-    col = batch.column(name)
-    d = col.type.list_size
-    values = col.values.slice(col.offset * d, len(col) * d)
-    return values.to_numpy(zero_copy_only=True).reshape(-1, d)
-
-
-def vector_offsets(path: str, names: Sequence[str]) -> list[tuple[int, int]]:
-    """(file offset of row 0, bytes per row) of each named fixed_size_list column of a local Arrow shard: the
-    address of the column's values buffer in the memory map minus the map's base address."""
-    source = pa.memory_map(path, "r")
-    base = source.read_buffer(1).address if source.size() else 0
-    reader = pa.ipc.open_file(source)
-    if reader.num_record_batches == 0:
-        return [(0, 0) for _ in names]
-    batch, out = reader.get_batch(0), []
-    for name in names:
-        col = batch.column(name)
-        values, row = col.values, col.type.list_size * col.values.type.byte_width
-        out.append((values.buffers()[1].address - base + (values.offset + col.offset * col.type.list_size)
-                    * values.type.byte_width, row))
-    return out
-
-
-def _id_hash(sentence_id: bytes) -> int:
-    """64-bit hash of an id's UTF-8 bytes (the id lookup's key)."""
-    return int.from_bytes(hashlib.blake2b(sentence_id, digest_size=8).digest(), "little")
-
-
-def _string_buffers(array: pa.Array) -> tuple[np.ndarray, memoryview]:
-    """(offsets (n+1,) int32, data) of a string array: item i is data[offsets[i]:offsets[i+1]], no copy."""
-    _, offsets, data = array.buffers()
-    offs = np.frombuffer(offsets, np.int32)[array.offset: array.offset + len(array) + 1] if len(array) else \
-        np.zeros(1, np.int32)
-    return offs, memoryview(data).cast("B") if data is not None else memoryview(b"")
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    """Fill `view` with the file's bytes from `offset` (preadv, repeated over short reads)."""
-    while len(view):
-        n = os.preadv(fd, [view], offset)
-        if n <= 0:
-            raise EOFError(f"file ends before byte {offset + len(view)}")
-        view, offset = view[n:], offset + n
-
-
-def sentence_index(batch: pa.RecordBatch) -> tuple[pa.Array, np.ndarray, pa.Array, np.ndarray]:
-    """(ids (S,) string, token offsets (S+1,) int64, doc ids (S,) string, sentence indices (S,) int32) of a
-    shard's id/doc_id/sentence_index columns: rows are sorted by sentence, so sentence s holds the rows whose
-    id code is s, found by binary search over the codes (no pass over every token)."""
-    ids = batch.column("id")
-    codes = ids.indices.to_numpy(zero_copy_only=False)
-    offsets = np.searchsorted(codes, np.arange(len(ids.dictionary) + 1), side="left").astype(np.int64)
-    starts = offsets[:-1]
-    docs = batch.column("doc_id")
-    doc_ids = docs.dictionary.take(pa.array(docs.indices.to_numpy(zero_copy_only=False)[starts])) if len(starts) \
-        else pa.array([], pa.string())
-    indices = batch.column("sentence_index").to_numpy(zero_copy_only=False)[starts].astype(np.int32)
-    return ids.dictionary, offsets, doc_ids, indices
+    _TorchDataset = object  # type: ignore[assignment,misc]
 
 
 class MappedDataset(_TorchDataset):
@@ -137,9 +65,7 @@ class MappedDataset(_TorchDataset):
                  labels: Mapping[str, Any] | None = None, label_key: str = "label", tokens: bool = True,
                  dtype: str | None = "float32", storage_options: Mapping[str, Any] | None = None,
                  cache_dir: str | None = None, transform=None):
-        if isinstance(sources, (str, ElmoOutput)):
-            sources = [sources]
-        self.outputs = [_open(s, storage_options) for s in sources]
+        self.outputs = open_outputs(sources, storage_options)
         for out in self.outputs:
             if "arrow" not in out.formats:
                 raise ValueError(f"{out.path}: no arrow shards (formats: {out.formats}); write it with --format "
@@ -147,18 +73,17 @@ class MappedDataset(_TorchDataset):
         first = self.outputs[0]
         self.layers = list(layers) if layers else list(first.layer_names)
         for out in self.outputs:
-            out._check("arrow", self.layers)
+            out.check("arrow", self.layers)
             if out.dim != first.dim or [out.layer_dims[n] for n in self.layers] != [first.layer_dims[n] for n in self.layers]:
                 raise ValueError(f"{out.path}: layer widths differ from {first.path}'s")
         self.dim, self.widths = first.dim, [first.layer_dims[n] for n in self.layers]
         self.label_key, self.with_tokens, self.transform = label_key, tokens, transform
         self.dtype = np.dtype(dtype) if dtype else None
-        self.cache_dir = cache_dir
+        self.cache = ShardCache(cache_dir)
         self.units = [(k, i) for k, out in enumerate(self.outputs) for i in range(len(out.shards))]
         self._maps: dict[int, pa.RecordBatch] = {}
         self._views: dict[int, list[np.ndarray]] = {}
         self._pid = os.getpid()
-        self._fetching: dict[int, threading.Thread] = {}
         self._build_index(labels)
 
     # -- the index
@@ -184,7 +109,7 @@ class MappedDataset(_TorchDataset):
         if labels is not None:
             keep, values = [], []
             for p in range(len(all_lengths)):
-                r = _attach(self._meta(p), labels, self.label_key)
+                r = attach_label(self._meta(p), labels, self.label_key)
                 if r is None:
                     self.unlabelled += 1
                 else:
@@ -193,8 +118,7 @@ class MappedDataset(_TorchDataset):
             self._keep, self._labels = np.asarray(keep, dtype=np.int64), values
         self._all_lengths = all_lengths
         self.lengths = all_lengths if self._keep is None else all_lengths[self._keep]   # (len(self),) tokens
-        self._id_table: tuple[np.ndarray, np.ndarray] | None = None     # built by the first id lookup
-        self._id_buffers: list[tuple[np.ndarray, memoryview]] | None = None
+        self._id_table: IdTable | None = None                           # built by the first id lookup
 
     @property
     def stored_dtype(self) -> np.dtype:
@@ -206,7 +130,7 @@ class MappedDataset(_TorchDataset):
         ids are views of the mapped files)."""
         n = self._starts.nbytes + self._all_lengths.nbytes + self._unit_first.nbytes + \
             sum(a.nbytes for a in self._sentence_indices) + sum(a.nbytes for a in self._doc_ids) + \
-            (sum(a.nbytes for a in self._id_table) if self._id_table is not None else 0)
+            (self._id_table.nbytes if self._id_table is not None else 0)
         return n + (self._keep.nbytes if self._keep is not None else 0)
 
     def __len__(self) -> int:
@@ -236,18 +160,12 @@ class MappedDataset(_TorchDataset):
     def position(self, sentence_id: str) -> int:
         """The dataset position of a sentence id; KeyError if absent. A binary search in the sorted 64-bit
         hashes of all ids (built on the first call: 16 bytes a sentence), each hit checked against the id."""
-        key = sentence_id.encode()
-        hashes, positions = self._ids_by_hash()
-        h = np.uint64(_id_hash(key))
-        k = int(hashes.searchsorted(h))
-        while k < len(hashes) and hashes[k] == h:
-            p = int(positions[k])
-            u, s = self._unit(p)
-            offs, data = self._id_buffers[u]
-            if data[offs[s]: offs[s + 1]] == key:
-                return self._kept_position(p, sentence_id)
-            k += 1
-        raise KeyError(sentence_id)
+        if self._id_table is None:
+            self._id_table = IdTable(self._ids, self._firsts)
+        p = self._id_table.find(sentence_id.encode())
+        if p is None:
+            raise KeyError(sentence_id)
+        return self._kept_position(p, sentence_id)
 
     def _kept_position(self, p: int, sentence_id: str) -> int:
         """Dataset position of global position p (its index among the labelled ones when labels are given)."""
@@ -258,64 +176,35 @@ class MappedDataset(_TorchDataset):
             return k
         raise KeyError(sentence_id)
 
-    def _ids_by_hash(self) -> tuple[np.ndarray, np.ndarray]:
-        """(sorted id hashes (S,) uint64, their global positions (S,) int64); the ids' string buffers too."""
-        if self._id_buffers is None:
-            self._id_buffers = [_string_buffers(a) for a in self._ids]
-        if self._id_table is None:
-            hashes = np.fromiter((_id_hash(data[offs[s]: offs[s + 1]]) for offs, data in self._id_buffers
-                                  for s in range(len(offs) - 1)), dtype=np.uint64, count=len(self._all_lengths))
-            order = np.argsort(hashes, kind="stable")
-            self._id_table = (hashes[order], order.astype(np.int64))
-        return self._id_table
-
     # -- the mapped shards (opened lazily in each process: DataLoader workers map the files themselves)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_maps"], state["_views"], state["_fetching"], state["_id_buffers"] = {}, {}, {}, None
+        state["_maps"], state["_views"] = {}, {}
         return state
 
     def _open(self, u: int, fields: Sequence[str] | None = None) -> pa.RecordBatch:
         if fields is not None:
             return open_arrow_shard(self._local(u), fields)
         if self._pid != os.getpid():
-            self._maps, self._views, self._fetching, self._pid = {}, {}, {}, os.getpid()
+            self._maps, self._views, self._pid = {}, {}, os.getpid()
         b = self._maps.get(u)
         if b is None:
             b = self._maps[u] = open_arrow_shard(self._local(u))
-            if not is_local_fs(self.outputs[self.units[u][0]].fs) and u + 1 < len(self.units):
-                self._prefetch(u + 1)
+            self._prefetch_next(u)
         return b
 
-    def _remote(self, u: int) -> tuple[Any, str, str]:
-        """(fs, path, local cache path) of unit u."""
+    def _local(self, u: int) -> str:
+        """A local path of unit u's Arrow shard: the shard itself, or its copy in the cache."""
         k, i = self.units[u]
         out = self.outputs[k]
         path = out.shard_path(i, "arrow")
-        root = self.cache_dir or os.path.join(tempfile.gettempdir(), "elmo-mapped")
-        key = hashlib.sha256(f"{out.path}|{out.manifest.get('run', {}).get('key')}".encode()).hexdigest()[:16]
-        return out.fs, path, os.path.join(root, key, posixpath.basename(path))
+        return path if is_local_fs(out.fs) else self.cache.local(out, path)
 
-    def _local(self, u: int) -> str:
-        k, i = self.units[u]
-        out = self.outputs[k]
-        if is_local_fs(out.fs):
-            return out.shard_path(i, "arrow")
-        fetching = self._fetching.pop(u, None)
-        if fetching is not None:
-            fetching.join()
-        fs, path, local = self._remote(u)
-        if not (os.path.exists(local) and os.path.getsize(local) == fs.size(path)):
-            _download(fs, path, local)
-        return local
-
-    def _prefetch(self, u: int) -> None:
-        fs, path, local = self._remote(u)
-        if u in self._fetching or os.path.exists(local):
-            return
-        t = threading.Thread(target=_download, args=(fs, path, local), daemon=True)
-        t.start()
-        self._fetching[u] = t
+    def _prefetch_next(self, u: int) -> None:
+        """Start copying unit u + 1's shard when unit u's is remote (read-ahead)."""
+        if not is_local_fs(self.outputs[self.units[u][0]].fs) and u + 1 < len(self.units):
+            k, i = self.units[u + 1]
+            self.cache.prefetch(self.outputs[k], self.outputs[k].shard_path(i, "arrow"))
 
     # -- records
     def views(self, i: int) -> list[np.ndarray]:
@@ -369,7 +258,7 @@ class MappedDataset(_TorchDataset):
                  "ids": [m["id"] for m in metas], "doc_ids": [m["doc_id"] for m in metas],
                  "tokens": [self._tokens(p) for p in pos] if self.with_tokens else [None] * B}
         if self._labels is not None:
-            batch[self.label_key] = _label_batch([self._labels[int(i) % len(self)] for i in positions], T, self.label_key)
+            batch[self.label_key] = label_batch([self._labels[int(i) % len(self)] for i in positions], T, self.label_key)
         return batch
 
     __getitems__ = batch
@@ -398,19 +287,16 @@ class MappedDataset(_TorchDataset):
         ids, doc_ids (lists), the label as batch() gives it; padded=True adds layers (B, L, T, dim) in
         `dtype` (layer 0 duplicated, zero past each length) and mask (B, T) bool.
         layers: a subset of the dataset's layers (default all)."""
-        import torch
         names = list(layers) if layers else self.layers
         missing = [n for n in names if n not in self.layers]
         if missing:
             raise ValueError(f"layers {missing} are not among the dataset's {self.layers}")
-        plan = self._stream_plan(max(1, batch_tokens))
+        read = self._keep if self._keep is not None else np.arange(len(self._all_lengths), dtype=np.int64)
+        plan = stream_plan(read, self._firsts, self._starts, self._all_lengths, max(1, batch_tokens))
         rows = max((int(self._starts[q[-1]] + self._all_lengths[q[-1]] - self._starts[q[0]]) for _, q, _ in plan),
                    default=0)
-        stored = getattr(torch, self.stored_dtype.name)
         width = [self.outputs[0].layer_dims[n] * self.stored_dtype.itemsize for n in names]
-        region = [-(-rows * w // 64) * 64 for w in width]                   # each layer's share, 64-byte aligned
-        buf = torch.empty(sum(region), dtype=torch.uint8, pin_memory=pin_memory and torch.cuda.is_available())
-        view, base = memoryview(buf.numpy()), np.cumsum([0] + region[:-1]).tolist()
+        buf = RowBuffer(rows, width, self.stored_dtype, pin_memory)
         fd, fd_unit = -1, -1
         try:
             for u, pos, kept in plan:
@@ -418,35 +304,14 @@ class MappedDataset(_TorchDataset):
                     if fd >= 0:
                         os.close(fd)
                     path = self._local(u)
-                    if not is_local_fs(self.outputs[self.units[u][0]].fs) and u + 1 < len(self.units):
-                        self._prefetch(u + 1)
+                    self._prefetch_next(u)
                     offsets, fd, fd_unit = vector_offsets(path, names), os.open(path, os.O_RDONLY), u
                 first = int(self._starts[pos[0]])
                 n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
-                vectors = []
-                for (off, row), at, w in zip(offsets, base, width):
-                    _pread_into(fd, view[at: at + n * row], off + first * row)
-                    vectors.append(buf[at: at + n * row].view(stored).view(n, row // self.stored_dtype.itemsize))
-                yield self._stream_batch(vectors, pos, kept, first, padded)
+                yield self._stream_batch(buf.read(fd, offsets, first, n), pos, kept, first, padded)
         finally:
             if fd >= 0:
                 os.close(fd)
-
-    def _stream_plan(self, batch_tokens: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """(unit, global positions (B,), dataset positions (B,)) of each stream batch: consecutive positions
-        of one unit whose rows span at most batch_tokens (or one sentence)."""
-        kept = self._keep if self._keep is not None else np.arange(len(self._all_lengths), dtype=np.int64)
-        plan = []
-        for u in range(len(self.units)):
-            lo, hi = np.searchsorted(kept, self._firsts[u: u + 2])
-            j = lo
-            while j < hi:
-                first, k = int(self._starts[kept[j]]), j + 1
-                while k < hi and int(self._starts[kept[k]] + self._all_lengths[kept[k]]) - first <= batch_tokens:
-                    k += 1
-                plan.append((u, kept[j:k], np.arange(j, k)))
-                j = k
-        return plan
 
     def _stream_batch(self, vectors: list, pos: np.ndarray, kept: np.ndarray, first: int, padded: bool) -> dict:
         import torch
@@ -460,24 +325,11 @@ class MappedDataset(_TorchDataset):
                  "ids": pick(ids).to_pylist(), "doc_ids": pick(docs).to_pylist()}
         T = int(lengths.max()) if len(lengths) else 0
         if self._labels is not None:
-            batch[self.label_key] = _label_batch([self._labels[int(i)] for i in kept], T, self.label_key)
+            batch[self.label_key] = label_batch([self._labels[int(i)] for i in kept], T, self.label_key)
         if padded:
-            batch["layers"], batch["mask"] = self._padded(vectors, starts, lengths, T)
+            dtype = getattr(torch, (self.dtype or self.stored_dtype).name)
+            batch["layers"], batch["mask"] = pad_rows(vectors, starts, lengths, T, self.dim, dtype)
         return batch
-
-    def _padded(self, vectors: list, starts, lengths, T: int):
-        """(layers (B, L, T, dim) in `dtype`, mask (B, T)) of flat (N, D_k) vectors: one gather per layer."""
-        import torch
-        mask = torch.arange(T)[None, :] < lengths[:, None]
-        rows = (starts[:, None] + torch.arange(T)[None, :]).clamp_(max=max(0, len(vectors[0]) - 1))
-        dtype = getattr(torch, (self.dtype or self.stored_dtype).name)
-        out = torch.empty((len(lengths), len(vectors), T, self.dim), dtype=dtype)
-        for k, v in enumerate(vectors):
-            g = v[rows].to(dtype).masked_fill_(~mask[..., None], 0)
-            out[:, k, :, : v.shape[1]] = g
-            if v.shape[1] != self.dim:
-                out[:, k, :, v.shape[1]:] = g
-        return out, mask
 
 
 def _fill(out: np.ndarray, ds: MappedDataset, pos: list[int], lengths: np.ndarray) -> None:
@@ -499,106 +351,7 @@ def _fill(out: np.ndarray, ds: MappedDataset, pos: list[int], lengths: np.ndarra
         out[b, :, n:] = 0
 
 
-def _label_batch(values: list, T: int, key: str):
-    """Labels as readers.collate batches them: "label" (B,) int64 when all ints; "tags" (B, T) int64 padded with
-    -100 when int lists; other values stay a list."""
-    import torch
-    if key == "tags" and all(isinstance(v, list) and all(isinstance(t, int) for t in v) for v in values):
-        tags = torch.full((len(values), T), -100, dtype=torch.int64)
-        for b, v in enumerate(values):
-            tags[b, : len(v)] = torch.tensor(v, dtype=torch.int64)
-        return tags
-    if key != "tags" and all(isinstance(v, int) for v in values):
-        return torch.tensor(values, dtype=torch.int64)
-    return values
-
-
 def unbatched(batch: dict) -> dict:
     """collate_fn for DataLoader(MappedDataset, batch_sampler=...): the dataset's __getitems__ already made
     the batch."""
     return batch
-
-
-def _download(fs, path: str, local: str) -> None:
-    """Copy fs:path to the local file `local`, whole or not at all (a unique temporary name, then a rename)."""
-    os.makedirs(os.path.dirname(local), exist_ok=True)
-    tmp = f"{local}.{os.getpid()}.{threading.get_ident()}.part"
-    try:
-        fs.get_file(path, tmp)
-        os.replace(tmp, local)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-class BucketBatchSampler(_TorchSampler):
-    """Batches of dataset positions, deterministic per (seed, epoch), split across ranks, resumable.
-
-    lengths: tokens per sentence (MappedDataset.lengths). Positions (in order, or with shuffle=True a
-    permutation of (seed, epoch)) are cut into buckets of `bucket_batches` batches, each bucket sorted by
-    length before it is cut into batches (little padding); with shuffle the batches are then permuted.
-    bucket_batches=0: no sorting, batches of consecutive positions.
-    max_tokens: cap a batch at this many padded tokens (B x longest) instead of a fixed count.
-    Ranks (DistributedSampler's splitting): rank r takes batches r, r + world_size, ...; the list is
-    wrapped so every rank gets the same count. set_epoch(e, start_batch=k): epoch e's order, resumed after
-    the first k batches of this rank. Under DataLoader workers each batch is fetched once (the loader
-    deals the batches out).
-    """
-
-    def __init__(self, lengths: np.ndarray, batch_size: int = 32, shuffle: bool = False, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, bucket_batches: int = 100, max_tokens: int | None = None,
-                 drop_last: bool = False):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        self.lengths = np.asarray(lengths)
-        self.batch_size, self.shuffle, self.seed = max(1, batch_size), shuffle, seed
-        self.rank, self.world_size, self.bucket_batches = rank, world_size, max(0, bucket_batches)
-        self.max_tokens, self.drop_last = max_tokens, drop_last
-        self.epoch, self.start_batch = 0, 0
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.epoch, self.start_batch = epoch, start_batch
-
-    def _cut(self, order: np.ndarray) -> list[np.ndarray]:
-        if self.max_tokens is None:
-            return [order[s: s + self.batch_size] for s in range(0, len(order), self.batch_size)]
-        out, start, longest = [], 0, 0
-        for j, p in enumerate(order):
-            longest = max(longest, int(self.lengths[p]))
-            if j > start and (longest * (j - start + 1) > self.max_tokens or j - start >= self.batch_size):
-                out.append(order[start:j])
-                start, longest = j, int(self.lengths[p])
-        if start < len(order):
-            out.append(order[start:])
-        return out
-
-    def all_batches(self) -> list[np.ndarray]:
-        """Every batch of this epoch, all ranks, in order."""
-        n = len(self.lengths)
-        rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(n) if self.shuffle else np.arange(n)
-        if not self.bucket_batches:
-            batches = self._cut(order)
-        else:
-            size, batches = self.batch_size * self.bucket_batches, []
-            for s in range(0, n, size):
-                chunk = order[s: s + size]
-                batches += self._cut(chunk[np.argsort(self.lengths[chunk], kind="stable")])
-        return [batches[j] for j in rng.permutation(len(batches))] if self.shuffle else batches
-
-    def rank_batches(self) -> list[np.ndarray]:
-        """This rank's batches of this epoch (before start_batch is applied)."""
-        batches = self.all_batches()
-        if self.drop_last:
-            batches = batches[: len(batches) - len(batches) % self.world_size]
-        elif batches and len(batches) % self.world_size:
-            pad = self.world_size - len(batches) % self.world_size
-            batches = batches + [batches[j % len(batches)] for j in range(pad)]
-        return batches[self.rank:: self.world_size]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for b in self.rank_batches()[self.start_batch:]:
-            yield b.tolist()
-
-    def __len__(self) -> int:
-        return max(0, len(self.rank_batches()) - self.start_batch)

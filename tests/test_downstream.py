@@ -10,8 +10,7 @@ from downstream.combine import LearnedCombine, MixLayers, SelectLayer, make_comb
 from downstream.labels import load_sentence_labels, read_conllu
 from downstream.metrics import macro_f1
 from formats.hdf5 import hdf5_unkey
-from downstream.readers import (ElmoDataset, ElmoIterableDataset, ElmoOutput, collate, to_arrow_table,
-                                to_hf_dataset)
+from downstream import ElmoDataset, ElmoIterableDataset, ElmoOutput, collate, to_arrow_table, to_hf_dataset
 from model.embedder import ElmoEmbedder
 from pipeline.cli import main as cli_main
 from tests.pipeline_helpers import run_pipeline

@@ -8,8 +8,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from downstream.mapped import BucketBatchSampler, MappedDataset, unbatched
-from downstream.readers import ElmoDataset, ElmoOutput, collate
+from downstream import ElmoDataset, ElmoOutput, collate
+from downstream.mapped import MappedDataset, unbatched
+from downstream.sampler import BucketBatchSampler
 from pipeline.cli import main as cli_main
 from tests.pipeline_helpers import moto_s3, run_pipeline
 
@@ -152,8 +153,8 @@ def test_id_lookup_every_id_and_hash_collisions(outputs, monkeypatch):
     for missing in ("a.txt:99#0", "", "b.txt:1#1", ids[0] + " "):
         with pytest.raises(KeyError):
             ds.position(missing)
-    import downstream.mapped as mapped
-    monkeypatch.setattr(mapped, "_id_hash", lambda key: 7)        # every id collides: the stored id decides
+    import downstream.id_table as id_table
+    monkeypatch.setattr(id_table, "id_hash", lambda key: 7)        # every id collides: the stored id decides
     same = MappedDataset([outputs["all"], outputs["part2"]], tokens=False)
     assert [same.position(s) for s in ids] == list(range(len(ds)))
     with pytest.raises(KeyError):

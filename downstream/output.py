@@ -1,0 +1,131 @@
+"""One pipeline output folder, opened through its manifest.json: its shards, layers and records. No Beam import.
+
+Only complete, committed shards are read (never files of retried bundles under _staging/). Local paths and
+fsspec URLs (s3://, gs://, ...) work; `storage_options` are the fsspec options of the folder's filesystem
+(e.g. {"endpoint_url": ...} for s3).
+"""
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
+                                      parquet_token_records)
+from formats.layout import FORMATS, read_manifest
+from fsio import keyed, url_fs
+
+
+class ElmoOutput:
+    """One pipeline output folder, read through its manifest.json.
+
+    path: the folder (path or URL); storage_options: fsspec options for its filesystem.
+    Attributes: manifest, shards (manifest entries), layer_names (['layer_0', 'layer_1', ...] or
+    ['average']), layer_dims ({name: stored width}), dim (2P, the width of a record's layers),
+    formats, parquet_layout. Formats: parquet, hdf5, arrow (--format arrow; downstream/mapped.py reads it
+    without loading it).
+    """
+
+    def __init__(self, path: str, storage_options: Mapping[str, Any] | None = None):
+        self.path = path.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = url_fs(self.path, keyed(self.path, self.storage_options))
+        manifest = read_manifest(self.fs, self.root)
+        if manifest is None:
+            raise FileNotFoundError(f"{self.path}: no manifest.json (not a finished pipeline output)")
+        self.manifest = manifest
+        self.shards: list[dict] = list(self.manifest.get("shards", []))
+        self.layer_names: list[str] = list(self.manifest["layers"])
+        self.layer_dims: dict[str, int] = {k: int(v) for k, v in self.manifest["layer_dims"].items()}
+        self.dim = max(self.layer_dims.values())
+        self.formats: list[str] = list(self.manifest.get("formats", []))
+        self.parquet_layout: str = self.manifest.get("parquet_layout", "sentence")
+
+    def __repr__(self) -> str:
+        return (f"ElmoOutput({self.path!r}: {len(self.shards)} shards, {self.num_sentences} sentences, "
+                f"layers {self.layer_names}, dim {self.dim}, formats {self.formats})")
+
+    @property
+    def num_sentences(self) -> int:
+        return sum(int(s["sentences"]) for s in self.shards)
+
+    def shard_path(self, i: int, fmt: str) -> str:
+        """Filesystem path (for self.fs) of shard i in format fmt."""
+        if fmt not in self.shards[i]:
+            raise ValueError(f"{self.path}: shard {i} has no {fmt} file (formats: {self.formats})")
+        return posixpath.join(self.root, self.shards[i][fmt])
+
+    def default_format(self) -> str:
+        return next((f for f in ("parquet", "hdf5") if f in self.formats), "arrow")
+
+    def check(self, fmt: str | None, layers: Sequence[str] | None) -> tuple[str, list[str]]:
+        """(format, layer names) to read: fmt or the default one, layers or all; ValueError if either is
+        not in this output."""
+        fmt = fmt or self.default_format()
+        if fmt not in FORMATS or fmt not in self.formats:
+            raise ValueError(f"{self.path}: format {fmt!r} not written (formats: {self.formats})")
+        names = list(layers) if layers else list(self.layer_names)
+        missing = [n for n in names if n not in self.layer_names]
+        if missing:
+            raise ValueError(f"{self.path}: no layer(s) {missing} (has {self.layer_names})")
+        return fmt, names
+
+    def iter_shard(self, i: int, fmt: str | None = None, layers: Sequence[str] | None = None,
+                   stacked: bool = True) -> Iterator[dict]:
+        """Records of shard i in stored order (sorted by id): dicts with id, doc_id, sentence_index,
+        tokens (None for an HDF5-only output) and layers (float32 (L, T, dim)).
+
+        stacked=False: `stored` (the per-layer (T, D_k) arrays as stored: dtype kept, layer 0 maybe P
+        wide) instead of `layers`; stack(record["stored"]) makes `layers`."""
+        fmt, names = self.check(fmt, layers)
+        path = self.shard_path(i, fmt)
+        if fmt == "parquet":
+            read = parquet_token_records if self.parquet_layout == "token" else parquet_records
+            it = read(self.fs, path, names)
+        elif fmt == "arrow":
+            it = arrow_records(self.fs, path, names)
+        else:
+            it = hdf5_records(self.fs, path, [self.layer_names.index(n) for n in names], self._hdf5_meta(i))
+        for r in it:
+            if stacked:
+                r["layers"] = self.stack(r.pop("stored"))
+            yield r
+
+    def _hdf5_meta(self, i: int) -> dict[str, tuple]:
+        """Doc ids, sentence indices and tokens of shard i's sentences from its Parquet twin ({} without one)."""
+        if "parquet" in self.shards[i] and self.parquet_layout == "sentence":
+            return parquet_meta(self.fs, self.shard_path(i, "parquet"))
+        return {}
+
+    def sentences(self, fmt: str | None = None, layers: Sequence[str] | None = None) -> Iterator[dict]:
+        """All records, shard after shard (manifest order), each shard sorted by id."""
+        for i in range(len(self.shards)):
+            yield from self.iter_shard(i, fmt, layers)
+
+    def stack(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """(L, T, dim) float32 from per-layer (T, D_k); a P-wide layer 0 becomes [x, x]."""
+        out = np.empty((len(arrays), arrays[0].shape[0] if arrays else 0, self.dim), dtype=np.float32)
+        for k, a in enumerate(arrays):
+            if a.shape[1] == self.dim:
+                out[k] = a
+            elif 2 * a.shape[1] == self.dim:
+                out[k, :, : a.shape[1]] = a
+                out[k, :, a.shape[1]:] = a
+            else:
+                raise ValueError(f"layer width {a.shape[1]} is neither {self.dim} nor half of it")
+        return out
+
+
+def open_output(source: str | ElmoOutput, storage_options: Mapping[str, Any] | None) -> ElmoOutput:
+    """source itself when it is an ElmoOutput, else the output at that path or URL."""
+    return source if isinstance(source, ElmoOutput) else ElmoOutput(source, storage_options)
+
+
+def open_outputs(sources: str | ElmoOutput | Sequence[str | ElmoOutput],
+                 storage_options: Mapping[str, Any] | None) -> list[ElmoOutput]:
+    """open_output of one source or of each of several."""
+    if isinstance(sources, (str, ElmoOutput)):
+        sources = [sources]
+    return [open_output(s, storage_options) for s in sources]

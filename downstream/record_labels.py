@@ -1,0 +1,48 @@
+"""Matching labels to records, and batching them. No Beam import.
+
+labels: {sentence id | document id | line number: label}, as downstream/labels.py reads them from files.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+_LINE_ID = re.compile(r":(\d+)$")
+
+
+def lookup_label(labels: Mapping[str, Any], record: dict) -> Any:
+    """A record's label: by sentence id, else document id, else the input line number (ids of
+    text inputs end with ':<line>'), else None."""
+    for key in (record["id"], record["doc_id"]):
+        if key in labels:
+            return labels[key]
+    m = _LINE_ID.search(record["doc_id"] or "")
+    if m and m.group(1) in labels and record.get("sentence_index", 0) == 0:
+        return labels[m.group(1)]
+    return None
+
+
+def attach_label(record: dict, labels: Mapping[str, Any] | None, key: str) -> dict | None:
+    """Add labels[...] as record[key]; None when labels are given and this record has none."""
+    if labels is None:
+        return record
+    value = lookup_label(labels, record)
+    if value is None:
+        return None
+    record[key] = value
+    return record
+
+
+def label_batch(values: list, T: int, key: str):
+    """Labels as readers.collate batches them: "label" (B,) int64 when all ints; "tags" (B, T) int64 padded with
+    -100 when int lists; other values stay a list."""
+    import torch
+    if key == "tags" and all(isinstance(v, list) and all(isinstance(t, int) for t in v) for v in values):
+        tags = torch.full((len(values), T), -100, dtype=torch.int64)
+        for b, v in enumerate(values):
+            tags[b, : len(v)] = torch.tensor(v, dtype=torch.int64)
+        return tags
+    if key != "tags" and all(isinstance(v, int) for v in values):
+        return torch.tensor(values, dtype=torch.int64)
+    return values

@@ -1,0 +1,108 @@
+"""The records of one shard, by format: Parquet (a row per sentence or per token), Arrow IPC, HDF5. No Beam import.
+
+Each reader takes the shard's filesystem and path and yields dicts in stored order (sorted by id): id,
+doc_id, sentence_index, tokens and `stored`, the per-layer (T, D_k) arrays as stored (dtype kept, layer 0
+maybe P wide); ElmoOutput.stack makes them one (L, T, 2P) float32 array.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from downstream.arrow_shards import flat_vectors, read_arrow_shard, sentence_index
+from formats.hdf5 import hdf5_unkey
+from formats.parquet import META_COLUMNS
+
+
+def parquet_records(fs, path: str, names: list[str]) -> Iterator[dict]:
+    """Records of a Parquet shard with a row per sentence, read 1024 rows at a time."""
+    import pyarrow.parquet as pq
+    with fs.open(path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        for batch in pf.iter_batches(batch_size=1024, columns=[*META_COLUMNS, *names]):
+            yield from _batch_records(batch, names)
+
+
+def _batch_records(batch, names: list[str]) -> Iterator[dict]:
+    ids = batch.column("id").to_pylist()
+    doc_ids = batch.column("doc_id").to_pylist()
+    indices = batch.column("sentence_index").to_pylist()
+    tokens = batch.column("tokens").to_pylist()
+    mats, starts = [], None
+    for name in names:
+        col = batch.column(name)
+        if starts is None:
+            lens = col.value_lengths().to_numpy(zero_copy_only=False)
+            starts = np.concatenate([[0], np.cumsum(lens)])
+        vecs = col.flatten()                       # fixed_size_list<float, D>, one per token
+        d = vecs.type.list_size
+        mats.append(vecs.flatten().to_numpy(zero_copy_only=False).reshape(-1, d))
+    for r in range(len(ids)):
+        s, e = int(starts[r]), int(starts[r + 1])
+        yield {"id": ids[r], "doc_id": doc_ids[r], "sentence_index": indices[r], "tokens": tokens[r],
+               "stored": [m[s:e] for m in mats]}
+
+
+def parquet_token_records(fs, path: str, names: list[str]) -> Iterator[dict]:
+    """Records of a Parquet shard with a row per token (rows sorted by sentence id, then token index)."""
+    import pyarrow.parquet as pq
+    with fs.open(path, "rb") as f:
+        t = pq.read_table(f, columns=["id", "doc_id", "sentence_index", "token_index", "token", *names])
+    ids = t.column("id").to_pylist()
+    mats = [t.column(n).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+            .reshape(t.num_rows, -1) for n in names]
+    tidx = t.column("token_index").to_pylist()
+    order = np.array(sorted(range(t.num_rows), key=lambda r: (ids[r], tidx[r])), dtype=np.int64)
+    toks, docs, sidx = t.column("token").to_pylist(), t.column("doc_id").to_pylist(), t.column("sentence_index").to_pylist()
+    start = 0
+    while start < len(order):
+        end = start
+        while end < len(order) and ids[order[end]] == ids[order[start]]:
+            end += 1
+        rows = order[start:end]
+        first = rows[0]
+        yield {"id": ids[first], "doc_id": docs[first], "sentence_index": sidx[first],
+               "tokens": [toks[r] for r in rows], "stored": [m[rows] for m in mats]}
+        start = end
+
+
+def parquet_meta(fs, path: str) -> dict[str, tuple]:
+    """{sentence id: (doc_id, sentence_index, tokens)} of a Parquet shard with a row per sentence."""
+    import pyarrow.parquet as pq
+    with fs.open(path, "rb") as f:
+        t = pq.read_table(f, columns=list(META_COLUMNS))
+    return {sid: (did, k, toks) for sid, did, k, toks in zip(*(t.column(c).to_pylist() for c in META_COLUMNS))}
+
+
+def arrow_records(fs, path: str, names: list[str]) -> Iterator[dict]:
+    """Records of an Arrow IPC shard (a row per token): memory-mapped when local, else read whole."""
+    batch = read_arrow_shard(fs, path)
+    ids, offsets, doc_ids, indices = sentence_index(batch)
+    mats = [flat_vectors(batch, n) for n in names]
+    tokens = batch.column("token")
+    for s, (sid, did) in enumerate(zip(ids.to_pylist(), doc_ids.to_pylist())):
+        a, e = int(offsets[s]), int(offsets[s + 1])
+        yield {"id": sid, "doc_id": did, "sentence_index": int(indices[s]),
+               "tokens": tokens.slice(a, e - a).to_pylist(), "stored": [m[a:e] for m in mats]}
+
+
+def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple]) -> Iterator[dict]:
+    """Records of an HDF5 shard (AllenNLP layout: (layers, T, 2P) or (T, 2P) per sentence), layers `pick`
+    (indices); doc ids, sentence indices and tokens from `meta` (parquet_meta of the Parquet twin), else
+    from the id and None."""
+    import h5py
+    with fs.open(path, "rb") as f, h5py.File(f, "r") as h:
+        for key in sorted(h.keys(), key=hdf5_unkey):
+            sid = hdf5_unkey(key)
+            arr = h[key][...]
+            if arr.ndim == 2:
+                arr = arr[None]
+            did, k, toks = meta.get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)
+            yield {"id": sid, "doc_id": did, "sentence_index": k, "tokens": toks,
+                   "stored": [arr[j] for j in pick]}
+
+
+def _sentence_index(sentence_id: str) -> int:
+    tail = sentence_id.rsplit("#", 1)[-1]
+    return int(tail) if tail.isdigit() else 0

@@ -1,0 +1,76 @@
+"""The row reads behind MappedDataset.stream: which consecutive sentences make each batch, one pread per layer
+into a reused buffer, and padding the flat rows into (B, L, T, dim). No Beam import."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def pread_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` with the file's bytes from `offset` (preadv, repeated over short reads)."""
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise EOFError(f"file ends before byte {offset + len(view)}")
+        view, offset = view[n:], offset + n
+
+
+def stream_plan(kept: np.ndarray, firsts: Sequence[int], starts: np.ndarray, lengths: np.ndarray,
+                batch_tokens: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(unit, global positions (B,), dataset positions (B,)) of each stream batch: consecutive positions
+    of one unit whose rows span at most batch_tokens (or one sentence).
+
+    kept: the global positions read, sorted (S,) int64; firsts: each unit's first global position, then the
+    total (U+1,); starts, lengths: each global position's first row in its shard and its rows."""
+    plan = []
+    for u in range(len(firsts) - 1):
+        lo, hi = np.searchsorted(kept, firsts[u: u + 2])
+        j = lo
+        while j < hi:
+            first, k = int(starts[kept[j]]), j + 1
+            while k < hi and int(starts[kept[k]] + lengths[kept[k]]) - first <= batch_tokens:
+                k += 1
+            plan.append((u, kept[j:k], np.arange(j, k)))
+            j = k
+    return plan
+
+
+class RowBuffer:
+    """One reused byte buffer with a 64-byte aligned region per layer, each `rows` rows of its width.
+
+    widths: bytes per row of each layer; dtype: the stored dtype (numpy); pin_memory: pinned when CUDA is
+    there."""
+
+    def __init__(self, rows: int, widths: Sequence[int], dtype: np.dtype, pin_memory: bool = False):
+        import torch
+        self.widths, self.dtype = list(widths), dtype
+        self.torch_dtype = getattr(torch, dtype.name)
+        region = [-(-rows * w // 64) * 64 for w in self.widths]            # each layer's share, 64-byte aligned
+        self.buf = torch.empty(sum(region), dtype=torch.uint8, pin_memory=pin_memory and torch.cuda.is_available())
+        self.view, self.base = memoryview(self.buf.numpy()), np.cumsum([0] + region[:-1]).tolist()
+
+    def read(self, fd: int, offsets: list[tuple[int, int]], first: int, n: int) -> list:
+        """Rows first:first + n of each layer, (N, D_k) tensors viewing the buffer (valid until the next read);
+        offsets: (file offset of row 0, bytes per row) of each layer (arrow_shards.vector_offsets)."""
+        vectors = []
+        for (off, row), at, w in zip(offsets, self.base, self.widths):
+            pread_into(fd, self.view[at: at + n * row], off + first * row)
+            vectors.append(self.buf[at: at + n * row].view(self.torch_dtype).view(n, row // self.dtype.itemsize))
+        return vectors
+
+
+def pad_rows(vectors: list, starts, lengths, T: int, dim: int, dtype):
+    """(layers (B, L, T, dim) in the torch `dtype`, mask (B, T)) of flat (N, D_k) vectors, sentence b at rows
+    starts[b]:starts[b] + lengths[b]: one gather per layer, a narrower layer (P wide) into both halves."""
+    import torch
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    rows = (starts[:, None] + torch.arange(T)[None, :]).clamp_(max=max(0, len(vectors[0]) - 1))
+    out = torch.empty((len(lengths), len(vectors), T, dim), dtype=dtype)
+    for k, v in enumerate(vectors):
+        g = v[rows].to(dtype).masked_fill_(~mask[..., None], 0)
+        out[:, k, :, : v.shape[1]] = g
+        if v.shape[1] != dim:
+            out[:, k, :, v.shape[1]:] = g
+    return out, mask

@@ -1,0 +1,52 @@
+"""The output as one table: pyarrow.Table or Hugging Face datasets.Dataset, for analysis. No Beam import."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from downstream.output import ElmoOutput, open_output
+
+
+def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = None, fmt: str | None = None,
+                   storage_options: Mapping[str, Any] | None = None):
+    """The output as one pyarrow.Table (the manifest's shards, in order), for analysis.
+
+    Parquet: the stored columns as written (layer 0 P wide unless --duplicate-layer0), `columns`
+    selects. HDF5-only outputs: id, doc_id, sentence_index, tokens (null without a Parquet twin) and
+    one list<fixed_size_list<float32, 2P>> column per layer (layer 0 duplicated, as stored in HDF5).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    out = open_output(source, storage_options)
+    fmt = fmt or out.default_format()
+    if fmt == "parquet":
+        tables = []
+        for i in range(len(out.shards)):
+            with out.fs.open(out.shard_path(i, "parquet"), "rb") as f:
+                tables.append(pq.read_table(f, columns=list(columns) if columns else None))
+        if not tables:
+            raise ValueError(f"{out.path}: no shards")
+        return pa.concat_tables(tables)
+    recs = list(out.sentences("hdf5"))
+    data = {"id": pa.array([r["id"] for r in recs], pa.string()),
+            "doc_id": pa.array([r["doc_id"] for r in recs], pa.string()),
+            "sentence_index": pa.array([r["sentence_index"] for r in recs], pa.int32()),
+            "tokens": pa.array([r["tokens"] for r in recs], pa.list_(pa.string()))}
+    lengths = np.array([r["layers"].shape[1] for r in recs], dtype=np.int32)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    for k, name in enumerate(out.layer_names):
+        flat = np.concatenate([r["layers"][k].reshape(-1) for r in recs]) if recs else np.zeros(0, np.float32)
+        data[name] = pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(pa.array(flat), out.dim))
+    table = pa.table(data)
+    return table.select(list(columns)) if columns else table
+
+
+def to_hf_dataset(source: "str | ElmoOutput", columns: Sequence[str] | None = None, fmt: str | None = None,
+                  storage_options: Mapping[str, Any] | None = None):
+    """The output as a Hugging Face `datasets.Dataset` (in memory, over to_arrow_table's table; no
+    download, no cache files). Layer columns become nested sequences of float; use
+    `.with_format("torch")` or `"numpy"` for tensors."""
+    import datasets
+    return datasets.Dataset(to_arrow_table(source, columns, fmt, storage_options))
