@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Run the Beam pipeline (python -m pipeline.run) with the same flags; bootstraps .venv first.
+# Run the Beam pipeline (python -m elmo_pipeline.pipeline.run) with the same flags; bootstraps .venv first.
 # With no arguments: the shipped default model on samples/sample.txt, output in out/sample/.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 scripts/bootstrap.sh
 if [[ $# -gt 0 ]]; then
-  exec .venv/bin/python -m pipeline.run "$@"
+  exec .venv/bin/python -m elmo_pipeline.pipeline.run "$@"
 fi
-if ! .venv/bin/python -c "from model.pretrained import default_model_files; default_model_files()" 2>/dev/null; then
+if ! .venv/bin/python -c "from elmo_pipeline.model.pretrained import default_model_files; default_model_files()" 2>/dev/null; then
   echo "error: the shipped default model (model/pretrained/wikitext2-small) is not in this checkout;" >&2
   echo "       pass --options-file F --weight-file F and --input/--output to run on your own model." >&2
   exit 2
 fi
 out=out/sample
-.venv/bin/python -m pipeline.run --input samples/sample.txt --output "$out" --overwrite
+.venv/bin/python -m elmo_pipeline.pipeline.run --input samples/sample.txt --output "$out" --overwrite
 cat <<MSG
 Output: $out/  (manifest.json, parquet/, hdf5/)
 Query it:

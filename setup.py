@@ -5,15 +5,19 @@ before this package; see constraints.txt for the pinned, tested versions.
 """
 from setuptools import find_packages, setup
 
+FOLDERS = ["fsio", "formats", "model", "tokenization", "transforms", "training", "pipeline", "downstream"]
+
 setup(
     name="elmo-pipeline",
     version="0.1.0",
     description="Batch ELMo feature extraction: an exact PyTorch biLM in an Apache Beam pipeline",
     python_requires=">=3.10",
-    packages=find_packages(include=["fsio", "fsio.*", "formats", "formats.*", "model", "model.*",
-                                    "tokenization", "tokenization.*", "transforms", "transforms.*",
-                                    "training", "training.*", "pipeline", "pipeline.*", "downstream", "downstream.*"]),
-    package_data={"model": ["pretrained/*/*.json", "pretrained/*/*.hdf5", "pretrained/*/*.txt", "pretrained/*/*.md", "pretrained/*/*.csv", "pretrained/*/*.png"]},
+    # one import name: the top-level folders become elmo_pipeline.model, elmo_pipeline.pipeline, ...
+    packages=["elmo_pipeline"] + [f"elmo_pipeline.{p}"
+                                  for p in find_packages(include=[p for f in FOLDERS for p in (f, f + ".*")])],
+    package_dir={"elmo_pipeline": "elmo_pipeline", **{f"elmo_pipeline.{f}": f for f in FOLDERS}},
+    package_data={"elmo_pipeline.model": ["pretrained/*/*.json", "pretrained/*/*.hdf5", "pretrained/*/*.txt",
+                                          "pretrained/*/*.md", "pretrained/*/*.csv", "pretrained/*/*.png"]},
     include_package_data=True,
     install_requires=[
         "apache-beam>=2.77,<3",   # never the [torch]/[ml-cpu] extras: they pull an old Beam
@@ -41,5 +45,5 @@ setup(
                  "pyiceberg[sql-sqlite,pyarrow]>=0.12,<0.13",
                  "prometheus_client>=0.20"],   # the reference parser of metrics.prom (tests/test_metrics.py)
     },
-    entry_points={"console_scripts": ["elmo-pipeline=pipeline.cli:main"]},
+    entry_points={"console_scripts": ["elmo-pipeline=elmo_pipeline.pipeline.cli:main"]},
 )

@@ -3,7 +3,7 @@
 Both tasks run twice, vectors computed with --compute-dtype float32 and with the lower dtype (everything else
 the same), and are probed the same way (same seeds):
   sst2      SST-2 sentences through the pipeline (docs/downstream.md "SST-2 with the shipped default model":
-            python -m pipeline.run ... --compute-dtype D, stateless, 1 torch thread), then
+            python -m elmo_pipeline.pipeline.run ... --compute-dtype D, stateless, 1 torch thread), then
             `elmo-pipeline probe --classifier linear --settings layers,mix-trainable,mix-frozen --seeds N`
   nextword  WikiText-2 next-word-class token task (next_word_task, below) through the embedder
             (ElmoEmbedder(dtype=D)), the probe's linear tagger (L-BFGS) per layer, N seeds
@@ -57,22 +57,22 @@ def run(cmd: list[str]) -> None:
 
 
 def sst2(work: str, dtypes: list[str], seeds: int, source: str, limit: int | None = None, device: str = "cpu") -> dict:
-    from downstream.readers import ElmoOutput
+    from elmo_pipeline.downstream.readers import ElmoOutput
     data = os.path.join(work, "sst2", "data")
-    run([sys.executable, "-m", "downstream.sst2", source, data, *(["--limit", str(limit)] if limit else [])])
+    run([sys.executable, "-m", "elmo_pipeline.downstream.sst2", source, data, *(["--limit", str(limit)] if limit else [])])
     out: dict = {"dtypes": {}, "command": f"elmo-pipeline probe --classifier linear --settings {SST2_SETTINGS} "
                                             f"--seeds {seeds} --threads 1"}
     for dt in dtypes:
         t0 = time.perf_counter()
         for s in ("train", "dev", "test"):
-            run([sys.executable, "-m", "pipeline.run", "--input", f"{data}/{s}.jsonl", "--input-format", "jsonl",
+            run([sys.executable, "-m", "elmo_pipeline.pipeline.run", "--input", f"{data}/{s}.jsonl", "--input-format", "jsonl",
                  "--id-field", "id", "--tokenizer", "whitespace", "--output", f"{work}/sst2/{dt}/{s}",
                  "--shard-sentences", "2000", "--torch-threads", "1", "--progress", "off", "--compute-dtype", dt,
                  "--device", device])
         extract_s = time.perf_counter() - t0
         labels = [a for s in ("train", "dev", "test") for a in ("--labels", f"{data}/{s}.jsonl")]
         probe = f"{work}/sst2/{dt}/probe-linear"
-        run([sys.executable, "-m", "pipeline.probe_command", "--train", f"{work}/sst2/{dt}/train",
+        run([sys.executable, "-m", "elmo_pipeline.pipeline.probe_command", "--train", f"{work}/sst2/{dt}/train",
              "--dev", f"{work}/sst2/{dt}/dev", "--test", f"{work}/sst2/{dt}/test", *labels, "--classifier", "linear",
              "--settings", SST2_SETTINGS, "--seeds", str(seeds), "--threads", "1", "--quiet", "--out", probe])
         with open(f"{probe}/results.json") as f:
@@ -150,8 +150,8 @@ def embed_task(emb, records: list[dict]) -> list[dict]:
 
 
 def nextword(dtypes: list[str], seeds: int, wikitext: str, limit: int | None = None, device: str = "cpu") -> dict:
-    from downstream.probe import ProbeConfig, Split, train_setting
-    from model.embedder import ElmoEmbedder
+    from elmo_pipeline.downstream.probe import ProbeConfig, Split, train_setting
+    from elmo_pipeline.model.embedder import ElmoEmbedder
     parts, classes = next_word_task(wikitext)
     parts = {k: v[:limit] for k, v in parts.items()} if limit else parts
     out: dict = {"dtypes": {}, "classes": classes,
@@ -220,7 +220,7 @@ def markdown(table: list[dict], errors: dict, dtypes: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from model.hardware import compute_support
+    from elmo_pipeline.model.hardware import compute_support
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bf16_quality", description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--seeds", type=int, default=2, help="probe seeds per setting and dtype (default 2)")

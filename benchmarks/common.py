@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from model.options import BiLMOptions
+from elmo_pipeline.model.options import BiLMOptions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(HERE, "..", "..", "shared")
@@ -89,7 +89,7 @@ def cpu_name() -> str:
     """The CPU's model name and family (model.hardware.cpu_info: 'AMD EPYC' names both this project's AMD
     kinds, family 23 = Zen 1, 26 = Zen 5), with AVX-512 or its absence and native bf16 (AVX512_BF16, AMX) noted:
     GEMM speeds depend on all."""
-    from model.hardware import cpu_info
+    from elmo_pipeline.model.hardware import cpu_info
     cpu = cpu_info()
     if cpu["flags"] is None:
         return platform.processor() or platform.machine()

@@ -14,7 +14,7 @@ import platform
 import h5py
 import numpy as np
 
-from model import ElmoEmbedder
+from elmo_pipeline.model import ElmoEmbedder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

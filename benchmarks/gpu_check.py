@@ -145,7 +145,7 @@ PIPELINE_BUDGET = 4096          # pipeline.run's --max-tokens-per-batch default
 def model_alone(device: str, sentences: list[list[str]], budget: int) -> dict:
     """The shipped model's embedder alone on `sentences` at `budget`, after one warm-up batch (as a fresh worker
     starts): tokens/s and the GPU's busy share."""
-    from model.embedder import ElmoEmbedder
+    from elmo_pipeline.model.embedder import ElmoEmbedder
     embedder = ElmoEmbedder(device=device)
     list(embedder.embed_sentences(sentences[:50], max_tokens=budget))
     t = time.perf_counter()
@@ -170,7 +170,7 @@ def step_pipeline(device: str, lines: int, workers: list[int]) -> dict:
             g.writelines([ln for ln in f if ln.strip()][:lines])
         for n in workers:
             out = os.path.join(tmp, f"out{n}")
-            cmd = [sys.executable, "-m", "pipeline.run", "--input", inp, "--output", out, "--device", device,
+            cmd = [sys.executable, "-m", "elmo_pipeline.pipeline.run", "--input", inp, "--output", out, "--device", device,
                    "--direct_running_mode", "multi_processing", f"--direct_num_workers={n}"]
             t = time.perf_counter()
             with BusyShare(device) as busy:

@@ -25,10 +25,10 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, machine
-from model.lstm import options_from_env
-from model.lstm_loops import cell_for
-from model.options import parse_options
-from model.synthetic import PUBLISHED_OPTIONS
+from elmo_pipeline.model.lstm import options_from_env
+from elmo_pipeline.model.lstm_loops import cell_for
+from elmo_pipeline.model.options import parse_options
+from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS
 
 
 def _sync(device: str) -> None:

@@ -13,7 +13,7 @@ named. Stages (CPU microseconds per token, one thread, the functions the pipelin
   ceiling measured in the same run. Beam and hand-off overhead = the default run's CPU per token after
   start-up minus its stages. Bound = cores / (the two floors + the model's floor): the tokens/s that no
   change to the host path can beat on this machine.
-End to end (a `python -m pipeline.run` process each; start-up = the same command on the first 8 non-blank
+End to end (a `python -m elmo_pipeline.pipeline.run` process each; start-up = the same command on the first 8 non-blank
   lines, subtracted with their tokens, so that every worker's model loading is start-up):
   wall tokens/s, CPU per token, CPU/wall while embedding, for: default output (also tokenizing inline, with
   one or two batches in the biLM at a time), --duplicate-layer0, --layers 2, whitespace --layers 2 (also one batch at a
@@ -76,17 +76,17 @@ def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
     import numpy as np
     import torch
 
-    from formats.hdf5 import hdf5_bytes
-    from formats.parquet import build_table, layer_columns, parquet_bytes, write_parquet
-    from fsio import release_written
-    from model.batching import plan_batches
-    from model.char_ids import distinct_char_ids
-    from model.embedder import ElmoEmbedder
-    from transforms.read import read_documents
-    from transforms.records import Document, EmbeddedBatch, Item
-    from tokenization.tokenizers import _sentence_spans, moses_tokens, tokenize_document
-    from transforms.embed import reuse_freed_memory
-    from transforms.write import ShardSpec, hdf5_sentences, shard_columns
+    from elmo_pipeline.formats.hdf5 import hdf5_bytes
+    from elmo_pipeline.formats.parquet import build_table, layer_columns, parquet_bytes, write_parquet
+    from elmo_pipeline.fsio import release_written
+    from elmo_pipeline.model.batching import plan_batches
+    from elmo_pipeline.model.char_ids import distinct_char_ids
+    from elmo_pipeline.model.embedder import ElmoEmbedder
+    from elmo_pipeline.transforms.read import read_documents
+    from elmo_pipeline.transforms.records import Document, EmbeddedBatch, Item
+    from elmo_pipeline.tokenization.tokenizers import _sentence_spans, moses_tokens, tokenize_document
+    from elmo_pipeline.transforms.embed import reuse_freed_memory
+    from elmo_pipeline.transforms.write import ShardSpec, hdf5_sentences, shard_columns
     torch.set_num_threads(1)
     reuse_freed_memory()                     # as the pipeline's workers do
     t = {}
@@ -190,8 +190,8 @@ def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
 
 
 def run_pipeline(tree: str, input_path: str, out: str, model: tuple[str, str], flags: list[str]) -> dict:
-    """One `python -m pipeline.run` process from `tree`: wall seconds, CPU seconds (user+sys), its summary."""
-    cmd = [sys.executable, "-m", "pipeline.run", "--input", input_path, "--output", out, "--overwrite",
+    """One `python -m elmo_pipeline.pipeline.run` process from `tree`: wall seconds, CPU seconds (user+sys), its summary."""
+    cmd = [sys.executable, "-m", "elmo_pipeline.pipeline.run", "--input", input_path, "--output", out, "--overwrite",
            "--options-file", model[0], "--weight-file", model[1], "--torch-threads", "1", "--progress", "off",
            "--format", "parquet", *flags]
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
@@ -266,8 +266,8 @@ def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, REPO)
     from benchmarks.common import machine
-    from model.synthetic import write_random_bilm
-    from tokenization import tokenize_document
+    from elmo_pipeline.model.synthetic import write_random_bilm
+    from elmo_pipeline.tokenization import tokenize_document
 
     with tempfile.TemporaryDirectory() as tmp:
         model = write_random_bilm(WIDE_CHEAP, os.path.join(tmp, "model"))

@@ -35,12 +35,12 @@ import torch
 
 from benchmarks.common import (RESULTS, flops_per_token, gemm_ceiling_gflops, gemm_rates_gflops,
                                lstm_flops_per_token, machine, wikitext_sentences)
-from model.batching import plan_batches
-from model.char_ids import batch_char_ids
-from model.embedder import ElmoEmbedder
-from model.lstm import LSTM_LOOPS, step_loop
-from model.options import parse_options
-from model.synthetic import PUBLISHED_OPTIONS, random_bilm
+from elmo_pipeline.model.batching import plan_batches
+from elmo_pipeline.model.char_ids import batch_char_ids
+from elmo_pipeline.model.embedder import ElmoEmbedder
+from elmo_pipeline.model.lstm import LSTM_LOOPS, step_loop
+from elmo_pipeline.model.options import parse_options
+from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS, random_bilm
 
 
 class EncodedRows:

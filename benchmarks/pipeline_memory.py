@@ -20,11 +20,11 @@ import tempfile
 import time
 
 from benchmarks.common import RESULTS, SHARED, machine
-from model.synthetic import write_random_bilm
+from elmo_pipeline.model.synthetic import write_random_bilm
 
 CHILD = """
 import json, resource, sys
-from pipeline.run import counters, run
+from elmo_pipeline.pipeline.run import counters, run
 c = counters(run(sys.argv[1:]))
 print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "tokens": c["tokens"],
                   "sentences": c["sentences"]}))
@@ -48,7 +48,7 @@ def bomb(mib: int, size: str, threads: int, extra: list[str]) -> None:
     """Peak RSS with a decompression bomb (one line of `mib` MiB from a small .gz) and with a line just under
     --max-record-bytes, each between two good lines, against the good lines alone."""
     import gzip
-    from transforms.read import MAX_RECORD_BYTES
+    from elmo_pipeline.transforms.read import MAX_RECORD_BYTES
     cap = int(extra[extra.index("--max-record-bytes") + 1]) if "--max-record-bytes" in extra else MAX_RECORD_BYTES
     good, block = b"A first good line.\n", b"x" * (1 << 20)
     rows = []

@@ -32,10 +32,10 @@ def main() -> int:
 
     sys.path.insert(0, os.path.dirname(HERE))        # the repository root, when run as a script
     from benchmarks.common import machine
-    from model.embedder import ElmoEmbedder
-    from model.synthetic import write_random_bilm
-    from pipeline.run import counters, run
-    from tokenization import tokenize_document
+    from elmo_pipeline.model.embedder import ElmoEmbedder
+    from elmo_pipeline.model.synthetic import write_random_bilm
+    from elmo_pipeline.pipeline.run import counters, run
+    from elmo_pipeline.tokenization import tokenize_document
 
     torch.set_num_threads(args.threads)
     tmp = tempfile.mkdtemp(prefix="elmo-bench-")

@@ -84,7 +84,7 @@ def paired(fn, reference, before=None, runs: int = 3) -> dict:
 def stream(out: str, layers, batch_tokens: int = 2048, padded: bool = False) -> int:
     """Every sentence in file order with MappedDataset.stream (the vectors land in a reused torch buffer;
     padded: also (B, L, T, dim) float32 batches); returns stored vector bytes read."""
-    from downstream.mapped import MappedDataset
+    from elmo_pipeline.downstream.mapped import MappedDataset
     ds = MappedDataset(out, tokens=False, dtype="float32" if padded else None)
     total = 0
     for b in ds.stream(batch_tokens=batch_tokens, layers=layers, padded=padded):
@@ -95,8 +95,8 @@ def stream(out: str, layers, batch_tokens: int = 2048, padded: bool = False) -> 
 def stream_mapped(out: str, layers, dtype) -> int:
     """Every sentence, padded batches of 32 in length buckets (every stored byte copied out of the mapped file
     into a batch tensor); returns stored vector bytes read."""
-    from downstream.mapped import MappedDataset
-    from downstream.sampler import BucketBatchSampler
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    from elmo_pipeline.downstream.sampler import BucketBatchSampler
     ds = MappedDataset(out, layers=layers, tokens=False, dtype=dtype)
     item = ds.stored_dtype.itemsize
     width = sum(ds.widths)
@@ -107,7 +107,7 @@ def stream_mapped(out: str, layers, dtype) -> int:
 
 
 def stream_records(out: str, fmt: str, layers, iterable: bool) -> int:
-    from downstream import ElmoDataset, ElmoIterableDataset, collate
+    from elmo_pipeline.downstream import ElmoDataset, ElmoIterableDataset, collate
     ds = ElmoIterableDataset(out, fmt=fmt, layers=layers, shuffle=False) if iterable else \
         ElmoDataset(out, fmt=fmt, layers=layers)
     o = ds.outputs[0]
@@ -140,7 +140,7 @@ def pyarrow_columns(out: str, layers) -> int:
 def random_access(out: str, n: int, copy: bool, by_id: bool, passes: int = 3) -> dict:
     """Random lookups from the page cache, best of `passes`: sentences/s (views of all layers, by position or
     by id, or a float32 record by position with copy)."""
-    from downstream.mapped import MappedDataset
+    from elmo_pipeline.downstream.mapped import MappedDataset
     ds = MappedDataset(out, tokens=False)
     picks = np.random.default_rng(0).integers(0, len(ds), n).tolist()
     ids = [ds._meta(p)["id"] for p in picks]
@@ -164,7 +164,7 @@ def random_access(out: str, n: int, copy: bool, by_id: bool, passes: int = 3) ->
 def build_model(tmp: str, lines: int) -> tuple[tuple[str, str], str]:
     """(model files, input text) under tmp: the near-free wide biLM and WikiText-2 valid's first `lines` lines."""
     from benchmarks.host_cost import WIDE_CHEAP
-    from model.synthetic import write_random_bilm
+    from elmo_pipeline.model.synthetic import write_random_bilm
     model = write_random_bilm(WIDE_CHEAP, os.path.join(tmp, "model"))
     with open(os.path.join(SHARED, "data", "wikitext-2", "valid.txt"), encoding="utf-8", newline="\n") as f:
         text = [next(f, "") for _ in range(lines)]
@@ -175,7 +175,7 @@ def build_model(tmp: str, lines: int) -> tuple[tuple[str, str], str]:
 
 
 def build_output(model: tuple[str, str], src: str, out: str, dtype: str, formats: str) -> str:
-    subprocess.run([sys.executable, "-m", "pipeline.run", "--input", src, "--output", out,
+    subprocess.run([sys.executable, "-m", "elmo_pipeline.pipeline.run", "--input", src, "--output", out,
                     "--options-file", model[0], "--weight-file", model[1], "--torch-threads", "1",
                     "--progress", "off", "--format", formats, "--dtype", dtype], check=True, capture_output=True)
     return out
@@ -188,10 +188,10 @@ def rss_kb() -> int:
 
 def big_index(tmp: str, tokens: int, shard_tokens: int = 1_000_000) -> dict:
     """RSS of a MappedDataset over a `tokens`-token arrow output of synthetic vectors (20-token sentences)."""
-    from downstream.mapped import MappedDataset
-    from formats.arrow import arrow_table, write_arrow
-    from formats.layout import ARROW_LAYOUT, MANIFEST
-    from formats.parquet import ShardColumns
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    from elmo_pipeline.formats.arrow import arrow_table, write_arrow
+    from elmo_pipeline.formats.layout import ARROW_LAYOUT, MANIFEST
+    from elmo_pipeline.formats.parquet import ShardColumns
     out = os.path.join(tmp, "big")
     os.makedirs(os.path.join(out, "arrow"))
     n_shards, shards = -(-tokens // shard_tokens), []
@@ -244,7 +244,7 @@ def big_index(tmp: str, tokens: int, shard_tokens: int = 1_000_000) -> dict:
 
 def dtype_rows(out: str, dtype: str, slow: bool) -> dict:
     """Every row of one output (module docstring), printed as they come."""
-    from downstream import ElmoDataset, ElmoOutput
+    from elmo_pipeline.downstream import ElmoDataset, ElmoOutput
     o = ElmoOutput(out)
     top = [o.layer_names[-1]]
     arrow, parquet = _files(out, "arrow"), _files(out, "parquet")

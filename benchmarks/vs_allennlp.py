@@ -28,7 +28,7 @@ import h5py
 import numpy as np
 
 from benchmarks.common import RESULTS, SHARED, machine, wikitext_sentences
-from model.synthetic import write_random_bilm
+from elmo_pipeline.model.synthetic import write_random_bilm
 
 TOOL = os.path.join(SHARED, "tools", "allennlp-reference", "allennlp_embed.py")
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from fsio import is_local_fs
+from elmo_pipeline.fsio import is_local_fs
 
 
 def open_arrow_shard(path: str, fields: Sequence[str] | None = None) -> pa.RecordBatch:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from model.scalar_mix import ScalarMix
+from elmo_pipeline.model.scalar_mix import ScalarMix
 
 MIXES = ("trainable", "frozen", "learned")
 

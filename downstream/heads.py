@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from downstream.combine import SelectLayer
+from elmo_pipeline.downstream.combine import SelectLayer
 
 
 class Standardized(nn.Module):

@@ -10,7 +10,7 @@ Token tags: CoNLL-U (*.conllu). Sentence k (1-based) is keyed by its "# sent_id 
 present, and also by k; its tags are the UPOS column (or another) of its word lines (multi-word token
 ranges "1-2" and empty nodes "1.1" are skipped, as the pipeline never sees them).
 
-    python -m downstream.labels conllu2jsonl treebank.conllu sentences.jsonl
+    python -m elmo_pipeline.downstream.labels conllu2jsonl treebank.conllu sentences.jsonl
 writes {"id": <sent_id or 6-digit k>, "text": FORMs joined by spaces} per sentence, for
 `pipeline.run --input-format jsonl --id-field id --tokenizer whitespace`.
 """
@@ -21,7 +21,7 @@ import json
 import sys
 from collections.abc import Iterable
 
-from fsio import keyed, open_file
+from elmo_pipeline.fsio import keyed, open_file
 
 CONLLU_COLUMNS = ("id", "form", "lemma", "upos", "xpos", "feats", "head", "deprel", "deps", "misc")
 
@@ -103,7 +103,7 @@ def conllu_to_jsonl(src: str, dst: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m downstream.labels")
+    p = argparse.ArgumentParser(prog="python -m elmo_pipeline.downstream.labels")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("conllu2jsonl", help="CoNLL-U -> JSONL pipeline input (one sentence per record)")
     c.add_argument("conllu")

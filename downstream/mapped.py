@@ -1,7 +1,7 @@
 """Training input at memory speed: the Arrow shards of `--format arrow` outputs, memory-mapped. No Beam import.
 
-    from downstream.mapped import MappedDataset, unbatched
-    from downstream.sampler import BucketBatchSampler
+    from elmo_pipeline.downstream.mapped import MappedDataset, unbatched
+    from elmo_pipeline.downstream.sampler import BucketBatchSampler
 
     ds = MappedDataset(["out/part1", "out/part2"], layers=["layer_2"])   # index only: ids, offsets, lengths
     ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's, built from memory-mapped views
@@ -29,14 +29,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from downstream.arrow_shards import flat_vectors, open_arrow_shard, sentence_index, vector_offsets
-from downstream.id_table import IdTable
-from downstream.output import ElmoOutput, open_outputs
-from downstream.record_labels import attach_label, label_batch
-from downstream.sampler import BucketBatchSampler
-from downstream.shard_cache import ShardCache
-from downstream.stream_rows import RowBuffer, pad_rows, stream_plan
-from fsio import is_local_fs
+from elmo_pipeline.downstream.arrow_shards import flat_vectors, open_arrow_shard, sentence_index, vector_offsets
+from elmo_pipeline.downstream.id_table import IdTable
+from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
+from elmo_pipeline.downstream.record_labels import attach_label, label_batch
+from elmo_pipeline.downstream.sampler import BucketBatchSampler
+from elmo_pipeline.downstream.shard_cache import ShardCache
+from elmo_pipeline.downstream.stream_rows import RowBuffer, pad_rows, stream_plan
+from elmo_pipeline.fsio import is_local_fs
 
 _META = ("id", "doc_id", "sentence_index")
 

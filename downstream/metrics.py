@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from downstream.splits import Split
+from elmo_pipeline.downstream.splits import Split
 
 
 def accuracy(gold: Sequence[int], pred: Sequence[int]) -> float:

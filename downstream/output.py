@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
+from elmo_pipeline.downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
                                       parquet_token_records)
-from formats.layout import FORMATS, read_manifest
-from fsio import keyed, url_fs
+from elmo_pipeline.formats.layout import FORMATS, read_manifest
+from elmo_pipeline.fsio import keyed, url_fs
 
 
 class ElmoOutput:

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from downstream.combine import make_combiner
-from downstream.heads import LinearHead, SentenceBiLSTM, SentenceLinear, SentenceMLP, Standardized, TokenTagger
-from downstream.metrics import accuracy, scores
-from downstream.splits import Split, batches, n_rows
+from elmo_pipeline.downstream.combine import make_combiner
+from elmo_pipeline.downstream.heads import LinearHead, SentenceBiLSTM, SentenceLinear, SentenceMLP, Standardized, TokenTagger
+from elmo_pipeline.downstream.metrics import accuracy, scores
+from elmo_pipeline.downstream.splits import Split, batches, n_rows
 
 
 OPTIMIZERS = ("auto", "lbfgs", "adam")

@@ -5,7 +5,7 @@ An output folder is opened through its manifest.json, so only complete, committe
 (never files of retried bundles under _staging/). Local paths and fsspec URLs (s3://, gs://, ...) work;
 `storage_options` are the fsspec options of the folder's filesystem (e.g. {"endpoint_url": ...} for s3).
 
-    from downstream import ElmoOutput, ElmoDataset, ElmoIterableDataset, collate, to_arrow_table
+    from elmo_pipeline.downstream import ElmoOutput, ElmoDataset, ElmoIterableDataset, collate, to_arrow_table
 
     out = ElmoOutput("out/corpus")                    # manifest, shards, layer names, widths
     for s in out.sentences():                         # dicts: id, doc_id, sentence_index, tokens, layers
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from downstream.output import ElmoOutput, open_outputs
-from downstream.record_labels import attach_label
+from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
+from elmo_pipeline.downstream.record_labels import attach_label
 
 
 try:  # torch is a dependency of the package; keep the module importable for pure-arrow use anyway

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from downstream.chart import bar_chart
+from elmo_pipeline.downstream.chart import bar_chart
 
 
 def summarize(runs: list[dict]) -> list[dict]:

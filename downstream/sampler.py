@@ -1,7 +1,7 @@
 """Length-bucketed batches of dataset positions: deterministic per (seed, epoch), split across ranks, resumable.
 No Beam import.
 
-    from downstream.sampler import BucketBatchSampler
+    from elmo_pipeline.downstream.sampler import BucketBatchSampler
 
     sampler = BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0, rank=r, world_size=w)
     sampler.set_epoch(e, start_batch=k)             # the order of epoch e, resumed after k batches

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from downstream.arrow_shards import flat_vectors, read_arrow_shard, sentence_index
-from formats.hdf5 import hdf5_unkey
-from formats.parquet import META_COLUMNS
+from elmo_pipeline.downstream.arrow_shards import flat_vectors, read_arrow_shard, sentence_index
+from elmo_pipeline.formats.hdf5 import hdf5_unkey
+from elmo_pipeline.formats.parquet import META_COLUMNS
 
 
 def parquet_records(fs, path: str, names: list[str]) -> Iterator[dict]:

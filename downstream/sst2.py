@@ -1,9 +1,9 @@
 """SST-2 ("label<space>sentence" per line) -> JSONL the pipeline and the probe read.
 
-    python -m downstream.sst2 ../shared/data/sst2 data/sst2
+    python -m elmo_pipeline.downstream.sst2 ../shared/data/sst2 data/sst2
 writes DIR/{train,dev,test}.jsonl, one {"id": "<split>-<line, 6 digits>", "text": sentence, "label": int}
 per line (ids zero-padded so that the pipeline's id order is the file order). Embed each split with
-    python -m pipeline.run --input DIR/train.jsonl --input-format jsonl --id-field id --tokenizer whitespace ...
+    python -m elmo_pipeline.pipeline.run --input DIR/train.jsonl --input-format jsonl --id-field id --tokenizer whitespace ...
 and give the same file to `elmo-pipeline probe --train-labels` (labels are matched by document id).
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def convert_file(src: str, dst: str, split: str, limit: int | None = None) -> in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m downstream.sst2", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m elmo_pipeline.downstream.sst2", description=__doc__.splitlines()[0])
     p.add_argument("source", help="folder with stsa.binary.{train,dev,test}")
     p.add_argument("dest", help="output folder for {train,dev,test}.jsonl")
     p.add_argument("--limit", type=int, help="at most this many sentences per split (quick runs)")

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from downstream.output import ElmoOutput, open_output
+from elmo_pipeline.downstream.output import ElmoOutput, open_output
 
 
 def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = None, fmt: str | None = None,

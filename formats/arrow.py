@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from formats.layout import ARROW_LAYOUT  # noqa: F401  (the manifest names this layout)
-from formats.parquet import ShardColumns, token_fields, token_sentence_indices
+from elmo_pipeline.formats.layout import ARROW_LAYOUT  # noqa: F401  (the manifest names this layout)
+from elmo_pipeline.formats.parquet import ShardColumns, token_fields, token_sentence_indices
 
 
 def _per_token_dictionary(values: list[str], sentence_of: np.ndarray) -> pa.DictionaryArray:

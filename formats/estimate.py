@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from formats.hdf5 import hdf5_bytes
-from formats.layout import STORAGE_DTYPES
-from formats.parquet import ShardColumns, build_table, parquet_bytes
+from elmo_pipeline.formats.hdf5 import hdf5_bytes
+from elmo_pipeline.formats.layout import STORAGE_DTYPES
+from elmo_pipeline.formats.parquet import ShardColumns, build_table, parquet_bytes
 
 
 def layer_bytes(columns: list[tuple[str, int]], hdf5_layers: int, hdf5_dim: int, tokens: int) -> list[dict]:

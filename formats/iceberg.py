@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from fsio import redact
+from elmo_pipeline.fsio import redact
 
 INSTALL = "pip install 'elmo-pipeline[iceberg]'"
 OUTPUT_PROPERTY, RUN_KEY_PROPERTY, FILES_PROPERTY = "elmo-pipeline.output", "elmo-pipeline.run-key", "elmo-pipeline.files"

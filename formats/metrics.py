@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from fsio import redact
+from elmo_pipeline.fsio import redact
 
 PREFIX = "elmo_pipeline_"
 # manifest counts key -> help; each becomes elmo_pipeline_<key>_total

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import fsspec
 
-from fsio.fs import check_protocol, options_for, protocol
-from fsio.fs import is_local_url as is_local
-from fsio.redact import redact
+from elmo_pipeline.fsio.fs import check_protocol, options_for, protocol
+from elmo_pipeline.fsio.fs import is_local_url as is_local
+from elmo_pipeline.fsio.redact import redact
 
 
 def cache_dir() -> str:

@@ -33,7 +33,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from fsio.fs import atomic_write, is_local_fs, makedirs, protocol, url_fs
+from elmo_pipeline.fsio.fs import atomic_write, is_local_fs, makedirs, protocol, url_fs
 
 logger = logging.getLogger("elmo-pipeline.lease")
 

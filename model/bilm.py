@@ -34,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.device import host_side, upload
-from model.encoders import CharCNNEncoder, WordEncoder
-from model.lstm import LstmProjection, StepLoop, check_loop_choice, options_from_env, run_lstm_layers, step_loop
-from model.options import BiLMOptions
-from model.packing import PackedBatch
-from model.padded_forward import padded_forward
-from model.token_cache import TokenCache
+from elmo_pipeline.model.device import host_side, upload
+from elmo_pipeline.model.encoders import CharCNNEncoder, WordEncoder
+from elmo_pipeline.model.lstm import LstmProjection, StepLoop, check_loop_choice, options_from_env, run_lstm_layers, step_loop
+from elmo_pipeline.model.options import BiLMOptions
+from elmo_pipeline.model.packing import PackedBatch
+from elmo_pipeline.model.padded_forward import padded_forward
+from elmo_pipeline.model.token_cache import TokenCache
 
 
 class BiLM(nn.Module):

@@ -21,12 +21,12 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from model.batching import embed_in_batches, plan_batches
-from model.bilm import BiLM
-from model.char_ids import BOS_TOKEN, EOS_TOKEN, distinct_char_ids
-from model.device import host_side, resolve_device
-from model.hardware import warn_if_emulated
-from model.options import COMPUTE_DTYPES, STATE_MODES, sentences_independent
+from elmo_pipeline.model.batching import embed_in_batches, plan_batches
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.char_ids import BOS_TOKEN, EOS_TOKEN, distinct_char_ids
+from elmo_pipeline.model.device import host_side, resolve_device
+from elmo_pipeline.model.hardware import warn_if_emulated
+from elmo_pipeline.model.options import COMPUTE_DTYPES, STATE_MODES, sentences_independent
 
 # Fixed warm-up text for the `warm` mode: ordinary English, run sentence by sentence from zeros.
 WARMUP_TEXT = [
@@ -82,9 +82,9 @@ class ElmoEmbedder:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.device = resolve_device(device)
         if model is None:
-            from model.weights import load_bilm
+            from elmo_pipeline.model.weights import load_bilm
             if options_file is None and weight_file is None:
-                from model.resolve import resolve_model
+                from elmo_pipeline.model.resolve import resolve_model
                 default = resolve_model()
                 options_file, weight_file, vocab_file = default.options_file, default.weight_file, default.vocab_file
             elif options_file is None or weight_file is None:
@@ -109,7 +109,7 @@ class ElmoEmbedder:
         if self.model.opts.char_cnn is None:
             if vocab_file is None:
                 raise ValueError("a word-encoder biLM needs its vocabulary: pass vocab_file")
-            from model.vocab import Vocabulary
+            from elmo_pipeline.model.vocab import Vocabulary
             self.vocab = Vocabulary.load(vocab_file)
         self.model_name: str | None = None      # set by from_name()
         self.tokenization: str | None = None    # the model's training-text tokenization (from_name())
@@ -123,7 +123,7 @@ class ElmoEmbedder:
         """An embedder of a model by name (model.pretrained.MODELS: the shipped one, or a published one,
         downloaded into the cache on first use and verified on every use); kwargs as for the constructor.
         Its `model_name` and `tokenization` (the scheme of its training text) are set."""
-        from model.resolve import resolve_model
+        from elmo_pipeline.model.resolve import resolve_model
         return cls.from_model(resolve_model(name, progress=progress), **kwargs)
 
     @classmethod

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.options import BiLMOptions
-from model.row_tile import ROW_TILE, round_up
+from elmo_pipeline.model.options import BiLMOptions
+from elmo_pipeline.model.row_tile import ROW_TILE, round_up
 
 N_CHAR_ROWS = 262  # 261 trained character rows + row 0, all zeros, for padded positions
 

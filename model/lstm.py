@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from model.lstm_loops import bmm_loop, cell_for, onednn_loop
-from model.packing import NO_RESETS, Resets
+from elmo_pipeline.model.lstm_loops import bmm_loop, cell_for, onednn_loop
+from elmo_pipeline.model.packing import NO_RESETS, Resets
 
 LSTM_LOOPS = ("auto", "onednn", "bmm")
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from fsio import open_url
+from elmo_pipeline.fsio import open_url
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")   # precisions the biLM may run in
 STATE_MODES = ("stateless", "warm", "stateful")        # what each sentence's LSTMs start from (model/embedder.py)

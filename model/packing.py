@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model.batching import pack_lanes
-from model.device import host_side, upload
-from model.row_tile import ROW_TILE, round_up
+from elmo_pipeline.model.batching import pack_lanes
+from elmo_pipeline.model.device import host_side, upload
+from elmo_pipeline.model.row_tile import ROW_TILE, round_up
 
 
 class Resets:

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.device import host_side, upload
-from model.lstm import LstmProjection
-from model.options import BiLMOptions
+from elmo_pipeline.model.device import host_side, upload
+from elmo_pipeline.model.lstm import LstmProjection
+from elmo_pipeline.model.options import BiLMOptions
 
 
 class BiLM(Protocol):

@@ -34,7 +34,7 @@ class ResolvedModel:
     @property
     def tokenization(self) -> str | None:
         """The scheme of a named model's training text (None for custom files)."""
-        from model.pretrained import model_tokenization
+        from elmo_pipeline.model.pretrained import model_tokenization
         return model_tokenization(self.name)
 
     def local_files(self) -> tuple[str, str, str | None]:
@@ -44,7 +44,7 @@ class ResolvedModel:
 
     def identity(self) -> dict:
         """The files as given, the weights' sha256 and the parsed options, for the manifest and the run key."""
-        from fsio import file_sha256
+        from elmo_pipeline.fsio import file_sha256
         options_file, weight_file, _ = self.local_files()
         with open(options_file) as f:
             options = json.load(f)
@@ -62,7 +62,7 @@ def resolve_model(name: str | None = None, options_file: str | None = None, weig
         if not (options_file and weight_file) or name:
             raise ValueError("give --options-file and --weight-file together, or --model NAME, not both")
         return ResolvedModel(CUSTOM, options_file, weight_file, vocab_file, storage_options)
-    from model.pretrained import DEFAULT_MODEL, model_files
+    from elmo_pipeline.model.pretrained import DEFAULT_MODEL, model_files
     name = name or DEFAULT_MODEL
     options, weights, vocab = model_files(name, progress)
     return ResolvedModel(name, options, weights, vocab_file or vocab, storage_options)
@@ -71,7 +71,7 @@ def resolve_model(name: str | None = None, options_file: str | None = None, weig
 def fetch_model_files(options_file: str, weight_file: str, vocab_file: str | None = None,
                       storage_options: dict | None = None) -> tuple[str, str, str | None]:
     """Local paths of model files given as paths or URLs (remote ones downloaded once into the cache)."""
-    from fsio import local_path
+    from elmo_pipeline.fsio import local_path
     return (local_path(options_file, storage_options=storage_options),
             local_path(weight_file, storage_options=storage_options),
             local_path(vocab_file, storage_options=storage_options) if vocab_file else None)
@@ -82,11 +82,11 @@ def files_here(options_file: str, weight_file: str, vocab_file: str | None = Non
     """(options, weights, vocab) as local paths on this machine: remote files fetched into the cache; a named
     model whose files are not at the launcher's paths here, from model.pretrained, verified against
     weights_sha256 (ValueError when it differs)."""
-    from fsio import is_local_url
+    from elmo_pipeline.fsio import is_local_url
     paths = [p for p in (options_file, weight_file, vocab_file) if p]
     if model_name and not all(is_local_url(p) and os.path.exists(p.removeprefix("file://")) for p in paths):
-        from fsio import file_sha256
-        from model.pretrained import model_files
+        from elmo_pipeline.fsio import file_sha256
+        from elmo_pipeline.model.pretrained import model_files
         options, weights, vocab = model_files(model_name)
         if weights_sha256 and file_sha256(weights) != weights_sha256:
             raise ValueError(f"model {model_name!r} here ({weights}) is not the one the run was planned "
@@ -98,7 +98,7 @@ def files_here(options_file: str, weight_file: str, vocab_file: str | None = Non
 def _vocab_here(vocab_file: str | None, model_vocab: str | None, storage_options: dict | None) -> str | None:
     """The vocabulary on this machine when the model files came from model.pretrained: the one given, where
     it can be read here (a URL, or a path that exists), else the named model's own."""
-    from fsio import is_local_url, local_path
+    from elmo_pipeline.fsio import is_local_url, local_path
     if not vocab_file:
         return None
     if not is_local_url(vocab_file):

@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from model.bilm import BiLM
-from model.options import parse_options
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.options import parse_options
 
 _PUBLISHED_CNN = {"activation": "relu", "embedding": {"dim": 16},
                   "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]],
@@ -46,13 +46,13 @@ def random_bilm(options: dict | str, seed: int = 0) -> BiLM:
 
 def write_random_bilm(options: dict | str, folder: str, seed: int = 0) -> tuple[str, str]:
     """Write options.json + weights.hdf5 of a random biLM into `folder`; returns their paths."""
-    from model.weights import save_bilm
+    from elmo_pipeline.model.weights import save_bilm
     os.makedirs(folder, exist_ok=True)
     paths = os.path.join(folder, "options.json"), os.path.join(folder, "weights.hdf5")
     save_bilm(random_bilm(options, seed), *paths)
     return paths
 
 
-if __name__ == "__main__":  # python -m model.synthetic NAME FOLDER
+if __name__ == "__main__":  # python -m elmo_pipeline.model.synthetic NAME FOLDER
     import sys
     print(json.dumps(write_random_bilm(sys.argv[1], sys.argv[2])))

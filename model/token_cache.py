@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from model.device import host_side
+from elmo_pipeline.model.device import host_side
 
 
 class TokenCache:

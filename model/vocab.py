@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from fsio import open_url
+from elmo_pipeline.fsio import open_url
 
 SPECIALS = ("<S>", "</S>", "<UNK>")
 

@@ -24,10 +24,10 @@ import h5py
 import numpy as np
 import torch
 
-from model.bilm import BiLM
-from model.encoders import N_CHAR_ROWS
-from fsio import local_path
-from model.options import BiLMOptions, load_options
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.encoders import N_CHAR_ROWS
+from elmo_pipeline.fsio import local_path
+from elmo_pipeline.model.options import BiLMOptions, load_options
 
 
 class WeightsError(ValueError):

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from model.batching import embed_in_batches, plan_batches
+from elmo_pipeline.model.batching import embed_in_batches, plan_batches
 
 DEFAULT_OVERLAP = 200
 

@@ -10,15 +10,15 @@ import sys
 # subcommand -> (module, help). Modules are imported only when their subcommand runs, except that
 # building the parser imports each one for its add_arguments (no Beam import there).
 SUBCOMMANDS = {
-    "elmo": ("pipeline.elmo_command", "embed a file of tokenized sentences into HDF5 (allennlp elmo)"),
-    "run": ("pipeline.run", "run the Beam pipeline"),
-    "plan": ("pipeline.run", "what `run` with the same flags would do (run --dry-run): nothing is written"),
-    "train": ("pipeline.train_command", "train or fine-tune a biLM (torchrun for several processes)"),
-    "evaluate": ("pipeline.evaluate_command", "forward, backward and mean perplexity of a biLM on held-out text"),
-    "export": ("pipeline.export_command", "export a training checkpoint to options.json + weights.hdf5 + vocab.txt"),
-    "probe": ("pipeline.probe_command", "train and evaluate a classifier on extracted vectors, per layer setting"),
-    "models": ("pipeline.models_command", "list the models known by name: sizes, dims, tokenization, cache state"),
-    "doctor": ("pipeline.doctor_command", "this machine: CPU, its flags, GPUs, and which compute dtypes run natively"),
+    "elmo": ("elmo_pipeline.pipeline.elmo_command", "embed a file of tokenized sentences into HDF5 (allennlp elmo)"),
+    "run": ("elmo_pipeline.pipeline.run", "run the Beam pipeline"),
+    "plan": ("elmo_pipeline.pipeline.run", "what `run` with the same flags would do (run --dry-run): nothing is written"),
+    "train": ("elmo_pipeline.pipeline.train_command", "train or fine-tune a biLM (torchrun for several processes)"),
+    "evaluate": ("elmo_pipeline.pipeline.evaluate_command", "forward, backward and mean perplexity of a biLM on held-out text"),
+    "export": ("elmo_pipeline.pipeline.export_command", "export a training checkpoint to options.json + weights.hdf5 + vocab.txt"),
+    "probe": ("elmo_pipeline.pipeline.probe_command", "train and evaluate a classifier on extracted vectors, per layer setting"),
+    "models": ("elmo_pipeline.pipeline.models_command", "list the models known by name: sizes, dims, tokenization, cache state"),
+    "doctor": ("elmo_pipeline.pipeline.doctor_command", "this machine: CPU, its flags, GPUs, and which compute dtypes run natively"),
 }
 # Subcommands whose module parses its own argv (module.main(argv), its own --help): the parser only lists them,
 # so `elmo-pipeline --help` and the other subcommands never import Beam.

@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def text(r: dict) -> str:
     """The report (model.hardware.report()) as the lines the command prints."""
-    from model.hardware import cpu_support, native_flags, verdict
+    from elmo_pipeline.model.hardware import cpu_support, native_flags, verdict
     cpu = r["cpu"]
     known = {k: "?" if v is None else v for k, v in cpu.items()}
     lines = [f"python {r['python']}, torch {r['torch']}, {r['os']}",
@@ -42,7 +42,7 @@ def text(r: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from model.hardware import report
+    from elmo_pipeline.model.hardware import report
     r = report()
     print(json.dumps(r) if args.json else text(r))
     return 0

@@ -62,9 +62,9 @@ def sample_file(url: str, size: int, budget: int, fmt: str, label: str, text_fie
                 so: dict) -> tuple[list, float]:
     """(records, scale): records read from the file (Document, Blank, DeadLetter) and the factor from them to
     the whole file."""
-    from fsio import open_file
-    from transforms.lines import Meter
-    from transforms.read import line_records, read_documents
+    from elmo_pipeline.fsio import open_file
+    from elmo_pipeline.transforms.lines import Meter
+    from elmo_pipeline.transforms.read import line_records, read_documents
     if fmt != "parquet" and not url.endswith(COMPRESSED):
         with open_file(url, "rb", so) as f:
             slices, covered = _whole_lines(f, size, budget)
@@ -95,8 +95,8 @@ def sample_file(url: str, size: int, budget: int, fmt: str, label: str, text_fie
 
 def sample_inputs(pl, sizes: dict[str, int], budget: int = SAMPLE_BYTES) -> dict:
     """Counts of the sample, scaled to all inputs, and the sample's written sentences (tokens) for timing."""
-    from tokenization.process import tokenize_or_reason
-    from transforms.records import Blank, Document
+    from elmo_pipeline.tokenization.process import tokenize_or_reason
+    from elmo_pipeline.transforms.records import Blank, Document
     o = pl.options
     files = pl.files
     picked = files if len(files) <= MAX_SAMPLE_FILES else \
@@ -150,9 +150,9 @@ def measure(pl, written: list, seed: int = 0) -> dict:
     """The run's biLM on batches of sample sentences: tokens/s, and the sample shard's bytes per token per format."""
     import numpy as np
 
-    from formats.estimate import sample_file_bytes
-    from model.batching import plan_batches
-    from transforms.embed import load_embedder
+    from elmo_pipeline.formats.estimate import sample_file_bytes
+    from elmo_pipeline.model.batching import plan_batches
+    from elmo_pipeline.transforms.embed import load_embedder
     o = pl.options
     limit = max(1, min(o.max_tokens_per_batch - 2, pl.window or o.max_tokens_per_batch))
     pool = [w for w in written if 0 < len(w[3]) <= limit]
@@ -205,10 +205,10 @@ def _threads() -> int:
 
 def output_state(pl) -> str:
     """What --output holds now, as the run would find it (read only)."""
-    from formats.layout import LEASE
-    from fsio import url_fs
-    from fsio.lease import describe, is_stale
-    from transforms.resume import finalize_started, is_complete
+    from elmo_pipeline.formats.layout import LEASE
+    from elmo_pipeline.fsio import url_fs
+    from elmo_pipeline.fsio.lease import describe, is_stale
+    from elmo_pipeline.transforms.resume import finalize_started, is_complete
     o, so = pl.options, pl.storage_options
     if not o.overwrite and is_complete(o.output, pl.key, so):
         return "holds the finished run of this same command: `run` would exit 0 at once and change nothing"
@@ -226,10 +226,10 @@ def output_state(pl) -> str:
 
 def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     """The plan of `run ARGV` as numbers (see the module docstring)."""
-    from formats.estimate import layer_bytes
-    from pipeline.exits import after_plan
-    from pipeline.plan import pipeline_options, plan
-    from transforms.embed import withdraw_models
+    from elmo_pipeline.formats.estimate import layer_bytes
+    from elmo_pipeline.pipeline.exits import after_plan
+    from elmo_pipeline.pipeline.plan import pipeline_options, plan
+    from elmo_pipeline.transforms.embed import withdraw_models
     t_start = time.perf_counter()
     opts = pipeline_options(argv)
     try:

@@ -18,7 +18,7 @@ logger = logging.getLogger("elmo-pipeline.elmo")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from model.options import COMPUTE_DTYPES, STATE_MODES
+    from elmo_pipeline.model.options import COMPUTE_DTYPES, STATE_MODES
     p.add_argument("input_file", help="one whitespace-tokenized sentence per line (path or URL)")
     p.add_argument("output_file", help="HDF5 file to write")
     what = p.add_mutually_exclusive_group(required=True)
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_lines(url: str) -> list[str]:
     """Lines of a text file, stripped; split on '\\n' only (not on U+2028 etc.)."""
-    from fsio import open_url
+    from elmo_pipeline.fsio import open_url
     with open_url(url, "rt", encoding="utf-8", newline="\n") as f:
         return [line.strip() for line in f]
 
@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     import h5py
     import numpy as np
 
-    from model.embedder import ElmoEmbedder
-    from model.resolve import resolve_model
+    from elmo_pipeline.model.embedder import ElmoEmbedder
+    from elmo_pipeline.model.resolve import resolve_model
 
     if args.batch_size < 1:
         raise SystemExit("error: --batch-size must be >= 1")
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: give both --options-file and --weight-file, or neither (the shipped default model)")
     if args.model and args.options_file:
         raise SystemExit("error: give --model NAME or --options-file and --weight-file, not both")
-    from pipeline.validate import check_state, check_windows
+    from elmo_pipeline.pipeline.validate import check_state, check_windows
     try:
         args.batch_invariant = check_state(args.state, budget_batches=args.max_tokens_per_batch > 0,
                                            windows=args.window_tokens > 0, batch_invariant=args.batch_invariant)
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     batched = ([] if i in long else s for i, s in enumerate(sentences))
     group_of, ready = {}, {}      # long lines by group of windows that fill one sub-batch; their vectors, ahead
     if long:
-        from model.windows import embed_long_many, window_groups
+        from elmo_pipeline.model.windows import embed_long_many, window_groups
         ids = list(long)
         for g in window_groups([len(long[i]) for i in ids], args.window_tokens, args.window_overlap, window_budget):
             members = [ids[k] for k in g]

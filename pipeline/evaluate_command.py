@@ -27,9 +27,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from training.export import head_from_checkpoint, load_exported
-    from training.head import evaluate
-    from training.train import load_corpus_for
+    from elmo_pipeline.training.export import head_from_checkpoint, load_exported
+    from elmo_pipeline.training.head import evaluate
+    from elmo_pipeline.training.train import load_corpus_for
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         folder = args.model
         if folder is None:
-            from model.pretrained import default_model_files
+            from elmo_pipeline.model.pretrained import default_model_files
             folder = os.path.dirname(default_model_files()[0])
         head, vocab, _ = load_exported(folder)
         with open(os.path.join(folder, "options.json")) as f:
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     corpus = load_corpus_for(args.files, vocab, options, args.tokenizer)
     result = evaluate(head, corpus, batch_size=args.batch_size).as_dict()
     if args.unigram_baseline:
-        from training.data import unigram_perplexity
+        from elmo_pipeline.training.data import unigram_perplexity
         train = load_corpus_for(args.unigram_baseline, vocab, options, args.tokenizer)
         result["unigram_ppl"] = unigram_perplexity(train, corpus, len(vocab))
     print(f"perplexity fwd {result['ppl_fwd']:.2f}  bwd {result['ppl_bwd']:.2f}  mean {result['ppl_mean']:.2f}  "

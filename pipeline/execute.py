@@ -8,20 +8,20 @@ from __future__ import annotations
 import logging
 import time
 
-from pipeline.quiet import quiet_beam
+from elmo_pipeline.pipeline.quiet import quiet_beam
 
 quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from formats import layout
-from fsio import url_fs
-from fsio.lease import Lease, RetryLater
-from pipeline.exits import after_plan
-from pipeline.graph import build
-from pipeline.plan import Plan
-from transforms.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
-from transforms.resume import is_complete, prepare_output
+from elmo_pipeline.formats import layout
+from elmo_pipeline.fsio import url_fs
+from elmo_pipeline.fsio.lease import Lease, RetryLater
+from elmo_pipeline.pipeline.exits import after_plan
+from elmo_pipeline.pipeline.graph import build
+from elmo_pipeline.pipeline.plan import Plan
+from elmo_pipeline.transforms.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
+from elmo_pipeline.transforms.resume import is_complete, prepare_output
 
 logger = logging.getLogger("elmo-pipeline.run")
 

@@ -1,4 +1,4 @@
-"""Exit statuses of `python -m pipeline.run` / `elmo-pipeline run|plan`, and the mapping of a failure to one.
+"""Exit statuses of `python -m elmo_pipeline.pipeline.run` / `elmo-pipeline run|plan`, and the mapping of a failure to one.
 
 A scheduler acts on the status: fix the command (USAGE), fix the data (DATA), retry later (TEMPFAIL, the
 BSD sysexits EX_TEMPFAIL that mail and job systems retry), or look at it (SOFTWARE). The table is in
@@ -12,7 +12,7 @@ import errno
 import re
 from dataclasses import dataclass
 
-from fsio import redact
+from elmo_pipeline.fsio import redact
 
 OK = 0            # done, or already complete (nothing to do)
 USAGE = 2         # bad flag or value, conflicting options, an output that needs --overwrite: fix the command

@@ -18,8 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from training.export import export_model, head_from_checkpoint
-    from training.train import latest_checkpoint
+    from elmo_pipeline.training.export import export_model, head_from_checkpoint
+    from elmo_pipeline.training.train import latest_checkpoint
 
     ckpt = args.checkpoint
     if os.path.isdir(ckpt):

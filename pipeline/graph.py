@@ -5,21 +5,21 @@
 """
 from __future__ import annotations
 
-from pipeline.quiet import quiet_beam
+from elmo_pipeline.pipeline.quiet import quiet_beam
 
 quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
 import apache_beam as beam
 
-from formats.layout import ShardInfo
-from pipeline.plan import Plan
-from transforms import coders  # noqa: F401 - registers the element coders
-from transforms.chain import Chain
-from transforms.embed_step import EmbedBatches, SortAndBatch
-from transforms.read_step import DropDuplicateIds, ReadFiles
-from transforms.tokenize_step import Tokenize
-from transforms.write_step import SkipCommitted, WriteShards
-from transforms.records import Document, Item
-from transforms.resume import OutputState
+from elmo_pipeline.formats.layout import ShardInfo
+from elmo_pipeline.pipeline.plan import Plan
+from elmo_pipeline.transforms import coders  # noqa: F401 - registers the element coders
+from elmo_pipeline.transforms.chain import Chain
+from elmo_pipeline.transforms.embed_step import EmbedBatches, SortAndBatch
+from elmo_pipeline.transforms.read_step import DropDuplicateIds, ReadFiles
+from elmo_pipeline.transforms.tokenize_step import Tokenize
+from elmo_pipeline.transforms.write_step import SkipCommitted, WriteShards
+from elmo_pipeline.transforms.records import Document, Item
+from elmo_pipeline.transforms.resume import OutputState
 
 
 def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:

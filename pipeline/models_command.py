@@ -26,7 +26,7 @@ def table(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from model.pretrained import MODELS, base_url, cache_folder, describe, model_files
+    from elmo_pipeline.model.pretrained import MODELS, base_url, cache_folder, describe, model_files
     try:
         for name in args.download:
             model_files(name, progress=True)

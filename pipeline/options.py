@@ -6,12 +6,12 @@ import os
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from formats.layout import FORMATS, PARQUET_LAYOUTS, STORAGE_DTYPES
-from formats.parquet import VECTOR_COMPRESSIONS
-from model.options import COMPUTE_DTYPES, STATE_MODES
-from transforms.read import INPUT_FORMATS, MAX_RECORD_BYTES
-from transforms.records import MAX_DOCUMENT_TOKENS
-from tokenization import TOKENIZERS
+from elmo_pipeline.formats.layout import FORMATS, PARQUET_LAYOUTS, STORAGE_DTYPES
+from elmo_pipeline.formats.parquet import VECTOR_COMPRESSIONS
+from elmo_pipeline.model.options import COMPUTE_DTYPES, STATE_MODES
+from elmo_pipeline.transforms.read import INPUT_FORMATS, MAX_RECORD_BYTES
+from elmo_pipeline.transforms.records import MAX_DOCUMENT_TOKENS
+from elmo_pipeline.tokenization import TOKENIZERS
 
 
 class ElmoOptions(PipelineOptions):

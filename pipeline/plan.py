@@ -1,4 +1,4 @@
-"""What a run of `python -m pipeline.run` does, settled from its options before anything runs: plan() checks the
+"""What a run of `python -m elmo_pipeline.pipeline.run` does, settled from its options before anything runs: plan() checks the
 options, the model (model/resolve.py) and --output, and returns a Plan, which the graph (pipeline/graph.py), the
 run under the output's lease (pipeline/execute.py) and --dry-run (pipeline/dry_run.py) take. Reads only.
 """
@@ -10,26 +10,26 @@ import os
 import sys
 from dataclasses import dataclass
 
-from pipeline.quiet import quiet_beam
+from elmo_pipeline.pipeline.quiet import quiet_beam
 
 quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, S3Options, StandardOptions
 
-from formats import layout
-from formats.hdf5 import hdf5_layout
-from formats.iceberg import IcebergTarget
-from formats.parquet import layer_columns, shard_schema
-from fsio import expand, redact
-from model.options import load_options, sentences_independent
-from model.resolve import resolve_model
-from pipeline.options import ElmoOptions, default_torch_threads
-from pipeline.validate import (check_input_columns, check_inputs_outside_output, check_model, check_numbers,
+from elmo_pipeline.formats import layout
+from elmo_pipeline.formats.hdf5 import hdf5_layout
+from elmo_pipeline.formats.iceberg import IcebergTarget
+from elmo_pipeline.formats.parquet import layer_columns, shard_schema
+from elmo_pipeline.fsio import expand, redact
+from elmo_pipeline.model.options import load_options, sentences_independent
+from elmo_pipeline.model.resolve import resolve_model
+from elmo_pipeline.pipeline.options import ElmoOptions, default_torch_threads
+from elmo_pipeline.pipeline.validate import (check_input_columns, check_inputs_outside_output, check_model, check_numbers,
                                check_output_writable, check_state)
-from transforms.embed import ModelSpec, offer_model, parse_layers
-from transforms.progress import ProgressSpec
-from transforms.ids import file_labels, public_url
-from transforms.resume import finalize_started, input_fingerprints, run_ingredients, run_key
-from transforms.write import ShardSpec
+from elmo_pipeline.transforms.embed import ModelSpec, offer_model, parse_layers
+from elmo_pipeline.transforms.progress import ProgressSpec
+from elmo_pipeline.transforms.ids import file_labels, public_url
+from elmo_pipeline.transforms.resume import finalize_started, input_fingerprints, run_ingredients, run_key
+from elmo_pipeline.transforms.write import ShardSpec
 
 logger = logging.getLogger("elmo-pipeline.run")
 LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
@@ -139,8 +139,8 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     check_inputs_outside_output(files, o.output)
     resolved = resolve_model(o.model, o.options_file, o.weight_file, o.vocab_file, so,
                              progress={"on": True, "off": False}.get(o.progress))
-    from model.pretrained import is_published, model_urls
-    from tokenization import resolve_tokenizer
+    from elmo_pipeline.model.pretrained import is_published, model_urls
+    from elmo_pipeline.tokenization import resolve_tokenizer
     model_name, tokenization = resolved.name, resolved.tokenization
     tokenizer = resolve_tokenizer(o.tokenizer, tokenization)
     local_options, local_weights, _ = resolved.local_files()
@@ -157,7 +157,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
                      o.compute_dtype, batch_invariant=o.batch_invariant, storage_options=so,
                      model_name=resolved.model_name)
     if local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
-        from model.device import resolve_device
+        from elmo_pipeline.model.device import resolve_device
         resolve_device(o.device)
     model = check_model(local_options, local_weights)   # a bad model fails here, not in every worker
     if probe_output or "://" not in o.output or o.output.startswith("file://"):    # local: reads only
@@ -209,8 +209,8 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
 def compute_support_here(compute_dtype: str, device: str) -> dict:
     """The manifest's `compute_support`: how this machine (a local runner's workers run here) runs the biLM in
     the compute dtype on the device the workers pick (model.hardware.compute_support; no GPU is claimed)."""
-    from model.device import resolve_device
-    from model.hardware import compute_support
+    from elmo_pipeline.model.device import resolve_device
+    from elmo_pipeline.model.hardware import compute_support
     return compute_support(compute_dtype, resolve_device(device))
 
 
@@ -236,6 +236,6 @@ def pipeline_options(argv: list[str]) -> PipelineOptions:
         argv.append("--runner=FnApiRunner")
     if any("DaskRunner" in a for a in argv):
         import apache_beam.runners.dask.dask_runner  # noqa: F401 - its options (--dask_client_address, ...)
-    from pipeline.validate import check_flags
+    from elmo_pipeline.pipeline.validate import check_flags
     check_flags(argv)
     return PipelineOptions(argv)

@@ -15,7 +15,7 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from formats.layout import FORMATS
+    from elmo_pipeline.formats.layout import FORMATS
     p.add_argument("--train", required=True, help="pipeline output folder (path or URL) with the training sentences")
     p.add_argument("--dev", help="output folder for model selection (best epoch by dev accuracy)")
     p.add_argument("--test", help="output folder to report on")
@@ -65,9 +65,9 @@ def _sort_classes(values) -> list[str]:
 
 def load_splits(args: argparse.Namespace, log) -> tuple[dict, list[str], int, int]:
     """{split name: downstream.probe.Split}, classes, n_layers, dim."""
-    from downstream.labels import conllu_tag_labels, load_sentence_labels, read_conllu
-    from downstream.splits import Split
-    from downstream.readers import ElmoDataset, ElmoOutput
+    from elmo_pipeline.downstream.labels import conllu_tag_labels, load_sentence_labels, read_conllu
+    from elmo_pipeline.downstream.splits import Split
+    from elmo_pipeline.downstream.readers import ElmoDataset, ElmoOutput
 
     so = json.loads(args.storage_options) if args.storage_options else None
 
@@ -138,10 +138,10 @@ def load_splits(args: argparse.Namespace, log) -> tuple[dict, list[str], int, in
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from downstream.combine import expand_settings
-    from downstream.metrics import majority_baseline
-    from downstream.probe import ProbeConfig, train_setting
-    from downstream.report import summarize, write_report
+    from elmo_pipeline.downstream.combine import expand_settings
+    from elmo_pipeline.downstream.metrics import majority_baseline
+    from elmo_pipeline.downstream.probe import ProbeConfig, train_setting
+    from elmo_pipeline.downstream.report import summarize, write_report
     if args.threads:
         torch.set_num_threads(args.threads)
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))

@@ -1,4 +1,4 @@
-"""`python -m pipeline.run`: corpus in, per-layer ELMo vectors out (Parquet + HDF5), on any Beam runner.
+"""`python -m elmo_pipeline.pipeline.run`: corpus in, per-layer ELMo vectors out (Parquet + HDF5), on any Beam runner.
 
 run(): plan() settles what varies with the options, reading only (pipeline/plan.py); the run takes the output's
 lease, runs the graph (pipeline/graph.py), which only stages data under <out>/_staging/<run key>/, and
@@ -12,19 +12,19 @@ import logging
 import sys
 import time
 
-from pipeline.quiet import quiet_beam, quiet_failures
+from elmo_pipeline.pipeline.quiet import quiet_beam, quiet_failures
 
 quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions, SetupOptions
 
-from formats import layout
-from fsio import atomic_write, redact, redact_logs, url_fs
-from pipeline.execute import AlreadyComplete, FinalizeOnly, run_planned
-from pipeline.options import ElmoOptions, JobOptions
-from pipeline.plan import pipeline_options, plan, storage_options
-from transforms import progress
-from transforms.embed import withdraw_models
+from elmo_pipeline.formats import layout
+from elmo_pipeline.fsio import atomic_write, redact, redact_logs, url_fs
+from elmo_pipeline.pipeline.execute import AlreadyComplete, FinalizeOnly, run_planned
+from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
+from elmo_pipeline.pipeline.plan import pipeline_options, plan, storage_options
+from elmo_pipeline.transforms import progress
+from elmo_pipeline.transforms.embed import withdraw_models
 
 
 def run(argv: list[str] | None = None, save_main_session: bool = False):
@@ -116,7 +116,7 @@ def job_flags(argv: list[str]):
 def write_metrics_file(path: str, output: str | None, status: int, manifest_metrics: str = "") -> None:
     """--metrics-file: the output's metrics.prom (when the run finished) and the exit status, written as the
     textfile collector needs it: beside `path` under a name it ignores (not *.prom), then renamed over it."""
-    from formats.metrics import render, status_families
+    from elmo_pipeline.formats.metrics import render, status_families
     fs, local = url_fs(path)
     atomic_write(fs, local, (manifest_metrics + render(status_families(output or "", status, time.time()))).encode())
 
@@ -132,13 +132,13 @@ def _output_metrics(output: str, so: dict | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """The command: one summary line and exit 0, or one line `error: ...` and the exit status of
     pipeline/exits.py (the traceback too with --verbose)."""
-    from pipeline import exits
+    from elmo_pipeline.pipeline import exits
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     redact_logs()
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         import argparse
-        parser = argparse.ArgumentParser(prog="python -m pipeline.run",
+        parser = argparse.ArgumentParser(prog="python -m elmo_pipeline.pipeline.run",
                                          description="ELMo vectors for a corpus with Apache Beam. "
                                          "Beam's standard options (--runner, --direct_num_workers, ...) also apply.")
         add_arguments(parser)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_failures()
     try:
         if job.dry_run:
-            from pipeline.dry_run import dry_run
+            from elmo_pipeline.pipeline.dry_run import dry_run
             print(redact(dry_run(argv)))
             return exits.OK
         result = run(argv)

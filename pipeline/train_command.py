@@ -3,7 +3,7 @@
     elmo-pipeline train 'data/*.txt' --valid valid.txt --output runs/x
     elmo-pipeline train new.txt --init-from model/pretrained/wikitext2-small --output runs/ft   # fine-tune
     elmo-pipeline train ... --output runs/x --resume        # continue exactly from the last checkpoint
-    python -m torch.distributed.run --nproc_per_node 2 -m pipeline.cli train ...  # 2 processes
+    python -m torch.distributed.run --nproc_per_node 2 -m elmo_pipeline.pipeline.cli train ...  # 2 processes
 Flags override the options file (default: training/train.py DEFAULT_OPTIONS).
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_options(args: argparse.Namespace) -> dict:
-    from training.train import default_options
+    from elmo_pipeline.training.train import default_options
     opts = default_options(args.token_encoder)
     if args.options:
         with open(args.options) as f:
@@ -84,7 +84,7 @@ def build_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from training.train import TrainConfig, train
+    from elmo_pipeline.training.train import TrainConfig, train
 
     cfg = TrainConfig(train_files=args.train_files, out_dir=args.output, options=build_options(args),
                       valid_files=args.valid, tokenizer=args.tokenizer, vocab_file=args.vocab_file,
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                       progress=not args.no_progress, valid_max_windows=args.valid_max_windows,
                       export=not args.no_export)
     summary = train(cfg)
-    from training.train import dist_info
+    from elmo_pipeline.training.train import dist_info
     if dist_info()[0] == 0:
         print(json.dumps(summary, indent=2), file=sys.stderr)
     import torch.distributed as dist
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point without the other subcommands' imports: python -m pipeline.train_command ... (torchrun)."""
+    """Entry point without the other subcommands' imports: python -m elmo_pipeline.pipeline.train_command ... (torchrun)."""
     parser = argparse.ArgumentParser(prog="elmo-pipeline train")
     add_arguments(parser)
     return run(parser.parse_args(argv))

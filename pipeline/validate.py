@@ -29,7 +29,7 @@ def _option_classes() -> list[type]:
 def check_flags(argv: list[str]) -> None:
     """ValueError for an unknown flag (Beam would only log "Discarding unparseable args" and run on without
     it) or a bad flag value (Beam's parser would print its whole usage and exit)."""
-    import pipeline.options  # noqa: F401 - registers ElmoOptions
+    import elmo_pipeline.pipeline.options  # noqa: F401 - registers ElmoOptions
     parser = _RaisingParser(allow_abbrev=False, add_help=False)
     for cls in _option_classes():
         try:
@@ -39,7 +39,7 @@ def check_flags(argv: list[str]) -> None:
     _, unknown = parser.parse_known_args(argv)
     flags = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
     if flags:
-        raise ValueError(f"unknown flag(s): {' '.join(flags)} (see python -m pipeline.run --help)")
+        raise ValueError(f"unknown flag(s): {' '.join(flags)} (see python -m elmo_pipeline.pipeline.run --help)")
     if unknown:
         raise ValueError(f"unexpected argument(s): {' '.join(unknown)} (flags take the form --name value)")
 
@@ -68,7 +68,7 @@ def check_numbers(o) -> None:
 def check_windows(window_tokens: int, window_overlap: int | None, max_tokens: int) -> int:
     """The window overlap to use (the default when None) for windows of `window_tokens` under a batch budget;
     ValueError for windows that cannot advance. Shared by `run` and `elmo`."""
-    from model.windows import check_window, default_overlap
+    from elmo_pipeline.model.windows import check_window, default_overlap
     if window_overlap is None:
         window_overlap = default_overlap(window_tokens) if window_tokens > 0 else 0
     check_window(window_tokens, window_overlap, max_tokens)
@@ -102,7 +102,7 @@ def check_model(options_file: str, weight_file: str):
     options out of their schema's bounds or not matching the weights) fails now with OptionsError/WeightsError,
     not in every worker, and before any tensor is built from the options (model.weights.load_bilm).
     Returns the loaded BiLM (a local run hands it to its in-process workers: transforms.embed.offer_model)."""
-    from model.weights import load_bilm
+    from elmo_pipeline.model.weights import load_bilm
     return load_bilm(options_file, weight_file)
 
 
@@ -121,8 +121,8 @@ def check_output_writable(output: str, storage_options: dict | None = None) -> N
         if not os.access(parent, os.W_OK | os.X_OK):
             raise PermissionError(f"--output {output}: {parent} is not writable")
         return
-    from formats.layout import PROBE
-    from fsio import url_fs
+    from elmo_pipeline.formats.layout import PROBE
+    from elmo_pipeline.fsio import url_fs
     fs, root = url_fs(output, storage_options)
     probe = posixpath.join(root, f"{PROBE}{uuid.uuid4().hex}")
     try:
@@ -139,8 +139,8 @@ def check_input_columns(files: list[str], input_format: str, text_field: str, id
     footer cannot be read is left to the run, where it is a dead letter "unreadable file"."""
     if input_format != "parquet":
         return
-    from transforms.ids import printable_label
-    from transforms.read import parquet_columns
+    from elmo_pipeline.transforms.ids import printable_label
+    from elmo_pipeline.transforms.read import parquet_columns
     wanted = [("--text-field", text_field)] + ([("--id-field", id_field)] if id_field else [])
     for url in files:
         try:

@@ -111,11 +111,19 @@ def side_env(tree: Path, guard: Path) -> dict:
 def make_synthetic(trees: tuple[Path, Path], dest: Path, guard: Path) -> Path | None:
     """A random `small` biLM, written once by the base tree's code (the head's if base lacks it)."""
     for tree in trees:
-        if subprocess.run([sys.executable, "-m", "model.synthetic", "small", str(dest)], cwd=tree,
+        if subprocess.run([sys.executable, *qualified(tree, ["-m", "model.synthetic"]), "small", str(dest)], cwd=tree,
                           env=side_env(tree, guard), capture_output=True).returncode == 0:
             return dest
     print("note: `python -m model.synthetic` failed in both trees: synthetic-model runs skipped", flush=True)
     return None
+
+
+def qualified(tree: Path, argv: list[str]) -> list[str]:
+    """argv with `-m MODULE` under the tree's import name: elmo_pipeline.MODULE where the tree has that package
+    (older trees import their top-level folders directly)."""
+    if not (tree / "elmo_pipeline" / "__init__.py").exists():
+        return list(argv)
+    return [f"elmo_pipeline.{a}" if i and argv[i - 1] == "-m" else a for i, a in enumerate(argv)]
 
 
 def run_side(tree: Path, out: Path, cmds: list, guard: Path) -> list[str]:
@@ -124,7 +132,7 @@ def run_side(tree: Path, out: Path, cmds: list, guard: Path) -> list[str]:
     failures = []
     for name, argv in cmds:
         t = time.time()
-        p = subprocess.run([sys.executable, *[a.replace("{out}", str(out)) for a in argv]], cwd=tree,
+        p = subprocess.run([sys.executable, *[a.replace("{out}", str(out)) for a in qualified(tree, argv)]], cwd=tree,
                            env=side_env(tree, guard), capture_output=True, text=True)
         print(f"  {name}: {'ok' if p.returncode == 0 else 'FAILED'} ({time.time() - t:.1f} s)", flush=True)
         if p.returncode:

@@ -23,7 +23,7 @@ def fixture_dir() -> str:
 @pytest.fixture(scope="session")
 def tiny_model_files(tmp_path_factory):
     """options.json + weights.hdf5 of a random tiny biLM with skip connections ON."""
-    from model.synthetic import write_random_bilm
+    from elmo_pipeline.model.synthetic import write_random_bilm
     return write_random_bilm("tiny", str(tmp_path_factory.mktemp("tiny")), seed=1)
 
 
@@ -31,5 +31,5 @@ def tiny_model_files(tmp_path_factory):
 # ELMO_TEST_DEVICE=cuda (benchmarks/gpu_check.py): every ElmoEmbedder made without a device runs there
 _TEST_DEVICE = os.environ.get("ELMO_TEST_DEVICE")
 if _TEST_DEVICE:
-    from model.embedder import ElmoEmbedder as _Embedder
+    from elmo_pipeline.model.embedder import ElmoEmbedder as _Embedder
     _Embedder.__init__.__kwdefaults__["device"] = _TEST_DEVICE

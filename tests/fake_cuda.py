@@ -26,9 +26,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import model.bilm as bilm
-import model.lstm_loops as lstm_loops
-from model.lstm_loops import Cell, cell_eager
+import elmo_pipeline.model.bilm as bilm
+import elmo_pipeline.model.lstm_loops as lstm_loops
+from elmo_pipeline.model.lstm_loops import Cell, cell_eager
 
 aten = torch.ops.aten
 DEVICE = torch.device("cuda:0")   # an explicit index: torch.device("cuda") would ask a CPU build for the current GPU
@@ -272,9 +272,9 @@ def fake_model(config: str = "original", device: torch.device = DEVICE):
     """A BiLM of a PUBLISHED_OPTIONS shape (model/synthetic.py) with fake parameters on `device` (inside
     fake_cuda()): built on the meta device, so no memory and no init time. model.w_device is `device`."""
     import copy
-    from model.bilm import BiLM
-    from model.options import parse_options
-    from model.synthetic import PUBLISHED_OPTIONS
+    from elmo_pipeline.model.bilm import BiLM
+    from elmo_pipeline.model.options import parse_options
+    from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS
     with torch.device("meta"):
         model = BiLM(parse_options(copy.deepcopy(PUBLISHED_OPTIONS[config])))
     model = to_fake(model, device).eval()

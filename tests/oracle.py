@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.bilm import BiLM
+from elmo_pipeline.model.bilm import BiLM
 
 
 def _token_vector(model: BiLM, ids: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 
-from pipeline.run import run
+from elmo_pipeline.pipeline.run import run
 
 
 def run_pipeline(model_files, inp, out, *extra):

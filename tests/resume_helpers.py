@@ -39,12 +39,12 @@ def argv(model_files, inp, out, *extra):
 
 
 def run_subprocess(args, crash_at=None, timeout=240):
-    """`python -m pipeline.run ARGS` in a fresh process (optionally with the SIGKILL fault hook set)."""
+    """`python -m elmo_pipeline.pipeline.run ARGS` in a fresh process (optionally with the SIGKILL fault hook set)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("ELMO_PIPELINE_CRASH_AT", None)
     if crash_at:
         env["ELMO_PIPELINE_CRASH_AT"] = crash_at
-    return subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -104,7 +104,7 @@ def assert_same_output(a, b, tol=1e-6):
 def assert_flag_changes_no_byte(tmp_path, model_files, flag, values, *extra):
     """The pipeline on a dirty corpus (dead letters included) once per value of `flag`: equal outputs, Parquet and
     HDF5 files byte for byte."""
-    from pipeline.run import main
+    from elmo_pipeline.pipeline.run import main
     from tests.test_dask import dirty_corpus
     files = dirty_corpus(tmp_path / "corpus")
     outs = [str(tmp_path / f"out-{v}") for v in values]
@@ -132,7 +132,7 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(corpus, tiny_model_files, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ref") / "out")
-    from pipeline.run import main
+    from elmo_pipeline.pipeline.run import main
     assert main(argv(tiny_model_files, corpus, out, *SMALL)) == 0
     ref = read_output(out)
     assert ref[0]["counts"]["sentences"] == ref[0]["counts"]["sentences_written"] > 40

@@ -89,7 +89,7 @@ def is_blank(raw: bytes, first: bool) -> bool:
 
 def run(out: str, files: list[str], model_files: tuple[str, str] | None = None, *extra: str) -> dict:
     """Run the pipeline on `files` into <out>/result; returns the manifest."""
-    from pipeline.run import run as run_pipeline
+    from elmo_pipeline.pipeline.run import run as run_pipeline
     result_dir = os.path.join(out, "result")
     argv = [a for f in files for a in ("--input", f)] + ["--output", result_dir, "--overwrite", "--progress", "off"]
     if model_files:
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     files = build(args.out, pud_lines=args.pud_lines)
     model = None
     if args.tiny:
-        from model.synthetic import write_random_bilm
+        from elmo_pipeline.model.synthetic import write_random_bilm
         model = write_random_bilm("tiny", os.path.join(args.out, "tiny"), seed=1)
     t0 = time.perf_counter()
     manifest = run(args.out, files, model, "--torch-threads", args.torch_threads, *extra)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from model.char_ids import batch_char_ids, distinct_char_ids
-from model.embedder import ElmoEmbedder
-from model.synthetic import PUBLISHED_OPTIONS, random_bilm
+from elmo_pipeline.model.char_ids import batch_char_ids, distinct_char_ids
+from elmo_pipeline.model.embedder import ElmoEmbedder
+from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS, random_bilm
 from tests.oracle import oracle_forward
 
 BUDGETS = (256, 1024, 4096, 16384)
@@ -172,7 +172,7 @@ def test_invariant_path_equals_oracle_and_fast_path(options):
 
 def test_chunked_input_projection_keeps_the_bits(monkeypatch):
     """Input projections a few steps at a time (tiny CHUNK_ELEMENTS): the same bits as one chunk."""
-    import model.lstm_loops as lstm_loops
+    import elmo_pipeline.model.lstm_loops as lstm_loops
     model = random_bilm("tiny", seed=3)
     model.lstm_loop = "bmm"                            # the chunked loop (GPUs)
     ids, lengths = (torch.from_numpy(a) for a in batch_char_ids(sentences(12, seed=4, max_len=20)))

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pipeline.run import main
+from elmo_pipeline.pipeline.run import main
 from tests.resume_helpers import argv, assert_same_output, read_output, run_subprocess, write_corpus
 
 BUDGETS = ("256", "1024", "4096", "16384")
@@ -98,7 +98,7 @@ def test_elmo_command_batch_sizes_give_the_same_bytes(tiny_model_files, tmp_path
     """`elmo --batch-invariant`: --batch-size 1 and a 256-slot budget write the same vector bytes."""
     import h5py
 
-    from pipeline.cli import main as cli
+    from elmo_pipeline.pipeline.cli import main as cli
     from tests.test_batch_invariant import sentences
     inp = tmp_path / "in.txt"
     inp.write_text("\n".join(" ".join(s) for s in sentences(30, max_len=25)) + "\n")

@@ -1,6 +1,6 @@
 import numpy as np
 
-from model.char_ids import batch_char_ids, sentence_char_ids, token_char_ids
+from elmo_pipeline.model.char_ids import batch_char_ids, sentence_char_ids, token_char_ids
 
 
 def test_word_ids_match_reference_layout():
@@ -38,7 +38,7 @@ def test_vectorized_ids_equal_per_token_ids_and_torch_unique_order():
 
     import torch
 
-    from model.char_ids import distinct_char_ids
+    from elmo_pipeline.model.char_ids import distinct_char_ids
     rng = random.Random(0)
     pieces = ["a", "b", "é", "日本", "<S>", "</S>", "x" * 60, "y" * 47 + "é", "😀", "\ud800", "", "ab", "Ab", "\x00"]
     for _ in range(200):

@@ -19,7 +19,7 @@ def test_help_and_commands_other_than_run_import_no_beam():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
     for args in ([], ["train"], ["elmo"], ["probe"], ["evaluate"], ["export"]):
-        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline.cli", *args, "--help"],
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "elmo_pipeline.pipeline.cli", *args, "--help"],
                            capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 0 and "usage: elmo-pipeline" in r.stdout
         assert "apache_beam" not in r.stderr, args
@@ -29,7 +29,7 @@ def test_run_prints_only_its_summary(tmp_path, tiny_model_files):
     """No Beam notices (apitools, BigQuery, type hints) on stderr: the summary line is all a run prints."""
     corpus = tmp_path / "in.txt"
     corpus.write_text("A sentence. And another one.\n")
-    for entry in (["-m", "pipeline.run"], ["-m", "pipeline.cli", "run"]):
+    for entry in (["-m", "elmo_pipeline.pipeline.run"], ["-m", "elmo_pipeline.pipeline.cli", "run"]):
         out = tmp_path / entry[-1]
         r = subprocess.run([sys.executable, *entry, "--input", str(corpus), "--output", str(out), "--options-file",
                             tiny_model_files[0], "--weight-file", tiny_model_files[1], "--torch-threads", "1"],
@@ -42,7 +42,7 @@ def test_run_prints_only_its_summary(tmp_path, tiny_model_files):
 def test_quiet_beam_drops_only_beams_import_notice():
     import apache_beam
 
-    from pipeline.quiet import quiet_beam
+    from elmo_pipeline.pipeline.quiet import quiet_beam
     quiet_beam()
     root = logging.getLogger()
     beam_file = os.path.join(os.path.dirname(apache_beam.__file__), "io", "gcp", "internal", "clients", "bigquery",

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from apache_beam import coders as beam_coders
 
-from formats.layout import DeadLetter, ShardInfo
+from elmo_pipeline.formats.layout import DeadLetter, ShardInfo
 from tests.resume_helpers import argv, assert_same_output, read_output
-from transforms import coders
-from transforms.records import Document, EmbeddedBatch, Item
+from elmo_pipeline.transforms import coders
+from elmo_pipeline.transforms.records import Document, EmbeddedBatch, Item
 
 ITEM = Item("d\n:1#0", "d\n:1", 0, ("héllo", "<unk>", "@-@", ""), ((0, 5), (6, 11), (11, 12), (2**40, 2**40 + 1)))
 SAMPLES = [
@@ -56,7 +56,7 @@ def test_embedded_batch_vectors_bit_for_bit():
 def break_fusion(monkeypatch):
     """break_fusion(True): the runs after it plan a Reshuffle at every stage boundary (Plan.break_fusion);
     break_fusion(False): fused again."""
-    from pipeline import plan, run
+    from elmo_pipeline.pipeline import plan, run
 
     def set_to(on: bool):
         monkeypatch.setattr(run, "plan", lambda *a, **k: dataclasses.replace(plan.plan(*a, **k), break_fusion=on))
@@ -68,7 +68,7 @@ def test_every_element_encoded_between_stages_equals_the_fused_run(tmp_path, tin
                                                                     break_fusion):
     """With a Reshuffle at every stage boundary, Documents and Items (and the id grouping's key-value pairs)
     go through their coders; ids, tokens, offsets, counts, dead letters and vectors equal the fused run."""
-    from pipeline.run import main
+    from elmo_pipeline.pipeline.run import main
     from tests.test_dask import dirty_corpus
     files = dirty_corpus(tmp_path / "corpus")
     extra = ("--shard-sentences", "8", "--max-tokens-per-batch", "256", "--max-sentence-tokens", "24")

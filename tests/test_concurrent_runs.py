@@ -1,5 +1,5 @@
 """Schedulers: a second trigger while the first run lives, a lost machine, a damaged finalize, retries of a
-finished task. Real `python -m pipeline.run` processes (killed with real SIGKILLs), on local folders and on
+finished task. Real `python -m elmo_pipeline.pipeline.run` processes (killed with real SIGKILLs), on local folders and on
 moto's S3 server on loopback."""
 import hashlib
 import json
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pipeline.run import main
+from elmo_pipeline.pipeline.run import main
 from tests.pipeline_helpers import moto_s3
 from tests.resume_helpers import (REPO, SMALL, argv, assert_same_output, corpus, read_output,  # noqa: F401 (fixtures)
                                   reference, run_subprocess, write_corpus)
@@ -27,7 +27,7 @@ def _start(args, delay=None, crash_at=None):
         env["ELMO_PIPELINE_DELAY_AT"] = delay
     if crash_at:
         env["ELMO_PIPELINE_CRASH_AT"] = crash_at
-    return subprocess.Popen([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

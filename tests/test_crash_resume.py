@@ -1,4 +1,4 @@
-"""Crash and resume: the pipeline process is SIGKILLed (a real kill of a real `python -m pipeline.run`,
+"""Crash and resume: the pipeline process is SIGKILLed (a real kill of a real `python -m elmo_pipeline.pipeline.run`,
 at exact points through the ELMO_PIPELINE_CRASH_AT hook) while embedding, while writing a shard, after
 committing one, in the middle of Finalize; rerunning the same command completes, skips the work already
 committed and gives what an uninterrupted run gives. A reader polling the output meanwhile never sees a
@@ -12,13 +12,13 @@ import h5py
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.run import main
+from elmo_pipeline.pipeline.run import main
 from tests.resume_helpers import (SMALL, argv, assert_same_output, corpus, read_output, reference,  # noqa: F401 (fixtures)
                                   run_subprocess, write_corpus)
-from transforms import resume
-from formats.layout import PLAN, record_ids
-from transforms.write_step import WriteShards
-from transforms.write import stage_shard
+from elmo_pipeline.transforms import resume
+from elmo_pipeline.formats.layout import PLAN, record_ids
+from elmo_pipeline.transforms.write_step import WriteShards
+from elmo_pipeline.transforms.write import stage_shard
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
 
@@ -170,8 +170,8 @@ def test_worker_process_killed_then_rerun(corpus, tiny_model_files, reference, t
 def _stage(st, ids):
     import numpy as np
 
-    from transforms.records import EmbeddedBatch, Item
-    from transforms.write import ShardSpec
+    from elmo_pipeline.transforms.records import EmbeddedBatch, Item
+    from elmo_pipeline.transforms.write import ShardSpec
     batch = EmbeddedBatch([Item(i, i.split("#")[0], 0, ("a", "b"), ((0, 1), (2, 3))) for i in ids],
                           np.ones((1, 2 * len(ids), 4), np.float32), np.arange(0, 2 * len(ids) + 1, 2))
     spec = ShardSpec(("parquet", "hdf5"), "sentence", (("layer_0", 2),), (0,), False, "float32", 1 << 20, 1, 4)
@@ -213,8 +213,8 @@ def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path):
 
 def test_finalize_twice_is_a_no_op(tmp_path):
     """complete_finalize may run again after it succeeded (a rerun killed after _SUCCESS): same output."""
-    from transforms.finalize import complete_finalize, finalize, plan_from_staging
-    from transforms.write import stage_counts
+    from elmo_pipeline.transforms.finalize import complete_finalize, finalize, plan_from_staging
+    from elmo_pipeline.transforms.write import stage_counts
     out = str(tmp_path / "out")
     st = os.path.join(out, "_staging", "k")
     _stage(st, ["d:1#0", "d:1#1"])
@@ -269,7 +269,7 @@ def test_sigkill_leaves_no_hdf5_temp_file(corpus, tiny_model_files, tmp_path):
     import subprocess
     import sys
     from tests.resume_helpers import REPO
-    p = subprocess.run([sys.executable, "-m", "pipeline.run", *argv(tiny_model_files, corpus, out, *SMALL)],
+    p = subprocess.run([sys.executable, "-m", "elmo_pipeline.pipeline.run", *argv(tiny_model_files, corpus, out, *SMALL)],
                        cwd=REPO, env=dict(env, ELMO_PIPELINE_CRASH_AT="commit:2", OMP_NUM_THREADS="1"),
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == -9, p.stderr[-2000:]
@@ -277,7 +277,7 @@ def test_sigkill_leaves_no_hdf5_temp_file(corpus, tiny_model_files, tmp_path):
     st = _staging(out)
     named = {f for r in _records(st) for f in r["files"].values()}
     data = {f for f in os.listdir(st) if os.path.isfile(os.path.join(st, f)) and f != "run.json"}
-    from transforms.write_step import WriteShards
+    from elmo_pipeline.transforms.write_step import WriteShards
     assert len(_records(st)) == 2 and named <= data and not any(".tmp-" in f for f in data)
     unnamed = {f.rsplit(".", 1)[0] for f in data - named}            # a shard's .parquet and .hdf5 share a stem
     assert len(unnamed) <= WriteShards.WRITERS - 1, sorted(data - named)
@@ -286,8 +286,8 @@ def test_sigkill_leaves_no_hdf5_temp_file(corpus, tiny_model_files, tmp_path):
 def test_plan_from_staging_refuses_an_incomplete_staging(tmp_path):
     """Sentences only in a shard whose file is gone, or an input file without counts: Incomplete (run()
     then embeds the missing sentences in another round); overlapping duplicates are not incomplete."""
-    from transforms.finalize import Incomplete, plan_from_staging
-    from transforms.write import stage_counts
+    from elmo_pipeline.transforms.finalize import Incomplete, plan_from_staging
+    from elmo_pipeline.transforms.write import stage_counts
     st = str(tmp_path / "out" / "_staging" / "k")
     _stage(st, ["d:1#0", "d:1#1"])
     _stage(st, ["d:1#0", "d:1#1"])            # a recomputed bundle's copy

@@ -52,7 +52,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(corpus, tiny_model_files, tmp_path_factory):
-    from pipeline.run import main
+    from elmo_pipeline.pipeline.run import main
     out = str(tmp_path_factory.mktemp("fnapi") / "out")
     assert main(argv(tiny_model_files, corpus, out, *EXTRA)) == 0
     ref = read_output(out)
@@ -85,7 +85,7 @@ def test_dask_worker_killed_then_rerun(cluster, corpus, tiny_model_files, refere
     out = str(tmp_path / "out")
     args = _dask_args(tiny_model_files, corpus, out, c)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.Popen([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=env,
+    run = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         t0 = time.time()
@@ -112,7 +112,7 @@ def test_dask_worker_killed_then_rerun(cluster, corpus, tiny_model_files, refere
 
 def test_dask_cli_cluster_commands(corpus, tiny_model_files, reference, tmp_path):
     """README "A Dask cluster": `dask scheduler` and `dask worker --nworkers 2` on 127.0.0.1, then
-    `python -m pipeline.run --runner ...DaskRunner --dask_client_address ...`."""
+    `python -m elmo_pipeline.pipeline.run --runner ...DaskRunner --dask_client_address ...`."""
     import json
     dask = os.path.join(os.path.dirname(sys.executable), "dask")
     info = str(tmp_path / "scheduler.json")

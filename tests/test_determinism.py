@@ -2,7 +2,7 @@
 sentence ids and vectors (to float32 round-off, <= 1e-6), whatever the batches and bundles were."""
 import pytest
 
-from pipeline.run import counters, run
+from elmo_pipeline.pipeline.run import counters, run
 from tests.resume_helpers import argv, assert_same_output, read_output, write_corpus
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes

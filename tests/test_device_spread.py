@@ -15,7 +15,7 @@ def _claim(lock_dir: str, barrier, results) -> None:
 
     import torch
 
-    from model.device import resolve_device
+    from elmo_pipeline.model.device import resolve_device
     tempfile.tempdir = lock_dir                      # claim_gpu's lock files go to the temp dir
     with mock.patch.object(torch.cuda, "is_available", return_value=True), \
             mock.patch.object(torch.cuda, "device_count", return_value=4):
@@ -47,7 +47,7 @@ def test_processes_spread_over_gpus(tmp_path, processes, per_gpu):
 def test_explicit_gpu_and_missing_gpu():
     import torch
 
-    from model.device import resolve_device
+    from elmo_pipeline.model.device import resolve_device
     with mock.patch.object(torch.cuda, "is_available", return_value=True), \
             mock.patch.object(torch.cuda, "device_count", return_value=4):
         assert resolve_device("cuda:3") == torch.device("cuda:3")

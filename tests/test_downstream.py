@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from downstream.combine import LearnedCombine, MixLayers, SelectLayer, make_combiner
-from downstream.labels import load_sentence_labels, read_conllu
-from downstream.metrics import macro_f1
-from formats.hdf5 import hdf5_unkey
-from downstream import ElmoDataset, ElmoIterableDataset, ElmoOutput, collate, to_arrow_table, to_hf_dataset
-from model.embedder import ElmoEmbedder
-from pipeline.cli import main as cli_main
+from elmo_pipeline.downstream.combine import LearnedCombine, MixLayers, SelectLayer, make_combiner
+from elmo_pipeline.downstream.labels import load_sentence_labels, read_conllu
+from elmo_pipeline.downstream.metrics import macro_f1
+from elmo_pipeline.formats.hdf5 import hdf5_unkey
+from elmo_pipeline.downstream import ElmoDataset, ElmoIterableDataset, ElmoOutput, collate, to_arrow_table, to_hf_dataset
+from elmo_pipeline.model.embedder import ElmoEmbedder
+from elmo_pipeline.pipeline.cli import main as cli_main
 from tests.pipeline_helpers import run_pipeline
-from formats.hdf5 import hdf5_key
+from elmo_pipeline.formats.hdf5 import hdf5_key
 
 SENTENCES = [
     ("d/1", "The cat sat on the mat ."),
@@ -159,7 +159,7 @@ def test_combiners_frozen_stay_trainable_move():
 def test_metrics_and_pillow_chart(tmp_path):
     assert macro_f1([0, 0, 1, 1], [0, 0, 1, 1]) == 1.0
     assert macro_f1([0, 0, 0, 1], [0, 0, 0, 0]) == pytest.approx((6 / 7 + 0) / 2)
-    from downstream.chart import _bars_pillow        # the chart without matplotlib
+    from elmo_pipeline.downstream.chart import _bars_pillow        # the chart without matplotlib
     _bars_pillow(["layer0", "mix-trainable"], [60.0, 70.0], [59.0, 69.5], str(tmp_path / "c.png"), "t")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -217,7 +217,7 @@ CONLLU = """# sent_id = s1
 
 
 def test_probe_token_tags_from_conllu(tmp_path, tiny_model_files):
-    from downstream.labels import conllu_to_jsonl
+    from elmo_pipeline.downstream.labels import conllu_to_jsonl
     rng = np.random.default_rng(1)
     vocab = {"DET": ["the", "a", "this"], "NOUN": ["cat", "dog", "bird"], "VERB": ["runs", "sleeps", "sings"]}
     blocks = []
@@ -262,8 +262,8 @@ def test_linear_probe_matches_logistic_regression():
     """The token tagger's default fit reaches a converged logistic regression on the same standardized vectors
     (within 0.5 points of test accuracy), for the informative layer and an uninformative one. (The earlier
     default, Adam with dropout 0.3 for 20 epochs, scored 70.7 here against the regression's 71.8 on layer 1.)"""
-    from downstream.probe import ProbeConfig, logistic_regression_accuracy, train_setting
-    from downstream.splits import Split
+    from elmo_pipeline.downstream.probe import ProbeConfig, logistic_regression_accuracy, train_setting
+    from elmo_pipeline.downstream.splits import Split
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     teacher = rng.normal(size=(256, 10)) * 0.4

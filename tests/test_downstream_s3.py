@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from downstream import ElmoDataset, ElmoIterableDataset, ElmoOutput, to_arrow_table
+from elmo_pipeline.downstream import ElmoDataset, ElmoIterableDataset, ElmoOutput, to_arrow_table
 from tests.pipeline_helpers import moto_s3, run_pipeline
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from pipeline.dry_run import estimate
-from pipeline.run import main
+from elmo_pipeline.pipeline.dry_run import estimate
+from elmo_pipeline.pipeline.run import main
 from tests.conftest import shared_path
 from tests.resume_helpers import REPO, argv
 
@@ -61,14 +61,14 @@ def test_estimates_within_10_percent_of_the_run(wikitext, tiny_model_files, tmp_
 def test_plan_exits_0_and_touches_no_output(wikitext, tiny_model_files, tmp_path):
     out = tmp_path / "out"
     args = argv(tiny_model_files, wikitext, str(out))
-    cmd = [sys.executable, "-m", "pipeline.cli", "plan", *args]
+    cmd = [sys.executable, "-m", "elmo_pipeline.pipeline.cli", "plan", *args]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "nothing was written" in p.stdout and "tokens written" in p.stdout and "tokens/s" in p.stdout
     assert not out.exists()
     assert main(args) == 0
     before = snapshot(out)
-    again = subprocess.run([sys.executable, "-m", "pipeline.run", "--dry-run", *args], cwd=REPO, capture_output=True,
+    again = subprocess.run([sys.executable, "-m", "elmo_pipeline.pipeline.run", "--dry-run", *args], cwd=REPO, capture_output=True,
                            text=True, timeout=300)
     assert again.returncode == 0 and "holds the finished run of this same command" in again.stdout, again.stderr
     assert snapshot(out) == before

@@ -7,8 +7,8 @@ import h5py
 import numpy as np
 import pytest
 
-from model import ElmoEmbedder
-from pipeline.cli import main
+from elmo_pipeline.model import ElmoEmbedder
+from elmo_pipeline.pipeline.cli import main
 
 LINES = ["The cat sat on the mat .", "", "Zürich is 東京 's sister ?", "a"]
 
@@ -85,7 +85,7 @@ def test_stateful_matches_consecutive_batches(tiny_model_files, input_file, tmp_
 
 @pytest.mark.slow
 def test_console_script_help():
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "elmo", "--help"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "elmo_pipeline.pipeline.cli", "elmo", "--help"], capture_output=True, text=True)
     assert r.returncode == 0
     for flag in ("--all", "--top", "--average", "--options-file", "--weight-file", "--batch-size",
                  "--cuda-device", "--forget-sentences", "--use-sentence-keys", "--state"):

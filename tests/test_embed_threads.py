@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from transforms.records import Item
+from elmo_pipeline.transforms.records import Item
 
 WORDS = "the cat sat on a mat while dogs ran far away and birds sang loud songs".split()
 
@@ -28,8 +28,8 @@ def _run(model_files, threads: int) -> list:
     """Every output of EmbedBatches(threads) over _batches(), process() and finish_bundle() in order."""
     from apache_beam.utils.windowed_value import WindowedValue
 
-    from transforms.embed_step import EmbedBatches
-    from transforms.embed import ModelSpec
+    from elmo_pipeline.transforms.embed_step import EmbedBatches
+    from elmo_pipeline.transforms.embed import ModelSpec
     d = EmbedBatches(ModelSpec(*model_files, device="cpu"), threads=threads)
     d.setup()
     embed = d.embedder.embed_packed
@@ -53,7 +53,7 @@ def test_two_threads_give_the_batches_of_one(tmp_path):
     """Separate model files (so separate embedders and token caches, filled in the same order): equal output."""
     from apache_beam.pvalue import TaggedOutput
 
-    from model.synthetic import write_random_bilm
+    from elmo_pipeline.model.synthetic import write_random_bilm
     one = _run(write_random_bilm("tiny", str(tmp_path / "a"), seed=1), threads=1)
     two = _run(write_random_bilm("tiny", str(tmp_path / "b"), seed=1), threads=2)
     assert len(one) == len(two) > 12
@@ -70,7 +70,7 @@ def test_two_threads_give_the_batches_of_one(tmp_path):
 
 
 def test_embed_threads_resolution(monkeypatch):
-    from pipeline.plan import embed_threads as n
+    from elmo_pipeline.pipeline.plan import embed_threads as n
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert n(0, 1, True, "stateless") == 2 and n(0, 1, True, "warm") == 2
     assert n(0, 2, True, "stateless") == 1          # the default torch threads already use both cores
@@ -87,7 +87,7 @@ def test_embed_threads_resolution(monkeypatch):
     (["--embed-threads", "2", "--state", "stateful"], "--embed-threads > 1 needs --state stateless or warm"),
 ])
 def test_bad_embed_threads_is_a_clear_error(tmp_path, tiny_model_files, extra, message, capsys):
-    from pipeline.run import main
+    from elmo_pipeline.pipeline.run import main
     from tests.resume_helpers import argv
     corpus = tmp_path / "in.txt"
     corpus.write_text("A sentence.\n")

@@ -1,5 +1,5 @@
 """Exit statuses a scheduler acts on (pipeline/exits.py, docs/failure-behaviour.md#exit-statuses), each from a
-real `python -m pipeline.run` process: a bad flag (2), bad model files (65), a live run holding the lease (75),
+real `python -m elmo_pipeline.pipeline.run` process: a bad flag (2), bad model files (65), a live run holding the lease (75),
 a full disk (a small tmpfs, 75; the rerun after space was freed resumes and matches an uninterrupted run) and an
 unreachable S3 endpoint (moto's server, stopped: 75). Every failure prints one line `error: ...` and no
 traceback unless --verbose. Plus the mapping itself on a full disk inside a real Beam pipeline (FnApiRunner)."""
@@ -12,8 +12,8 @@ import sys
 import apache_beam as beam
 import pytest
 
-from fsio.lease import Lease
-from pipeline import exits
+from elmo_pipeline.fsio.lease import Lease
+from elmo_pipeline.pipeline import exits
 from tests.pipeline_helpers import moto_s3
 from tests.resume_helpers import REPO, argv, assert_same_output, read_output, run_subprocess, write_corpus
 
@@ -80,7 +80,7 @@ def test_bad_flag_exits_2_in_one_line_traceback_only_with_verbose(corpus, tiny_m
     out = str(tmp_path / "out")
     p = run_subprocess(argv(tiny_model_files, corpus, out, "--max-sentence-token", "5"))
     _one_line(p, exits.USAGE, "unknown flag(s): --max-sentence-token")
-    cli = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", *argv(tiny_model_files, corpus, out,
+    cli = subprocess.run([sys.executable, "-m", "elmo_pipeline.pipeline.cli", "run", *argv(tiny_model_files, corpus, out,
                                                                                 "--dtype", "float64")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     _one_line(cli, exits.USAGE, "--dtype")

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorDeviceMismatchError
 
-from model.char_ids import batch_char_ids, distinct_char_ids
-from model.embedder import ElmoEmbedder
+from elmo_pipeline.model.char_ids import batch_char_ids, distinct_char_ids
+from elmo_pipeline.model.embedder import ElmoEmbedder
 from tests.fake_cuda import OpCounter, fake_cuda, fake_model
 
 SENTS = [("The quick brown fox jumps over the lazy dog .".split()),
@@ -108,7 +108,7 @@ def test_embedder_without_token_cache(dev):
 
 def test_windows(dev):
     """A long sentence in overlapping windows (model/windows.py): one copy each way per sub-batch."""
-    from model.windows import embed_long
+    from elmo_pipeline.model.windows import embed_long
     model = fake_model("original", dev)
     e = embedder(model)
     e.embed_batch([["Warm", "up"]])
@@ -124,7 +124,7 @@ def test_training_forward(dev):
     BiLM.forward with grad enabled): no sync, no mismatch, no copy back. The parameters do not require grad
     here: on a CPU-only torch build the autograd engine aborts the process when it meets a (fake) CUDA tensor
     that needs a graph, so the backward pass is left to `python -m benchmarks.gpu_check` on a real GPU."""
-    from model.padded_forward import top_layer
+    from elmo_pipeline.model.padded_forward import top_layer
     model = fake_model("original", dev).requires_grad_(False)
     ids, lengths = IDS, LENGTHS
     x = ids.to(dev)

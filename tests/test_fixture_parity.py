@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import pytest
 
-from model import ElmoEmbedder
+from elmo_pipeline.model import ElmoEmbedder
 
 TOLERANCE = 2e-6
 
@@ -52,7 +52,7 @@ def test_stateless_and_warm_differ_from_stateful_reference(fixture_dir):
 
 
 def test_elmo_command_reproduces_tensorflow(fixture_dir, tmp_path):
-    from pipeline.cli import main
+    from elmo_pipeline.pipeline.cli import main
     lists, refs = _load(fixture_dir)
     order = _zip_order(lists)
     inp = tmp_path / "sentences.txt"

@@ -10,10 +10,10 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from formats.layout import DeadLetter
-from tokenization import TOKENIZERS
-from tokenization.process import tokenize_or_reason
-from transforms.records import Blank, Document
+from elmo_pipeline.formats.layout import DeadLetter
+from elmo_pipeline.tokenization import TOKENIZERS
+from elmo_pipeline.tokenization.process import tokenize_or_reason
+from elmo_pipeline.transforms.records import Blank, Document
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
@@ -33,7 +33,7 @@ def _lines(data: bytes) -> list[bytes]:
 
 
 def _read(data: bytes, name: str, fmt: str, **kw) -> list:
-    from transforms.read import read_documents
+    from elmo_pipeline.transforms.read import read_documents
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, name)
         with open(path, "wb") as f:
@@ -44,7 +44,7 @@ def _read(data: bytes, name: str, fmt: str, **kw) -> list:
 @FUZZ
 @given(data=LINE_BYTES, block=st.integers(1, 70), cap=st.integers(1, 60) | st.none())
 def test_split_lines_gives_every_line_once_or_its_length(data, block, cap):
-    from transforms.lines import HEAD_BYTES, TooLong, split_lines
+    from elmo_pipeline.transforms.lines import HEAD_BYTES, TooLong, split_lines
     got = list(split_lines(io.BytesIO(data), block=block, max_bytes=cap))
     want = [TooLong(len(x), x[:HEAD_BYTES]) if cap is not None and len(x) > cap else x for x in _lines(data)]
     assert got == want
@@ -101,7 +101,7 @@ def test_damaged_compressed_data_ends_in_one_dead_letter_never_an_exception(data
 @FUZZ
 @given(value=JSON_VALUES)
 def test_the_id_rule_takes_strings_and_integers_only(value):
-    from transforms.ids import BadId, document_id
+    from elmo_pipeline.transforms.ids import BadId, document_id
     try:
         got = document_id(value, "id")
     except BadId as e:
@@ -117,7 +117,7 @@ def test_the_id_rule_takes_strings_and_integers_only(value):
 @FUZZ
 @given(value=JSON_VALUES, text=st.text(max_size=30))
 def test_jsonl_ids_follow_the_rule_through_the_reader(value, text):
-    from transforms.ids import BadId, document_id
+    from elmo_pipeline.transforms.ids import BadId, document_id
     line = json.dumps({"id": value, "text": text}).encode() + b"\n"
     (rec,) = _read(line, "x.jsonl", "jsonl", id_field="id")
     try:
@@ -136,7 +136,7 @@ def test_jsonl_ids_follow_the_rule_through_the_reader(value, text):
 @FUZZ
 @given(text=st.text(max_size=80), mode=st.sampled_from(TOKENIZERS), split=st.booleans())
 def test_the_tokenizer_never_raises_and_offsets_stay_in_the_text(text, mode, split):
-    from transforms.sentences import document_reason
+    from elmo_pipeline.transforms.sentences import document_reason
     out = tokenize_or_reason(text, mode, split)
     assert isinstance(out, (list, str))
     if isinstance(out, str):        # the tokenizer failed: that document's dead letter, sentence #0

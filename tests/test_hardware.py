@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from model import hardware as H
+from elmo_pipeline.model import hardware as H
 
 BASE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht syscall "
         "nx pdpe1gb rdtscp lm constant_tsc rep_good nopl pni pclmulqdq ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes "
@@ -67,7 +67,7 @@ def test_cpu_info_fields():
 
 
 def test_no_cpuinfo_claims_nothing(monkeypatch, tmp_path):
-    from pipeline.doctor_command import text
+    from elmo_pipeline.pipeline.doctor_command import text
     monkeypatch.setattr(H, "CPUINFO", str(tmp_path / "missing"))
     monkeypatch.setattr(H, "_WARNED", set())
     cpu = H.cpu_info()
@@ -99,7 +99,7 @@ def test_warns_once_where_bf16_is_emulated(machine, caplog, text, warns):
 
 
 def test_embedder_warns_on_an_emulating_cpu(machine, caplog, tiny_model_files):
-    from model.embedder import ElmoEmbedder
+    from elmo_pipeline.model.embedder import ElmoEmbedder
     machine(ZEN1)
     with caplog.at_level(logging.WARNING, logger="elmo-pipeline.hardware"):
         ElmoEmbedder(*tiny_model_files[:2], dtype="float32")
@@ -110,8 +110,8 @@ def test_embedder_warns_on_an_emulating_cpu(machine, caplog, tiny_model_files):
 
 
 def test_doctor_text_and_json(machine, capsys):
-    from pipeline.cli import main
-    from pipeline.doctor_command import text
+    from elmo_pipeline.pipeline.cli import main
+    from elmo_pipeline.pipeline.doctor_command import text
     machine(ZEN1)
     out = text(H.report())
     assert "family 23" in out and "avx512f no" in out and "avx512_bf16 no" in out

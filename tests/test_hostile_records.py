@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from formats.hdf5 import hdf5_key
-from pipeline import exits
-from pipeline.run import main
+from elmo_pipeline.formats.hdf5 import hdf5_key
+from elmo_pipeline.pipeline import exits
+from elmo_pipeline.pipeline.run import main
 from tests.pipeline_helpers import hdf5_arrays, parquet_rows
 
 
@@ -92,7 +92,7 @@ def test_a_document_over_max_document_tokens_is_its_sentence_0(tmp_path, tiny_mo
 
 
 def test_split_lines_holds_no_more_than_the_cap_of_a_huge_line():
-    from transforms.lines import HEAD_BYTES, TooLong, split_lines
+    from elmo_pipeline.transforms.lines import HEAD_BYTES, TooLong, split_lines
 
     class Endless:          # 20 MiB of one line, then "\nend", made up as it is read
         def __init__(self):
@@ -115,7 +115,7 @@ def test_a_zstd_bomb_is_decoded_a_bounded_piece_at_a_time():
     zstandard = pytest.importorskip("zstandard")
     import io
 
-    from transforms.lines import _ZstdReader
+    from elmo_pipeline.transforms.lines import _ZstdReader
     bomb = zstandard.ZstdCompressor(level=1).compress(b"\0" * (64 << 20))
     r = _ZstdReader(io.BytesIO(bomb))
     sizes = []

@@ -14,15 +14,15 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.run import main
+from elmo_pipeline.pipeline.run import main
 from tests.resume_helpers import argv, read_output, run_subprocess, write_corpus
 
 pyiceberg = pytest.importorskip("pyiceberg")
 from pyiceberg.catalog import load_catalog  # noqa: E402
 
-from formats.iceberg import (OUTPUT_PROPERTY, RUN_KEY_PROPERTY, IcebergTarget, data_file_urls,  # noqa: E402
+from elmo_pipeline.formats.iceberg import (OUTPUT_PROPERTY, RUN_KEY_PROPERTY, IcebergTarget, data_file_urls,  # noqa: E402
                              output_url, redact)
-from formats.parquet import shard_schema  # noqa: E402
+from elmo_pipeline.formats.parquet import shard_schema  # noqa: E402
 
 TABLE = "elmo.vectors"
 SMALL = ("--shard-sentences", "5", "--max-tokens-per-batch", "256")

@@ -9,16 +9,16 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-from pipeline import exits
-from pipeline.run import main
+from elmo_pipeline.pipeline import exits
+from elmo_pipeline.pipeline.run import main
 from tests.resume_helpers import argv, write_corpus
-from transforms.ids import file_labels
+from elmo_pipeline.transforms.ids import file_labels
 
 pyiceberg = pytest.importorskip("pyiceberg")
 from pyiceberg.catalog import load_catalog  # noqa: E402
 from pyiceberg.expressions import And, GreaterThanOrEqual, LessThanOrEqual  # noqa: E402
 
-from formats.iceberg import ID_METRICS_PROPERTY, DuplicateIdError, check_new_ids  # noqa: E402
+from elmo_pipeline.formats.iceberg import ID_METRICS_PROPERTY, DuplicateIdError, check_new_ids  # noqa: E402
 
 TABLE = "elmo.v"
 SMALL = ("--shard-sentences", "5", "--max-tokens-per-batch", "256")

@@ -7,10 +7,10 @@ from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that
 
 import apache_beam as beam
-from model.embedder import ElmoEmbedder
-from tokenization import tokenize_text
-from transforms.embed import ModelSpec
-from transforms.inference import ElmoModelHandler, Embed, embed_budgeted
+from elmo_pipeline.model.embedder import ElmoEmbedder
+from elmo_pipeline.tokenization import tokenize_text
+from elmo_pipeline.transforms.embed import ModelSpec
+from elmo_pipeline.transforms.inference import ElmoModelHandler, Embed, embed_budgeted
 
 TOL = 1e-5
 SENTENCES = [["The", "cat", "sat", "."], ["A"], [], ["Long", "sentences", "come", "in", "batches", "too",

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from fsio import expand
-from pipeline.run import main
+from elmo_pipeline.fsio import expand
+from elmo_pipeline.pipeline.run import main
 from tests.model_server import ModelServer
 from tests.pipeline_helpers import hdf5_arrays, parquet_rows
 from tests.resume_helpers import REPO
@@ -77,13 +77,13 @@ def test_presigned_urls_for_model_files_and_inputs(tiny_model_files, tmp_path, m
 
 
 def without(package: str, tmp_path, args) -> subprocess.CompletedProcess:
-    """`python -m pipeline.run ARGS` in a process where `import PACKAGE` fails (sys.modules[PACKAGE] = None)."""
+    """`python -m elmo_pipeline.pipeline.run ARGS` in a process where `import PACKAGE` fails (sys.modules[PACKAGE] = None)."""
     site = tmp_path / f"without-{package}"
     site.mkdir()
     (site / "sitecustomize.py").write_text(f"import sys\nsys.modules[{package!r}] = None\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), REPO]), OMP_NUM_THREADS="1",
                ELMO_PIPELINE_CACHE=str(tmp_path / "cache"))
-    return subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=240)
 
 

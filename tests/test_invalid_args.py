@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from pipeline.run import main
+from elmo_pipeline.pipeline.run import main
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def test_bad_model_files(capsys, tmp_path, corpus, tiny_model_files):
 
 
 def test_console_command_run_exits_2(capsys, tmp_path, corpus):
-    from pipeline.cli import main as cli_main
+    from elmo_pipeline.pipeline.cli import main as cli_main
     out = str(tmp_path / "out")
     assert cli_main(["run", "--input", corpus, "--output", out, "--dtype", "float64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from model.batching import pack_lanes, padding, plan_batches
-from model.char_ids import batch_char_ids
-from model.embedder import ElmoEmbedder
-from model.synthetic import random_bilm
+from elmo_pipeline.model.batching import pack_lanes, padding, plan_batches
+from elmo_pipeline.model.char_ids import batch_char_ids
+from elmo_pipeline.model.embedder import ElmoEmbedder
+from elmo_pipeline.model.synthetic import random_bilm
 from tests.oracle import oracle_forward
 from tests.test_batch_invariant import sentences
 

@@ -23,6 +23,7 @@ ALLOWED = {
     "downstream": {"model", "formats", "fsio"},
 }
 OURS = set(ALLOWED) | {"pipeline", "benchmarks", "tests"}
+PACKAGE = "elmo_pipeline"          # the one import name (setup.py maps the folders under it)
 BEAM_SHELLS = {"transforms/chain.py", "transforms/read_step.py", "transforms/tokenize_step.py",
                "transforms/embed_step.py", "transforms/write_step.py", "transforms/coders.py", "transforms/inference.py",
                "pipeline/run.py", "pipeline/plan.py", "pipeline/graph.py", "pipeline/execute.py",
@@ -37,7 +38,9 @@ def _modules():
                     yield package, os.path.relpath(os.path.join(root, name), REPO)
 
 
-def _imports(path: str) -> set[str]:
+def _raw_imports(path: str) -> set[str]:
+    """Every module name `path` imports (absolute imports), as written; `from elmo_pipeline import model` counts as
+    elmo_pipeline.model."""
     tree = ast.parse(open(os.path.join(REPO, path), encoding="utf-8").read())
     names = set()
     for node in ast.walk(tree):
@@ -45,7 +48,30 @@ def _imports(path: str) -> set[str]:
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            if node.module == PACKAGE:
+                names.update(f"{PACKAGE}.{a.name}" for a in node.names)
     return names
+
+
+def _imports(path: str) -> set[str]:
+    """The project's modules `path` imports, by folder (elmo_pipeline.model.bilm -> model.bilm), and others as written."""
+    return {n[len(PACKAGE) + 1:] if n.startswith(PACKAGE + ".") else n for n in _raw_imports(path)} - {PACKAGE}
+
+
+def _python_files():
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "build", "dist")]
+        for name in files:
+            if name.endswith(".py"):
+                yield os.path.relpath(os.path.join(root, name), REPO)
+
+
+def test_one_import_name():
+    """Every file imports the project as elmo_pipeline.*: a bare `import model` would load a second copy of the
+    module (or another distribution's `model`) once installed."""
+    bare = {path: sorted(n for n in _raw_imports(path) if n.split(".")[0] in OURS - {"tests", "benchmarks"})
+            for path in _python_files()}
+    assert not {p: b for p, b in bare.items() if b}
 
 
 @pytest.mark.parametrize("package,path", list(_modules()))

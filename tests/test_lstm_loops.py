@@ -7,14 +7,14 @@ import sys
 import pytest
 import torch
 
-import model.lstm_loops as lstm_loops
-from model.bilm import BiLM
-from model.char_ids import batch_char_ids
-from model.embedder import ElmoEmbedder
-from model.lstm import step_loop
-from model.row_tile import ROW_TILE
-from model.synthetic import PUBLISHED_OPTIONS, random_bilm
-from model.options import parse_options
+import elmo_pipeline.model.lstm_loops as lstm_loops
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.char_ids import batch_char_ids
+from elmo_pipeline.model.embedder import ElmoEmbedder
+from elmo_pipeline.model.lstm import step_loop
+from elmo_pipeline.model.row_tile import ROW_TILE
+from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS, random_bilm
+from elmo_pipeline.model.options import parse_options
 from tests.oracle import oracle_forward
 from tests.test_batch_invariant import sentences
 

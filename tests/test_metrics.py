@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pipeline.run import main
+from elmo_pipeline.pipeline.run import main
 from tests.resume_helpers import argv
 from tests.test_dask import dirty_corpus
 
@@ -81,7 +81,7 @@ def run_input(out) -> str:
 
 
 def test_label_values_are_escaped():
-    from formats.metrics import render
+    from elmo_pipeline.formats.metrics import render
     text = render([("x_total", "counter", "h", [({"output": 'a"b\\c\nd'}, 3)])])
     (fam,) = parser.text_string_to_metric_families(text)
     assert fam.samples[0].labels["output"] == 'a"b\\c\nd' and fam.samples[0].value == 3

@@ -1,7 +1,7 @@
 """Model files validated before any allocation: options.json against its schema (model/options.py BOUNDS: types,
 bounds from the published biLMs), and the weights' shapes read from the HDF5 metadata before a tensor is built
 (model/weights.py check_weights_match). Unit tests of the schema, Hypothesis fuzzing of the parser, and real
-`python -m pipeline.run` processes given the options that once allocated gigabytes or failed with a raw error."""
+`python -m elmo_pipeline.pipeline.run` processes given the options that once allocated gigabytes or failed with a raw error."""
 import copy
 import json
 import os
@@ -14,11 +14,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model.bilm import BiLM
-from model.options import BOUNDS, OPTIONS_MAX_BYTES, OptionsError, load_options, parse_options
-from model.synthetic import PUBLISHED_OPTIONS
-from model.weights import WeightsError, load_bilm, save_bilm, weight_shapes
-from training.train import default_options
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.options import BOUNDS, OPTIONS_MAX_BYTES, OptionsError, load_options, parse_options
+from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS
+from elmo_pipeline.model.weights import WeightsError, load_bilm, save_bilm, weight_shapes
+from elmo_pipeline.training.train import default_options
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "model", "pretrained", "wikitext2-small")
@@ -71,7 +71,7 @@ def test_every_known_model_passes_and_its_parameter_count_is_what_bilm_allocates
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_weight_shapes_are_the_datasets_save_bilm_writes(name, tmp_path):
-    from model.synthetic import random_bilm
+    from elmo_pipeline.model.synthetic import random_bilm
     model = random_bilm(name)
     save_bilm(model, str(tmp_path / "o.json"), str(tmp_path / "w.hdf5"))
     written = {}
@@ -166,7 +166,7 @@ def test_options_that_do_not_fit_the_shipped_weights_fail_naming_the_key(tmp_pat
 def _run_pipeline(options: str, out: str) -> tuple[int, str, int]:
     """(exit status, stderr, the process's peak resident memory in bytes, its children included)."""
     with open(os.path.join(os.path.dirname(out), "stderr.txt"), "w+") as err:
-        p = subprocess.Popen([sys.executable, "-m", "pipeline.run", "--input", "samples/sample.txt", "--output", out,
+        p = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", "--input", "samples/sample.txt", "--output", out,
                               "--torch-threads", "1", "--options-file", options,
                               "--weight-file", os.path.join(SHIPPED, "weights.hdf5")],
                              cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.DEVNULL, stderr=err)

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from fsio import file_sha256
-from model.pretrained import DEFAULT_MODEL, model_files
-from model.resolve import CUSTOM, resolve_model
+from elmo_pipeline.fsio import file_sha256
+from elmo_pipeline.model.pretrained import DEFAULT_MODEL, model_files
+from elmo_pipeline.model.resolve import CUSTOM, resolve_model
 
 
 def test_nothing_given_is_the_shipped_default():

@@ -12,17 +12,17 @@ import h5py
 import numpy as np
 import pytest
 
-from model.pretrained import BASE_URL_ENV, MODELS, cache_folder, model_files, model_urls
+from elmo_pipeline.model.pretrained import BASE_URL_ENV, MODELS, cache_folder, model_files, model_urls
 from tests.model_server import ModelServer
 from tests.pipeline_helpers import parquet_rows
-from tokenization import resolve_tokenizer, tokenize_text
+from elmo_pipeline.tokenization import resolve_tokenizer, tokenize_text
 
 TEXT = "The High-Speed train left at 9 a.m. from the well-known station."
 
 
 @pytest.fixture(scope="module")
 def small_files(tmp_path_factory):
-    from model.synthetic import write_random_bilm
+    from elmo_pipeline.model.synthetic import write_random_bilm
     options, weights = write_random_bilm("small", str(tmp_path_factory.mktemp("small")), seed=3)
     return open(options, "rb").read(), open(weights, "rb").read()
 
@@ -48,7 +48,7 @@ def test_registry_lists_the_published_models_and_their_tokenization():
 
 
 def test_unknown_name_is_a_clear_error():
-    from model.embedder import ElmoEmbedder
+    from elmo_pipeline.model.embedder import ElmoEmbedder
     with pytest.raises(ValueError, match="no model named 'nope'; known: wikitext2-small, small"):
         ElmoEmbedder.from_name("nope")
 
@@ -67,8 +67,8 @@ def test_raw_follows_the_model_and_keeps_the_shipped_output():
 
 @pytest.mark.slow
 def test_download_records_then_cache_hit_makes_no_request(server, small_files):
-    from model.embedder import ElmoEmbedder
-    from fsio import file_sha256, pinned_record
+    from elmo_pipeline.model.embedder import ElmoEmbedder
+    from elmo_pipeline.fsio import file_sha256, pinned_record
     options, weights, vocab = model_files("small")
     assert vocab is None and weights.startswith(cache_folder("small"))
     assert open(weights, "rb").read() == small_files[1]
@@ -123,10 +123,10 @@ def test_remote_file_changed_after_the_first_download(server):
 
 @pytest.mark.slow
 def test_pipeline_elmo_command_and_models_command_by_name(server, tmp_path, capsys):
-    from model.embedder import ElmoEmbedder
-    from pipeline.cli import main as cli
-    from pipeline.run import run
-    from fsio import pinned_record
+    from elmo_pipeline.model.embedder import ElmoEmbedder
+    from elmo_pipeline.pipeline.cli import main as cli
+    from elmo_pipeline.pipeline.run import run
+    from elmo_pipeline.fsio import pinned_record
     inp = tmp_path / "in.txt"
     inp.write_text(TEXT + "\n")
     out = str(tmp_path / "out")
@@ -167,9 +167,9 @@ def test_pipeline_elmo_command_and_models_command_by_name(server, tmp_path, caps
 def test_a_worker_elsewhere_gets_the_named_model_and_checks_it(tmp_path):
     """A ModelSpec names its model: where the launcher's paths do not exist (a remote worker), the worker takes
     its own copy from model.pretrained and checks it against the sha256 the run was planned with."""
-    from fsio import file_sha256
-    from model.pretrained import DEFAULT_MODEL, model_files
-    from transforms.embed import ModelSpec
+    from elmo_pipeline.fsio import file_sha256
+    from elmo_pipeline.model.pretrained import DEFAULT_MODEL, model_files
+    from elmo_pipeline.transforms.embed import ModelSpec
     options, weights, _ = model_files(DEFAULT_MODEL)
     sha = file_sha256(weights)
     here = ModelSpec(options, weights, model_name=DEFAULT_MODEL, weights_sha256=sha)

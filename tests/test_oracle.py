@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from model.char_ids import batch_char_ids
+from elmo_pipeline.model.char_ids import batch_char_ids
 from tests.oracle import oracle_forward
-from model.synthetic import PUBLISHED_OPTIONS, random_bilm
+from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS, random_bilm
 
 WORDS = "the a cat dog sat on mat , . 1998 Zürich 東京 supercalifragilisticexpialidocious-and-then-some-more-letters".split()
 
@@ -42,7 +42,7 @@ def test_fast_path_equals_oracle(skip, grad):
 
 def test_chunked_input_projection_equals_oracle(monkeypatch):
     """Input projections computed a few steps at a time."""
-    import model.lstm_loops as lstm_loops
+    import elmo_pipeline.model.lstm_loops as lstm_loops
     model = random_bilm("tiny", seed=3)
     model.lstm_loop = "bmm"                            # the chunked loop (GPUs)
     ids, lengths = _batch(11, n=12)
@@ -73,7 +73,7 @@ def test_autograd_path_gives_gradients():
 def test_reused_workspace_across_modes_and_sizes(monkeypatch):
     """The per-thread gate buffer (model/lstm_loops.py: _workspace) is reused across calls: a small batch,
     then a larger one (the buffer grows), under inference_mode and then no_grad, all equal the oracle."""
-    import model.lstm_loops as lstm_loops
+    import elmo_pipeline.model.lstm_loops as lstm_loops
     model = random_bilm("tiny", seed=5)
     model.lstm_loop = "bmm"                            # the chunked loop (GPUs)
     monkeypatch.setattr(lstm_loops, "CHUNK_ELEMENTS", 2 * 4 * 32 * 7)      # several chunks per layer
@@ -100,7 +100,7 @@ def test_bfloat16_model_runs_within_1e2_of_float32_per_layer():
 def test_char_cnn_gemm_path_equals_conv_path(monkeypatch):
     """Inference runs the char CNN as GEMMs over unfolded windows, in chunks of tokens; autograd runs
     nn.Conv1d. Both give the same token vectors (relu and tanh activations)."""
-    import model.encoders as encoders
+    import elmo_pipeline.model.encoders as encoders
     monkeypatch.setattr(encoders, "CNN_CHUNK", 3)                        # several chunks, a ragged last one
     ids, _ = _batch(41, n=6)
     flat = ids.reshape(-1, ids.shape[-1])[:17]
@@ -120,8 +120,8 @@ def test_forward_tokens_equals_forward_bit_for_bit(tiny_model_files):
     exactly forward()'s vectors at the real positions, and the same final state."""
     import torch
 
-    from model.char_ids import batch_char_ids, distinct_char_ids
-    from model.weights import load_bilm
+    from elmo_pipeline.model.char_ids import batch_char_ids, distinct_char_ids
+    from elmo_pipeline.model.weights import load_bilm
     model = load_bilm(*tiny_model_files).eval()
     sents = [["The", "cat", "sat", "."], ["A"], [], ["long", "er", "sentence", "here", "with", "é", "😀"]]
     ids, lengths = batch_char_ids(sents)

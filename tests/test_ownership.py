@@ -4,7 +4,7 @@ folder of unknown files refuses before touching anything; --overwrite leaves unk
 files where the output goes (the shard folders readers glob, the final names) refuse even then; an input
 inside --output is refused at planning. Finalize is fenced by the lease: a run paused past the stale age
 while another run finished the output exits 75 and changes nothing more. Real files, moto's S3 server on
-loopback, real `python -m pipeline.run` processes."""
+loopback, real `python -m elmo_pipeline.pipeline.run` processes."""
 import glob
 import os
 import signal
@@ -14,16 +14,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fsio.lease import RetryLater
-from pipeline.run import main
+from elmo_pipeline.fsio.lease import RetryLater
+from elmo_pipeline.pipeline.run import main
 from tests.pipeline_helpers import moto_s3
 from tests.resume_helpers import (SMALL, argv, assert_same_output, corpus, read_output,  # noqa: F401 (fixtures)
                                   reference, run_subprocess)
 from tests.test_concurrent_runs import _snapshot, _start, _wait_for
 from tests.test_crash_resume import _stage
-from transforms import resume
-from transforms.finalize import finalize, plan_from_staging
-from transforms.write import stage_counts
+from elmo_pipeline.transforms import resume
+from elmo_pipeline.transforms.finalize import finalize, plan_from_staging
+from elmo_pipeline.transforms.write import stage_counts
 
 
 def _ingredients(layers="all"):
@@ -164,7 +164,7 @@ def test_finalize_checks_the_fence_before_each_irreversible_step(tmp_path):
 
 
 def test_an_input_inside_the_output_is_refused(tmp_path):
-    from pipeline.validate import check_inputs_outside_output
+    from elmo_pipeline.pipeline.validate import check_inputs_outside_output
     out = tmp_path / "out"
     (out / "parquet").mkdir(parents=True)
     (tmp_path / "link").symlink_to(out)

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from formats.parquet import ShardColumns, build_table, layer_columns, shard_schema, vector_leaves, writer_options
+from elmo_pipeline.formats.parquet import ShardColumns, build_table, layer_columns, shard_schema, vector_leaves, writer_options
 
 
 def test_writer_options_vectors_uncompressed_text_zstd_statistics_on_ids():

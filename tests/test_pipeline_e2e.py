@@ -10,10 +10,10 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from model.embedder import ElmoEmbedder
-from pipeline.run import main
+from elmo_pipeline.model.embedder import ElmoEmbedder
+from elmo_pipeline.pipeline.run import main
 from tests.pipeline_helpers import hdf5_arrays, layer_arrays, parquet_rows, run_pipeline
-from formats.hdf5 import hdf5_key
+from elmo_pipeline.formats.hdf5 import hdf5_key
 
 DOCS = [
     "The lighthouse keeper counted the ships every evening. Most nights there were none!",
@@ -55,7 +55,7 @@ def test_vectors_ids_offsets_and_counts(small_run, tiny_model_files):
 
 
 def test_beam_metrics(small_run):
-    from pipeline.run import counters, summary
+    from elmo_pipeline.pipeline.run import counters, summary
     _, out, result, manifest = small_run
     c = counters(result)
     assert c["documents"] == 3 and c["sentences"] == 4 and c["tokens"] == manifest["counts"]["tokens_written"]
@@ -125,8 +125,8 @@ def test_cli_errors(tmp_path, tiny_model_files, small_run):
 def test_cli_run_and_run_pipeline_sh(tmp_path, tiny_model_files, small_run):
     import subprocess
 
-    from pipeline.cli import build_parser
-    from pipeline.cli import main as cli_main
+    from elmo_pipeline.pipeline.cli import build_parser
+    from elmo_pipeline.pipeline.cli import main as cli_main
     build_parser()  # every subcommand's module gives its arguments
     inp = str(small_run[0])
     base = ["--input", inp, "--options-file", tiny_model_files[0], "--weight-file", tiny_model_files[1],
@@ -157,7 +157,7 @@ def test_stateful_keeps_input_order_in_consecutive_batches(small_run, tiny_model
 def test_compute_dtype_bfloat16_close_to_float32(small_run, tiny_model_files, tmp_path):
     """--compute-dtype bfloat16 on the CPU: float32 files, the manifest says so (and how this machine runs it:
     compute_support), each layer close to the float32 run; the `elmo` command takes it too."""
-    from model.hardware import compute_support
+    from elmo_pipeline.model.hardware import compute_support
     inp, out32, _, m32 = small_run
     out = str(tmp_path / "bf16")
     _, m = run_pipeline(tiny_model_files, str(inp), out, "--max-tokens-per-batch", "40", "--compute-dtype", "bfloat16")
@@ -173,7 +173,7 @@ def test_compute_dtype_bfloat16_close_to_float32(small_run, tiny_model_files, tm
         # 2e-2: the tiny random model on 40 tokens varies 3e-3..1.1e-2 by seed; the 1e-2 target is for the
         # published shapes (tests/test_oracle.py and benchmarks/model_speed.py --dtype bfloat16 measure it)
         assert 0 < np.linalg.norm(b - a) / np.linalg.norm(a) <= 2e-2, name
-    from pipeline.cli import main as cli
+    from elmo_pipeline.pipeline.cli import main as cli
     lines = tmp_path / "lines.txt"
     lines.write_text("A short one .\nRain fell on the harbour .\n")
     assert cli(["elmo", str(lines), str(tmp_path / "e.hdf5"), "--all", "--compute-dtype", "bfloat16",
@@ -187,8 +187,9 @@ def test_compute_dtype_bfloat16_close_to_float32(small_run, tiny_model_files, tm
 def test_local_run_loads_the_model_once(small_run, tiny_model_files, tmp_path, monkeypatch):
     """The launcher checks the model by loading it; the in-process worker takes that copy (no second load),
     and nothing is left offered after the run."""
-    import model.weights
-    from transforms import embed as E
+    import elmo_pipeline.model.weights
+    from elmo_pipeline import model
+    from elmo_pipeline.transforms import embed as E
     calls = []
     real = model.weights.load_bilm
     monkeypatch.setattr(model.weights, "load_bilm", lambda *a, **k: calls.append(a) or real(*a, **k))

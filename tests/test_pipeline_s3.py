@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.run import run
+from elmo_pipeline.pipeline.run import run
 from tests.pipeline_helpers import moto_s3
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
@@ -41,6 +41,6 @@ def test_s3_in_and_out(s3, tiny_model_files):
     assert con.sql("SELECT count(*) FROM 's3://bucket/out/parquet/*.parquet'").fetchall() == [(2,)]
     with fs.open("bucket/out/" + m["shards"][0]["hdf5"], "rb") as f, h5py.File(f) as h:
         v = h["docs.txt:1#1"][...]
-    from model.embedder import ElmoEmbedder
+    from elmo_pipeline.model.embedder import ElmoEmbedder
     alone = ElmoEmbedder(*tiny_model_files).embed_sentence(t.column("tokens")[1].as_py())
     assert np.abs(v - alone).max() <= 1e-5

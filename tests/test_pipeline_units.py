@@ -11,19 +11,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from transforms import embed as E
-from model.batching import plan_batches
-from model.batching import padding
-from transforms.records import Blank, Document, EmbeddedBatch, Item
-from formats.layout import DeadLetter
-from fsio import expand as expand_inputs
-from transforms.ids import file_labels
-from transforms.read import read_documents
-from tokenization import align_tokens, tokenize_document, tokenize_text
-from formats.hdf5 import hdf5_key
-from formats.parquet import layer_columns, sentence_table, token_table
-from transforms.finalize import finalize, plan_from_staging
-from transforms.write import ShardSpec, shard_columns, stage_counts, stage_shard
+from elmo_pipeline.transforms import embed as E
+from elmo_pipeline.model.batching import plan_batches
+from elmo_pipeline.model.batching import padding
+from elmo_pipeline.transforms.records import Blank, Document, EmbeddedBatch, Item
+from elmo_pipeline.formats.layout import DeadLetter
+from elmo_pipeline.fsio import expand as expand_inputs
+from elmo_pipeline.transforms.ids import file_labels
+from elmo_pipeline.transforms.read import read_documents
+from elmo_pipeline.tokenization import align_tokens, tokenize_document, tokenize_text
+from elmo_pipeline.formats.hdf5 import hdf5_key
+from elmo_pipeline.formats.parquet import layer_columns, sentence_table, token_table
+from elmo_pipeline.transforms.finalize import finalize, plan_from_staging
+from elmo_pipeline.transforms.write import ShardSpec, shard_columns, stage_counts, stage_shard
 
 TEXT = 'Dr. Smith left the U.S. in 2001. He said "hello, world" -- it\'s a well-known <unk> fact!'
 
@@ -78,7 +78,7 @@ def test_read_text_lines_jsonl_parquet_compressed(tmp_path):
 
 
 def test_duplicate_ids_are_dead_letters_naming_every_copy():
-    from transforms.ids import split_duplicate_ids
+    from elmo_pipeline.transforms.ids import split_duplicate_ids
     assert list(split_duplicate_ids("x", [Document("x", "One.", source="d:1")])) == [Document("x", "One.", source="d:1")]
     dup = list(split_duplicate_ids("x", [Document("x", "Two.", source="d:7"), Document("x", "One.", source="d:1")]))
     assert [(d.id, d.level, d.excerpt) for d in dup] == [("d:1", "record", "One."), ("d:7", "record", "Two.")]
@@ -108,7 +108,7 @@ def test_layer_selection():
 def test_device_chooser_never_falls_back_to_cpu():
     import torch
 
-    from model.device import resolve_device
+    from elmo_pipeline.model.device import resolve_device
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert resolve_device("auto", share_gpus=True) == torch.device("cpu") == resolve_device(-1)
@@ -204,7 +204,7 @@ def test_layer_sources_from_only_the_layers_read():
 
 
 def test_finalize_lists_dead_letters(tmp_path):
-    from transforms.write import stage_dead_letters
+    from elmo_pipeline.transforms.write import stage_dead_letters
     out = str(tmp_path / "o")
     letters = [DeadLetter("f:2", "unreadable record", "{", level="record"), DeadLetter("f:1#0", "too long", "x")]
     stage_dead_letters(letters, out + "/_staging/r")
@@ -220,7 +220,7 @@ def test_finalize_lists_dead_letters(tmp_path):
 def test_write_shards_in_background_keeps_order_and_raises_errors(tmp_path):
     """WriteShards (the DoFn, driven by hand as a runner would) writes full shards on its own threads:
     every shard comes out once, in order, by the bundle's end; a failing write raises in the Beam thread."""
-    from transforms.write_step import WriteShards
+    from elmo_pipeline.transforms.write_step import WriteShards
     batches = [_batch()] * 3                                  # 6 sentences, shards of 2
     dofn = WriteShards(str(tmp_path / "st"), SPEC, 2, None)
     dofn.setup()
@@ -241,7 +241,7 @@ def test_write_shards_in_background_keeps_order_and_raises_errors(tmp_path):
 
 
 def test_tokenizer_process_resolution(monkeypatch):
-    from pipeline.plan import tokenizer_processes as n
+    from elmo_pipeline.pipeline.plan import tokenizer_processes as n
     dask = "apache_beam.runners.dask.dask_runner.DaskRunner"
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert n("auto", "wikitext", True, "FnApiRunner") == 2 and n("auto", "wikitext", True, "FnApiRunner", 2) == 1
@@ -259,7 +259,7 @@ def test_release_written_syncs_local_files_and_skips_object_stores(tmp_path, mon
     """A staged local shard is synced and its pages dropped (same bytes); memory:// and friends are left alone."""
     import fsspec
 
-    from fsio import release_written
+    from elmo_pipeline.fsio import release_written
     calls = []
     monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append("sync"))
     path = tmp_path / "x.parquet"

@@ -4,11 +4,11 @@ import os
 import numpy as np
 import pytest
 
-from model.embedder import ElmoEmbedder
+from elmo_pipeline.model.embedder import ElmoEmbedder
 from tests.conftest import shared_path
 from tests.pipeline_helpers import hdf5_arrays, layer_arrays, parquet_rows, run_pipeline
-from tokenization import tokenize_document
-from formats.hdf5 import hdf5_key
+from elmo_pipeline.tokenization import tokenize_document
+from elmo_pipeline.formats.hdf5 import hdf5_key
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
 

@@ -8,10 +8,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from downstream import ElmoDataset, ElmoOutput, collate
-from downstream.mapped import MappedDataset, unbatched
-from downstream.sampler import BucketBatchSampler
-from pipeline.cli import main as cli_main
+from elmo_pipeline.downstream import ElmoDataset, ElmoOutput, collate
+from elmo_pipeline.downstream.mapped import MappedDataset, unbatched
+from elmo_pipeline.downstream.sampler import BucketBatchSampler
+from elmo_pipeline.pipeline.cli import main as cli_main
 from tests.pipeline_helpers import moto_s3, run_pipeline
 
 TEXT = ["the first line", "and a second one with more words", "third", "a fourth line here", "five",
@@ -153,7 +153,7 @@ def test_id_lookup_every_id_and_hash_collisions(outputs, monkeypatch):
     for missing in ("a.txt:99#0", "", "b.txt:1#1", ids[0] + " "):
         with pytest.raises(KeyError):
             ds.position(missing)
-    import downstream.id_table as id_table
+    import elmo_pipeline.downstream.id_table as id_table
     monkeypatch.setattr(id_table, "id_hash", lambda key: 7)        # every id collides: the stored id decides
     same = MappedDataset([outputs["all"], outputs["part2"]], tokens=False)
     assert [same.position(s) for s in ids] == list(range(len(ds)))

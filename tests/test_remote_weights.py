@@ -4,7 +4,7 @@ import socket
 import numpy as np
 import pytest
 
-from model import ElmoEmbedder, load_bilm
+from elmo_pipeline.model import ElmoEmbedder, load_bilm
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
 

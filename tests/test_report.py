@@ -12,13 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from transforms import finalize as F
-from transforms import progress as P
-from transforms.read import read_documents
-from transforms.records import Document, EmbeddedBatch, Item
-from transforms.report import build_report, length_histogram, report_data, timeline
-from transforms.stats import RunStats, merge_stats
-from transforms.write import ShardSpec, stage_counts, stage_shard, stage_stats
+from elmo_pipeline.transforms import finalize as F
+from elmo_pipeline.transforms import progress as P
+from elmo_pipeline.transforms.read import read_documents
+from elmo_pipeline.transforms.records import Document, EmbeddedBatch, Item
+from elmo_pipeline.transforms.report import build_report, length_histogram, report_data, timeline
+from elmo_pipeline.transforms.stats import RunStats, merge_stats
+from elmo_pipeline.transforms.write import ShardSpec, stage_counts, stage_shard, stage_stats
 
 SPEC = ShardSpec(("parquet", "hdf5"), "sentence", (("layer_0", 2), ("layer_1", 4)), (0, 1), False, "float32",
                  1 << 20, 2, 4)
@@ -150,7 +150,7 @@ def test_a_rerun_of_an_interrupted_finalize_still_writes_it(tmp_path, monkeypatc
 def test_a_report_that_fails_does_not_fail_the_run(tmp_path, monkeypatch, caplog):
     out = str(tmp_path / "out")
     staging = _stage(out)
-    import transforms.report as R
+    import elmo_pipeline.transforms.report as R
     monkeypatch.setattr(R, "build_report", lambda *a: 1 / 0)
     m = F.finalize(out, staging, F.plan_from_staging(staging, ["x"]), {})
     assert "report" not in m and os.path.exists(os.path.join(out, "_SUCCESS"))
@@ -196,7 +196,7 @@ def test_documents_carry_the_bytes_of_the_stored_file(tmp_path, name):
 
 
 def test_tokenize_splits_a_documents_bytes_over_its_items():
-    from transforms.tokenize_step import Tokenize
+    from elmo_pipeline.transforms.tokenize_step import Tokenize
     t = Tokenize("wikitext", 1000, progress=P.ProgressSpec(1000))
     t.setup()
     t.run_stats.reset()

@@ -8,16 +8,16 @@ import h5py
 import numpy as np
 import pytest
 
-from model import ElmoEmbedder
-from model.windows import embed_long
+from elmo_pipeline.model import ElmoEmbedder
+from elmo_pipeline.model.windows import embed_long
 from tests import robustness_corpus as rc
 from tests.conftest import shared_path
 from tests.pipeline_helpers import parquet_rows, run_pipeline
-from formats.hdf5 import hdf5_key
-from formats.layout import DeadLetter
-from tokenization import align_tokens, moses_tokens, tokenize_document
-from transforms.read import read_documents
-from transforms.records import Blank, Document
+from elmo_pipeline.formats.hdf5 import hdf5_key
+from elmo_pipeline.formats.layout import DeadLetter
+from elmo_pipeline.tokenization import align_tokens, moses_tokens, tokenize_document
+from elmo_pipeline.transforms.read import read_documents
+from elmo_pipeline.transforms.records import Blank, Document
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_sentence_spans_equal_blingfires_own_offsets():
 
     import blingfire
 
-    from tokenization.tokenizers import _sentence_spans
+    from elmo_pipeline.tokenization.tokenizers import _sentence_spans
     texts = ["Dr. Smith left. He said 'hi'! Then?", "é. ü! 日本。 x", "  lead space. x  ", "😀😀. a", "a\nb. c",
              "\u200b\u200c\u200d", "\u200b", "x\u200b. \u200c"]
     rng = random.Random(0)        # short texts of zero-width, combining, wide and multi-byte characters

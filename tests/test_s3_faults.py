@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pipeline.run import main
+from elmo_pipeline.pipeline.run import main
 from tests.flaky_s3 import FlakyS3
 from tests.resume_helpers import argv, assert_same_output, read_output, run_subprocess, write_corpus
 
@@ -99,7 +99,7 @@ def test_model_downloads_take_the_s3_retry_options(flaky_s3, tiny_model_files, t
     of its requests; 1 attempt does not."""
     import s3fs
 
-    from model.resolve import fetch_model_files
+    from elmo_pipeline.model.resolve import fetch_model_files
     fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=flaky_s3.endpoint)
     fs.mkdir("elmo-flaky-3")
     urls = []

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from model import ScalarMix
+from elmo_pipeline.model import ScalarMix
 
 
 def test_uniform_mix_is_mean():

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pipeline import exits
+from elmo_pipeline.pipeline import exits
 from tests.resume_helpers import REPO, write_corpus
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def env(tmp_path_factory):
     script = d / "bin" / "elmo-daily.sh"
     script.write_text(job_script())
     wrapper = d / "bin" / "elmo-pipeline"      # the console script, importing this checkout's code
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pipeline.cli "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m elmo_pipeline.pipeline.cli "$@"\n')
     for f in (script, wrapper):
         f.chmod(0o755)
     (d / "metrics").mkdir()

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsio import redact
+from elmo_pipeline.fsio import redact
 from tests.model_server import ModelServer
 from tests.resume_helpers import REPO
 
@@ -165,7 +165,7 @@ DOCS = ("Seagulls argued over the last chip on the pier. Nobody intervened.\n"
 
 def pipeline_process(args, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", ELMO_PIPELINE_CACHE=str(tmp_path / "cache"))
-    return subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
 
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from model import ElmoEmbedder
+from elmo_pipeline.model import ElmoEmbedder
 
 TOL = 1e-6
 

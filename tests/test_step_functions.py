@@ -3,14 +3,14 @@ end uses it, a document's sentences (transforms.sentences), a batch split at the
 and a compressed file's lines with its stored bytes counted (transforms.lines)."""
 import gzip
 
-from formats.layout import DeadLetter
-from model.batching import embed_in_batches, plan_batches
-from tokenization import tokenize_document
-from transforms.embed_items import embedding_failed, split_at_window, window_limit
-from transforms.inference import embed_budgeted
-from transforms.lines import lines_until_corrupt, open_decompressed
-from transforms.records import Document, Item
-from transforms.sentences import document_reason, sentence_items
+from elmo_pipeline.formats.layout import DeadLetter
+from elmo_pipeline.model.batching import embed_in_batches, plan_batches
+from elmo_pipeline.tokenization import tokenize_document
+from elmo_pipeline.transforms.embed_items import embedding_failed, split_at_window, window_limit
+from elmo_pipeline.transforms.inference import embed_budgeted
+from elmo_pipeline.transforms.lines import lines_until_corrupt, open_decompressed
+from elmo_pipeline.transforms.records import Document, Item
+from elmo_pipeline.transforms.sentences import document_reason, sentence_items
 
 
 class _Recorder:

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from tests import robustness_corpus as rc
-from tokenization.process import TokenizerProcesses, tokenize_or_reason
+from elmo_pipeline.tokenization.process import TokenizerProcesses, tokenize_or_reason
 
 pytestmark = pytest.mark.slow          # starts processes
 
@@ -82,7 +82,7 @@ def test_a_dead_child_is_an_error_every_time_it_is_asked():
 
 
 def _tokenizer_processes_alive() -> list[int]:
-    """Pids of `python -m tokenization.process` processes whose parent is this process."""
+    """Pids of `python -m elmo_pipeline.tokenization.process` processes whose parent is this process."""
     me, out = os.getpid(), []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -92,7 +92,7 @@ def _tokenizer_processes_alive() -> list[int]:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == me and b"tokenization.process" in cmd:
+        if ppid == me and b"elmo_pipeline.tokenization.process" in cmd:
             out.append(int(pid))
     return out
 
@@ -101,9 +101,9 @@ def _tokenizer_processes_alive() -> list[int]:
 def test_no_child_or_thread_left_after_a_run(fail, tmp_path, tiny_model_files, monkeypatch):
     """The children were started and are gone, with their threads, after a run, and after a failed one."""
     import threading
-    import tokenization.process as TP
-    import transforms.write_step as D
-    from pipeline.run import main
+    import elmo_pipeline.tokenization.process as TP
+    import elmo_pipeline.transforms.write_step as D
+    from elmo_pipeline.pipeline.run import main
     from tests.resume_helpers import argv, write_corpus
     started = []
     monkeypatch.setattr(TP._Child, "__init__", lambda self, mode, init=TP._Child.__init__: (
@@ -123,8 +123,8 @@ def test_no_child_or_thread_left_after_a_run(fail, tmp_path, tiny_model_files, m
 def test_a_failed_bundles_documents_are_not_emitted_with_the_next():
     """A bundle that failed after handing documents over (no finish_bundle), then another bundle on the same
     DoFn: only that bundle's Items come out."""
-    from transforms.tokenize_step import Tokenize
-    from transforms.records import Document, Item
+    from elmo_pipeline.transforms.tokenize_step import Tokenize
+    from elmo_pipeline.transforms.records import Document, Item
     t = Tokenize("wikitext", 1000, processes=1)
     t.setup()
     try:

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from training.data import (BatchMaker, build_vocabulary, encode_corpus, epoch_batches, read_lines,
+from elmo_pipeline.training.data import (BatchMaker, build_vocabulary, encode_corpus, epoch_batches, read_lines,
                            unigram_perplexity)
-from training.train import (TrainConfig, batch_maker, build_model, default_options, evaluate, load_exported,
+from elmo_pipeline.training.train import (TrainConfig, batch_maker, build_model, default_options, evaluate, load_exported,
                          read_curves, train)
-from model.vocab import Vocabulary
-from model.weights import load_bilm
+from elmo_pipeline.model.vocab import Vocabulary
+from elmo_pipeline.model.weights import load_bilm
 from tests.conftest import REPO, shared_path
 
 
@@ -64,7 +64,7 @@ def trained(texts, tmp_path_factory):
 
 def test_padded_training_forward_equals_bilm(texts):
     """The training forward pass (model/padded_forward.py) gives BiLM.forward's top layer exactly enough."""
-    from model.padded_forward import top_layer
+    from elmo_pipeline.model.padded_forward import top_layer
     lines = list(read_lines(texts["valid"]))[:40]
     vocab = build_vocabulary(__import__("collections").Counter(t for l in lines for t in l))
     opts = tiny_options(dropout=0.0)
@@ -166,7 +166,7 @@ def test_init_from_reuses_weights_and_softmax(trained, texts, tmp_path):
 
 
 def test_word_encoder_trains_and_embeds(texts, tmp_path):
-    from model.embedder import ElmoEmbedder
+    from elmo_pipeline.model.embedder import ElmoEmbedder
     opts = tiny_options("word", batch_size=8)
     train(_cfg(texts, tmp_path, train=texts["small"], options=opts, max_steps=10))
     m = tmp_path / "model"
@@ -176,7 +176,7 @@ def test_word_encoder_trains_and_embeds(texts, tmp_path):
 
 
 def test_evaluate_and_export_commands(trained, texts, tmp_path):
-    from pipeline.cli import main
+    from elmo_pipeline.pipeline.cli import main
     out, _ = trained
     res = tmp_path / "ppl.json"
     assert main(["evaluate", texts["valid"], "--model", str(out / "model"), "--json", str(res),
@@ -210,11 +210,11 @@ def test_torchrun_two_processes_equal_one(texts, tmp_path):
     common = [texts["small"], "--options", str(tmp_path / "opts.json"), "--max-steps", "12", "--threads", "1",
               "--no-progress", "--seed", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    one = subprocess.run([sys.executable, "-m", "pipeline.train_command", *common, "--output", str(tmp_path / "one")],
+    one = subprocess.run([sys.executable, "-m", "elmo_pipeline.pipeline.train_command", *common, "--output", str(tmp_path / "one")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "pipeline.train_command", *common, "--output", str(tmp_path / "two")],
+                          "-m", "elmo_pipeline.pipeline.train_command", *common, "--output", str(tmp_path / "two")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     with h5py.File(tmp_path / "one" / "model" / "weights.hdf5") as fa, h5py.File(tmp_path / "two" / "model" / "weights.hdf5") as fb:
@@ -228,7 +228,7 @@ def test_torchrun_two_processes_equal_one(texts, tmp_path):
 
 
 def test_raw_tokenizer_gives_sentences():
-    from training.data import get_tokenizer
+    from elmo_pipeline.training.data import get_tokenizer
     try:
         tok = get_tokenizer("raw")
         sents = tok("The cat sat. It was well-known!")
@@ -242,8 +242,8 @@ def test_shipped_default_model():
     """The shipped model loads with no arguments, and its perplexity on the start of WikiText-2 test is
     in line with its model card (a 100-paragraph slice, so only loosely)."""
     import re
-    from model.embedder import ElmoEmbedder
-    from model.pretrained import HERE, DEFAULT_MODEL
+    from elmo_pipeline.model.embedder import ElmoEmbedder
+    from elmo_pipeline.model.pretrained import HERE, DEFAULT_MODEL
     folder = os.path.join(HERE, DEFAULT_MODEL)
     if not os.path.isfile(os.path.join(folder, "weights.hdf5")):
         pytest.skip(f"the shipped model is not in this checkout ({folder})")
@@ -262,7 +262,7 @@ def test_shipped_default_model():
 
 def test_read_lines_globs_urls_and_gzip(tmp_path):
     import gzip
-    from training.data import read_lines
+    from elmo_pipeline.training.data import read_lines
     (tmp_path / "a.txt").write_text("one two\n\n three \n", encoding="utf-8")
     with gzip.open(tmp_path / "b.txt.gz", "wt", encoding="utf-8") as f:
         f.write("four five six\n")

@@ -7,8 +7,8 @@ import h5py
 import numpy as np
 import pytest
 
-from model import ElmoEmbedder, OptionsError, WeightsError, load_bilm, save_bilm
-from model.synthetic import PUBLISHED_OPTIONS, random_bilm, write_random_bilm
+from elmo_pipeline.model import ElmoEmbedder, OptionsError, WeightsError, load_bilm, save_bilm
+from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS, random_bilm, write_random_bilm
 
 SENTS = [["The", "quick", "brown", "fox", "."], ["Über", "naïve", "café"], ["a"]]
 
@@ -136,7 +136,7 @@ def test_options_not_an_object(tiny_model_files, tmp_path):
 
 
 def test_shipped_model_sha256_recorded_and_verified(tmp_path):
-    from model.pretrained import HERE, default_model_files, verify_model_folder
+    from elmo_pipeline.model.pretrained import HERE, default_model_files, verify_model_folder
     default_model_files()                                   # verifies against sha256sums.txt
     folder = os.path.join(HERE, "wikitext2-small")
     sums = open(os.path.join(folder, "sha256sums.txt")).read()

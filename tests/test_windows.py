@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from model import ElmoEmbedder
-from model.windows import (check_window, effective_overlap, effective_window, embed_long, embed_long_many, stitch_plan,
+from elmo_pipeline.model import ElmoEmbedder
+from elmo_pipeline.model.windows import (check_window, effective_overlap, effective_window, embed_long, embed_long_many, stitch_plan,
                            window_groups, window_spans)
 
 
@@ -91,13 +91,13 @@ def test_many_sentences_share_the_sub_batches(embedder, tiny_model_files):
 
 def test_pipeline_embeds_a_batch_s_long_sentences_together(tiny_model_files, tmp_path, embedder):
     from tests.pipeline_helpers import hdf5_arrays, run_pipeline
-    from formats.hdf5 import hdf5_key
+    from elmo_pipeline.formats.hdf5 import hdf5_key
 
     lines = [" ".join(_tokens(n)) for n in (95, 8, 61, 40, 5)]
     inp = tmp_path / "in.txt"
     inp.write_text("\n".join(lines) + "\n")
     out = str(tmp_path / "out")
-    from pipeline.run import counters
+    from elmo_pipeline.pipeline.run import counters
 
     result, manifest = run_pipeline(tiny_model_files, str(inp), out, "--tokenizer", "whitespace", "--format", "hdf5",
                                     "--window-tokens", "20", "--window-overlap", "6", "--max-tokens-per-batch", "256")
@@ -124,7 +124,7 @@ def test_stateful_is_refused(tiny_model_files):
 def test_elmo_command_windows(tiny_model_files, tmp_path, embedder):
     import h5py
 
-    from pipeline.cli import main
+    from elmo_pipeline.pipeline.cli import main
     long, short = _tokens(50), ["a", "short", "one"]
     inp = tmp_path / "in.txt"
     inp.write_text(" ".join(long) + "\n" + " ".join(short) + "\n")
@@ -156,7 +156,7 @@ def test_elmo_command_runs_several_lines_windows_together(tiny_model_files, tmp_
     still gets its own vectors under its own key (the same bits as alone under --batch-invariant)."""
     import h5py
 
-    from pipeline.cli import main
+    from elmo_pipeline.pipeline.cli import main
     lines = [_tokens(50), ["a", "short", "one"], _tokens(44), _tokens(61), ["and", "another"], _tokens(30)]
     inp = tmp_path / "in.txt"
     inp.write_text("\n".join(" ".join(t) for t in lines) + "\n")
@@ -183,10 +183,10 @@ def test_a_failing_windowed_sentence_is_a_dead_letter_and_the_others_come_out(ti
     from apache_beam.pvalue import TaggedOutput
     from apache_beam.utils.windowed_value import WindowedValue
 
-    from transforms.chain import DEAD
-    from transforms.embed_step import EmbedBatches
-    from transforms.embed import ModelSpec
-    from transforms.records import Item
+    from elmo_pipeline.transforms.chain import DEAD
+    from elmo_pipeline.transforms.embed_step import EmbedBatches
+    from elmo_pipeline.transforms.embed import ModelSpec
+    from elmo_pipeline.transforms.records import Item
 
     sents = [_tokens(61), ["BOOM", *_tokens(40)], _tokens(8), _tokens(33)]
     batch = [Item(f"d#{i}", "d", i, tuple(s), tuple((j, j + 1) for j in range(len(s)))) for i, s in enumerate(sents)]

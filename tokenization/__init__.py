@@ -3,7 +3,7 @@
 Used by the pipeline (transforms/tokenize_step.py) and by language-model training (training/data.py); imports
 neither Beam nor torch.
 """
-from tokenization.tokenizers import (RAW_SCHEMES, TOKENIZERS, Sentence, align_tokens, moses_tokens, resolve_tokenizer,
+from elmo_pipeline.tokenization.tokenizers import (RAW_SCHEMES, TOKENIZERS, Sentence, align_tokens, moses_tokens, resolve_tokenizer,
                                      tokenize_document, tokenize_text)
 
 __all__ = ["RAW_SCHEMES", "Sentence", "TOKENIZERS", "align_tokens", "moses_tokens", "resolve_tokenizer",

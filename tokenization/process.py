@@ -1,7 +1,7 @@
 """Tokenizing in a child process, ahead of the caller, so a pipeline worker's tokenizing (pure Python, holding
 the GIL) runs on another core beside its biLM.
 
-TokenizerProcesses(mode, processes) starts `processes` x `python -m tokenization.process MODE` (it imports only
+TokenizerProcesses(mode, processes) starts `processes` x `python -m elmo_pipeline.tokenization.process MODE` (it imports only
 this package, not torch or Beam; multiprocessing's spawn would import the caller's __main__). The caller
 put()s documents; they go to the children, in turn, in chunks of about `chunk_chars` characters, at most
 `ahead` chunks in flight (default 64: about 1M characters, more than a --sort-buffer of sentences, so the
@@ -25,18 +25,20 @@ import sys
 import threading
 from typing import Any, Iterator
 
-from tokenization.tokenizers import Sentence, tokenize_document
+from elmo_pipeline.tokenization.tokenizers import Sentence, tokenize_document
 
 _EOF = object()
 
 
 class _Child:
-    """One `python -m tokenization.process MODE` with a thread writing its chunks and one reading its replies."""
+    """One `python -m elmo_pipeline.tokenization.process MODE` with a thread writing its chunks and one reading
+    its replies."""
 
     def __init__(self, mode: str):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # this package's parent
+        import elmo_pipeline
+        root = os.path.dirname(os.path.dirname(os.path.abspath(elmo_pipeline.__file__)))   # where it is imported from
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenization.process", mode], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.tokenization.process", mode], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.replies: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()

@@ -17,8 +17,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from model.char_ids import BOS_TOKEN, EOS_TOKEN, MAX_CHARS, token_char_ids
-from model.vocab import SPECIALS, Vocabulary
+from elmo_pipeline.model.char_ids import BOS_TOKEN, EOS_TOKEN, MAX_CHARS, token_char_ids
+from elmo_pipeline.model.vocab import SPECIALS, Vocabulary
 
 Tokenizer = Callable[[str], list[list[str]]]   # a line of text -> its sentences' tokens
 
@@ -35,7 +35,7 @@ def get_tokenizer(name: str) -> Tokenizer:
         return _whitespace
     if name == "raw":
         try:
-            from tokenization import tokenize_text
+            from elmo_pipeline.tokenization import tokenize_text
         except ImportError as e:
             raise RuntimeError(f"--tokenizer raw needs tokenization.tokenize_text, which cannot be imported ({e}); "
                                f"use --tokenizer whitespace for pre-tokenized text") from None

@@ -12,10 +12,10 @@ import os
 import h5py
 import torch
 
-from training.checkpoint import load_checkpoint, read_meta
-from training.head import LMHead, build_model
-from model.vocab import Vocabulary
-from model.weights import load_weights_into, save_bilm
+from elmo_pipeline.training.checkpoint import load_checkpoint, read_meta
+from elmo_pipeline.training.head import LMHead, build_model
+from elmo_pipeline.model.vocab import Vocabulary
+from elmo_pipeline.model.weights import load_weights_into, save_bilm
 
 def export_model(head: LMHead, vocab: Vocabulary, folder: str, include_softmax: bool = True) -> tuple[str, str, str]:
     """options.json + weights.hdf5 (bilm-tf layout; the softmax as extra 'softmax/...' datasets that

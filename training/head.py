@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from model.bilm import BiLM
-from training.data import BatchMaker, Corpus, eval_batches
-from model.options import parse_options
-from model.padded_forward import top_layer
-from training.softmax import build_softmax
-from model.vocab import Vocabulary
+from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.training.data import BatchMaker, Corpus, eval_batches
+from elmo_pipeline.model.options import parse_options
+from elmo_pipeline.model.padded_forward import top_layer
+from elmo_pipeline.training.softmax import build_softmax
+from elmo_pipeline.model.vocab import Vocabulary
 
 class LMHead(nn.Module):
     """A BiLM plus the softmax both directions share. nll_sums(batch) -> (sum fwd, sum bwd) in nats."""

@@ -31,12 +31,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from training.checkpoint import load_checkpoint, read_meta, save_checkpoint
-from training.data import Corpus, build_vocabulary, encode_corpus, epoch_batches, get_tokenizer, read_lines
-from training.export import export_model, head_from_checkpoint, load_exported, load_softmax  # noqa: F401 (API)
-from training.head import LMHead, Perplexity, batch_maker, build_model, evaluate  # noqa: F401 (API)
-from model.vocab import Vocabulary
-from model.weights import load_weights_into
+from elmo_pipeline.training.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from elmo_pipeline.training.data import Corpus, build_vocabulary, encode_corpus, epoch_batches, get_tokenizer, read_lines
+from elmo_pipeline.training.export import export_model, head_from_checkpoint, load_exported, load_softmax  # noqa: F401 (API)
+from elmo_pipeline.training.head import LMHead, Perplexity, batch_maker, build_model, evaluate  # noqa: F401 (API)
+from elmo_pipeline.model.vocab import Vocabulary
+from elmo_pipeline.model.weights import load_weights_into
 
 CHAR_CNN = {"activation": "relu", "embedding": {"dim": 16},
             "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 256]],
@@ -344,7 +344,7 @@ class CurveLog:
 
     def plot(self) -> None:
         if self.enabled:
-            from training.curves import plot_curves
+            from elmo_pipeline.training.curves import plot_curves
             try:
                 plot_curves(self.path, os.path.splitext(self.path)[0] + ".png")
             except Exception as e:   # a plot must never stop training

@@ -9,8 +9,8 @@ import apache_beam as beam
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
-from transforms.stats import merge_stats
-from transforms.write import stage_dead_letters, stage_stats
+from elmo_pipeline.transforms.stats import merge_stats
+from elmo_pipeline.transforms.write import stage_dead_letters, stage_stats
 
 NS = "elmo"         # the Beam metrics namespace of every step
 DEAD = "dead"       # the tag of a rejected element's DeadLetter

@@ -13,8 +13,8 @@ import json
 import numpy as np
 from apache_beam import coders
 
-from formats.layout import DeadLetter, ShardInfo
-from transforms.records import Document, EmbeddedBatch, Item
+from elmo_pipeline.formats.layout import DeadLetter, ShardInfo
+from elmo_pipeline.transforms.records import Document, EmbeddedBatch, Item
 
 _STR, _INT, _BYTES, _BOOL = coders.StrUtf8Coder(), coders.VarIntCoder(), coders.BytesCoder(), coders.BooleanCoder()
 

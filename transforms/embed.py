@@ -36,7 +36,7 @@ class ModelSpec:
         """(options, weights, vocab) as local paths on this machine (model.resolve.files_here: remote files
         fetched with this spec's storage options, so model downloads retry like the data path; a named model
         not at the launcher's paths here, from model.pretrained, checked against weights_sha256)."""
-        from model.resolve import files_here
+        from elmo_pipeline.model.resolve import files_here
         return files_here(self.options_file, self.weight_file, self.vocab_file, self.model_name,
                           self.weights_sha256, self.storage_options)
 
@@ -100,8 +100,8 @@ def load_embedder(spec: ModelSpec):
     import torch
     reuse_freed_memory()
 
-    from model.device import resolve_device
-    from model.embedder import ElmoEmbedder
+    from elmo_pipeline.model.device import resolve_device
+    from elmo_pipeline.model.embedder import ElmoEmbedder
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
     model = _OFFERED.pop((spec.options_file, spec.weight_file), None)

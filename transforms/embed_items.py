@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from formats.layout import EXCERPT_CHARS, DeadLetter
-from model.windows import effective_window, embed_long, embed_long_many
-from transforms.records import EmbeddedBatch, Item
+from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter
+from elmo_pipeline.model.windows import effective_window, embed_long, embed_long_many
+from elmo_pipeline.transforms.records import EmbeddedBatch, Item
 
 
 def window_limit(window: int, max_tokens: int) -> int | None:

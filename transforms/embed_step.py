@@ -8,14 +8,14 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
-from model.batching import padding, plan_batches
-from transforms.chain import DEAD, NS, in_global_window
-from transforms.embed import ModelSpec, load_embedder
-from transforms.embed_items import embed_alone, embed_windowed, embedding_failed, split_at_window, window_limit
-from transforms.faults import crash_point
-from transforms.progress import ProgressSpec, advance
-from transforms.records import EmbeddedBatch, Item
-from transforms.stats import RunStats
+from elmo_pipeline.model.batching import padding, plan_batches
+from elmo_pipeline.transforms.chain import DEAD, NS, in_global_window
+from elmo_pipeline.transforms.embed import ModelSpec, load_embedder
+from elmo_pipeline.transforms.embed_items import embed_alone, embed_windowed, embedding_failed, split_at_window, window_limit
+from elmo_pipeline.transforms.faults import crash_point
+from elmo_pipeline.transforms.progress import ProgressSpec, advance
+from elmo_pipeline.transforms.records import EmbeddedBatch, Item
+from elmo_pipeline.transforms.stats import RunStats
 
 
 class SortAndBatch(beam.DoFn):

@@ -35,14 +35,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from formats import layout
-from formats.layout import (COUNTS, DEAD, DEAD_LETTERS, MANIFEST, METRICS, PLAN, RECORDS, REPORT, SHARD_FOLDERS,
+from elmo_pipeline.formats import layout
+from elmo_pipeline.formats.layout import (COUNTS, DEAD, DEAD_LETTERS, MANIFEST, METRICS, PLAN, RECORDS, REPORT, SHARD_FOLDERS,
                             STAGING, STATS, SUCCESS, DeadLetter, ShardInfo)
-from formats.metrics import metrics_text
-from fsio import atomic_write, is_local_fs, makedirs, move, remove_temp_files, url_fs
-from fsio.lease import RetryLater
-from transforms.faults import crash_point
-from transforms.stats import STAGES, merge_stats
+from elmo_pipeline.formats.metrics import metrics_text
+from elmo_pipeline.fsio import atomic_write, is_local_fs, makedirs, move, remove_temp_files, url_fs
+from elmo_pipeline.fsio.lease import RetryLater
+from elmo_pipeline.transforms.faults import crash_point
+from elmo_pipeline.transforms.stats import STAGES, merge_stats
 
 logger = logging.getLogger("elmo-pipeline.finalize")
 DEAD_LETTERS_PER_FILE = 100_000
@@ -139,7 +139,7 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
     m, moves = layout.complete_manifest(m, staged.shards, dead)
     makedirs(fs, st)
     try:            # an extra: a report that cannot be built must not cost the run its output
-        from transforms.report import build_report
+        from elmo_pipeline.transforms.report import build_report
         page = build_report(m, staged.records, staged.stats, run_seconds)
     except Exception:  # noqa: BLE001
         logger.exception("could not build the run report; the output is complete without it")

@@ -10,9 +10,9 @@ import posixpath
 import re
 from typing import Iterator
 
-from formats.layout import EXCERPT_CHARS, DeadLetter
-from fsio import redact
-from transforms.records import Document
+from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter
+from elmo_pipeline.fsio import redact
+from elmo_pipeline.transforms.records import Document
 
 JSON_TYPES = {type(None): "null", bool: "a boolean", float: "a number", list: "an array", dict: "an object"}
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")

@@ -1,7 +1,7 @@
 """ELMo in any Beam pipeline: a ModelHandler for RunInference, and the composite transform Embed.
 
     import apache_beam as beam
-    from transforms.inference import Embed
+    from elmo_pipeline.transforms.inference import Embed
     with beam.Pipeline() as p:
         (p | beam.Create(["First text. Two sentences.", "Another one."])
            | Embed("wikitext2-small")                   # Embedded(key, sentence, tokens, vectors (L+1, T, 2P))
@@ -23,7 +23,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, PredictionResult, RunInference
 
-from transforms.embed import ModelSpec, load_embedder
+from elmo_pipeline.transforms.embed import ModelSpec, load_embedder
 
 
 class ElmoModelHandler(ModelHandler):
@@ -51,7 +51,7 @@ class ElmoModelHandler(ModelHandler):
     def from_name(cls, name: str, *, device: str = "auto", state: str = "stateless", torch_threads: int = 0,
                   compute_dtype: str = "float32", **kwargs) -> "ElmoModelHandler":
         """A handler for a model by name (model.pretrained: downloaded and verified here, at construction)."""
-        from model.resolve import resolve_model
+        from elmo_pipeline.model.resolve import resolve_model
         model = resolve_model(name)
         spec = ModelSpec(model.options_file, model.weight_file, model.vocab_file, device, state, torch_threads,
                          compute_dtype)
@@ -84,7 +84,7 @@ def embed_budgeted(embedder, sentences: Sequence[Sequence[str]], max_tokens: int
     """(L+1, T_i, 2P) float32 per sentence, in order, run in length-sorted sub-batches of at most `max_tokens`
     padded slots, or token slots where the embedder lays sentences in lanes (a sentence over the budget runs
     alone): model.batching."""
-    from model.batching import embed_in_batches, plan_batches
+    from elmo_pipeline.model.batching import embed_in_batches, plan_batches
     sentences = [list(s) for s in sentences]
     batches = plan_batches([len(s) for s in sentences], max_tokens, lanes=getattr(embedder, "lanes", False))
     return embed_in_batches(embedder.embed_batch, sentences, batches)
@@ -104,7 +104,7 @@ def sentences_of(element, keyed: bool, tokenizer: str) -> list[tuple[tuple[Any, 
     tokenizer: tokenization.tokenize_text) or a token list; keyed: the element is (key, text or tokens)."""
     key, value = element if keyed else (element if isinstance(element, str) else tuple(element), element)
     if isinstance(value, str):
-        from tokenization import tokenize_text
+        from elmo_pipeline.tokenization import tokenize_text
         return [((key, i), s) for i, s in enumerate(tokenize_text(value, tokenizer))]
     return [((key, 0), list(value))]
 
@@ -117,7 +117,7 @@ class Embed(beam.PTransform):
     def __init__(self, model: str | ElmoModelHandler = "wikitext2-small", keyed: bool = False,
                  tokenizer: str = "raw", max_tokens_per_batch: int = 4096, **handler_args):
         super().__init__()
-        from tokenization import resolve_tokenizer
+        from elmo_pipeline.tokenization import resolve_tokenizer
         self.handler = (model if isinstance(model, ElmoModelHandler) else
                         ElmoModelHandler.from_name(model, max_tokens_per_batch=max_tokens_per_batch, **handler_args))
         self.keyed, self.tokenizer = keyed, resolve_tokenizer(tokenizer, self.handler.tokenization)

@@ -11,8 +11,8 @@ from typing import Iterator
 
 import fsspec.utils
 
-from formats.layout import EXCERPT_CHARS
-from fsio import open_file
+from elmo_pipeline.formats.layout import EXCERPT_CHARS
+from elmo_pipeline.fsio import open_file
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from typing import Iterator
 
-from formats.layout import EXCERPT_CHARS, DeadLetter
-from fsio import open_file
-from transforms.ids import JSON_TYPES, BadId, document_id, printable_label
-from transforms.lines import CORRUPT, Corrupt, Meter, TooLong, lines_until_corrupt, open_decompressed
-from transforms.records import Blank, Document
+from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter
+from elmo_pipeline.fsio import open_file
+from elmo_pipeline.transforms.ids import JSON_TYPES, BadId, document_id, printable_label
+from elmo_pipeline.transforms.lines import CORRUPT, Corrupt, Meter, TooLong, lines_until_corrupt, open_decompressed
+from elmo_pipeline.transforms.records import Blank, Document
 
 INPUT_FORMATS = ("text", "lines", "jsonl", "parquet")
 

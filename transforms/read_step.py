@@ -7,14 +7,14 @@ import time
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
-from formats.layout import DeadLetter
-from transforms.chain import DEAD, NS
-from transforms.ids import split_duplicate_ids
-from transforms.progress import ProgressSpec, advance
-from transforms.read import MAX_RECORD_BYTES, read_documents
-from transforms.records import Blank
-from transforms.stats import RunStats
-from transforms.write import stage_counts
+from elmo_pipeline.formats.layout import DeadLetter
+from elmo_pipeline.transforms.chain import DEAD, NS
+from elmo_pipeline.transforms.ids import split_duplicate_ids
+from elmo_pipeline.transforms.progress import ProgressSpec, advance
+from elmo_pipeline.transforms.read import MAX_RECORD_BYTES, read_documents
+from elmo_pipeline.transforms.records import Blank
+from elmo_pipeline.transforms.stats import RunStats
+from elmo_pipeline.transforms.write import stage_counts
 
 
 class ReadFiles(beam.DoFn):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 import math
 
-from transforms.stats import STAGES, merge_stats
+from elmo_pipeline.transforms.stats import STAGES, merge_stats
 
 MAX_POINTS = 120            # tokens/s over time: at most this many points (wider time bins beyond)
 MAX_BINS = 40               # sentence-length histogram bins (longer than the 99th percentile: one last bin)

@@ -22,10 +22,10 @@ import logging
 import posixpath
 from dataclasses import dataclass, field
 
-from formats.layout import (FINAL_NAMES, FORMATS, MANIFEST, PLAN, RUN_FILE, SHARD_FOLDERS, STAGING, STATS, SUCCESS,
+from elmo_pipeline.formats.layout import (FINAL_NAMES, FORMATS, MANIFEST, PLAN, RUN_FILE, SHARD_FOLDERS, STAGING, STATS, SUCCESS,
                             ShardInfo, is_scratch_name, read_manifest, record_ids)
-from fsio import atomic_write, makedirs, url_fs
-from transforms.finalize import (clear_final, owned_final_names, plan_consistent, plan_names, read_plan, roll_back,
+from elmo_pipeline.fsio import atomic_write, makedirs, url_fs
+from elmo_pipeline.transforms.finalize import (clear_final, owned_final_names, plan_consistent, plan_names, read_plan, roll_back,
                                  select_records)
 
 logger = logging.getLogger("elmo-pipeline.resume")

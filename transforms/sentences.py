@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from formats.layout import EXCERPT_CHARS, DeadLetter, sentence_id
-from transforms.progress import split_bytes
-from transforms.records import Document, Item
+from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter, sentence_id
+from elmo_pipeline.transforms.progress import split_bytes
+from elmo_pipeline.transforms.records import Document, Item
 
 
 def document_reason(sentences, max_document_tokens: int) -> str | None:

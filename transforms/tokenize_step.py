@@ -6,13 +6,13 @@ import time
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
-from formats.layout import DeadLetter
-from tokenization.process import TokenizerProcesses, tokenize_or_reason
-from transforms.chain import DEAD, NS, in_global_window
-from transforms.progress import ProgressSpec, advance
-from transforms.records import MAX_DOCUMENT_TOKENS, Document
-from transforms.sentences import sentence_items
-from transforms.stats import RunStats
+from elmo_pipeline.formats.layout import DeadLetter
+from elmo_pipeline.tokenization.process import TokenizerProcesses, tokenize_or_reason
+from elmo_pipeline.transforms.chain import DEAD, NS, in_global_window
+from elmo_pipeline.transforms.progress import ProgressSpec, advance
+from elmo_pipeline.transforms.records import MAX_DOCUMENT_TOKENS, Document
+from elmo_pipeline.transforms.sentences import sentence_items
+from elmo_pipeline.transforms.stats import RunStats
 
 
 class Tokenize(beam.DoFn):

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from formats import layout
-from formats.arrow import arrow_bytes, arrow_table, write_arrow
-from formats.hdf5 import hdf5_bytes
-from formats.layout import DEAD, RECORDS, ShardInfo
-from formats.parquet import ShardColumns, build_table, parquet_bytes, write_parquet
-from fsio import atomic_write, is_local_fs, makedirs, release_written, url_fs
-from transforms.faults import crash_point
-from transforms.records import EmbeddedBatch
+from elmo_pipeline.formats import layout
+from elmo_pipeline.formats.arrow import arrow_bytes, arrow_table, write_arrow
+from elmo_pipeline.formats.hdf5 import hdf5_bytes
+from elmo_pipeline.formats.layout import DEAD, RECORDS, ShardInfo
+from elmo_pipeline.formats.parquet import ShardColumns, build_table, parquet_bytes, write_parquet
+from elmo_pipeline.fsio import atomic_write, is_local_fs, makedirs, release_written, url_fs
+from elmo_pipeline.transforms.faults import crash_point
+from elmo_pipeline.transforms.records import EmbeddedBatch
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
-from transforms.chain import NS, in_global_window
-from transforms.progress import ProgressSpec, advance
-from transforms.records import EmbeddedBatch, Item
-from transforms.resume import load_done_ids
-from transforms.stats import RunStats
-from transforms.write import ShardSpec, stage_shard
+from elmo_pipeline.transforms.chain import NS, in_global_window
+from elmo_pipeline.transforms.progress import ProgressSpec, advance
+from elmo_pipeline.transforms.records import EmbeddedBatch, Item
+from elmo_pipeline.transforms.resume import load_done_ids
+from elmo_pipeline.transforms.stats import RunStats
+from elmo_pipeline.transforms.write import ShardSpec, stage_shard
 
 
 class WriteShards(beam.DoFn):

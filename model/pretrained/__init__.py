@@ -72,7 +72,7 @@ def model_urls(name: str) -> dict[str, str]:
 
 
 def cache_folder(name: str) -> str:
-    from fsio import cache_dir
+    from elmo_pipeline.fsio import cache_dir
     return os.path.join(cache_dir(), "models", name)
 
 
@@ -81,7 +81,7 @@ def model_files(name: str = DEFAULT_MODEL, progress: bool | None = None) -> tupl
     its sha256sums.txt), or a published one's cached copies (downloaded on first use, verified on every use)."""
     e = entry(name)
     if e.stem is not None:
-        from fsio import pinned_download
+        from elmo_pipeline.fsio import pinned_download
         folder, urls = cache_folder(name), model_urls(name)
         return (pinned_download(urls["options"], os.path.join(folder, "options.json"), progress),
                 pinned_download(urls["weights"], os.path.join(folder, "weights.hdf5"), progress), None)
@@ -106,7 +106,7 @@ def describe(name: str) -> dict:
     and the weight file's size where it is on disk."""
     import json
 
-    from model.synthetic import PUBLISHED_OPTIONS
+    from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS
     e = entry(name)
     if e.stem is None:
         folder = os.path.join(HERE, name)
@@ -114,7 +114,7 @@ def describe(name: str) -> dict:
             opts = json.load(f)
         weights, state = os.path.join(folder, "weights.hdf5"), "shipped"
     else:
-        from fsio import pinned_record
+        from elmo_pipeline.fsio import pinned_record
         opts = PUBLISHED_OPTIONS[e.shape]
         weights = os.path.join(cache_folder(name), "weights.hdf5")
         state = "cached" if os.path.isfile(weights) and pinned_record(weights) else "not downloaded"
@@ -132,8 +132,8 @@ def _parameters(options_json: str) -> int:
 
     import torch
 
-    from model.bilm import BiLM
-    from model.options import parse_options
+    from elmo_pipeline.model.bilm import BiLM
+    from elmo_pipeline.model.options import parse_options
     with torch.device("meta"):
         return sum(p.numel() for p in BiLM(parse_options(json.loads(options_json))).parameters())
 
@@ -158,7 +158,7 @@ def verify_model_folder(folder: str) -> None:
 
 @lru_cache(maxsize=64)
 def _verified(path: str, size: int, mtime_ns: int, digest: str) -> None:
-    from fsio import local_path
+    from elmo_pipeline.fsio import local_path
     local_path(path, sha256=digest)     # ValueError "<path>: sha256 mismatch (expected ..., found ...)"
 
 
