@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from elmo_pipeline.model import hardware as H
+from elmo_pipeline.model import hardware
 
 BASE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht syscall "
         "nx pdpe1gb rdtscp lm constant_tsc rep_good nopl pni pclmulqdq ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes "
@@ -38,11 +38,11 @@ GRAVITON2 = GRAVITON3.replace(" svebf16 i8mm bf16", "").replace(" sve ", " ").re
 @pytest.fixture
 def machine(monkeypatch, tmp_path):
     """machine(text): this process reads `text` as its /proc/cpuinfo from now on, and has warned about nothing."""
-    monkeypatch.setattr(H, "_WARNED", set())
+    monkeypatch.setattr(hardware, "_WARNED", set())
 
     def use(text):
         (tmp_path / "cpuinfo").write_text(text)
-        monkeypatch.setattr(H, "CPUINFO", str(tmp_path / "cpuinfo"))
+        monkeypatch.setattr(hardware, "CPUINFO", str(tmp_path / "cpuinfo"))
     return use
 
 
@@ -51,13 +51,13 @@ def machine(monkeypatch, tmp_path):
     (SKYLAKE, "emulated", "emulated"), (SAPPHIRE, "native", "native"),
     (GRAVITON3, "native", "unknown"), (GRAVITON2, "emulated", "unknown")])
 def test_cpu_support_from_cpuinfo(text, bf16, fp16):
-    cpu = H.cpu_info(text)
-    assert H.cpu_support("float32", cpu) == "native"
-    assert (H.cpu_support("bfloat16", cpu), H.cpu_support("float16", cpu)) == (bf16, fp16)
+    cpu = hardware.cpu_info(text)
+    assert hardware.cpu_support("float32", cpu) == "native"
+    assert (hardware.cpu_support("bfloat16", cpu), hardware.cpu_support("float16", cpu)) == (bf16, fp16)
 
 
 def test_cpu_info_fields():
-    zen1, zen4, intel, arm = (H.cpu_info(t) for t in (ZEN1, ZEN4, SAPPHIRE, GRAVITON3))
+    zen1, zen4, intel, arm = (hardware.cpu_info(t) for t in (ZEN1, ZEN4, SAPPHIRE, GRAVITON3))
     assert (zen1["vendor"], zen1["family"], zen1["model"], zen1["name"]) == \
         ("AuthenticAMD", 23, 1, "AMD EPYC 7601 32-Core Processor")
     assert zen1["flags"] == ["avx2"]                     # no AVX-512 at all
@@ -68,29 +68,29 @@ def test_cpu_info_fields():
 
 def test_no_cpuinfo_claims_nothing(monkeypatch, tmp_path):
     from elmo_pipeline.pipeline.doctor_command import text
-    monkeypatch.setattr(H, "CPUINFO", str(tmp_path / "missing"))
-    monkeypatch.setattr(H, "_WARNED", set())
-    cpu = H.cpu_info()
-    assert cpu["flags"] is None and H.cpu_support("bfloat16", cpu) == "unknown"
-    assert H.cpu_support("float32", cpu) == "native"
-    assert not H.warn_if_emulated("bfloat16", "cpu")
-    out = text(H.report())
+    monkeypatch.setattr(hardware, "CPUINFO", str(tmp_path / "missing"))
+    monkeypatch.setattr(hardware, "_WARNED", set())
+    cpu = hardware.cpu_info()
+    assert cpu["flags"] is None and hardware.cpu_support("bfloat16", cpu) == "unknown"
+    assert hardware.cpu_support("float32", cpu) == "native"
+    assert not hardware.warn_if_emulated("bfloat16", "cpu")
+    out = text(hardware.report())
     assert "flags: unknown" in out and "bfloat16 on the CPU: unknown" in out
-    assert H.cpu_info("")["flags"] is None                 # an empty file: nothing known either
+    assert hardware.cpu_info("")["flags"] is None                 # an empty file: nothing known either
 
 
 def test_compute_support_entry():
-    entry = H.compute_support("bfloat16", "cpu", H.cpu_info(ZEN1))
-    assert entry == {"dtype": "bfloat16", "device": "cpu", "support": "emulated", "cpu": H.cpu_info(ZEN1)}
-    assert H.compute_support("torch.bfloat16", "cpu", H.cpu_info(ZEN4))["support"] == "native"
+    entry = hardware.compute_support("bfloat16", "cpu", hardware.cpu_info(ZEN1))
+    assert entry == {"dtype": "bfloat16", "device": "cpu", "support": "emulated", "cpu": hardware.cpu_info(ZEN1)}
+    assert hardware.compute_support("torch.bfloat16", "cpu", hardware.cpu_info(ZEN4))["support"] == "native"
 
 
 @pytest.mark.parametrize("text, warns", [(ZEN1, True), (SKYLAKE, True), (ZEN4, False), (SAPPHIRE, False)])
 def test_warns_once_where_bf16_is_emulated(machine, caplog, text, warns):
     machine(text)
     with caplog.at_level(logging.WARNING, logger="elmo-pipeline.hardware"):
-        first = [H.warn_if_emulated("bfloat16", "cpu"), H.warn_if_emulated("bfloat16", "cpu"),
-                 H.warn_if_emulated("float32", "cpu")]
+        first = [hardware.warn_if_emulated("bfloat16", "cpu"), hardware.warn_if_emulated("bfloat16", "cpu"),
+                 hardware.warn_if_emulated("float32", "cpu")]
     assert first == [warns, False, False]
     lines = [r.getMessage() for r in caplog.records if r.name == "elmo-pipeline.hardware"]
     assert len(lines) == int(warns)
@@ -113,11 +113,11 @@ def test_doctor_text_and_json(machine, capsys):
     from elmo_pipeline.pipeline.cli import main
     from elmo_pipeline.pipeline.doctor_command import text
     machine(ZEN1)
-    out = text(H.report())
+    out = text(hardware.report())
     assert "family 23" in out and "avx512f no" in out and "avx512_bf16 no" in out
     assert "bfloat16 on the CPU: emulated (slower than float32)" in out
     machine(SAPPHIRE)
-    assert "bfloat16 on the CPU: native (avx512_bf16, amx_bf16)" in text(H.report())
+    assert "bfloat16 on the CPU: native (avx512_bf16, amx_bf16)" in text(hardware.report())
     assert main(["doctor", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["cpu"]["family"] == 6 and r["cpu_support"] == {"float32": "native", "bfloat16": "native",

@@ -189,13 +189,13 @@ def test_local_run_loads_the_model_once(small_run, tiny_model_files, tmp_path, m
     and nothing is left offered after the run."""
     import elmo_pipeline.model.weights
     from elmo_pipeline import model
-    from elmo_pipeline.transforms import embed as E
+    from elmo_pipeline.transforms import embed
     calls = []
     real = model.weights.load_bilm
     monkeypatch.setattr(model.weights, "load_bilm", lambda *a, **k: calls.append(a) or real(*a, **k))
     _, m = run_pipeline(tiny_model_files, str(small_run[0]), str(tmp_path / "o"), "--max-tokens-per-batch", "40")
     assert len(calls) == 1 and m["counts"]["sentences"] == 4
-    assert not E._OFFERED
+    assert not embed._OFFERED
 
 
 def test_duplicate_id_field_values_are_dead_letters(tmp_path, tiny_model_files):

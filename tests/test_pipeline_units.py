@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_pipeline.transforms import embed as E
+from elmo_pipeline.transforms import embed
 from elmo_pipeline.model.batching import plan_batches
 from elmo_pipeline.model.batching import padding
 from elmo_pipeline.transforms.records import Blank, Document, EmbeddedBatch, Item
@@ -97,11 +97,11 @@ def test_plan_batches_respects_budget_and_sorts():
 
 
 def test_layer_selection():
-    assert E.parse_layers("all", 3) == [0, 1, 2] and E.parse_layers("top", 3) == [2]
-    assert E.parse_layers("0,2", 3) == [0, 2] and E.parse_layers("average", 3) == "average"
+    assert embed.parse_layers("all", 3) == [0, 1, 2] and embed.parse_layers("top", 3) == [2]
+    assert embed.parse_layers("0,2", 3) == [0, 2] and embed.parse_layers("average", 3) == "average"
     for bad in ("3", "x", "1,1"):
         with pytest.raises(ValueError):
-            E.parse_layers(bad, 3)
+            embed.parse_layers(bad, 3)
     assert layer_columns([0, 2], 4, False) == [("layer_0", 2), ("layer_2", 4)]
 
 

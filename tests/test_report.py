@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_pipeline.transforms import finalize as F
-from elmo_pipeline.transforms import progress as P
+from elmo_pipeline.transforms import finalize
+from elmo_pipeline.transforms import progress
 from elmo_pipeline.transforms.read import read_documents
 from elmo_pipeline.transforms.records import Document, EmbeddedBatch, Item
 from elmo_pipeline.transforms.report import build_report, length_histogram, report_data, timeline
@@ -123,9 +123,9 @@ def _stage(out):
 def test_finalize_writes_the_report_beside_the_manifest(tmp_path):
     out = str(tmp_path / "out")
     staging = _stage(out)
-    staged = F.plan_from_staging(staging, ["x"])
+    staged = finalize.plan_from_staging(staging, ["x"])
     assert staged.records[0]["lengths"] == {"1": 1, "3": 1} and len(staged.stats) == 2
-    m = F.finalize(out, staging, staged, {"model": {"name": "tiny"}}, run_seconds=3.0)
+    m = finalize.finalize(out, staging, staged, {"model": {"name": "tiny"}}, run_seconds=3.0)
     assert m["report"] == "report.html" == json.load(open(os.path.join(out, "manifest.json")))["report"]
     page = open(os.path.join(out, "report.html"), encoding="utf-8").read()
     assert "2 sentences written" in page and "tiny" in page
@@ -134,15 +134,15 @@ def test_finalize_writes_the_report_beside_the_manifest(tmp_path):
 def test_a_rerun_of_an_interrupted_finalize_still_writes_it(tmp_path, monkeypatch):
     out = str(tmp_path / "out")
     staging = _stage(out)
-    staged = F.plan_from_staging(staging, ["x"])
+    staged = finalize.plan_from_staging(staging, ["x"])
     with monkeypatch.context() as mp:       # killed right after writing the plan: nothing moved yet
-        mp.setattr(F, "complete_finalize", lambda *a, **k: None)
-        F.finalize(out, staging, staged, {})
+        mp.setattr(finalize, "complete_finalize", lambda *a, **k: None)
+        finalize.finalize(out, staging, staged, {})
     assert not os.path.exists(os.path.join(out, "report.html"))
-    F.complete_finalize(out, staging)
+    finalize.complete_finalize(out, staging)
     assert os.path.exists(os.path.join(out, "report.html")) and os.path.exists(os.path.join(out, "_SUCCESS"))
     assert os.path.exists(os.path.join(out, "metrics.prom"))
-    F.clear_final(__import__("fsspec").filesystem("file"), out)
+    finalize.clear_final(__import__("fsspec").filesystem("file"), out)
     assert not os.path.exists(os.path.join(out, "report.html"))        # a final name: cleared with the rest
     assert not os.path.exists(os.path.join(out, "metrics.prom"))
 
@@ -152,7 +152,7 @@ def test_a_report_that_fails_does_not_fail_the_run(tmp_path, monkeypatch, caplog
     staging = _stage(out)
     import elmo_pipeline.transforms.report as R
     monkeypatch.setattr(R, "build_report", lambda *a: 1 / 0)
-    m = F.finalize(out, staging, F.plan_from_staging(staging, ["x"]), {})
+    m = finalize.finalize(out, staging, finalize.plan_from_staging(staging, ["x"]), {})
     assert "report" not in m and os.path.exists(os.path.join(out, "_SUCCESS"))
     assert "could not build the run report" in caplog.text
 
@@ -160,7 +160,7 @@ def test_a_report_that_fails_does_not_fail_the_run(tmp_path, monkeypatch, caplog
 # ---------------------------------------------------------------- progress by input bytes
 def test_percent_and_eta_from_bytes():
     buf = io.StringIO()
-    bar = P.ByteProgress(4096, "embedding", file=buf, mininterval=0)
+    bar = progress.ByteProgress(4096, "embedding", file=buf, mininterval=0)
     bar.update(1024, tokens=500)
     bar.bar.refresh()
     line = buf.getvalue().split("\r")[-1]
@@ -172,9 +172,9 @@ def test_percent_and_eta_from_bytes():
 
 
 def test_bytes_split_over_sentences():
-    assert P.split_bytes(100, [10, 30, 40], 40) == [25, 50, 25]
-    assert sum(P.split_bytes(7, [1, 2, 3], 3)) == 7 and P.split_bytes(5, [0], 0) == [5]
-    assert P.description(P.ProgressSpec(10, {}, 2)).startswith("embedding, pid")
+    assert progress.split_bytes(100, [10, 30, 40], 40) == [25, 50, 25]
+    assert sum(progress.split_bytes(7, [1, 2, 3], 3)) == 7 and progress.split_bytes(5, [0], 0) == [5]
+    assert progress.description(progress.ProgressSpec(10, {}, 2)).startswith("embedding, pid")
 
 
 @pytest.mark.parametrize("name", ["a.txt", "a.txt.gz", "a.parquet"])
@@ -197,7 +197,7 @@ def test_documents_carry_the_bytes_of_the_stored_file(tmp_path, name):
 
 def test_tokenize_splits_a_documents_bytes_over_its_items():
     from elmo_pipeline.transforms.tokenize_step import Tokenize
-    t = Tokenize("wikitext", 1000, progress=P.ProgressSpec(1000))
+    t = Tokenize("wikitext", 1000, progress=progress.ProgressSpec(1000))
     t.setup()
     t.run_stats.reset()
     items = list(t.process(Document("d", "First one here . Second one , longer than the first .", nbytes=90)))
