@@ -46,7 +46,8 @@ def layer_arrays(row, names):
 
 @contextlib.contextmanager
 def moto_s3(bucket: str):
-    """moto's S3 server on a free 127.0.0.1 port with `bucket` created: yields (endpoint URL, s3fs filesystem)."""
+    """moto's S3 server on a free 127.0.0.1 port, emptied, with `bucket` created: yields (endpoint URL, s3fs
+    filesystem)."""
     pytest.importorskip("moto")
     from moto.server import ThreadedMotoServer
     with socket.socket() as s:
@@ -54,8 +55,12 @@ def moto_s3(bucket: str):
         port = s.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    import urllib.request
+
     import s3fs
     endpoint = f"http://127.0.0.1:{port}"
+    # moto's servers in one process share their state: start from none of an earlier test's buckets
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=30).close()
     fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=endpoint)
     fs.mkdir(bucket)
     try:
