@@ -27,8 +27,8 @@ shapes, dtypes, attributes, values bit for bit. manifest.json / results.json: eq
 tree and output folder replaced by <TREE>/<OUT>, timings (and results.json `machine`) dropped; manifest
 Keys only the head has are reported as "keys added (an extension)";
 `run.key` / `options.*` differences are reported as "differs (expected if flags were added)", not as
-failures. table.md: without its `seconds` column. metrics.prom: without the output label and the
-`*_seconds` samples. Dead letters: sorted lines. chart.png and report.html
+failures. table.md: without its `seconds` column. metrics.prom: without the output and run_key labels
+and the `*_seconds` samples. Dead letters: sorted lines. chart.png and report.html
 (renderings of the run's timings, different every run): not compared.
 
 Reproducibility (runs of one revision): Parquet (zstd) and HDF5 files are byte-identical run to run
@@ -255,11 +255,12 @@ def table_without_seconds(path: Path) -> list[str]:
 
 
 def metrics_without_timings(path: Path) -> list[str]:
-    """A metrics.prom textfile's lines without the output-folder label and without the timing samples
-    (metric names ending in _seconds)."""
+    """A metrics.prom textfile's lines without the output-folder and run-key labels (the run key hashes every
+    flag: it differs when flags were added, as the manifest's run.key) and without the timing samples (metric
+    names ending in _seconds)."""
     out = []
     for line in path.read_text("utf-8").splitlines():
-        line = re.sub(r'output="[^"]*",?', "", line)
+        line = re.sub(r'(output|run_key)="[^"]*",?', "", line)
         if not re.match(r"(# (HELP|TYPE) )?\w+_seconds\b", line):
             out.append(line)
     return out
@@ -279,7 +280,7 @@ def compare_output(name: str, a: list[Path], b: list[Path], subs_a: list, subs_b
         return same_bytes, False, table_without_seconds(a) == table_without_seconds(b), 0.0, "seconds column dropped"
     if name.endswith("metrics.prom"):
         return (same_bytes, False, metrics_without_timings(a) == metrics_without_timings(b), 0.0,
-                "output label and *_seconds samples dropped")
+                "output and run_key labels and *_seconds samples dropped")
     if same_bytes or not name.endswith((".parquet", ".hdf5")):
         return same_bytes, True, same_bytes, 0.0 if same_bytes else math.nan, ""
     return (False, True, *(cmp_parquet if name.endswith(".parquet") else cmp_hdf5)(a, b))
