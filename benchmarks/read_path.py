@@ -1,6 +1,6 @@
 """The read path of downstream training, every reader and layout against the page-cache bandwidth of the same run.
 
-    python -m benchmarks.read_path [--lines 3000] [--big-tokens 10000000] [--out benchmarks/results/read_path.json]
+    python -m benchmarks.read_path [--lines 3000] [--big-tokens 10000000] [--out benchmarks/results/read_path_KIND.json]
 
 Outputs of WikiText-2 valid (its first --lines lines) are written by the pipeline with a near-free biLM as
 wide as the original (benchmarks/host_cost.WIDE_CHEAP), one dtype at a time (fp16, then fp32; each deleted
