@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from elmo_pipeline.formats.layout import ARROW_LAYOUT  # noqa: F401  (the manifest names this layout)
 from elmo_pipeline.formats.parquet import ShardColumns, token_fields, token_sentence_indices
 
 
