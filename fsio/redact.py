@@ -70,7 +70,11 @@ class _RedactRecords(logging.Filter):
     """A log record's message, and the traceback it carries, redacted before a handler formats it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = redact(record.getMessage()), ()
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed log call: logging reports it when the handler formats it
+            return True
+        record.msg, record.args = redact(message), ()
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:

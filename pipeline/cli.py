@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from elmo_pipeline.fsio import redact_logs
+    redact_logs()          # every subcommand's log lines without secrets
     argv = sys.argv[1:] if argv is None else argv
     # `run` forwards everything to the Beam pipeline's own parser (Beam options included).
     if argv and argv[0] in FORWARDED:

@@ -287,7 +287,9 @@ def _parsed_or_refused(raw) -> None:
     assert all(type(v) is int for v in (opts.n_layers, opts.lstm_dim, opts.projection_dim))
     assert _meta_parameters(opts) <= BOUNDS["parameters"].largest
     again = parse_options(json.loads(opts.to_json()))      # compared as JSON text: NaN is not equal to itself
-    assert again.to_json() == opts.to_json() and again.filters == opts.filters if opts.char_cnn else True
+    assert again.to_json() == opts.to_json()
+    if opts.char_cnn:
+        assert again.filters == opts.filters
 
 
 _fuzz = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

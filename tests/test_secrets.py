@@ -271,3 +271,15 @@ def test_missing_model_file_at_a_url_with_a_password(tiny_model_files, tmp_path,
     assert line.startswith("error: ") and "gone.json" in line and "alice:***@" in line, line
     assert_no_secret("the failing run's output", [p.stdout, p.stderr])
     assert ("Traceback" in p.stderr) == verbose
+
+
+def test_a_malformed_log_call_is_left_to_logging_not_raised_by_the_redacting_filter():
+    """The filter passes a record whose message cannot be built to logging (which reports it and goes on) instead
+    of raising out of the caller's log call; a good record comes out redacted."""
+    import logging
+
+    from elmo_pipeline.fsio.redact import _RECORDS
+    bad = logging.LogRecord("elmo-pipeline.test", logging.WARNING, __file__, 1, "%d", ("abc",), None)
+    assert _RECORDS.filter(bad) and (bad.msg, bad.args) == ("%d", ("abc",))
+    good = logging.LogRecord("elmo-pipeline.test", logging.WARNING, __file__, 1, "from %s", ("http://u:pw@h/x",), None)
+    assert _RECORDS.filter(good) and good.getMessage() == "from http://u:***@h/x"
