@@ -1,19 +1,19 @@
 """Distance of each state mode from the TensorFlow reference vectors (../shared/fixtures/bilm-tf).
 
 The reference is stateful (batches of 3, state carried per row); see the fixture's README.txt.
-Prints a table and writes benchmarks/results/fixture_parity.json.
-    .venv/bin/python benchmarks/fixture_parity.py [--fixtures ../shared/fixtures/bilm-tf]
+Prints a table and writes --out (JSON naming the machine).
+    .venv/bin/python -m benchmarks.fixture_parity [--fixtures ../shared/fixtures/bilm-tf] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 
 import h5py
 import numpy as np
 
+from benchmarks.common import machine
 from elmo_pipeline.model import ElmoEmbedder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,6 +36,7 @@ def mode_diffs(fixtures: str, state: str) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fixtures", default=os.path.join(HERE, "..", "..", "shared", "fixtures", "bilm-tf"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "fixture_parity.json"))
     args = ap.parse_args()
     rows = []
     for state in ("stateful", "stateless", "warm"):
@@ -45,9 +46,9 @@ def main() -> None:
     print(f"{'state':<10} {'max |diff|':>12} {'mean |diff|':>12}   (top layer, 30 sentences, vs TensorFlow)")
     for r in rows:
         print(f"{r['state']:<10} {r['max_abs_diff']:>12.3g} {r['mean_abs_diff']:>12.3g}")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "fixture_parity.json"), "w") as f:
-        json.dump({"machine": platform.platform(), "rows": rows}, f, indent=2)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"machine": machine(), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
