@@ -272,7 +272,8 @@ def main() -> None:
                                              lanes=lanes == "on", profile=args.profile)
                     else:
                         r = measure_processes(config, sentences, budget, args.threads, args.processes, warm, inv)
-                    r["lstm_gemm_used"] = step_loop(torch.device(args.device), dtype, gemm, compile_cell=False).name
+                    r["lstm_gemm_used"] = step_loop(torch.device(args.device), dtype, gemm, compile_cell=False,
+                                                    layer=random_bilm(config).forward_layers[0]).name
                     runs[v].append(r)
             medians = {}
             for v in variants:

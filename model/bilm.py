@@ -129,7 +129,7 @@ class BiLM(nn.Module):
         self.__dict__["token_cache"] = TokenCache(max_tokens) if max_tokens > 0 else None
 
     def _pair_weights(self, k: int) -> tuple[StepLoop, object]:
-        """Layer k's step loop (step_loop() for its device and dtype, self.lstm_loop, self.compile_cell) and its two
+        """Layer k's step loop (step_loop() for its device, dtype and shape, self.lstm_loop, self.compile_cell) and its two
         directions' weights in that loop's form, cached (re-made only when the options or a parameter change:
         its storage or in-place version counter)."""
         layers = [self.forward_layers[k], self.backward_layers[k]]
@@ -139,7 +139,7 @@ class BiLM(nn.Module):
         cache = self.__dict__.setdefault("_weight_cache", {})
         if k not in cache or cache[k][0] != key:
             cache.pop(k, None)            # the old form's memory first (the original's weights are about 290 MB)
-            loop = step_loop(w.device, w.dtype, self.lstm_loop, self.compile_cell)
+            loop = step_loop(w.device, w.dtype, self.lstm_loop, self.compile_cell, layers[0])
             cache[k] = (key, (loop, loop.weights(layers)))
         return cache[k][1]
 

@@ -1,12 +1,12 @@
 """The biLM's LSTM layers: parameters in bilm-tf's layout, and the inference step loop behind one interface.
 
 A layer is TF's LSTMCell(num_proj, cell_clip, proj_clip) (LstmProjection). At inference the forward and
-backward layers of one depth run together (run_lstm_layers) through a StepLoop, chosen once per device and
-dtype from an explicit option, lstm_loop (BiLM.lstm_loop; ElmoEmbedder(lstm_loop=)):
+backward layers of one depth run together (run_lstm_layers) through a StepLoop, chosen once per device, dtype
+and shape from an explicit option, lstm_loop (BiLM.lstm_loop; ElmoEmbedder(lstm_loop=)):
   'onednn'  oneDNN's linear with prepacked weights and fused activations (CPU: faster than MKL's sgemm on
             AMD CPUs, docs/pipeline.md)
   'bmm'     torch.bmm / baddbmm_ for both directions at once (GPUs, and CPUs without oneDNN)
-  'auto'    oneDNN on a CPU whose torch has it for the dtype, else bmm.
+  'auto'    oneDNN on a CPU whose torch has it for the dtype, for layers wide enough (onednn_pays), else bmm.
 Under autograd model/padded_forward.py runs the same layers.
 """
 from __future__ import annotations
@@ -19,10 +19,20 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from elmo_pipeline.model import onednn
 from elmo_pipeline.model.lstm_loops import bmm_loop, cell_for, onednn_loop
 from elmo_pipeline.model.packing import NO_RESETS, Resets
 
 LSTM_LOOPS = ("auto", "onednn", "bmm")
+
+# The oneDNN loop makes six linear calls a step, each costing about 15 us however small its GEMM, where the bmm
+# loop makes two batched calls: for narrow layers the bmm loop is faster. Measured per shape and row count
+# (benchmarks/loop_choice.py, results/loop_choice_zen5.json): with gate width 4H >= 512 and GEMM input width
+# D_in + P >= 64 the oneDNN loop, otherwise bmm, picked the faster loop for 27 of 28 shapes at 40 rows a step
+# (the one miss ran 0.83x the faster). A rule of the shape, not a timing at run time: the vectors' bits depend on
+# the loop, and every worker and every batching must pick the same one.
+ONEDNN_MIN_GATE_WIDTH = 512
+ONEDNN_MIN_INPUT_WIDTH = 64
 
 
 class LstmProjection(nn.Module):
@@ -74,10 +84,8 @@ def pack_onednn_weights(layers: list[LstmProjection]) -> list[tuple[Tensor, Tens
         w = torch.cat([l.w_in, l.w_rec], dim=1).detach()             # (4H, D_in + P), TF gate order i, j, f, o
         b = (l.bias + l.forget_bias).detach()
         sig = torch.cat([torch.arange(0, H), torch.arange(2 * H, 4 * H)]).to(w.device)
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        packed.append((reorder(w[sig].contiguous()), b[sig].contiguous(),
-                       reorder(w[H: 2 * H].contiguous()), b[H: 2 * H].contiguous(),
-                       reorder(l.w_proj.detach().contiguous())))
+        packed.append((onednn.pack(w[sig]), b[sig].contiguous(), onednn.pack(w[H: 2 * H]), b[H: 2 * H].contiguous(),
+                       onednn.pack(l.w_proj)))
     return packed
 
 
@@ -104,23 +112,25 @@ def options_from_env() -> tuple[str, bool]:
             os.environ.get("ELMO_COMPILE_CELL", "1") != "0")
 
 
-def step_loop(device: torch.device, dtype: torch.dtype, choice: str = "auto", compile_cell: bool = True) -> StepLoop:
+def onednn_pays(layer: LstmProjection | None) -> bool:
+    """Whether the oneDNN loop is the faster for layers of this shape (None: a wide one): gate width 4H >=
+    ONEDNN_MIN_GATE_WIDTH and GEMM input width D_in + P >= ONEDNN_MIN_INPUT_WIDTH."""
+    if layer is None:
+        return True
+    H, P, D = layer.dim, layer.proj_dim, layer.w_in.shape[1]
+    return 4 * H >= ONEDNN_MIN_GATE_WIDTH and D + P >= ONEDNN_MIN_INPUT_WIDTH
+
+
+def step_loop(device: torch.device, dtype: torch.dtype, choice: str = "auto", compile_cell: bool = True,
+              layer: LstmProjection | None = None) -> StepLoop:
     """The loop for weights on this device and dtype. choice: one of LSTM_LOOPS; compile_cell: the bmm loop's cell
-    as one compiled kernel on a GPU (model.lstm_loops.cell_for)."""
+    as one compiled kernel on a GPU (model.lstm_loops.cell_for); layer: one of the layers it runs, whose shape
+    'auto' weighs (onednn_pays; None: a wide one)."""
     if check_loop_choice(choice) == "auto":
-        choice = "onednn" if _onednn_runs(device, dtype) else "bmm"
+        choice = "onednn" if onednn_pays(layer) and onednn.runs(device, dtype) else "bmm"
     if choice == "onednn":
         return StepLoop("onednn", pack_onednn_weights, onednn_loop)
     return StepLoop("bmm", stack_weights, functools.partial(bmm_loop, cell=cell_for(device, compile_cell)))
-
-
-def _onednn_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN runs this dtype natively here (a CPU whose torch build has it)."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    supported = {torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}
-    return supported.get(dtype, False)
 
 
 def run_lstm_layers(loop: StepLoop, layers: list[LstmProjection], weights, x: Tensor, batch_sizes: list[int],

@@ -11,7 +11,7 @@ import elmo_pipeline.model.lstm_loops as lstm_loops
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.char_ids import batch_char_ids
 from elmo_pipeline.model.embedder import ElmoEmbedder
-from elmo_pipeline.model.lstm import step_loop
+from elmo_pipeline.model.lstm import ONEDNN_MIN_GATE_WIDTH, ONEDNN_MIN_INPUT_WIDTH, LstmProjection, step_loop
 from elmo_pipeline.model.row_tile import ROW_TILE
 from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS, random_bilm
 from elmo_pipeline.model.options import parse_options
@@ -40,10 +40,20 @@ def test_each_loop_equals_the_oracle(gemm):
 
 
 def test_auto_choice():
-    """auto: oneDNN on a CPU whose torch has it (for the dtype), the bmm loop on a GPU."""
+    """auto: oneDNN on a CPU whose torch has it (for the dtype) for layers wide enough (gate width 4H >=
+    ONEDNN_MIN_GATE_WIDTH, GEMM input width D_in + P >= ONEDNN_MIN_INPUT_WIDTH), the bmm loop for narrower layers
+    and on a GPU; a loop named explicitly is taken whatever the shape."""
     assert step_loop(torch.device("cuda"), torch.float32, "auto", compile_cell=False).name == "bmm"
     want = "onednn" if torch.backends.mkldnn.is_available() else "bmm"
-    assert step_loop(torch.device("cpu"), torch.float32).name == want
+    cpu = torch.device("cpu")
+    assert step_loop(cpu, torch.float32).name == want
+    H, K = ONEDNN_MIN_GATE_WIDTH // 4, ONEDNN_MIN_INPUT_WIDTH // 2
+    assert step_loop(cpu, torch.float32, layer=LstmProjection(K, H, K, 3.0, 3.0)).name == want
+    assert step_loop(cpu, torch.float32, layer=LstmProjection(K, H - 1, K, 3.0, 3.0)).name == "bmm"
+    assert step_loop(cpu, torch.float32, layer=LstmProjection(K - 1, H, K - 1, 3.0, 3.0)).name == "bmm"
+    assert step_loop(cpu, torch.float32, "onednn", layer=LstmProjection(8, 16, 8, 3.0, 3.0)).name == "onednn"
+    tiny, small = random_bilm("tiny"), random_bilm("small")          # LSTM widths 32 and 1,024
+    assert tiny._pair_weights(0)[0].name == "bmm" and small._pair_weights(0)[0].name == want
 
 
 def test_weights_follow_the_choice():

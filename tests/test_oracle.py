@@ -102,6 +102,7 @@ def test_char_cnn_gemm_path_equals_conv_path(monkeypatch):
     nn.Conv1d. Both give the same token vectors (relu and tanh activations)."""
     import elmo_pipeline.model.encoders as encoders
     monkeypatch.setattr(encoders, "CNN_CHUNK", 3)                        # several chunks, a ragged last one
+    monkeypatch.setattr(encoders, "CNN_CHUNK_ONEDNN", 3)                 # (the chunks where oneDNN runs the GEMMs)
     ids, _ = _batch(41, n=6)
     flat = ids.reshape(-1, ids.shape[-1])[:17]
     for activation in ("relu", "tanh"):
