@@ -1,7 +1,8 @@
 """The LSTM time loops (inference, in place): G layers of equal shapes in lock-step over a packed batch.
 
 Two implementations of the same step, chosen by model/lstm.py (step_loop):
-  onednn_loop  CPU: per step and direction one oneDNN linear over [x_t, h_{t-1}] with the gate activations fused.
+  onednn_loop  CPU: per step and direction one oneDNN linear over [x_t, h_{t-1}] with the gate activations fused;
+               the directions side by side in two threads where torch has two.
   bmm_loop     one batched GEMM per step for all G layers (torch.bmm: cuBLAS on a GPU, MKL on a CPU), the input
                projection computed ahead for chunks of steps, the cell eager or (GPU) one compiled kernel.
 Both: x (G, N, D_in) packed, time-major, longest first; step t computes step_rows[t] >= batch_sizes[t] rows
@@ -11,11 +12,14 @@ resets (model.packing.Resets): rows that take h0/c0 again before a step (a new s
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Callable
 
 import torch
 from torch import Tensor
+
+from elmo_pipeline.model.direction_threads import run_side_by_side
 
 # Rows of the input projection computed at once: (G, rows, 4H) floats of about 2**24 elements
 # (64 MB in fp32), so a batch of any size needs bounded memory and each GEMM is still large.
@@ -25,39 +29,49 @@ Cell = Callable[[Tensor, Tensor, "float | None", Tensor], "tuple[Tensor, Tensor]
 
 
 def onednn_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets):
-    """Per step and direction, gates = act([x_t, h] @ W.T + b) by oneDNN with the activations fused (sigmoid for
-    i, f, o; tanh for j), the cell update in place, then the projection with its clip fused (hardtanh). Every GEMM
-    reads the step's rows once; nothing of the size of the gates is written twice, and the packed weights stream
-    through once per step. weights: model.lstm.pack_onednn_weights(layers)."""
+    """Each direction by itself (_onednn_direction), the directions side by side in helper threads where torch has
+    a thread for each (model/direction_threads.py). weights: model.lstm.pack_onednn_weights(layers)."""
+    y = x.new_empty(len(layers), sum(step_rows), layers[0].proj_dim)     # every step's h, written in place
+    finals = run_side_by_side([functools.partial(_onednn_direction, layers[g], weights[g], x[g], batch_sizes,
+                                                 step_rows, h0[g], c0[g], live, resets.direction(g), y[g])
+                               for g in range(len(layers))])
+    return y, torch.stack([h for h, _ in finals]), torch.stack([c for _, c in finals])
+
+
+def _onednn_direction(layer, weights, x, batch_sizes, step_rows, h0, c0, live, resets, y):
+    """One direction's time loop, written into y (N, P). Per step, gates = act([x_t, h] @ W.T + b) by oneDNN with
+    the activations fused (sigmoid for i, f, o; tanh for j), the cell update in place, then the projection with
+    its clip fused (hardtanh). Every GEMM reads the step's rows once; nothing of the size of the gates is written
+    twice, and the packed weights stream through once per step. x (N, D) packed, h0 (rows, P), c0 (rows, H),
+    resets: Resets.direction(g). Returns the final h (live, P), c (live, H) in packed row order."""
     linear = torch.ops.mkldnn._linear_pointwise
-    first = layers[0]
-    G, H, P, D = len(layers), first.dim, first.proj_dim, x.shape[-1]
-    cell_clip, proj_clip = first.cell_clip, first.proj_clip
+    w_sig, b_sig, w_j, b_j, w_proj = weights
+    H, P, D = layer.dim, layer.proj_dim, x.shape[-1]
+    cell_clip, proj_clip = layer.cell_clip, layer.proj_clip
     clip = ("hardtanh", [-proj_clip, proj_clip]) if proj_clip is not None else ("none", [])
-    y = x.new_empty(G, sum(step_rows), P)                # every step's h, written in place
-    xh = x.new_empty(G, step_rows[0], D + P)             # [x_t, h_{t-1}] of the step's rows
+    xh = x.new_empty(step_rows[0], D + P)                # [x_t, h_{t-1}] of the step's rows
     out = x.new_empty(step_rows[0], H)                   # sigmoid(o) * tanh(c) of the step's rows
-    c = c0.clone()                                       # (G, rows, H), each step updates its first rows
+    c = c0.clone()                                       # (rows, H), each step updates its first rows
     h, done_h, done_c, offset = h0, [], [], 0
     for step, (n, m) in enumerate(zip(batch_sizes, step_rows)):
         if n < live:                           # sequences [n:live) have ended: keep their final state
-            done_h.append(h[:, n:live])
-            done_c.append(c[:, n:live].clone())
+            done_h.append(h[None, n:live])
+            done_c.append(c[None, n:live].clone())
             live = n
-        xh[:, :m, :D] = x[:, offset: offset + m]
-        xh[:, :m, D:] = h[:, :m]
+        xh[:m, :D] = x[offset: offset + m]
+        xh[:m, D:] = h[:m]
         if step in resets:
-            _reset(xh[:, :, D:], c, h0, c0, resets.at(step))
-        for g, (w_sig, b_sig, w_j, b_j, w_proj) in enumerate(weights):
-            sig = linear(xh[g, :m], w_sig, b_sig, "sigmoid", [], "")     # (m, 3H): i, f, o
-            j = linear(xh[g, :m], w_j, b_j, "tanh", [], "")               # (m, H)
-            i, f, o = sig.split(H, dim=1)
-            cg = c[g, :m].mul_(f).addcmul_(i, j)
-            if cell_clip is not None:
-                cg.clamp_(-cell_clip, cell_clip)
-            y[g, offset: offset + m] = linear(torch.tanh(cg, out=out[:m]).mul_(o), w_proj, None, *clip, "")
-        h, offset = y[:, offset: offset + m], offset + m
-    return y, *_final_state(h, c, live, done_h, done_c)
+            _reset(xh[:, D:], c, h0, c0, resets.at(step))
+        sig = linear(xh[:m], w_sig, b_sig, "sigmoid", [], "")     # (m, 3H): i, f, o
+        j = linear(xh[:m], w_j, b_j, "tanh", [], "")               # (m, H)
+        i, f, o = sig.split(H, dim=1)
+        cg = c[:m].mul_(f).addcmul_(i, j)
+        if cell_clip is not None:
+            cg.clamp_(-cell_clip, cell_clip)
+        y[offset: offset + m] = linear(torch.tanh(cg, out=out[:m]).mul_(o), w_proj, None, *clip, "")
+        h, offset = y[offset: offset + m], offset + m
+    h_final, c_final = _final_state(h[None], c[None], live, done_h, done_c)
+    return h_final[0], c_final[0]
 
 
 def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, cell: Cell):
@@ -105,8 +119,8 @@ def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, c
     return y, *_final_state(h, c, live, done_h, done_c)
 
 
-def _reset(h: Tensor, c: Tensor, h0: Tensor, c0: Tensor, at: tuple[Tensor, Tensor]) -> None:
-    """In place: h (G, n, P) and c (G, n, H) at (layer, row) pairs `at` from h0/c0 (4 kernels, no host sync)."""
+def _reset(h: Tensor, c: Tensor, h0: Tensor, c0: Tensor, at: tuple[Tensor, ...]) -> None:
+    """In place: h (n, P) and c (n, H) at the rows `at` from h0/c0 (4 kernels, no host sync)."""
     h.index_put_(at, h0[at])
     c.index_put_(at, c0[at])
 

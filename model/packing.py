@@ -15,7 +15,7 @@ from elmo_pipeline.model.row_tile import ROW_TILE, round_up
 
 class Resets:
     """Where lanes of several sentences restart (PackedBatch.resets): before step t, the (layer, row) pairs
-    at(t) take their initial state again (a new sentence starts in that lane). `step in resets` says whether any
+    at(t) take their initial state again (direction(g): the rows of one direction) (a new sentence starts in that lane). `step in resets` says whether any
     do. The oneDNN loop writes those rows in place (at: 4 small kernels); the bmm loop selects whole steps by
     mask(t) (G, width, 1) bool, 2 kernels a step, the masks built on the device for the whole batch on first use
     (2 kernels). dirs, rows, index: device int64 per pair (layer, row, index of its step among the resets);
@@ -29,9 +29,19 @@ class Resets:
     def __contains__(self, step: int) -> bool:
         return step in self.spans
 
-    def at(self, step: int) -> tuple[Tensor, Tensor]:
+    def at(self, step: int) -> tuple[Tensor, ...]:
         a, b, _ = self.spans[step]
-        return self.dirs[a:b], self.rows[a:b]
+        return (self.rows[a:b],) if self.dirs is None else (self.dirs[a:b], self.rows[a:b])
+
+    def direction(self, g: int) -> "Resets":
+        """The resets of direction g alone (the oneDNN loop runs each direction by itself): at(t) gives the rows
+        only, to index that direction's (n, ...) tensors; no masks. Reads the directions on the host (CPU use)."""
+        if not self.spans:
+            return self
+        mine = self.dirs == g
+        before = [0, *mine.cumsum(0).tolist()]                          # pairs of direction g before each pair
+        spans = {step: (before[a], before[b], k) for step, (a, b, k) in self.spans.items() if before[b] > before[a]}
+        return Resets(None, self.rows[mine], self.index[mine], spans, self.width)
 
     def mask(self, step: int) -> Tensor:
         if self._masks is None:
