@@ -1,6 +1,7 @@
 """Distance of each state mode from the TensorFlow reference vectors (../shared/fixtures/bilm-tf).
 
-The reference is stateful (batches of 3, state carried per row); see the fixture's README.txt.
+The reference is stateful (batches of 3, state carried per row); see the fixture's README.txt. Stateful runs
+with each LSTM loop (model/lstm.py: auto, onednn, bmm); stateless and warm with auto.
 Prints a table and writes --out (JSON naming the machine).
     .venv/bin/python -m benchmarks.fixture_parity [--fixtures ../shared/fixtures/bilm-tf] [--out FILE]
 """
@@ -9,9 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import h5py
 import numpy as np
+import torch
 
 from benchmarks.common import machine
 from elmo_pipeline.model import ElmoEmbedder
@@ -19,11 +22,11 @@ from elmo_pipeline.model import ElmoEmbedder
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def mode_diffs(fixtures: str, state: str) -> np.ndarray:
+def mode_diffs(fixtures: str, state: str, lstm_loop: str = "auto") -> np.ndarray:
     lists = json.load(open(os.path.join(fixtures, "lm_embeddings_sentences.json")))
     order = [(k, i) for i in range(10) for k in range(3)]          # batch i = sentence i of each list
     e = ElmoEmbedder(os.path.join(fixtures, "options.json"), os.path.join(fixtures, "lm_weights.hdf5"),
-                     state=state, batch_size=3)
+                     state=state, batch_size=3, lstm_loop=lstm_loop)
     out = e.embed_sentences([lists[k][i].split() for k, i in order], batch_size=3)
     diffs = []
     for (k, i), v in zip(order, out):
@@ -39,16 +42,18 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "fixture_parity.json"))
     args = ap.parse_args()
     rows = []
-    for state in ("stateful", "stateless", "warm"):
-        d = mode_diffs(args.fixtures, state)
-        rows.append({"state": state, "max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()),
+    loops = ["auto", "onednn", "bmm"] if torch.backends.mkldnn.is_available() else ["auto"]
+    for state, loop in [("stateful", loop) for loop in loops] + [("stateless", "auto"), ("warm", "auto")]:
+        d = mode_diffs(args.fixtures, state, loop)
+        rows.append({"state": state, "lstm_loop": loop, "max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()),
                      "values": int(d.size)})
-    print(f"{'state':<10} {'max |diff|':>12} {'mean |diff|':>12}   (top layer, 30 sentences, vs TensorFlow)")
+    print(f"{'state':<10} {'loop':<7} {'max |diff|':>12} {'mean |diff|':>12}   (top layer, 30 sentences, vs TensorFlow)")
     for r in rows:
-        print(f"{r['state']:<10} {r['max_abs_diff']:>12.3g} {r['mean_abs_diff']:>12.3g}")
+        print(f"{r['state']:<10} {r['lstm_loop']:<7} {r['max_abs_diff']:>12.3g} {r['mean_abs_diff']:>12.3g}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"machine": machine(), "rows": rows}, f, indent=2)
+        json.dump({"machine": machine(), "command": "python -m benchmarks.fixture_parity " + " ".join(sys.argv[1:]),
+                   "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

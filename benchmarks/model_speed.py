@@ -13,10 +13,12 @@ with the cross-batch token cache first filled from other text (WikiText-2 train,
 (bit-identical vectors whatever the batching, model/bilm.py), or both side by side; with --repeats N each (config, budget, path) is measured N times, the two modes interleaved, and
 the median is reported (the cost of the batch-invariant path: benchmarks/README.md).
 
-Shares of the ceiling: "% of GEMM" counts flops_per_token for every token (the char CNN included, as the figures
-since the start do); "done" counts the char CNN only for the rows it actually encoded (the token cache skips most
-tokens on the embedder path), so it is the share of the ceiling the machine's work used; "LSTM alone" counts only
-the LSTMs' FLOPs.
+Shares of the ceiling: "done", the headline, counts the char CNN only for the rows it actually encoded (the token
+cache skips most tokens on the embedder path), so it is the share of the ceiling the machine's work used; "counted"
+counts flops_per_token for every token (the char CNN included); "LSTM alone" counts only the LSTMs' FLOPs. The
+embedder path also says what bounds it (Breakdown): the LSTM loops' share of the wall time and of the ceiling over
+their own time, rows a step, the token encoder's and the rest's time, and the <S>/</S> rows the LSTMs compute but
+"done" does not count.
 
 With --dtype bfloat16/float16 it first measures, per output layer, the relative error of that dtype
 against float32 (same weights, first 200 sentences). Prints a table and writes
@@ -66,6 +68,57 @@ class EncodedRows:
         return (n_tokens * lstm + self.rows * (flops_per_token(o) - lstm)) / wall / 1e9
 
 
+class Breakdown:
+    """Where an embedder run's wall time goes, without a profiler: seconds in the LSTM loops (both directions of a
+    layer per model.lstm.run_lstm_layers call) and in the token encoder; the LSTM rows computed (<S>/</S> and
+    batch-invariant padding included) and steps (report)."""
+
+    def __init__(self, model):
+        self.model, self.lstm_s, self.encoder_s, self.lstm_rows, self.steps, self.calls = model, 0.0, 0.0, 0, 0, 0
+
+    def __enter__(self):
+        import elmo_pipeline.model.bilm as bilm
+        self._bilm, self._run = bilm, bilm.run_lstm_layers
+
+        def timed(loop, layers, weights, x, batch_sizes, h0, c0, step_rows=None, resets=None):
+            t = time.perf_counter()
+            out = self._run(loop, layers, weights, x, batch_sizes, h0, c0, step_rows, resets)
+            self.lstm_s += time.perf_counter() - t
+            self.lstm_rows += sum(step_rows or batch_sizes)
+            self.steps += len(batch_sizes)
+            self.calls += 1
+            return out
+
+        bilm.run_lstm_layers = timed
+        enc = self.model.token_encoder
+        self._hooks = [enc.register_forward_pre_hook(lambda m, a: setattr(self, "_t", time.perf_counter())),
+                       enc.register_forward_hook(lambda m, a, o: self._encoded())]
+        return self
+
+    def _encoded(self) -> None:
+        self.encoder_s += time.perf_counter() - self._t
+
+    def __exit__(self, *exc):
+        self._bilm.run_lstm_layers = self._run
+        for h in self._hooks:
+            h.remove()
+
+    def report(self, wall: float, n_tokens: int) -> dict:
+        """Seconds in the LSTM loops, the encoder and the rest; rows a step; the share of the LSTM rows that are
+        <S>/</S> (or padding), computed but not counted as work done; the loops' GFLOP/s over their own time."""
+        o = self.model.opts
+        lstm_gflop = self.lstm_rows * lstm_flops_per_token(o) / o.n_layers / 1e9
+        return {"lstm_s": self.lstm_s, "encoder_s": self.encoder_s, "other_s": wall - self.lstm_s - self.encoder_s,
+                "lstm_rows_per_layer": self.lstm_rows // max(1, o.n_layers),
+                "rows_per_step": self.lstm_rows / max(1, self.steps),
+                "uncounted_share_of_lstm_rows": 1 - n_tokens * o.n_layers / max(1, self.lstm_rows),
+                "lstm_gflops_inside": lstm_gflop / self.lstm_s if self.lstm_s else None}
+
+
+HEADLINE = ("done_fraction_of_ceiling: the share of the GEMM ceiling the work done used (the char CNN counted only "
+            "for the rows it encoded); fraction_of_ceiling counts it for every token")
+
+
 # Ops of a torch profile by kind (self CPU time): the GEMMs, and the LSTM cell's pointwise work.
 GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
             "aten::baddbmm_"}
@@ -113,13 +166,13 @@ def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype
     n_batches = len(plan_batches([len(s) for s in sentences], max_tokens, lanes=embedder.lanes))
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) if profile \
         else contextlib.nullcontext()
-    with EncodedRows(model) as encoded, prof:
+    with EncodedRows(model) as encoded, Breakdown(model) as breakdown, prof:
         for _ in embedder.embed_sentences(sentences, max_tokens=max_tokens):
             pass
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     n_tokens = sum(len(s) for s in sentences)
     fpt = flops_per_token(model.opts)
-    extra = {}
+    extra = {"breakdown": breakdown.report(wall, n_tokens)} if device == "cpu" else {}   # (a GPU's time is async)
     if profile:
         extra["profile"] = p = profile_shares(prof)
         p["gemm_gflops_inside"] = encoded.gflops_done(n_tokens, p["gemm_s"])    # the FLOPs done / the GEMMs' time
@@ -291,6 +344,8 @@ def main() -> None:
                 r["lstm_fraction_of_ceiling"] = r["lstm_gflops"] / top
                 if "gflops_done" in r:
                     r["done_fraction_of_ceiling"] = r["gflops_done"] / top
+                if r.get("breakdown", {}).get("lstm_gflops_inside"):
+                    r["breakdown"]["lstm_fraction_of_ceiling_inside"] = r["breakdown"]["lstm_gflops_inside"] / top
                 if (config, d) in errors:
                     r["relative_error_vs_float32_per_layer"] = errors[(config, d)]
                 cpus = sorted(x.get("tokens_per_cpu_s", 0.0) for x in runs[v])
@@ -317,11 +372,18 @@ def main() -> None:
                       + (f"lanes {lanes:<3} " if len(args.lanes) > 1 else "") +
                       f"{'invariant' if inv else 'fast':<9} budget {budget:>6}  "
                       f"{r['tokens_per_s']:>9.0f} tokens/s ({r['tokens_per_cpu_s_median']:.0f}/CPU s)  "
-                      f"{r['gflops']:>7.1f} GFLOP/s = "
-                      f"{100 * r['fraction_of_ceiling']:5.1f}% of GEMM {top:.0f} ("
-                      + (f"done {100 * r['done_fraction_of_ceiling']:.1f}%, " if "gflops_done" in r else "")
-                      + f"LSTM alone "
-                      f"{100 * r['lstm_fraction_of_ceiling']:.1f}%){extra}", flush=True)
+                      + (f"done {100 * r['done_fraction_of_ceiling']:5.1f}% of GEMM {top:.0f} (counted "
+                         f"{100 * r['fraction_of_ceiling']:.1f}%, " if "gflops_done" in r else
+                         f"{100 * r['fraction_of_ceiling']:5.1f}% of GEMM {top:.0f} counted (")
+                      + f"LSTM alone {100 * r['lstm_fraction_of_ceiling']:.1f}%){extra}", flush=True)
+                if r.get("breakdown", {}).get("lstm_gflops_inside"):
+                    b, wall = r["breakdown"], r["wall_s"]
+                    print(f"{'':<9} bounds: LSTM loops {100 * b['lstm_s'] / wall:.0f}% of the wall time at "
+                          f"{100 * b['lstm_fraction_of_ceiling_inside']:.1f}% of the ceiling inside, "
+                          f"{b['rows_per_step']:.1f} rows a step; token encoder {100 * b['encoder_s'] / wall:.0f}%, "
+                          f"the rest {100 * b['other_s'] / wall:.0f}%; <S>/</S> rows "
+                          f"{100 * b['uncounted_share_of_lstm_rows']:.1f}% of the LSTM's (computed, not counted)",
+                          flush=True)
                 if "profile" in r:
                     p = r["profile"]
                     print(f"{'':<9} profiled: GEMMs {100 * p['gemm_s'] / p['total_s']:.1f}% of CPU time at "
@@ -339,7 +401,7 @@ def main() -> None:
         (f"_{args.tag}" if args.tag else "") + ".json"
     with open(args.out or os.path.join(RESULTS, name), "w") as f:
         json.dump({"machine": machine(), "command": "python -m benchmarks.model_speed " + " ".join(
-            __import__("sys").argv[1:]), "rows": rows}, f, indent=2)
+            __import__("sys").argv[1:]), "headline": HEADLINE, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
