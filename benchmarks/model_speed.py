@@ -122,21 +122,34 @@ HEADLINE = ("done_fraction_of_ceiling: the share of the GEMM ceiling the work do
 # Ops of a torch profile by kind (self CPU time): the GEMMs, and the LSTM cell's pointwise work.
 GEMM_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
             "aten::baddbmm_"}
-CELL_OPS = {"aten::tanh", "aten::tanh_", "aten::sigmoid_", "aten::mul_", "aten::addcmul_", "aten::clamp_"}
+CELL_OPS = {"aten::tanh", "aten::tanh_", "aten::sigmoid_", "aten::mul_", "aten::addcmul_", "aten::clamp_", "aten::mul",
+            "aten::exp_", "aten::add_", "aten::reciprocal_", "aten::addcmul"}
 
 
-def profile_shares(prof) -> dict:
-    """Self CPU seconds of a torch profile: total, in GEMM_OPS and in CELL_OPS; and the oneDNN linears (the LSTM
-    step's and the encoder's) by rows per call, m in [2^k, 2^(k+1)): calls, seconds and GFLOP/s inside the calls."""
-    by_op = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+MAIN_THREAD_MARK = "model_speed.main_thread"
+
+
+def profile_shares(prof, threads: int) -> dict:
+    """Seconds of a torch profile, weighted by the intra-op threads each op had (`threads` in the caller's thread,
+    threads // 2 in the oneDNN loop's direction helpers, model/direction_threads.py), so that a rate computed over
+    them compares with the ceiling at `threads` threads: total, in GEMM_OPS and in CELL_OPS; and the oneDNN linears
+    (the LSTM step's and the encoder's) by rows per call, m in [2^k, 2^(k+1)): calls, seconds and GFLOP/s inside
+    the calls. The caller's thread is the one that recorded MAIN_THREAD_MARK."""
+    events = list(prof.events())
+    main = next((e.thread for e in events if e.name == MAIN_THREAD_MARK), None)
+    helper = max(1, threads // 2)
+    by_op: dict[str, float] = {}
     by_rows: dict[int, list] = {}
-    for e in prof.events():
+    for e in events:
+        weight = (threads if e.thread == main else helper) / threads        # thread-seconds / threads
+        seconds = e.self_cpu_time_total / 1e6 * weight
+        by_op[e.name] = by_op.get(e.name, 0.0) + seconds
         shapes = e.input_shapes if e.name == "mkldnn::_linear_pointwise" else None
         if shapes and len(shapes[0]) == 2 and len(shapes[1]) == 2 and shapes[0][0]:
             (m, k), n = shapes[0], shapes[1][0]
             row = by_rows.setdefault(1 << (m.bit_length() - 1), [0, 0.0, 0.0])
             row[0] += 1
-            row[1] += e.self_cpu_time_total / 1e6
+            row[1] += seconds
             row[2] += 2 * m * k * n
     return {"total_s": sum(by_op.values()), "gemm_s": sum(v for k, v in by_op.items() if k in GEMM_OPS),
             "cell_s": sum(v for k, v in by_op.items() if k in CELL_OPS),
@@ -164,9 +177,13 @@ def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype
         barrier.wait()
     t, cpu = time.perf_counter(), time.process_time()
     n_batches = len(plan_batches([len(s) for s in sentences], max_tokens, lanes=embedder.lanes))
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) if profile \
-        else contextlib.nullcontext()
+    # every thread's ops: the oneDNN loop runs the directions in helper threads (model/direction_threads.py)
+    all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+                                  experimental_config=all_threads) if profile else contextlib.nullcontext()
     with EncodedRows(model) as encoded, Breakdown(model) as breakdown, prof:
+        with torch.profiler.record_function(MAIN_THREAD_MARK):
+            pass
         for _ in embedder.embed_sentences(sentences, max_tokens=max_tokens):
             pass
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
@@ -174,7 +191,7 @@ def measure_embedder(config: str, sentences, max_tokens: int, device: str, dtype
     fpt = flops_per_token(model.opts)
     extra = {"breakdown": breakdown.report(wall, n_tokens)} if device == "cpu" else {}   # (a GPU's time is async)
     if profile:
-        extra["profile"] = p = profile_shares(prof)
+        extra["profile"] = p = profile_shares(prof, torch.get_num_threads())
         p["gemm_gflops_inside"] = encoded.gflops_done(n_tokens, p["gemm_s"])    # the FLOPs done / the GEMMs' time
     return {**extra, "config": config, "path": "embedder", "tokens": n_tokens, "sentences": len(sentences),
             "batches": n_batches, "cache_words": len(words), "wall_s": wall, "tokens_per_s": n_tokens / wall,
