@@ -60,7 +60,9 @@ def _set_threads(each: int) -> None:
 
 
 def _forget_after_fork() -> None:
-    _POOLS.clear()                     # a forked child has none of the parent's threads
+    global _LOCK
+    _POOLS.clear()                     # a forked child has none of the parent's threads,
+    _LOCK = threading.Lock()           # and no thread of its own holds the lock
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

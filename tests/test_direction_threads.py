@@ -59,3 +59,31 @@ def test_one_directions_resets_are_its_pairs_of_both():
             dirs, rows = resets.at(step)
             want = rows[dirs == g].tolist()
             assert (mine.at(step)[0].tolist() if step in mine else []) == want
+
+
+def test_a_forked_child_makes_its_own_helpers():
+    """After a fork the child has none of the parent's helper threads: it makes its own and gets its results."""
+    import os
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_side_by_side([lambda: 1, lambda: 2])             # the parent's helpers exist
+        pid = os.fork()
+        if pid == 0:                                         # the child: exit status 0 only if the calls ran
+            ok = False
+            try:
+                ok = run_side_by_side([lambda: 1, lambda: 2]) == [1, 2]
+            finally:
+                os._exit(0 if ok else 1)
+        import signal
+        import time
+        deadline = time.monotonic() + 60                     # a child left with the parent's helpers would hang
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's calls did not finish")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        torch.set_num_threads(before)
