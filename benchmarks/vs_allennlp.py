@@ -75,6 +75,8 @@ def main() -> None:
                     help="token budget of our third run (stateless, --max-tokens-per-batch); 0 to skip it")
     ap.add_argument("--venv", default=os.path.join(SHARED, "..", ".venv-allennlp-ref"))
     ap.add_argument("--tag", default="", help="appended to the results file name")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/vs_allennlp_<threads>t[_TAG].json; "
+                    "kept results are named vs_allennlp_<machine kind>[_variant].json)")
     args = ap.parse_args()
     sentences = wikitext_sentences(args.sentences)
     n_tokens = sum(len(s) for s in sentences)
@@ -114,9 +116,10 @@ def main() -> None:
                      if args.max_tokens else "")
                   + f" | max|diff| {row['max_abs_diff_stateful_vs_allennlp']:.2g}", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"vs_allennlp_{args.threads}t" + (f"_{args.tag}" if args.tag else "") + ".json"),
-              "w") as f:
-        json.dump({"machine": machine(), "sentences": len(sentences), "tokens": n_tokens,
+    default = os.path.join(RESULTS, f"vs_allennlp_{args.threads}t" + (f"_{args.tag}" if args.tag else "") + ".json")
+    with open(args.out or default, "w") as f:
+        json.dump({"machine": machine(), "command": "python -m benchmarks.vs_allennlp " + " ".join(sys.argv[1:]),
+                   "sentences": len(sentences), "tokens": n_tokens,
                    "batch_size": args.batch_size, "threads": args.threads, "max_tokens": args.max_tokens,
                    "rows": rows}, f, indent=2)
 

@@ -143,6 +143,13 @@ class BiLM(nn.Module):
             cache[k] = (key, (loop, loop.weights(layers)))
         return cache[k][1]
 
+    def __getstate__(self) -> dict:
+        """For copy.deepcopy and pickle: without the loops' cached weights (oneDNN's packed ones cannot be copied;
+        they are made again on first use)."""
+        state = self.__dict__.copy()
+        state.pop("_weight_cache", None)
+        return state
+
     def _drop(self, x: Tensor) -> Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout else x
 

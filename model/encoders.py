@@ -96,6 +96,12 @@ class CharCNNEncoder(nn.Module):
             self.__dict__["_onednn_weights"] = cached
         return cached[1]
 
+    def __getstate__(self) -> dict:
+        """For copy.deepcopy and pickle: without the packed weights (they cannot be copied; made again on use)."""
+        state = self.__dict__.copy()
+        state.pop("_onednn_weights", None)
+        return state
+
     def _highways(self, h: Tensor, batch_invariant: bool, packed: dict | None) -> Tensor:
         """(N, n_filters) filter outputs -> (N, P): the highway layers, then the projection if any.
         packed: _packed() to run the GEMMs on oneDNN, else None."""

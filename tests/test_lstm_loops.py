@@ -161,3 +161,18 @@ def test_model_speed_profile_counts_the_onednn_linears_by_rows(tmp_path):
         lo, hi = map(int, b["rows"].split("-"))
         assert hi == 2 * lo - 1 and lo & (lo - 1) == 0 and b["seconds"] > 0 and b["gflops"] > 0
     assert 0 < row["profile"]["gemm_s"] <= row["profile"]["total_s"]
+
+
+def test_a_model_that_ran_copies_and_pickles():
+    """copy.deepcopy and pickle of a model after inference (its loops' and encoder's packed oneDNN weights cached):
+    the copy gives the same vectors."""
+    import copy
+    import pickle
+    model = random_bilm("small", seed=4)
+    ids, lengths = _batch()
+    with torch.inference_mode():
+        want, _ = model(ids, lengths)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with torch.inference_mode():
+            got, _ = twin(ids, lengths)
+        assert torch.equal(got, want)
