@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from elmo_pipeline.model import onednn
-from elmo_pipeline.model.options import BiLMOptions
+from elmo_pipeline.model.options import N_CHAR_ROWS, BiLMOptions
 from elmo_pipeline.model.row_tile import ROW_TILE, round_up
 
-N_CHAR_ROWS = 262  # 261 trained character rows + row 0, all zeros, for padded positions
 
 # Tokens per chunk of the char CNN's GEMMs: (512 * 44, 112) @ (112, 1024) for the widest filter of the
 # published models, output about 90 MB whatever the number of distinct tokens. A multiple of ROW_TILE.

@@ -56,7 +56,10 @@ BOUNDS: dict[str, Bound] = {
     "n_tokens_vocab":                    Bound(1,       4_194_304,    "793471"),
     "parameters":                        Bound(1,       536_870_912,  "13.6 M / 28.0 M / 93.6 M"),
 }
-CHOICES = {"char_cnn.n_characters": (261, 262),      # 261 trained rows; 262 with the padding row
+
+N_CHAR_ROWS = 262  # the char CNN's embedding rows: 261 trained character rows + row 0, all zeros, for padded positions
+
+CHOICES = {"char_cnn.n_characters": (N_CHAR_ROWS - 1, N_CHAR_ROWS),   # trained rows; with the padding row
            "char_cnn.activation": ("relu", "tanh")}
 OPTIONS_MAX_BYTES = 1 << 20     # an options.json is about 1 KB; a larger file is not read
 
@@ -114,7 +117,7 @@ class BiLMOptions:
         convs = sum(n * (w * E + 1) for w, n in self.filters)
         highways = (self.char_cnn.get("n_highway") or 0) * (2 * F_ * F_ + 2 * F_)
         projection = F_ * P + P if F_ != P else 0
-        return 262 * E + convs + highways + projection      # 262: model.bilm.N_CHAR_ROWS
+        return N_CHAR_ROWS * E + convs + highways + projection
 
     def to_json(self) -> str:
         return json.dumps(self.raw, indent=2, sort_keys=True)
@@ -217,7 +220,7 @@ def _char_cnn(r: _Reader) -> None:
     r.integer("char_cnn.embedding.dim")
     filters = _filters(r)
     r.integer("char_cnn.n_highway", r.get("char_cnn.n_highway", 0))
-    r.choice("char_cnn.n_characters", 262)
+    r.choice("char_cnn.n_characters", N_CHAR_ROWS)
     r.choice("char_cnn.activation", "relu")
     max_chars = r.integer("char_cnn.max_characters_per_token", r.get("char_cnn.max_characters_per_token", 50))
     widest = max(w for w, _ in filters)

@@ -25,9 +25,8 @@ import numpy as np
 import torch
 
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.model.encoders import N_CHAR_ROWS
 from elmo_pipeline.fsio import local_path
-from elmo_pipeline.model.options import BiLMOptions, load_options
+from elmo_pipeline.model.options import N_CHAR_ROWS, BiLMOptions, load_options
 
 
 class WeightsError(ValueError):
