@@ -8,6 +8,7 @@ model's training text, which `--tokenizer raw` follows (tokenization.resolve_tok
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -125,17 +126,10 @@ def describe(name: str) -> dict:
             "weights_bytes": os.path.getsize(weights) if os.path.isfile(weights) else None}
 
 
-@lru_cache(maxsize=None)
 def _parameters(options_json: str) -> int:
-    """Parameters of the biLM encoder (char-CNN + LSTMs) these options describe (built on the meta device)."""
-    import json
-
-    import torch
-
-    from elmo_pipeline.model.bilm import BiLM
+    """Parameters of the biLM encoder (char-CNN + LSTMs) these options describe (BiLMOptions.n_parameters)."""
     from elmo_pipeline.model.options import parse_options
-    with torch.device("meta"):
-        return sum(p.numel() for p in BiLM(parse_options(json.loads(options_json))).parameters())
+    return parse_options(json.loads(options_json)).n_parameters
 
 
 SUMS = "sha256sums.txt"   # "<sha256>  <file name>" per line, recorded when the model was shipped
