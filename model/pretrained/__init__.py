@@ -105,8 +105,6 @@ def model_tokenization(name: str | None) -> str | None:
 def describe(name: str) -> dict:
     """What `elmo-pipeline models` shows: layers, output dim, LSTM size, parameters, tokenization, cache state
     and the weight file's size where it is on disk."""
-    import json
-
     from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS
     e = entry(name)
     if e.stem is None:
