@@ -44,7 +44,7 @@ def _onednn_direction(layer, weights, x, batch_sizes, step_rows, h0, c0, live, r
     its clip fused (hardtanh). Every GEMM reads the step's rows once; nothing of the size of the gates is written
     twice, and the packed weights stream through once per step. x (N, D) packed, h0 (rows, P), c0 (rows, H),
     resets: Resets.direction(g). Returns the final h (live, P), c (live, H) in packed row order."""
-    linear = torch.ops.mkldnn._linear_pointwise
+    linear = torch.ops.mkldnn._linear_pointwise          # onednn.linear's op, called bare in this hot loop
     w_sig, b_sig, w_j, b_j, w_proj = weights
     H, P, D = layer.dim, layer.proj_dim, x.shape[-1]
     cell_clip, proj_clip = layer.cell_clip, layer.proj_clip
