@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from elmo_pipeline.model import onednn
 from elmo_pipeline.model.device import host_side, upload
 from elmo_pipeline.model.encoders import CharCNNEncoder, WordEncoder
 from elmo_pipeline.model.lstm import LstmProjection, StepLoop, check_loop_choice, options_from_env, run_lstm_layers, step_loop
@@ -134,8 +135,8 @@ class BiLM(nn.Module):
         its storage or in-place version counter)."""
         layers = [self.forward_layers[k], self.backward_layers[k]]
         w = layers[0].w_rec
-        key = (self.lstm_loop, self.compile_cell, *((p.data_ptr(), p._version, p.dtype, p.device) for l in layers
-                                                    for p in (l.w_in, l.w_rec, l.bias, l.w_proj)))
+        key = (self.lstm_loop, self.compile_cell,
+               *onednn.params_key(p for l in layers for p in (l.w_in, l.w_rec, l.bias, l.w_proj)))
         cache = self.__dict__.setdefault("_weight_cache", {})
         if k not in cache or cache[k][0] != key:
             cache.pop(k, None)            # the old form's memory first (the original's weights are about 290 MB)

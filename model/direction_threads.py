@@ -1,9 +1,9 @@
 """The LSTM's two directions side by side on the CPU, each in a helper thread with its share of torch's threads.
 
 At the oneDNN loop's GEMMs of a few dozen rows a step, the forward and the backward direction in two threads of one
-intra-op thread each ran the published small shape's loop about 1.2x as fast as both directions one after the
-other on two threads, and gave the same bits (AMD EPYC Zen 5; oneDNN gives a row the same bits at 1 and 2 threads
-on the AMD EPYCs measured, docs/exactness.md). A helper sets its own OpenMP thread count once, when it starts; the
+intra-op thread each ran faster than both directions one after the other on two threads (model_speed on an AMD EPYC
+Zen 5: benchmarks/README.md), and gave the same bits (oneDNN gives a row the same bits at 1 and 2 threads on the
+AMD EPYCs measured, docs/exactness.md). A helper sets its own OpenMP thread count once, when it starts; the
 caller's thread count is put back at once.
 """
 from __future__ import annotations

@@ -16,8 +16,8 @@ from elmo_pipeline.model.row_tile import ROW_TILE, round_up
 
 # Tokens per chunk of the char CNN's GEMMs: (512 * 44, 112) @ (112, 1024) for the widest filter of the
 # published models, output about 90 MB whatever the number of distinct tokens. A multiple of ROW_TILE.
-# On oneDNN, chunks of 64 tokens (output about 11 MB, in the cache for the max that follows) ran the encoder
-# 1.5x faster than chunks of 512 (AMD EPYC Zen 5, 2 threads); on a GPU, bigger chunks mean fewer launches.
+# On oneDNN, chunks of 64 tokens: the output, about 11 MB, stays in the cache for the max that follows (faster
+# than chunks of 512 on an AMD EPYC Zen 5); on a GPU, bigger chunks mean fewer launches.
 CNN_CHUNK = 512
 CNN_CHUNK_ONEDNN = 64
 

@@ -25,9 +25,10 @@ from elmo_pipeline.model.packing import NO_RESETS, Resets
 
 LSTM_LOOPS = ("auto", "onednn", "bmm")
 
-# The oneDNN loop makes six linear calls a step, each costing about 15 us however small its GEMM, where the bmm
-# loop makes two batched calls: for narrow layers the bmm loop is faster. Measured per shape and row count
-# (benchmarks/loop_choice.py, results/loop_choice_zen5.json): with gate width 4H >= 512 and GEMM input width
+# The oneDNN loop makes six linear calls a step, the bmm loop two batched ones: however narrow the layers, a oneDNN
+# step cost at least 117 us where a bmm step cost 25 us (1 thread), so for narrow layers bmm is faster. Measured
+# per shape and row count (benchmarks/loop_choice.py, results/loop_choice_zen5.json, AMD EPYC Zen 5, family 26,
+# AVX-512 + AVX512_BF16): with gate width 4H >= 512 and GEMM input width
 # D_in + P >= 64 the oneDNN loop, otherwise bmm, picked the faster loop for 27 of 28 shapes at 40 rows a step
 # (the one miss ran 0.83x the faster). A rule of the shape, not a timing at run time: the vectors' bits depend on
 # the loop, and every worker and every batching must pick the same one.

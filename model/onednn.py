@@ -33,5 +33,6 @@ def linear(x: Tensor, packed: Tensor, bias: Tensor | None = None, act: str = "no
 
 
 def params_key(params) -> tuple:
-    """What identifies the current values of these parameters: storage, in-place version, dtype and device each."""
+    """What identifies the current values of these parameters: storage, in-place version, dtype and device each
+    (the key of the packed-weight caches here and of BiLM's loop weights)."""
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)

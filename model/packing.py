@@ -15,7 +15,7 @@ from elmo_pipeline.model.row_tile import ROW_TILE, round_up
 
 class Resets:
     """Where lanes of several sentences restart (PackedBatch.resets): before step t, the (layer, row) pairs
-    at(t) take their initial state again (direction(g): the rows of one direction) (a new sentence starts in that lane). `step in resets` says whether any
+    at(t) take their initial state again (a new sentence starts in that lane; direction(g): one direction's rows). `step in resets` says whether any
     do. The oneDNN loop writes those rows in place (at: 4 small kernels); the bmm loop selects whole steps by
     mask(t) (G, width, 1) bool, 2 kernels a step, the masks built on the device for the whole batch on first use
     (2 kernels). dirs, rows, index: device int64 per pair (layer, row, index of its step among the resets);
