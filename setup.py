@@ -5,7 +5,7 @@ before this package; see constraints.txt for the pinned, tested versions.
 """
 from setuptools import find_packages, setup
 
-FOLDERS = ["fsio", "formats", "model", "tokenization", "transforms", "training", "pipeline", "downstream"]
+FOLDERS = ["fsio", "formats", "output", "model", "tokenization", "transforms", "training", "pipeline", "downstream"]
 
 setup(
     name="elmo-pipeline",

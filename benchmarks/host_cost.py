@@ -86,7 +86,7 @@ def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
     from elmo_pipeline.transforms.records import Document, EmbeddedBatch, Item
     from elmo_pipeline.tokenization.tokenizers import _sentence_spans, moses_tokens, tokenize_document
     from elmo_pipeline.transforms.embed import reuse_freed_memory
-    from elmo_pipeline.transforms.write import ShardSpec, hdf5_sentences, shard_columns
+    from elmo_pipeline.output.staging import ShardSpec, hdf5_sentences, shard_columns
     torch.set_num_threads(1)
     reuse_freed_memory()                     # as the pipeline's workers do
     t = {}

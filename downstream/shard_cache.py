@@ -13,17 +13,14 @@ import posixpath
 import tempfile
 import threading
 
+from elmo_pipeline.fsio import replacing
+
 
 def download(fs, path: str, local: str) -> None:
     """Copy fs:path to the local file `local`, whole or not at all (a unique temporary name, then a rename)."""
     os.makedirs(os.path.dirname(local), exist_ok=True)
-    tmp = f"{local}.{os.getpid()}.{threading.get_ident()}.part"
-    try:
+    with replacing(local) as tmp:
         fs.get_file(path, tmp)
-        os.replace(tmp, local)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 class ShardCache:

@@ -1,4 +1,4 @@
-"""elmo-pipeline's one import package: `elmo_pipeline.model`, `.pipeline`, `.transforms`, `.formats`, `.fsio`,
+"""elmo-pipeline's one import package: `elmo_pipeline.model`, `.pipeline`, `.transforms`, `.output`, `.formats`, `.fsio`,
 `.tokenization`, `.training`, `.downstream`.
 
 Installed, setup.py maps the repository's top-level folders (model/, pipeline/, ...) under this name. Run from a

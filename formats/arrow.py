@@ -47,10 +47,3 @@ def write_arrow(table: pa.Table, sink) -> None:
     with pa.ipc.new_file(sink, table.schema) as w:
         for b in batch or [pa.RecordBatch.from_pylist([], schema=table.schema)]:
             w.write_batch(b)
-
-
-def arrow_bytes(table: pa.Table) -> pa.Buffer:
-    """The Arrow IPC file of `table` in memory (write_arrow's settings)."""
-    sink = pa.BufferOutputStream()
-    write_arrow(table, sink)
-    return sink.getvalue()

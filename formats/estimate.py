@@ -25,7 +25,7 @@ def layer_bytes(columns: list[tuple[str, int]], hdf5_layers: int, hdf5_dim: int,
 def sample_file_bytes(spec, ids: list[str], doc_ids: list[str], indices: list[int], tokens: list[list[str]],
                       offsets: list[list[tuple[int, int]]], vectors: np.ndarray, packed: np.ndarray,
                       layers: tuple[int, ...] | None = None) -> dict[str, int]:
-    """{format: bytes} of one shard of these sentences, encoded as a run writes it (spec: transforms.write.ShardSpec;
+    """{format: bytes} of one shard of these sentences, encoded as a run writes it (spec: output.staging.ShardSpec;
     vectors: the embedder's packed (L+1, N, 2P) float32, or (len(layers), N, 2P) of only `layers`; packed: offsets
     (B+1,) of each sentence in it)."""
     order = sorted(range(len(ids)), key=ids.__getitem__)

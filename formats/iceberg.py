@@ -4,7 +4,7 @@ pyiceberg is an optional extra (pip install 'elmo-pipeline[iceberg]'), imported 
 The shards are added as they are (pyiceberg's add_files: no rewrite; the table points at the output's final
 Parquet paths), all of one output in one append snapshot whose summary carries the output URL (redacted:
 fsio/redact.py) and the run key (elmo-pipeline.output, elmo-pipeline.run-key). Finalize calls register() after every file is in place
-and before _SUCCESS (transforms/finalize.py), and again on every rerun that finishes or finds the output, so
+and before _SUCCESS (output/finalize.py), and again on every rerun that finishes or finds the output, so
 register() is idempotent: an output already registered (a snapshot of the table's history with its URL and
 run key, or its files all referenced by the current snapshot) is not added again; an output with an id the
 table holds already is not added at all (DuplicateIdError: check_new_ids, before each commit). Two

@@ -1,32 +1,14 @@
-"""The output folder: file names, staging and commit records, dead letters, the manifest (built and read).
+"""An output's content: the formats, dead letters, shards and their commit records, the manifest (built and read).
 
-    <out>/parquet/part-00000-of-00002.parquet   <out>/hdf5/part-00000-of-00002.hdf5   (same sentences in shard i)
-    <out>/arrow/part-00000-of-00002.arrow       (with --format arrow: formats/arrow.py)
-    <out>/dead_letters/part-00000-of-00001.jsonl                                       (only when there are any)
-    <out>/manifest.json, <out>/report.html, <out>/metrics.prom                         (by Finalize, after all shards)
-    <out>/_SUCCESS                                                                     (written last)
-    <out>/_staging/<run key>/   while a run is live: <uuid>.parquet|.hdf5, committed/<uuid>.json (commit
-                               records), dead/<uuid>.jsonl (dead letters), counts/<file hash>.json (per
-                               input file), stats/<uuid>.json (run statistics for the report),
-                               finalize.json (the plan of a started finalize), run.json
-    <out>/_lease.json           while a run is live: who holds the output (fsio/lease.py)
-
-Ownership: the pipeline deletes or replaces only what it can show it wrote (owned_names): the files its
-manifest.json lists (and manifest.json, _SUCCESS beside it), the final names a finalize plan moves files to,
-everything under _staging/, the lease, and the temporary files of its own writes. Any other file in
-SHARD_FOLDERS or at a name Finalize writes makes a run refuse (readers glob those folders); other files are
-left alone.
-
+The output folder's names and its protocol (staging, commit, finalize, ownership) are output/'s (output/names.py).
 Ids: a sentence is "<doc id>#<index>". Readers trust manifest.json (or _SUCCESS) only.
 No Beam import.
 """
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import posixpath
-import re
 import zlib
 from dataclasses import dataclass, field
 
@@ -36,41 +18,11 @@ PARQUET_LAYOUTS = ("sentence", "token")       # --parquet-layout
 ARROW_LAYOUT = "token-rows"                   # the manifest's arrow_layout (formats/arrow.py)
 STORAGE_DTYPES = ("float32", "float16")       # --dtype: precision of the stored vectors
 MANIFEST, SUCCESS = "manifest.json", "_SUCCESS"
-STAGING = "_staging"                          # <out>/_staging/<run key>/
-RECORDS = "committed"                         # <staging>/committed/<shard name>.json: the shard is complete
-PLAN = "finalize.json"                        # <staging>/finalize.json: the moves and manifest of a started finalize
-RUN_FILE = "run.json"                         # <staging>/run.json: what the run key hashes
-DEAD = "dead"                                 # <staging>/dead/<uuid>.jsonl: staged dead letters
-COUNTS = "counts"                             # <staging>/counts/<hash of the file URL>.json: its record counts
-STATS = "stats"                               # <staging>/stats/<uuid>.json: run statistics (transforms/stats.py)
-REPORT = "report.html"                        # <out>/report.html: the run report (transforms/report.py)
-METRICS = "metrics.prom"                      # <out>/metrics.prom: counts and stage times (formats/metrics.py)
-LEASE = "_lease.json"                         # <out>/_lease.json: the live run holding the output
-DEAD_LETTERS = "dead_letters"
-FINAL_NAMES = ("parquet", "hdf5", "arrow", DEAD_LETTERS, MANIFEST, REPORT, METRICS, SUCCESS)
-SHARD_FOLDERS = ("parquet", "hdf5", "arrow", DEAD_LETTERS)  # readers glob these: only listed files may be there
-PROBE = "_write_probe-"                       # <out>/_write_probe-<uuid hex>: an object store's write probe
-_FINAL_FILE = re.compile(r"(parquet/part-\d{5}-of-\d{5}\.parquet|hdf5/part-\d{5}-of-\d{5}\.hdf5|"
-                         r"arrow/part-\d{5}-of-\d{5}\.arrow|"
-                         r"dead_letters/part-\d{5}-of-\d{5}\.jsonl|report\.html|metrics\.prom)")
-# the lease, and what a write of the pipeline's own leaves behind when cut short (fsio.atomic_write's
-# "<name>.tmp-<uuid hex>", the probe of pipeline/validate.check_output_writable)
-_SCRATCH = re.compile(r"(_lease\.json|manifest\.json\.tmp-[0-9a-f]{32}|_SUCCESS\.tmp-[0-9a-f]{32}|"
-                      r"_lease\.json\.tmp-[0-9a-f]{32}|_write_probe-[0-9a-f]{32})")
 EXCERPT_CHARS = 200                           # dead letters keep the first 200 characters
 
 
 def sentence_id(doc_id: str, index: int) -> str:
     return f"{doc_id}#{index}"
-
-
-def shard_name(fmt: str, i: int, n: int) -> str:
-    """Final name of shard i of n, relative to the output folder: 'parquet/part-00000-of-00002.parquet'."""
-    return f"{fmt}/part-{i:05d}-of-{n:05d}.{fmt}"
-
-
-def dead_letter_name(i: int, n: int) -> str:
-    return f"{DEAD_LETTERS}/part-{i:05d}-of-{n:05d}.jsonl"
 
 
 @dataclass(frozen=True)
@@ -149,11 +101,6 @@ def record_ids(record: dict) -> list[str]:
     return json.loads(zlib.decompress(base64.b64decode(record["ids_zlib"])))
 
 
-def counts_name(url: str) -> str:
-    """<staging>-relative name of an input file's record counts (the same for every attempt at the file)."""
-    return f"{COUNTS}/{hashlib.sha256(url.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}.json"
-
-
 def manifest_header(model: dict, columns: list[tuple[str, int]], hdf5_layout: str, flags: dict,
                     formats: list[str], inputs: list[str], run: dict) -> dict:
     """What a run knows before it starts: model identity, layers and widths, content options, inputs, run key.
@@ -170,46 +117,6 @@ def manifest_header(model: dict, columns: list[tuple[str, int]], hdf5_layout: st
         "options": flags,
         "run": run,
     }
-
-
-def record_counts(stats: dict, dead: list[ShardInfo]) -> dict:
-    """Counts that account for every input record, from the per-file read stats and the staged dead-letter
-    files: input_records = documents + blank_records + record_dead_letters."""
-    by_reason: dict[str, int] = {}
-    for d in dead:
-        for k, v in d.extra.get("by_reason", {}).items():
-            by_reason[k] = by_reason.get(k, 0) + v
-    return {"input_records": stats.get("input_records", 0), "blank_records": stats.get("blank_records", 0),
-            "record_dead_letters": sum(d.sentences - d.extra.get("sentence_level", 0) for d in dead),
-            "dead_letters_by_reason": dict(sorted(by_reason.items()))}
-
-
-def complete_manifest(manifest: dict, shards: list[ShardInfo], dead: list[ShardInfo]) -> tuple[dict, list[list[str]]]:
-    """The manifest with shard listing and counts filled in, and the moves [staged url, final relative name]
-    that put every file under its final name. Shards are numbered in order of their first sentence id."""
-    shards = sorted(shards, key=lambda s: s.first_id)
-    dead = sorted(dead, key=lambda s: s.first_id)
-    listing, moves = [], []
-    for i, s in enumerate(shards):
-        entry = {"sentences": s.sentences, "tokens": s.tokens}
-        for fmt, src in sorted(s.files.items()):
-            rel = shard_name(fmt, i, len(shards))
-            moves.append([src, rel])
-            entry[fmt] = rel
-        listing.append(entry)
-    dead_files = []
-    for i, s in enumerate(dead):
-        rel = dead_letter_name(i, len(dead))
-        moves.append([s.files[DEAD_LETTERS], rel])
-        dead_files.append({"path": rel, "records": s.sentences})
-    counts = manifest.setdefault("counts", {})
-    counts["sentences_written"] = sum(s.sentences for s in shards)
-    counts["tokens_written"] = sum(s.tokens for s in shards)
-    counts["dead_letters"] = sum(s.sentences for s in dead)
-    counts["dead_letter_sentences"] = sum(s.extra.get("sentence_level", 0) for s in dead)
-    counts["sentences"] = counts["sentences_written"] + counts["dead_letter_sentences"]
-    manifest.update(schema_version=SCHEMA_VERSION, shards=listing, dead_letter_files=dead_files)
-    return manifest, moves
 
 
 def manifest_bytes(manifest: dict) -> bytes:
@@ -229,23 +136,3 @@ def read_manifest(fs, root: str) -> dict | None:
     except (FileNotFoundError, ValueError):
         return None
     return m if is_manifest(m) else None
-
-
-def is_final_name(rel: str) -> bool:
-    """True for a name (relative to the output folder) that Finalize moves a file to: a shard or dead-letter
-    file named as shard_name()/dead_letter_name() make them, the report, metrics.prom."""
-    return isinstance(rel, str) and _FINAL_FILE.fullmatch(rel) is not None
-
-
-def is_scratch_name(rel: str) -> bool:
-    """True for the lease and the leftovers of the pipeline's own writes cut short, at the top of the output."""
-    return _SCRATCH.fullmatch(rel) is not None
-
-
-def listed_names(manifest: dict) -> set[str]:
-    """The final names a manifest lists (shard files, dead-letter files, the report, metrics.prom): only names
-    of this layout (is_final_name), whatever else an edited manifest may hold."""
-    names = [s.get(f) for s in manifest.get("shards", []) if isinstance(s, dict) for f in FORMATS]
-    names += [d.get("path") for d in manifest.get("dead_letter_files", []) if isinstance(d, dict)]
-    names += [manifest.get("report"), manifest.get("metrics")]
-    return {n for n in names if is_final_name(n)}

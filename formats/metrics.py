@@ -2,7 +2,7 @@
 format node_exporter's textfile collector reads (and Prometheus/OpenMetrics scrapers parse). No Beam import.
 
 The counts are manifest.json's `counts` (the same numbers, by construction: metrics_text() reads them from
-the manifest); stage seconds are those of the run report (transforms/stats.py). Every sample carries the
+the manifest); stage seconds are those of the run report (output/stats.py). Every sample carries the
 label output="<--output>" (redacted: fsio/redact.py), so one collector folder can hold the files of many outputs (partitions).
 """
 from __future__ import annotations

@@ -142,14 +142,10 @@ def writer_options(schema: pa.Schema, vector_compression: str = "none") -> dict:
                 write_statistics=[c for c in ID_COLUMNS + ["token"] if c in schema.names])
 
 
-def write_parquet(table: pa.Table, f, row_group_bytes: int, vector_compression: str = "none",
-                  before_close=None) -> None:
+def write_parquet(table: pa.Table, f, row_group_bytes: int, vector_compression: str = "none") -> None:
     """Text and id columns zstd, vector columns `vector_compression` (VECTOR_COMPRESSIONS); dictionary on
     doc_id only, statistics on id columns only; row groups of about `row_group_bytes`. `f`: a file object,
-    an Arrow stream or a local path (encoded straight into the file, no in-memory copy). before_close():
-    called once the rows are written, before the footer (a test hook)."""
+    an Arrow stream or a local path (encoded straight into the file, no in-memory copy)."""
     rows = max(1, int(row_group_bytes // max(1, table.nbytes / max(1, table.num_rows))))
     with pq.ParquetWriter(f, table.schema, **writer_options(table.schema, vector_compression)) as w:
         w.write_table(table, row_group_size=rows)
-        if before_close is not None:
-            before_close()

@@ -8,13 +8,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
 from functools import lru_cache
 from pathlib import Path
 
 import fsspec
 
-from elmo_pipeline.fsio.fs import check_protocol, options_for, protocol
+from elmo_pipeline.fsio.fs import check_protocol, options_for, protocol, replacing
 from elmo_pipeline.fsio.fs import is_local_url as is_local
 from elmo_pipeline.fsio.redact import redact
 
@@ -66,7 +65,7 @@ RECORD_SUFFIX = ".sha256.json"   # beside a pinned download: {"url", "sha256", "
 
 
 def pinned_download(url: str, path: str, progress: bool | None = None, storage_options: dict | None = None) -> str:
-    """`url`'s bytes at local `path`, downloaded once (fsspec, streamed to `path`.part-*, then renamed).
+    """`url`'s bytes at local `path`, downloaded once (fsspec, streamed to a temporary name, then renamed).
 
     The first download records its sha256 and size in `path` + RECORD_SUFFIX; every later use checks the
     file against that record, and a new download (the file was deleted) must match it too: a changed or
@@ -86,22 +85,15 @@ def pinned_download(url: str, path: str, progress: bool | None = None, storage_o
             _check_pinned(path, st.st_size, st.st_mtime_ns, record["size"], record["sha256"])
             return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    part = f"{path}.part-{uuid.uuid4().hex[:8]}"
-    try:
+    with replacing(path) as part:
         digest, size = _stream_to(url, part, progress, storage_options)
         if record is not None and (size, digest) != (record["size"], record["sha256"]):
             raise ValueError(f"{url}: the download differs from the one first recorded in {record_path} "
                              f"(recorded {record['size']} bytes, sha256 {record['sha256']}; got {size} bytes, "
                              f"sha256 {digest}); the remote file changed: delete the record to accept it")
-        os.replace(part, path)
-    finally:
-        if os.path.exists(part):
-            os.remove(part)
     if record is None:
-        tmp = f"{record_path}.part-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with replacing(record_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump({"url": redact(url), "sha256": digest, "size": size}, f)
-        os.replace(tmp, record_path)
     return path
 
 

@@ -11,6 +11,7 @@ import os
 import posixpath
 import re
 import uuid
+from contextlib import contextmanager
 
 import fsspec
 from fsspec.registry import known_implementations
@@ -141,19 +142,36 @@ def move(fs, src: str, dst: str) -> None:
         fs.rm_file(src)
 
 
+TEMP_MARK = ".tmp-"
+TEMP_NAME = re.compile(r"\.tmp-[0-9a-f]{32}$")      # what temp_name() appends
+
+
+def temp_name(path: str) -> str:
+    """The one temporary name of a file being written: `path` + ".tmp-<uuid hex>" (renamed to `path` when whole)."""
+    return f"{path}{TEMP_MARK}{uuid.uuid4().hex}"
+
+
+@contextmanager
+def replacing(path: str):
+    """Write-then-rename, the project's one: yields a temporary local path beside `path`; when the block ends
+    without an error the file there becomes `path` at once (os.replace), otherwise it is removed. No reader and
+    no crash ever sees a partial file under `path` (a process killed inside the block leaves temp_name()'s file)."""
+    tmp = temp_name(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def atomic_write(fs, path: str, data: bytes) -> None:
-    """Write `path` so that no reader (and no crash) ever leaves a partial file under that name:
-    a local file is written beside it and renamed; an object store PUT is atomic by itself."""
+    """Write `path` so that no reader (and no crash) ever leaves a partial file under that name: a local file
+    through replacing(); an object store PUT is atomic by itself."""
     if is_local_fs(fs):
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        with replacing(path) as tmp, open(tmp, "wb") as f:
+            f.write(data)
     else:
         fs.pipe_file(path, data)
 
@@ -178,5 +196,6 @@ def remove_temp_files(fs, root: str, names: tuple[str, ...]) -> None:
     and renaming (local only: object stores have none)."""
     if is_local_fs(fs):
         for name in names:
-            for p in fs.glob(posixpath.join(root, name + ".tmp-*")):
-                fs.rm_file(p)
+            for p in fs.glob(posixpath.join(root, name + TEMP_MARK + "*")):
+                if TEMP_NAME.search(p):
+                    fs.rm_file(p)

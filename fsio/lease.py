@@ -10,7 +10,9 @@ process only when it is stale (is_stale):
   heartbeat lies more than `stale_seconds` in the future: once the object itself (its modification time on
   the store) is older than `stale_seconds`. So an edited or damaged lease never jams the output.
 The token is a fencing token: check_held() reads it back before each irreversible step of its holder, which
-stops (RetryLater) once another run took the lease over. Every change is a compare-and-swap:
+stops (LeaseLost, a RetryLater) once another run took the lease over; the holder's workers check it through a
+Fence before each write they stage (cached while the last heartbeat read is younger than the stale age minus
+the beat interval). Every change is a compare-and-swap:
 - local files: read-check-write under an flock on the folder holding the lease (held for microseconds;
   the kernel drops it when a process dies);
 - s3://: conditional PUTs, If-None-Match: * to create and If-Match: <ETag> to refresh or take over
@@ -31,7 +33,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elmo_pipeline.fsio.fs import atomic_write, is_local_fs, makedirs, protocol, url_fs
 
@@ -45,6 +47,10 @@ class LeaseHeld(RuntimeError):
 class RetryLater(RuntimeError):
     """A run that cannot finish now but that the same command, rerun, finishes (another run took the output, a
     commit kept conflicting, work is still missing): the scheduler's "retry later" (pipeline/exits.py: 75)."""
+
+
+class LeaseLost(RetryLater):
+    """This run's lease was taken over by another run: it writes nothing more (Fence, Lease.check_held)."""
 
 
 def _pidns() -> str:
@@ -172,6 +178,47 @@ class LeaseObject:
 NOT_JSON = "<not JSON>"
 
 
+def read_lease(fs, path: str, s3: bool) -> LeaseObject | None:
+    """The lease object at `path`, None when there is none."""
+    try:
+        info = fs.info(path, refresh=True) if s3 else fs.info(path)
+        data = fs.cat_file(path)    # s3: a change since info() fails the If-Match on its ETag
+    except FileNotFoundError:
+        return None
+    try:
+        holder = json.loads(data)
+    except ValueError:
+        holder = NOT_JSON
+    return LeaseObject(holder, info.get("ETag") if s3 else None, _modified(info))
+
+
+@dataclass
+class Fence:
+    """The workers' check that their run still holds the output's lease, before each write (output/sink.py):
+    LeaseLost once the lease object carries another token (or is gone). Cheap: after a read that showed this
+    run's token with heartbeat h, it trusts the lease without reading again while now - h < stale_seconds -
+    beat_seconds (no other run may take a lease over before its heartbeat is stale_seconds old, and the holder
+    beats every beat_seconds). Picklable: it travels to the workers."""
+    url: str
+    token: str
+    stale_seconds: float
+    beat_seconds: float
+    storage_options: dict | None = None
+    seen: float | None = field(default=None, compare=False)    # the heartbeat last read with this token
+
+    def __call__(self) -> None:
+        if self.seen is not None and time.time() - self.seen < self.stale_seconds - self.beat_seconds:
+            return
+        fs, path = url_fs(self.url, self.storage_options)
+        found = read_lease(fs, path, protocol(self.url) == "s3")
+        if found is None or found.token != self.token:
+            raise LeaseLost(f"lost the lease {self.url} to another run (this run was paused or cut off longer "
+                            f"than --lease-stale-seconds {self.stale_seconds:.0f}); that run owns the output now, "
+                            "and this one wrote nothing more")
+        beat = found.holder.get("heartbeat") if isinstance(found.holder, dict) else None
+        self.seen = beat if isinstance(beat, (int, float)) and math.isfinite(beat) else None
+
+
 class Lease:
     """Acquire with acquire() (LeaseHeld when live elsewhere), give back with release(); `lost` is set when
     the heartbeat finds the lease taken over or gone; check_held() before each irreversible step raises
@@ -179,7 +226,7 @@ class Lease:
 
     def __init__(self, url: str, stale_seconds: float = 60.0, storage_options: dict | None = None,
                  heartbeat_seconds: float | None = None):
-        self.url, self.stale = url, float(stale_seconds)
+        self.url, self.stale, self.storage_options = url, float(stale_seconds), storage_options
         self.every = heartbeat_seconds or max(0.2, self.stale / 4)
         self.fs, self.path = url_fs(url, storage_options)
         self.local, self.s3 = is_local_fs(self.fs), protocol(url) == "s3"
@@ -214,16 +261,7 @@ class Lease:
 
     def _read(self) -> LeaseObject | None:
         """The lease object, None when there is none."""
-        try:
-            info = self.fs.info(self.path, refresh=True) if self.s3 else self.fs.info(self.path)
-            data = self.fs.cat_file(self.path)    # s3: a change since info() fails the If-Match on its ETag
-        except FileNotFoundError:
-            return None
-        try:
-            holder = json.loads(data)
-        except ValueError:
-            holder = NOT_JSON
-        return LeaseObject(holder, info.get("ETag") if self.s3 else None, _modified(info))
+        return read_lease(self.fs, self.path, self.s3)
 
     def _write(self, data: bytes, create: bool, etag: str | None) -> None:
         """Create (create=True) or replace the lease object; FileExistsError / OSError when the condition fails."""
@@ -301,7 +339,7 @@ class Lease:
         """RetryLater unless the lease object still carries this holder's token (a fencing token), read from the
         store now; a heartbeat that is due is written first, under the same guard, so that nobody can judge the
         lease stale between this check and the step it allows (unless this process is paused past the stale
-        age right after it). Called before each irreversible step (transforms/finalize.py)."""
+        age right after it). Called before each irreversible step (output/finalize.py)."""
         if not self.lost.is_set():
             with self._guard():
                 if time.time() - self.me["heartbeat"] >= self.every:
@@ -311,9 +349,13 @@ class Lease:
                     if found is None or found.token != self.me["token"]:
                         self.lost.set()
         if self.lost.is_set():
-            raise RetryLater(f"lost the lease {self.url} to another run (this run was paused or cut off longer "
+            raise LeaseLost(f"lost the lease {self.url} to another run (this run was paused or cut off longer "
                              f"than --lease-stale-seconds {self.stale:.0f}); that run owns the output now, and "
                              "this one changed nothing more")
+
+    def fence(self) -> Fence:
+        """The workers' fence of this lease (Fence: checked before each staged write)."""
+        return Fence(self.url, self.me["token"], self.stale, self.every, self.storage_options)
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease object if it is still ours."""

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.fsio import local_path
+from elmo_pipeline.fsio import local_path, replacing
 from elmo_pipeline.model.options import N_CHAR_ROWS, BiLMOptions, load_options
 
 
@@ -205,8 +205,7 @@ def save_weights(model: BiLM, weight_file: str) -> None:
     enc = model.token_encoder
     if "://" in weight_file:
         raise ValueError("save_weights writes local files (h5py needs a seekable file); upload the result with fsspec")
-    tmp = weight_file + ".tmp"          # written whole, then renamed: readers never see half a file
-    with h5py.File(tmp, "w") as f:
+    with replacing(weight_file) as tmp, h5py.File(tmp, "w") as f:     # readers never see half a file
         if o.char_cnn is not None:
             f["char_embed"] = _np(enc.char_embed.weight)[1:]         # drop the inference-only zero row
             for i, conv in enumerate(enc.convs):
@@ -230,7 +229,6 @@ def save_weights(model: BiLM, weight_file: str) -> None:
                 f[f"{g}/W_0"] = np.concatenate([_np(layer.w_in).T, _np(layer.w_rec).T])
                 f[f"{g}/B"] = _np(layer.bias)
                 f[f"{g}/W_P_0"] = _np(layer.w_proj).T
-    os.replace(tmp, weight_file)
 
 
 def save_bilm(model: BiLM, options_file: str, weight_file: str) -> None:

@@ -205,10 +205,10 @@ def _threads() -> int:
 
 def output_state(pl) -> str:
     """What --output holds now, as the run would find it (read only)."""
-    from elmo_pipeline.formats.layout import LEASE
+    from elmo_pipeline.output.names import LEASE
     from elmo_pipeline.fsio import url_fs
     from elmo_pipeline.fsio.lease import describe, is_stale
-    from elmo_pipeline.transforms.resume import finalize_started, is_complete
+    from elmo_pipeline.output.state import finalize_started, is_complete
     o, so = pl.options, pl.storage_options
     if not o.overwrite and is_complete(o.output, pl.key, so):
         return "holds the finished run of this same command: `run` would exit 0 at once and change nothing"

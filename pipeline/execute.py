@@ -1,6 +1,6 @@
 """A planned run under the output's lease (fsio/lease.py): prepare_output() decides fresh / resume / finish a
 finalize; the graph (pipeline/graph.py) runs, again for what is missing when sentences were left unwritten, at
-most MAX_ROUNDS times; then Finalize runs here, from what is staged (transforms/finalize.py). The results when
+most MAX_ROUNDS times; then Finalize runs here, from what is staged (output/finalize.py). The results when
 no pipeline had to run: NoPipeline, FinalizeOnly, AlreadyComplete.
 """
 from __future__ import annotations
@@ -17,11 +17,12 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from elmo_pipeline.formats import layout
 from elmo_pipeline.fsio import url_fs
 from elmo_pipeline.fsio.lease import Lease, RetryLater
+from elmo_pipeline.output.names import LEASE
 from elmo_pipeline.pipeline.exits import after_plan
 from elmo_pipeline.pipeline.graph import build
 from elmo_pipeline.pipeline.plan import Plan
-from elmo_pipeline.transforms.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
-from elmo_pipeline.transforms.resume import is_complete, prepare_output
+from elmo_pipeline.output.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
+from elmo_pipeline.output.state import is_complete, prepare_output
 
 logger = logging.getLogger("elmo-pipeline.run")
 
@@ -29,7 +30,7 @@ MAX_ROUNDS = 3
 
 
 def lease_url(output: str) -> str:
-    return output.rstrip("/") + "/" + layout.LEASE
+    return output.rstrip("/") + "/" + LEASE
 
 
 def run_planned(opts: PipelineOptions, pl: Plan):
@@ -74,13 +75,17 @@ def run_under_lease(opts: PipelineOptions, pl: Plan, lease: Lease):
         if state.action == "finalize":
             return FinalizeOnly(complete_finalize(o.output, state.staging, so, pl.registrar, lease.check_held))
         p = beam.Pipeline(options=opts)
-        build(p, pl, state)
-        result = p.run()
+        build(p, pl, state, lease.fence())
         try:
-            result.wait_until_finish()
-        finally:
-            if getattr(result, "client", None) is not None:      # DaskRunner: its connection to the cluster
-                result.client.close()
+            result = p.run()
+            try:
+                result.wait_until_finish()
+            finally:
+                if getattr(result, "client", None) is not None:      # DaskRunner: its connection to the cluster
+                    result.client.close()
+        except Exception:
+            lease.check_held()      # a worker fenced off (LeaseLost): the run lost its lease, not a failure
+            raise
         if lease.lost.is_set():
             raise RetryLater(f"lost the lease on {o.output} to another run while running; that run now "
                              "owns the output (this run's staged work is left for it)")

@@ -19,18 +19,21 @@ from elmo_pipeline.transforms.read_step import DropDuplicateIds, ReadFiles
 from elmo_pipeline.transforms.tokenize_step import Tokenize
 from elmo_pipeline.transforms.write_step import SkipCommitted, WriteShards
 from elmo_pipeline.transforms.records import Document, Item
-from elmo_pipeline.transforms.resume import OutputState
+from elmo_pipeline.output.staging import Staging
+from elmo_pipeline.output.state import OutputState
 
 
-def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
+def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
     """The graph, top to bottom: one chain of single-output steps with typed elements, ending in one leaf.
     It only stages data under state.staging (dead letters and counts as side effects of the steps that
     find them); Finalize runs after it (pipeline/execute.py). With pl.break_fusion every stage boundary is a
-    Reshuffle, so every element is encoded and decoded with its coder (transforms/coders.py) on every runner."""
-    o, so, staging = pl.options, pl.storage_options, state.staging
+    Reshuffle, so every element is encoded and decoded with its coder (transforms/coders.py) on every runner.
+    `fence` (fsio.lease.Fence of the run's lease) is checked before every staged write on the workers."""
+    o, so = pl.options, pl.storage_options
+    staging = Staging(state.staging, so, fence)
 
     def stage(pcoll, label, *dofns, output_type):
-        out = pcoll | label >> beam.ParDo(Chain(staging, so, *dofns)).with_output_types(output_type)
+        out = pcoll | label >> beam.ParDo(Chain(staging, *dofns)).with_output_types(output_type)
         return out | f"{label}Encoded" >> beam.Reshuffle() if pl.break_fusion else out
 
     files = p | "ListFiles" >> beam.Create(range(len(pl.files))) | "SpreadFiles" >> beam.Reshuffle()
@@ -53,9 +56,9 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState) -> None:
     # (unused) gives the step a consumer across a stage boundary: FnApiRunner's multi-process mode notices a
     # dead worker on that data channel, and waits forever without one (docs/runner-notes.md)
     shards = items | "EmbedShards" >> beam.ParDo(Chain(
-        staging, so,
+        staging,
         SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort),
         EmbedBatches(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap,
                      max_tokens=o.max_tokens_per_batch, layers=pl.shard.layers_read, threads=pl.embed_threads),
-        WriteShards(staging, pl.shard, o.shard_sentences, so, o.shard_bytes))).with_output_types(ShardInfo)
+        WriteShards(staging, pl.shard, o.shard_sentences, o.shard_bytes))).with_output_types(ShardInfo)
     _ = shards | "CountStagedShards" >> beam.combiners.Count.Globally()

@@ -28,8 +28,8 @@ from elmo_pipeline.pipeline.validate import (check_input_columns, check_inputs_o
 from elmo_pipeline.transforms.embed import ModelSpec, offer_model, parse_layers
 from elmo_pipeline.transforms.progress import ProgressSpec
 from elmo_pipeline.transforms.ids import file_labels, public_url
-from elmo_pipeline.transforms.resume import finalize_started, input_fingerprints, run_ingredients, run_key
-from elmo_pipeline.transforms.write import ShardSpec
+from elmo_pipeline.output.state import finalize_started, input_fingerprints, run_ingredients, run_key
+from elmo_pipeline.output.staging import ShardSpec
 
 logger = logging.getLogger("elmo-pipeline.run")
 LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
@@ -68,7 +68,7 @@ class Plan:
     limit_flag: str                # the flag to name in their reason
     window: int                    # windowed sentences (0: none, stateful)
     progress: ProgressSpec | None  # the bar by input bytes (transforms/progress.py), or None: no bar
-    key: str                       # the run key (transforms/resume.py)
+    key: str                       # the run key (output/state.py)
     ingredients: dict              # what it hashes
     manifest: dict                 # manifest.json as known before the run
     tokenizer: str                 # --tokenizer resolved (raw -> the model's scheme: tokenization.resolve_tokenizer)
@@ -80,7 +80,7 @@ class Plan:
     registration: object = None    # what the registration did (formats.iceberg.Registration), once done
 
     def register(self, manifest: dict) -> None:
-        """Finalize's hook (transforms/finalize.py): the finished output's shards into the Iceberg table."""
+        """Finalize's hook (output/finalize.py): the finished output's shards into the Iceberg table."""
         self.registration = self.iceberg.register(self.options.output, manifest, self.schema, self.storage_options)
         logger.info("%s", self.registration.describe())
 

@@ -18,7 +18,7 @@ quiet_beam()   # before Beam's first import, which logs notices about optional G
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions, SetupOptions
 
-from elmo_pipeline.formats import layout
+from elmo_pipeline.output.names import METRICS
 from elmo_pipeline.fsio import atomic_write, redact, redact_logs, url_fs
 from elmo_pipeline.pipeline.execute import AlreadyComplete, FinalizeOnly, run_planned
 from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
@@ -124,7 +124,7 @@ def write_metrics_file(path: str, output: str | None, status: int, manifest_metr
 def _output_metrics(output: str, so: dict | None = None) -> str:
     fs, root = url_fs(output, so)
     try:
-        return fs.cat_file(root.rstrip("/") + "/" + layout.METRICS).decode("utf-8")
+        return fs.cat_file(root.rstrip("/") + "/" + METRICS).decode("utf-8")
     except FileNotFoundError:
         return ""
 

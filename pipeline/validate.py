@@ -121,7 +121,7 @@ def check_output_writable(output: str, storage_options: dict | None = None) -> N
         if not os.access(parent, os.W_OK | os.X_OK):
             raise PermissionError(f"--output {output}: {parent} is not writable")
         return
-    from elmo_pipeline.formats.layout import PROBE
+    from elmo_pipeline.output.names import PROBE
     from elmo_pipeline.fsio import url_fs
     fs, root = url_fs(output, storage_options)
     probe = posixpath.join(root, f"{PROBE}{uuid.uuid4().hex}")

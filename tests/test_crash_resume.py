@@ -15,10 +15,11 @@ import pytest
 from elmo_pipeline.pipeline.run import main
 from tests.resume_helpers import (SMALL, argv, assert_same_output, corpus, read_output, reference,  # noqa: F401 (fixtures)
                                   run_subprocess, write_corpus)
-from elmo_pipeline.transforms import resume
-from elmo_pipeline.formats.layout import PLAN, record_ids
+from elmo_pipeline.output import state as resume
+from elmo_pipeline.formats.layout import record_ids
+from elmo_pipeline.output.names import PLAN
 from elmo_pipeline.transforms.write_step import WriteShards
-from elmo_pipeline.transforms.write import stage_shard
+from elmo_pipeline.output.staging import Staging
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
 
@@ -171,11 +172,11 @@ def _stage(st, ids):
     import numpy as np
 
     from elmo_pipeline.transforms.records import EmbeddedBatch, Item
-    from elmo_pipeline.transforms.write import ShardSpec
+    from elmo_pipeline.output.staging import ShardSpec
     batch = EmbeddedBatch([Item(i, i.split("#")[0], 0, ("a", "b"), ((0, 1), (2, 3))) for i in ids],
                           np.ones((1, 2 * len(ids), 4), np.float32), np.arange(0, 2 * len(ids) + 1, 2))
     spec = ShardSpec(("parquet", "hdf5"), "sentence", (("layer_0", 2),), (0,), False, "float32", 1 << 20, 1, 4)
-    return stage_shard([(batch, b) for b in range(len(ids))], st, spec)
+    return Staging(st).shard([(batch, b) for b in range(len(ids))], spec)
 
 
 def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path):
@@ -213,13 +214,13 @@ def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path):
 
 def test_finalize_twice_is_a_no_op(tmp_path):
     """complete_finalize may run again after it succeeded (a rerun killed after _SUCCESS): same output."""
-    from elmo_pipeline.transforms.finalize import complete_finalize, finalize, plan_from_staging
-    from elmo_pipeline.transforms.write import stage_counts
+    from elmo_pipeline.output.finalize import complete_finalize, finalize, plan_from_staging
+    from elmo_pipeline.output.staging import Staging
     out = str(tmp_path / "out")
     st = os.path.join(out, "_staging", "k")
     _stage(st, ["d:1#0", "d:1#1"])
     _stage(st, ["d:2#0"])
-    stage_counts("d", {"input_records": 2, "blank_records": 0}, st)
+    Staging(st).counts("d", {"input_records": 2, "blank_records": 0})
     m1 = finalize(out, st, plan_from_staging(st, ["d"]), {})
     files = sorted(glob.glob(os.path.join(out, "*", "*")))
     assert complete_finalize(out, st) == m1 and os.path.exists(os.path.join(out, "_SUCCESS"))
@@ -286,15 +287,15 @@ def test_sigkill_leaves_no_hdf5_temp_file(corpus, tiny_model_files, tmp_path):
 def test_plan_from_staging_refuses_an_incomplete_staging(tmp_path):
     """Sentences only in a shard whose file is gone, or an input file without counts: Incomplete (run()
     then embeds the missing sentences in another round); overlapping duplicates are not incomplete."""
-    from elmo_pipeline.transforms.finalize import Incomplete, plan_from_staging
-    from elmo_pipeline.transforms.write import stage_counts
+    from elmo_pipeline.output.finalize import Incomplete, plan_from_staging
+    from elmo_pipeline.output.staging import Staging
     st = str(tmp_path / "out" / "_staging" / "k")
     _stage(st, ["d:1#0", "d:1#1"])
     _stage(st, ["d:1#0", "d:1#1"])            # a recomputed bundle's copy
     lost = _stage(st, ["d:2#0"])
     with pytest.raises(Incomplete, match="input file"):
         plan_from_staging(st, ["d"])
-    stage_counts("d", {"input_records": 2, "blank_records": 0}, st)
+    Staging(st).counts("d", {"input_records": 2, "blank_records": 0})
     assert sum(s.sentences for s in plan_from_staging(st, ["d"]).shards) == 3
     os.remove(lost.files["hdf5"])
     with pytest.raises(Incomplete, match="1 sentence"):

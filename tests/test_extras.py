@@ -57,7 +57,7 @@ def test_iceberg_extra_pins_pyiceberg_and_its_sql_catalog():
 
 def test_the_pipeline_imports_no_optional_package_until_asked():
     lazy = sorted(OPTIONAL - {"boto3"})        # Beam itself imports boto3 when it is installed (its S3 I/O)
-    code = ("import sys, pipeline.run, pipeline.cli, formats.iceberg, transforms.finalize; "
+    code = ("import sys, pipeline.run, pipeline.cli, formats.iceberg, output.finalize; "
             f"print(sorted(m for m in {lazy!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=REPO))

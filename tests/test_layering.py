@@ -2,9 +2,11 @@
 
     fsio, tokenization               (nothing of ours)
     formats                          fsio
+    output                           formats, fsio
     model                            fsio
     training                         model, tokenization, fsio
-    transforms, downstream           model, formats, fsio, tokenization
+    transforms                       model, output, formats, fsio, tokenization
+    downstream                       model, output, formats, fsio
     pipeline, benchmarks, tests      anything
 """
 import ast
@@ -17,10 +19,11 @@ ALLOWED = {
     "fsio": set(),
     "tokenization": set(),
     "formats": {"fsio"},
+    "output": {"formats", "fsio"},
     "model": {"fsio"},
     "training": {"model", "tokenization", "fsio"},
-    "transforms": {"model", "formats", "fsio", "tokenization"},
-    "downstream": {"model", "formats", "fsio"},
+    "transforms": {"model", "output", "formats", "fsio", "tokenization"},
+    "downstream": {"model", "output", "formats", "fsio"},
 }
 OURS = set(ALLOWED) | {"pipeline", "benchmarks", "tests"}
 PACKAGE = "elmo_pipeline"          # the one import name (setup.py maps the folders under it)

@@ -90,7 +90,7 @@ def test_truncated_download_is_an_error_and_leaves_nothing_in_the_cache(server):
         model_files("small")
     folder = cache_folder("small")
     assert not os.path.exists(os.path.join(folder, "weights.hdf5"))
-    assert not glob.glob(os.path.join(folder, "*.part-*")) and not glob.glob(os.path.join(folder, "weights*.json"))
+    assert not glob.glob(os.path.join(folder, "*.tmp-*")) and not glob.glob(os.path.join(folder, "weights*.json"))
     server.truncate.clear()                                    # the next try downloads it whole
     assert os.path.getsize(model_files("small")[1]) == len(server.files[model_urls("small")["weights"][len(server.url):]])
 
@@ -118,7 +118,7 @@ def test_remote_file_changed_after_the_first_download(server):
     server.files[path] = server.files[path][:-1] + b"x"
     with pytest.raises(ValueError, match="differs from the one first recorded"):
         model_files("small")
-    assert not os.path.exists(weights) and not glob.glob(weights + ".part-*")
+    assert not os.path.exists(weights) and not glob.glob(weights + ".tmp-*")
 
 
 @pytest.mark.slow

@@ -21,9 +21,9 @@ from tests.resume_helpers import (SMALL, argv, assert_same_output, corpus, read_
                                   reference, run_subprocess)
 from tests.test_concurrent_runs import _snapshot, _start, _wait_for
 from tests.test_crash_resume import _stage
-from elmo_pipeline.transforms import resume
-from elmo_pipeline.transforms.finalize import finalize, plan_from_staging
-from elmo_pipeline.transforms.write import stage_counts
+from elmo_pipeline.output import state as resume
+from elmo_pipeline.output.finalize import finalize, plan_from_staging
+from elmo_pipeline.output.staging import Staging
 
 
 def _ingredients(layers="all"):
@@ -51,7 +51,7 @@ def _finished(out, key, fence=None, register=None):
     st = state.staging
     _stage(st, ["d:1#0", "d:1#1"])
     _stage(st, ["d:2#0"])
-    stage_counts("d", {"input_records": 2, "blank_records": 0}, st)
+    Staging(st).counts("d", {"input_records": 2, "blank_records": 0})
     hooks = {k: v for k, v in (("register", register), ("fence", fence)) if v is not None}
     return finalize(out, st, plan_from_staging(st, ["d"]), {"run": {"key": key}}, **hooks)
 
@@ -113,15 +113,13 @@ def test_a_file_at_a_final_name_that_no_manifest_of_ours_lists_is_in_the_way(tmp
 
 
 def test_a_finalize_cut_short_by_a_lost_lease_is_cleared_through_its_plan(tmp_path):
-    """A fence that fails at its 4th check (3 files moved): Finalize stops at once (RetryLater), nothing more is
+    """A fence that fails once 3 files are moved: Finalize stops at once (RetryLater), nothing more is
     moved, no manifest or _SUCCESS. Another command refuses that output without --overwrite; with it, the moved
     files go (its plan shows they are the pipeline's) and an unknown file beside them stays."""
     out = str(tmp_path / "out")
-    calls = []
 
-    def fence():
-        calls.append(1)
-        if len(calls) == 5:           # 1: the plan, 2-4: three moves, 5: the fourth move
+    def fence():                      # the lease is lost once three files have their final names
+        if len(glob.glob(os.path.join(out, "*", "part-*"))) == 3:
             raise RetryLater("lost the lease")
     with pytest.raises(RetryLater):
         _finished(out, "k1", fence)
@@ -144,10 +142,11 @@ def test_finalize_checks_the_fence_before_each_irreversible_step(tmp_path):
     out = str(tmp_path / "out")
     seen = []
     _finished(out, "k1", fence=lambda: seen.append(sorted(os.listdir(out))), register=lambda m: seen.append("register"))
-    # the plan; 6 moves (2 shards x 2 formats, the report, metrics.prom); the manifest; the staging removal;
-    # the register hook (then the hook itself); _SUCCESS
-    assert len(seen) == 1 + 6 + 1 + 1 + 2 + 1 and seen[-2] == "register" and "_SUCCESS" not in seen[-1]
-    for point in range(1, 12):
+    # the staged report and metrics.prom, the plan; 6 moves (2 shards x 2 formats, the report, metrics.prom);
+    # the manifest; the staging folder's removal and its parent's; the register hook (then the hook itself);
+    # _SUCCESS
+    assert len(seen) == 3 + 6 + 1 + 2 + 2 + 1 and seen[-2] == "register" and "_SUCCESS" not in seen[-1]
+    for point in range(1, len(seen)):
         other = str(tmp_path / f"out{point}")
         calls, registered = [], []
 
@@ -157,10 +156,10 @@ def test_finalize_checks_the_fence_before_each_irreversible_step(tmp_path):
                 raise RetryLater("lost")
         with pytest.raises(RetryLater):
             _finished(other, "k1", fence, register=registered.append)
-        assert not os.path.exists(os.path.join(other, "_SUCCESS")) and (point > 10) == bool(registered)
-        assert len(glob.glob(os.path.join(other, "*", "part-*"))) == max(0, min(point - 2, 4))
-        assert os.path.exists(os.path.join(other, "manifest.json")) == (point > 8)
-        assert os.path.exists(os.path.join(other, "_staging")) == (point <= 9)
+        assert not os.path.exists(os.path.join(other, "_SUCCESS")) and (point > 13) == bool(registered)
+        assert len(glob.glob(os.path.join(other, "*", "part-*"))) == max(0, min(point - 4, 4))
+        assert os.path.exists(os.path.join(other, "manifest.json")) == (point > 10)
+        assert os.path.exists(os.path.join(other, "_staging")) == (point <= 12)
 
 
 def test_an_input_inside_the_output_is_refused(tmp_path):

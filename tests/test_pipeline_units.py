@@ -22,8 +22,8 @@ from elmo_pipeline.transforms.read import read_documents
 from elmo_pipeline.tokenization import align_tokens, tokenize_document, tokenize_text
 from elmo_pipeline.formats.hdf5 import hdf5_key
 from elmo_pipeline.formats.parquet import layer_columns, sentence_table, token_table
-from elmo_pipeline.transforms.finalize import finalize, plan_from_staging
-from elmo_pipeline.transforms.write import ShardSpec, shard_columns, stage_counts, stage_shard
+from elmo_pipeline.output.finalize import finalize, plan_from_staging
+from elmo_pipeline.output.staging import ShardSpec, Staging, shard_columns
 
 TEXT = 'Dr. Smith left the U.S. in 2001. He said "hello, world" -- it\'s a well-known <unk> fact!'
 
@@ -164,10 +164,10 @@ def test_stage_and_finalize(tmp_path):
     out = str(tmp_path / "out")
     staging = out + "/_staging/run1"
     batch = _batch()
-    s1 = stage_shard([(batch, 1)], staging, SPEC)
-    s0 = stage_shard([(batch, 0)], staging, SPEC)
+    s1 = Staging(staging).shard([(batch, 1)], SPEC)
+    s0 = Staging(staging).shard([(batch, 0)], SPEC)
     assert {s1.first_id, s0.first_id} == {"d/x:1#1", "d/x:1#0"}
-    stage_counts("x", {"input_records": 1, "blank_records": 0}, staging)
+    Staging(staging).counts("x", {"input_records": 1, "blank_records": 0})
     staged = plan_from_staging(staging, ["x"])
     assert len(staged.shards) == 2
     m = finalize(out, staging, staged, {})
@@ -204,12 +204,12 @@ def test_layer_sources_from_only_the_layers_read():
 
 
 def test_finalize_lists_dead_letters(tmp_path):
-    from elmo_pipeline.transforms.write import stage_dead_letters
+    from elmo_pipeline.output.staging import Staging
     out = str(tmp_path / "o")
     letters = [DeadLetter("f:2", "unreadable record", "{", level="record"), DeadLetter("f:1#0", "too long", "x")]
-    stage_dead_letters(letters, out + "/_staging/r")
-    stage_dead_letters(letters[:1], out + "/_staging/r")      # a retried bundle stages its letters again
-    stage_counts("f", {"input_records": 2, "blank_records": 0}, out + "/_staging/r")
+    Staging(out + "/_staging/r").dead_letters(letters)
+    Staging(out + "/_staging/r").dead_letters(letters[:1])      # a retried bundle stages its letters again
+    Staging(out + "/_staging/r").counts("f", {"input_records": 2, "blank_records": 0})
     m = finalize(out, out + "/_staging/r", plan_from_staging(out + "/_staging/r", ["f"]), {})
     assert m["counts"]["dead_letters"] == 2 and m["counts"]["dead_letter_sentences"] == 1
     assert m["counts"]["documents"] == 1 and m["counts"]["record_dead_letters"] == 1
@@ -222,7 +222,7 @@ def test_write_shards_in_background_keeps_order_and_raises_errors(tmp_path):
     every shard comes out once, in order, by the bundle's end; a failing write raises in the Beam thread."""
     from elmo_pipeline.transforms.write_step import WriteShards
     batches = [_batch()] * 3                                  # 6 sentences, shards of 2
-    dofn = WriteShards(str(tmp_path / "st"), SPEC, 2, None)
+    dofn = WriteShards(Staging(str(tmp_path / "st")), SPEC, 2)
     dofn.setup()
     dofn.start_bundle()
     infos = [info for b in batches for info in dofn.process(b)]
@@ -231,7 +231,7 @@ def test_write_shards_in_background_keeps_order_and_raises_errors(tmp_path):
     assert [i.sentences for i in infos] == [2, 2, 2] and len({i.files["parquet"] for i in infos}) == 3
     assert all(pq.read_table(i.files["parquet"]).num_rows == 2 for i in infos)
     (tmp_path / "blocked").write_text("a file where the staging folder should be")
-    dofn.staging = str(tmp_path / "blocked" / "st")
+    dofn.staging = Staging(str(tmp_path / "blocked" / "st"))
     dofn.start_bundle()
     with pytest.raises(OSError):
         for b in batches:

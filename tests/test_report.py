@@ -1,4 +1,4 @@
-"""The run report (transforms/report.py, report.html beside manifest.json) and the progress bar by input bytes
+"""The run report (output/report.py, report.html beside manifest.json) and the progress bar by input bytes
 (transforms/progress.py): the numbers from small staged data, Finalize (also a rerun of an interrupted one),
 a whole run, and percent / ETA from bytes."""
 import gzip
@@ -12,13 +12,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_pipeline.transforms import finalize
+from elmo_pipeline.output import finalize
 from elmo_pipeline.transforms import progress
 from elmo_pipeline.transforms.read import read_documents
 from elmo_pipeline.transforms.records import Document, EmbeddedBatch, Item
-from elmo_pipeline.transforms.report import build_report, length_histogram, report_data, timeline
-from elmo_pipeline.transforms.stats import RunStats, merge_stats
-from elmo_pipeline.transforms.write import ShardSpec, stage_counts, stage_shard, stage_stats
+from elmo_pipeline.output.report import build_report, length_histogram, report_data, timeline
+from elmo_pipeline.output.stats import RunStats, merge_stats
+from elmo_pipeline.output.sink import Sink
+from elmo_pipeline.output.staging import ShardSpec, Staging
 
 SPEC = ShardSpec(("parquet", "hdf5"), "sentence", (("layer_0", 2), ("layer_1", 4)), (0, 1), False, "float32",
                  1 << 20, 2, 4)
@@ -113,10 +114,10 @@ def _batch():
 
 def _stage(out):
     staging = out + "/_staging/run1"
-    stage_shard([(_batch(), 0), (_batch(), 1)], staging, SPEC)
-    stage_counts("x", {"input_records": 1, "blank_records": 0}, staging)
+    Staging(staging).shard([(_batch(), 0), (_batch(), 1)], SPEC)
+    Staging(staging).counts("x", {"input_records": 1, "blank_records": 0})
     for part in _stats():
-        stage_stats(part, staging)
+        Staging(staging).stats(part)
     return staging
 
 
@@ -142,7 +143,7 @@ def test_a_rerun_of_an_interrupted_finalize_still_writes_it(tmp_path, monkeypatc
     finalize.complete_finalize(out, staging)
     assert os.path.exists(os.path.join(out, "report.html")) and os.path.exists(os.path.join(out, "_SUCCESS"))
     assert os.path.exists(os.path.join(out, "metrics.prom"))
-    finalize.clear_final(__import__("fsspec").filesystem("file"), out)
+    finalize.clear_final(Sink(__import__("fsspec").filesystem("file")), out)
     assert not os.path.exists(os.path.join(out, "report.html"))        # a final name: cleared with the rest
     assert not os.path.exists(os.path.join(out, "metrics.prom"))
 
@@ -150,8 +151,7 @@ def test_a_rerun_of_an_interrupted_finalize_still_writes_it(tmp_path, monkeypatc
 def test_a_report_that_fails_does_not_fail_the_run(tmp_path, monkeypatch, caplog):
     out = str(tmp_path / "out")
     staging = _stage(out)
-    import elmo_pipeline.transforms.report as R
-    monkeypatch.setattr(R, "build_report", lambda *a: 1 / 0)
+    monkeypatch.setattr(finalize, "build_report", lambda *a: 1 / 0)
     m = finalize.finalize(out, staging, finalize.plan_from_staging(staging, ["x"]), {})
     assert "report" not in m and os.path.exists(os.path.join(out, "_SUCCESS"))
     assert "could not build the run report" in caplog.text

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from elmo_pipeline.pipeline import exits
+from tests.conftest import FAULTS
 from tests.resume_helpers import REPO, write_corpus
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def env(tmp_path_factory):
     for f in (script, wrapper):
         f.chmod(0o755)
     (d / "metrics").mkdir()
-    e = dict(os.environ, PATH=f"{d / 'bin'}:{os.environ['PATH']}", PYTHONPATH=REPO, OMP_NUM_THREADS="1",
+    e = dict(os.environ, PATH=f"{d / 'bin'}:{os.environ['PATH']}", PYTHONPATH=os.pathsep.join([FAULTS, REPO]), OMP_NUM_THREADS="1",
              CORPUS=str(d / "corpus"), OUT=str(d / "out"), WAREHOUSE=str(d / "warehouse"),
              METRICS_DIR=str(d / "metrics"))
     for k in ("ELMO_PIPELINE_CRASH_AT", "ELMO_PIPELINE_DELAY_AT"):

@@ -102,16 +102,16 @@ def test_no_child_or_thread_left_after_a_run(fail, tmp_path, tiny_model_files, m
     """The children were started and are gone, with their threads, after a run, and after a failed one."""
     import threading
     import elmo_pipeline.tokenization.process as TP
-    import elmo_pipeline.transforms.write_step as D
+    from elmo_pipeline.output.sink import Sink
     from elmo_pipeline.pipeline.run import main
     from tests.resume_helpers import argv, write_corpus
     started = []
     monkeypatch.setattr(TP._Child, "__init__", lambda self, mode, init=TP._Child.__init__: (
         init(self, mode), started.append(self.proc))[0])
     if fail:
-        def full(*a, **k):
+        def full(*a, **k):      # a sink whose disk is full
             raise OSError("No space left on device (test)")
-        monkeypatch.setattr(D, "stage_shard", full)
+        monkeypatch.setattr(Sink, "open", full)
     corpus = write_corpus(str(tmp_path / "docs.txt"), n_docs=20)
     rc = main(argv(tiny_model_files, corpus, str(tmp_path / "out"), "--tokenizer-process", "on"))
     assert rc == (75 if fail else 0)      # out of space: retry later (pipeline/exits.py)

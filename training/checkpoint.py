@@ -11,11 +11,12 @@ Loading reads arrays and JSON only: nothing is unpickled.
 from __future__ import annotations
 
 import json
-import os
 
 import h5py
 import numpy as np
 import torch
+
+from elmo_pipeline.fsio import replacing
 
 
 def _put(group: h5py.Group, name: str, t: torch.Tensor) -> None:
@@ -24,10 +25,9 @@ def _put(group: h5py.Group, name: str, t: torch.Tensor) -> None:
 
 def save_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, meta: dict) -> None:
-    """Write atomically (tmp file + rename)."""
-    tmp = path + ".tmp"
+    """Write atomically (fsio.replacing: a temporary file, then a rename)."""
     opt = optimizer.state_dict()
-    with h5py.File(tmp, "w") as f:
+    with replacing(path) as tmp, h5py.File(tmp, "w") as f:
         for prefix, module in (("model", model), ("softmax", softmax)):
             g = f.create_group(prefix)
             for name, t in module.state_dict().items():
@@ -38,7 +38,6 @@ def save_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
                 _put(g, f"{idx}/{key}", value if torch.is_tensor(value) else torch.tensor(value))
         f["rng/torch"] = torch.get_rng_state().numpy()
         f.attrs["meta"] = json.dumps({**meta, "param_groups": opt["param_groups"]})
-    os.replace(tmp, path)
 
 
 def read_meta(path: str) -> dict:

@@ -9,8 +9,8 @@ import apache_beam as beam
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
-from elmo_pipeline.transforms.stats import merge_stats
-from elmo_pipeline.transforms.write import stage_dead_letters, stage_stats
+from elmo_pipeline.output.stats import merge_stats
+from elmo_pipeline.output.staging import Staging
 
 NS = "elmo"         # the Beam metrics namespace of every step
 DEAD = "dead"       # the tag of a rejected element's DeadLetter
@@ -24,7 +24,7 @@ def in_global_window(x):
 class Chain(beam.DoFn):
     """DoFns run one after another inside one step, as Beam's fusion would run them: each one's outputs,
     those of its finish_bundle included, go to the next; a TaggedOutput(DEAD, letter) of any of them is staged
-    (one file per bundle and 10,000 letters, transforms.write.stage_dead_letters) instead of flowing on.
+    (one file per bundle and 10,000 letters, output.staging.Staging.dead_letters) instead of flowing on.
 
     So no stage needs a second output (DaskRunner mixes the outputs of a multi-output ParDo) and no element
     has to leave a step from finish_bundle (DaskRunner drops those): what a bundle's end flushes (the last
@@ -33,8 +33,8 @@ class Chain(beam.DoFn):
 
     FLUSH_LETTERS = 10_000
 
-    def __init__(self, staging: str, storage_options, *dofns: beam.DoFn):
-        self.staging, self.so, self.dofns = staging, storage_options, dofns
+    def __init__(self, staging: Staging, *dofns: beam.DoFn):
+        self.staging, self.dofns = staging, dofns
 
     def setup(self):
         for d in self.dofns:
@@ -50,7 +50,7 @@ class Chain(beam.DoFn):
     def _flush_letters(self):
         if self.letters:
             letters, self.letters = self.letters, []
-            stage_dead_letters(letters, self.staging, self.so)
+            self.staging.dead_letters(letters)
 
     def _run(self, outputs, k: int):
         """Pass `outputs` of DoFn k-1 (k = 0: the step's input) through DoFns k.. and yield what comes out."""
@@ -75,8 +75,8 @@ class Chain(beam.DoFn):
             tail.extend(self._run(d.finish_bundle(), k + 1))
         self._flush_letters()
         parts = [p for p in (d.run_stats.take() for d in self.dofns if hasattr(d, "run_stats")) if p]
-        if parts:           # for the run report (transforms/stats.py)
-            stage_stats(merge_stats(parts), self.staging, self.so)
+        if parts:           # for the run report (output/stats.py)
+            self.staging.stats(merge_stats(parts))
         for out in tail:
             yield in_global_window(out)
 

@@ -12,10 +12,9 @@ from elmo_pipeline.model.batching import padding, plan_batches
 from elmo_pipeline.transforms.chain import DEAD, NS, in_global_window
 from elmo_pipeline.transforms.embed import ModelSpec, load_embedder
 from elmo_pipeline.transforms.embed_items import embed_alone, embed_windowed, embedding_failed, split_at_window, window_limit
-from elmo_pipeline.transforms.faults import crash_point
 from elmo_pipeline.transforms.progress import ProgressSpec, advance
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
-from elmo_pipeline.transforms.stats import RunStats
+from elmo_pipeline.output.stats import RunStats
 
 
 class SortAndBatch(beam.DoFn):
@@ -153,7 +152,6 @@ class EmbedBatches(beam.DoFn):
 
     def _finish(self, job: _Job):
         """The job's EmbeddedBatches (waiting for its biLM thread) and its dead letters."""
-        crash_point("embed")       # the k-th time: the k-th batch is embedded (or being embedded), not emitted
         outs = []
         if job.short:
             try:

@@ -13,17 +13,17 @@ from elmo_pipeline.transforms.ids import split_duplicate_ids
 from elmo_pipeline.transforms.progress import ProgressSpec, advance
 from elmo_pipeline.transforms.read import MAX_RECORD_BYTES, read_documents
 from elmo_pipeline.transforms.records import Blank
-from elmo_pipeline.transforms.stats import RunStats
-from elmo_pipeline.transforms.write import stage_counts
+from elmo_pipeline.output.stats import RunStats
+from elmo_pipeline.output.staging import Staging
 
 
 class ReadFiles(beam.DoFn):
     """index of a file in `files` -> Document ...; unreadable records to the DEAD output; per file, its record
-    counts (input records, blank records) staged under the run's staging folder (transforms.write.stage_counts).
+    counts (input records, blank records) staged under the run's staging folder (output.staging.Staging.counts).
     The progress bar advances by the file's bytes that no Document carries (blank and unreadable records).
     Files travel by index: a local name that is not valid UTF-8 cannot be a Beam string."""
 
-    def __init__(self, fmt, files, labels, text_field, id_field, storage_options, staging,
+    def __init__(self, fmt, files, labels, text_field, id_field, storage_options, staging: Staging,
                  progress: ProgressSpec | None = None, max_record_bytes: int = MAX_RECORD_BYTES):
         self.args = (fmt, labels, text_field, id_field, storage_options)
         self.files, self.max_record_bytes = list(files), max_record_bytes
@@ -54,7 +54,7 @@ class ReadFiles(beam.DoFn):
         busy += time.perf_counter() - t
         self.run_stats.time("read", busy)
         self.blank.inc(blank)
-        stage_counts(url, {"input_records": records, "blank_records": blank}, self.staging, so)
+        self.staging.counts(url, {"input_records": records, "blank_records": blank})
         if self.progress:
             advance(self.progress, max(0, self.progress.sizes.get(url, doc_bytes) - doc_bytes))
 

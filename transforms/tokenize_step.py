@@ -12,7 +12,7 @@ from elmo_pipeline.transforms.chain import DEAD, NS, in_global_window
 from elmo_pipeline.transforms.progress import ProgressSpec, advance
 from elmo_pipeline.transforms.records import MAX_DOCUMENT_TOKENS, Document
 from elmo_pipeline.transforms.sentences import sentence_items
-from elmo_pipeline.transforms.stats import RunStats
+from elmo_pipeline.output.stats import RunStats
 
 
 class Tokenize(beam.DoFn):

@@ -1,5 +1,5 @@
-"""The writing step's Beam shells: WriteShards (staged shards, transforms.write) and SkipCommitted (the
-sentences a resumed run already committed, transforms.resume)."""
+"""The writing step's Beam shells: WriteShards (staged shards, output.staging) and SkipCommitted (the
+sentences a resumed run already committed, output.state)."""
 from __future__ import annotations
 
 import time
@@ -11,9 +11,9 @@ from apache_beam.metrics import Metrics
 from elmo_pipeline.transforms.chain import NS, in_global_window
 from elmo_pipeline.transforms.progress import ProgressSpec, advance
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
-from elmo_pipeline.transforms.resume import load_done_ids
-from elmo_pipeline.transforms.stats import RunStats
-from elmo_pipeline.transforms.write import ShardSpec, stage_shard
+from elmo_pipeline.output.staging import ShardSpec, Staging
+from elmo_pipeline.output.state import load_done_ids
+from elmo_pipeline.output.stats import RunStats
 
 
 class WriteShards(beam.DoFn):
@@ -29,9 +29,9 @@ class WriteShards(beam.DoFn):
 
     WRITERS = 2
 
-    def __init__(self, staging: str, spec: ShardSpec, shard_sentences: int, storage_options, shard_bytes=64 << 20):
+    def __init__(self, staging: Staging, spec: ShardSpec, shard_sentences: int, shard_bytes=64 << 20):
         self.staging, self.spec = staging, spec
-        self.shard_sentences, self.shard_bytes, self.so = shard_sentences, shard_bytes, storage_options
+        self.shard_sentences, self.shard_bytes = shard_sentences, shard_bytes
         self.shards = Metrics.counter(NS, "shards")
         self.run_stats = RunStats()
 
@@ -60,7 +60,7 @@ class WriteShards(beam.DoFn):
         if sentences:
             yield from self._written(keep=self.WRITERS - 1)
             self.shards.inc()
-            self.writing.append(self.pool.submit(_timed, stage_shard, sentences, self.staging, self.spec, self.so))
+            self.writing.append(self.pool.submit(_timed, self.staging.shard, sentences, self.spec))
 
     def process(self, batch: EmbeddedBatch):
         for b in range(len(batch.items)):
@@ -83,7 +83,7 @@ def _timed(fn, *args):
 class SkipCommitted(beam.DoFn):
     """Drops (and counts) the sentences an interrupted run with the same run key already committed.
 
-    The ids come from the commit records prepare_output() kept (transforms/resume.py), loaded once."""
+    The ids come from the commit records prepare_output() kept (output/state.py), loaded once."""
 
     def __init__(self, record_paths: list[str], storage_options, progress: ProgressSpec | None = None):
         self.record_paths, self.so, self.progress = record_paths, storage_options, progress

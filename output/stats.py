@@ -1,8 +1,8 @@
 """Run statistics for the run report, gathered on the workers and staged per bundle. No Beam import.
 
 Each DoFn that measures something keeps a RunStats; the Chain that runs it stages what it gathered at the
-end of each bundle (stats/<uuid>.json, transforms.write.stage_stats) and Finalize merges the staged files
-(merge_stats) into the report (transforms/report.py). Work per batch or per document only (a clock read, a
+end of each bundle (stats/<uuid>.json, output.staging.stage_stats) and Finalize merges the staged files
+(merge_stats) into the report (output/report.py). Work per batch or per document only (a clock read, a
 dict update), never per token. Retried bundles stage their stats again: the report's timings count every
 attempt, as they took time; the counts of the output are the manifest's, not these.
 

@@ -19,14 +19,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import posixpath
 from dataclasses import dataclass, field
 
-from elmo_pipeline.formats.layout import (FINAL_NAMES, FORMATS, MANIFEST, PLAN, RUN_FILE, SHARD_FOLDERS, STAGING, STATS, SUCCESS,
-                            ShardInfo, is_scratch_name, read_manifest, record_ids)
-from elmo_pipeline.fsio import atomic_write, makedirs, url_fs
-from elmo_pipeline.transforms.finalize import (clear_final, owned_final_names, plan_consistent, plan_names, read_plan, roll_back,
-                                 select_records)
+from elmo_pipeline.formats.layout import FORMATS, MANIFEST, SUCCESS, ShardInfo, read_manifest, record_ids
+from elmo_pipeline.fsio import is_local_fs, url_fs
+from elmo_pipeline.output.finalize import (clear_final, owned_final_names, plan_consistent, plan_names, read_plan, roll_back,
+                                           select_records)
+from elmo_pipeline.output.names import (FINAL_NAMES, PLAN, RUN_FILE, SHARD_FOLDERS, STAGING, STATS, TOP_FILES,
+                                        is_scratch_name)
+from elmo_pipeline.output.sink import Sink
 
 logger = logging.getLogger("elmo-pipeline.resume")
 
@@ -155,7 +158,7 @@ def _listed_files_present(fs, root: str, manifest: dict) -> bool:
 @dataclass
 class Foreign:
     """What an output folder holds that the pipeline cannot show it wrote (names relative to the folder;
-    formats/layout.py, ownership)."""
+    output/names.py, ownership)."""
     in_the_way: list[str]      # under the shard folders or at a name Finalize writes: readers would take them
     #                            for output, or Finalize would replace them
     elsewhere: list[str]       # anything else (a folder ends in '/'): left alone
@@ -211,11 +214,37 @@ def check_ownership(output: str, fs, root: str, overwrite: bool) -> None:
             "empty or new --output, or pass --overwrite to write beside them (they are left alone)")
 
 
+def links_inside(fs, root: str) -> list[str]:
+    """The symbolic links (names relative to `root`) at or below the names the pipeline writes in a local output:
+    _staging/, the shard folders, the top files. Walked without following a link. Object stores have none."""
+    if not is_local_fs(fs):
+        return []
+    found = []
+    for name in (STAGING, *SHARD_FOLDERS, *TOP_FILES):
+        path = os.path.join(root, name)
+        if os.path.islink(path):
+            found.append(name)
+            continue
+        for folder, dirs, files in os.walk(path):
+            found += [os.path.relpath(os.path.join(folder, n), root) for n in dirs + files
+                      if os.path.islink(os.path.join(folder, n))]
+    return sorted(found)
+
+
+def check_no_links(output: str, fs, root: str) -> None:
+    """FileExistsError naming the symbolic links where the pipeline writes (links_inside): staging, clearing and
+    finalizing never follow a link out of the output, so a planted link is refused, not written through."""
+    links = links_inside(fs, root)
+    if links:
+        raise FileExistsError(f"{output} holds {len(links)} symbolic link(s) where this pipeline writes: "
+                              f"{_some(links)}. It never follows a link out of its output: remove them")
+
+
 def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, storage_options: dict | None = None,
                    resumable: bool = True) -> OutputState:
     """Decide what a run with run key `key` does with `output`, and make the folder ready for it. The caller
     holds the output's lease. Nothing is removed before every refusal has been decided; only what the
-    pipeline wrote is ever removed (check_ownership first, then transforms/finalize.clear_final).
+    pipeline wrote is ever removed (check_ownership and check_no_links first, then output/finalize.clear_final).
 
     - _SUCCESS of this key: 'complete' (with `overwrite`: cleared, fresh). Of another key: refused unless
       `overwrite`, which clears it.
@@ -225,15 +254,17 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
     - an unfinished run of another key in _staging/: refused (naming the difference) unless `overwrite`,
       which deletes it (and the files its finalize had moved).
     - _staging/<key>/finalize.json: 'finalize' when every file of the plan is still there (staged or
-      moved); otherwise the plan is rolled back (transforms/finalize.roll_back) and the run resumes.
+      moved); otherwise the plan is rolled back (output/finalize.roll_back) and the run resumes.
     - commit records: 'resume' with a pairwise-disjoint set of those whose files are all present; staged
       files no kept record names (partial shards, dropped records, dead letters, counts) are deleted.
       `resumable` False (--state stateful: vectors depend on batch history) keeps nothing.
     - otherwise 'fresh'. Outside 'finalize', leftover final-name files of the pipeline are removed first.
     """
-    fs, root = url_fs(output, storage_options)
+    sink, root = Sink.at(output, storage_options)
+    fs = sink.fs
     fs.invalidate_cache()
     check_ownership(output, fs, root, overwrite)
+    check_no_links(output, fs, root)
     scheme = _scheme(output)
     parent = posixpath.join(root, STAGING)
     st = posixpath.join(parent, key)
@@ -251,35 +282,34 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
         return state
     _refuse_another_command(output, fs, parent, manifest, mine, finished, others, ingredients, overwrite)
     if finished:                    # --overwrite: start over
-        clear_final(fs, root)
+        clear_final(sink, root)
         if fs.exists(parent):
-            fs.rm(parent, recursive=True)
+            sink.remove(parent, recursive=True)
         manifest, others, plan = None, [], None
     if manifest is not None and mine and plan is None:
         logger.warning("%s: manifest.json lists files that are gone and the staged shards were removed: "
                        "starting over", output)
-        clear_final(fs, root)
+        clear_final(sink, root)
     if others or (manifest is not None and not mine):     # --overwrite: another command's files go first
-        clear_final(fs, root, keep=plan_names(plan) if plan else set())
+        clear_final(sink, root, keep=plan_names(plan) if plan else set())
         for d in others:
-            fs.rm(posixpath.join(parent, d), recursive=True)
+            sink.remove(posixpath.join(parent, d), recursive=True)
     if plan is not None:
         if plan_consistent(fs, root, st, plan):
             state.action = "finalize"
             return state
         logger.warning("%s: the interrupted finalize lost files; rolling it back and re-embedding their shards",
                        output)
-        roll_back(fs, root, st, plan)
-    clear_final(fs, root)
+        roll_back(sink, root, st, plan)
+    clear_final(sink, root)
     if fs.exists(st):
         if resumable:
-            _keep_disjoint_records(fs, st, state)
+            _keep_disjoint_records(sink, st, state)
         else:
-            fs.rm(st, recursive=True)
+            sink.remove(st, recursive=True)
         state.action = "resume" if state.records else "fresh"
-    makedirs(fs, st)
     if not fs.exists(posixpath.join(st, RUN_FILE)):
-        atomic_write(fs, posixpath.join(st, RUN_FILE), json.dumps(ingredients, default=str).encode())
+        sink.put(posixpath.join(st, RUN_FILE), json.dumps(ingredients, default=str).encode())
     return state
 
 
@@ -302,7 +332,8 @@ def _refuse_another_command(output: str, fs, parent: str, manifest: dict | None,
             "Rerun the original command to resume it, or pass --overwrite to discard it and start over")
 
 
-def _keep_disjoint_records(fs, st: str, state: OutputState) -> None:
+def _keep_disjoint_records(sink: Sink, st: str, state: OutputState) -> None:
+    fs = sink.fs
     present = set(fs.find(st))
     records, paths, _ = select_records(fs, st, present)
     stats = posixpath.join(st, STATS) + "/"
@@ -311,8 +342,9 @@ def _keep_disjoint_records(fs, st: str, state: OutputState) -> None:
         keep.update(posixpath.join(st, f) for f in rec["files"].values())
     state.records = records
     state.record_paths = [_scheme(state.staging) + p for p in paths]
-    for p in present - keep:   # partial shards, dropped records, dead letters, counts, temp files
-        fs.rm_file(p)
+    gone = sorted(present - keep)    # partial shards, dropped records, dead letters, counts, temp files
+    if gone:
+        sink.remove(gone)
 
 
 def load_done_ids(record_paths: list[str], storage_options: dict | None = None) -> set[str]:

@@ -1,9 +1,9 @@
 """The run report: <out>/report.html, one self-contained page (inline SVG charts, no script, no fetch).
 No Beam import.
 
-Finalize builds it in the launching process (transforms/finalize.py) from what the run staged: the
+Finalize builds it in the launching process (output/finalize.py) from what the run staged: the
 manifest being written (model, counts, dead letters by reason), the kept commit records (sentence-length
-histograms per shard: resumed shards included) and the workers' run statistics (transforms/stats.py:
+histograms per shard: resumed shards included) and the workers' run statistics (output/stats.py:
 tokens embedded per wall-clock second, padding per batch-length bucket, seconds per stage).
 
 report_data() gathers the numbers (tests read them), render() lays out the page; the SVG chart functions
@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 import math
 
-from elmo_pipeline.transforms.stats import STAGES, merge_stats
+from elmo_pipeline.output.stats import STAGES, merge_stats
 
 MAX_POINTS = 120            # tokens/s over time: at most this many points (wider time bins beyond)
 MAX_BINS = 40               # sentence-length histogram bins (longer than the 99th percentile: one last bin)

@@ -1,7 +1,7 @@
 """Finalize: from what a run staged to the final output. No Beam import.
 
 It runs in the launching process once the runner has finished, and reads back what the workers staged
-under <out>/_staging/<run key>/ (transforms/write.py): commit records with their shard files, dead letters,
+under <out>/_staging/<run key>/ (output/staging.py): commit records with their shard files, dead letters,
 per-input-file record counts. So the output depends on the data alone, not on runner features (side
 inputs, metrics, outputs of finish_bundle), and a retried or recomputed bundle cannot change it: of
 overlapping commit records one disjoint set is kept, duplicate dead letters are dropped, counts are
@@ -10,7 +10,7 @@ one object per input file.
 - plan_from_staging(): that reading, checked: every selected shard's files are there and every sentence
   id any record names is covered (else Incomplete: the missing sentences are embedded by another round).
 - finalize(): dead letters written as final-size files, the run report (report.html, from the commit
-  records and the staged run statistics: transforms/report.py) and metrics.prom (the manifest's counts and
+  records and the staged run statistics: output/report.py) and metrics.prom (the manifest's counts and
   the stage times: formats/metrics.py), then the plan (finalize.json: every move
   and the manifest) before the first move, then complete_finalize().
 - complete_finalize(): the moves not yet done, manifest.json, removal of the staging folder, the
@@ -22,9 +22,9 @@ one object per input file.
   whose files are all present and embeds the rest again.
 - clear_final(): removes only the final-name files the pipeline can show it wrote (owned_final_names: what
   its manifest lists, what a plan moved), the proof (manifest.json, the plans) last.
-No final-named data file appears before the plan is complete and consistent. `fence` (the lease's
-check_held: fsio/lease.py) runs before each irreversible step (each move, the manifest, the staging removal,
-the register hook, _SUCCESS): a run that lost its lease stops there (RetryLater) and changes nothing more.
+No final-named data file appears before the plan is complete and consistent. Every write, move and removal
+goes through a Sink (output/sink.py) whose fence is the lease's check_held (fsio/lease.py); the register hook
+is fenced too: a run that lost its lease stops there (LeaseLost) and changes nothing more.
 """
 from __future__ import annotations
 
@@ -36,13 +36,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from elmo_pipeline.formats import layout
-from elmo_pipeline.formats.layout import (COUNTS, DEAD, DEAD_LETTERS, MANIFEST, METRICS, PLAN, RECORDS, REPORT, SHARD_FOLDERS,
-                            STAGING, STATS, SUCCESS, DeadLetter, ShardInfo)
+from elmo_pipeline.formats.layout import MANIFEST, SCHEMA_VERSION, SUCCESS, DeadLetter, ShardInfo
 from elmo_pipeline.formats.metrics import metrics_text
-from elmo_pipeline.fsio import atomic_write, is_local_fs, makedirs, move, remove_temp_files, url_fs
+from elmo_pipeline.fsio import remove_temp_files, url_fs
 from elmo_pipeline.fsio.lease import RetryLater
-from elmo_pipeline.transforms.faults import crash_point
-from elmo_pipeline.transforms.stats import STAGES, merge_stats
+from elmo_pipeline.output.names import (COUNTS, DEAD, DEAD_LETTERS, METRICS, PLAN, RECORDS, REPORT, SHARD_FOLDERS,
+                                        STAGING, STATS, is_final_name, listed_names, part_name)
+from elmo_pipeline.output.report import build_report
+from elmo_pipeline.output.sink import Sink
+from elmo_pipeline.output.stats import STAGES, merge_stats
 
 logger = logging.getLogger("elmo-pipeline.finalize")
 DEAD_LETTERS_PER_FILE = 100_000
@@ -55,7 +57,7 @@ class Incomplete(RuntimeError):
 @dataclass
 class Staged:
     """What plan_from_staging() found: the shards to publish, dead letters (no duplicates), summed counts;
-    for the run report, the shards' commit records and the staged run statistics (transforms/stats.py)."""
+    for the run report, the shards' commit records and the staged run statistics (output/stats.py)."""
     shards: list[ShardInfo]
     dead: list[DeadLetter]
     counts: dict
@@ -117,6 +119,46 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     return Staged([ShardInfo.from_record(r, st) for r in records], letters, counts, records, stats)
 
 
+def record_counts(stats: dict, dead: list[ShardInfo]) -> dict:
+    """Counts that account for every input record, from the per-file read stats and the staged dead-letter
+    files: input_records = documents + blank_records + record_dead_letters."""
+    by_reason: dict[str, int] = {}
+    for d in dead:
+        for k, v in d.extra.get("by_reason", {}).items():
+            by_reason[k] = by_reason.get(k, 0) + v
+    return {"input_records": stats.get("input_records", 0), "blank_records": stats.get("blank_records", 0),
+            "record_dead_letters": sum(d.sentences - d.extra.get("sentence_level", 0) for d in dead),
+            "dead_letters_by_reason": dict(sorted(by_reason.items()))}
+
+
+def complete_manifest(manifest: dict, shards: list[ShardInfo], dead: list[ShardInfo]) -> tuple[dict, list[list[str]]]:
+    """The manifest with shard listing and counts filled in, and the moves [staged url, final relative name]
+    that put every file under its final name. Shards are numbered in order of their first sentence id."""
+    shards = sorted(shards, key=lambda s: s.first_id)
+    dead = sorted(dead, key=lambda s: s.first_id)
+    listing, moves = [], []
+    for i, s in enumerate(shards):
+        entry = {"sentences": s.sentences, "tokens": s.tokens}
+        for fmt, src in sorted(s.files.items()):
+            rel = part_name(fmt, i, len(shards))
+            moves.append([src, rel])
+            entry[fmt] = rel
+        listing.append(entry)
+    dead_files = []
+    for i, s in enumerate(dead):
+        rel = part_name(DEAD_LETTERS, i, len(dead))
+        moves.append([s.files[DEAD_LETTERS], rel])
+        dead_files.append({"path": rel, "records": s.sentences})
+    counts = manifest.setdefault("counts", {})
+    counts["sentences_written"] = sum(s.sentences for s in shards)
+    counts["tokens_written"] = sum(s.tokens for s in shards)
+    counts["dead_letters"] = sum(s.sentences for s in dead)
+    counts["dead_letter_sentences"] = sum(s.extra.get("sentence_level", 0) for s in dead)
+    counts["sentences"] = counts["sentences_written"] + counts["dead_letter_sentences"]
+    manifest.update(schema_version=SCHEMA_VERSION, shards=listing, dead_letter_files=dead_files)
+    return manifest, moves
+
+
 def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_options: dict | None = None,
              register: Callable[[dict], None] | None = None, run_seconds: float | None = None,
              fence: Callable[[], None] | None = None) -> dict:
@@ -124,43 +166,35 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
     report (report.html; `run_seconds`: the run's wall time so far, for it) and metrics.prom, then the plan (finalize.json:
     every move and `manifest` completed with counts and the shard list), then complete_finalize() (with
     `register` and `fence`). Returns the manifest."""
-    fs, _ = url_fs(output, storage_options)
-    _, st = url_fs(staging, storage_options)
+    sink, st = Sink.at(staging, storage_options, fence)
     dead = []
     for n, i in enumerate(range(0, len(staged.dead), DEAD_LETTERS_PER_FILE)):
         part = staged.dead[i: i + DEAD_LETTERS_PER_FILE]
         path = posixpath.join(st, f"dead_letters-{n:05d}.jsonl")
-        atomic_write(fs, path, "".join(d.to_json() + "\n" for d in part).encode("utf-8"))
+        sink.put(path, "".join(d.to_json() + "\n" for d in part).encode("utf-8"))
         dead.append(ShardInfo({DEAD_LETTERS: path}, len(part), 0, part[0].id, extra=layout.count_dead_letters(part)))
     m = json.loads(json.dumps(manifest, default=str))
     counts = m.setdefault("counts", {})
-    counts.update(layout.record_counts(staged.counts, dead))
+    counts.update(record_counts(staged.counts, dead))
     counts["documents"] = counts["input_records"] - counts["blank_records"] - counts["record_dead_letters"]
-    m, moves = layout.complete_manifest(m, staged.shards, dead)
-    makedirs(fs, st)
+    m, moves = complete_manifest(m, staged.shards, dead)
     try:            # an extra: a report that cannot be built must not cost the run its output
-        from elmo_pipeline.transforms.report import build_report
         page = build_report(m, staged.records, staged.stats, run_seconds)
     except Exception:  # noqa: BLE001
         logger.exception("could not build the run report; the output is complete without it")
     else:
-        atomic_write(fs, posixpath.join(st, REPORT), page.encode("utf-8"))
+        sink.put(posixpath.join(st, REPORT), page.encode("utf-8"))
         moves.append([posixpath.join(st, REPORT), REPORT])
         m["report"] = REPORT
     m["metrics"] = METRICS      # the manifest's counts, so written from it once it is complete
     seconds = merge_stats(staged.stats)["seconds"]
     text = metrics_text(m, output, {k: seconds.get(k, 0.0) for k in STAGES}, run_seconds,
                         time.time())
-    atomic_write(fs, posixpath.join(st, METRICS), text.encode("utf-8"))
+    sink.put(posixpath.join(st, METRICS), text.encode("utf-8"))
     moves.append([posixpath.join(st, METRICS), METRICS])
-    (fence or _unfenced)()
-    atomic_write(fs, posixpath.join(st, PLAN), json.dumps({"moves": moves, "manifest": m}).encode())
+    sink.put(posixpath.join(st, PLAN), json.dumps({"moves": moves, "manifest": m}).encode())
     complete_finalize(output, staging, storage_options, register, fence)
     return m
-
-
-def _unfenced() -> None:
-    """No lease to check (a finalize called outside a run: tests, tools)."""
 
 
 def read_plan(fs, st: str) -> dict | None:
@@ -176,21 +210,22 @@ def plan_consistent(fs, root: str, st: str, plan: dict) -> bool:
     return all(src in staged or fs.exists(posixpath.join(root, rel)) for src, rel in plan["moves"])
 
 
-def roll_back(fs, root: str, st: str, plan: dict) -> None:
+def roll_back(sink: Sink, root: str, st: str, plan: dict) -> None:
     """Undo a plan that cannot be completed: files already moved go back to their staged names (a copy left
     at the final name by an object-store move cut short is removed), the plan and manifest.json are removed
     (their shards' commit records then decide what is kept)."""
+    fs = sink.fs
     staged = set(fs.find(st))
     for src, rel in plan["moves"]:
         dst = posixpath.join(root, rel)
         if fs.exists(dst):
             if src in staged:
-                fs.rm_file(dst)
+                sink.remove(dst)
             else:
-                move(fs, dst, src)
+                sink.move(dst, src)
     for p in (posixpath.join(root, MANIFEST), posixpath.join(st, PLAN)):
         if fs.exists(p):
-            fs.rm_file(p)
+            sink.remove(p)
 
 
 def complete_finalize(output: str, staging: str, storage_options: dict | None = None,
@@ -198,11 +233,11 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
                       fence: Callable[[], None] | None = None) -> dict | None:
     """Carry out (again) the finalize plan in `staging`: every move not yet done, manifest.json, removal of
     the staging folder, then register(manifest) when given (every file is in place; it must be idempotent:
-    a run killed after it calls it again), _SUCCESS last; fence() before each of these steps (RetryLater
-    when the lease is lost). Without a plan (already removed), only the last steps. Returns the manifest
-    written (or found), or None."""
-    fence = fence or _unfenced
-    fs, root = url_fs(output, storage_options)
+    a run killed after it calls it again), _SUCCESS last; each of them fenced (LeaseLost when the lease is
+    lost). Without a plan (already removed), only the last steps. Returns the manifest written (or found),
+    or None."""
+    sink, root = Sink.at(output, storage_options, fence)
+    fs = sink.fs
     _, st = url_fs(staging, storage_options)
     staged = set(fs.find(st)) if fs.exists(st) else set()     # one listing instead of a request per file
     plan = read_plan(fs, st) if posixpath.join(st, PLAN) in staged else None
@@ -210,32 +245,22 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
         for src, rel in plan["moves"]:
             dst = posixpath.join(root, rel)
             if src in staged:                # not moved yet (or copied but not deleted, on an object store)
-                fence()
-                makedirs(fs, posixpath.dirname(dst))
-                move(fs, src, dst)
+                sink.move(src, dst)
             elif not fs.exists(dst):
                 raise RetryLater(f"finalize: staged file {src} is gone and {dst} was never written; "
                                         "rerun the same command: it re-embeds that shard")
-            crash_point("finalize_move")
-        fence()
-        atomic_write(fs, posixpath.join(root, MANIFEST), layout.manifest_bytes(plan["manifest"]))
-        crash_point("finalize_manifest")
+        sink.put(posixpath.join(root, MANIFEST), layout.manifest_bytes(plan["manifest"]))
     if fs.exists(st):
-        fence()
-        fs.rm(st, recursive=True)
+        sink.remove(st, recursive=True)
     staging_parent = posixpath.join(root, STAGING)
     if fs.exists(staging_parent) and not fs.ls(staging_parent):
-        fs.rm(staging_parent, recursive=True)
-    crash_point("finalize_cleanup")
+        sink.remove(staging_parent, recursive=True)
     manifest = plan["manifest"] if plan else layout.read_manifest(fs, root)
     if register is not None and manifest is not None:
-        crash_point("register")            # just before the table is looked at and the files added
-        fence()
+        sink.fence()
         register(manifest)
-        crash_point("registered")          # added, _SUCCESS not yet written
-    fence()
     remove_temp_files(fs, root, (MANIFEST, SUCCESS))
-    atomic_write(fs, posixpath.join(root, SUCCESS), b"")
+    sink.put(posixpath.join(root, SUCCESS), b"")
     return manifest
 
 
@@ -260,17 +285,17 @@ def staged_plans(fs, root: str) -> dict[str, dict]:
 
 def plan_names(plan: dict) -> set[str]:
     """The final names (relative to the output folder) that a finalize plan moves files to."""
-    return {m[1] for m in plan["moves"] if isinstance(m, list) and len(m) == 2 and layout.is_final_name(m[1])}
+    return {m[1] for m in plan["moves"] if isinstance(m, list) and len(m) == 2 and is_final_name(m[1])}
 
 
 def owned_final_names(fs, root: str) -> set[str]:
     """Names (relative to `root`) of final-name files the pipeline can show it wrote there: what its
     manifest.json lists, with manifest.json and _SUCCESS, and what the finalize plans under _staging/ move
-    there (formats/layout.py, ownership)."""
+    there (output/names.py, ownership)."""
     names = set()
     manifest = layout.read_manifest(fs, root)
     if manifest is not None:
-        names |= layout.listed_names(manifest) | {MANIFEST, SUCCESS}
+        names |= listed_names(manifest) | {MANIFEST, SUCCESS}
     for plan in staged_plans(fs, root).values():
         names |= plan_names(plan)
     return names
@@ -286,10 +311,11 @@ def files_under(fs, root: str, folders: tuple[str, ...]) -> set[str]:
     return found
 
 
-def clear_final(fs, root: str, keep: set[str] = frozenset()) -> None:
+def clear_final(sink: Sink, root: str, keep: set[str] = frozenset()) -> None:
     """Remove the final-name files the pipeline wrote under `root` (owned_final_names), but those in `keep`:
     _SUCCESS first, manifest.json last (until then it shows whose the rest are), then shard folders left
     empty and the temporary files of manifest.json and _SUCCESS. Files of unknown origin stay."""
+    fs = sink.fs
     owned = owned_final_names(fs, root) - set(keep)
     present = files_under(fs, root, SHARD_FOLDERS) | {n for n in (SUCCESS, MANIFEST, REPORT, METRICS)
                                                        if fs.exists(posixpath.join(root, n))}
@@ -297,9 +323,9 @@ def clear_final(fs, root: str, keep: set[str] = frozenset()) -> None:
     for group in ([SUCCESS], data, [MANIFEST]):
         paths = [posixpath.join(root, n) for n in group if n in owned and n in present]
         if paths:
-            fs.rm(paths)
+            sink.remove(paths)
     for sub in SHARD_FOLDERS:
         path = posixpath.join(root, sub)
-        if is_local_fs(fs) and fs.isdir(path) and not fs.ls(path):
+        if sink.local and fs.isdir(path) and not fs.ls(path):
             fs.rmdir(path)
     remove_temp_files(fs, root, (MANIFEST, SUCCESS))

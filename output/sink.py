@@ -1,0 +1,61 @@
+"""Where an output's files go: one fsspec filesystem (a local folder or an object store) and the fence checked
+before every write. Local and remote stores differ only here; the format writers (formats/parquet.py,
+formats/arrow.py, formats/hdf5.py) are handed a stream from open() or bytes for put(). No Beam import.
+"""
+from __future__ import annotations
+
+import posixpath
+from contextlib import contextmanager
+from typing import Callable
+
+import pyarrow as pa
+
+from elmo_pipeline.fsio import atomic_write, is_local_fs, makedirs, move, release_written, url_fs
+
+
+def unfenced() -> None:
+    """No lease to check (writes outside a run: tests, tools)."""
+
+
+class Sink:
+    """Writes under one filesystem. `fence()` runs before each write, move and removal: it raises (fsio.lease's
+    LeaseLost) once the run that writes lost the output's lease, so a fenced-off run writes nothing more."""
+
+    def __init__(self, fs, fence: Callable[[], None] | None = None):
+        self.fs, self.fence = fs, fence or unfenced
+        self.local = is_local_fs(fs)
+
+    @classmethod
+    def at(cls, url: str, storage_options: dict | None = None, fence: Callable[[], None] | None = None):
+        """(Sink, path within its filesystem) of a folder URL or path."""
+        fs, root = url_fs(url, storage_options)
+        return cls(fs, fence), root
+
+    @contextmanager
+    def open(self, path: str):
+        """A writable binary stream for a new file at `path` (local: Arrow's own file, written without the GIL;
+        object stores: one object, visible once the block ends). The file is released to disk when whole."""
+        self.fence()
+        makedirs(self.fs, posixpath.dirname(path))
+        if self.local:
+            with pa.OSFile(path, "wb") as f:
+                yield f
+            release_written(self.fs, path)
+        else:
+            with self.fs.open(path, "wb") as f:
+                yield f
+
+    def put(self, path: str, data: bytes) -> None:
+        """`data` at `path`, whole or not at all (fsio.atomic_write)."""
+        self.fence()
+        makedirs(self.fs, posixpath.dirname(path))
+        atomic_write(self.fs, path, data)
+
+    def move(self, src: str, dst: str) -> None:
+        self.fence()
+        makedirs(self.fs, posixpath.dirname(dst))
+        move(self.fs, src, dst)
+
+    def remove(self, paths: list[str] | str, recursive: bool = False) -> None:
+        self.fence()
+        self.fs.rm(paths, recursive=recursive)
