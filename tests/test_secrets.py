@@ -39,7 +39,8 @@ EXAMPLES = [
      "&X-Amz-Date=20240101T000000Z&X-Amz-Expires=3600&X-Amz-Security-Token=FQo&X-Amz-Signature=abc123",
      "https://b.s3.amazonaws.com/w.hdf5?X-Amz-Algorithm=***&X-Amz-Credential=***"
      "&X-Amz-Date=***&X-Amz-Expires=***&X-Amz-Security-Token=***&X-Amz-Signature=***"),
-    ("https://acct.blob.core.windows.net/c/in.txt?sv=2022&se=2030&sig=Zm9v", "https://acct.blob.core.windows.net/c/in.txt?sv=***&se=***&sig=***"),
+    ("https://acct.blob.core.windows.net/c/in.txt?sv=2022&se=2030&sig=Zm9v",
+     "https://acct.blob.core.windows.net/c/in.txt?sv=***&se=***&sig=***"),
     ("https://h/x?PASSWORD=a&Api_Key=b&access_key=c&token=d&auth=e&pwd=f&passwd=g&secret=h&key=i&signature=j"
      "&credential=k", "https://h/x?PASSWORD=***&Api_Key=***&access_key=***&token=***&auth=***&pwd=***&passwd=***"
      "&secret=***&key=***&signature=***&credential=***"),
