@@ -2,15 +2,17 @@
 Iceberg snapshot properties): redact() is the one function for it.
 
 In text (a URL, a DSN, an exception message holding URLs):
-- a URL's password: scheme://user:password@host -> scheme://user:***@host (the user is kept), also without a
-  scheme (user:se/cret@host, as libpq and SQLAlchemy take it);
-- credential-like query parameters: ?password=...&sig=...&X-Amz-Signature=... -> their values ***.
+- a URL's user info, whatever it holds (a user, user:password, a token, token:x-oauth-basic):
+  scheme://user:password@host -> scheme://***@host, also without a scheme (user:se/cret@host, as libpq and
+  SQLAlchemy take it);
+- a URL query's values, quoted ("X", 'X') or not, except those of PLAIN_PARAMETERS: ?jwt=X&versionId=3 ->
+  ?jwt=***&versionId=3; a parameter with a credential-like name is masked after an & outside a query too.
 In a dict (storage options, flags): the string values of credential-like keys (key, secret, token, password,
 aws_secret_access_key, ...) -> ***, and everything else redacted in turn. A name is credential-like when one of
 its words (split at _ - . and camelCase, any case) is in SECRET_WORDS, or it holds one of SECRET_PARTS.
 
-Text without a secret comes back unchanged (the same string), so what is hashed or compared from redacted values
-(run keys) does not move for ordinary inputs.
+Text without user info or query values (local paths, plain URLs) comes back unchanged (the same string), so what
+is hashed or compared from redacted values (run keys) does not move for ordinary inputs.
 """
 from __future__ import annotations
 
@@ -20,20 +22,28 @@ import re
 MASK = "***"
 SECRET_WORDS = frozenset({
     "password", "passwd", "pwd", "pass", "passphrase", "secret", "token", "key", "apikey", "accesskey",
-    "secretkey", "sig", "signature", "credential", "credentials", "auth", "authorization", "sas"})
+    "secretkey", "sig", "signature", "credential", "credentials", "auth", "authorization", "sas", "jwt"})
 # ... and, in a name run together (awsaccesskeyid, xamzsignature), these parts of it
 SECRET_PARTS = ("password", "passwd", "secret", "signature", "credential", "apikey", "accesskey", "privatekey",
                 "accountkey", "sessiontoken", "securitytoken", "accesstoken", "authtoken", "refreshtoken")
+# Query parameters (any case) whose values are kept: they say which object or which form of it was read (an S3
+# object version, a GCS generation, GCS's alt=media, a format or page) and are never credentials. Any other
+# name may carry a credential (jwt, code, X-Amz-Signature, an API's own): its value is masked.
+PLAIN_PARAMETERS = frozenset({"versionid", "generation", "alt", "format", "page"})
 
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
-# scheme://user:password@ : the password runs to the authority's last @ (an unescaped @ inside it too); one
-# holding a / (taken unescaped by SQLAlchemy) only when what follows the colon is no port (digits then /?#)
-_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://[^\s:/?#@'\"<>]*):"
-                           r"(?P<secret>[^\s/?#]+|(?!\d*[/?#])[^\s?#'\"<>]+)@")
-# user:password@host with no scheme; not a path's part (after / or :) and not a port
-_BARE_PASSWORD = re.compile(r"(?<![\w.+%/:@-])(?P<head>[\w.+-]+):(?P<secret>(?!\d*[/?#])[^\s@/][^\s@]*)"
-                            r"@(?=[\w\[])")
-_QUERY_PARAMETER = re.compile(r"(?P<head>[?&](?P<name>[^=&#\s?'\"<>]+)=)(?P<value>[^&#\s'\"<>]+)")
+# scheme://userinfo@ : to the authority's last @ (an unescaped @ inside it too); a password holding a / (taken
+# unescaped by SQLAlchemy) only when what follows the colon is no port (digits then /?#)
+_URL_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://)"
+                           r"(?:[^\s/?#]+|[^\s:/?#@'\"<>]*:(?!\d*[/?#])[^\s?#'\"<>]+)@")
+# user:password@host with no scheme, where a value starts (text's start, after a space, a quote, ( = , ;): not a
+# path's part, and not a port
+_BARE_USERINFO = re.compile(r"(?<![^\s'\"(=,;])[\w.+-]+:(?!\d*[/?#])[^\s@/][^\s@]*@(?=[\w\[])")
+# ?name=value or &name=value, the value quoted or not; a lone ?name or &name keeps a query going
+_PARAMETER = re.compile(r"(?P<sep>[?&])(?P<name>[^=&#\s?'\"<>]*)"
+                        r"(?:=(?P<value>\"[^\"\n]*\"|'[^'\n]*'|[^&#\s'\"<>]*))?")
+# masked already: a mask, then maybe an id's line number (in.txt?sig=***:1#0) or what ended a quoted value (, ))
+_MASKED = re.compile(r"\*\*\*(:\d+)?\W*")
 
 
 def secret_name(name: str) -> bool:
@@ -58,12 +68,30 @@ def redact(value):
 
 def _redact_text(text: str) -> str:
     if "@" in text:
-        text = _URL_PASSWORD.sub(lambda m: f"{m['head']}:{MASK}@", text)
-        text = _BARE_PASSWORD.sub(lambda m: f"{m['head']}:{MASK}@", text)
+        text = _URL_USERINFO.sub(lambda m: f"{m['head']}{MASK}@", text)
+        text = _BARE_USERINFO.sub(f"{MASK}@", text)
     if "=" in text:
-        text = _QUERY_PARAMETER.sub(lambda m: m["head"] + MASK if secret_name(m["name"])
-                                    and not m["value"].startswith(MASK) else m[0], text)   # ***:1#0: an id
+        text = _redact_query(text)
     return text
+
+
+def _redact_query(text: str) -> str:
+    """Query values masked: those after a ? and the &s that follow it, but for PLAIN_PARAMETERS; credential-like
+    names after any &."""
+    query_end = -1
+
+    def mask(m: re.Match) -> str:
+        nonlocal query_end
+        in_query = m["sep"] == "?" or m.start() == query_end
+        if in_query:
+            query_end = m.end()
+        name, value = m["name"], m["value"]
+        if not value or _MASKED.fullmatch(value) or not (
+                secret_name(name) or in_query and name.lower() not in PLAIN_PARAMETERS):
+            return m[0]
+        return f"{m['sep']}{name}={MASK}"
+
+    return _PARAMETER.sub(mask, text)
 
 
 class _RedactRecords(logging.Filter):

@@ -209,7 +209,7 @@ def test_register_is_idempotent_and_refuses_a_partial_table(runs, tmp_path):
 
 
 def test_catalog_password_is_not_recorded():
-    assert redact("postgresql+psycopg2://user:secret@db:5432/cat") == "postgresql+psycopg2://user:***@db:5432/cat"
+    assert redact("postgresql+psycopg2://user:secret@db:5432/cat") == "postgresql+psycopg2://***@db:5432/cat"
     assert redact("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
 
 

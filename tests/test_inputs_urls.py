@@ -70,7 +70,7 @@ def test_presigned_urls_for_model_files_and_inputs(tiny_model_files, tmp_path, m
     remote, plain = (json.load(open(tmp_path / o / "manifest.json")) for o in ("remote", "local"))
     assert remote["counts"]["documents"] == 2 and remote["model"]["weights_sha256"] == plain["model"]["weights_sha256"]
     got, want = hdf5_arrays(str(tmp_path / "remote"), remote), hdf5_arrays(str(tmp_path / "local"), plain)
-    assert sorted(got) == [f"in.txt?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Expires=600&X-Amz-Signature=***&sig=***:{n}#0"
+    assert sorted(got) == [f"in.txt?X-Amz-Algorithm=***&X-Amz-Expires=***&X-Amz-Signature=***&sig=***:{n}#0"
                            for n in (1, 2)]
     for key, v in got.items():        # the same vectors, bit for bit, as from the local files
         np.testing.assert_array_equal(v, want["in.txt:" + key.rsplit(":", 1)[1]])

@@ -19,30 +19,42 @@ from tests.resume_helpers import REPO
 # --- redact() -----------------------------------------------------------------------------------------------
 
 EXAMPLES = [
-    ("postgresql://host/db?user=u&password=s", "postgresql://host/db?user=u&password=***"),
-    ("user:se/cret@host", "user:***@host"),
-    ("postgresql://user:se/cret@host/db", "postgresql://user:***@host/db"),
-    ("postgresql+psycopg2://user:secret@db:5432/cat", "postgresql+psycopg2://user:***@db:5432/cat"),
+    ("postgresql://host/db?user=u&password=s", "postgresql://host/db?user=***&password=***"),
+    ("user:se/cret@host", "***@host"),
+    ("postgresql://user:se/cret@host/db", "postgresql://***@host/db"),
+    ("postgresql+psycopg2://user:secret@db:5432/cat", "postgresql+psycopg2://***@db:5432/cat"),
     ("sqlite:///cat.db?password=QSECRET", "sqlite:///cat.db?password=***"),
-    ("http://alice:S3CRETPW@127.0.0.1:8080/options.json", "http://alice:***@127.0.0.1:8080/options.json"),
-    ("http://alice:p@ss@host/x", "http://alice:***@host/x"),
-    ("redis://:pw@host:6379/0", "redis://:***@host:6379/0"),
+    ("http://alice:S3CRETPW@127.0.0.1:8080/options.json", "http://***@127.0.0.1:8080/options.json"),
+    ("http://alice:p@ss@host/x", "http://***@host/x"),
+    ("redis://:pw@host:6379/0", "redis://***@host:6379/0"),
+    # user info whatever it holds, any query value (quoted or not) but the plain parameters'
+    ("http://Zt0ken@host/in.txt", "http://***@host/in.txt"),
+    ("https://Zt0ken:x-oauth-basic@github.com/o/r.git", "https://***@github.com/o/r.git"),
+    ("https://h/in.txt?jwt=eyJ.eyJ.Zsig&page=2", "https://h/in.txt?jwt=***&page=2"),
+    ('https://h/in.txt?token="Zt0 ken"&alt=media', "https://h/in.txt?token=***&alt=media"),
+    ("https://h/in.txt?token='Zt0ken'", "https://h/in.txt?token=***"),
+    ("https://h/x?flag&code=Zc0de#top", "https://h/x?flag&code=***#top"),
+    ("s3://b/k.txt?versionId=3HL4kqtJ&X-Amz-Date=20240101T000000Z", "s3://b/k.txt?versionId=3HL4kqtJ&X-Amz-Date=***"),
     ("https://b.s3.amazonaws.com/w.hdf5?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA%2F20240101"
      "&X-Amz-Date=20240101T000000Z&X-Amz-Expires=3600&X-Amz-Security-Token=FQo&X-Amz-Signature=abc123",
-     "https://b.s3.amazonaws.com/w.hdf5?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=***"
-     "&X-Amz-Date=20240101T000000Z&X-Amz-Expires=3600&X-Amz-Security-Token=***&X-Amz-Signature=***"),
-    ("https://acct.blob.core.windows.net/c/in.txt?sv=2022&se=2030&sig=Zm9v", "https://acct.blob.core.windows.net/c/in.txt?sv=2022&se=2030&sig=***"),
+     "https://b.s3.amazonaws.com/w.hdf5?X-Amz-Algorithm=***&X-Amz-Credential=***"
+     "&X-Amz-Date=***&X-Amz-Expires=***&X-Amz-Security-Token=***&X-Amz-Signature=***"),
+    ("https://acct.blob.core.windows.net/c/in.txt?sv=2022&se=2030&sig=Zm9v",
+     "https://acct.blob.core.windows.net/c/in.txt?sv=***&se=***&sig=***"),
     ("https://h/x?PASSWORD=a&Api_Key=b&access_key=c&token=d&auth=e&pwd=f&passwd=g&secret=h&key=i&signature=j"
      "&credential=k", "https://h/x?PASSWORD=***&Api_Key=***&access_key=***&token=***&auth=***&pwd=***&passwd=***"
      "&secret=***&key=***&signature=***&credential=***"),
+    # a credential-like name after an & outside a query (an Azure SAS in a connection string)
+    ("AccountName=a;SharedAccessSignature=sv=2022&sig=Zm9v", "AccountName=a;SharedAccessSignature=sv=2022&sig=***"),
     # an exception message holding URLs
     ("FileNotFoundError: http://alice:pw1@h:81/o.json?sig=s1 (and 'https://bob:pw2@g/x')",
-     "FileNotFoundError: http://alice:***@h:81/o.json?sig=*** (and 'https://bob:***@g/x')"),
+     "FileNotFoundError: http://***@h:81/o.json?sig=*** (and 'https://***@g/x')"),
+    ("cannot open 'https://h/x?jwt=Zj': 404", "cannot open 'https://h/x?jwt=***': 404"),
 ]
 UNCHANGED = ["sqlite:////tmp/x.db", "s3://bucket/in/*.txt", "s3://bucket/in/part-?.txt", "/data/a:b@c.txt", "docs.txt:1#0",
-             "http://127.0.0.1:5000/bucket/file@v2.txt", "https://h/x?author=me&max_tokens=3&page=2&key=",
-             "gs://b/k", "file:///tmp/in.txt", "memory://x.txt", "https://token@github.com/o/r.git",
-             "in.txt?sig=***:1#0", "http://alice:***@h/x"]
+             "http://127.0.0.1:5000/bucket/file@v2.txt", "https://h/x?versionId=7&Generation=2&alt=media&format=csv"
+             "&page=2&key=", "gs://b/k", "file:///tmp/in.txt", "memory://x.txt", "in.txt?sig=***:1#0",
+             "in.txt?token=***", "http://***@h/x?jwt=***", "what? a=b", "Q&A=1"]
 
 
 @pytest.mark.parametrize("text,want", EXAMPLES)
@@ -62,7 +74,7 @@ def test_secret_valued_options_in_any_dict():
                  "config_kwargs": {"retries": {"total_max_attempts": 5}}},
           "gs": {"token": "/path/creds.json", "project": "p"}, "az": {"account_key": "AK3", "sas_token": "?sv=1&sig=S"}}
     assert redact(so) == {
-        "s3": {"endpoint_url": "http://u:***@127.0.0.1:9000", "key": "***", "secret": "***", "token": "***",
+        "s3": {"endpoint_url": "http://***@127.0.0.1:9000", "key": "***", "secret": "***", "token": "***",
                "client_kwargs": {"region_name": "eu-west-1", "aws_session_token": "***",
                                  "aws_secret_access_key": "***", "aws_access_key_id": "***"},
                "config_kwargs": {"retries": {"total_max_attempts": 5}}},
@@ -79,9 +91,9 @@ USERINFO = LOWER + "ABCDEFGHIJKLMNOPQRSTUVWXY-._~!$&'()*+,;=:%@"     # RFC 3986 
 QUERY_VALUE = LOWER + "ABCDEFGHIJKLMNOPQRSTUVWXY-._~%+/="
 SECRET_PARAMETERS = ["password", "passwd", "pwd", "token", "secret", "key", "access_key", "sig", "signature",
                      "X-Amz-Signature", "X-Amz-Credential", "X-Amz-Security-Token", "credential", "api_key", "apiKey",
-                     "auth", "AWSAccessKeyId", "sas_token", "client_secret", "Signature", "X-Goog-Signature"]
-PLAIN_PARAMETERS = ["page", "v", "format", "X-Amz-Date", "X-Amz-Expires", "X-Amz-Algorithm", "response-content-type",
-                    "max_tokens", "author", "sv", "se", "monkey", "keyword"]
+                     "auth", "AWSAccessKeyId", "sas_token", "client_secret", "Signature", "X-Goog-Signature", "jwt",
+                     "code", "access_token", "X-Amz-Date", "X-Amz-Expires", "sv", "se", "author", "v", "monkey"]
+PLAIN_PARAMETERS = ["versionId", "generation", "alt", "format", "page"]
 
 words = st.text(LOWER, min_size=1, max_size=8)
 hosts = st.one_of(st.lists(words, min_size=1, max_size=3).map(".".join),
@@ -98,6 +110,15 @@ def case_of(name):
     return st.sampled_from([name, name.lower(), name.upper()])
 
 
+plain_parameters = st.tuples(st.sampled_from(PLAIN_PARAMETERS).flatmap(case_of), words)
+# any other name: a credential's, an API's own, any word
+other_names = st.one_of(st.sampled_from(SECRET_PARAMETERS).flatmap(case_of),
+                        words.filter(lambda w: w not in {p.lower() for p in PLAIN_PARAMETERS}))
+query_values = st.one_of(planted(QUERY_VALUE),        # unquoted, "quoted" or 'quoted' (then any character)
+                         planted(QUERY_VALUE + " &#?'").map(lambda s: (f'"{s}"', s)),
+                         planted(QUERY_VALUE + ' &#?"').map(lambda s: (f"'{s}'", s)))
+
+
 @st.composite
 def secret_url(draw):
     """(a URL or DSN holding a planted secret, the secret)."""
@@ -106,23 +127,23 @@ def secret_url(draw):
         secret = draw(planted(USERINFO.replace("@", "") + "/"))
         return f"{draw(words)}:{secret}@{draw(hosts)}{draw(paths)}", secret
     host, path, scheme = draw(hosts), draw(paths), draw(schemes)
-    if kind == "userinfo":
+    if kind == "userinfo":                      # the user info whatever it holds: user:secret, secret, secret:word
         secret = draw(planted(USERINFO))
-        return f"{scheme}://{draw(words)}:{secret}@{host}{path}", secret
-    secret = draw(planted(QUERY_VALUE))
-    name = draw(st.sampled_from(SECRET_PARAMETERS).flatmap(case_of))
-    before = draw(st.lists(st.tuples(st.sampled_from(PLAIN_PARAMETERS), words), max_size=3))
-    after = draw(st.lists(st.tuples(st.sampled_from(PLAIN_PARAMETERS), words), max_size=3))
-    query = "&".join(f"{k}={v}" for k, v in [*before, (name, secret), *after])
+        userinfo = draw(st.sampled_from(["{u}:{s}", "{s}", "{s}:x-oauth-basic", "{s}:{u}"]))
+        return f"{scheme}://{userinfo.format(u=draw(words), s=secret)}@{host}{path}", secret
+    value = draw(query_values)
+    value, secret = value if isinstance(value, tuple) else (value, value)
+    before = draw(st.lists(st.one_of(plain_parameters, st.tuples(other_names, words)), max_size=3))
+    after = draw(st.lists(st.one_of(plain_parameters, st.tuples(other_names, words)), max_size=3))
+    query = "&".join(f"{k}={v}" for k, v in [*before, (draw(other_names), value), *after])
     return f"{scheme}://{host}{path}?{query}", secret
 
 
 @st.composite
 def plain_url(draw):
-    """A URL without a secret: maybe a user without password, a port, non-credential query parameters."""
-    user = draw(st.one_of(st.just(""), words.map(lambda u: u + "@")))
-    query = draw(st.lists(st.tuples(st.sampled_from(PLAIN_PARAMETERS), words), max_size=4))
-    return (f"{draw(schemes)}://{user}{draw(hosts)}{draw(paths)}"
+    """A URL without a secret: no user info, maybe a port, maybe the plain query parameters."""
+    query = draw(st.lists(plain_parameters, max_size=4))
+    return (f"{draw(schemes)}://{draw(hosts)}{draw(paths)}"
             + ("?" + "&".join(f"{k}={v}" for k, v in query) if query else ""))
 
 
@@ -142,6 +163,16 @@ def test_a_planted_secret_never_survives(url_secret, message):
 def test_a_url_without_secrets_is_returned_unchanged(url):
     assert redact(url) == url
     assert redact({"input": [url], "output": url}) == {"input": [url], "output": url}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(LOWER + "ABC._-~:@*?[]!", min_size=1, max_size=10), min_size=1, max_size=4),
+       st.one_of(st.just(""), st.integers(1, 999).map(lambda n: f":{n}#0")))
+def test_a_local_path_or_an_id_is_returned_unchanged(parts, suffix):
+    """No URL, no query value: a local path (globs, a colon or an @ in a name) or a sentence id, as it was (a
+    relative name like user:password@host is taken for a DSN's)."""
+    for text in ("/" + "/".join(parts), "/".join(parts).replace("@", "") + suffix):
+        assert redact(text) == text
 
 
 @settings(max_examples=200, deadline=None)
@@ -234,8 +265,8 @@ def test_no_secret_in_any_output_line_or_table(tiny_model_files, tmp_path):
         plan = pipeline_process([*local_in, "--dry-run"], tmp_path)
         assert plan.returncode == 0 and "docs.txt?sig=***" in plan.stdout, plan.stderr
     m = json.loads(next(v for p, v in written.items() if p.endswith("manifest.json")))
-    assert m["model"]["options_file"] == f"http://alice:***@{server.url[7:]}/m/options.json" + QUERY.replace(
-        SIG, "***").replace(AMZ_SIGNATURE, "***").replace(AMZ_CREDENTIAL, "***")
+    assert m["model"]["options_file"] == (f"http://***@{server.url[7:]}/m/options.json"
+                                          "?sig=***&X-Amz-Date=***&X-Amz-Signature=***&X-Amz-Credential=***")
     assert m["counts"]["dead_letters"] >= 1 and m["counts"]["sentences_written"] >= 1
     for name, data in written.items():
         assert_no_secret(name, texts_of(name, data))
@@ -243,7 +274,7 @@ def test_no_secret_in_any_output_line_or_table(tiny_model_files, tmp_path):
                        str(tmp_path / "run.prom"): (tmp_path / "run.prom").read_bytes()}.items():
         assert_no_secret(name, texts_of(name, data))
     ids = json.load(open(tmp_path / "out" / "manifest.json"))
-    assert ids["inputs"] == [f"http://alice:***@{server.url[7:]}/in/docs.txt?sig=***"]
+    assert ids["inputs"] == [f"http://***@{server.url[7:]}/in/docs.txt?sig=***"]
     for p in (on_s3, verbose, plan):
         assert_no_secret(f"the output of {p.args[3:]}", [p.stdout, p.stderr])
     assert "Traceback" not in on_s3.stderr
@@ -268,7 +299,7 @@ def test_missing_model_file_at_a_url_with_a_password(tiny_model_files, tmp_path,
                               *(["--verbose"] if verbose else [])], tmp_path)
     assert p.returncode == 65, p.stderr
     line = p.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: ") and "gone.json" in line and "alice:***@" in line, line
+    assert line.startswith("error: ") and "gone.json" in line and "http://***@" in line, line
     assert_no_secret("the failing run's output", [p.stdout, p.stderr])
     assert ("Traceback" in p.stderr) == verbose
 
@@ -282,4 +313,55 @@ def test_a_malformed_log_call_is_left_to_logging_not_raised_by_the_redacting_fil
     bad = logging.LogRecord("elmo-pipeline.test", logging.WARNING, __file__, 1, "%d", ("abc",), None)
     assert _RECORDS.filter(bad) and (bad.msg, bad.args) == ("%d", ("abc",))
     good = logging.LogRecord("elmo-pipeline.test", logging.WARNING, __file__, 1, "from %s", ("http://u:pw@h/x",), None)
-    assert _RECORDS.filter(good) and good.getMessage() == "from http://u:***@h/x"
+    assert _RECORDS.filter(good) and good.getMessage() == "from http://***@h/x"
+
+
+# --- secrets in user info alone, in a token's user info, in any query value, quoted ---------------------------
+
+TOKEN = "Tk9SECRETtoken"
+SPELLINGS = {      # a URL of the model server, spelled with TOKEN in it
+    "user": lambda url: url.replace("http://", f"http://{TOKEN}@", 1),
+    "x-oauth-basic": lambda url: url.replace("http://", f"http://{TOKEN}:x-oauth-basic@", 1),
+    "jwt": lambda url: f"{url}?jwt={TOKEN}",
+    "quoted": lambda url: f'{url}?token="{TOKEN}"',
+}
+
+
+def served_at(server, spelled: str, data: bytes) -> None:
+    """`data` served at the path of `spelled` (a quoted value as the client sends it, percent-encoded, too)."""
+    path = "/" + spelled.split("://", 1)[1].split("/", 1)[1]
+    server.files[path] = server.files[path.replace('"', "%22")] = data
+
+
+def assert_no_token(where: str, texts) -> None:
+    for text in texts:
+        assert TOKEN not in text, f"{where} holds the token: ...{text[max(0, text.find(TOKEN) - 200):][:400]}..."
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_a_token_in_user_info_or_any_query_value_is_recorded_nowhere(spelling, tiny_model_files, tmp_path):
+    spell = SPELLINGS[spelling]
+    with ModelServer() as server:
+        urls = {name: spell(f"{server.url}/{name}") for name in ("m/options.json", "m/weights.hdf5", "in/docs.txt")}
+        for url, data in zip(urls.values(), [*(open(p, "rb").read() for p in tiny_model_files), DOCS.encode()]):
+            served_at(server, url, data)
+        model = ["--options-file", urls["m/options.json"], "--weight-file", urls["m/weights.hdf5"],
+                 "--torch-threads", "1", "--progress", "off"]
+        ok = pipeline_process(["--input", urls["in/docs.txt"], "--output", str(tmp_path / "out"), *model,
+                               "--metrics-file", str(tmp_path / "run.prom")], tmp_path)
+        assert ok.returncode == 0, ok.stderr
+        gone = pipeline_process(["--input", urls["in/docs.txt"], "--output", str(tmp_path / "gone"),
+                                 *model[:1], spell(f"{server.url}/m/gone.json"), *model[2:], "--verbose"], tmp_path)
+    assert gone.returncode == 65, gone.stderr
+    line = gone.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "gone.json" in line, line
+    written = {**local_files(tmp_path / "out"), **local_files(tmp_path / "gone"),
+               str(tmp_path / "run.prom"): (tmp_path / "run.prom").read_bytes()}
+    for name, data in written.items():
+        assert_no_token(name, texts_of(name, data))
+    for p in (ok, gone):
+        assert_no_token(f"the output of {p.args[3:]}", [p.stdout, p.stderr])
+    m = json.load(open(tmp_path / "out" / "manifest.json"))
+    assert m["counts"]["sentences_written"] >= 1 and "options.json" in m["model"]["options_file"]
+    assert "***" in m["model"]["options_file"] and "***" in m["inputs"][0]
