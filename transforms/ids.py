@@ -10,18 +10,18 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import re
-from collections import Counter
 from typing import Iterator
 
 from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter
 from elmo_pipeline.fsio import redact
+from elmo_pipeline.fsio.fs import normalise
 from elmo_pipeline.fsio.redact import secret_name
 from elmo_pipeline.transforms.records import Document
 
 JSON_TYPES = {type(None): "null", bool: "a boolean", float: "a number", list: "an array", dict: "an object"}
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _ESCAPED = re.compile("[\\\\\x00-\x1f\x7f-\x9f\ud800-\udfff]")   # what escape_label writes as a backslash escape
-DIGEST_CHARS = 16                 # hex digits of the digest that tells apart inputs whose labels coincide
+_DIGEST_CHARS = 16                 # hex digits of the digest that tells apart inputs whose labels coincide
 
 
 def file_labels(files: list[str], root: str | None = None, full: bool = False) -> dict[str, str]:
@@ -67,19 +67,23 @@ def _path_and_query(url: str) -> tuple[str, str]:
 
 
 def _distinct(labels: dict[str, str]) -> dict[str, str]:
-    """The labels, each that coincides with another input's ending in "~<digest of the input's identity>" (and
-    "-<n>" among inputs of one identity: URLs that differ in their secrets only), until none coincide."""
-    named: dict[str, list[str]] = {}         # identity -> its inputs, in sort order
-    for f in sorted(labels):
-        named.setdefault(_identity(f), []).append(f)
-    suffix = {f: "~" + hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:DIGEST_CHARS]
-              + (f"-{n}" if len(inputs) > 1 else "") for identity, inputs in named.items()
-              for n, f in enumerate(inputs, 1)}
+    """The labels, each that coincides with another file's ending in "~<digest of the file's identity>" (and
+    "-<n>" among URLs of one identity: they differ in their secrets only), until none coincide. Spellings of one
+    file (a path and its file:// URL) keep one label."""
+    spelling = {f: normalise(public_url(f) if not _place(f)[0] else f) for f in labels}
+    named: dict[str, list[str]] = {}         # identity -> its spellings, in sort order
+    for s in sorted(set(spelling.values())):
+        named.setdefault(_identity(s), []).append(s)
+    suffix = {s: "~" + hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST_CHARS]
+              + (f"-{n}" if len(spellings) > 1 else "") for identity, spellings in named.items()
+              for n, s in enumerate(spellings, 1)}
     tied: set[str] = set()
     while True:
-        out = {f: label + suffix[f] if f in tied else label for f, label in labels.items()}
-        count = Counter(out.values())
-        more = {f for f, label in out.items() if count[label] > 1} - tied
+        out = {f: label + suffix[spelling[f]] if spelling[f] in tied else label for f, label in labels.items()}
+        files_of: dict[str, set[str]] = {}
+        for f, label in out.items():
+            files_of.setdefault(label, set()).add(spelling[f])
+        more = set().union(*(s for s in files_of.values() if len(s) > 1)) - tied
         if not more:
             return out
         tied |= more
