@@ -2,36 +2,106 @@
 No Beam import.
 
 Document ids: the id field when given, else "<file label>:<line or row number, 1-based>", where the file label
-is the file's path relative to the deepest folder common to all inputs (file_labels).
+is the file's path relative to the deepest folder common to all inputs (file_labels). Distinct inputs get
+distinct labels; one file however spelled (x.txt, ./x.txt, file:///abs/x.txt: fsio.expand) gets one.
 """
 from __future__ import annotations
 
+import hashlib
 import posixpath
 import re
 from typing import Iterator
 
 from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter
 from elmo_pipeline.fsio import redact
+from elmo_pipeline.fsio.fs import normalise
+from elmo_pipeline.fsio.redact import secret_name
 from elmo_pipeline.transforms.records import Document
 
 JSON_TYPES = {type(None): "null", bool: "a boolean", float: "a number", list: "an array", dict: "an object"}
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_ESCAPED = re.compile("[\\\\\x00-\x1f\x7f-\x9f\ud800-\udfff]")   # what escape_label writes as a backslash escape
+_DIGEST_CHARS = 16                 # hex digits of the digest that tells apart inputs whose labels coincide
 
 
 def file_labels(files: list[str], root: str | None = None, full: bool = False) -> dict[str, str]:
     """file URL -> label. Default: its path relative to the deepest folder common to all files (a lone file:
-    its name; redacted, so a presigned URL's signature is in no id). `root` (--id-root, a folder path or URL):
-    its path relative to that folder; ValueError for a file outside it. `full`: the file's absolute path, or its
-    URL for remote files (scheme kept). Labels from `root` and `full` never hold a URL's user info (credentials),
-    query or fragment."""
+    its name), with its query string; redacted, so a presigned URL's signature is in no id. `root` (--id-root, a
+    folder path or URL): its path relative to that folder; ValueError for a file outside it. `full`: the file's
+    absolute path, or its URL for remote files (scheme kept). Labels from `root` and `full` never hold a URL's
+    user info (credentials), query or fragment.
+
+    Every label is escaped (escape_label), and labels that still coincide for distinct inputs (a query dropped
+    or masked, a redacted name) end in "~" and a digest of each input's identity (_identity: no secret in it)."""
     if root is not None:
-        return {f: _label_under(f, root) for f in files}
-    if full:
-        return {f: public_url(f) for f in files}
+        labels = {f: _label_under(f, root) for f in files}
+    elif full:
+        labels = {f: public_url(f) for f in files}
+    else:
+        labels = _relative_labels(files)
+    return _distinct({f: escape_label(redact(label)) for f, label in labels.items()})
+
+
+def _relative_labels(files: list[str]) -> dict[str, str]:
+    """file URL -> its path (after the scheme) relative to the deepest folder common to all files' folders, or a
+    lone file's name, then its query string as it is."""
+    split = {f: _path_and_query(f) for f in files}
     if len(files) == 1:
-        return {files[0]: redact(posixpath.basename(files[0]))}
-    common = posixpath.commonpath([f.split("://", 1)[-1] for f in files])
-    return {f: redact(posixpath.relpath(f.split("://", 1)[-1], common)) for f in files}
+        return {f: posixpath.basename(path) + query for f, (path, query) in split.items()}
+    try:
+        common = posixpath.commonpath([posixpath.dirname(path) for path, _ in split.values()])
+    except ValueError:            # local paths beside remote ones: no folder in common
+        common = ""
+    return {f: (posixpath.relpath(path, common) if common else path) + query for f, (path, query) in split.items()}
+
+
+def _path_and_query(url: str) -> tuple[str, str]:
+    """(what follows the scheme up to the query, without user info; the query string from its '?'); a local
+    path has no query."""
+    rest = url.split("://", 1)[-1]
+    if "://" not in url or url.startswith("file://"):
+        return rest, ""
+    path, mark, query = rest.partition("?")
+    host, slash, path = path.partition("/")
+    return host.rpartition("@")[2] + slash + path, mark + query
+
+
+def _distinct(labels: dict[str, str]) -> dict[str, str]:
+    """The labels, each that coincides with another file's ending in "~<digest of the file's identity>" (and
+    "-<n>" among URLs of one identity: they differ in their secrets only), until none coincide. Spellings of one
+    file (a path and its file:// URL) keep one label."""
+    spelling = {f: normalise(public_url(f) if not _place(f)[0] else f) for f in labels}
+    named: dict[str, list[str]] = {}         # identity -> its spellings, in sort order
+    for s in sorted(set(spelling.values())):
+        named.setdefault(_identity(s), []).append(s)
+    suffix = {s: "~" + hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST_CHARS]
+              + (f"-{n}" if len(spellings) > 1 else "") for identity, spellings in named.items()
+              for n, s in enumerate(spellings, 1)}
+    tied: set[str] = set()
+    while True:
+        out = {f: label + suffix[spelling[f]] if spelling[f] in tied else label for f, label in labels.items()}
+        files_of: dict[str, set[str]] = {}
+        for f, label in out.items():
+            files_of.setdefault(label, set()).add(spelling[f])
+        more = set().union(*(s for s in files_of.values() if len(s) > 1)) - tied
+        if not more:
+            return out
+        tied |= more
+
+
+def _identity(url: str) -> str:
+    """What makes an input a file of its own: its absolute path, or its URL without the user info's password and
+    with the values of its query's credential parameters (redact.secret_name) left out."""
+    scheme, path = _place(url)
+    if not scheme:
+        return path
+    rest = url.split("://", 1)[1].split("#", 1)[0]
+    authority = rest.partition("/")[0]
+    user = authority.rpartition("@")[0].partition(":")[0] if "@" in authority else ""
+    query = rest.partition("?")[2]
+    kept = "&".join(p.partition("=")[0] + "=" if secret_name(p.partition("=")[0]) else p
+                    for p in query.split("&")) if query else ""
+    return f"{scheme}://{user + '@' if user else ''}{path}{'?' + kept if query else ''}"
 
 
 def _place(url: str) -> tuple[str, str]:
@@ -89,18 +159,31 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def escape_label(text: str) -> str:
+    """`text` with each character that would make a label unprintable, or two labels alike, as a backslash
+    escape, so that distinct texts stay distinct (reversibly): a backslash as \\\\, a C0 control or DEL as
+    \\xHH, a C1 control as \\u00HH, a byte that is not UTF-8 (a file name's, held by Python as a lone surrogate
+    U+DC80-U+DCFF) as \\xHH of that byte (80-FF), another lone surrogate as \\uHHHH. Other text is as it is."""
+    return _ESCAPED.sub(_escape, text)
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    if code == 0x5C:
+        return "\\\\"
+    if code < 0x80 or 0xDC80 <= code <= 0xDCFF:
+        return f"\\x{code & 0xFF:02x}"
+    return f"\\u{code:04x}"
+
+
 def printable_label(label: str) -> str:
-    """A file label fit for ids and output text (strict UTF-8): a name that is not valid UTF-8 (Python holds
-    its bad bytes as lone surrogates) gets each bad byte as a backslash escape, a\\xffb."""
+    """A file label fit for ids and output text (strict UTF-8): as it is when it is (file_labels' labels are),
+    else escape_label's, so that a name's bytes that are not UTF-8 read as a\\xffb."""
     try:
         label.encode("utf-8")
         return label
     except UnicodeEncodeError:
-        pass
-    try:
-        return label.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:
-        return label.encode("utf-8", "backslashreplace").decode("utf-8")
+        return escape_label(label)
 
 
 def split_duplicate_ids(doc_id: str, docs) -> Iterator[Document | DeadLetter]:
