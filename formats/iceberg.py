@@ -235,10 +235,11 @@ class IcebergTarget:
         return registrations_under(table, output_url(output))
 
     def register(self, output: str, manifest: dict, schema: pa.Schema | None = None,
-                 storage_options: dict | None = None) -> Registration:
+                 storage_options: dict | None = None, before_commit=None) -> Registration:
         """Add the Parquet shards of a finished output (its manifest) to the table in one snapshot, unless the
         table already has them (see the module docstring). Creates the table from `schema` (default: the first
-        shard's) when absent."""
+        shard's) when absent. before_commit(), when given, runs once every check has passed, just before the
+        files are added (the output records the table there: recorded_tables)."""
         files = data_file_urls(output, manifest)
         if not files:
             return Registration(self.table, None, False, 0)
@@ -260,6 +261,8 @@ class IcebergTarget:
             check_unpartitioned(table)
             ids = run_ids(table.io, files) if ids is None else ids
             check_new_ids(table, ids, base)
+            if before_commit is not None:
+                before_commit()
             try:
                 with _quiet_statistics(), table.transaction() as tx:     # the files and the record: one commit
                     tx.add_files(files, snapshot_properties={OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key,

@@ -83,11 +83,14 @@ class Plan:
     def register(self, manifest: dict) -> None:
         """Finalize's hook (transforms/finalize.py): the finished output's shards into the Iceberg table. A
         manifest that does not name the table yet (a finished output registered by this later command) records
-        it first (formats/iceberg.py recorded_tables), so that the output knows it before the table does."""
-        if record_table(manifest, self.iceberg):
-            fs, root = url_fs(self.options.output, self.storage_options)
-            atomic_write(fs, posixpath.join(root, layout.MANIFEST), layout.manifest_bytes(manifest))
-        self.registration = self.iceberg.register(self.options.output, manifest, self.schema, self.storage_options)
+        it just before the files are added (formats/iceberg.py recorded_tables): the output knows it before
+        the table does."""
+        def record():
+            if record_table(manifest, self.iceberg):
+                fs, root = url_fs(self.options.output, self.storage_options)
+                atomic_write(fs, posixpath.join(root, layout.MANIFEST), layout.manifest_bytes(manifest))
+        self.registration = self.iceberg.register(self.options.output, manifest, self.schema, self.storage_options,
+                                                  record)
         logger.info("%s", self.registration.describe())
 
     @property

@@ -129,13 +129,20 @@ def test_rerun_after_data_rewrite_and_snapshot_expiry_is_already_complete(regist
     assert len(table.snapshots()) == 1 and table_rows(table) == parquet_rows(registered["out"])
 
 
-def test_catalog_inside_the_output_is_refused_and_planning_writes_nothing(tiny_model_files, tmp_path, capsys):
+def test_catalog_inside_the_output_is_refused_before_anything_is_written(tiny_model_files, tmp_path, capsys):
     corpus, out, wh = write_corpus(str(tmp_path / "c.txt"), n_docs=2), str(tmp_path / "out"), tmp_path / "wh"
     os.makedirs(out)
     before = listing(out, str(wh))
     assert main(argv(tiny_model_files, corpus, out, *ice(wh, f"sqlite:///{out}/cat.db"))) == 2
-    assert "--iceberg-catalog" in one_error(capsys) and listing(out, str(wh)) == before
-    # plan and --dry-run with a catalog not there yet, then with one that exists: nothing written
+    err = one_error(capsys)
+    assert f"--iceberg-catalog {out}/cat.db lies inside --output" in err and "(exit 2" in err
+    assert listing(out, str(wh)) == before
+
+
+def test_plan_and_dry_run_create_no_catalog_and_write_nothing(tiny_model_files, tmp_path):
+    corpus, out, wh = write_corpus(str(tmp_path / "c.txt"), n_docs=2), str(tmp_path / "out"), tmp_path / "wh"
+    before = listing(out, str(wh))
+    # with a catalog not there yet, then with one that exists
     args = argv(tiny_model_files, corpus, out, *ice(wh))
     assert cli_main(["plan", *args]) == 0
     assert main([*args, "--dry-run"]) == 0
