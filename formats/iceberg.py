@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass
+from urllib.parse import quote
 
 import pyarrow as pa
 
@@ -178,7 +179,8 @@ class IcebergTarget:
         if read_only:
             props["init_catalog_tables"] = "false"
             if path:
-                props["uri"] = f"sqlite:///file:{path}?mode=ro&uri=true"
+                # quoted twice: SQLAlchemy's URL unquotes once, SQLite's URI filename once more
+                props["uri"] = f"sqlite:///file:{quote(quote(path))}?mode=ro&uri=true"
         elif path:
             os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
