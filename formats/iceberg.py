@@ -5,21 +5,30 @@ The shards are added as they are (pyiceberg's add_files: no rewrite; the table p
 Parquet paths), all of one output in one append snapshot whose summary carries the output URL (redacted:
 fsio/redact.py) and the run key (elmo-pipeline.output, elmo-pipeline.run-key). Finalize calls register() after every file is in place
 and before _SUCCESS (output/finalize.py), and again on every rerun that finishes or finds the output, so
-register() is idempotent: an output already registered (a snapshot of the table's history with its URL and
-run key, or its files all referenced by the current snapshot) is not added again; an output with an id the
+register() is idempotent: an output already registered (a table property keyed by its run key and URL, set
+in the commit that adds the files: it outlives rewrites of the data and snapshot expiry; or a snapshot of
+the table's history with its URL and run key, or its files all referenced by the current snapshot) is not
+added again; an output with an id the
 table holds already is not added at all (DuplicateIdError: check_new_ids, before each commit). Two
 registrations racing are settled by the catalog's optimistic commit (the loser rereads and decides again).
 
 A table that does not exist is created (its namespace too) from the run's shard schema; Iceberg has no
 fixed-size lists, so vectors read back as plain lists, and the shard schema with its widths is kept in the
 table property elmo-pipeline.arrow-schema: a later run whose shards differ (another model, --layers,
---parquet-layout) is refused before it starts.
+--parquet-layout) is refused before it starts, and so is a partitioned table (added files carry no partition
+values). Checking a table reads only: a SQLite catalog that does not exist yet is not created.
+
+An output knows the tables it was registered in (recorded_tables: its manifest's options, and the "iceberg"
+entries added when a finished output is registered by a later command): --overwrite of it is refused unless
+the same table is named and no longer references files under the output (check_overwrite).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
+from urllib.parse import quote
 
 import pyarrow as pa
 
@@ -28,6 +37,8 @@ from elmo_pipeline.fsio import redact
 INSTALL = "pip install 'elmo-pipeline[iceberg]'"
 OUTPUT_PROPERTY, RUN_KEY_PROPERTY, FILES_PROPERTY = "elmo-pipeline.output", "elmo-pipeline.run-key", "elmo-pipeline.files"
 SCHEMA_PROPERTY = "elmo-pipeline.arrow-schema"
+REGISTERED_PREFIX = "elmo-pipeline.registered."      # + run key + "." + hash of the output URL -> the output URL
+MANIFEST_ENTRY = "iceberg"                           # manifest.json: [{"table", "catalog"}] registered later
 ID_COLUMN = "id"
 # a new table keeps the full min/max of `id` per data file in its manifests (pyiceberg truncates to 16
 # characters by default): check_new_ids() then skips, unread, the files whose ids cannot overlap a run's
@@ -137,15 +148,43 @@ class IcebergTarget:
             props["s3.region"] = s3["client_kwargs"]["region_name"]
         return props
 
-    def load_catalog(self, storage_options: dict | None = None):
-        """The catalog (pyiceberg's load_catalog); a SQLite database's folder is created when missing.
+    def sqlite_path(self) -> str | None:
+        """The database file of a sqlite:/// catalog (absolute), else None."""
+        if self.catalog.startswith("sqlite:///") and ":memory:" not in self.catalog:
+            return os.path.abspath(self.catalog[len("sqlite:///"):].split("?", 1)[0])
+        return None
+
+    def check_outside(self, output: str) -> None:
+        """ValueError when the SQLite catalog or the table's warehouse lies inside --output (a local folder):
+        the run would take them for files in its way, and --overwrite would leave the table without them."""
+        if "://" in output and not output.startswith("file://"):
+            return
+        out = os.path.realpath(output[len("file://"):] if output.startswith("file://") else output)
+        warehouse = self.properties().get("warehouse", "")
+        for what, path in (("--iceberg-catalog", self.sqlite_path()),
+                           ("--iceberg-warehouse", warehouse[len("file://"):] if warehouse.startswith("file://")
+                            else None if "://" in warehouse else warehouse)):
+            if path and (os.path.realpath(path) + "/").startswith(out + "/"):
+                raise ValueError(f"{what} {path} lies inside --output {output}: keep the catalog and the table's "
+                                 "warehouse outside the output folder")
+
+    def load_catalog(self, storage_options: dict | None = None, read_only: bool = False):
+        """The catalog (pyiceberg's load_catalog); a SQLite database's folder is created when missing, unless
+        `read_only` (then a SQL catalog's tables are not created and SQLite opens the file read-only).
         RuntimeError naming the URI (password hidden) when it cannot be opened."""
         import_pyiceberg()
         from pyiceberg.catalog import load_catalog
-        if self.catalog.startswith("sqlite:///") and ":memory:" not in self.catalog:
-            os.makedirs(os.path.dirname(os.path.abspath(self.catalog[len("sqlite:///"):])), exist_ok=True)
+        props = self.properties(storage_options)
+        path = self.sqlite_path()
+        if read_only:
+            props["init_catalog_tables"] = "false"
+            if path:
+                # quoted twice: SQLAlchemy's URL unquotes once, SQLite's URI filename once more
+                props["uri"] = f"sqlite:///file:{quote(quote(path))}?mode=ro&uri=true"
+        elif path:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
-            return load_catalog(CATALOG_NAME, **self.properties(storage_options))
+            return load_catalog(CATALOG_NAME, **props)
         except Exception as e:  # noqa: BLE001 - drivers raise their own kinds (sqlalchemy, requests, ...)
             raise RuntimeError(redact(f"--iceberg-catalog {self.catalog} cannot be opened: "
                                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")) from None
@@ -174,13 +213,18 @@ class IcebergTarget:
             return catalog.load_table(self.table)
 
     def check(self, schema: pa.Schema, output: str, storage_options: dict | None = None) -> list[int]:
-        """Before a run: the catalog answers, and the table, when it exists, takes shards of `schema` (ValueError
-        naming the difference otherwise). Returns the ids of snapshots that hold files under `output` (from
-        the table's history, or the current snapshot's files), for the caller's --overwrite rule."""
-        catalog = self.load_catalog(storage_options)
+        """Before a run, reading only: the catalog answers (a SQLite file not there yet is a new catalog), and
+        the table, when it exists, takes shards of `schema` (ValueError naming the difference otherwise).
+        Returns the ids of snapshots that hold files under `output` (from the table's history, or the current
+        snapshot's files), for the caller's --overwrite rule."""
+        path = self.sqlite_path()
+        if path and not os.path.exists(path):
+            return []
+        catalog = self.load_catalog(storage_options, read_only=True)
         table = self._load_table(catalog)
         if table is None:
             return []
+        check_unpartitioned(table)
         recorded = table.properties.get(SCHEMA_PROPERTY)
         if recorded is not None and recorded != schema.to_string():
             raise ValueError(f"--iceberg-table {self.table} holds shards of another schema than this run's "
@@ -193,10 +237,11 @@ class IcebergTarget:
         return registrations_under(table, output_url(output))
 
     def register(self, output: str, manifest: dict, schema: pa.Schema | None = None,
-                 storage_options: dict | None = None) -> Registration:
+                 storage_options: dict | None = None, before_commit=None) -> Registration:
         """Add the Parquet shards of a finished output (its manifest) to the table in one snapshot, unless the
         table already has them (see the module docstring). Creates the table from `schema` (default: the first
-        shard's) when absent."""
+        shard's) when absent. before_commit(), when given, runs once every check has passed, just before the
+        files are added (the output records the table there: recorded_tables)."""
         files = data_file_urls(output, manifest)
         if not files:
             return Registration(self.table, None, False, 0)
@@ -215,12 +260,16 @@ class IcebergTarget:
             found = find_registration(table, base, key, files)
             if found is not None:
                 return Registration(self.table, found, False, len(files))
+            check_unpartitioned(table)
             ids = run_ids(table.io, files) if ids is None else ids
             check_new_ids(table, ids, base)
+            if before_commit is not None:
+                before_commit()
             try:
-                with _quiet_statistics():
-                    table.add_files(files, snapshot_properties={OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key,
-                                                                FILES_PROPERTY: str(len(files))})
+                with _quiet_statistics(), table.transaction() as tx:     # the files and the record: one commit
+                    tx.add_files(files, snapshot_properties={OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key,
+                                                             FILES_PROPERTY: str(len(files))})
+                    tx.set_properties({registration_property(key, base): redact(base)})
             except CommitFailedException as e:      # another commit came first: reread, then decide again
                 logger.warning("%s: %s; retrying", self.table, e)
                 conflict = e
@@ -274,9 +323,30 @@ def _marked(table, base: str) -> list:
             .get(OUTPUT_PROPERTY) == redact(base)]
 
 
+def registration_property(key: str, base: str) -> str:
+    """The table property that records the registration of run `key`'s output at `base` (its value: the URL)."""
+    return f"{REGISTERED_PREFIX}{key}.{hashlib.sha256(redact(base).encode()).hexdigest()[:16]}"
+
+
+def check_unpartitioned(table) -> None:
+    """ValueError for a partitioned table: add_files cannot give the output's files partition values."""
+    spec = table.spec()
+    if not spec.is_unpartitioned():
+        raise ValueError(f"--iceberg-table {'.'.join(table.name())} is partitioned ({spec}); the output's Parquet "
+                         "files are added as they are, without partition values: name an unpartitioned table, "
+                         "or a new one (created unpartitioned)")
+
+
 def find_registration(table, base: str, key: str, files: list[str]) -> int | None:
-    """The snapshot id that registered these files of the output at `base`, or None when they are not in the
-    table. RuntimeError when the current snapshot holds some of them but not all (not our doing)."""
+    """The snapshot id that registered these files of the output at `base` (the current snapshot when only the
+    table property of the registration says so: its snapshot rewritten or expired since), or None when they
+    are not in the table. RuntimeError when the current snapshot holds some of them but not all (not our
+    doing)."""
+    snapshot = table.current_snapshot()
+    if snapshot is not None and table.properties.get(registration_property(key, base)) == redact(base):
+        marked = [s.snapshot_id for s in _marked(table, base)
+                  if s.summary.additional_properties.get(RUN_KEY_PROPERTY) == key]
+        return marked[-1] if marked else snapshot.snapshot_id
     for s in _marked(table, base):
         if s.summary.additional_properties.get(RUN_KEY_PROPERTY) == key:
             return s.snapshot_id
@@ -335,6 +405,38 @@ def registrations_under(table, base: str) -> list[int]:
     if not ids and _current_files(table, lambda p: p.startswith(base + "/")):
         ids = [table.current_snapshot().snapshot_id]
     return ids
+
+
+def recorded_tables(manifest: dict | None) -> list[dict]:
+    """The tables an output was registered in, as its manifest records them: {"table", "catalog"} of its own
+    command's --iceberg-table (options), then those of the commands that registered it once finished."""
+    manifest = manifest or {}
+    options = manifest.get("options") or {}
+    own = [{"table": options["iceberg_table"], "catalog": options.get("iceberg_catalog")}] \
+        if options.get("iceberg_table") else []
+    return own + [e for e in manifest.get(MANIFEST_ENTRY, []) if isinstance(e, dict) and e.get("table")]
+
+
+def record_table(manifest: dict, target: IcebergTarget) -> bool:
+    """Add `target` to the manifest's tables (recorded_tables) unless there; True when it was added."""
+    if any((e["table"], e["catalog"]) == (target.table, redact(target.catalog)) for e in recorded_tables(manifest)):
+        return False
+    manifest.setdefault(MANIFEST_ENTRY, []).append({"table": target.table, "catalog": redact(target.catalog)})
+    return True
+
+
+def check_overwrite(output: str, manifest: dict | None, target: IcebergTarget | None) -> None:
+    """ValueError for --overwrite of an output registered in a table (recorded_tables) that this command does
+    not name: the table would point at replaced files. (With the table named, IcebergTarget.check says
+    whether it still references files under the output.)"""
+    others = [e for e in recorded_tables(manifest) if target is None or
+              (e["table"], e["catalog"]) != (target.table, redact(target.catalog))]
+    if others:
+        e = others[0]
+        raise ValueError(f"--overwrite of {output}: its Parquet files were registered in Iceberg table {e['table']} "
+                         f"(catalog {redact(str(e['catalog']))}), which would then point at replaced files. Remove "
+                         f"them from that table, then rerun with --iceberg-table {e['table']} --iceberg-catalog "
+                         "<its catalog>, or write to a new --output")
 
 
 class _quiet_statistics:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import posixpath
 import sys
 from dataclasses import dataclass
 
@@ -17,9 +18,9 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.hdf5 import hdf5_layout
-from elmo_pipeline.formats.iceberg import IcebergTarget
+from elmo_pipeline.formats.iceberg import IcebergTarget, check_overwrite, record_table
 from elmo_pipeline.formats.parquet import layer_columns, shard_schema
-from elmo_pipeline.fsio import expand, redact
+from elmo_pipeline.fsio import atomic_write, expand, redact, url_fs
 from elmo_pipeline.model.options import load_options, sentences_independent
 from elmo_pipeline.model.resolve import resolve_model
 from elmo_pipeline.pipeline.options import ElmoOptions, default_torch_threads
@@ -80,8 +81,16 @@ class Plan:
     registration: object = None    # what the registration did (formats.iceberg.Registration), once done
 
     def register(self, manifest: dict) -> None:
-        """Finalize's hook (output/finalize.py): the finished output's shards into the Iceberg table."""
-        self.registration = self.iceberg.register(self.options.output, manifest, self.schema, self.storage_options)
+        """Finalize's hook (output/finalize.py): the finished output's shards into the Iceberg table. A
+        manifest that does not name the table yet (a finished output registered by this later command) records
+        it just before the files are added (formats/iceberg.py recorded_tables): the output knows it before
+        the table does."""
+        def record():
+            if record_table(manifest, self.iceberg):
+                fs, root = url_fs(self.options.output, self.storage_options)
+                atomic_write(fs, posixpath.join(root, layout.MANIFEST), layout.manifest_bytes(manifest))
+        self.registration = self.iceberg.register(self.options.output, manifest, self.schema, self.storage_options,
+                                                  record)
         logger.info("%s", self.registration.describe())
 
     @property
@@ -162,6 +171,8 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     model = check_model(local_options, local_weights)   # a bad model fails here, not in every worker
     if probe_output or "://" not in o.output or o.output.startswith("file://"):    # local: reads only
         check_output_writable(o.output, so)
+    if o.overwrite:          # an output registered in a table this command does not name: refused
+        check_overwrite(o.output, layout.read_manifest(*url_fs(o.output, so)), iceberg)
     identity = {**resolved.identity(), "batch_invariant": o.batch_invariant}
     spec = dataclasses.replace(spec, weights_sha256=identity["weights_sha256"])   # what workers elsewhere check
     flags = redact({k: getattr(o, k) for k in o._visible_option_list()})    # no secret in the manifest
@@ -218,7 +229,8 @@ def check_iceberg(iceberg: IcebergTarget, schema, output: str, key: str, overwri
     """Before a run with --iceberg-table: the catalog answers, an existing table takes this run's shards, and
     the table points at no files under --output that this run would replace (--overwrite, or an output that
     no longer holds the finished run registered from it): refused, since the table would then point at
-    replaced files. Reads only."""
+    replaced files; so are a catalog or warehouse inside --output, and a partitioned table. Reads only."""
+    iceberg.check_outside(output)
     held = iceberg.check(schema, output, so)
     if held and (overwrite or not finalize_started(output, key, so)):
         why = ("--overwrite would replace them" if overwrite else

@@ -122,7 +122,13 @@ def test_finished_output_registered_when_the_flag_is_new_then_never_again(runs, 
     table = table_of(wh)
     assert len(table.snapshots()) == 1 and len(marked(table, runs["plain"])) == 1
     assert_table_holds(table, [runs["plain"]])
-    assert {p: os.stat(os.path.join(runs["plain"], p)).st_mtime_ns for p in os.listdir(runs["plain"])} == before
+    after = {p: os.stat(os.path.join(runs["plain"], p)).st_mtime_ns for p in os.listdir(runs["plain"])}
+    assert {p: t for p, t in after.items() if p != "manifest.json"} == {p: t for p, t in before.items()
+                                                                        if p != "manifest.json"}
+    # the manifest records the table alone (the output knows it is registered: --overwrite without it is refused)
+    m = json.load(open(os.path.join(runs["plain"], "manifest.json")))
+    assert m.pop("iceberg") == [{"table": TABLE, "catalog": catalog_uri(wh)}]
+    assert m == json.load(open(os.path.join(runs["first"], "manifest.json"))) | {"options": m["options"]}
 
 
 def test_overwrite_of_a_registered_output_is_refused(runs, tiny_model_files, capsys):
