@@ -163,6 +163,9 @@ def _read_parquet(url, label, text_field, id_field, storage_options,
             raise ValueError(f"no column(s) {missing} (has {names})")
         n = 0
         leaf = pf.schema_arrow.get_field_index(text_field)
+        if pf.metadata.num_columns == len(names) and _dictionary_pages(pf, leaf):
+            f.seek(0)       # read as dictionary: one copy of each distinct value, never one per row
+            pf = pq.ParquetFile(f, read_dictionary=[text_field])
         batch_rows = _batch_rows(pf, leaf) if pf.metadata.num_columns == len(names) else 4096
         for batch in pf.iter_batches(columns=columns, batch_size=batch_rows):
             texts, lengths = _texts_within(batch.column(0), max_record_bytes)
@@ -177,12 +180,38 @@ def _read_parquet(url, label, text_field, id_field, storage_options,
                 yield record
 
 
+def _dictionary_pages(pf, column: int) -> bool:
+    """Whether any row group stores the column dictionary-encoded (from the footer)."""
+    md = pf.metadata
+    return any(md.row_group(g).column(column).has_dictionary_page for g in range(md.num_row_groups))
+
+
+def _is_text(t) -> bool:
+    import pyarrow as pa
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
 def _texts_within(column, max_record_bytes: int) -> tuple[list, list]:
     """(Python values of a text column, each value's UTF-8 bytes or None); a value over max_record_bytes
-    comes out as None (never made a Python string)."""
+    comes out as None (never made a Python string). A dictionary column's lengths are its distinct values'
+    and each value within the cap becomes one Python string, shared by its rows."""
     import pyarrow as pa
     import pyarrow.compute as pc
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+    if pa.types.is_dictionary(column.type) and _is_text(column.type.value_type):
+        sizes = pc.binary_length(column.dictionary).to_pylist()
+        values: dict[int, str] = {}
+        texts, lengths = [], []
+        for i in column.indices.to_pylist():
+            if i is None or sizes[i] is None:
+                texts.append(None)
+                lengths.append(None)
+                continue
+            if sizes[i] <= max_record_bytes and i not in values:
+                values[i] = column.dictionary[i].as_py()
+            texts.append(values.get(i))
+            lengths.append(sizes[i])
+        return texts, lengths
+    if not _is_text(column.type):
         return column.to_pylist(), [None] * len(column)
     lengths = pc.binary_length(column)
     over = pc.greater(lengths, max_record_bytes)
