@@ -63,6 +63,23 @@ def _head(parts: list[bytes]) -> bytes:
     return bytes(out)
 
 
+OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"),
+                   (b"\xfe\xff", "UTF-16BE"))      # byte-order marks, the longer first
+
+
+def not_utf8_lines(first: bytes) -> str | None:
+    """Why a file whose first line (split on b"\\n", as stored; its first bytes will do) is not UTF-8 text with
+    LF or CRLF line ends, or None: a UTF-16 or UTF-32 byte-order mark, or a CR inside the line (CR line
+    ends: the whole file would read as one line)."""
+    for bom, name in OTHER_ENCODINGS:
+        if first.startswith(bom):
+            return (f"{name} text (byte-order mark {bom.hex(' ').upper()}): only UTF-8 is read; convert it, e.g. "
+                    f"`iconv -f {name} -t UTF-8`")
+    if b"\r" in first[:-1]:
+        return "CR (\\r) line ends: lines must end in LF or CRLF; convert it, e.g. `tr '\\r' '\\n'`"
+    return None
+
+
 CORRUPT = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)
 try:
     import zstandard
