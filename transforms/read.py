@@ -10,8 +10,8 @@ from typing import Iterator
 from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter
 from elmo_pipeline.fsio import open_file
 from elmo_pipeline.transforms.ids import JSON_TYPES, BadId, document_id, printable_label
-from elmo_pipeline.transforms.lines import (CORRUPT, Corrupt, Meter, TooLong, lines_until_corrupt, not_utf8_lines,
-                                            open_decompressed)
+from elmo_pipeline.transforms.lines import (CORRUPT, Corrupt, Meter, TooLong, lines_until_corrupt, open_decompressed,
+                                            utf8_lines)
 from elmo_pipeline.transforms.records import Blank, Document
 
 INPUT_FORMATS = ("text", "lines", "jsonl", "parquet")
@@ -37,10 +37,10 @@ def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_
     Lines are split on b"\\n" only and decoded one by one as strict UTF-8 (a line that is not valid
     UTF-8 is a dead letter, its neighbours are unaffected); a trailing "\\r" is dropped (CRLF files),
     and so is a UTF-8 byte-order mark at the start of the file. A file that is not UTF-8 text with LF or CRLF
-    line ends (transforms.lines.not_utf8_lines) is one record dead letter "unreadable file", never read. A record over `max_record_bytes` is a dead
-    letter "too long", read in blocks and never held whole. A failure that is not an I/O error (those
-    propagate: the runner retries the file) ends the file with one record dead letter "unreadable file"
-    for the rest of it; the records before it stand."""
+    line ends (transforms.lines.not_utf8_lines) is one record dead letter "unreadable file", never read. A
+    record over `max_record_bytes` is a dead letter "too long", read in blocks and never held whole. A failure
+    that is not an I/O error (those propagate: the runner retries the file) ends the file with one record dead
+    letter "unreadable file" for the rest of it; the records before it stand."""
     if fmt not in INPUT_FORMATS:
         raise ValueError(f"input format must be one of {INPUT_FORMATS}, got {fmt!r}")
     label = printable_label(label)
@@ -74,13 +74,10 @@ def line_records(f, meter: Meter, fmt: str, label: str, text_field: str, id_fiel
     """The records of a line format (text, lines, jsonl); each Document's nbytes is the bytes of the stored
     file read since the previous Document (so read-ahead and skipped records count with the next one)."""
     done = 0
-    for n, raw in enumerate(lines_until_corrupt(f, max_record_bytes), 1):
+    for n, raw in enumerate(utf8_lines(lines_until_corrupt(f, max_record_bytes)), 1):
         default_id = f"{label}:{n}"
-        if isinstance(raw, Corrupt):     # one record dead letter for the unreadable rest of the file
+        if isinstance(raw, Corrupt):     # one record dead letter for the unreadable (rest of the) file
             yield DeadLetter(default_id, raw.reason, "", level="record")
-            break
-        if n == 1 and (why := not_utf8_lines(raw.head if isinstance(raw, TooLong) else raw)):
-            yield DeadLetter(default_id, f"unreadable file: {why}", "", level="record")     # the whole file
             break
         if isinstance(raw, TooLong):
             yield DeadLetter(default_id, too_long(raw.nbytes, max_record_bytes),
