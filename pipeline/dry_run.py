@@ -82,7 +82,7 @@ def sample_file(url: str, size: int, budget: int, fmt: str, label: str, text_fie
     if fmt == "parquet":
         taken = 0
         for r in read_documents(url, fmt, label, text_field, id_field, so, cap):
-            if taken >= budget // 512:
+            if taken >= max(1, budget // 512):
                 import pyarrow.parquet as pq
                 with open_file(url, "rb", so) as f:
                     return pq.ParquetFile(f).metadata.num_rows / taken
@@ -97,7 +97,7 @@ def sample_file(url: str, size: int, budget: int, fmt: str, label: str, text_fie
                 start = j * size // n
                 w = _window(f, start, min(size, start + width))
                 for r in line_records(w, Meter(w), fmt, f"{label}~{j}" if j else label, text_field, id_field,
-                                      cap):
+                                      cap, whole_file=j == 0):
                     take(r)
         return size / (n * width)
     with open_decompressed(url, so) as (f, meter):

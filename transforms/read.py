@@ -70,11 +70,13 @@ def too_long(nbytes: int, max_record_bytes: int) -> str:
 
 
 def line_records(f, meter: Meter, fmt: str, label: str, text_field: str, id_field: str | None,
-                  max_record_bytes: int = MAX_RECORD_BYTES):
+                  max_record_bytes: int = MAX_RECORD_BYTES, whole_file: bool = True):
     """The records of a line format (text, lines, jsonl); each Document's nbytes is the bytes of the stored
-    file read since the previous Document (so read-ahead and skipped records count with the next one)."""
+    file read since the previous Document (so read-ahead and skipped records count with the next one).
+    `whole_file`: f starts at the file's start, so the file-level check applies (transforms.lines.utf8_lines)."""
     done = 0
-    for n, raw in enumerate(utf8_lines(lines_until_corrupt(f, max_record_bytes)), 1):
+    raws = lines_until_corrupt(f, max_record_bytes)
+    for n, raw in enumerate(utf8_lines(raws) if whole_file else raws, 1):
         default_id = f"{label}:{n}"
         if isinstance(raw, Corrupt):     # one record dead letter for the unreadable (rest of the) file
             yield DeadLetter(default_id, raw.reason, "", level="record")
