@@ -54,6 +54,17 @@ def test_dictionary_encoded_parquet_cells_over_the_cap_are_dead_letters(tmp_path
         [("Document", "short ok"), ("DeadLetter", "unreadable record: 'text' is null or not a string")]
 
 
+@pytest.mark.parametrize("dictionary", [True, False])
+def test_a_parquet_id_cell_over_the_cap_is_a_dead_letter(tmp_path, dictionary):
+    ids = pa.array(["an id of 16 byte", "ok", "an id of 16 byte"])
+    pq.write_table(pa.table({"text": ["One.", "Two.", "Three."], "id": ids.dictionary_encode() if dictionary else ids}),
+                   tmp_path / "i.parquet")
+    recs = list(read_documents(str(tmp_path / "i.parquet"), "parquet", "i.parquet", id_field="id", max_record_bytes=10))
+    assert [(r.id, r.reason) if hasattr(r, "reason") else r.doc_id for r in recs] == [
+        ("i.parquet:1", "too long: id 'id' of 16 bytes > --max-record-bytes 10"), "ok",
+        ("i.parquet:3", "too long: id 'id' of 16 bytes > --max-record-bytes 10")]
+
+
 @pytest.mark.slow
 def test_a_dictionary_encoded_huge_value_stays_within_the_memory_bound(tmp_path, tiny_model_files):
     """100 rows of one value of --max-record-bytes + 1 bytes in a file of a few hundred bytes: each row a dead

@@ -64,9 +64,9 @@ def _file_records(url, fmt, label, text_field, id_field, storage_options, max_re
         yield from line_records(f, meter, fmt, label, text_field, id_field, max_record_bytes)
 
 
-def too_long(nbytes: int, max_record_bytes: int) -> str:
-    """The reason of a record dead letter over --max-record-bytes."""
-    return f"too long: record of {nbytes} bytes > --max-record-bytes {max_record_bytes}"
+def too_long(nbytes: int, max_record_bytes: int, what: str = "record") -> str:
+    """The reason of a record dead letter over --max-record-bytes (`what`: the record, or its id cell)."""
+    return f"too long: {what} of {nbytes} bytes > --max-record-bytes {max_record_bytes}"
 
 
 def line_records(f, meter: Meter, fmt: str, label: str, text_field: str, id_field: str | None,
@@ -167,18 +167,21 @@ def _read_parquet(url, label, text_field, id_field, storage_options,
             raise ValueError(f"no column(s) {missing} (has {names})")
         n = 0
         leaf = pf.schema_arrow.get_field_index(text_field)
-        if pf.metadata.num_columns == len(names) and _dictionary_pages(pf, leaf):
+        dictionary = [c for c in columns if pf.metadata.num_columns == len(names) and
+                      _dictionary_pages(pf, pf.schema_arrow.get_field_index(c))]
+        if dictionary:
             f.seek(0)       # read as dictionary: one copy of each distinct value, never one per row
-            pf = pq.ParquetFile(f, read_dictionary=[text_field])
+            pf = pq.ParquetFile(f, read_dictionary=dictionary)
         batch_rows = _batch_rows(pf, leaf) if pf.metadata.num_columns == len(names) else 4096
         for batch in pf.iter_batches(columns=columns, batch_size=batch_rows):
             texts, lengths = _texts_within(batch.column(0), max_record_bytes)
-            ids = batch.column(1).to_pylist() if id_field else [None] * len(texts)
-            for text, raw_id, nbytes in zip(texts, ids, lengths):
+            ids, id_lengths = _texts_within(batch.column(1), max_record_bytes) if id_field else \
+                ([None] * len(texts),) * 2
+            for text, raw_id, nbytes, id_nbytes in zip(texts, ids, lengths, id_lengths):
                 n += 1
                 upto = size * n // rows
                 record = _parquet_record(text, raw_id, nbytes, f"{label}:{n}", text_field, id_field,
-                                         max_record_bytes, upto - done)
+                                         max_record_bytes, upto - done, id_nbytes)
                 if isinstance(record, Document):
                     done = upto
                 yield record
@@ -225,9 +228,12 @@ def _texts_within(column, max_record_bytes: int) -> tuple[list, list]:
 
 
 def _parquet_record(text, raw_id, nbytes: int | None, default_id: str, text_field: str, id_field: str | None,
-                    max_record_bytes: int, share: int) -> Document | DeadLetter | Blank:
+                    max_record_bytes: int, share: int, id_nbytes: int | None = None) -> Document | DeadLetter | Blank:
     """One Parquet row's record: text None when it is null or was left out for being over max_record_bytes
-    (nbytes: its UTF-8 bytes, None for a column that is not text); share: its bytes of the file (progress)."""
+    (nbytes: its UTF-8 bytes, None for a column that is not text); share: its bytes of the file (progress);
+    raw_id None and id_nbytes over max_record_bytes when the id cell was left out for the same reason."""
+    if id_nbytes is not None and id_nbytes > max_record_bytes:
+        return DeadLetter(default_id, too_long(id_nbytes, max_record_bytes, f"id {id_field!r}"), "", level="record")
     try:
         doc_id = document_id(raw_id, id_field) if id_field else default_id
     except BadId as e:
