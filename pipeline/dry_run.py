@@ -3,7 +3,8 @@
 estimate(): the run's plan (pipeline.plan.plan, without the object-store write probe), then
 - inputs: every file matched, with its size;
 - a sample: the lines starting in up to CHUNKS windows, about SAMPLE_BYTES in all, spread evenly over each
-  sampled file (compressed and Parquet files: from their start), read and tokenized with the run's own code;
+  sampled file (compressed and Parquet files: from their start), read by the run's readers under its bounds
+  (--max-record-bytes; DECOMPRESSED_BYTES of a file at most), streamed, and tokenized with the run's own code;
   documents, sentences, tokens and dead letters scaled by stored bytes (Parquet: rows);
 - time: the run's biLM (its threads, state and dtype) on length-sorted batches of sample sentences under
   --max-tokens-per-batch, its token cache warmed on them first and the first batch untimed; tokens/s of the
@@ -15,12 +16,12 @@ Nothing is created or written under --output (not even the folder or a lease).
 """
 from __future__ import annotations
 
-import io
 import json
 import math
 import posixpath
 import random
 import time
+from types import SimpleNamespace
 
 SAMPLE_BYTES = 1 << 20          # stored bytes of the inputs read for the sample
 CHUNKS = 32                     # slices per file, at most
@@ -29,73 +30,90 @@ MAX_SAMPLE_FILES = 64           # files sampled (evenly spaced by name) when the
 TIME_BATCHES = 6                # batches timed after the untimed first one, at most
 TIME_SECONDS = 10.0             # ... or until this much time was spent embedding
 COMPRESSED = (".gz", ".bz2", ".zst", ".xz", ".lzma")
+DECOMPRESSED_BYTES = 16 << 20         # decompressed bytes of one file read for the sample, at most
 
 
-def _whole_lines(f, size: int, budget: int) -> tuple[list[bytes], int]:
-    """(slices, bytes they stand for): the lines that start in each of up to CHUNKS windows spread evenly over a
-    seekable file of `size` bytes, about `budget` bytes of windows in all. A line is taken whole when it starts
-    in a window, so every line is as likely to be in the sample whatever its length (no bias to short lines)."""
-    if size <= budget:
-        return [f.read()], size
-    n = max(1, min(CHUNKS, budget // MIN_CHUNK))
-    width = budget // n
-    out = []
-    for j in range(n):
-        start = j * size // n
-        f.seek(max(0, start - 1))
-        data = f.read(width + (1 if start else 0))
-        if start > 0:                   # data[0] is the byte before the window: lines start after a newline
+def _window(f, start: int, end: int, block: int = 1 << 16):
+    """read() of the lines that start in bytes [start, end) of a seekable binary file, streamed block by block
+    (the last of them to its end, however long): every line is as likely to be in the sample whatever its
+    length (no bias to short lines), and the run's line reader bounds what is held."""
+    def blocks():
+        pos = max(0, start - 1)
+        f.seek(pos)
+        if start > 0:           # lines start after a newline: the first one at or after byte start - 1
+            while True:
+                if pos >= end - 1:
+                    return
+                data = f.read(min(block, end - 1 - pos))
+                if not data:
+                    return
+                cut = data.find(b"\n")
+                pos += len(data) if cut < 0 else cut + 1
+                if cut >= 0:
+                    f.seek(pos)
+                    break
+        last = b"\n"
+        while pos < end and (data := f.read(min(block, end - pos))):
+            pos += len(data)
+            last = data[-1:]
+            yield data
+        while last != b"\n" and (data := f.read(block)):      # the window's last line, to its end
             cut = data.find(b"\n")
-            data = data[cut + 1:] if cut >= 0 else b""
-        while data and not data.endswith(b"\n"):      # the window's last line, to its end
-            more = f.read(1 << 16)
-            if not more:
-                break
-            cut = more.find(b"\n")
-            data += more if cut < 0 else more[: cut + 1]
-        if data:
-            out.append(data)
-    return out, n * width
+            last = data[-1:] if cut < 0 else b"\n"
+            yield data if cut < 0 else data[:cut + 1]
+
+    pending = blocks()
+    return SimpleNamespace(read=lambda n=-1: next(pending, b""))
 
 
 def sample_file(url: str, size: int, budget: int, fmt: str, label: str, text_field: str, id_field: str | None,
-                so: dict) -> tuple[list, float]:
-    """(records, scale): records read from the file (Document, Blank, DeadLetter) and the factor from them to
-    the whole file."""
+                so: dict, take, max_record_bytes: int | None = None) -> float:
+    """Reads records of the file (Document, Blank, DeadLetter) with the run's readers under its bounds and passes
+    each to `take` as read (none kept here); returns the factor from them to the whole file.
+
+    Uncompressed line files over `budget`: the lines starting in up to CHUNKS windows spread evenly over the
+    file, about `budget` bytes of windows in all; other line files: from their start, until `budget` bytes as
+    stored or DECOMPRESSED_BYTES decompressed (scaled by the bytes as stored read by then); Parquet:
+    budget // 512 rows from the start."""
     from elmo_pipeline.fsio import open_file
-    from elmo_pipeline.transforms.lines import Meter
-    from elmo_pipeline.transforms.read import line_records, read_documents
-    if fmt != "parquet" and not url.endswith(COMPRESSED):
-        with open_file(url, "rb", so) as f:
-            slices, covered = _whole_lines(f, size, budget)
-        records = [r for j, s in enumerate(slices)     # ids numbered in each slice: the slice in the label
-                   for r in line_records(io.BytesIO(s), Meter(io.BytesIO(s)), fmt, f"{label}~{j}" if j else label,
-                                          text_field, id_field)]
-        return records, size / covered if covered else 0.0
-    records, stored, done = [], 0, False
-    for r in read_documents(url, fmt, label, text_field, id_field, so):
-        nbytes = getattr(r, "nbytes", 0) or 0
-        if nbytes and stored >= budget and fmt != "parquet":
-            done = True
-            break
-        stored += nbytes
-        records.append(r)
-        if fmt == "parquet" and len(records) >= budget // 512:
-            done = True
-            break
-    if not done:
-        return records, 1.0
+    from elmo_pipeline.transforms.lines import Meter, open_decompressed
+    from elmo_pipeline.transforms.read import MAX_RECORD_BYTES, line_records, read_documents
+    cap = max_record_bytes or MAX_RECORD_BYTES
     if fmt == "parquet":
-        import pyarrow.parquet as pq
+        taken = 0
+        for r in read_documents(url, fmt, label, text_field, id_field, so, cap):
+            if taken >= max(1, budget // 512):
+                import pyarrow.parquet as pq
+                with open_file(url, "rb", so) as f:
+                    return pq.ParquetFile(f).metadata.num_rows / taken
+            take(r)
+            taken += 1
+        return 1.0
+    if size > budget and not url.endswith(COMPRESSED):
+        n = max(1, min(CHUNKS, budget // MIN_CHUNK))
+        width = budget // n
         with open_file(url, "rb", so) as f:
-            rows = pq.ParquetFile(f).metadata.num_rows
-        return records, rows / len(records)
-    return records, size / stored if stored else 0.0
+            for j in range(n):      # ids numbered in each window: the window in the label
+                start = j * size // n
+                w = _window(f, start, min(size, start + width))
+                for r in line_records(w, Meter(w), fmt, f"{label}~{j}" if j else label, text_field, id_field,
+                                      cap, whole_file=j == 0):
+                    take(r)
+        return size / (n * width)
+    with open_decompressed(url, so) as (f, meter):
+        text = Meter(f)
+        for r in line_records(text, meter, fmt, label, text_field, id_field, cap):
+            if (size > budget and meter.n >= budget) or text.n >= DECOMPRESSED_BYTES:
+                return size / meter.n
+            take(r)
+    return 1.0
 
 
 def sample_inputs(pl, sizes: dict[str, int], budget: int = SAMPLE_BYTES) -> dict:
-    """Counts of the sample, scaled to all inputs, and the sample's written sentences (tokens) for timing."""
+    """Counts of the sample, scaled to all inputs, and the sample's written sentences (tokens) for timing. With
+    --id-field, the sample's documents that share an id are dead letters, as in the run."""
     from elmo_pipeline.tokenization.process import tokenize_or_reason
+    from elmo_pipeline.transforms.ids import split_duplicate_ids
     from elmo_pipeline.transforms.records import Blank, Document
     o = pl.options
     files = pl.files
@@ -105,43 +123,56 @@ def sample_inputs(pl, sizes: dict[str, int], budget: int = SAMPLE_BYTES) -> dict
     total_bytes = sum(sizes.values())
     keys = ("input_records", "blank_records", "record_dead_letters", "documents", "sentences",
             "sentences_written", "tokens_written", "dead_letter_sentences")
-    est = dict.fromkeys(keys, 0.0)
-    sampled = dict.fromkeys(keys, 0)
     written, tokenize_s, read_bytes = [], 0.0, 0
-    for url in picked:
-        share = max(MIN_CHUNK, int(budget * sizes[url] / picked_bytes))
-        records, scale = sample_file(url, sizes[url], share, o.input_format, pl.labels[url], o.text_field,
-                                     o.id_field, pl.storage_options)
-        read_bytes += min(sizes[url], share)
-        scale *= total_bytes / picked_bytes
-        c = dict.fromkeys(keys, 0)
-        for r in records:
-            c["input_records"] += 1
-            if isinstance(r, Blank):
-                c["blank_records"] += 1
-                continue
-            if not isinstance(r, Document):
-                c["record_dead_letters"] += 1
-                continue
-            c["documents"] += 1
-            t0 = time.perf_counter()
-            sentences = tokenize_or_reason(r.text, pl.tokenizer, r.split_sentences)
-            tokenize_s += time.perf_counter() - t0
-            if isinstance(sentences, str) or not sentences:
-                c["sentences"] += 1
+    counts, scales = [], []             # each file's counts, and its factor to all inputs
+    by_id: dict[str, list] = {}         # --id-field: the sample's documents by id, with their file's number
+
+    def tally(c: dict, r, read: bool = True) -> None:
+        nonlocal tokenize_s
+        c["input_records"] += read
+        if isinstance(r, Blank):
+            c["blank_records"] += 1
+            return
+        if not isinstance(r, Document):
+            c["record_dead_letters"] += 1
+            return
+        c["documents"] += 1
+        t0 = time.perf_counter()
+        sentences = tokenize_or_reason(r.text, pl.tokenizer, r.split_sentences)
+        tokenize_s += time.perf_counter() - t0
+        if isinstance(sentences, str) or not sentences:
+            c["sentences"] += 1
+            c["dead_letter_sentences"] += 1
+            return
+        for i, s in enumerate(sentences):
+            c["sentences"] += 1
+            if len(s.tokens) > pl.sentence_limit:
                 c["dead_letter_sentences"] += 1
                 continue
-            for i, s in enumerate(sentences):
-                c["sentences"] += 1
-                if len(s.tokens) > pl.sentence_limit:
-                    c["dead_letter_sentences"] += 1
-                    continue
-                c["sentences_written"] += 1
-                c["tokens_written"] += len(s.tokens)
-                written.append((f"{r.doc_id}#{i}", r.doc_id, i, list(s.tokens), list(s.offsets)))
-        for k in keys:
-            est[k] += c[k] * scale
-            sampled[k] += c[k]
+            c["sentences_written"] += 1
+            c["tokens_written"] += len(s.tokens)
+            written.append((f"{r.doc_id}#{i}", r.doc_id, i, list(s.tokens), list(s.offsets)))
+
+    for url in picked:
+        c, n = dict.fromkeys(keys, 0), len(counts)
+
+        def take(r, c=c, n=n) -> None:
+            if pl.unique_ids and isinstance(r, Document):     # counted once all ids are seen
+                c["input_records"] += 1
+                by_id.setdefault(r.doc_id, []).append((r, n))
+            else:
+                tally(c, r)
+        counts.append(c)
+        share = max(MIN_CHUNK, int(budget * sizes[url] / picked_bytes))
+        scales.append(sample_file(url, sizes[url], share, o.input_format, pl.labels[url], o.text_field, o.id_field,
+                                  pl.storage_options, take, o.max_record_bytes) * total_bytes / picked_bytes)
+        read_bytes += min(sizes[url], share)
+    for doc_id, group in by_id.items():
+        group.sort(key=lambda g: g[0].source)       # split_duplicate_ids' order
+        for r, (_, n) in zip(split_duplicate_ids(doc_id, [d for d, _ in group]), group):
+            tally(counts[n], r, read=False)
+    est = {k: sum(c[k] * f for c, f in zip(counts, scales)) for k in keys}
+    sampled = {k: sum(c[k] for c in counts) for k in keys}
     return {"estimated": {k: round(v) for k, v in est.items()}, "sampled": sampled, "written": written,
             "tokenize_seconds": tokenize_s, "sample_bytes": read_bytes, "files_sampled": len(picked)}
 

@@ -54,10 +54,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_lines(url: str) -> list[str]:
-    """Lines of a text file, stripped; split on '\\n' only (not on U+2028 etc.)."""
+    """Lines of a text file, stripped: read by the pipeline's line reader (split on b"\\n" only, not on U+2028
+    etc.; strict UTF-8; CRLF and a UTF-8 byte-order mark dropped). Anything the pipeline would dead-letter
+    (invalid UTF-8, a line over --max-record-bytes' default, a file that is not UTF-8 text with LF or CRLF line
+    ends) exits with one `error:` line naming the line, before the model is loaded."""
+    from elmo_pipeline.formats.layout import DeadLetter
     from elmo_pipeline.fsio import open_url
-    with open_url(url, "rt", encoding="utf-8", newline="\n") as f:
-        return [line.strip() for line in f]
+    from elmo_pipeline.transforms.lines import Meter
+    from elmo_pipeline.transforms.read import line_records
+    from elmo_pipeline.transforms.records import Blank
+    lines = []
+    with open_url(url, "rb") as f:
+        for r in line_records(f, Meter(f), "lines", "line", "text", None):
+            if isinstance(r, Blank):
+                lines.append("")
+            elif isinstance(r, DeadLetter):
+                raise SystemExit(f"error: INPUT_FILE {r.id.replace(':', ' ')}: {r.reason}")
+            else:
+                lines.append(r.text.strip())
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,9 +100,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {e}") from None
     lines = read_lines(args.input_file)
     if args.use_sentence_keys:
-        bad = [s for s in lines if "/" in s or s in ("", "sentence_to_index")]
-        if bad or len(set(lines)) != len(lines):
-            raise SystemExit("error: --use-sentence-keys needs unique, non-blank sentences without '/'; "
+        bad = [s for s in lines if "/" in s or "\0" in s or s in ("", ".", "sentence_to_index")]
+        if bad or len(set(lines)) != len(lines):       # HDF5 names: "/" nests, NUL ends one, "." is the file
+            raise SystemExit("error: --use-sentence-keys needs unique, non-blank sentences without '/' or NUL, "
+                             "other than '.'; "
                              f"first offending line: {bad[0] if bad else 'a duplicate sentence'!r}")
     common = dict(device=args.cuda_device, state=args.state, batch_size=args.batch_size, dtype=args.compute_dtype,
                   batch_invariant=args.batch_invariant)

@@ -129,6 +129,42 @@ def lines_until_corrupt(f, max_bytes: int | None = None) -> Iterator[bytes | Too
                        f"file is lost: {type(e).__name__}: {' '.join(str(e).split())}")
 
 
+OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"),
+                   (b"\xfe\xff", "UTF-16BE"))      # byte-order marks, the longer first
+
+
+def not_utf8_lines(first: bytes, only: bool) -> str | None:
+    """Why a file whose first line (split on b"\\n", as stored; its first bytes will do) is `first` is not UTF-8
+    text with LF or CRLF line ends, or None: a UTF-16 or UTF-32 byte-order mark, or, in a file of one line
+    (`only`), a CR before its end (CR line ends: the whole file would read as one line)."""
+    for bom, name in OTHER_ENCODINGS:
+        if first.startswith(bom):
+            return (f"{name} text (byte-order mark {bom.hex(' ').upper()}): only UTF-8 is read; convert it, e.g. "
+                    f"`iconv -f {name} -t UTF-8`")
+    if only and b"\r" in first[:-1]:
+        return "CR (\\r) line ends: lines must end in LF or CRLF; convert it, e.g. `tr '\\r' '\\n'`"
+    return None
+
+
+def utf8_lines(lines: Iterator[bytes | TooLong | Corrupt]) -> Iterator[bytes | TooLong | Corrupt]:
+    """The items of `lines` (lines_until_corrupt's), or a Corrupt "unreadable file" alone for a file that is
+    not UTF-8 text with LF or CRLF line ends (not_utf8_lines): it is refused whole, never read as garbage."""
+    first = next(lines, None)
+    if first is None or isinstance(first, Corrupt):
+        if first is not None:
+            yield first
+        return
+    second = next(lines, None)
+    why = not_utf8_lines(first.head if isinstance(first, TooLong) else first, only=second is None)
+    if why:
+        yield Corrupt(f"unreadable file: {why}")
+        return
+    yield first
+    if second is not None:
+        yield second
+        yield from lines
+
+
 METERED = (None, "gzip", "bz2", "lzma", "xz")
 
 

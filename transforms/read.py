@@ -10,7 +10,8 @@ from typing import Iterator
 from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter
 from elmo_pipeline.fsio import open_file
 from elmo_pipeline.transforms.ids import JSON_TYPES, BadId, document_id, printable_label
-from elmo_pipeline.transforms.lines import CORRUPT, Corrupt, Meter, TooLong, lines_until_corrupt, open_decompressed
+from elmo_pipeline.transforms.lines import (CORRUPT, Corrupt, Meter, TooLong, lines_until_corrupt, open_decompressed,
+                                            utf8_lines)
 from elmo_pipeline.transforms.records import Blank, Document
 
 INPUT_FORMATS = ("text", "lines", "jsonl", "parquet")
@@ -35,10 +36,11 @@ def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_
 
     Lines are split on b"\\n" only and decoded one by one as strict UTF-8 (a line that is not valid
     UTF-8 is a dead letter, its neighbours are unaffected); a trailing "\\r" is dropped (CRLF files),
-    and so is a UTF-8 byte-order mark at the start of the file. A record over `max_record_bytes` is a dead
-    letter "too long", read in blocks and never held whole. A failure that is not an I/O error (those
-    propagate: the runner retries the file) ends the file with one record dead letter "unreadable file"
-    for the rest of it; the records before it stand."""
+    and so is a UTF-8 byte-order mark at the start of the file. A file that is not UTF-8 text with LF or CRLF
+    line ends (transforms.lines.not_utf8_lines) is one record dead letter "unreadable file", never read. A
+    record over `max_record_bytes` is a dead letter "too long", read in blocks and never held whole. A failure
+    that is not an I/O error (those propagate: the runner retries the file) ends the file with one record dead
+    letter "unreadable file" for the rest of it; the records before it stand."""
     if fmt not in INPUT_FORMATS:
         raise ValueError(f"input format must be one of {INPUT_FORMATS}, got {fmt!r}")
     label = printable_label(label)
@@ -62,19 +64,21 @@ def _file_records(url, fmt, label, text_field, id_field, storage_options, max_re
         yield from line_records(f, meter, fmt, label, text_field, id_field, max_record_bytes)
 
 
-def too_long(nbytes: int, max_record_bytes: int) -> str:
-    """The reason of a record dead letter over --max-record-bytes."""
-    return f"too long: record of {nbytes} bytes > --max-record-bytes {max_record_bytes}"
+def too_long(nbytes: int, max_record_bytes: int, what: str = "record") -> str:
+    """The reason of a record dead letter over --max-record-bytes (`what`: the record, or its id cell)."""
+    return f"too long: {what} of {nbytes} bytes > --max-record-bytes {max_record_bytes}"
 
 
 def line_records(f, meter: Meter, fmt: str, label: str, text_field: str, id_field: str | None,
-                  max_record_bytes: int = MAX_RECORD_BYTES):
+                  max_record_bytes: int = MAX_RECORD_BYTES, whole_file: bool = True):
     """The records of a line format (text, lines, jsonl); each Document's nbytes is the bytes of the stored
-    file read since the previous Document (so read-ahead and skipped records count with the next one)."""
+    file read since the previous Document (so read-ahead and skipped records count with the next one).
+    `whole_file`: f starts at the file's start, so the file-level check applies (transforms.lines.utf8_lines)."""
     done = 0
-    for n, raw in enumerate(lines_until_corrupt(f, max_record_bytes), 1):
+    raws = lines_until_corrupt(f, max_record_bytes)
+    for n, raw in enumerate(utf8_lines(raws) if whole_file else raws, 1):
         default_id = f"{label}:{n}"
-        if isinstance(raw, Corrupt):     # one record dead letter for the unreadable rest of the file
+        if isinstance(raw, Corrupt):     # one record dead letter for the unreadable (rest of the) file
             yield DeadLetter(default_id, raw.reason, "", level="record")
             break
         if isinstance(raw, TooLong):
@@ -163,26 +167,58 @@ def _read_parquet(url, label, text_field, id_field, storage_options,
             raise ValueError(f"no column(s) {missing} (has {names})")
         n = 0
         leaf = pf.schema_arrow.get_field_index(text_field)
+        dictionary = [c for c in columns if pf.metadata.num_columns == len(names) and
+                      _dictionary_pages(pf, pf.schema_arrow.get_field_index(c))]
+        if dictionary:
+            f.seek(0)       # read as dictionary: one copy of each distinct value, never one per row
+            pf = pq.ParquetFile(f, read_dictionary=dictionary)
         batch_rows = _batch_rows(pf, leaf) if pf.metadata.num_columns == len(names) else 4096
         for batch in pf.iter_batches(columns=columns, batch_size=batch_rows):
             texts, lengths = _texts_within(batch.column(0), max_record_bytes)
-            ids = batch.column(1).to_pylist() if id_field else [None] * len(texts)
-            for text, raw_id, nbytes in zip(texts, ids, lengths):
+            ids, id_lengths = _texts_within(batch.column(1), max_record_bytes) if id_field else \
+                ([None] * len(texts),) * 2
+            for text, raw_id, nbytes, id_nbytes in zip(texts, ids, lengths, id_lengths):
                 n += 1
                 upto = size * n // rows
                 record = _parquet_record(text, raw_id, nbytes, f"{label}:{n}", text_field, id_field,
-                                         max_record_bytes, upto - done)
+                                         max_record_bytes, upto - done, id_nbytes)
                 if isinstance(record, Document):
                     done = upto
                 yield record
 
 
+def _dictionary_pages(pf, column: int) -> bool:
+    """Whether any row group stores the column dictionary-encoded (from the footer)."""
+    md = pf.metadata
+    return any(md.row_group(g).column(column).has_dictionary_page for g in range(md.num_row_groups))
+
+
+def _is_text(t) -> bool:
+    import pyarrow as pa
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
 def _texts_within(column, max_record_bytes: int) -> tuple[list, list]:
     """(Python values of a text column, each value's UTF-8 bytes or None); a value over max_record_bytes
-    comes out as None (never made a Python string)."""
+    comes out as None (never made a Python string). A dictionary column's lengths are its distinct values'
+    and each value within the cap becomes one Python string, shared by its rows."""
     import pyarrow as pa
     import pyarrow.compute as pc
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+    if pa.types.is_dictionary(column.type) and _is_text(column.type.value_type):
+        sizes = pc.binary_length(column.dictionary).to_pylist()
+        values: dict[int, str] = {}
+        texts, lengths = [], []
+        for i in column.indices.to_pylist():
+            if i is None or sizes[i] is None:
+                texts.append(None)
+                lengths.append(None)
+                continue
+            if sizes[i] <= max_record_bytes and i not in values:
+                values[i] = column.dictionary[i].as_py()
+            texts.append(values.get(i))
+            lengths.append(sizes[i])
+        return texts, lengths
+    if not _is_text(column.type):
         return column.to_pylist(), [None] * len(column)
     lengths = pc.binary_length(column)
     over = pc.greater(lengths, max_record_bytes)
@@ -192,9 +228,12 @@ def _texts_within(column, max_record_bytes: int) -> tuple[list, list]:
 
 
 def _parquet_record(text, raw_id, nbytes: int | None, default_id: str, text_field: str, id_field: str | None,
-                    max_record_bytes: int, share: int) -> Document | DeadLetter | Blank:
+                    max_record_bytes: int, share: int, id_nbytes: int | None = None) -> Document | DeadLetter | Blank:
     """One Parquet row's record: text None when it is null or was left out for being over max_record_bytes
-    (nbytes: its UTF-8 bytes, None for a column that is not text); share: its bytes of the file (progress)."""
+    (nbytes: its UTF-8 bytes, None for a column that is not text); share: its bytes of the file (progress);
+    raw_id None and id_nbytes over max_record_bytes when the id cell was left out for the same reason."""
+    if id_nbytes is not None and id_nbytes > max_record_bytes:
+        return DeadLetter(default_id, too_long(id_nbytes, max_record_bytes, f"id {id_field!r}"), "", level="record")
     try:
         doc_id = document_id(raw_id, id_field) if id_field else default_id
     except BadId as e:

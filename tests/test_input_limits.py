@@ -1,0 +1,191 @@
+"""Limits hold for every layout and command: --max-record-bytes and the memory bound for dictionary-encoded
+Parquet, `plan` reading with the run's readers and bounds (duplicate ids included), files that are not UTF-8
+text with LF or CRLF line ends refused whole, and the `elmo` command's one `error:` line before embedding."""
+import gzip
+import io
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elmo_pipeline.pipeline.cli import main as cli
+from elmo_pipeline.pipeline.dry_run import estimate
+from elmo_pipeline.pipeline.run import main
+from elmo_pipeline.transforms.read import read_documents
+from tests.pipeline_helpers import parquet_rows
+from tests.resume_helpers import REPO, argv
+from tests.test_hostile_records import _finished
+from tests.test_model_file_schema import RUN_AND_REPORT_PEAK
+
+BOUND = 12          # docs/failure-behaviour.md: a run's peak RSS grows by at most about 12x --max-record-bytes
+SLACK = 40 << 20    # allocator and import noise between two processes
+
+
+def _peak(args: list[str], tmp_path, name: str) -> tuple[int, int]:
+    """(exit status, peak resident bytes) of `python -m elmo_pipeline.pipeline.run ARGS` in its own process."""
+    peak_file = str(tmp_path / f"{name}.peak")
+    p = subprocess.run([sys.executable, "-c", RUN_AND_REPORT_PEAK, peak_file, *args], cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, timeout=300)
+    with open(peak_file) as f:
+        return p.returncode, int(f.read()) * 1024
+
+
+def _dictionary_parquet(path, values: list, arrow_schema: bool) -> None:
+    """A Parquet file whose text column is dictionary-encoded; without the Arrow schema a reader sees plain
+    strings unless it asks for the dictionary."""
+    pq.write_table(pa.table({"text": pa.array(values).dictionary_encode()}), path, store_schema=arrow_schema,
+                   compression="zstd")
+
+
+def test_dictionary_encoded_parquet_cells_over_the_cap_are_dead_letters(tmp_path):
+    path = str(tmp_path / "d.parquet")
+    _dictionary_parquet(path, ["sixteen bytes ok"] * 3 + ["short ok", None], arrow_schema=True)
+    recs = list(read_documents(path, "parquet", "d.parquet", max_record_bytes=10))
+    assert [(type(r).__name__, getattr(r, "reason", getattr(r, "text", None))) for r in recs] == \
+        [("DeadLetter", "too long: record of 16 bytes > --max-record-bytes 10")] * 3 + \
+        [("Document", "short ok"), ("DeadLetter", "unreadable record: 'text' is null or not a string")]
+
+
+@pytest.mark.parametrize("dictionary", [True, False])
+def test_a_parquet_id_cell_over_the_cap_is_a_dead_letter(tmp_path, dictionary):
+    ids = pa.array(["an id of 16 byte", "ok", "an id of 16 byte"])
+    pq.write_table(pa.table({"text": ["One.", "Two.", "Three."], "id": ids.dictionary_encode() if dictionary else ids}),
+                   tmp_path / "i.parquet")
+    recs = list(read_documents(str(tmp_path / "i.parquet"), "parquet", "i.parquet", id_field="id", max_record_bytes=10))
+    assert [(r.id, r.reason) if hasattr(r, "reason") else r.doc_id for r in recs] == [
+        ("i.parquet:1", "too long: id 'id' of 16 bytes > --max-record-bytes 10"), "ok",
+        ("i.parquet:3", "too long: id 'id' of 16 bytes > --max-record-bytes 10")]
+
+
+@pytest.mark.slow
+def test_a_dictionary_encoded_huge_value_stays_within_the_memory_bound(tmp_path, tiny_model_files):
+    """100 rows of one value of --max-record-bytes + 1 bytes in a file of a few hundred bytes: each row a dead
+    letter, and memory no more than the documented bound over the same run without them."""
+    huge = "a" * ((8 << 20) + 1)
+    _dictionary_parquet(tmp_path / "base.parquet", ["Fine.", "Also fine."], arrow_schema=False)
+    _dictionary_parquet(tmp_path / "huge.parquet", ["Fine."] + [huge] * 100 + ["Also fine."], arrow_schema=False)
+    assert os.path.getsize(tmp_path / "huge.parquet") < 10_000
+    peaks = {}
+    for name in ("base", "huge"):
+        out = str(tmp_path / f"out-{name}")
+        rc, peaks[name] = _peak(argv(tiny_model_files, str(tmp_path / f"{name}.parquet"), out, "--input-format",
+                                     "parquet"), tmp_path, name)
+        assert rc == 0
+    m, dead = _finished(out)
+    assert m["counts"]["documents"] == 2 and len(dead) == 100
+    assert {d["reason"] for d in dead.values()} == {"too long: record of 8388609 bytes > --max-record-bytes 8388608"}
+    assert peaks["huge"] - peaks["base"] <= BOUND * (8 << 20) + SLACK, peaks
+
+
+@pytest.mark.slow
+def test_files_not_utf8_with_lf_or_crlf_line_ends_are_refused_whole(tmp_path, tiny_model_files):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "u16.txt").write_bytes("Hello there .\nSecond line .\n".encode("utf-16"))
+    (tmp_path / "in" / "cr.txt").write_bytes(b"Hello there .\rSecond line .\r")
+    (tmp_path / "in" / "good.txt").write_bytes(b"\xef\xbb\xbfHello there .\r\nSecond line .\r\n")   # BOM, CRLF: fine
+    out = str(tmp_path / "out")
+    assert main(argv(tiny_model_files, str(tmp_path / "in" / "*.txt"), out)) == 0
+    m, dead = _finished(out)
+    assert dead["u16.txt:1"]["reason"].startswith("unreadable file: UTF-16LE text (byte-order mark FF FE)")
+    assert dead["cr.txt:1"]["reason"].startswith("unreadable file: CR (\\r) line ends")
+    assert len(dead) == 2 and sorted(parquet_rows(out, m)) == ["good.txt:1#0", "good.txt:2#0"]
+
+
+@pytest.mark.slow
+def test_plan_counts_duplicate_ids_as_the_run_does(tmp_path, tiny_model_files):
+    inp = tmp_path / "d.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "text": t}) + "\n"
+                           for i, t in [("a", "One here ."), ("a", "Two here ."), ("b", "Three here .")]))
+    args = argv(tiny_model_files, str(inp), str(tmp_path / "out"), "--input-format", "jsonl", "--id-field", "id")
+    plan = estimate(args)
+    assert main(args) == 0
+    m, dead = _finished(str(tmp_path / "out"))
+    assert sorted(dead) == ["d.jsonl:1", "d.jsonl:2"]
+    for k in ("input_records", "record_dead_letters", "documents", "tokens_written"):
+        assert plan["estimated"][k] == m["counts"][k], k
+
+
+@pytest.mark.slow
+def test_plan_applies_max_record_bytes_to_a_long_line(tmp_path, tiny_model_files):
+    """A line over --max-record-bytes in an uncompressed file sampled by windows is a record dead letter, as in
+    the run, not a document tokenized whole."""
+    inp = tmp_path / "long.txt"
+    inp.write_bytes(b"Fine here .\n" + b"a " * (1 << 20) + b"\n" + b"Also fine .\n" * 8000)
+    plan = estimate(argv(tiny_model_files, str(inp), str(tmp_path / "out"), "--max-record-bytes", "100000"),
+                    sample_bytes=64 << 10)
+    assert plan["sample"]["record_dead_letters"] == 1 and plan["sample"]["dead_letter_sentences"] == 0, plan["sample"]
+
+
+@pytest.mark.slow
+def test_plan_memory_on_a_gz_of_newlines_stays_as_the_runs(tmp_path, tiny_model_files):
+    """A few KB of .gz that expand to millions of blank lines: plan counts them as it reads (the run's reader),
+    holding none, so its peak is that of a plan of two good lines."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "in").mkdir()
+    for d in ("base", "in"):
+        (tmp_path / d / "good.txt").write_text("The cat sat on the mat .\nA dog ran .\n")
+    with gzip.open(tmp_path / "in" / "newlines.txt.gz", "wb") as f:
+        f.write(b"\n" * (2 << 20))
+    peaks = {}
+    for d in ("base", "in"):
+        rc, peaks[d] = _peak(["--dry-run", *argv(tiny_model_files, str(tmp_path / d / "*"), str(tmp_path / "out"))],
+                             tmp_path, d)
+        assert rc == 0
+    assert peaks["in"] - peaks["base"] <= SLACK, peaks
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=60).map(lambda b: bytes(c % 3 + 10 if c % 2 else 97 for c in b)),
+       st.integers(0, 60), st.integers(0, 60), st.integers(1, 7))
+def test_plan_window_is_the_lines_starting_in_it(data, a, b, block):
+    from elmo_pipeline.pipeline.dry_run import _window
+    start, end = min(a, b, len(data)), min(max(a, b), len(data))
+    starts = [q for q in range(start, end) if q == 0 or data[q - 1] == 10]
+    want = b""
+    if starts:
+        stop = data.find(b"\n", end - 1)
+        want = data[starts[0]:len(data) if stop < 0 else stop + 1]
+    w = _window(io.BytesIO(data), start, end, block)
+    assert b"".join(iter(w.read, b"")) == want
+
+
+ELMO_INPUTS = {   # (input bytes, flags, the error line's start)
+    "invalid UTF-8": (b"good line .\nbad \xff here\n", [],
+                      "error: INPUT_FILE line 2: invalid UTF-8: invalid start byte at byte 4 of the line"),
+    "UTF-16": ("a b\nc d\n".encode("utf-16"), [], "error: INPUT_FILE line 1: unreadable file: UTF-16LE text"),
+    "CR line ends": (b"a b\rc d\r", [], "error: INPUT_FILE line 1: unreadable file: CR (\\r) line ends"),
+    "a line over the cap": (b"a b\n" + b"x" * ((8 << 20) + 1) + b"\n", [],
+                            "error: INPUT_FILE line 2: too long: record of 8388609 bytes"),
+    "key '.'": (b"a b\n.\n", ["--use-sentence-keys"], "error: --use-sentence-keys needs unique"),
+    "key with NUL": (b"a\0b\nc\n", ["--use-sentence-keys"], "error: --use-sentence-keys needs unique"),
+}
+
+
+@pytest.mark.parametrize("case", list(ELMO_INPUTS))
+def test_elmo_command_refuses_bad_input_before_embedding(tmp_path, tiny_model_files, case):
+    data, flags, error = ELMO_INPUTS[case]
+    (tmp_path / "in.txt").write_bytes(data)
+    out = tmp_path / "out.hdf5"
+    with pytest.raises(SystemExit) as e:
+        cli(["elmo", str(tmp_path / "in.txt"), str(out), "--top", *flags, "--options-file", tiny_model_files[0],
+             "--weight-file", tiny_model_files[1]])
+    assert str(e.value.code).startswith(error) and "\n" not in str(e.value.code), e.value.code
+    assert not out.exists()
+
+
+def test_elmo_command_keys_are_the_lines_without_bom_and_crlf(tmp_path, tiny_model_files):
+    (tmp_path / "in.txt").write_bytes(b"\xef\xbb\xbfThe cat .\r\nA dog ran .\r\n")
+    out = tmp_path / "out.hdf5"
+    assert cli(["elmo", str(tmp_path / "in.txt"), str(out), "--top", "--use-sentence-keys", "--options-file",
+                tiny_model_files[0], "--weight-file", tiny_model_files[1]]) == 0
+    with h5py.File(out, "r") as f:
+        assert sorted(f.keys()) == ["A dog ran .", "The cat .", "sentence_to_index"]
+        assert json.loads(f["sentence_to_index"][0]) == {"The cat .": "0", "A dog ran .": "1"}
