@@ -85,3 +85,17 @@ def test_no_module_imports_a_package_above_it(package, path):
         assert not above, f"{path} imports {sorted(above)}, above its layer"
     if path not in BEAM_SHELLS:
         assert "apache_beam" not in imported, f"{path} imports Beam outside the Beam shells"
+
+
+WRITE_PATHS = ("output", "transforms", "formats")    # every byte of an output is written by code under these
+
+
+@pytest.mark.parametrize("path", [p for p in _python_files() if p.split(os.sep)[0] in WRITE_PATHS])
+def test_no_environment_read_or_test_hook_in_the_write_paths(path):
+    """Test faults come from a failing sink or the fixture tests/faults/sitecustomize.py, never from a hook in the
+    product: no module that writes an output reads the environment or names the fault variables."""
+    source = open(os.path.join(REPO, path), encoding="utf-8").read()
+    tree = ast.parse(source)
+    reads = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+             and ast.unparse(n) in ("os.environ", "os.getenv", "os.environb")]
+    assert not reads and "ELMO_PIPELINE_CRASH_AT" not in source and "crash_point" not in source
