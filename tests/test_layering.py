@@ -99,3 +99,16 @@ def test_no_environment_read_or_test_hook_in_the_write_paths(path):
     reads = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
              and ast.unparse(n) in ("os.environ", "os.getenv", "os.environb")]
     assert not reads and "ELMO_PIPELINE_CRASH_AT" not in source and "crash_point" not in source
+
+
+def test_write_then_rename_is_in_one_place():
+    """Every file written whole then renamed goes through fsio.replacing() (fsio/fs.py): no other module renames."""
+    renames = {}
+    for path in _python_files():
+        if path.split(os.sep)[0] in OURS - {"tests"} and path != os.path.join("fsio", "fs.py"):
+            tree = ast.parse(open(os.path.join(REPO, path), encoding="utf-8").read())
+            found = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                     and n.attr in ("replace", "rename") and ast.unparse(n.value) in ("os", "shutil")]
+            if found:
+                renames[path] = found
+    assert renames == {}
