@@ -144,10 +144,15 @@ def _taken_over_run(args, staged, take_over, lease_token):
     first = _start(args, delay=SLOWER)
     try:
         _wait_for(lambda: any("/committed/" in p for p in staged()), timeout=120, what="the first commit record")
-        time.sleep(0.3)                       # the shards of the same batch: staged before the takeover
+        at_takeover, t0 = staged(), time.time()
+        while time.time() - t0 < 0.4:         # the rest of that batch's shards: staged before the takeover
+            time.sleep(0.1)
+            now = staged()
+            if now != at_takeover:
+                at_takeover, t0 = now, time.time()
         take_over()
         assert first.poll() is None, "the run ended before its lease was taken over: make it slower"
-        at_takeover = staged()
+        assert sum("/committed/" in p for p in at_takeover) < 12, "all 12 shards staged before the takeover"
         _, err = first.communicate(timeout=120)
     finally:
         first.kill()
@@ -290,9 +295,9 @@ def _listing(folder):
 @pytest.mark.slow   # a killed process
 @pytest.mark.parametrize("state", ["finished", "interrupted"])
 def test_plan_and_dry_run_leave_an_existing_output_as_it_was(state, tiny_model_files, tmp_path, capsys):
-    """`elmo-pipeline plan` and `run --dry-run` on a finished output and on one a killed run left (staged
-    shards, its lease): not one file or folder added, changed or removed, mtimes included. (A missing output
-    staying missing: tests/test_iceberg_commit.py.)"""
+    """`elmo-pipeline plan` and `run --dry-run` (the same command, with --overwrite, another command) on a
+    finished output and on one a killed run left (staged shards, its lease): not one file or folder added,
+    changed or removed, mtimes included. (A missing output staying missing: tests/test_iceberg_commit.py.)"""
     corpus_file = write_corpus(str(tmp_path / "docs.txt"), n_docs=8)
     out = str(tmp_path / "out")
     args = argv(tiny_model_files, corpus_file, out, *SMALL)
@@ -304,7 +309,8 @@ def test_plan_and_dry_run_leave_an_existing_output_as_it_was(state, tiny_model_f
         assert os.path.exists(os.path.join(out, "_lease.json")) and os.listdir(os.path.join(out, "_staging"))
     before = _listing(out)
     time.sleep(0.05)        # a rewrite with the same bytes would show in the mtimes
-    assert cli_main(["plan", *args]) == 0
-    assert main([*args, "--dry-run"]) == 0
-    assert f"--output {out} " in capsys.readouterr().out
-    assert _listing(out) == before
+    for extra in ((), ("--overwrite",), ("--layers", "top")):      # the same command, a redo, another command
+        assert cli_main(["plan", *args, *extra]) == 0
+        assert main([*args, *extra, "--dry-run"]) == 0
+        assert f"--output {out} " in capsys.readouterr().out
+        assert _listing(out) == before
