@@ -244,7 +244,7 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
                    resumable: bool = True) -> OutputState:
     """Decide what a run with run key `key` does with `output`, and make the folder ready for it. The caller
     holds the output's lease. Nothing is removed before every refusal has been decided; only what the
-    pipeline wrote is ever removed (check_ownership and check_no_links first, then output/finalize.clear_final).
+    pipeline wrote is ever removed (check_no_links and check_ownership first, then output/finalize.clear_final).
 
     - _SUCCESS of this key: 'complete' (with `overwrite`: cleared, fresh). Of another key: refused unless
       `overwrite`, which clears it.
@@ -263,8 +263,8 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
     sink, root = Sink.at(output, storage_options)
     fs = sink.fs
     fs.invalidate_cache()
+    check_no_links(output, fs, root)      # first: a link is named as one, not as the files it leads to
     check_ownership(output, fs, root, overwrite)
-    check_no_links(output, fs, root)
     scheme = _scheme(output)
     parent = posixpath.join(root, STAGING)
     st = posixpath.join(parent, key)
