@@ -11,6 +11,7 @@ class Page(NamedTuple):
     kind: int                   # PageType: 0 data, 1 index, 2 dictionary, 3 data v2
     uncompressed: int           # uncompressed_page_size: what decoding the page decompresses
     compressed: int             # compressed_page_size: the bytes after the header
+    header: int                 # the header's own bytes
 
 
 class _Compact:
@@ -102,7 +103,7 @@ def column_pages(f, start: int, length: int) -> Iterator[Page]:
         fields = r.struct(wanted=(1, 2, 3))
         if not {1, 2, 3} <= fields.keys() or fields[2] < 0 or fields[3] < 0:
             raise ValueError(f"bad Parquet page header at byte {pos}: {fields}")
-        yield Page(fields[1], fields[2], fields[3])
+        yield Page(fields[1], fields[2], fields[3], r.pos - pos)
         pos = r.pos + fields[3]
 
 
