@@ -90,8 +90,8 @@ def test_a_parquet_row_group_with_a_page_over_4x_the_cap_is_dead_letters_unread(
 @pytest.mark.slow
 def test_a_huge_plain_parquet_cell_stays_within_the_memory_bound(tmp_path, tiny_model_files):
     """One 200 MiB cell of a plain (not dictionary-encoded) text column, in a file of a few KB: its row group is
-    record dead letters, never decompressed, the other rows documents, and memory no more than the documented
-    bound over the same run without it."""
+    record dead letters, never decompressed, the other rows documents (in `plan` too), and memory no more than
+    the documented bound over the same run without it."""
     rows = [f"Row {i} is fine ." for i in range(30)]
     pq.write_table(pa.table({"text": rows}), tmp_path / "base.parquet", use_dictionary=False, compression="zstd",
                    row_group_size=10)
@@ -112,6 +112,10 @@ def test_a_huge_plain_parquet_cell_stays_within_the_memory_bound(tmp_path, tiny_
     size = re.fullmatch(r"too long: Parquet page of (\d+) bytes > 4x --max-record-bytes 8388608 \(column 'text', "
                         r"row group 1\); the row group is not read", reason)
     assert size and (200 << 20) < int(size[1]) < (201 << 20), reason
+    plan = estimate(argv(tiny_model_files, str(tmp_path / "huge.parquet"), str(tmp_path / "plan-out"),
+                         "--input-format", "parquet"))
+    for k in ("input_records", "record_dead_letters", "documents"):       # plan reads with the run's reader
+        assert plan["estimated"][k] == m["counts"][k], k
 
 
 @pytest.mark.slow
