@@ -39,6 +39,18 @@ def _peak(args: list[str], tmp_path, name: str) -> tuple[int, int]:
         return p.returncode, int(f.read()) * 1024
 
 
+def _parquet_peaks(tmp_path, tiny_model_files) -> tuple[dict, str]:
+    """({name: peak resident bytes} of runs on tmp_path/base.parquet and tmp_path/huge.parquet, each ending with
+    status 0; the huge run's output)."""
+    peaks = {}
+    for name in ("base", "huge"):
+        out = str(tmp_path / f"out-{name}")
+        rc, peaks[name] = _peak(argv(tiny_model_files, str(tmp_path / f"{name}.parquet"), out, "--input-format",
+                                     "parquet"), tmp_path, name)
+        assert rc == 0
+    return peaks, out
+
+
 def _dictionary_parquet(path, values: list, arrow_schema: bool) -> None:
     """A Parquet file whose text column is dictionary-encoded; without the Arrow schema a reader sees plain
     strings unless it asks for the dictionary."""
@@ -98,12 +110,7 @@ def test_a_huge_plain_parquet_cell_stays_within_the_memory_bound(tmp_path, tiny_
     pq.write_table(pa.table({"text": rows[:15] + ["a" * (200 << 20)] + rows[15:]}), tmp_path / "huge.parquet",
                    use_dictionary=False, compression="zstd", row_group_size=10)
     assert os.path.getsize(tmp_path / "huge.parquet") < 100_000
-    peaks = {}
-    for name in ("base", "huge"):
-        out = str(tmp_path / f"out-{name}")
-        rc, peaks[name] = _peak(argv(tiny_model_files, str(tmp_path / f"{name}.parquet"), out, "--input-format",
-                                     "parquet"), tmp_path, name)
-        assert rc == 0
+    peaks, out = _parquet_peaks(tmp_path, tiny_model_files)
     assert peaks["huge"] - peaks["base"] <= BOUND * (8 << 20) + SLACK, peaks
     m, dead = _finished(out)
     assert m["counts"]["documents"] == 21 and m["counts"]["record_dead_letters"] == 10, m["counts"]
@@ -126,12 +133,7 @@ def test_a_dictionary_encoded_huge_value_stays_within_the_memory_bound(tmp_path,
     _dictionary_parquet(tmp_path / "base.parquet", ["Fine.", "Also fine."], arrow_schema=False)
     _dictionary_parquet(tmp_path / "huge.parquet", ["Fine."] + [huge] * 100 + ["Also fine."], arrow_schema=False)
     assert os.path.getsize(tmp_path / "huge.parquet") < 10_000
-    peaks = {}
-    for name in ("base", "huge"):
-        out = str(tmp_path / f"out-{name}")
-        rc, peaks[name] = _peak(argv(tiny_model_files, str(tmp_path / f"{name}.parquet"), out, "--input-format",
-                                     "parquet"), tmp_path, name)
-        assert rc == 0
+    peaks, out = _parquet_peaks(tmp_path, tiny_model_files)
     m, dead = _finished(out)
     assert m["counts"]["documents"] == 2 and len(dead) == 100
     assert {d["reason"] for d in dead.values()} == {"too long: record of 8388609 bytes > --max-record-bytes 8388608"}
