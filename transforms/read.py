@@ -153,7 +153,9 @@ def _batch_rows(pf, column: int) -> int:
 def _read_parquet(url, label, text_field, id_field, storage_options,
                   max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[Document | DeadLetter | Blank]:
     """The rows of a Parquet file; a text over max_record_bytes (UTF-8) is a dead letter "too long" (left out
-    of the batch before it becomes a Python string) and an --id-field cell follows document_id()."""
+    of the batch before it becomes a Python string) and an --id-field cell follows document_id(). A row group
+    with a text or id page over PAGE_RECORDS * max_record_bytes is never decoded (pyarrow decompresses a whole
+    page to read any value of it): each of its rows is a dead letter "too long: Parquet page ..."."""
     import pyarrow.parquet as pq
     with open_file(url, "rb", storage_options) as f:
         size = f.seek(0, 2)         # row n's share of the file's bytes: size * n // rows - size * (n - 1) // rows
@@ -218,6 +220,7 @@ def _row_group_runs(pf, f, columns: list[str], max_record_bytes: int) -> Iterato
                              f"row group {g}); the row group is not read")
     if run:
         yield run, None
+
 
 def _dictionary_pages(pf, column: int) -> bool:
     """Whether any row group stores the column dictionary-encoded (from the footer)."""
