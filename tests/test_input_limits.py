@@ -1,10 +1,11 @@
-"""Limits hold for every layout and command: --max-record-bytes and the memory bound for dictionary-encoded
+"""Limits hold for every layout and command: --max-record-bytes and the memory bound for dictionary-encoded and plain
 Parquet, `plan` reading with the run's readers and bounds (duplicate ids included), files that are not UTF-8
 text with LF or CRLF line ends refused whole, and the `elmo` command's one `error:` line before embedding."""
 import gzip
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -38,6 +39,18 @@ def _peak(args: list[str], tmp_path, name: str) -> tuple[int, int]:
         return p.returncode, int(f.read()) * 1024
 
 
+def _parquet_peaks(tmp_path, tiny_model_files) -> tuple[dict, str]:
+    """({name: peak resident bytes} of runs on tmp_path/base.parquet and tmp_path/huge.parquet, each ending with
+    status 0; the huge run's output)."""
+    peaks = {}
+    for name in ("base", "huge"):
+        out = str(tmp_path / f"out-{name}")
+        rc, peaks[name] = _peak(argv(tiny_model_files, str(tmp_path / f"{name}.parquet"), out, "--input-format",
+                                     "parquet"), tmp_path, name)
+        assert rc == 0
+    return peaks, out
+
+
 def _dictionary_parquet(path, values: list, arrow_schema: bool) -> None:
     """A Parquet file whose text column is dictionary-encoded; without the Arrow schema a reader sees plain
     strings unless it asks for the dictionary."""
@@ -65,6 +78,53 @@ def test_a_parquet_id_cell_over_the_cap_is_a_dead_letter(tmp_path, dictionary):
         ("i.parquet:3", "too long: id 'id' of 16 bytes > --max-record-bytes 10")]
 
 
+@pytest.mark.parametrize("column", ["text", "id"])
+def test_a_parquet_row_group_with_a_page_over_4x_the_cap_is_dead_letters_unread(tmp_path, column):
+    """A plain page over 4x --max-record-bytes is never decoded: its row group's rows are record dead letters
+    numbered as the run numbers rows; the other row groups read as before (a cell over the cap in a page
+    within the limit stays its own "too long: record" dead letter)."""
+    texts = [f"Row {i} here." for i in range(9)]
+    ids = [f"id{i}" for i in range(9)]
+    (texts if column == "text" else ids)[4] = "x" * 5000
+    texts[7] = "y" * 1500
+    pq.write_table(pa.table({"text": texts, "id": ids}), tmp_path / "p.parquet", use_dictionary=False,
+                   compression="zstd", row_group_size=3)
+    recs = list(read_documents(str(tmp_path / "p.parquet"), "parquet", "p.parquet", id_field="id",
+                               max_record_bytes=1000))
+    assert [r.doc_id for r in recs[:3] + recs[6:7] + recs[8:]] == ["id0", "id1", "id2", "id6", "id8"]
+    assert [r.id for r in recs[3:6]] == ["p.parquet:4", "p.parquet:5", "p.parquet:6"]
+    [reason] = {r.reason for r in recs[3:6]}
+    assert re.fullmatch(r"too long: Parquet page of 50\d\d bytes > 4x --max-record-bytes 1000 "
+                        rf"\(column '{column}', row group 1\); the row group is not read", reason), reason
+    assert (recs[7].id, recs[7].reason) == ("id7", "too long: record of 1500 bytes > --max-record-bytes 1000")
+
+
+@pytest.mark.slow
+def test_a_huge_plain_parquet_cell_stays_within_the_memory_bound(tmp_path, tiny_model_files):
+    """One 200 MiB cell of a plain (not dictionary-encoded) text column, in a file of a few KB: its row group is
+    record dead letters, never decompressed, the other rows documents (in `plan` too), and memory no more than
+    the documented bound over the same run without it."""
+    rows = [f"Row {i} is fine ." for i in range(30)]
+    pq.write_table(pa.table({"text": rows}), tmp_path / "base.parquet", use_dictionary=False, compression="zstd",
+                   row_group_size=10)
+    pq.write_table(pa.table({"text": rows[:15] + ["a" * (200 << 20)] + rows[15:]}), tmp_path / "huge.parquet",
+                   use_dictionary=False, compression="zstd", row_group_size=10)
+    assert os.path.getsize(tmp_path / "huge.parquet") < 100_000
+    peaks, out = _parquet_peaks(tmp_path, tiny_model_files)
+    assert peaks["huge"] - peaks["base"] <= BOUND * (8 << 20) + SLACK, peaks
+    m, dead = _finished(out)
+    assert m["counts"]["documents"] == 21 and m["counts"]["record_dead_letters"] == 10, m["counts"]
+    assert sorted(dead) == [f"huge.parquet:{i}" for i in range(11, 21)]
+    [reason] = {d["reason"] for d in dead.values()}
+    size = re.fullmatch(r"too long: Parquet page of (\d+) bytes > 4x --max-record-bytes 8388608 \(column 'text', "
+                        r"row group 1\); the row group is not read", reason)
+    assert size and (200 << 20) < int(size[1]) < (201 << 20), reason
+    plan = estimate(argv(tiny_model_files, str(tmp_path / "huge.parquet"), str(tmp_path / "plan-out"),
+                         "--input-format", "parquet"))
+    for k in ("input_records", "record_dead_letters", "documents"):       # plan reads with the run's reader
+        assert plan["estimated"][k] == m["counts"][k], k
+
+
 @pytest.mark.slow
 def test_a_dictionary_encoded_huge_value_stays_within_the_memory_bound(tmp_path, tiny_model_files):
     """100 rows of one value of --max-record-bytes + 1 bytes in a file of a few hundred bytes: each row a dead
@@ -73,12 +133,7 @@ def test_a_dictionary_encoded_huge_value_stays_within_the_memory_bound(tmp_path,
     _dictionary_parquet(tmp_path / "base.parquet", ["Fine.", "Also fine."], arrow_schema=False)
     _dictionary_parquet(tmp_path / "huge.parquet", ["Fine."] + [huge] * 100 + ["Also fine."], arrow_schema=False)
     assert os.path.getsize(tmp_path / "huge.parquet") < 10_000
-    peaks = {}
-    for name in ("base", "huge"):
-        out = str(tmp_path / f"out-{name}")
-        rc, peaks[name] = _peak(argv(tiny_model_files, str(tmp_path / f"{name}.parquet"), out, "--input-format",
-                                     "parquet"), tmp_path, name)
-        assert rc == 0
+    peaks, out = _parquet_peaks(tmp_path, tiny_model_files)
     m, dead = _finished(out)
     assert m["counts"]["documents"] == 2 and len(dead) == 100
     assert {d["reason"] for d in dead.values()} == {"too long: record of 8388609 bytes > --max-record-bytes 8388608"}

@@ -153,7 +153,9 @@ def _batch_rows(pf, column: int) -> int:
 def _read_parquet(url, label, text_field, id_field, storage_options,
                   max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[Document | DeadLetter | Blank]:
     """The rows of a Parquet file; a text over max_record_bytes (UTF-8) is a dead letter "too long" (left out
-    of the batch before it becomes a Python string) and an --id-field cell follows document_id()."""
+    of the batch before it becomes a Python string) and an --id-field cell follows document_id(). A row group
+    with a text or id page over PAGE_RECORDS * max_record_bytes is never decoded (pyarrow decompresses a whole
+    page to read any value of it): each of its rows is a dead letter "too long: Parquet page ..."."""
     import pyarrow.parquet as pq
     with open_file(url, "rb", storage_options) as f:
         size = f.seek(0, 2)         # row n's share of the file's bytes: size * n // rows - size * (n - 1) // rows
@@ -173,18 +175,51 @@ def _read_parquet(url, label, text_field, id_field, storage_options,
             f.seek(0)       # read as dictionary: one copy of each distinct value, never one per row
             pf = pq.ParquetFile(f, read_dictionary=dictionary)
         batch_rows = _batch_rows(pf, leaf) if pf.metadata.num_columns == len(names) else 4096
-        for batch in pf.iter_batches(columns=columns, batch_size=batch_rows):
-            texts, lengths = _texts_within(batch.column(0), max_record_bytes)
-            ids, id_lengths = _texts_within(batch.column(1), max_record_bytes) if id_field else \
-                ([None] * len(texts),) * 2
-            for text, raw_id, nbytes, id_nbytes in zip(texts, ids, lengths, id_lengths):
-                n += 1
-                upto = size * n // rows
-                record = _parquet_record(text, raw_id, nbytes, f"{label}:{n}", text_field, id_field,
-                                         max_record_bytes, upto - done, id_nbytes)
-                if isinstance(record, Document):
-                    done = upto
-                yield record
+        for groups, reason in _row_group_runs(pf, f, columns, max_record_bytes):
+            if reason:          # a page too big to decode: the row group's rows are dead letters, never read
+                for _ in range(pf.metadata.row_group(groups[0]).num_rows):
+                    n += 1
+                    yield DeadLetter(f"{label}:{n}", reason, "", level="record")
+                continue
+            for batch in pf.iter_batches(row_groups=groups, columns=columns, batch_size=batch_rows):
+                texts, lengths = _texts_within(batch.column(0), max_record_bytes)
+                ids, id_lengths = _texts_within(batch.column(1), max_record_bytes) if id_field else \
+                    ([None] * len(texts),) * 2
+                for text, raw_id, nbytes, id_nbytes in zip(texts, ids, lengths, id_lengths):
+                    n += 1
+                    upto = size * n // rows
+                    record = _parquet_record(text, raw_id, nbytes, f"{label}:{n}", text_field, id_field,
+                                             max_record_bytes, upto - done, id_nbytes)
+                    if isinstance(record, Document):
+                        done = upto
+                    yield record
+
+
+PAGE_RECORDS = 4    # a Parquet page over this many --max-record-bytes is never decoded (the memory bound)
+
+
+def _row_group_runs(pf, f, columns: list[str], max_record_bytes: int) -> Iterator[tuple[list[int], str | None]]:
+    """The file's row groups in order, lazily: (runs of groups to read, None), or ([group], the reason) for a group
+    with a page of the columns over PAGE_RECORDS * max_record_bytes uncompressed. Only a column chunk over that
+    size in the footer has its page headers read (transforms.parquet_pages), and only when its group is next."""
+    from elmo_pipeline.transforms.parquet_pages import chunk_span, column_pages
+    md, limit, run = pf.metadata, PAGE_RECORDS * max_record_bytes, []
+    leaves = [i for i in range(md.num_columns) if pf.schema.column(i).path in columns]
+    for g in range(md.num_row_groups):
+        big = [i for i in leaves if md.row_group(g).column(i).total_uncompressed_size > limit]
+        if not big:
+            run.append(g)
+            continue
+        if run:
+            yield run, None
+            run = []
+        over = next(((i, p) for i in big for p in column_pages(f, *chunk_span(md.row_group(g).column(i)))
+                     if p.uncompressed > limit), None)
+        yield [g], over and (f"too long: Parquet page of {over[1].uncompressed} bytes > {PAGE_RECORDS}x "
+                             f"--max-record-bytes {max_record_bytes} (column {pf.schema.column(over[0]).path!r}, "
+                             f"row group {g}); the row group is not read")
+    if run:
+        yield run, None
 
 
 def _dictionary_pages(pf, column: int) -> bool:
