@@ -95,7 +95,7 @@ def test_a_parquet_row_group_with_a_page_over_4x_the_cap_is_dead_letters_unread(
     assert [r.id for r in recs[3:6]] == ["p.parquet:4", "p.parquet:5", "p.parquet:6"]
     [reason] = {r.reason for r in recs[3:6]}
     assert re.fullmatch(r"too long: Parquet page of 50\d\d bytes > 4x --max-record-bytes 1000 "
-                        rf"\(column '{column}', row group 1\); the row group is not read", reason), reason
+                        rf"\(column '{column}', row group 1\); the row group is not read \(a larger --max-record-bytes reads it\)", reason), reason
     assert (recs[7].id, recs[7].reason) == ("id7", "too long: record of 1500 bytes > --max-record-bytes 1000")
 
 
@@ -117,7 +117,7 @@ def test_a_huge_plain_parquet_cell_stays_within_the_memory_bound(tmp_path, tiny_
     assert sorted(dead) == [f"huge.parquet:{i}" for i in range(11, 21)]
     [reason] = {d["reason"] for d in dead.values()}
     size = re.fullmatch(r"too long: Parquet page of (\d+) bytes > 4x --max-record-bytes 8388608 \(column 'text', "
-                        r"row group 1\); the row group is not read", reason)
+                        r"row group 1\); the row group is not read \(a larger --max-record-bytes reads it\)", reason)
     assert size and (200 << 20) < int(size[1]) < (201 << 20), reason
     plan = estimate(argv(tiny_model_files, str(tmp_path / "huge.parquet"), str(tmp_path / "plan-out"),
                          "--input-format", "parquet"))

@@ -217,7 +217,7 @@ def _row_group_runs(pf, f, columns: list[str], max_record_bytes: int) -> Iterato
                      if p.uncompressed > limit), None)
         yield [g], over and (f"too long: Parquet page of {over[1].uncompressed} bytes > {PAGE_RECORDS}x "
                              f"--max-record-bytes {max_record_bytes} (column {pf.schema.column(over[0]).path!r}, "
-                             f"row group {g}); the row group is not read")
+                             f"row group {g}); the row group is not read (a larger --max-record-bytes reads it)")
     if run:
         yield run, None
 
