@@ -38,8 +38,6 @@ from elmo_pipeline.downstream.shard_cache import ShardCache
 from elmo_pipeline.downstream.stream_rows import RowBuffer, pad_rows, stream_plan
 from elmo_pipeline.fsio import is_local_fs
 
-_META = ("id", "doc_id", "sentence_index")
-
 try:
     from torch.utils.data import Dataset as _TorchDataset
 except ImportError:  # pragma: no cover
@@ -76,6 +74,9 @@ class MappedDataset(_TorchDataset):
             out.check("arrow", self.layers)
             if out.dim != first.dim or [out.layer_dims[n] for n in self.layers] != [first.layer_dims[n] for n in self.layers]:
                 raise ValueError(f"{out.path}: layer widths differ from {first.path}'s")
+            if out.dtype != first.dtype:
+                raise ValueError(f"{out.path}: stored dtype {out.dtype} differs from {first.path}'s {first.dtype} "
+                                 f"(read them as separate datasets, or with ElmoDataset, which converts to float32)")
         self.dim, self.widths = first.dim, [first.layer_dims[n] for n in self.layers]
         self.label_key, self.with_tokens, self.transform = label_key, tokens, transform
         self.dtype = np.dtype(dtype) if dtype else None
@@ -90,7 +91,9 @@ class MappedDataset(_TorchDataset):
     def _build_index(self, labels) -> None:
         ids, doc_ids, sidx, starts, lengths, unit_first = [], [], [], [], [], [0]
         for u in range(len(self.units)):
-            b = self._open(u, _META)
+            b = open_arrow_shard(self._local(u))
+            k, i = self.units[u]
+            self.outputs[k].check_arrow(i, b, self.outputs[k].shard_path(i, "arrow"))
             sid, offsets, docs, indices = sentence_index(b)
             ids.append(sid)
             doc_ids.append(docs)
@@ -123,7 +126,7 @@ class MappedDataset(_TorchDataset):
     @property
     def stored_dtype(self) -> np.dtype:
         """The dtype of the stored vectors (float16 or float32: the output's --dtype)."""
-        return np.dtype(self.outputs[0].manifest.get("dtype", "float32"))
+        return np.dtype(self.outputs[0].dtype)
 
     def index_bytes(self) -> int:
         """Bytes of the in-memory index (offsets, lengths, doc ids, labels kept, the id hash table once built;
@@ -182,9 +185,7 @@ class MappedDataset(_TorchDataset):
         state["_maps"], state["_views"] = {}, {}
         return state
 
-    def _open(self, u: int, fields: Sequence[str] | None = None) -> pa.RecordBatch:
-        if fields is not None:
-            return open_arrow_shard(self._local(u), fields)
+    def _open(self, u: int) -> pa.RecordBatch:
         if self._pid != os.getpid():
             self._maps, self._views, self._pid = {}, {}, os.getpid()
         b = self._maps.get(u)
