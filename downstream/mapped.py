@@ -30,12 +30,13 @@ import numpy as np
 import pyarrow as pa
 
 from elmo_pipeline.downstream.arrow_shards import flat_vectors, open_arrow_shard, sentence_index, vector_offsets
+from elmo_pipeline.downstream.batching import Batcher, label_batch
 from elmo_pipeline.downstream.id_table import IdTable
 from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
-from elmo_pipeline.downstream.record_labels import attach_label, label_batch
+from elmo_pipeline.downstream.record_labels import attach_label
 from elmo_pipeline.downstream.sampler import BucketBatchSampler
 from elmo_pipeline.downstream.shard_cache import ShardCache
-from elmo_pipeline.downstream.stream_rows import RowBuffer, pad_rows, stream_plan
+from elmo_pipeline.downstream.stream_rows import RowBuffer, stream_plan
 from elmo_pipeline.fsio import is_local_fs
 
 try:
@@ -237,29 +238,27 @@ class MappedDataset(_TorchDataset):
     def by_id(self, sentence_id: str) -> dict:
         return self[self.position(sentence_id)]
 
-    def batch(self, positions: Sequence[int], pin_memory: bool = False) -> dict:
+    def batch(self, positions: Sequence[int], pin_memory: bool = False, batcher: Batcher | None = None) -> dict:
         """A padded batch of the records at `positions`: layers (B, L, T, dim) in `dtype` (layer 0 duplicated,
         zero past each length), mask (B, T) bool, lengths (B,) int64, ids, doc_ids, tokens (lists; tokens
-        None unless tokens=True), and label / tags as readers.collate makes them."""
+        None unless tokens=True), and label / tags as readers.collate makes them. Built by `batcher` (default
+        a fresh batching.Batcher: a new tensor per batch)."""
         import torch
         pos = [self._position(int(i)) for i in positions]
-        lengths = self._all_lengths[pos] if pos else np.zeros(0, np.int32)
-        B, T, L = len(pos), int(lengths.max(initial=0)), len(self.layers)
-        dtype = self.dtype or self.stored_dtype
-        pin = pin_memory and torch.cuda.is_available()
-        stored = torch.empty((B, L, T, self.dim), dtype=getattr(torch, self.stored_dtype.name),
-                             pin_memory=pin and dtype == self.stored_dtype)
-        _fill(stored.numpy(), self, pos, lengths)
-        out = stored if dtype == self.stored_dtype else stored.to(getattr(torch, dtype.name))   # one pass
-        if pin and not out.is_pinned():
-            out = out.pin_memory()
-        mask = torch.from_numpy(np.arange(T)[None, :] < lengths[:, None])
+        batcher = batcher or Batcher(self.dim, (self.dtype or self.stored_dtype).name, pin_memory=pin_memory)
+        sentences = []
+        for p in pos:
+            a, n = int(self._starts[p]), int(self._all_lengths[p])
+            sentences.append([v[a: a + n] for v in self._layer_views(self._unit(p)[0])])
+        out, mask = batcher.from_sentences(sentences)
         metas = [self._meta(p) for p in pos]
-        batch = {"layers": out, "mask": mask, "lengths": torch.from_numpy(lengths.astype(np.int64)),
+        batch = {"layers": out, "mask": mask,
+                 "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)) if pos else torch.zeros(0, dtype=torch.int64),
                  "ids": [m["id"] for m in metas], "doc_ids": [m["doc_id"] for m in metas],
-                 "tokens": [self._tokens(p) for p in pos] if self.with_tokens else [None] * B}
+                 "tokens": [self._tokens(p) for p in pos] if self.with_tokens else [None] * len(pos)}
         if self._labels is not None:
-            batch[self.label_key] = label_batch([self._labels[int(i) % len(self)] for i in positions], T, self.label_key)
+            batch[self.label_key] = label_batch([self._labels[int(i) % len(self)] for i in positions],
+                                                int(mask.shape[1]), self.label_key)
         return batch
 
     __getitems__ = batch
@@ -268,12 +267,16 @@ class MappedDataset(_TorchDataset):
         u, _ = self._unit(p)
         return self._open(u).column("token").slice(int(self._starts[p]), int(self._all_lengths[p])).to_pylist()
 
-    def batches(self, sampler: "BucketBatchSampler | None" = None, batch_size: int = 32) -> Iterator[dict]:
-        """Padded batches in the sampler's order (default: every sentence in order, `batch_size` at a time)."""
+    def batches(self, sampler: "BucketBatchSampler | None" = None, batch_size: int = 32, reuse: bool = False,
+                pin_memory: bool = False) -> Iterator[dict]:
+        """Padded batches in the sampler's order (default: every sentence in order, `batch_size` at a time).
+        reuse: every batch built into the same buffers (valid until the next batch: the fastest form for a
+        training loop that moves or consumes each batch before asking for the next)."""
         plan = sampler if sampler is not None else (range(s, min(s + batch_size, len(self)))
                                                     for s in range(0, len(self), batch_size))
+        batcher = Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=reuse, pin_memory=pin_memory)
         for positions in plan:
-            yield self.batch(list(positions))
+            yield self.batch(list(positions), batcher=batcher)
 
     def stream(self, batch_tokens: int = 2048, layers: Sequence[str] | None = None, padded: bool = False,
                pin_memory: bool = False) -> Iterator[dict]:
@@ -298,6 +301,8 @@ class MappedDataset(_TorchDataset):
                    default=0)
         width = [self.outputs[0].layer_dims[n] * self.stored_dtype.itemsize for n in names]
         buf = RowBuffer(rows, width, self.stored_dtype, pin_memory)
+        batcher = Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=True, pin_memory=pin_memory) \
+            if padded else None
         fd, fd_unit = -1, -1
         try:
             for u, pos, kept in plan:
@@ -309,12 +314,12 @@ class MappedDataset(_TorchDataset):
                     offsets, fd, fd_unit = vector_offsets(path, names), os.open(path, os.O_RDONLY), u
                 first = int(self._starts[pos[0]])
                 n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
-                yield self._stream_batch(buf.read(fd, offsets, first, n), pos, kept, first, padded)
+                yield self._stream_batch(buf.read(fd, offsets, first, n), pos, kept, first, batcher)
         finally:
             if fd >= 0:
                 os.close(fd)
 
-    def _stream_batch(self, vectors: list, pos: np.ndarray, kept: np.ndarray, first: int, padded: bool) -> dict:
+    def _stream_batch(self, vectors: list, pos: np.ndarray, kept: np.ndarray, first: int, batcher) -> dict:
         import torch
         u, s = self._unit(int(pos[0]))
         lengths = torch.from_numpy(self._all_lengths[pos].astype(np.int64))
@@ -327,29 +332,9 @@ class MappedDataset(_TorchDataset):
         T = int(lengths.max()) if len(lengths) else 0
         if self._labels is not None:
             batch[self.label_key] = label_batch([self._labels[int(i)] for i in kept], T, self.label_key)
-        if padded:
-            dtype = getattr(torch, (self.dtype or self.stored_dtype).name)
-            batch["layers"], batch["mask"] = pad_rows(vectors, starts, lengths, T, self.dim, dtype)
+        if batcher is not None:
+            batch["layers"], batch["mask"] = batcher.from_rows(vectors, starts, lengths)
         return batch
-
-
-def _fill(out: np.ndarray, ds: MappedDataset, pos: list[int], lengths: np.ndarray) -> None:
-    """Copy the rows of the sentences at global positions `pos` into out (B, L, T, dim), the stored dtype:
-    one copy per sentence and layer straight from the mapped shard (a P-wide layer 0 into both halves),
-    zeros past each length."""
-    dim, views = ds.dim, {}
-    for b, (p, n) in enumerate(zip(pos, lengths)):
-        u, _ = ds._unit(p)
-        if u not in views:
-            views[u] = ds._layer_views(u)
-        a, n = int(ds._starts[p]), int(n)
-        for k, v in enumerate(views[u]):
-            src = v[a: a + n]
-            d = src.shape[1]
-            out[b, k, :n, :d] = src
-            if d != dim:
-                out[b, k, :n, d:] = src
-        out[b, :, n:] = 0
 
 
 def unbatched(batch: dict) -> dict:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from elmo_pipeline.downstream.batching import stack
 from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_arrow_batch, inside_path
 from elmo_pipeline.downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
                                       parquet_token_records)
@@ -139,17 +140,8 @@ class ElmoOutput:
             yield from self.iter_shard(i, fmt, layers)
 
     def stack(self, arrays: list[np.ndarray]) -> np.ndarray:
-        """(L, T, dim) float32 from per-layer (T, D_k); a P-wide layer 0 becomes [x, x]."""
-        out = np.empty((len(arrays), arrays[0].shape[0] if arrays else 0, self.dim), dtype=np.float32)
-        for k, a in enumerate(arrays):
-            if a.shape[1] == self.dim:
-                out[k] = a
-            elif 2 * a.shape[1] == self.dim:
-                out[k, :, : a.shape[1]] = a
-                out[k, :, a.shape[1]:] = a
-            else:
-                raise ValueError(f"layer width {a.shape[1]} is neither {self.dim} nor half of it")
-        return out
+        """(L, T, dim) float32 from per-layer (T, D_k); a P-wide layer 0 becomes [x, x] (batching.stack)."""
+        return stack(arrays, self.dim)
 
 
 def open_output(source: str | ElmoOutput, storage_options: Mapping[str, Any] | None) -> ElmoOutput:

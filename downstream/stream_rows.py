@@ -1,5 +1,5 @@
 """The row reads behind MappedDataset.stream: which consecutive sentences make each batch, one pread per layer
-into a reused buffer, and padding the flat rows into (B, L, T, dim). No Beam import."""
+into a reused buffer (batching.Batcher pads them). No Beam import."""
 from __future__ import annotations
 
 import os
@@ -59,18 +59,3 @@ class RowBuffer:
             pread_into(fd, self.view[at: at + n * row], off + first * row)
             vectors.append(self.buf[at: at + n * row].view(self.torch_dtype).view(n, row // self.dtype.itemsize))
         return vectors
-
-
-def pad_rows(vectors: list, starts, lengths, T: int, dim: int, dtype):
-    """(layers (B, L, T, dim) in the torch `dtype`, mask (B, T)) of flat (N, D_k) vectors, sentence b at rows
-    starts[b]:starts[b] + lengths[b]: one gather per layer, a narrower layer (P wide) into both halves."""
-    import torch
-    mask = torch.arange(T)[None, :] < lengths[:, None]
-    rows = (starts[:, None] + torch.arange(T)[None, :]).clamp_(max=max(0, len(vectors[0]) - 1))
-    out = torch.empty((len(lengths), len(vectors), T, dim), dtype=dtype)
-    for k, v in enumerate(vectors):
-        g = v[rows].to(dtype).masked_fill_(~mask[..., None], 0)
-        out[:, k, :, : v.shape[1]] = g
-        if v.shape[1] != dim:
-            out[:, k, :, v.shape[1]:] = g
-    return out, mask
