@@ -3,7 +3,7 @@ No Beam import.
 
 A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past
 each length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Sentences come
-as per-layer (T_b, D_k) arrays (numpy or torch, any float dtype): rows are copied once into the batch
+as per-layer (T_b, D_k) arrays (numpy or torch, any float dtype) or `Rows` of a file (read with pread): rows are copied once into the batch
 (numpy slice copies, a few per sentence and layer, no per-row work); a dtype change (float16 stored,
 float32 delivered) is done by torch in one pass over the stored rows, never by numpy. `Batcher(reuse=True)`
 builds into buffers kept from batch to batch (no page faults of a fresh allocation: a batch is valid until
@@ -16,46 +16,70 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from elmo_pipeline.downstream.stream_rows import pread_into
 
-def place(dst: np.ndarray, src: np.ndarray) -> None:
-    """Copy (n, d) rows into dst (n, dim): a d = dim / 2 wide layer 0 into both halves (AllenNLP's [x, x])."""
+
+class Rows:
+    """n consecutive rows of one layer in a local file: the descriptor batches read with pread (no mapping, no
+    page faults), straight into the batch when the layer is as wide as it."""
+    __slots__ = ("fd", "offset", "shape", "dtype")
+
+    def __init__(self, fd: int, offset: int, n: int, d: int, dtype: np.dtype):
+        self.fd, self.offset, self.shape, self.dtype = fd, offset, (n, d), dtype
+
+    def read_into(self, dst: np.ndarray, scratch) -> None:
+        """Fill dst (n, dim) with the rows: one pread straight into dst when the widths and dtypes agree, else
+        into scratch(shape, dtype), then placed (a half-width layer 0 into both halves, converted by torch)."""
+        if self.shape[1] == dst.shape[1] and self.dtype == dst.dtype:
+            pread_into(self.fd, memoryview(dst).cast("B"), self.offset)
+        else:
+            tmp = scratch(self.shape, self.dtype)
+            pread_into(self.fd, memoryview(tmp).cast("B"), self.offset)
+            place(dst, tmp)
+
+
+def place(dst: np.ndarray, src) -> None:
+    """Copy (n, d) rows (an array or Rows) into dst (n, dim): a d = dim / 2 wide layer 0 into both halves
+    (AllenNLP's [x, x]); another dtype converted by torch (numpy's float16 conversion is several times slower)."""
+    if isinstance(src, Rows):
+        src.read_into(dst, lambda shape, dtype: np.empty(shape, dtype))
+        return
     d, dim = src.shape[1], dst.shape[1]
-    if d == dim:
-        dst[...] = src
-    elif 2 * d == dim:
-        dst[:, :d] = src
-        dst[:, d:] = src
-    else:
+    if d != dim and 2 * d != dim:
         raise ValueError(f"layer width {d} is neither {dim} nor half of it")
+    if src.dtype == dst.dtype:
+        dst[:, :d] = src
+        if d != dim:
+            dst[:, d:] = src
+        return
+    t = tensor(dst)
+    t[:, :d].copy_(tensor(src))
+    if d != dim:
+        t[:, d:].copy_(t[:, :d])
 
 
-def stack(arrays: Sequence[np.ndarray], dim: int) -> np.ndarray:
-    """(L, T, dim) float32 of per-layer (T, D_k) arrays (a P-wide layer 0 becomes [x, x]); any float dtype in,
-    converted by torch."""
+def stack(arrays: Sequence, dim: int) -> np.ndarray:
+    """(L, T, dim) float32 of per-layer (T, D_k) arrays or Rows (a P-wide layer 0 becomes [x, x])."""
     out = np.empty((len(arrays), arrays[0].shape[0] if len(arrays) else 0, dim), dtype=np.float32)
     for k, a in enumerate(arrays):
-        place(out[k], _as(a, np.float32))
+        place(out[k], a if isinstance(a, Rows) else np.asarray(a))
     return out
 
 
-def _as(a, dtype: np.dtype) -> np.ndarray:
-    """a as a numpy array of dtype: itself when it has it, else converted by torch (numpy's float16 conversion
-    is several times slower)."""
-    import torch
-    a = a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
-    if a.dtype == dtype:
-        return a
-    out = np.empty(a.shape, dtype)
-    torch.from_numpy(out).copy_(tensor(a))
-    return out
+_QUIET = []
 
 
 def tensor(a: np.ndarray):
-    """A torch view of a numpy array, read-only ones too (views of memory-mapped files: read, never written)."""
+    """A torch view of a numpy array, strided and read-only ones too (views of memory-mapped files: read,
+    never written; torch warns about those once a process, and that once is silenced here)."""
     import torch
+    if _QUIET or a.flags.writeable:
+        return torch.from_numpy(a)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(np.ascontiguousarray(a))
+        t = torch.from_numpy(a)
+    _QUIET.append(True)
+    return t
 
 
 def lengths_mask(lengths, T: int):
@@ -91,17 +115,26 @@ class Batcher:
         self.torch_dtype = getattr(torch, self.dtype.name)
         self.pin = pin_memory and torch.cuda.is_available()
         self._bufs: dict = {}
+        self._rows: np.ndarray | None = None
 
     def _buffer(self, name: str, shape: tuple, dtype):
-        """A tensor of `shape`: a fresh one, or (reuse) a view of the kept buffer `name`, grown when short."""
+        """A tensor of `shape`: a view of the kept buffer `name`, grown when short; a fresh one for the batch's
+        layers unless reuse."""
         import torch
         n = int(np.prod(shape))
-        if not self.reuse:
+        if not self.reuse and name == "layers":
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
         b = self._bufs.get(name)
         if b is None or b.numel() < n or b.dtype != dtype:
             b = self._bufs[name] = torch.empty(max(n, 1), dtype=dtype, pin_memory=self.pin)
         return b[:n].view(shape)
+
+    def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        """A kept numpy buffer of shape and dtype (rows read before they are placed)."""
+        n = int(np.prod(shape)) * dtype.itemsize
+        if self._rows is None or len(self._rows) < n:
+            self._rows = np.empty(n, np.uint8)
+        return self._rows[:n].view(dtype).reshape(shape)
 
     def _converted(self, k: int, v):
         """Layer k's rows as a numpy array of the batch dtype (torch converts, into a kept buffer with reuse)."""
@@ -127,7 +160,8 @@ class Batcher:
         import torch
         lengths = [int(s[0].shape[0]) if len(s) else 0 for s in sentences]
         L = len(sentences[0]) if sentences else 0
-        arrays = [[a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in s] for s in sentences]
+        arrays = [[a if isinstance(a, Rows) else a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in s]
+                  for s in sentences]
         source = arrays[0][0].dtype if L else self.dtype
         if source == self.dtype or source.kind != "f":
             return self._fill("layers", arrays, lengths, L, self.torch_dtype)
@@ -142,7 +176,10 @@ class Batcher:
         o = out.numpy()
         for b, (layers, n) in enumerate(zip(sentences, lengths)):
             for k, a in enumerate(layers):
-                place(o[b, k, :n], a)
+                if isinstance(a, Rows):
+                    a.read_into(o[b, k, :n], self._scratch)
+                else:
+                    place(o[b, k, :n], a)
             o[b, :, n:] = 0
         return out, lengths_mask(lengths, T)
 

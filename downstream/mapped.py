@@ -30,14 +30,16 @@ import numpy as np
 import pyarrow as pa
 
 from elmo_pipeline.downstream.arrow_shards import flat_vectors, open_arrow_shard, sentence_index, vector_offsets
-from elmo_pipeline.downstream.batching import Batcher, label_batch
+from elmo_pipeline.downstream.batching import Batcher, Rows, label_batch
 from elmo_pipeline.downstream.id_table import IdTable
 from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
 from elmo_pipeline.downstream.record_labels import attach_label
 from elmo_pipeline.downstream.sampler import BucketBatchSampler
 from elmo_pipeline.downstream.shard_cache import ShardCache
-from elmo_pipeline.downstream.stream_rows import RowBuffer, stream_plan
+from elmo_pipeline.downstream.stream_rows import RowBuffer, read_ahead, stream_plan
 from elmo_pipeline.fsio import is_local_fs
+
+_FDS = 64                                   # shard files a process keeps open for batch reads
 
 try:
     from torch.utils.data import Dataset as _TorchDataset
@@ -85,6 +87,7 @@ class MappedDataset(_TorchDataset):
         self.units = [(k, i) for k, out in enumerate(self.outputs) for i in range(len(out.shards))]
         self._maps: dict[int, pa.RecordBatch] = {}
         self._views: dict[int, list[np.ndarray]] = {}
+        self._fds: dict[int, tuple[int, list]] = {}                     # unit -> (fd, vector offsets), LRU
         self._pid = os.getpid()
         self._build_index(labels)
 
@@ -183,17 +186,36 @@ class MappedDataset(_TorchDataset):
     # -- the mapped shards (opened lazily in each process: DataLoader workers map the files themselves)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_maps"], state["_views"] = {}, {}
+        state["_maps"], state["_views"], state["_fds"] = {}, {}, {}
         return state
 
     def _open(self, u: int) -> pa.RecordBatch:
         if self._pid != os.getpid():
-            self._maps, self._views, self._pid = {}, {}, os.getpid()
+            self._maps, self._views, self._fds, self._pid = {}, {}, {}, os.getpid()
         b = self._maps.get(u)
         if b is None:
             b = self._maps[u] = open_arrow_shard(self._local(u))
             self._prefetch_next(u)
         return b
+
+    def _file(self, u: int) -> tuple[int, list[tuple[int, int]]]:
+        """(descriptor, vector_offsets of the selected layers) of unit u's shard, open in this process (the
+        _FDS most recently used stay open)."""
+        if self._pid != os.getpid():
+            self._maps, self._views, self._fds, self._pid = {}, {}, {}, os.getpid()
+        f = self._fds.pop(u, None)
+        if f is None:
+            path = self._local(u)
+            f = (os.open(path, os.O_RDONLY), vector_offsets(path, self.layers))
+            if len(self._fds) >= _FDS:
+                os.close(self._fds.pop(next(iter(self._fds)))[0])
+        self._fds[u] = f
+        return f
+
+    def __del__(self):
+        for fd, _ in getattr(self, "_fds", {}).values():
+            if getattr(self, "_pid", None) == os.getpid():
+                os.close(fd)
 
     def _local(self, u: int) -> str:
         """A local path of unit u's Arrow shard: the shard itself, or its copy in the cache."""
@@ -223,6 +245,12 @@ class MappedDataset(_TorchDataset):
             views = self._views[u] = [flat_vectors(self._maps[u], name) for name in self.layers]
         return views
 
+    def _rows(self, p: int) -> list[Rows]:
+        """The selected layers' rows of global position p, to be read with pread (batching.Rows)."""
+        a, n, stored = int(self._starts[p]), int(self._all_lengths[p]), self.stored_dtype
+        fd, offsets = self._file(self._unit(p)[0])
+        return [Rows(fd, off + a * row, n, row // stored.itemsize, stored) for off, row in offsets]
+
     def __getitem__(self, i: int) -> dict:
         p = self._position(i)
         r = self._meta(p)
@@ -232,7 +260,7 @@ class MappedDataset(_TorchDataset):
             r["tokens"] = self._open(u).column("token").slice(a, n).to_pylist()
         if self._labels is not None:
             r[self.label_key] = self._labels[i % len(self)]
-        r["layers"] = self.outputs[0].stack(self.views(i))
+        r["layers"] = self.outputs[0].stack(self._rows(p))
         return self.transform(r) if self.transform else r
 
     def by_id(self, sentence_id: str) -> dict:
@@ -246,11 +274,7 @@ class MappedDataset(_TorchDataset):
         import torch
         pos = [self._position(int(i)) for i in positions]
         batcher = batcher or Batcher(self.dim, (self.dtype or self.stored_dtype).name, pin_memory=pin_memory)
-        sentences = []
-        for p in pos:
-            a, n = int(self._starts[p]), int(self._all_lengths[p])
-            sentences.append([v[a: a + n] for v in self._layer_views(self._unit(p)[0])])
-        out, mask = batcher.from_sentences(sentences)
+        out, mask = batcher.from_sentences([self._rows(p) for p in pos])
         metas = [self._meta(p) for p in pos]
         batch = {"layers": out, "mask": mask,
                  "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)) if pos else torch.zeros(0, dtype=torch.int64),
@@ -268,18 +292,21 @@ class MappedDataset(_TorchDataset):
         return self._open(u).column("token").slice(int(self._starts[p]), int(self._all_lengths[p])).to_pylist()
 
     def batches(self, sampler: "BucketBatchSampler | None" = None, batch_size: int = 32, reuse: bool = False,
-                pin_memory: bool = False) -> Iterator[dict]:
-        """Padded batches in the sampler's order (default: every sentence in order, `batch_size` at a time).
-        reuse: every batch built into the same buffers (valid until the next batch: the fastest form for a
-        training loop that moves or consumes each batch before asking for the next)."""
+                pin_memory: bool = False, ahead: int = 1) -> Iterator[dict]:
+        """Padded batches in the sampler's order (default: every sentence in order, `batch_size` at a time),
+        built by a background thread `ahead` batches ahead (0: in this thread). reuse: batches built into
+        buffers kept between batches (each valid until the next: the fastest form for a training loop that
+        moves or consumes a batch before asking for the next)."""
         plan = sampler if sampler is not None else (range(s, min(s + batch_size, len(self)))
                                                     for s in range(0, len(self), batch_size))
-        batcher = Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=reuse, pin_memory=pin_memory)
-        for positions in plan:
-            yield self.batch(list(positions), batcher=batcher)
+        name = (self.dtype or self.stored_dtype).name
+        batchers = [Batcher(self.dim, name, reuse=reuse, pin_memory=pin_memory)
+                    for _ in range(ahead + 2 if reuse and ahead > 0 else 1)]
+        return read_ahead((self.batch(list(positions), batcher=batchers[j % len(batchers)])
+                           for j, positions in enumerate(plan)), ahead)
 
     def stream(self, batch_tokens: int = 2048, layers: Sequence[str] | None = None, padded: bool = False,
-               pin_memory: bool = False) -> Iterator[dict]:
+               pin_memory: bool = False, ahead: int = 1) -> Iterator[dict]:
         """Every sentence of the dataset in file order (output, shard, id), in batches of consecutive sentences
         spanning at most `batch_tokens` rows (a longer sentence alone). Each layer's rows of a batch are one
         byte range of the shard: one pread per layer straight into a reused buffer (pinned with pin_memory
@@ -289,8 +316,9 @@ class MappedDataset(_TorchDataset):
         buffer: valid until the next batch, clone to keep); starts, lengths (B,) int64: sentence b is rows
         starts[b]:starts[b] + lengths[b] of each (a labelled dataset skips the unlabelled rows between);
         ids, doc_ids (lists), the label as batch() gives it; padded=True adds layers (B, L, T, dim) in
-        `dtype` (layer 0 duplicated, zero past each length) and mask (B, T) bool.
-        layers: a subset of the dataset's layers (default all)."""
+        `dtype` (layer 0 duplicated, zero past each length; a reused buffer too) and mask (B, T) bool.
+        layers: a subset of the dataset's layers (default all). ahead: batches read by a background thread
+        ahead of the consumer (stream_rows.read_ahead; 0: none)."""
         names = list(layers) if layers else self.layers
         missing = [n for n in names if n not in self.layers]
         if missing:
@@ -300,12 +328,17 @@ class MappedDataset(_TorchDataset):
         rows = max((int(self._starts[q[-1]] + self._all_lengths[q[-1]] - self._starts[q[0]]) for _, q, _ in plan),
                    default=0)
         width = [self.outputs[0].layer_dims[n] * self.stored_dtype.itemsize for n in names]
-        buf = RowBuffer(rows, width, self.stored_dtype, pin_memory)
-        batcher = Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=True, pin_memory=pin_memory) \
-            if padded else None
+        slots = [(RowBuffer(rows, width, self.stored_dtype, pin_memory),
+                  Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=True, pin_memory=pin_memory)
+                  if padded else None) for _ in range(ahead + 2 if ahead > 0 else 1)]
+        return read_ahead(self._stream(plan, names, slots), ahead)
+
+    def _stream(self, plan: list, names: list[str], slots: list) -> Iterator[dict]:
+        """stream()'s batches, each read into the next of `slots` ((RowBuffer, Batcher or None), in turn)."""
         fd, fd_unit = -1, -1
         try:
-            for u, pos, kept in plan:
+            for j, (u, pos, kept) in enumerate(plan):
+                buf, batcher = slots[j % len(slots)]
                 if u != fd_unit:
                     if fd >= 0:
                         os.close(fd)

@@ -3,7 +3,9 @@ into a reused buffer (batching.Batcher pads them). No Beam import."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -59,3 +61,51 @@ class RowBuffer:
             pread_into(fd, self.view[at: at + n * row], off + first * row)
             vectors.append(self.buf[at: at + n * row].view(self.torch_dtype).view(n, row // self.dtype.itemsize))
         return vectors
+
+
+def read_ahead(items: Iterator, depth: int) -> Iterator:
+    """The items of `items`, produced by a background thread up to `depth` ahead of the consumer (preads and
+    torch copies release the GIL, so reading overlaps the consumer's work); depth 0: in this thread. An
+    exception of the producer is raised here; stopping early stops the producer. A producer that reuses
+    buffers needs depth + 2 of them (one with the consumer, depth queued, one being filled)."""
+    if depth <= 0:
+        yield from items
+        return
+    q: queue.Queue = queue.Queue(depth)
+    stop, end = threading.Event(), object()
+
+    def put(x) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def run() -> None:
+        try:
+            for x in items:
+                if not put((x, None)):
+                    return
+            put((end, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            put((end, e))
+        finally:
+            close = getattr(items, "close", None)
+            if close:
+                close()
+
+    t = threading.Thread(target=run, daemon=True, name="read-ahead")
+    t.start()
+    try:
+        while True:
+            x, err = q.get()
+            if x is end:
+                if err is not None:
+                    raise err
+                return
+            yield x
+    finally:
+        stop.set()
+        t.join()
