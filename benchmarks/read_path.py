@@ -211,8 +211,9 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
 
 
 INDEX_RSS = r"""
-import json, sys, numpy as np
+import json, sys, numpy as np, pyarrow as pa, torch
 from elmo_pipeline.downstream.mapped import MappedDataset
+pa.DictionaryArray.from_arrays(pa.array([0], pa.int32()), pa.array(["a"])).indices.to_numpy()  # one-time: ~28 MB
 def rss():
     f = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith(("VmRSS", "RssAnon", "RssFile")))
     return {k: int(v.split()[0]) * 1024 for k, v in f.items()}

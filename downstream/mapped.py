@@ -4,17 +4,18 @@
     from elmo_pipeline.downstream.sampler import BucketBatchSampler
 
     ds = MappedDataset(["out/part1", "out/part2"], layers=["layer_2"])   # index only: ids, offsets, lengths
-    ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's, built from memory-mapped views
+    ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's (rows read with pread)
     for b in ds.stream(batch_tokens=2048): ...      # file order at page-cache speed: b["vectors"] (N, D_k) per layer
     sampler = BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0, rank=r, world_size=w)
-    loader = DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=2, pin_memory=True)
-    for batch in loader: ...                        # layers (B, L, T, D), mask, lengths, ids (collate's keys)
+    for batch in ds.batches(sampler, reuse=True): ...   # layers (B, L, T, D), mask, lengths, ids (collate's keys)
+    loader = DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=0, pin_memory=True)
     sampler.set_epoch(e, start_batch=k)             # the order of epoch e, resumed after k batches
 
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
-mapped files); vectors are never loaded whole: a batch copies its sentences' rows out of the mapped shards
-(page cache) into one padded tensor; stream() reads consecutive sentences' rows with one pread per layer
-into a reused buffer (the system call `cat` uses). Id lookup: a sorted array of 64-bit hashes of the ids
+mapped files); vectors are never loaded whole: a batch reads its sentences' rows with one pread per sentence
+and layer (page cache, no mapping faults) into one padded tensor (downstream/batching.py builds every batch);
+stream() reads consecutive sentences' rows with one pread per layer into a reused buffer (the system call
+`cat` uses). Every shard is checked against the manifest when the index is built (downstream/shard_checks.py). Id lookup: a sorted array of 64-bit hashes of the ids
 (16 bytes a sentence, built on the first lookup: downstream/id_table.py), a hit checked against the stored
 id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir` on first use (the next shard is
 fetched in the background: read-ahead; downstream/shard_cache.py) and mapped from there.
@@ -58,8 +59,10 @@ class MappedDataset(_TorchDataset):
 
     ds[i]: a record as ElmoDataset's (id, doc_id, sentence_index, tokens, layers (L, T, dim) float32,
     layer 0 duplicated to [x, x]); ds.views(i): the stored (T, D_k) arrays, no copy; ds.batch(positions):
-    a padded batch (the keys of readers.collate) copied in one pass, also what DataLoader's batched fetch
-    (__getitems__) returns; ds.stream(batch_tokens): every sentence in file order at page-cache speed.
+    a padded batch (the keys of readers.collate), also what DataLoader's batched fetch (__getitems__)
+    returns; ds.batches(sampler, reuse=True): the sampler's batches in reused buffers; ds.stream(batch_tokens):
+    every sentence in file order at page-cache speed. Outputs of different stored dtypes or widths are
+    refused (ElmoDataset reads them together, as float32).
     """
 
     def __init__(self, sources: "str | ElmoOutput | Sequence[str | ElmoOutput]", layers: Sequence[str] | None = None,
@@ -292,9 +295,9 @@ class MappedDataset(_TorchDataset):
         return self._open(u).column("token").slice(int(self._starts[p]), int(self._all_lengths[p])).to_pylist()
 
     def batches(self, sampler: "BucketBatchSampler | None" = None, batch_size: int = 32, reuse: bool = False,
-                pin_memory: bool = False, ahead: int = 1) -> Iterator[dict]:
+                pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
         """Padded batches in the sampler's order (default: every sentence in order, `batch_size` at a time),
-        built by a background thread `ahead` batches ahead (0: in this thread). reuse: batches built into
+        built by a background thread `ahead` batches ahead (default 0: in this thread; see stream). reuse: batches built into
         buffers kept between batches (each valid until the next: the fastest form for a training loop that
         moves or consumes a batch before asking for the next)."""
         plan = sampler if sampler is not None else (range(s, min(s + batch_size, len(self)))
@@ -306,7 +309,7 @@ class MappedDataset(_TorchDataset):
                            for j, positions in enumerate(plan)), ahead)
 
     def stream(self, batch_tokens: int = 2048, layers: Sequence[str] | None = None, padded: bool = False,
-               pin_memory: bool = False, ahead: int = 1) -> Iterator[dict]:
+               pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
         """Every sentence of the dataset in file order (output, shard, id), in batches of consecutive sentences
         spanning at most `batch_tokens` rows (a longer sentence alone). Each layer's rows of a batch are one
         byte range of the shard: one pread per layer straight into a reused buffer (pinned with pin_memory
@@ -318,7 +321,8 @@ class MappedDataset(_TorchDataset):
         ids, doc_ids (lists), the label as batch() gives it; padded=True adds layers (B, L, T, dim) in
         `dtype` (layer 0 duplicated, zero past each length; a reused buffer too) and mask (B, T) bool.
         layers: a subset of the dataset's layers (default all). ahead: batches read by a background thread
-        ahead of the consumer (stream_rows.read_ahead; 0: none)."""
+        ahead of the consumer (stream_rows.read_ahead; default 0: in this thread. It overlaps reading with the
+        consumer's work where a core is free; on a busy 2-core machine it measured no faster)."""
         names = list(layers) if layers else self.layers
         missing = [n for n in names if n not in self.layers]
         if missing:
