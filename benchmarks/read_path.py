@@ -52,7 +52,7 @@ def convert_seconds(ds) -> float:
     """Seconds torch takes to convert every stored fp16 vector byte of ds to float32 (a stream batch of rows at a time,
     already in memory, into a reused buffer)."""
     import torch
-    rows = [torch.cat([v.reshape(-1) for v in b["vectors"]]) for b in ds.stream(batch_tokens=2048)]
+    rows = [torch.cat([v.reshape(-1) for v in b["vectors"]]) for b in ds.stream()]
     dst = torch.empty(max(len(r) for r in rows), dtype=torch.float32)
     t = time.perf_counter()
     for r in rows:

@@ -5,7 +5,7 @@
 
     ds = MappedDataset(["out/part1", "out/part2"], layers=["layer_2"])   # index only: ids, offsets, lengths
     ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's (rows read with pread)
-    for b in ds.stream(batch_tokens=2048): ...      # file order at page-cache speed: b["vectors"] (N, D_k) per layer
+    for b in ds.stream(batch_tokens=512): ...       # file order at page-cache speed: b["vectors"] (N, D_k) per layer
     sampler = BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0, rank=r, world_size=w)
     for batch in ds.batches(sampler, reuse=True): ...   # layers (B, L, T, D), mask, lengths, ids (collate's keys)
     loader = DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=0, pin_memory=True)
@@ -308,10 +308,11 @@ class MappedDataset(_TorchDataset):
         return read_ahead((self.batch(list(positions), batcher=batchers[j % len(batchers)])
                            for j, positions in enumerate(plan)), ahead)
 
-    def stream(self, batch_tokens: int = 2048, layers: Sequence[str] | None = None, padded: bool = False,
+    def stream(self, batch_tokens: int = 512, layers: Sequence[str] | None = None, padded: bool = False,
                pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
         """Every sentence of the dataset in file order (output, shard, id), in batches of consecutive sentences
-        spanning at most `batch_tokens` rows (a longer sentence alone). Each layer's rows of a batch are one
+        spanning at most `batch_tokens` rows (a longer sentence alone; the default 512 keeps a batch of the
+        original width in the CPU cache: measured faster than 2048, padded or not). Each layer's rows of a batch are one
         byte range of the shard: one pread per layer straight into a reused buffer (pinned with pin_memory
         when CUDA is there), no per-sentence work.
 
