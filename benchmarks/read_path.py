@@ -220,13 +220,12 @@ def rss():
 r0 = rss()
 ds = MappedDataset(sys.argv[1], tokens=False)
 r1 = rss()
-picks = np.random.default_rng(1).integers(0, len(ds), 100_000).tolist()
+picks = np.random.default_rng(1).integers(0, len(ds), 100_000)   # 0.8 MB, counted
 for p in picks:
-    ds.views(p)
+    ds.views(int(p))
 r2 = rss()
-ids = [ds._meta(p)["id"] for p in picks]
-for s in ids:
-    ds.views(ds.position(s))
+for p in picks:
+    ds.views(ds.position(ds._meta(int(p))["id"]))
 r3 = rss()
 n = len(ds)
 print(json.dumps({"sentences": n, "shards": len(ds.units), "index_bytes": ds.index_bytes(),
