@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from elmo_pipeline.downstream.batching import stack
-from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_arrow_batch, inside_path
+from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_arrow_batch, shard_entry
 from elmo_pipeline.downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
                                       parquet_token_records)
 from elmo_pipeline.formats.layout import FORMATS, MANIFEST, read_manifest
@@ -26,8 +26,8 @@ class ElmoOutput:
     path: the folder (path or URL); storage_options: fsspec options for its filesystem.
     Attributes: manifest, shards (manifest entries), layer_names (['layer_0', 'layer_1', ...] or
     ['average']), layer_dims ({name: stored width}), dim (2P, the width of a record's layers),
-    formats, parquet_layout, dtype (of the stored vectors). Formats: parquet, hdf5, arrow (--format arrow; downstream/mapped.py reads it
-    without loading it).
+    formats, parquet_layout, dtype (of the stored vectors). Formats: parquet, hdf5, arrow (--format arrow;
+    downstream/mapped.py reads it without loading it). File names leaving the folder are refused.
     """
 
     def __init__(self, path: str, storage_options: Mapping[str, Any] | None = None):
@@ -39,7 +39,7 @@ class ElmoOutput:
             raise FileNotFoundError(f"{self.path}: no manifest.json (not a finished pipeline output)")
         self.manifest = manifest
         where = posixpath.join(self.path, MANIFEST)
-        self.shards: list[dict] = [{**s, **{f: inside_path(f"{where}: shard {i} {f}", s[f]) for f in FORMATS if f in s}}
+        self.shards: list[dict] = [shard_entry(f"{where}: shard {i}", s, FORMATS)
                                    for i, s in enumerate(self.manifest.get("shards", []))]
         self.layer_names: list[str] = list(self.manifest["layers"])
         self.layer_dims: dict[str, int] = {k: int(v) for k, v in self.manifest["layer_dims"].items()}

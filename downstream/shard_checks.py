@@ -27,6 +27,15 @@ def inside_path(where: str, rel) -> str:
     return posixpath.normpath(rel)
 
 
+def shard_entry(where: str, entry, formats) -> dict:
+    """A manifest's shard entry, checked: a dict with int sentences and tokens, each format's file name a
+    relative path inside the output (inside_path)."""
+    if not isinstance(entry, dict) or not all(isinstance(entry.get(k), int) and entry[k] >= 0
+                                              for k in ("sentences", "tokens")):
+        raise DamagedOutput(f"{where}: not a shard entry with sentence and token counts")
+    return {**entry, **{f: inside_path(f"{where} {f}", entry[f]) for f in formats if f in entry}}
+
+
 def check_arrow_batch(batch: pa.RecordBatch, where: str, tokens: int, sentences: int, dtype: str,
                       layer_dims: Mapping[str, int], full: bool = False) -> None:
     """Raise DamagedOutput unless the Arrow shard's batch is what its manifest entry says: `tokens` rows,
