@@ -3,9 +3,9 @@ No Beam import.
 
 A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past
 each length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Sentences come
-as per-layer (T_b, D_k) arrays (numpy or torch, any float dtype) or `Rows` of a file (read with pread): rows are copied once into the batch
-(numpy slice copies, a few per sentence and layer, no per-row work); a dtype change (float16 stored,
-float32 delivered) is done by torch in one pass over the stored rows, never by numpy. `Batcher(reuse=True)`
+as per-layer (T_b, D_k) arrays (numpy or torch, any float dtype) or `Rows` of a file (read with pread): rows
+are copied once into the batch (numpy slice copies or one pread, a few per sentence and layer, no per-row
+work); a dtype change (float16 stored, float32 delivered) is done by torch in one pass, never by numpy. `Batcher(reuse=True)`
 builds into buffers kept from batch to batch (no page faults of a fresh allocation: a batch is valid until
 the next one); pinned when CUDA is there and pin_memory is asked.
 """
@@ -137,7 +137,7 @@ class Batcher:
         return self._rows[:n].view(dtype).reshape(shape)
 
     def _converted(self, k: int, v):
-        """Layer k's rows as a numpy array of the batch dtype (torch converts, into a kept buffer with reuse)."""
+        """Layer k's rows as a numpy array of the batch dtype (converted by torch into a kept buffer)."""
         import torch
         t = v if isinstance(v, torch.Tensor) else tensor(v)
         if t.dtype == self.torch_dtype:
