@@ -185,14 +185,16 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
         r = d["rows"][name] = pairs(fn, files, n_pairs if "workers=2" not in name else max(1, min(3, n_pairs)))
         rate, cat = r["bytes"] / r["seconds"], r["cat_bytes"] / r["cat_seconds"]
         r["fraction"] = rate / cat
-        line = f"{name}: {rate / 1e9:.2f} GB/s; cat {cat / 1e9:.2f} GB/s; {100 * r['fraction']:.1f} % of page-cache bandwidth"
+        line = (f"{name}: {rate / 1e9:.2f} GB/s; cat {cat / 1e9:.2f} GB/s; {100 * r['fraction']:.1f} % of page-cache "
+                f"bandwidth")
         if to_float32:
             floor_s = r["cat_seconds"] * vector_bytes / r["cat_bytes"] + conv
             r["floor_seconds"], r["fraction_of_floor"] = floor_s, floor_s / r["seconds"] * r["bytes"] / vector_bytes
             line += f"; {100 * r['fraction_of_floor']:.1f} % of floor (cat + torch fp16 -> float32)"
         print(line, flush=True)
     for kind, n, label in (("views", 20_000, "by position, views"), ("id", 20_000, "by id, views"),
-                           ("record", 5_000, "ds[p], float32 record"), ("batch", 5_120, "batch() of 32 random, float32")):
+                           ("record", 5_000, "ds[p], float32 record"),
+                           ("batch", 5_120, "batch() of 32 random, float32")):
         runs, cats = [], []
         for _ in range(n_pairs):
             cats.append(cat_seconds(files))

@@ -34,7 +34,9 @@ def read_arrow_shard(fs, path: str) -> pa.RecordBatch:
         return open_arrow_shard(path)
     try:
         reader = pa.ipc.open_file(pa.BufferReader(fs.cat_file(path)))
-        return reader.get_batch(0) if reader.num_record_batches else pa.RecordBatch.from_pylist([], schema=reader.schema)
+        if reader.num_record_batches == 0:
+            return pa.RecordBatch.from_pylist([], schema=reader.schema)
+        return reader.get_batch(0)
     except pa.ArrowException as e:
         raise DamagedOutput(f"{path}: not a readable Arrow IPC file ({e})") from None
 

@@ -5,8 +5,8 @@ A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] a
 each length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Sentences come
 as per-layer (T_b, D_k) arrays (numpy or torch, any float dtype) or `Rows` of a file (read with pread): rows
 are copied once into the batch (numpy slice copies or one pread, a few per sentence and layer, no per-row
-work); a dtype change (float16 stored, float32 delivered) is done by torch in one pass, never by numpy. `Batcher(reuse=True)`
-builds into buffers kept from batch to batch (no page faults of a fresh allocation: a batch is valid until
+work); a dtype change (float16 stored, float32 delivered) is done by torch in one pass, never by numpy.
+`Batcher(reuse=True)` builds into buffers kept from batch to batch (no page faults of a fresh allocation: a batch is valid until
 the next one); pinned when CUDA is there and pin_memory is asked.
 """
 from __future__ import annotations

@@ -15,9 +15,9 @@ Memory: the index, per sentence an int64 token offset, an int32 length and the a
 mapped files); vectors are never loaded whole: a batch reads its sentences' rows with one pread per sentence
 and layer (page cache, no mapping faults) into one padded tensor (downstream/batching.py builds every batch);
 stream() reads consecutive sentences' rows with one pread per layer into a reused buffer (the system call
-`cat` uses). Every shard is checked against the manifest when the index is built (downstream/shard_checks.py). Id lookup: a sorted array of 64-bit hashes of the ids
-(16 bytes a sentence, built on the first lookup: downstream/id_table.py), a hit checked against the stored
-id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir` on first use (the next shard is
+`cat` uses). Every shard is checked against the manifest when the index is built (downstream/shard_checks.py).
+Id lookup: a sorted array of 64-bit hashes of the ids (16 bytes a sentence, built on the first lookup:
+downstream/id_table.py), a hit checked against the stored id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir` on first use (the next shard is
 fetched in the background: read-ahead; downstream/shard_cache.py) and mapped from there.
 """
 from __future__ import annotations
@@ -280,7 +280,8 @@ class MappedDataset(_TorchDataset):
         out, mask = batcher.from_sentences([self._rows(p) for p in pos])
         metas = [self._meta(p) for p in pos]
         batch = {"layers": out, "mask": mask,
-                 "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)) if pos else torch.zeros(0, dtype=torch.int64),
+                 "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)) if pos else
+                 torch.zeros(0, dtype=torch.int64),
                  "ids": [m["id"] for m in metas], "doc_ids": [m["doc_id"] for m in metas],
                  "tokens": [self._tokens(p) for p in pos] if self.with_tokens else [None] * len(pos)}
         if self._labels is not None:
@@ -297,7 +298,8 @@ class MappedDataset(_TorchDataset):
     def batches(self, sampler: "BucketBatchSampler | None" = None, batch_size: int = 32, reuse: bool = False,
                 pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
         """Padded batches in the sampler's order (default: every sentence in order, `batch_size` at a time),
-        built by a background thread `ahead` batches ahead (default 0: in this thread; see stream). reuse: batches built into
+        built by a background thread `ahead` batches ahead (default 0: in this thread; see stream). reuse:
+        batches built into
         buffers kept between batches (each valid until the next: the fastest form for a training loop that
         moves or consumes a batch before asking for the next)."""
         plan = sampler if sampler is not None else (range(s, min(s + batch_size, len(self)))
