@@ -1,18 +1,20 @@
-"""The read path of downstream training, every reader and layout against the page-cache bandwidth of the same run.
+"""The read path as a training loop consumes it: every delivered tensor reduced inside the timed loop, each form
+against a `cat` of the same files in the same run.
 
-    python -m benchmarks.read_path [--lines 3000] [--big-tokens 10000000] [--out benchmarks/results/read_path_KIND.json]
+    python -m benchmarks.read_path [--lines N] [--pairs 5] [--big-tokens 2000000] [--out benchmarks/results/read_path_KIND.json]
 
-Outputs of WikiText-2 valid (its first --lines lines) are written by the pipeline with a near-free biLM as
-wide as the original (benchmarks/host_cost.WIDE_CHEAP), one dtype at a time (fp16, then fp32; each deleted
-before the next so both stay in the page cache), --format parquet,arrow (hdf5 too with --slow-readers).
-Each row is the best of 3 runs, each run right after a `cat` of the files the row reads (the page-cache
-bandwidth: the best of those 3 cats); the files are read once before the first row (warm). A row's rate is
-in stored vector bytes per second that land in torch tensors (or numpy arrays for pyarrow), its line ending
-in "NN.N % of page-cache bandwidth". Cold rows: `dd` and the reader each after posix_fadvise(DONTNEED),
-best of 3. Random access: views by position and by id, float32 records (best of 3 passes).
-The index's memory: a --big-tokens output of synthetic vectors (one 64-wide float16 layer: the index does
-not depend on the width) written by formats.arrow, RSS after the index is built, after random reads and
-after id lookups (which build the id hash table).
+All of WikiText-2 valid (or its first --lines lines) is written by the pipeline with a near-free biLM as wide as
+the original (benchmarks/host_cost.WIDE_CHEAP), default sharding, --format parquet,arrow, one stored dtype at a time
+(fp16, then fp32; each deleted before the next). Each row is the median of --pairs pairs, a pair being one
+`cat` of the Arrow files then one run of the form; a form's rate is stored vector bytes delivered per second,
+its line ending "NN.N % of page-cache bandwidth" (the cat's bytes/s). Rows that deliver an fp16 output as
+float32 also give "% of floor": the floor is the cat's time for the vector bytes plus torch's fp16 -> float32
+conversion of the same bytes (measured in the same run, one stream batch at a time into a reused buffer; on a GPU that
+conversion belongs on the device: deliver the stored dtype and call .float() there). Random-access rows read
+every byte of each sentence and give "% of its bound": the cat's bytes/s divided by the mean bytes of the
+sentences read. The index's memory: a fresh process over the same output (default sharding) and over a
+--big-tokens output of synthetic sentences sharded like it, RSS (anonymous and file pages) after the index,
+after 100k random reads and after 100k id lookups.
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ import argparse
 import glob
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -32,7 +33,7 @@ import numpy as np
 from benchmarks.common import RESULTS, SHARED, machine
 
 
-def _files(out: str, fmt: str) -> list[str]:
+def _files(out: str, fmt: str = "arrow") -> list[str]:
     return sorted(glob.glob(os.path.join(out, fmt, "*")))
 
 
@@ -40,298 +41,296 @@ def _size(files: list[str]) -> int:
     return sum(os.path.getsize(f) for f in files)
 
 
-def cat_rate(files: list[str]) -> float:
-    """Bytes/s of one `cat` of the files to /dev/null (read(2) of 128 KiB into one buffer)."""
+def cat_seconds(files: list[str]) -> float:
+    """Seconds of one `cat` of the files to /dev/null."""
     t = time.perf_counter()
     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
-    return _size(files) / (time.perf_counter() - t)
+    return time.perf_counter() - t
 
 
-def drop_cache(files: list[str]) -> None:
-    """The files' pages out of the page cache (fsync, then POSIX_FADV_DONTNEED: no privileges needed)."""
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-
-
-def dd_rate(files: list[str]) -> float:
-    """Bytes/s of `dd bs=4M` of each file to /dev/null."""
+def convert_seconds(ds) -> float:
+    """Seconds torch takes to convert every stored fp16 vector byte of ds to float32 (a stream batch of rows at a time,
+    already in memory, into a reused buffer)."""
+    import torch
+    rows = [torch.cat([v.reshape(-1) for v in b["vectors"]]) for b in ds.stream()]
+    dst = torch.empty(max(len(r) for r in rows), dtype=torch.float32)
     t = time.perf_counter()
-    for f in files:
-        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=4M"], stderr=subprocess.DEVNULL, check=True)
-    return _size(files) / (time.perf_counter() - t)
+    for r in rows:
+        dst[: len(r)].copy_(r)
+    return time.perf_counter() - t
 
 
-def paired(fn, reference, before=None, runs: int = 3) -> dict:
-    """Best of `runs` of fn (returns bytes read) and of reference (bytes/s), each run of fn right after one
-    of reference; before() runs ahead of each (e.g. drop_cache)."""
-    best_s, n, ref = float("inf"), 0, 0.0
-    for _ in range(runs):
-        if before:
-            before()
-        ref = max(ref, reference())
-        if before:
-            before()
+def pairs(fn, files: list[str], n: int) -> dict:
+    """Median over n pairs (one cat of files, then fn(), which returns the stored vector bytes it delivered)."""
+    cats, runs, delivered = [], [], 0
+    for _ in range(n):
+        cats.append(cat_seconds(files))
         t = time.perf_counter()
-        n = fn()
-        best_s = min(best_s, time.perf_counter() - t)
-    return {"seconds": best_s, "bytes": n, "reference_bytes_per_s": ref, "fraction": n / best_s / ref,
-            "best_of": runs}
+        delivered = fn()
+        runs.append(time.perf_counter() - t)
+    return {"seconds": float(np.median(runs)), "cat_seconds": float(np.median(cats)), "bytes": delivered,
+            "cat_bytes": _size(files), "fractions": [delivered / r / (_size(files) / c) for c, r in zip(cats, runs)],
+            "pairs": n}
 
 
-def stream(out: str, layers, batch_tokens: int = 2048, padded: bool = False) -> int:
-    """Every sentence in file order with MappedDataset.stream (the vectors land in a reused torch buffer;
-    padded: also (B, L, T, dim) float32 batches); returns stored vector bytes read."""
+# -- the forms, each returning the stored vector bytes delivered; every delivered tensor is summed
+def _stored_bytes(ds, lengths) -> int:
+    return int(lengths.sum()) * sum(ds.widths) * ds.stored_dtype.itemsize
+
+
+def stream_form(out: str, layers=None, dtype=None, as_float32=False) -> int:
     from elmo_pipeline.downstream.mapped import MappedDataset
-    ds = MappedDataset(out, tokens=False, dtype="float32" if padded else None)
-    total = 0
-    for b in ds.stream(batch_tokens=batch_tokens, layers=layers, padded=padded):
-        total += sum(v.numel() * v.element_size() for v in b["vectors"])
+    ds = MappedDataset(out, tokens=False, dtype=dtype)
+    total, acc = 0, 0.0
+    names = layers or ds.layers
+    width = sum(ds.outputs[0].layer_dims[n] for n in names) * ds.stored_dtype.itemsize
+    for b in ds.stream(layers=layers):
+        for v in b["vectors"]:
+            acc += float((v.float() if as_float32 else v).sum())
+        total += int(b["lengths"].sum()) * width
     return total
 
 
-def stream_mapped(out: str, layers, dtype) -> int:
-    """Every sentence, padded batches of 32 in length buckets (every stored byte copied out of the mapped file
-    into a batch tensor); returns stored vector bytes read."""
+def padded_stream_form(out: str, dtype) -> int:
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    ds = MappedDataset(out, tokens=False, dtype=dtype)
+    total, acc = 0, 0.0
+    for b in ds.stream(padded=True):
+        acc += float(b["layers"].sum())
+        total += _stored_bytes(ds, b["lengths"])
+    return total
+
+
+def bucket_form(out: str, dtype) -> int:
     from elmo_pipeline.downstream.mapped import MappedDataset
     from elmo_pipeline.downstream.sampler import BucketBatchSampler
-    ds = MappedDataset(out, layers=layers, tokens=False, dtype=dtype)
-    item = ds.stored_dtype.itemsize
-    width = sum(ds.widths)
-    total = 0
-    for b in ds.batches(BucketBatchSampler(ds.lengths, batch_size=32)):
-        total += int(b["lengths"].sum()) * width * item
+    ds = MappedDataset(out, tokens=False, dtype=dtype)
+    total, acc = 0, 0.0
+    for b in ds.batches(BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0), reuse=True):
+        acc += float(b["layers"].sum())
+        total += _stored_bytes(ds, b["lengths"])
     return total
 
 
-def stream_records(out: str, fmt: str, layers, iterable: bool) -> int:
-    from elmo_pipeline.downstream import ElmoDataset, ElmoIterableDataset, collate
-    ds = ElmoIterableDataset(out, fmt=fmt, layers=layers, shuffle=False) if iterable else \
-        ElmoDataset(out, fmt=fmt, layers=layers)
-    o = ds.outputs[0]
-    width = sum(o.layer_dims[n] for n in (layers or o.layer_names))
-    item = np.dtype(o.manifest["dtype"]).itemsize
-    total, batch = 0, []
-    for r in ds:
-        batch.append(r)
-        if len(batch) == 32:
-            collate(batch)
-            total += sum(x["layers"].shape[1] for x in batch) * width * item
-            batch = []
-    if batch:
-        collate(batch)
-        total += sum(x["layers"].shape[1] for x in batch) * width * item
+def loader_form(out: str, workers: int) -> int:
+    """The documented DataLoader recipe (docs/downstream.md), float32 batches of 32 in length buckets."""
+    from torch.utils.data import DataLoader
+    from elmo_pipeline.downstream.mapped import MappedDataset, unbatched
+    from elmo_pipeline.downstream.sampler import BucketBatchSampler
+    ds = MappedDataset(out, tokens=False)
+    loader = DataLoader(ds, batch_sampler=BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0),
+                        collate_fn=unbatched, num_workers=workers)
+    total, acc = 0, 0.0
+    for b in loader:
+        acc += float(b["layers"].sum())
+        total += _stored_bytes(ds, b["lengths"])
     return total
 
 
-def pyarrow_columns(out: str, layers) -> int:
-    import pyarrow.parquet as pq
-    total = 0
-    for f in _files(out, "parquet"):
-        t = pq.read_table(f, columns=layers)
-        for c in t.columns:
-            a = c.combine_chunks().flatten().flatten().to_numpy(zero_copy_only=False)
-            total += a.nbytes
-    return total
-
-
-def random_access(out: str, n: int, copy: bool, by_id: bool, passes: int = 3) -> dict:
-    """Random lookups from the page cache, best of `passes`: sentences/s (views of all layers, by position or
-    by id, or a float32 record by position with copy)."""
+def random_form(out: str, n: int, kind: str) -> tuple[int, int]:
+    """(sentences, stored bytes) of n random reads, every byte of each summed: kind views (by position), id
+    (views by id), record (ds[p], float32), batch (ds.batch of 32 random positions, float32)."""
+    import torch
+    from elmo_pipeline.downstream.batching import tensor
     from elmo_pipeline.downstream.mapped import MappedDataset
     ds = MappedDataset(out, tokens=False)
-    picks = np.random.default_rng(0).integers(0, len(ds), n).tolist()
-    ids = [ds._meta(p)["id"] for p in picks]
-    ds.position(ids[0])                                  # the id hash table (built once)
-    best = 0.0
-    for _ in range(passes):
-        t = time.perf_counter()
-        if by_id:
-            for s in ids:
-                ds.views(ds.position(s))
-        elif copy:
-            for p in picks:
-                ds[p]
-        else:
-            for p in picks:
-                ds.views(p)
-        best = max(best, n / (time.perf_counter() - t))
-    return {"sentences_per_s": best, "lookups": n, "best_of": passes}
+    picks = np.random.default_rng(0).integers(0, len(ds), n)
+    ids = [ds._meta(int(p))["id"] for p in picks] if kind == "id" else None
+    if ids:
+        ds.position(ids[0])                                      # the id table, built once
+    acc = 0.0
+    if kind in ("views", "id"):
+        for j, p in enumerate(picks.tolist()):
+            for v in ds.views(ds.position(ids[j]) if ids else p):
+                acc += float(tensor(v).sum())
+    elif kind == "record":
+        for p in picks.tolist():
+            acc += float(torch.from_numpy(ds[p]["layers"]).sum())
+    else:
+        for s in range(0, n, 32):
+            acc += float(ds.batch(picks[s: s + 32].tolist())["layers"].sum())
+    return n, _stored_bytes(ds, ds.lengths[picks])
 
 
-def build_model(tmp: str, lines: int) -> tuple[tuple[str, str], str]:
-    """(model files, input text) under tmp: the near-free wide biLM and WikiText-2 valid's first `lines` lines."""
+def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
+    """Every row of one output, printed as they come."""
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    o = ElmoOutput(out)
+    files = _files(out)
+    top = [o.layer_names[-1]]
+    d = {"tokens": o.manifest["counts"]["tokens_written"], "sentences": o.num_sentences, "shards": len(o.shards),
+         "file_bytes": _size(files), "rows": {}, "random_access": {}}
+    ds = MappedDataset(out, tokens=False, dtype=None)
+    vector_bytes = _stored_bytes(ds, ds.lengths)
+    d["vector_bytes"] = vector_bytes
+    conv = convert_seconds(ds) if dtype == "float16" else 0.0
+    d["fp16_to_float32_seconds"] = conv
+    print(f"\n## {dtype}: {d['tokens']} tokens, {d['sentences']} sentences, {d['shards']} shards; "
+          f"arrow files {d['file_bytes'] / 1e9:.2f} GB", flush=True)
+    cat_seconds(files)                                           # warm
+    f32 = dtype == "float16"
+    rows = {
+        "stream, all layers, stored dtype": (lambda: stream_form(out), False),
+        "stream, top layer, stored dtype": (lambda: stream_form(out, top), False),
+        "stream, all layers, as float32 (v.float())": (lambda: stream_form(out, as_float32=True), f32),
+        "stream(padded=True), stored dtype": (lambda: padded_stream_form(out, None), False),
+        "stream(padded=True), float32": (lambda: padded_stream_form(out, "float32"), f32),
+        "batches, BucketBatchSampler(32, shuffle), reuse, stored dtype": (lambda: bucket_form(out, None), False),
+        "batches, BucketBatchSampler(32, shuffle), reuse, float32": (lambda: bucket_form(out, "float32"), f32),
+        "DataLoader recipe (num_workers=0), float32": (lambda: loader_form(out, 0), f32),
+        "DataLoader, num_workers=2, float32": (lambda: loader_form(out, 2), f32),
+    }
+    for name, (fn, to_float32) in rows.items():
+        r = d["rows"][name] = pairs(fn, files, n_pairs if "workers=2" not in name else max(1, min(3, n_pairs)))
+        rate, cat = r["bytes"] / r["seconds"], r["cat_bytes"] / r["cat_seconds"]
+        r["fraction"] = rate / cat
+        line = (f"{name}: {rate / 1e9:.2f} GB/s; cat {cat / 1e9:.2f} GB/s; {100 * r['fraction']:.1f} % of page-cache "
+                f"bandwidth")
+        if to_float32:
+            floor_s = r["cat_seconds"] * vector_bytes / r["cat_bytes"] + conv
+            r["floor_seconds"], r["fraction_of_floor"] = floor_s, floor_s / r["seconds"] * r["bytes"] / vector_bytes
+            line += f"; {100 * r['fraction_of_floor']:.1f} % of floor (cat + torch fp16 -> float32)"
+        print(line, flush=True)
+    for kind, n, label in (("views", 20_000, "by position, views"), ("id", 20_000, "by id, views"),
+                           ("record", 5_000, "ds[p], float32 record"),
+                           ("batch", 5_120, "batch() of 32 random, float32")):
+        runs, cats = [], []
+        for _ in range(n_pairs):
+            cats.append(cat_seconds(files))
+            t = time.perf_counter()
+            sentences, nbytes = random_form(out, n, kind)
+            runs.append(time.perf_counter() - t)
+        sec, cat = float(np.median(runs)), d["file_bytes"] / float(np.median(cats))
+        bound = cat / (nbytes / sentences)
+        r = d["random_access"][label] = {"sentences_per_s": sentences / sec, "bytes": nbytes, "sentences": sentences,
+                                         "bound_sentences_per_s": bound, "fraction_of_bound": sentences / sec / bound,
+                                         "fraction": nbytes / sec / cat, "pairs": n_pairs}
+        print(f"random access, {label}: {r['sentences_per_s'] / 1e3:.1f}k sentences/s; bound "
+              f"{bound / 1e3:.1f}k; {100 * r['fraction_of_bound']:.1f} % of its bound; "
+              f"{100 * r['fraction']:.1f} % of page-cache bandwidth", flush=True)
+    return d
+
+
+INDEX_RSS = r"""
+import json, sys, numpy as np, pyarrow as pa, torch
+from elmo_pipeline.downstream.mapped import MappedDataset
+pa.DictionaryArray.from_arrays(pa.array([0], pa.int32()), pa.array(["a"])).indices.to_numpy()  # one-time: ~28 MB
+def rss():
+    f = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith(("VmRSS", "RssAnon", "RssFile")))
+    return {k: int(v.split()[0]) * 1024 for k, v in f.items()}
+r0 = rss()
+ds = MappedDataset(sys.argv[1], tokens=False)
+r1 = rss()
+picks = np.random.default_rng(1).integers(0, len(ds), 100_000)   # 0.8 MB, counted
+for p in picks:
+    ds.views(int(p))
+r2 = rss()
+for p in picks:
+    ds.views(ds.position(ds._meta(int(p))["id"]))
+r3 = rss()
+n = len(ds)
+print(json.dumps({"sentences": n, "shards": len(ds.units), "index_bytes": ds.index_bytes(),
+                  "after_index": {k: r1[k] - r0[k] for k in r0}, "after_100k_reads": {k: r2[k] - r0[k] for k in r0},
+                  "after_100k_id_lookups": {k: r3[k] - r0[k] for k in r0},
+                  "bytes_per_sentence": (r3["VmRSS"] - r0["VmRSS"]) / n,
+                  "anonymous_bytes_per_sentence": (r3["RssAnon"] - r0["RssAnon"]) / n}))
+"""
+
+
+def index_rss(out: str) -> dict:
+    """RSS growth of a fresh process holding a MappedDataset of `out` (INDEX_RSS)."""
+    p = subprocess.run([sys.executable, "-c", INDEX_RSS, out], capture_output=True, text=True, check=True)
+    return json.loads(p.stdout)
+
+
+def big_output(tmp: str, tokens: int, per_shard: int) -> str:
+    """An arrow output of `tokens` tokens of synthetic 20-token sentences (one 64-wide float16 layer: the index
+    does not depend on the width), `per_shard` sentences a shard, written by formats.arrow."""
+    from elmo_pipeline.formats.arrow import arrow_table, write_arrow
+    from elmo_pipeline.formats.layout import ARROW_LAYOUT, MANIFEST, SCHEMA_VERSION
+    from elmo_pipeline.formats.parquet import ShardColumns
+    out = os.path.join(tmp, "big")
+    os.makedirs(os.path.join(out, "arrow"))
+    sentences = tokens // 20
+    n_shards, shards = -(-sentences // per_shard), []
+    rng = np.random.default_rng(0)
+    for i in range(n_shards):
+        k = min(per_shard, sentences - i * per_shard)
+        lengths = np.full(k, 20, np.int32)
+        ids = [f"doc-{i:05d}-{j:04d}#0" for j in range(k)]
+        n = int(lengths.sum())
+        c = ShardColumns(ids, [s[:-2] for s in ids], [0] * k, lengths, ["tok"] * n, np.zeros((n, 2), np.int32),
+                         [rng.standard_normal((n, 64), dtype=np.float32).astype(np.float16)])
+        name = f"arrow/part-{i:05d}-of-{n_shards:05d}.arrow"
+        write_arrow(arrow_table(c, [("average", 64)]), os.path.join(out, name))
+        shards.append({"arrow": name, "sentences": k, "tokens": n})
+    manifest = {"schema_version": SCHEMA_VERSION, "layers": ["average"], "layer_dims": {"average": 64},
+                "formats": ["arrow"], "dtype": "float16", "arrow_layout": ARROW_LAYOUT, "shards": shards}
+    with open(os.path.join(out, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    return out
+
+
+def build_model(tmp: str, lines: int | None) -> tuple[tuple[str, str], str]:
+    """(model files, input text) under tmp: the near-free wide biLM and WikiText-2 valid (its first `lines`)."""
     from benchmarks.host_cost import WIDE_CHEAP
     from elmo_pipeline.model.synthetic import write_random_bilm
     model = write_random_bilm(WIDE_CHEAP, os.path.join(tmp, "model"))
     with open(os.path.join(SHARED, "data", "wikitext-2", "valid.txt"), encoding="utf-8", newline="\n") as f:
-        text = [next(f, "") for _ in range(lines)]
+        text = f.readlines()
     src = os.path.join(tmp, "valid.txt")
     with open(src, "w", encoding="utf-8", newline="\n") as f:
-        f.writelines(text)
+        f.writelines(text[:lines] if lines else text)
     return model, src
 
 
-def build_output(model: tuple[str, str], src: str, out: str, dtype: str, formats: str) -> str:
+def build_output(model: tuple[str, str], src: str, out: str, dtype: str, formats: str = "parquet,arrow") -> str:
     subprocess.run([sys.executable, "-m", "elmo_pipeline.pipeline.run", "--input", src, "--output", out,
                     "--options-file", model[0], "--weight-file", model[1], "--torch-threads", "1",
                     "--progress", "off", "--format", formats, "--dtype", dtype], check=True, capture_output=True)
     return out
 
 
-def rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-
-def big_index(tmp: str, tokens: int, shard_tokens: int = 1_000_000) -> dict:
-    """RSS of a MappedDataset over a `tokens`-token arrow output of synthetic vectors (20-token sentences)."""
-    from elmo_pipeline.downstream.mapped import MappedDataset
-    from elmo_pipeline.formats.arrow import arrow_table, write_arrow
-    from elmo_pipeline.formats.layout import ARROW_LAYOUT, MANIFEST
-    from elmo_pipeline.formats.parquet import ShardColumns
-    out = os.path.join(tmp, "big")
-    os.makedirs(os.path.join(out, "arrow"))
-    n_shards, shards = -(-tokens // shard_tokens), []
-    rng = np.random.default_rng(0)
-    for i in range(n_shards):
-        n = min(shard_tokens, tokens - i * shard_tokens)
-        lengths = np.full(n // 20, 20, np.int32)
-        lengths[-1] += n - int(lengths.sum())
-        ids = [f"doc-{i:04d}-{k:06d}#0" for k in range(len(lengths))]
-        c = ShardColumns(ids, [s[:-2] for s in ids], [0] * len(ids), lengths, ["tok"] * n,
-                         np.zeros((n, 2), np.int32), [rng.standard_normal((n, 64), dtype=np.float32).astype(np.float16)])
-        name = f"arrow/part-{i:05d}-of-{n_shards:05d}.arrow"
-        write_arrow(arrow_table(c, [("average", 64)]), os.path.join(out, name))
-        shards.append({"arrow": name, "sentences": len(ids), "tokens": n})
-    manifest = {"layers": ["average"], "layer_dims": {"average": 64}, "formats": ["arrow"], "dtype": "float16",
-                "arrow_layout": ARROW_LAYOUT, "shards": shards}
-    with open(os.path.join(out, MANIFEST), "w") as f:
-        json.dump(manifest, f)
-    size = _size(_files(out, "arrow"))
-    before = rss_kb()
-    t = time.perf_counter()
-    ds = MappedDataset(out, tokens=False)
-    build_s = time.perf_counter() - t
-    after_index, index_bytes = rss_kb(), ds.index_bytes()
-    picks = np.random.default_rng(1).integers(0, len(ds), 100_000).tolist()
-    t = time.perf_counter()
-    for p in picks:
-        ds.views(p)
-    rate = len(picks) / (time.perf_counter() - t)
-    after_reads = rss_kb()
-    ids = [ds._meta(p)["id"] for p in picks]
-    t = time.perf_counter()
-    ds.position(ids[0])
-    table_s = time.perf_counter() - t
-    t = time.perf_counter()
-    for sid in ids:
-        ds.views(ds.position(sid))
-    id_rate = len(ids) / (time.perf_counter() - t)
-    after_ids = rss_kb()
-    n = len(ds)
-    return {"tokens": tokens, "sentences": n, "file_bytes": size, "index_bytes": index_bytes,
-            "index_bytes_with_id_table": ds.index_bytes(), "index_build_s": build_s, "id_table_build_s": table_s,
-            "rss_growth_index_mb": (after_index - before) / 1024,
-            "rss_growth_after_100k_random_reads_mb": (after_reads - before) / 1024,
-            "rss_growth_after_100k_id_lookups_mb": (after_ids - before) / 1024,
-            "rss_bytes_per_sentence": (after_ids - before) * 1024 / n,
-            "random_views_per_s": rate, "views_by_id_per_s": id_rate,
-            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def dtype_rows(out: str, dtype: str, slow: bool) -> dict:
-    """Every row of one output (module docstring), printed as they come."""
-    from elmo_pipeline.downstream import ElmoDataset, ElmoOutput
-    o = ElmoOutput(out)
-    top = [o.layer_names[-1]]
-    arrow, parquet = _files(out, "arrow"), _files(out, "parquet")
-    sizes = {fmt: _size(_files(out, fmt)) for fmt in o.formats}
-    d = {"tokens": o.manifest["counts"]["tokens_written"], "sentences": o.num_sentences, "file_bytes": sizes,
-         "rows": {}}
-    print(f"\n## {dtype}: {d['tokens']} tokens, {d['sentences']} sentences; files {sizes}")
-    cold = lambda: drop_cache(arrow)     # noqa: E731
-    rows = {"MappedDataset.stream, all layers, cold cache (vs cold dd)": (lambda: stream(out, None),
-                                                                          lambda: dd_rate(arrow), cold)}
-    for f in (arrow, parquet):
-        cat_rate(f)                                      # warm
-    on_arrow, on_parquet = (lambda: cat_rate(arrow)), (lambda: cat_rate(parquet))
-    rows.update({
-        "MappedDataset.stream, all layers, stored dtype": (lambda: stream(out, None), on_arrow, None),
-        "MappedDataset.stream, top layer, stored dtype": (lambda: stream(out, top), on_arrow, None),
-        "MappedDataset.stream, all layers, batch_tokens=8192": (lambda: stream(out, None, 8192), on_arrow, None),
-        "MappedDataset.stream, all layers, padded float32 batches": (lambda: stream(out, None, padded=True),
-                                                                      on_arrow, None),
-        "MappedDataset.batches (length buckets of 32), all layers, stored dtype":
-            (lambda: stream_mapped(out, None, None), on_arrow, None),
-        "pyarrow read_table of the vector columns (parquet)": (lambda: pyarrow_columns(out, o.layer_names),
-                                                               on_parquet, None),
-        "ElmoIterableDataset (parquet) + collate": (lambda: stream_records(out, "parquet", None, True), on_parquet, None),
-        "ElmoIterableDataset (arrow) + collate": (lambda: stream_records(out, "arrow", None, True), on_arrow, None),
-    })
-    if slow:
-        hdf5 = _files(out, "hdf5")
-        rows["ElmoIterableDataset (hdf5) + collate"] = (lambda: stream_records(out, "hdf5", None, True),
-                                                        lambda: cat_rate(hdf5), None)
-    for name, (fn, ref, before) in rows.items():
-        r = d["rows"][name] = paired(fn, ref, before)
-        r["vs"] = "dd_cold" if before else "cat"
-        r["tokens_per_s"] = d["tokens"] / r["seconds"]
-        what = "cold dd bandwidth" if before else "page-cache bandwidth"
-        print(f"{name}: {r['bytes'] / r['seconds'] / 1e9:.2f} GB/s, {r['tokens_per_s'] / 1e3:.0f}k tokens/s; "
-              f"{'dd cold' if before else 'cat'} {r['reference_bytes_per_s'] / 1e9:.2f} GB/s; "
-              f"{100 * r['fraction']:.1f} % of {what}", flush=True)
-    d["random_access"] = {"views_by_position": random_access(out, 200_000, False, False),
-                          "views_by_id": random_access(out, 200_000, False, True),
-                          "float32_record_by_position": random_access(out, 20_000, True, False)}
-    for k, v in d["random_access"].items():
-        print(f"random access, {k}: {v['sentences_per_s'] / 1e3:.0f}k sentences/s", flush=True)
-    t = time.perf_counter()
-    before = rss_kb()
-    ElmoDataset(out)
-    d["ElmoDataset_build"] = {"seconds": time.perf_counter() - t, "rss_growth_mb": (rss_kb() - before) / 1024}
-    print(f"ElmoDataset build: {d['ElmoDataset_build']['seconds']:.1f} s, RSS +{d['ElmoDataset_build']['rss_growth_mb']:.0f} MB")
-    return d
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lines", type=int, default=3000, help="lines of WikiText-2 valid.txt (default 3000: all)")
-    ap.add_argument("--big-tokens", type=int, default=10_000_000)
-    ap.add_argument("--slow-readers", action="store_true", help="also the per-sentence readers on HDF5")
+    ap.add_argument("--lines", type=int, default=None, help="first lines of WikiText-2 valid.txt (default all)")
+    ap.add_argument("--pairs", type=int, default=5, help="cat + form pairs per row (the median is reported)")
+    ap.add_argument("--big-tokens", type=int, default=2_000_000)
     ap.add_argument("--out", default=os.path.join(RESULTS, "read_path.json"))
     args = ap.parse_args()
     import torch
     torch.set_num_threads(1)
     res = {"machine": machine(), "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30,
-           "load_average_at_start": os.getloadavg(), "lines": args.lines, "one_process": True, "torch_threads": 1,
-           "best_of": 3, "stream_batch_tokens": 2048,
-           "method": "each row: best of 3 runs, each right after one cat (page cache) or, cold, after dd with "
-                     "both preceded by posix_fadvise(DONTNEED); the reference is the best of those 3",
+           "load_average_at_start": os.getloadavg(), "lines": args.lines or "all", "one_process": True,
+           "torch_threads": 1, "pairs": args.pairs,
+           "method": "each row: the median of `pairs` pairs, one cat of the arrow files then the form, every "
+                     "delivered tensor summed in the loop; rates in stored vector bytes delivered per second",
            "dtypes": {}}
-    print(f"# read path, {res['machine']}, one process, 1 torch thread; each row best of 3, cat before each run")
-    formats = "parquet,hdf5,arrow" if args.slow_readers else "parquet,arrow"
+    print(f"# read path, {res['machine']}, one process, 1 torch thread; median of {args.pairs} (cat, form) pairs; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
         model, src = build_model(tmp, args.lines)
         for dtype in ("float16", "float32"):
-            out = build_output(model, src, os.path.join(tmp, dtype), dtype, formats)
-            res["dtypes"][dtype] = dtype_rows(out, dtype, args.slow_readers)
+            out = build_output(model, src, os.path.join(tmp, dtype), dtype)
+            res["dtypes"][dtype] = d = dtype_rows(out, dtype, args.pairs)
+            d["index"] = ix = index_rss(out)
+            print(f"index of this output ({ix['sentences']} sentences, {ix['shards']} shards): "
+                  f"{ix['bytes_per_sentence']:.0f} bytes of RSS a sentence after 100k reads and 100k id lookups, "
+                  f"{ix['anonymous_bytes_per_sentence']:.0f} of them anonymous", flush=True)
             shutil.rmtree(out)                           # out of the page cache before the next dtype
-    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
-        res["big_index"] = b = big_index(tmp, args.big_tokens)
-        print(f"\n## index of a {b['tokens']}-token output ({b['sentences']} sentences): {b['index_bytes'] / 1e6:.1f} MB "
-              f"({b['index_bytes_with_id_table'] / 1e6:.1f} MB with the id table), built in {b['index_build_s']:.1f} s "
-              f"(+{b['id_table_build_s']:.1f} s); RSS +{b['rss_growth_index_mb']:.0f} MB, "
-              f"+{b['rss_growth_after_100k_random_reads_mb']:.0f} MB after 100k random reads "
-              f"({b['random_views_per_s'] / 1e3:.0f}k sentences/s), +{b['rss_growth_after_100k_id_lookups_mb']:.0f} MB "
-              f"after 100k id lookups ({b['views_by_id_per_s'] / 1e3:.0f}k sentences/s): "
-              f"{b['rss_bytes_per_sentence']:.0f} bytes a sentence")
+        per_shard = max(1, round(res["dtypes"]["float16"]["sentences"] / res["dtypes"]["float16"]["shards"]))
+        b = res["big_index"] = index_rss(big_output(tmp, args.big_tokens, per_shard))
+        b["tokens"], b["sentences_per_shard"] = args.big_tokens, per_shard
+        print(f"\n## index of a {args.big_tokens}-token output ({b['sentences']} sentences, {per_shard} a shard as the "
+              f"default sharding gives): {b['index_bytes'] / b['sentences']:.0f} bytes a sentence held; RSS "
+              f"{b['bytes_per_sentence']:.0f} bytes a sentence after 100k reads and 100k id lookups, "
+              f"{b['anonymous_bytes_per_sentence']:.0f} of them anonymous", flush=True)
+    res["load_average_at_end"] = os.getloadavg()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-    print(f"-> {args.out}")
+    print(f"-> {args.out}; load {res['load_average_at_end'][0]:.2f}")
     return 0
 
 

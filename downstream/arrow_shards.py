@@ -7,28 +7,38 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
+from elmo_pipeline.downstream.shard_checks import DamagedOutput
 from elmo_pipeline.fsio import is_local_fs
 
 
 def open_arrow_shard(path: str, fields: Sequence[str] | None = None) -> pa.RecordBatch:
-    """The record batch of a local Arrow shard, memory-mapped (zero-copy); `fields` selects columns."""
+    """The record batch of a local Arrow shard, memory-mapped (zero-copy); `fields` selects columns.
+    DamagedOutput when the file is no Arrow IPC file."""
     source = pa.memory_map(path, "r")
-    reader = pa.ipc.open_file(source)
-    if fields is not None:
-        names = reader.schema.names
-        reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(
-            included_fields=[names.index(f) for f in fields]))
-    if reader.num_record_batches == 0:
-        return pa.RecordBatch.from_pylist([], schema=reader.schema)
-    return reader.get_batch(0)
+    try:
+        reader = pa.ipc.open_file(source)
+        if fields is not None:
+            names = reader.schema.names
+            reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(
+                included_fields=[names.index(f) for f in fields]))
+        if reader.num_record_batches == 0:
+            return pa.RecordBatch.from_pylist([], schema=reader.schema)
+        return reader.get_batch(0)
+    except pa.ArrowException as e:
+        raise DamagedOutput(f"{path}: not a readable Arrow IPC file ({e})") from None
 
 
 def read_arrow_shard(fs, path: str) -> pa.RecordBatch:
     """The record batch of the shard at fs:path: memory-mapped when local, else read whole into memory."""
     if is_local_fs(fs):
         return open_arrow_shard(path)
-    reader = pa.ipc.open_file(pa.BufferReader(fs.cat_file(path)))
-    return reader.get_batch(0) if reader.num_record_batches else pa.RecordBatch.from_pylist([], schema=reader.schema)
+    try:
+        reader = pa.ipc.open_file(pa.BufferReader(fs.cat_file(path)))
+        if reader.num_record_batches == 0:
+            return pa.RecordBatch.from_pylist([], schema=reader.schema)
+        return reader.get_batch(0)
+    except pa.ArrowException as e:
+        raise DamagedOutput(f"{path}: not a readable Arrow IPC file ({e})") from None
 
 
 def flat_vectors(batch: pa.RecordBatch, name: str) -> np.ndarray:
@@ -41,7 +51,8 @@ def flat_vectors(batch: pa.RecordBatch, name: str) -> np.ndarray:
 
 def vector_offsets(path: str, names: Sequence[str]) -> list[tuple[int, int]]:
     """(file offset of row 0, bytes per row) of each named fixed_size_list column of a local Arrow shard: the
-    address of the column's values buffer in the memory map minus the map's base address."""
+    address of the column's values buffer in the memory map minus the map's base address; DamagedOutput when
+    the rows reach past the file's end."""
     source = pa.memory_map(path, "r")
     base = source.read_buffer(1).address if source.size() else 0
     reader = pa.ipc.open_file(source)
@@ -53,6 +64,8 @@ def vector_offsets(path: str, names: Sequence[str]) -> list[tuple[int, int]]:
         values, row = col.values, col.type.list_size * col.values.type.byte_width
         out.append((values.buffers()[1].address - base + (values.offset + col.offset * col.type.list_size)
                     * values.type.byte_width, row))
+        if out[-1][0] < 0 or out[-1][0] + len(col) * row > source.size():
+            raise DamagedOutput(f"{path}: column {name}'s rows lie outside the file")
     return out
 
 

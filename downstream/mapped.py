@@ -4,19 +4,20 @@
     from elmo_pipeline.downstream.sampler import BucketBatchSampler
 
     ds = MappedDataset(["out/part1", "out/part2"], layers=["layer_2"])   # index only: ids, offsets, lengths
-    ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's, built from memory-mapped views
-    for b in ds.stream(batch_tokens=2048): ...      # file order at page-cache speed: b["vectors"] (N, D_k) per layer
+    ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's (rows read with pread)
+    for b in ds.stream(batch_tokens=512): ...       # file order at page-cache speed: b["vectors"] (N, D_k) per layer
     sampler = BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0, rank=r, world_size=w)
-    loader = DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=2, pin_memory=True)
-    for batch in loader: ...                        # layers (B, L, T, D), mask, lengths, ids (collate's keys)
+    for batch in ds.batches(sampler, reuse=True): ...   # layers (B, L, T, D), mask, lengths, ids (collate's keys)
+    loader = DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=0, pin_memory=True)
     sampler.set_epoch(e, start_batch=k)             # the order of epoch e, resumed after k batches
 
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
-mapped files); vectors are never loaded whole: a batch copies its sentences' rows out of the mapped shards
-(page cache) into one padded tensor; stream() reads consecutive sentences' rows with one pread per layer
-into a reused buffer (the system call `cat` uses). Id lookup: a sorted array of 64-bit hashes of the ids
-(16 bytes a sentence, built on the first lookup: downstream/id_table.py), a hit checked against the stored
-id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir` on first use (the next shard is
+mapped files); vectors are never loaded whole: a batch reads its sentences' rows with one pread per sentence
+and layer (page cache, no mapping faults) into one padded tensor (downstream/batching.py builds every batch);
+stream() reads consecutive sentences' rows with one pread per layer into a reused buffer (the system call
+`cat` uses). Every shard is checked against the manifest when the index is built (downstream/shard_checks.py).
+Id lookup: a sorted array of 64-bit hashes of the ids (16 bytes a sentence, built on the first lookup:
+downstream/id_table.py), a hit checked against the stored id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir` on first use (the next shard is
 fetched in the background: read-ahead; downstream/shard_cache.py) and mapped from there.
 """
 from __future__ import annotations
@@ -30,15 +31,16 @@ import numpy as np
 import pyarrow as pa
 
 from elmo_pipeline.downstream.arrow_shards import flat_vectors, open_arrow_shard, sentence_index, vector_offsets
+from elmo_pipeline.downstream.batching import Batcher, Rows, label_batch
 from elmo_pipeline.downstream.id_table import IdTable
 from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
-from elmo_pipeline.downstream.record_labels import attach_label, label_batch
+from elmo_pipeline.downstream.record_labels import attach_label
 from elmo_pipeline.downstream.sampler import BucketBatchSampler
 from elmo_pipeline.downstream.shard_cache import ShardCache
-from elmo_pipeline.downstream.stream_rows import RowBuffer, pad_rows, stream_plan
+from elmo_pipeline.downstream.stream_rows import RowBuffer, read_ahead, stream_plan
 from elmo_pipeline.fsio import is_local_fs
 
-_META = ("id", "doc_id", "sentence_index")
+_FDS = 64                                   # shard files a process keeps open for batch reads
 
 try:
     from torch.utils.data import Dataset as _TorchDataset
@@ -57,8 +59,10 @@ class MappedDataset(_TorchDataset):
 
     ds[i]: a record as ElmoDataset's (id, doc_id, sentence_index, tokens, layers (L, T, dim) float32,
     layer 0 duplicated to [x, x]); ds.views(i): the stored (T, D_k) arrays, no copy; ds.batch(positions):
-    a padded batch (the keys of readers.collate) copied in one pass, also what DataLoader's batched fetch
-    (__getitems__) returns; ds.stream(batch_tokens): every sentence in file order at page-cache speed.
+    a padded batch (the keys of readers.collate), also what DataLoader's batched fetch (__getitems__)
+    returns; ds.batches(sampler, reuse=True): the sampler's batches in reused buffers; ds.stream(batch_tokens):
+    every sentence in file order at page-cache speed. Outputs of different stored dtypes or widths are
+    refused (ElmoDataset reads them together, as float32).
     """
 
     def __init__(self, sources: "str | ElmoOutput | Sequence[str | ElmoOutput]", layers: Sequence[str] | None = None,
@@ -76,6 +80,9 @@ class MappedDataset(_TorchDataset):
             out.check("arrow", self.layers)
             if out.dim != first.dim or [out.layer_dims[n] for n in self.layers] != [first.layer_dims[n] for n in self.layers]:
                 raise ValueError(f"{out.path}: layer widths differ from {first.path}'s")
+            if out.dtype != first.dtype:
+                raise ValueError(f"{out.path}: stored dtype {out.dtype} differs from {first.path}'s {first.dtype} "
+                                 f"(read them as separate datasets, or with ElmoDataset, which converts to float32)")
         self.dim, self.widths = first.dim, [first.layer_dims[n] for n in self.layers]
         self.label_key, self.with_tokens, self.transform = label_key, tokens, transform
         self.dtype = np.dtype(dtype) if dtype else None
@@ -83,6 +90,7 @@ class MappedDataset(_TorchDataset):
         self.units = [(k, i) for k, out in enumerate(self.outputs) for i in range(len(out.shards))]
         self._maps: dict[int, pa.RecordBatch] = {}
         self._views: dict[int, list[np.ndarray]] = {}
+        self._fds: dict[int, tuple[int, list]] = {}                     # unit -> (fd, vector offsets), LRU
         self._pid = os.getpid()
         self._build_index(labels)
 
@@ -90,7 +98,9 @@ class MappedDataset(_TorchDataset):
     def _build_index(self, labels) -> None:
         ids, doc_ids, sidx, starts, lengths, unit_first = [], [], [], [], [], [0]
         for u in range(len(self.units)):
-            b = self._open(u, _META)
+            b = open_arrow_shard(self._local(u))
+            k, i = self.units[u]
+            self.outputs[k].check_arrow(i, b, self.outputs[k].shard_path(i, "arrow"))
             sid, offsets, docs, indices = sentence_index(b)
             ids.append(sid)
             doc_ids.append(docs)
@@ -123,7 +133,7 @@ class MappedDataset(_TorchDataset):
     @property
     def stored_dtype(self) -> np.dtype:
         """The dtype of the stored vectors (float16 or float32: the output's --dtype)."""
-        return np.dtype(self.outputs[0].manifest.get("dtype", "float32"))
+        return np.dtype(self.outputs[0].dtype)
 
     def index_bytes(self) -> int:
         """Bytes of the in-memory index (offsets, lengths, doc ids, labels kept, the id hash table once built;
@@ -179,19 +189,36 @@ class MappedDataset(_TorchDataset):
     # -- the mapped shards (opened lazily in each process: DataLoader workers map the files themselves)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_maps"], state["_views"] = {}, {}
+        state["_maps"], state["_views"], state["_fds"] = {}, {}, {}
         return state
 
-    def _open(self, u: int, fields: Sequence[str] | None = None) -> pa.RecordBatch:
-        if fields is not None:
-            return open_arrow_shard(self._local(u), fields)
+    def _open(self, u: int) -> pa.RecordBatch:
         if self._pid != os.getpid():
-            self._maps, self._views, self._pid = {}, {}, os.getpid()
+            self._maps, self._views, self._fds, self._pid = {}, {}, {}, os.getpid()
         b = self._maps.get(u)
         if b is None:
             b = self._maps[u] = open_arrow_shard(self._local(u))
             self._prefetch_next(u)
         return b
+
+    def _file(self, u: int) -> tuple[int, list[tuple[int, int]]]:
+        """(descriptor, vector_offsets of the selected layers) of unit u's shard, open in this process (the
+        _FDS most recently used stay open)."""
+        if self._pid != os.getpid():
+            self._maps, self._views, self._fds, self._pid = {}, {}, {}, os.getpid()
+        f = self._fds.pop(u, None)
+        if f is None:
+            path = self._local(u)
+            f = (os.open(path, os.O_RDONLY), vector_offsets(path, self.layers))
+            if len(self._fds) >= _FDS:
+                os.close(self._fds.pop(next(iter(self._fds)))[0])
+        self._fds[u] = f
+        return f
+
+    def __del__(self):
+        for fd, _ in getattr(self, "_fds", {}).values():
+            if getattr(self, "_pid", None) == os.getpid():
+                os.close(fd)
 
     def _local(self, u: int) -> str:
         """A local path of unit u's Arrow shard: the shard itself, or its copy in the cache."""
@@ -221,6 +248,12 @@ class MappedDataset(_TorchDataset):
             views = self._views[u] = [flat_vectors(self._maps[u], name) for name in self.layers]
         return views
 
+    def _rows(self, p: int) -> list[Rows]:
+        """The selected layers' rows of global position p, to be read with pread (batching.Rows)."""
+        a, n, stored = int(self._starts[p]), int(self._all_lengths[p]), self.stored_dtype
+        fd, offsets = self._file(self._unit(p)[0])
+        return [Rows(fd, off + a * row, n, row // stored.itemsize, stored) for off, row in offsets]
+
     def __getitem__(self, i: int) -> dict:
         p = self._position(i)
         r = self._meta(p)
@@ -230,35 +263,30 @@ class MappedDataset(_TorchDataset):
             r["tokens"] = self._open(u).column("token").slice(a, n).to_pylist()
         if self._labels is not None:
             r[self.label_key] = self._labels[i % len(self)]
-        r["layers"] = self.outputs[0].stack(self.views(i))
+        r["layers"] = self.outputs[0].stack(self._rows(p))
         return self.transform(r) if self.transform else r
 
     def by_id(self, sentence_id: str) -> dict:
         return self[self.position(sentence_id)]
 
-    def batch(self, positions: Sequence[int], pin_memory: bool = False) -> dict:
+    def batch(self, positions: Sequence[int], pin_memory: bool = False, batcher: Batcher | None = None) -> dict:
         """A padded batch of the records at `positions`: layers (B, L, T, dim) in `dtype` (layer 0 duplicated,
         zero past each length), mask (B, T) bool, lengths (B,) int64, ids, doc_ids, tokens (lists; tokens
-        None unless tokens=True), and label / tags as readers.collate makes them."""
+        None unless tokens=True), and label / tags as readers.collate makes them. Built by `batcher` (default
+        a fresh batching.Batcher: a new tensor per batch)."""
         import torch
         pos = [self._position(int(i)) for i in positions]
-        lengths = self._all_lengths[pos] if pos else np.zeros(0, np.int32)
-        B, T, L = len(pos), int(lengths.max(initial=0)), len(self.layers)
-        dtype = self.dtype or self.stored_dtype
-        pin = pin_memory and torch.cuda.is_available()
-        stored = torch.empty((B, L, T, self.dim), dtype=getattr(torch, self.stored_dtype.name),
-                             pin_memory=pin and dtype == self.stored_dtype)
-        _fill(stored.numpy(), self, pos, lengths)
-        out = stored if dtype == self.stored_dtype else stored.to(getattr(torch, dtype.name))   # one pass
-        if pin and not out.is_pinned():
-            out = out.pin_memory()
-        mask = torch.from_numpy(np.arange(T)[None, :] < lengths[:, None])
+        batcher = batcher or Batcher(self.dim, (self.dtype or self.stored_dtype).name, pin_memory=pin_memory)
+        out, mask = batcher.from_sentences([self._rows(p) for p in pos])
         metas = [self._meta(p) for p in pos]
-        batch = {"layers": out, "mask": mask, "lengths": torch.from_numpy(lengths.astype(np.int64)),
+        batch = {"layers": out, "mask": mask,
+                 "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)) if pos else
+                 torch.zeros(0, dtype=torch.int64),
                  "ids": [m["id"] for m in metas], "doc_ids": [m["doc_id"] for m in metas],
-                 "tokens": [self._tokens(p) for p in pos] if self.with_tokens else [None] * B}
+                 "tokens": [self._tokens(p) for p in pos] if self.with_tokens else [None] * len(pos)}
         if self._labels is not None:
-            batch[self.label_key] = label_batch([self._labels[int(i) % len(self)] for i in positions], T, self.label_key)
+            batch[self.label_key] = label_batch([self._labels[int(i) % len(self)] for i in positions],
+                                                int(mask.shape[1]), self.label_key)
         return batch
 
     __getitems__ = batch
@@ -267,17 +295,26 @@ class MappedDataset(_TorchDataset):
         u, _ = self._unit(p)
         return self._open(u).column("token").slice(int(self._starts[p]), int(self._all_lengths[p])).to_pylist()
 
-    def batches(self, sampler: "BucketBatchSampler | None" = None, batch_size: int = 32) -> Iterator[dict]:
-        """Padded batches in the sampler's order (default: every sentence in order, `batch_size` at a time)."""
+    def batches(self, sampler: "BucketBatchSampler | None" = None, batch_size: int = 32, reuse: bool = False,
+                pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
+        """Padded batches in the sampler's order (default: every sentence in order, `batch_size` at a time),
+        built by a background thread `ahead` batches ahead (default 0: in this thread; see stream). reuse:
+        batches built into
+        buffers kept between batches (each valid until the next: the fastest form for a training loop that
+        moves or consumes a batch before asking for the next)."""
         plan = sampler if sampler is not None else (range(s, min(s + batch_size, len(self)))
                                                     for s in range(0, len(self), batch_size))
-        for positions in plan:
-            yield self.batch(list(positions))
+        name = (self.dtype or self.stored_dtype).name
+        batchers = [Batcher(self.dim, name, reuse=reuse, pin_memory=pin_memory)
+                    for _ in range(ahead + 2 if reuse and ahead > 0 else 1)]
+        return read_ahead((self.batch(list(positions), batcher=batchers[j % len(batchers)])
+                           for j, positions in enumerate(plan)), ahead)
 
-    def stream(self, batch_tokens: int = 2048, layers: Sequence[str] | None = None, padded: bool = False,
-               pin_memory: bool = False) -> Iterator[dict]:
+    def stream(self, batch_tokens: int = 512, layers: Sequence[str] | None = None, padded: bool = False,
+               pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
         """Every sentence of the dataset in file order (output, shard, id), in batches of consecutive sentences
-        spanning at most `batch_tokens` rows (a longer sentence alone). Each layer's rows of a batch are one
+        spanning at most `batch_tokens` rows (a longer sentence alone; the default 512 keeps a batch of the
+        original width in the CPU cache: measured faster than 2048, padded or not). Each layer's rows of a batch are one
         byte range of the shard: one pread per layer straight into a reused buffer (pinned with pin_memory
         when CUDA is there), no per-sentence work.
 
@@ -285,8 +322,10 @@ class MappedDataset(_TorchDataset):
         buffer: valid until the next batch, clone to keep); starts, lengths (B,) int64: sentence b is rows
         starts[b]:starts[b] + lengths[b] of each (a labelled dataset skips the unlabelled rows between);
         ids, doc_ids (lists), the label as batch() gives it; padded=True adds layers (B, L, T, dim) in
-        `dtype` (layer 0 duplicated, zero past each length) and mask (B, T) bool.
-        layers: a subset of the dataset's layers (default all)."""
+        `dtype` (layer 0 duplicated, zero past each length; a reused buffer too) and mask (B, T) bool.
+        layers: a subset of the dataset's layers (default all). ahead: batches read by a background thread
+        ahead of the consumer (stream_rows.read_ahead; default 0: in this thread. It overlaps reading with the
+        consumer's work where a core is free; on a busy 2-core machine it measured no faster)."""
         names = list(layers) if layers else self.layers
         missing = [n for n in names if n not in self.layers]
         if missing:
@@ -296,10 +335,17 @@ class MappedDataset(_TorchDataset):
         rows = max((int(self._starts[q[-1]] + self._all_lengths[q[-1]] - self._starts[q[0]]) for _, q, _ in plan),
                    default=0)
         width = [self.outputs[0].layer_dims[n] * self.stored_dtype.itemsize for n in names]
-        buf = RowBuffer(rows, width, self.stored_dtype, pin_memory)
+        slots = [(RowBuffer(rows, width, self.stored_dtype, pin_memory),
+                  Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=True, pin_memory=pin_memory)
+                  if padded else None) for _ in range(ahead + 2 if ahead > 0 else 1)]
+        return read_ahead(self._stream(plan, names, slots), ahead)
+
+    def _stream(self, plan: list, names: list[str], slots: list) -> Iterator[dict]:
+        """stream()'s batches, each read into the next of `slots` ((RowBuffer, Batcher or None), in turn)."""
         fd, fd_unit = -1, -1
         try:
-            for u, pos, kept in plan:
+            for j, (u, pos, kept) in enumerate(plan):
+                buf, batcher = slots[j % len(slots)]
                 if u != fd_unit:
                     if fd >= 0:
                         os.close(fd)
@@ -308,12 +354,12 @@ class MappedDataset(_TorchDataset):
                     offsets, fd, fd_unit = vector_offsets(path, names), os.open(path, os.O_RDONLY), u
                 first = int(self._starts[pos[0]])
                 n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
-                yield self._stream_batch(buf.read(fd, offsets, first, n), pos, kept, first, padded)
+                yield self._stream_batch(buf.read(fd, offsets, first, n), pos, kept, first, batcher)
         finally:
             if fd >= 0:
                 os.close(fd)
 
-    def _stream_batch(self, vectors: list, pos: np.ndarray, kept: np.ndarray, first: int, padded: bool) -> dict:
+    def _stream_batch(self, vectors: list, pos: np.ndarray, kept: np.ndarray, first: int, batcher) -> dict:
         import torch
         u, s = self._unit(int(pos[0]))
         lengths = torch.from_numpy(self._all_lengths[pos].astype(np.int64))
@@ -326,29 +372,9 @@ class MappedDataset(_TorchDataset):
         T = int(lengths.max()) if len(lengths) else 0
         if self._labels is not None:
             batch[self.label_key] = label_batch([self._labels[int(i)] for i in kept], T, self.label_key)
-        if padded:
-            dtype = getattr(torch, (self.dtype or self.stored_dtype).name)
-            batch["layers"], batch["mask"] = pad_rows(vectors, starts, lengths, T, self.dim, dtype)
+        if batcher is not None:
+            batch["layers"], batch["mask"] = batcher.from_rows(vectors, starts, lengths)
         return batch
-
-
-def _fill(out: np.ndarray, ds: MappedDataset, pos: list[int], lengths: np.ndarray) -> None:
-    """Copy the rows of the sentences at global positions `pos` into out (B, L, T, dim), the stored dtype:
-    one copy per sentence and layer straight from the mapped shard (a P-wide layer 0 into both halves),
-    zeros past each length."""
-    dim, views = ds.dim, {}
-    for b, (p, n) in enumerate(zip(pos, lengths)):
-        u, _ = ds._unit(p)
-        if u not in views:
-            views[u] = ds._layer_views(u)
-        a, n = int(ds._starts[p]), int(n)
-        for k, v in enumerate(views[u]):
-            src = v[a: a + n]
-            d = src.shape[1]
-            out[b, k, :n, :d] = src
-            if d != dim:
-                out[b, k, :n, d:] = src
-        out[b, :, n:] = 0
 
 
 def unbatched(batch: dict) -> dict:

@@ -12,9 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from elmo_pipeline.downstream.batching import stack
+from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_arrow_batch, shard_entry
 from elmo_pipeline.downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
                                       parquet_token_records)
-from elmo_pipeline.formats.layout import FORMATS, read_manifest
+from elmo_pipeline.formats.layout import FORMATS, MANIFEST, read_manifest
 from elmo_pipeline.fsio import keyed, url_fs
 
 
@@ -24,8 +26,8 @@ class ElmoOutput:
     path: the folder (path or URL); storage_options: fsspec options for its filesystem.
     Attributes: manifest, shards (manifest entries), layer_names (['layer_0', 'layer_1', ...] or
     ['average']), layer_dims ({name: stored width}), dim (2P, the width of a record's layers),
-    formats, parquet_layout. Formats: parquet, hdf5, arrow (--format arrow; downstream/mapped.py reads it
-    without loading it).
+    formats, parquet_layout, dtype (of the stored vectors). Formats: parquet, hdf5, arrow (--format arrow;
+    downstream/mapped.py reads it without loading it). File names leaving the folder are refused.
     """
 
     def __init__(self, path: str, storage_options: Mapping[str, Any] | None = None):
@@ -36,12 +38,17 @@ class ElmoOutput:
         if manifest is None:
             raise FileNotFoundError(f"{self.path}: no manifest.json (not a finished pipeline output)")
         self.manifest = manifest
-        self.shards: list[dict] = list(self.manifest.get("shards", []))
+        where = posixpath.join(self.path, MANIFEST)
+        self.shards: list[dict] = [shard_entry(f"{where}: shard {i}", s, FORMATS)
+                                   for i, s in enumerate(self.manifest.get("shards", []))]
         self.layer_names: list[str] = list(self.manifest["layers"])
         self.layer_dims: dict[str, int] = {k: int(v) for k, v in self.manifest["layer_dims"].items()}
         self.dim = max(self.layer_dims.values())
         self.formats: list[str] = list(self.manifest.get("formats", []))
         self.parquet_layout: str = self.manifest.get("parquet_layout", "sentence")
+        self.dtype: str = self.manifest.get("dtype", "float32")
+        if self.dtype not in ("float16", "float32"):
+            raise DamagedOutput(f"{where}: dtype {self.dtype!r} is neither float16 nor float32")
 
     def __repr__(self) -> str:
         return (f"ElmoOutput({self.path!r}: {len(self.shards)} shards, {self.num_sentences} sentences, "
@@ -56,6 +63,33 @@ class ElmoOutput:
         if fmt not in self.shards[i]:
             raise ValueError(f"{self.path}: shard {i} has no {fmt} file (formats: {self.formats})")
         return posixpath.join(self.root, self.shards[i][fmt])
+
+    def check_arrow(self, i: int, batch, where: str, full: bool = False) -> None:
+        """Raise DamagedOutput unless `batch`, shard i's Arrow file (read from `where`), matches the manifest
+        (shard_checks.check_arrow_batch)."""
+        s = self.shards[i]
+        check_arrow_batch(batch, where, int(s["tokens"]), int(s["sentences"]), self.dtype, self.layer_dims, full)
+
+    def hdf5_expect(self, i: int) -> dict:
+        """What shard i's HDF5 file must hold: sentences, tokens, layers per dataset, width, dtype."""
+        s = self.shards[i]
+        return {"sentences": int(s["sentences"]), "tokens": int(s["tokens"]), "dim": self.dim, "dtype": self.dtype,
+                "n_layers": len(self.layer_names) if self.manifest.get("hdf5_layout") != "(T, D)" else 1}
+
+    def validate(self) -> None:
+        """Read every shard of every format through its checks, Arrow with pyarrow's full validation of every
+        buffer; DamagedOutput names the first file that does not match the manifest."""
+        for i in range(len(self.shards)):
+            for fmt in self.formats:
+                if fmt == "arrow":
+                    from elmo_pipeline.downstream.arrow_shards import read_arrow_shard
+                    path = self.shard_path(i, fmt)
+                    self.check_arrow(i, read_arrow_shard(self.fs, path), path, full=True)
+                else:
+                    n = sum(1 for _ in self.iter_shard(i, fmt, stacked=False))
+                    if n != int(self.shards[i]["sentences"]):
+                        raise DamagedOutput(f"{self.shard_path(i, fmt)}: {n} sentences, the manifest says "
+                                            f"{self.shards[i]['sentences']}")
 
     def default_format(self) -> str:
         return next((f for f in ("parquet", "hdf5") if f in self.formats), "arrow")
@@ -85,9 +119,10 @@ class ElmoOutput:
             read = parquet_token_records if self.parquet_layout == "token" else parquet_records
             it = read(self.fs, path, names)
         elif fmt == "arrow":
-            it = arrow_records(self.fs, path, names)
+            it = arrow_records(self.fs, path, names, lambda batch: self.check_arrow(i, batch, path))
         else:
-            it = hdf5_records(self.fs, path, [self.layer_names.index(n) for n in names], self._hdf5_meta(i))
+            it = hdf5_records(self.fs, path, [self.layer_names.index(n) for n in names], self._hdf5_meta(i),
+                              self.hdf5_expect(i))
         for r in it:
             if stacked:
                 r["layers"] = self.stack(r.pop("stored"))
@@ -105,17 +140,8 @@ class ElmoOutput:
             yield from self.iter_shard(i, fmt, layers)
 
     def stack(self, arrays: list[np.ndarray]) -> np.ndarray:
-        """(L, T, dim) float32 from per-layer (T, D_k); a P-wide layer 0 becomes [x, x]."""
-        out = np.empty((len(arrays), arrays[0].shape[0] if arrays else 0, self.dim), dtype=np.float32)
-        for k, a in enumerate(arrays):
-            if a.shape[1] == self.dim:
-                out[k] = a
-            elif 2 * a.shape[1] == self.dim:
-                out[k, :, : a.shape[1]] = a
-                out[k, :, a.shape[1]:] = a
-            else:
-                raise ValueError(f"layer width {a.shape[1]} is neither {self.dim} nor half of it")
-        return out
+        """(L, T, dim) float32 from per-layer (T, D_k); a P-wide layer 0 becomes [x, x] (batching.stack)."""
+        return stack(arrays, self.dim)
 
 
 def open_output(source: str | ElmoOutput, storage_options: Mapping[str, Any] | None) -> ElmoOutput:

@@ -26,8 +26,7 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
+from elmo_pipeline.downstream.batching import Batcher
 from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
 from elmo_pipeline.downstream.record_labels import attach_label
 
@@ -142,32 +141,8 @@ def buffer_shuffle(items: Iterator[dict], size: int, rng: random.Random) -> Iter
 
 
 def collate(records: Sequence[dict]) -> dict:
-    """Pad a list of records into a batch.
-
-    layers (B, L, T, D) float32, zero past each length; mask (B, T) bool; lengths (B,) int64;
-    ids, doc_ids, tokens (lists). With labels: label (B,) int64 when the records have an int
-    "label"; tags (B, T) int64 padded with -100 when they have int lists "tags" (CrossEntropy's
-    ignore_index). Labels of other types stay as lists.
-    """
-    import torch
-    lengths = [int(r["layers"].shape[1]) for r in records]
-    B, T = len(records), max(lengths, default=0)
-    L, D = (records[0]["layers"].shape[0], records[0]["layers"].shape[2]) if records else (0, 0)
-    layers = torch.zeros(B, L, T, D, dtype=torch.float32)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    for b, r in enumerate(records):
-        n = lengths[b]
-        layers[b, :, :n] = torch.from_numpy(np.asarray(r["layers"], dtype=np.float32))
-        mask[b, :n] = True
-    batch = {"layers": layers, "mask": mask, "lengths": torch.tensor(lengths, dtype=torch.int64),
-             "ids": [r["id"] for r in records], "doc_ids": [r.get("doc_id") for r in records],
-             "tokens": [r.get("tokens") for r in records]}
-    if records and "label" in records[0]:
-        vals = [r["label"] for r in records]
-        batch["label"] = torch.tensor(vals, dtype=torch.int64) if all(isinstance(v, int) for v in vals) else vals
-    if records and "tags" in records[0]:
-        tags = torch.full((B, T), -100, dtype=torch.int64)
-        for b, r in enumerate(records):
-            tags[b, : len(r["tags"])] = torch.tensor(r["tags"], dtype=torch.int64)
-        batch["tags"] = tags
-    return batch
+    """Pad a list of records into a batch (batching.Batcher.records): layers (B, L, T, D) float32, zero past
+    each length; mask (B, T) bool; lengths (B,) int64; ids, doc_ids, tokens (lists); label (B,) int64 when
+    the records have int labels, tags (B, T) int64 padded with -100 when int lists (other labels stay lists)."""
+    D = int(records[0]["layers"].shape[2]) if records else 0
+    return Batcher(D).records(records)

@@ -1,4 +1,4 @@
-"""Matching labels to records, and batching them. No Beam import.
+"""Matching labels to records (batching.label_batch batches them). No Beam import.
 
 labels: {sentence id | document id | line number: label}, as downstream/labels.py reads them from files.
 """
@@ -32,17 +32,3 @@ def attach_label(record: dict, labels: Mapping[str, Any] | None, key: str) -> di
         return None
     record[key] = value
     return record
-
-
-def label_batch(values: list, T: int, key: str):
-    """Labels as readers.collate batches them: "label" (B,) int64 when all ints; "tags" (B, T) int64 padded with
-    -100 when int lists; other values stay a list."""
-    import torch
-    if key == "tags" and all(isinstance(v, list) and all(isinstance(t, int) for t in v) for v in values):
-        tags = torch.full((len(values), T), -100, dtype=torch.int64)
-        for b, v in enumerate(values):
-            tags[b, : len(v)] = torch.tensor(v, dtype=torch.int64)
-        return tags
-    if key != "tags" and all(isinstance(v, int) for v in values):
-        return torch.tensor(values, dtype=torch.int64)
-    return values

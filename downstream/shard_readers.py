@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from elmo_pipeline.downstream.arrow_shards import flat_vectors, read_arrow_shard, sentence_index
+from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_hdf5_shape
 from elmo_pipeline.formats.hdf5 import hdf5_unkey
 from elmo_pipeline.formats.parquet import META_COLUMNS
 
@@ -75,9 +76,11 @@ def parquet_meta(fs, path: str) -> dict[str, tuple]:
     return {sid: (did, k, toks) for sid, did, k, toks in zip(*(t.column(c).to_pylist() for c in META_COLUMNS))}
 
 
-def arrow_records(fs, path: str, names: list[str]) -> Iterator[dict]:
-    """Records of an Arrow IPC shard (a row per token): memory-mapped when local, else read whole."""
+def arrow_records(fs, path: str, names: list[str], check) -> Iterator[dict]:
+    """Records of an Arrow IPC shard (a row per token): memory-mapped when local, else read whole; check(batch)
+    raises unless the shard matches its manifest entry."""
     batch = read_arrow_shard(fs, path)
+    check(batch)
     ids, offsets, doc_ids, indices = sentence_index(batch)
     mats = [flat_vectors(batch, n) for n in names]
     tokens = batch.column("token")
@@ -87,15 +90,23 @@ def arrow_records(fs, path: str, names: list[str]) -> Iterator[dict]:
                "tokens": tokens.slice(a, e - a).to_pylist(), "stored": [m[a:e] for m in mats]}
 
 
-def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple]) -> Iterator[dict]:
+def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect: dict) -> Iterator[dict]:
     """Records of an HDF5 shard (AllenNLP layout: (layers, T, 2P) or (T, 2P) per sentence), layers `pick`
     (indices); doc ids, sentence indices and tokens from `meta` (parquet_meta of the Parquet twin), else
-    from the id and None."""
+    from the id and None. expect (ElmoOutput.hdf5_expect): each dataset's declared shape and dtype is
+    checked before it is read, so no read allocates more than the manifest's tokens."""
     import h5py
     with fs.open(path, "rb") as f, h5py.File(f, "r") as h:
-        for key in sorted(h.keys(), key=hdf5_unkey):
+        keys = sorted(h.keys(), key=hdf5_unkey)
+        if len(keys) != expect["sentences"]:
+            raise DamagedOutput(f"{path}: {len(keys)} datasets, the manifest says {expect['sentences']} sentences")
+        left = expect["tokens"]
+        for key in keys:
             sid = hdf5_unkey(key)
-            arr = h[key][...]
+            d = h[key]
+            left -= check_hdf5_shape(path, key, d.shape, d.dtype, expect["n_layers"], expect["dim"],
+                                     expect["dtype"], left)
+            arr = d[...]
             if arr.ndim == 2:
                 arr = arr[None]
             did, k, toks = meta.get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from elmo_pipeline.downstream.batching import Batcher
 
 @dataclass
 class Split:
@@ -45,15 +46,7 @@ class Split:
 
 
 def _padded(records: list) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(r["layers"].shape[1] for r in records)
-    L, _, D = records[0]["layers"].shape
-    x = torch.zeros(len(records), L, max(T, 1), D)
-    mask = torch.zeros(len(records), max(T, 1), dtype=torch.bool)
-    for b, r in enumerate(records):
-        n = r["layers"].shape[1]
-        x[b, :, :n] = torch.from_numpy(r["layers"])
-        mask[b, :n] = True
-    return x, mask
+    return Batcher(records[0]["layers"].shape[2]).from_sentences([list(r["layers"]) for r in records])
 
 
 def batches(split: Split, mode: str, batch_size: int, order: np.ndarray):

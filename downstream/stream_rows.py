@@ -1,9 +1,11 @@
 """The row reads behind MappedDataset.stream: which consecutive sentences make each batch, one pread per layer
-into a reused buffer, and padding the flat rows into (B, L, T, dim). No Beam import."""
+into a reused buffer (batching.Batcher pads them). No Beam import."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -61,16 +63,49 @@ class RowBuffer:
         return vectors
 
 
-def pad_rows(vectors: list, starts, lengths, T: int, dim: int, dtype):
-    """(layers (B, L, T, dim) in the torch `dtype`, mask (B, T)) of flat (N, D_k) vectors, sentence b at rows
-    starts[b]:starts[b] + lengths[b]: one gather per layer, a narrower layer (P wide) into both halves."""
-    import torch
-    mask = torch.arange(T)[None, :] < lengths[:, None]
-    rows = (starts[:, None] + torch.arange(T)[None, :]).clamp_(max=max(0, len(vectors[0]) - 1))
-    out = torch.empty((len(lengths), len(vectors), T, dim), dtype=dtype)
-    for k, v in enumerate(vectors):
-        g = v[rows].to(dtype).masked_fill_(~mask[..., None], 0)
-        out[:, k, :, : v.shape[1]] = g
-        if v.shape[1] != dim:
-            out[:, k, :, v.shape[1]:] = g
-    return out, mask
+def read_ahead(items: Iterator, depth: int) -> Iterator:
+    """The items of `items`, produced by a background thread up to `depth` ahead of the consumer (preads and
+    torch copies release the GIL, so reading overlaps the consumer's work); depth 0: in this thread. An
+    exception of the producer is raised here; stopping early stops the producer. A producer that reuses
+    buffers needs depth + 2 of them (one with the consumer, depth queued, one being filled)."""
+    if depth <= 0:
+        yield from items
+        return
+    q: queue.Queue = queue.Queue(depth)
+    stop, end = threading.Event(), object()
+
+    def put(x) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def run() -> None:
+        try:
+            for x in items:
+                if not put((x, None)):
+                    return
+            put((end, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            put((end, e))
+        finally:
+            close = getattr(items, "close", None)
+            if close:
+                close()
+
+    t = threading.Thread(target=run, daemon=True, name="read-ahead")
+    t.start()
+    try:
+        while True:
+            x, err = q.get()
+            if x is end:
+                if err is not None:
+                    raise err
+                return
+            yield x
+    finally:
+        stop.set()
+        t.join()

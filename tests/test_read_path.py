@@ -144,6 +144,42 @@ def test_stream_labelled_partitions(outputs):
     assert ids == [both[i]["id"] for i in range(len(both))] and labels == [1, 0, 1, 1, 0]
 
 
+@pytest.mark.parametrize("name", ["all", "fp16"])
+def test_read_ahead_and_reused_batches_equal_fresh_ones(outputs, name):
+    """Batches built by the background thread into reused buffers equal fresh ones, batch by batch, as stored
+    and as float32 (fp16 -> float32 by torch: bit-identical to the records' conversion)."""
+    ref = ElmoDataset(outputs[name])
+    for dtype in (None, "float32"):
+        ds = MappedDataset(outputs[name], dtype=dtype, tokens=False)
+        sampler = BucketBatchSampler(ds.lengths, batch_size=3, shuffle=True, seed=2)
+        fresh = [ds.batch(b) for b in sampler]
+        for ahead in (0, 1, 3):
+            got = ds.batches(sampler, reuse=True, ahead=ahead)
+            for want, b in zip(fresh, got, strict=True):
+                assert torch.equal(b["layers"], want["layers"]) and b["ids"] == want["ids"]
+            streamed = [(b["ids"], b["layers"].clone()) for b in ds.stream(batch_tokens=7, padded=True, ahead=ahead)]
+            assert streamed[0][1].dtype == getattr(torch, dtype or ds.stored_dtype.name)
+            for ids, layers in streamed:
+                assert torch.equal(layers, collate([ref[ds.position(i)] for i in ids])["layers"].to(layers.dtype))
+    it = ds.stream(batch_tokens=1)
+    next(it)
+    it.close()                                                       # stops the read-ahead thread
+    import threading
+    assert not [t for t in threading.enumerate() if t.name == "read-ahead"]
+
+
+def test_read_ahead_raises_the_producers_error():
+    from elmo_pipeline.downstream.stream_rows import read_ahead
+
+    def broken():
+        yield 1
+        raise OSError("disk gone")
+    it = read_ahead(broken(), 2)
+    assert next(it) == 1
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)
+
+
 def test_id_lookup_every_id_and_hash_collisions(outputs, monkeypatch):
     ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False)
     ids = [ds[i]["id"] for i in range(len(ds))]

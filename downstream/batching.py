@@ -1,0 +1,198 @@
+"""The one batch builder: every padded batch, stacked record and label batch of the readers is made here.
+No Beam import.
+
+A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past
+each length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Sentences come
+as per-layer (T_b, D_k) arrays (numpy or torch, any float dtype) or `Rows` of a file (read with pread): rows
+are copied once into the batch (numpy slice copies or one pread, a few per sentence and layer, no per-row
+work); a dtype change (float16 stored, float32 delivered) is done by torch in one pass, never by numpy.
+`Batcher(reuse=True)` builds into buffers kept from batch to batch (no page faults of a fresh allocation: a batch is valid until
+the next one); pinned when CUDA is there and pin_memory is asked.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+
+from elmo_pipeline.downstream.stream_rows import pread_into
+
+
+class Rows:
+    """n consecutive rows of one layer in a local file: the descriptor batches read with pread (no mapping, no
+    page faults), straight into the batch when the layer is as wide as it."""
+    __slots__ = ("fd", "offset", "shape", "dtype")
+
+    def __init__(self, fd: int, offset: int, n: int, d: int, dtype: np.dtype):
+        self.fd, self.offset, self.shape, self.dtype = fd, offset, (n, d), dtype
+
+    def read_into(self, dst: np.ndarray, scratch) -> None:
+        """Fill dst (n, dim) with the rows: one pread straight into dst when the widths and dtypes agree, else
+        into scratch(shape, dtype), then placed (a half-width layer 0 into both halves, converted by torch)."""
+        if self.shape[1] == dst.shape[1] and self.dtype == dst.dtype:
+            pread_into(self.fd, memoryview(dst).cast("B"), self.offset)
+        else:
+            tmp = scratch(self.shape, self.dtype)
+            pread_into(self.fd, memoryview(tmp).cast("B"), self.offset)
+            place(dst, tmp)
+
+
+def place(dst: np.ndarray, src) -> None:
+    """Copy (n, d) rows (an array or Rows) into dst (n, dim): a d = dim / 2 wide layer 0 into both halves
+    (AllenNLP's [x, x]); another dtype converted by torch (numpy's float16 conversion is several times slower)."""
+    if isinstance(src, Rows):
+        src.read_into(dst, lambda shape, dtype: np.empty(shape, dtype))
+        return
+    d, dim = src.shape[1], dst.shape[1]
+    if d != dim and 2 * d != dim:
+        raise ValueError(f"layer width {d} is neither {dim} nor half of it")
+    if src.dtype == dst.dtype:
+        dst[:, :d] = src
+        if d != dim:
+            dst[:, d:] = src
+        return
+    t = tensor(dst)
+    t[:, :d].copy_(tensor(src))
+    if d != dim:
+        t[:, d:].copy_(t[:, :d])
+
+
+def stack(arrays: Sequence, dim: int) -> np.ndarray:
+    """(L, T, dim) float32 of per-layer (T, D_k) arrays or Rows (a P-wide layer 0 becomes [x, x])."""
+    out = np.empty((len(arrays), arrays[0].shape[0] if len(arrays) else 0, dim), dtype=np.float32)
+    for k, a in enumerate(arrays):
+        place(out[k], a if isinstance(a, Rows) else np.asarray(a))
+    return out
+
+
+_QUIET = []
+
+
+def tensor(a: np.ndarray):
+    """A torch view of a numpy array, strided and read-only ones too (views of memory-mapped files: read,
+    never written; torch warns about those once a process, and that once is silenced here)."""
+    import torch
+    if _QUIET or a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(a)
+    _QUIET.append(True)
+    return t
+
+
+def lengths_mask(lengths, T: int):
+    """(B, T) bool: True at the first lengths[b] positions of row b."""
+    import torch
+    lengths = torch.as_tensor(lengths)
+    return torch.arange(T)[None, :] < lengths[:, None]
+
+
+def label_batch(values: list, T: int, key: str):
+    """Labels of a batch: "label" (B,) int64 when all ints; "tags" (B, T) int64 padded with -100
+    (CrossEntropy's ignore_index) when int lists; other values stay a list."""
+    import torch
+    if key == "tags" and all(isinstance(v, list) and all(isinstance(t, int) for t in v) for v in values):
+        tags = torch.full((len(values), T), -100, dtype=torch.int64)
+        for b, v in enumerate(values):
+            tags[b, : len(v)] = torch.tensor(v, dtype=torch.int64)
+        return tags
+    if key != "tags" and all(isinstance(v, int) for v in values):
+        return torch.tensor(values, dtype=torch.int64)
+    return values
+
+
+class Batcher:
+    """Builds padded batches of width `dim` in `dtype` (a numpy dtype name, e.g. "float32").
+
+    reuse: build into buffers kept between calls (each batch valid until the next call; clone to keep);
+    pin_memory: pinned buffers when CUDA is available."""
+
+    def __init__(self, dim: int, dtype: str = "float32", reuse: bool = False, pin_memory: bool = False):
+        import torch
+        self.dim, self.dtype, self.reuse = dim, np.dtype(dtype), reuse
+        self.torch_dtype = getattr(torch, self.dtype.name)
+        self.pin = pin_memory and torch.cuda.is_available()
+        self._bufs: dict = {}
+        self._rows: np.ndarray | None = None
+
+    def _buffer(self, name: str, shape: tuple, dtype):
+        """A tensor of `shape`: a view of the kept buffer `name`, grown when short; a fresh one for the batch's
+        layers unless reuse."""
+        import torch
+        n = int(np.prod(shape))
+        if not self.reuse and name == "layers":
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        b = self._bufs.get(name)
+        if b is None or b.numel() < n or b.dtype != dtype:
+            b = self._bufs[name] = torch.empty(max(n, 1), dtype=dtype, pin_memory=self.pin)
+        return b[:n].view(shape)
+
+    def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        """A kept numpy buffer of shape and dtype (rows read before they are placed)."""
+        n = int(np.prod(shape)) * dtype.itemsize
+        if self._rows is None or len(self._rows) < n:
+            self._rows = np.empty(n, np.uint8)
+        return self._rows[:n].view(dtype).reshape(shape)
+
+    def _converted(self, k: int, v):
+        """Layer k's rows as a numpy array of the batch dtype (converted by torch into a kept buffer)."""
+        import torch
+        t = v if isinstance(v, torch.Tensor) else tensor(v)
+        if t.dtype == self.torch_dtype:
+            return t.numpy()
+        c = self._buffer(f"rows{k}", tuple(t.shape), self.torch_dtype)
+        c.copy_(t)
+        return c.numpy()
+
+    def from_rows(self, vectors: Sequence, starts, lengths) -> tuple:
+        """(layers (B, L, T, dim), mask (B, T)) of flat (N, D_k) rows per layer, sentence b at rows
+        starts[b]:starts[b] + lengths[b] (MappedDataset.stream's vectors)."""
+        st, ln = [int(x) for x in starts], [int(x) for x in lengths]
+        rows = [self._converted(k, v) for k, v in enumerate(vectors)]
+        return self._fill("layers", [[v[a: a + n] for v in rows] for a, n in zip(st, ln)], ln, len(vectors),
+                          self.torch_dtype)
+
+    def from_sentences(self, sentences: Sequence[Sequence]) -> tuple:
+        """(layers (B, L, T, dim), mask (B, T)) of sentences, each a list of per-layer (T_b, D_k) arrays of one
+        dtype (a batch of another dtype is filled as stored, then converted by torch in one pass)."""
+        import torch
+        lengths = [int(s[0].shape[0]) if len(s) else 0 for s in sentences]
+        L = len(sentences[0]) if sentences else 0
+        arrays = [[a if isinstance(a, Rows) else a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in s]
+                  for s in sentences]
+        source = arrays[0][0].dtype if L else self.dtype
+        if source == self.dtype or source.kind != "f":
+            return self._fill("layers", arrays, lengths, L, self.torch_dtype)
+        stage, mask = self._fill("stage", arrays, lengths, L, getattr(torch, source.name))
+        out = self._buffer("layers", tuple(stage.shape), self.torch_dtype)
+        out.copy_(stage)
+        return out, mask
+
+    def _fill(self, name: str, sentences: list, lengths: list[int], L: int, dtype) -> tuple:
+        T = max(lengths, default=0)
+        out = self._buffer(name, (len(lengths), L, T, self.dim), dtype)
+        o = out.numpy()
+        for b, (layers, n) in enumerate(zip(sentences, lengths)):
+            for k, a in enumerate(layers):
+                if isinstance(a, Rows):
+                    a.read_into(o[b, k, :n], self._scratch)
+                else:
+                    place(o[b, k, :n], a)
+            o[b, :, n:] = 0
+        return out, lengths_mask(lengths, T)
+
+    def records(self, records: Sequence[dict]) -> dict:
+        """A batch of records with "layers" (L, T, D) (readers.collate): layers, mask, lengths, ids,
+        doc_ids, tokens, and "label" / "tags" when the records have them."""
+        import torch
+        layers, mask = self.from_sentences([list(r["layers"]) for r in records])
+        lengths = [int(r["layers"].shape[1]) for r in records]
+        batch = {"layers": layers, "mask": mask, "lengths": torch.tensor(lengths, dtype=torch.int64),
+                 "ids": [r["id"] for r in records], "doc_ids": [r.get("doc_id") for r in records],
+                 "tokens": [r.get("tokens") for r in records]}
+        for key in ("label", "tags"):
+            if records and key in records[0]:
+                batch[key] = label_batch([r[key] for r in records], int(mask.shape[1]), key)
+        return batch

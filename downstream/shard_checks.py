@@ -1,0 +1,103 @@
+"""What a reader checks before it trusts an output's files: manifest paths inside the output, each shard's
+schema, dtype, widths and counts against the manifest, Arrow dictionaries and their codes, HDF5 shapes.
+No Beam import.
+
+Cheap checks run on every open (per sentence or per column, never per float); `full=True` adds pyarrow's
+full validation of every Arrow buffer (ElmoOutput.validate). A failed check raises DamagedOutput naming the
+file; a reader never follows a path out of the output, never allocates more than the manifest implies.
+"""
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+
+import numpy as np
+import pyarrow as pa
+
+
+class DamagedOutput(ValueError):
+    """A file of an output that does not match its manifest (or a manifest naming a file outside the output)."""
+
+
+def inside_path(where: str, rel) -> str:
+    """rel, a manifest's file name, when it is a relative path that stays inside the output folder."""
+    if not isinstance(rel, str) or not rel or rel.startswith(("/", "\\")) or "\\" in rel or ":" in rel.split("/")[0] \
+            or any(part in ("..", ".", "") for part in rel.split("/")):
+        raise DamagedOutput(f"{where}: file name {rel!r} is not a relative path inside the output")
+    return posixpath.normpath(rel)
+
+
+def shard_entry(where: str, entry, formats) -> dict:
+    """A manifest's shard entry, checked: a dict with int sentences and tokens, each format's file name a
+    relative path inside the output (inside_path)."""
+    if not isinstance(entry, dict) or not all(isinstance(entry.get(k), int) and entry[k] >= 0
+                                              for k in ("sentences", "tokens")):
+        raise DamagedOutput(f"{where}: not a shard entry with sentence and token counts")
+    return {**entry, **{f: inside_path(f"{where} {f}", entry[f]) for f in formats if f in entry}}
+
+
+def check_arrow_batch(batch: pa.RecordBatch, where: str, tokens: int, sentences: int, dtype: str,
+                      layer_dims: Mapping[str, int], full: bool = False) -> None:
+    """Raise DamagedOutput unless the Arrow shard's batch is what its manifest entry says: `tokens` rows,
+    `sentences` ids in a valid string dictionary, per-token codes sorted and in range (each sentence has
+    rows), doc ids valid, each layer in `layer_dims` a fixed_size_list of `dtype` that wide; buffers large
+    enough for their lengths (full: pyarrow's full validation of every column too)."""
+    def fail(what: str):
+        raise DamagedOutput(f"{where}: {what}")
+    names = batch.schema.names
+    for col in ("id", "doc_id", "sentence_index", *layer_dims):
+        if col not in names:
+            fail(f"no column {col!r}")
+    if batch.num_rows != tokens:
+        fail(f"{batch.num_rows} rows, the manifest says {tokens} tokens")
+    want = pa.float16() if dtype == "float16" else pa.float32()
+    for name, width in layer_dims.items():
+        t = batch.schema.field(name).type
+        if not pa.types.is_fixed_size_list(t) or t.value_type != want or t.list_size != width:
+            fail(f"column {name} is {t}, the manifest says fixed_size_list<{want}>[{width}]")
+    try:
+        batch.validate()
+        for name in ("id", "doc_id"):
+            col = batch.column(name)
+            if not (pa.types.is_dictionary(col.type) and pa.types.is_string(col.type.value_type)
+                    and pa.types.is_integer(col.type.index_type)):
+                fail(f"column {name} is {col.type}, not a dictionary of strings")
+            col.dictionary.validate(full=True)
+        if "token" in names:
+            batch.column("token").validate(full=True)
+        if full:
+            batch.validate(full=True)
+    except pa.ArrowException as e:
+        fail(f"invalid Arrow data ({e})")
+    ids = batch.column("id")
+    if len(ids.dictionary) != sentences:
+        fail(f"{len(ids.dictionary)} sentence ids, the manifest says {sentences} sentences")
+    codes = ids.indices.to_numpy(zero_copy_only=False)
+    if (len(codes) == 0) != (sentences == 0) or len(codes) and (codes[0] != 0 or codes[-1] != sentences - 1
+                                                                or _not_steps(codes)):
+        fail("sentence id codes are not 0, 0, ..., 1, ... up to the last sentence (out of range or unsorted)")
+    docs = batch.column("doc_id")
+    dcodes = docs.indices.to_numpy(zero_copy_only=False)
+    if len(dcodes) and (int(dcodes.min()) < 0 or int(dcodes.max()) >= len(docs.dictionary)):
+        fail("doc id codes out of range")
+
+
+def _not_steps(codes: np.ndarray) -> bool:
+    """True unless consecutive codes differ by 0 or 1 (sorted, no sentence without rows)."""
+    d = np.diff(codes)
+    return bool(np.any((d != 0) & (d != 1)))
+
+
+def check_hdf5_shape(where: str, key: str, shape: tuple, dtype, n_layers: int, dim: int, want_dtype: str,
+                     tokens_left: int) -> int:
+    """The rows (T) of HDF5 dataset `key` after checking its declared shape and dtype against the manifest
+    ((n_layers, T, dim), or (T, dim) for one layer; T at most the shard's tokens not yet seen)."""
+    ok = (len(shape) == 3 and shape[0] == n_layers) or (len(shape) == 2 and n_layers == 1)
+    if not ok or shape[-1] != dim:
+        want = f"({n_layers}, T, {dim})" if n_layers > 1 else f"(T, {dim})"
+        raise DamagedOutput(f"{where}: dataset {key!r} has shape {shape}, the manifest says {want}")
+    if np.dtype(dtype) != np.dtype(want_dtype):
+        raise DamagedOutput(f"{where}: dataset {key!r} is {np.dtype(dtype)}, the manifest says {want_dtype}")
+    if shape[-2] > tokens_left:
+        raise DamagedOutput(f"{where}: dataset {key!r} declares {shape[-2]} rows, more than the manifest's tokens")
+    return int(shape[-2])

@@ -1,0 +1,164 @@
+"""Readers distrust the files of an output: damaged or hostile shards and manifests are refused with an error
+naming the file (never a segmentation fault, never an allocation beyond what the manifest implies)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from elmo_pipeline.downstream import ElmoOutput
+from elmo_pipeline.downstream.mapped import MappedDataset
+from elmo_pipeline.downstream.shard_checks import DamagedOutput
+from tests.pipeline_helpers import run_pipeline
+
+TEXT = ["the first line", "and a second one with more words", "third", "a fourth line here", "five"]
+COMMON = ("--input-format", "lines", "--tokenizer", "whitespace", "--shard-sentences", "3")
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, tiny_model_files):
+    tmp = tmp_path_factory.mktemp("damaged")
+    (tmp / "a.txt").write_text("\n".join(TEXT) + "\n")
+    outs = {}
+    for name, flags in {"fp32": ("--format", "parquet,hdf5,arrow"),
+                        "fp16": ("--format", "arrow", "--dtype", "float16")}.items():
+        outs[name] = str(tmp / name)
+        run_pipeline(tiny_model_files, str(tmp / "a.txt"), outs[name], *COMMON, *flags)
+    return outs
+
+
+@pytest.fixture
+def copy(written, tmp_path):
+    """A fresh copy of a written output (tampered by the test)."""
+    def make(name: str) -> str:
+        dst = str(tmp_path / name)
+        shutil.copytree(written[name], dst)
+        return dst
+    return make
+
+
+def _manifest(out: str) -> dict:
+    with open(os.path.join(out, "manifest.json")) as f:
+        return json.load(f)
+
+
+def _arrow_shard(out: str, i: int = 0) -> str:
+    return os.path.join(out, _manifest(out)["shards"][i]["arrow"])
+
+
+def _file_offset(path: str, buffer_of) -> int:
+    """File offset of the buffer buffer_of(record batch) of an Arrow shard (its address in the map)."""
+    source = pa.memory_map(path, "r")
+    base = source.read_buffer(1).address
+    buf = buffer_of(pa.ipc.open_file(source).get_batch(0))
+    return buf.address - base
+
+
+def _poke(path: str, offset: int, value: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(np.int32(value).tobytes())
+
+
+READERS = """
+import sys
+from elmo_pipeline.downstream import ElmoOutput
+from elmo_pipeline.downstream.mapped import MappedDataset
+from elmo_pipeline.downstream.sampler import BucketBatchSampler
+from elmo_pipeline.downstream.shard_checks import DamagedOutput
+out = sys.argv[1]
+def first_record():
+    return MappedDataset(out)[0]
+def stream():
+    return [sum(float(v.sum()) for v in b["vectors"]) for b in MappedDataset(out, tokens=False).stream()]
+def sampler_batches():
+    ds = MappedDataset(out)
+    return list(ds.batches(BucketBatchSampler(ds.lengths, batch_size=2, shuffle=True)))
+def records():
+    return list(ElmoOutput(out).sentences("arrow"))
+for read in (first_record, stream, sampler_batches, records):
+    try:
+        read()
+        print(read.__name__, "read")
+    except DamagedOutput as e:
+        print(read.__name__, "refused:", e)
+"""
+
+
+def _read_in_child(out: str) -> subprocess.CompletedProcess:
+    """Every Arrow reader over `out` in a child process (a segmentation fault there fails the test here)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", READERS, out], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_tampered_dictionary_offsets_refused_not_a_crash(copy):
+    out = copy("fp32")
+    shard = _arrow_shard(out)
+    at = _file_offset(shard, lambda b: b.column("id").dictionary.buffers()[1])     # the ids' string offsets
+    _poke(shard, at + 4, 0x7FFFFF00)                                                # four bytes changed
+    p = _read_in_child(out)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    lines = p.stdout.splitlines()
+    assert len(lines) == 4 and all("refused:" in x and shard in x for x in lines), p.stdout
+
+
+def test_dictionary_codes_out_of_range_refused(copy):
+    out = copy("fp32")
+    shard = _arrow_shard(out)
+    at = _file_offset(shard, lambda b: b.column("id").indices.buffers()[1])         # the per-token codes
+    _poke(shard, at + 4, 77)                                                        # token 1: sentence 77 of 3
+    with pytest.raises(DamagedOutput, match="codes"):
+        MappedDataset(out)
+    with pytest.raises(DamagedOutput, match=shard):
+        list(ElmoOutput(out).sentences("arrow"))
+    with pytest.raises(DamagedOutput):
+        ElmoOutput(out).validate()
+
+
+def test_mixed_dtypes_refused(written, copy):
+    with pytest.raises(ValueError, match="dtype float16 differs"):
+        MappedDataset([written["fp32"], written["fp16"]])
+    out = copy("fp32")                                           # one fp16 shard in an fp32 output
+    shutil.copyfile(_arrow_shard(written["fp16"], 1), _arrow_shard(out, 1))
+    with pytest.raises(DamagedOutput, match="halffloat"):
+        MappedDataset(out)
+    with pytest.raises(DamagedOutput, match=_arrow_shard(out, 1)):
+        list(ElmoOutput(out).sentences("arrow"))
+
+
+@pytest.mark.parametrize("escape", ["parent", "absolute"])
+def test_manifest_paths_outside_the_output_refused(copy, tmp_path, escape):
+    out, other = copy("fp32"), copy("fp16")                      # a real output beside it, to be read instead
+    m = _manifest(out)
+    target = _manifest(other)["shards"][0]["arrow"]
+    m["shards"][0]["arrow"] = f"../fp16/{target}" if escape == "parent" else os.path.join(other, target)
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(m, f)
+    with pytest.raises(DamagedOutput, match="not a relative path inside the output"):
+        ElmoOutput(out)
+    with pytest.raises(DamagedOutput, match="manifest.json: shard 0 arrow"):
+        MappedDataset(out)
+
+
+def test_hdf5_shard_declaring_more_rows_than_the_manifest_refused(copy):
+    out = copy("fp32")
+    m = _manifest(out)
+    shard = os.path.join(out, m["shards"][0]["hdf5"])
+    with h5py.File(shard, "r") as h:
+        keys = {k: (h[k].shape, h[k].dtype) for k in h.keys()}
+    with h5py.File(shard, "w") as h:                             # a small file declaring 1M rows, never written
+        for k, (shape, dtype) in keys.items():
+            h.create_dataset(k, shape=(shape[0], 1_000_000, shape[2]), dtype=dtype)
+    assert os.path.getsize(shard) < 100_000
+    with pytest.raises(DamagedOutput, match="declares 1000000 rows"):
+        list(ElmoOutput(out).sentences("hdf5"))
+
+
+def test_full_validation_of_a_sound_output(written):
+    for name in ("fp32", "fp16"):
+        ElmoOutput(written[name]).validate()
