@@ -139,7 +139,8 @@ class Staging:
             with self.sink.open(files["hdf5"]) as f:
                 f.write(hdf5_bytes(hdf5_sentences(sentences, spec)))
         lengths = np.fromiter((b.tokens(i) for b, i in sentences), dtype=np.int64, count=len(sentences))
-        info = ShardInfo(files, len(sentences), int(lengths.sum()), ids[0])
+        copies = sum(i >= len(b.items) - b.copies for b, i in sentences)      # written from another's vectors
+        info = ShardInfo(files, len(sentences), int(lengths.sum()), ids[0], {"deduplicated": copies} if copies else {})
         histogram = dict(zip(*(a.tolist() for a in np.unique(lengths, return_counts=True))))
         self.sink.put(self._at(RECORDS, name + ".json"), json.dumps(info.record(ids, histogram)).encode())
         return info

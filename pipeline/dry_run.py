@@ -183,7 +183,7 @@ def measure(pl, written: list, seed: int = 0) -> dict:
 
     from elmo_pipeline.formats.estimate import sample_file_bytes
     from elmo_pipeline.model.batching import plan_batches
-    from elmo_pipeline.transforms.embed import load_embedder
+    from elmo_pipeline.transforms.embed_step import shared_model
     o = pl.options
     limit = max(1, min(o.max_tokens_per_batch - 2, pl.window or o.max_tokens_per_batch))
     pool = [w for w in written if 0 < len(w[3]) <= limit]
@@ -196,7 +196,7 @@ def measure(pl, written: list, seed: int = 0) -> dict:
         tokens += len(w[3])
     if not chosen:
         return {"tokens_per_s": 0.0, "timed_tokens": 0, "timed_batches": 0, "bytes_per_token": {}, "encode_seconds": 0}
-    embedder = load_embedder(pl.spec)
+    embedder = shared_model(pl.models, pl.spec).embedder
     batches = plan_batches([len(w[3]) for w in chosen], o.max_tokens_per_batch, sort=pl.sort, lanes=pl.sort)
     for b in batches:     # the token cache warmed on these sentences, as a run's is by the corpus's frequent words
         embedder.prepare_packed([chosen[i][3] for i in b])
@@ -260,20 +260,16 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     from elmo_pipeline.formats.estimate import layer_bytes
     from elmo_pipeline.pipeline.exits import after_plan
     from elmo_pipeline.pipeline.plan import pipeline_options, plan
-    from elmo_pipeline.transforms.embed import withdraw_models
     t_start = time.perf_counter()
     opts = pipeline_options(argv)
+    pl = plan(opts, probe_output=False)
+    sizes = {url: int(size or 0) for url, (_, size, _) in zip(pl.files, pl.ingredients["inputs"])}  # plan() stat'ed them
     try:
-        pl = plan(opts, probe_output=False)
-        sizes = {url: int(size or 0) for url, (_, size, _) in zip(pl.files, pl.ingredients["inputs"])}  # plan() stat'ed them
-        try:
-            s = sample_inputs(pl, sizes, sample_bytes)
-            m = measure(pl, s.pop("written"))
-        except Exception as e:
-            after_plan(e)
-            raise
-    finally:
-        withdraw_models()
+        s = sample_inputs(pl, sizes, sample_bytes)
+        m = measure(pl, s.pop("written"))
+    except Exception as e:
+        after_plan(e)
+        raise
     est, spec = s["estimated"], pl.shard
     tokens = est["tokens_written"]
     h5_layers = 1 if spec.selection == "average" or list(spec.selection) == [spec.n_layers - 1] \

@@ -185,7 +185,7 @@ def test_a_failing_windowed_sentence_is_a_dead_letter_and_the_others_come_out(ti
 
     from elmo_pipeline.transforms.chain import DEAD
     from elmo_pipeline.transforms.embed_step import EmbedBatches
-    from elmo_pipeline.transforms.embed import ModelSpec
+    from elmo_pipeline.model.resolve import ModelSpec
     from elmo_pipeline.transforms.records import Item
 
     sents = [_tokens(61), ["BOOM", *_tokens(40)], _tokens(8), _tokens(33)]

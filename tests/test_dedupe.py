@@ -1,0 +1,135 @@
+"""--dedupe (transforms/dedupe.py, pipeline/graph.py): the sentences of one run with the same sentence key are
+embedded once and written for every occurrence; outputs equal those of a run without it (bit for bit with
+--batch-invariant), and the counts say how many sentences were embedded and how many deduplicated."""
+import random
+
+import numpy as np
+import pytest
+
+from elmo_pipeline.pipeline.run import main
+from elmo_pipeline.transforms.dedupe import one_of_each, with_copies
+from elmo_pipeline.transforms.records import EmbeddedBatch, Item
+from tests.resume_helpers import LAYERS, argv, read_output
+
+BOILERPLATE = ["Subscribe to our newsletter for more stories.", "All rights reserved.",
+               "Click here to read the full article.", "Share this page with your friends."]
+WORDS = "the a cat dog river stone city night market old young green walks sees finds keeps near under".split()
+
+
+def web_corpus(path, n_docs=40, seed=3):
+    """Pages of 2-3 sentences of their own and 1-3 boilerplate sentences, every fifth page a copy of the one
+    before it: a web crawl's repetition. Returns (path, sentences, distinct sentences)."""
+    rng = random.Random(seed)
+    pages, sentences = [], []
+    for d in range(n_docs):
+        if d % 5 == 4:
+            page = list(pages[-1])
+        else:
+            own = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + "."
+                   for _ in range(rng.randint(2, 3))]
+            page = own + rng.sample(BOILERPLATE, rng.randint(1, 3))
+        pages.append(page)
+        sentences += page
+    path.write_text("".join(" ".join(p) + "\n" for p in pages))
+    return str(path), len(sentences), len(set(sentences))
+
+
+def without_dedupe_counts(m):
+    return {k: v for k, v in m["counts"].items() if k not in ("sentences_embedded", "sentences_deduplicated")}
+
+
+def assert_equal_outputs(a, b):
+    """Same ids, tokens, offsets, counts (the dedupe counts aside), dead letters and vectors, bit for bit."""
+    (ma, ra, ha, da), (mb, rb, hb, db) = a, b
+    assert without_dedupe_counts(ma) == without_dedupe_counts(mb)
+    assert sorted(ra) == sorted(rb) and sorted(ha) == sorted(hb) and da == db
+    for sid, x in ra.items():
+        for k, v in x.items():
+            assert (np.array(v, np.float32).tobytes() == np.array(rb[sid][k], np.float32).tobytes()
+                    if k in LAYERS else v == rb[sid][k]), (sid, k)
+    for k in ha:
+        assert ha[k].tobytes() == hb[k].tobytes(), k
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return web_corpus(tmp_path_factory.mktemp("web") / "pages.txt")
+
+
+def test_each_sentence_key_is_embedded_once_and_written_for_every_occurrence(corpus, tiny_model_files, tmp_path,
+                                                                              capsys):
+    """--batch-invariant: dedupe is on by default (exact); embedded sentences = distinct keys, the others are
+    written with their vectors; the output equals a run without dedupe bit for bit, under another budget too."""
+    path, n, distinct = corpus
+    assert n - distinct > n // 4               # the corpus repeats: over a quarter of its sentences
+    extra = ("--batch-invariant", "--shard-sentences", "16", "--max-tokens-per-batch", "128")
+    on, off = str(tmp_path / "on"), str(tmp_path / "off")
+    assert main(argv(tiny_model_files, path, on, *extra)) == 0
+    line = capsys.readouterr().err
+    assert main(argv(tiny_model_files, path, off, *extra, "--dedupe", "off", "--max-tokens-per-batch", "512")) == 0
+    got, ref = read_output(on), read_output(off)
+    c = got[0]["counts"]
+    assert c["sentences_written"] == c["sentences"] == n and c["dead_letter_sentences"] == 0
+    assert (c["sentences_embedded"], c["sentences_deduplicated"]) == (distinct, n - distinct)
+    assert c["sentences_embedded"] + c["sentences_deduplicated"] == c["sentences_written"]
+    assert got[0]["dedupe"] == {"scope": "run", "exact": True} and "dedupe" not in ref[0]
+    assert "sentences_embedded" not in ref[0]["counts"]
+    assert f"{n} sentences ({distinct} embedded, {n - distinct} deduplicated)" in line
+    prom = open(f"{on}/metrics.prom").read()
+    assert f'elmo_pipeline_sentences_deduplicated_total{{output="{on}"}} {n - distinct}' in prom
+    assert f'elmo_pipeline_sentences_embedded_total{{output="{on}"}} {distinct}' in prom
+    assert "deduplicated" not in open(f"{off}/metrics.prom").read()
+    assert_equal_outputs(got, ref)
+
+
+def test_dedupe_on_without_batch_invariance_equals_to_round_off(corpus, tiny_model_files, tmp_path):
+    """--dedupe on without --batch-invariant: the copies carry the vectors of the one embedded, equal to their
+    own to float32 round-off; the auto default is off there (not exact)."""
+    path, n, distinct = corpus
+    on, auto = str(tmp_path / "on"), str(tmp_path / "auto")
+    assert main(argv(tiny_model_files, path, on, "--dedupe", "on")) == 0
+    assert main(argv(tiny_model_files, path, auto)) == 0
+    got, ref = read_output(on), read_output(auto)
+    assert got[0]["counts"]["sentences_embedded"] == distinct and "sentences_embedded" not in ref[0]["counts"]
+    assert got[0]["dedupe"] == {"scope": "run", "exact": False}
+    assert sorted(got[1]) == sorted(ref[1])
+    for sid, row in got[1].items():
+        for k in LAYERS:
+            np.testing.assert_allclose(np.array(row[k], np.float32), np.array(ref[1][sid][k], np.float32), atol=1e-5)
+
+
+def test_stateful_refuses_dedupe_on(corpus, tiny_model_files, tmp_path, capsys):
+    assert main(argv(tiny_model_files, corpus[0], str(tmp_path / "s"), "--state", "stateful", "--dedupe", "on")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: --dedupe on needs --state stateless or warm (a stateful sentence's vectors depend "
+                       "on the sentences before it) (exit 2: fix the command)")
+
+
+def test_copies_are_written_with_the_vectors_of_their_sentence():
+    """with_copies: each copy's rows are its item's, after every item of the batch; one_of_each keeps the
+    smallest id."""
+    def item(i, tokens):
+        return Item(f"d#{i}", "d", i, tokens, tuple((k, k + 1) for k in range(len(tokens))))
+    a, b, c, d = item(0, ("x", "y")), item(1, ("z",)), item(2, ("x", "y")), item(3, ("x", "y"))
+    first = one_of_each([d, c, a])
+    assert first.id == "d#0" and [x.id for x in first.copies] == ["d#2", "d#3"]
+    assert one_of_each([b]) is b
+    vectors = np.arange(3 * 3 * 4, dtype=np.float32).reshape(3, 3, 4)
+    out = with_copies(EmbeddedBatch([first, b], vectors, np.array([0, 2, 3]), None))
+    assert [i.id for i in out.items] == ["d#0", "d#1", "d#2", "d#3"] and out.copies == 2
+    assert all(not i.copies for i in out.items) and out.offsets.tolist() == [0, 2, 3, 5, 7]
+    for k in (2, 3):
+        assert out.vectors[:, out.offsets[k]:out.offsets[k + 1]].tobytes() == vectors[:, 0:2].tobytes()
+    assert out.vectors[:, :3].tobytes() == vectors.tobytes()
+
+
+def test_copies_go_through_the_coders():
+    """An Item's copies and an EmbeddedBatch's count of copies survive encoding between stages."""
+    from elmo_pipeline.transforms.coders import EmbeddedBatchCoder, ItemCoder
+    a = Item("d#0", "d", 0, ("x", "y"), ((0, 1), (2, 3)), 7)
+    first = one_of_each([a, Item("e#1", "e", 1, ("x", "y"), ((4, 5), (6, 7)), 3)])
+    got = ItemCoder().decode(ItemCoder().encode(first))
+    assert got == first and got.copies[0].nbytes == 3
+    batch = with_copies(EmbeddedBatch([first], np.ones((3, 2, 4), np.float32), np.array([0, 2]), None))
+    back = EmbeddedBatchCoder().decode(EmbeddedBatchCoder().encode(batch))
+    assert back.copies == 1 and back.items == batch.items and back.vectors.tobytes() == batch.vectors.tobytes()
