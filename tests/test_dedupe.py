@@ -133,3 +133,53 @@ def test_copies_go_through_the_coders():
     batch = with_copies(EmbeddedBatch([first], np.ones((3, 2, 4), np.float32), np.array([0, 2]), None))
     back = EmbeddedBatchCoder().decode(EmbeddedBatchCoder().encode(batch))
     assert back.copies == 1 and back.items == batch.items and back.vectors.tobytes() == batch.vectors.tobytes()
+
+
+def test_the_plan_estimates_sentences_embedded_and_deduplicated(corpus, tiny_model_files, tmp_path):
+    """`plan` with dedupe on: the sample's distinct sentence keys give the sentences embedded and deduplicated
+    (the whole small corpus is the sample here: exact), and the biLM time counts the embedded tokens only."""
+    from elmo_pipeline.pipeline.dry_run import estimate, render
+    path, n, distinct = corpus
+    p = estimate(argv(tiny_model_files, path, str(tmp_path / "o"), "--batch-invariant"))
+    d = p["dedupe"]
+    assert (d["sampled_sentences"], d["sampled_distinct"]) == (n, distinct)
+    assert (d["sentences_embedded"], d["sentences_deduplicated"]) == (distinct, n - distinct)
+    assert 0 < d["token_share"] < 1
+    assert f"about {distinct:,} sentences embedded, {n - distinct:,} deduplicated" in render(p)
+    assert estimate(argv(tiny_model_files, path, str(tmp_path / "o")))["dedupe"] is None     # auto: off here
+
+
+def test_a_failing_sentence_dead_letters_every_occurrence(tiny_model_files):
+    """A sentence that fails embedding even alone is a dead letter for each of its occurrences; another's copies
+    are written with its vectors: nothing is lost."""
+    from apache_beam.pvalue import TaggedOutput
+    from apache_beam.utils.windowed_value import WindowedValue
+
+    from elmo_pipeline.model.resolve import ModelSpec
+    from elmo_pipeline.transforms.embed_step import EmbedBatches
+
+    def item(i, tokens):
+        return Item(f"d#{i}", "d", i, tuple(tokens), tuple((j, j + 1) for j in range(len(tokens))))
+    boom = ["BOOM"] + ["word"] * 30             # windowed (window 20), fails
+    fine = ["a", "short", "one"]
+    batch = [one_of_each([item(0, boom), item(2, boom), item(4, boom)]), one_of_each([item(1, fine), item(3, fine)])]
+    d = EmbedBatches(ModelSpec(*tiny_model_files, device="cpu"), window=20, overlap=6, max_tokens=256)
+    d.setup()
+    real = d.embedder.embed_batch
+
+    def failing(sentences, *a, **k):
+        if any("BOOM" in s for s in sentences):
+            raise ValueError("boom")
+        return real(sentences, *a, **k)
+    d.embedder.embed_batch = failing
+    try:
+        d.start_bundle()
+        outs = list(d.process(batch)) + [o.value if isinstance(o, WindowedValue) else o for o in d.finish_bundle()]
+    finally:
+        d.embedder.embed_batch = real
+        d.teardown()
+    dead = sorted(o.value.id for o in outs if isinstance(o, TaggedOutput))
+    assert dead == ["d#0", "d#2", "d#4"]
+    done = [o for o in outs if not isinstance(o, TaggedOutput)]
+    assert [[i.id for i in b.items] for b in done] == [["d#1", "d#3"]] and done[0].copies == 1
+    assert done[0].vectors[:, 0:3].tobytes() == done[0].vectors[:, 3:6].tobytes()
