@@ -152,34 +152,14 @@ def test_the_plan_estimates_sentences_embedded_and_deduplicated(corpus, tiny_mod
 def test_a_failing_sentence_dead_letters_every_occurrence(tiny_model_files):
     """A sentence that fails embedding even alone is a dead letter for each of its occurrences; another's copies
     are written with its vectors: nothing is lost."""
-    from apache_beam.pvalue import TaggedOutput
-    from apache_beam.utils.windowed_value import WindowedValue
-
-    from elmo_pipeline.model.resolve import ModelSpec
-    from elmo_pipeline.transforms.embed_step import EmbedBatches
+    from tests.pipeline_helpers import embed_failing
 
     def item(i, tokens):
         return Item(f"d#{i}", "d", i, tuple(tokens), tuple((j, j + 1) for j in range(len(tokens))))
     boom = ["BOOM"] + ["word"] * 30             # windowed (window 20), fails
     fine = ["a", "short", "one"]
     batch = [one_of_each([item(0, boom), item(2, boom), item(4, boom)]), one_of_each([item(1, fine), item(3, fine)])]
-    d = EmbedBatches(ModelSpec(*tiny_model_files, device="cpu"), window=20, overlap=6, max_tokens=256)
-    d.setup()
-    real = d.embedder.embed_batch
-
-    def failing(sentences, *a, **k):
-        if any("BOOM" in s for s in sentences):
-            raise ValueError("boom")
-        return real(sentences, *a, **k)
-    d.embedder.embed_batch = failing
-    try:
-        d.start_bundle()
-        outs = list(d.process(batch)) + [o.value if isinstance(o, WindowedValue) else o for o in d.finish_bundle()]
-    finally:
-        d.embedder.embed_batch = real
-        d.teardown()
-    dead = sorted(o.value.id for o in outs if isinstance(o, TaggedOutput))
-    assert dead == ["d#0", "d#2", "d#4"]
-    done = [o for o in outs if not isinstance(o, TaggedOutput)]
+    dead, done = embed_failing(tiny_model_files, batch, window=20, overlap=6, max_tokens=256)
+    assert sorted(d.id for d in dead) == ["d#0", "d#2", "d#4"]
     assert [[i.id for i in b.items] for b in done] == [["d#1", "d#3"]] and done[0].copies == 1
     assert done[0].vectors[:, 0:3].tobytes() == done[0].vectors[:, 3:6].tobytes()
