@@ -100,10 +100,14 @@ class ModelSpec:
                         "vocab": self.vocab_sha256, **settings})[:16]
 
     def sentence_key(self, tokens, prefix: str | None = None) -> str:
-        """The content key of a sentence's vectors: key_prefix (or `prefix`, the same, computed once by the
-        caller) + a hash of its tokens (128 bits)."""
-        digest = hashlib.sha256(json.dumps(list(tokens), ensure_ascii=False).encode("utf-8")).hexdigest()[:32]
-        return f"{prefix or self.key_prefix}{digest}"
+        """The content key of a sentence's vectors (sentence_key; `prefix`: key_prefix, computed once by the
+        caller)."""
+        return sentence_key(prefix or self.key_prefix, tokens)
+
+
+def sentence_key(prefix: str, tokens) -> str:
+    """A key prefix (ModelSpec.key_prefix) + a hash of the tokens (128 bits)."""
+    return prefix + hashlib.sha256(json.dumps(list(tokens), ensure_ascii=False).encode("utf-8")).hexdigest()[:32]
 
 
 def _json(path: str):

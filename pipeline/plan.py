@@ -33,6 +33,7 @@ from elmo_pipeline.transforms.embed_step import shared_model
 from elmo_pipeline.transforms.progress import ProgressSpec
 from elmo_pipeline.transforms.ids import file_labels, public_url
 from elmo_pipeline.output.state import finalize_started, input_fingerprints, run_ingredients, run_key
+from elmo_pipeline.output.names import KEYS
 from elmo_pipeline.output.staging import ShardSpec
 
 logger = logging.getLogger("elmo-pipeline.run")
@@ -207,17 +208,22 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     limit, flag = o.max_sentence_tokens, "--max-sentence-tokens"
     if stateful and o.window_tokens < limit:
         limit, flag = o.window_tokens, "--window-tokens (--state stateful embeds sentences whole)"
-    model_entry = redact({"name": model_name, **identity, "key_prefix": spec.key_prefix,
-                          "tokenization": tokenization, "tokenizer": tokenizer,
+    model_entry = redact({"name": model_name, **identity, "tokenization": tokenization, "tokenizer": tokenizer,
                           **({"urls": model_urls(model_name)} if is_published(model_name) else {})})
     manifest = layout.manifest_header(
         model_entry, columns, hdf5_layout(selection, n_layers), flags, formats, redact(files), {"key": key})
     manifest["compute_support"] = compute_support_here(o.compute_dtype, o.device) if local else None
+    if sentences_independent(o.state):      # vectors a function of the tokens: each shard's keys (docs/reuse.md)
+        manifest["key_index"] = {
+            "folder": KEYS, "columns": ["id", "key"], "key_prefix": spec.key_prefix,
+            "rows": "row r of keys/part-i is row r of shard i (sorted by sentence id)",
+            "key": "key_prefix + the first 32 hex digits of the sha256 of the tokens as a JSON list"}
     if dedupe:     # counts: sentences embedded and deduplicated (output/finalize.py complete_manifest)
         manifest["dedupe"] = {"scope": "run", "exact": o.batch_invariant}
     shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
                       selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
-                      o.row_group_bytes, n_layers, dim, o.vector_compression)
+                      o.row_group_bytes, n_layers, dim, o.vector_compression,
+                      spec.key_prefix if sentences_independent(o.state) else None)
     children = tokenizer_processes(o.tokenizer_process, tokenizer, local,
                                    opts.view_as(StandardOptions).runner or "FnApiRunner", workers)
     return Plan(o, so, files, labels, formats, spec, shard,

@@ -163,3 +163,54 @@ def test_a_failing_sentence_dead_letters_every_occurrence(tiny_model_files):
     assert sorted(d.id for d in dead) == ["d#0", "d#2", "d#4"]
     assert [[i.id for i in b.items] for b in done] == [["d#1", "d#3"]] and done[0].copies == 1
     assert done[0].vectors[:, 0:3].tobytes() == done[0].vectors[:, 3:6].tobytes()
+
+
+def test_each_shard_has_a_key_index_described_in_the_manifest(corpus, tiny_model_files, tmp_path):
+    """Stateless: keys/part-i holds shard i's sentence ids and sentence keys row for row (the model's key prefix
+    and a hash of the tokens: equal tokens, equal keys); the manifest describes it. Stateful: none."""
+    import os
+
+    import pyarrow.parquet as pq
+
+    from elmo_pipeline.model.resolve import sentence_key
+    path, n, distinct = corpus
+    out = str(tmp_path / "o")
+    assert main(argv(tiny_model_files, path, out, "--shard-sentences", "50")) == 0
+    m, rows, _, _ = read_output(out)
+    index = m["key_index"]
+    assert index["folder"] == "keys" and index["columns"] == ["id", "key"]
+    assert len(index["key_prefix"]) == 16
+    keys = {}
+    assert len(m["shards"]) == 4 and sorted(os.listdir(f"{out}/keys")) == sorted(
+        os.path.basename(s["keys"]) for s in m["shards"])
+    for s in m["shards"]:
+        k = pq.read_table(f"{out}/{s['keys']}").to_pylist()
+        ids = pq.read_table(f"{out}/{s['parquet']}", columns=["id"]).column("id").to_pylist()
+        assert [r["id"] for r in k] == ids
+        for r in k:
+            assert r["key"] == sentence_key(index["key_prefix"], rows[r["id"]]["tokens"])
+            keys[r["key"]] = tuple(rows[r["id"]]["tokens"])
+    assert len(keys) == distinct and len(set(keys.values())) == distinct
+    again = str(tmp_path / "f16")           # a setting that changes the vectors: another prefix
+    assert main(argv(tiny_model_files, path, again, "--dtype", "float16")) == 0
+    assert read_output(again)[0]["key_index"]["key_prefix"] != index["key_prefix"]
+    stateful = str(tmp_path / "s")
+    assert main(argv(tiny_model_files, path, stateful, "--state", "stateful")) == 0
+    ms = read_output(stateful)[0]
+    assert "key_index" not in ms and not os.path.exists(f"{stateful}/keys") and "keys" not in ms["shards"][0]
+
+
+def test_the_key_index_is_owned_like_the_shards(corpus, tiny_model_files, tmp_path, capsys):
+    """A file of someone else's in keys/ refuses even --overwrite (readers glob the folder); without it,
+    --overwrite replaces the key index with the new run's."""
+    import os
+    out = str(tmp_path / "o")
+    assert main(argv(tiny_model_files, corpus[0], out, "--shard-sentences", "100")) == 0
+    open(f"{out}/keys/mine.parquet", "w").write("x")
+    assert main(argv(tiny_model_files, corpus[0], out, "--shard-sentences", "60", "--overwrite")) == 2
+    assert "did not write where its output goes: keys/mine.parquet" in capsys.readouterr().err
+    os.remove(f"{out}/keys/mine.parquet")
+    assert main(argv(tiny_model_files, corpus[0], out, "--shard-sentences", "60", "--overwrite")) == 0
+    m = read_output(out)[0]
+    assert sorted(os.listdir(f"{out}/keys")) == sorted(os.path.basename(s["keys"]) for s in m["shards"])
+    assert len(m["shards"]) == 4
