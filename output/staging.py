@@ -142,7 +142,7 @@ class Staging:
             with self.sink.open(files["hdf5"]) as f:
                 f.write(hdf5_bytes(hdf5_sentences(sentences, spec)))
         if spec.key_prefix:
-            files[KEYS] = posixpath.join(self.root, f"{name}.{KEYS}.parquet")
+            files[KEYS] = posixpath.join(self.root, f"{name}.{KEYS}")      # keys/part-*.parquet once final
             with self.sink.open(files[KEYS]) as f:
                 write_key_index(ids, [sentence_key(spec.key_prefix, b.items[i].tokens) for b, i in sentences], f)
         lengths = np.fromiter((b.tokens(i) for b, i in sentences), dtype=np.int64, count=len(sentences))
