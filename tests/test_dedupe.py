@@ -214,3 +214,17 @@ def test_the_key_index_is_owned_like_the_shards(corpus, tiny_model_files, tmp_pa
     m = read_output(out)[0]
     assert sorted(os.listdir(f"{out}/keys")) == sorted(os.path.basename(s["keys"]) for s in m["shards"])
     assert len(m["shards"]) == 4
+
+
+@pytest.mark.slow
+def test_two_worker_processes_embed_each_key_once(corpus, tiny_model_files, tmp_path):
+    """The grouping by key crosses worker processes: with two, each key is still embedded once, and the
+    output equals a one-worker run without dedupe bit for bit."""
+    path, n, distinct = corpus
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    assert main(argv(tiny_model_files, path, two, "--batch-invariant", "--direct_num_workers", "2",
+                     "--direct_running_mode", "multi_processing")) == 0
+    assert main(argv(tiny_model_files, path, one, "--batch-invariant", "--dedupe", "off")) == 0
+    got = read_output(two)
+    assert (got[0]["counts"]["sentences_embedded"], got[0]["counts"]["sentences_deduplicated"]) == (distinct, n - distinct)
+    assert_equal_outputs(got, read_output(one))
