@@ -78,6 +78,8 @@ class ShardInfo:
         rec = {"files": {fmt: posixpath.basename(p) for fmt, p in self.files.items()},
                "sentences": self.sentences, "tokens": self.tokens, "first_id": self.first_id,
                "ids_zlib": pack_ids(ids)}
+        if self.extra.get("deduplicated"):      # sentences written with another sentence's vectors (--dedupe)
+            rec["deduplicated"] = self.extra["deduplicated"]
         if lengths is not None:
             rec["lengths"] = {str(k): v for k, v in sorted(lengths.items())}
         return rec
@@ -86,7 +88,8 @@ class ShardInfo:
     def from_record(cls, record: dict, staging_root: str) -> "ShardInfo":
         """The ShardInfo of a commit record."""
         files = {fmt: posixpath.join(staging_root, name) for fmt, name in record["files"].items()}
-        return cls(files, record["sentences"], record["tokens"], record["first_id"])
+        return cls(files, record["sentences"], record["tokens"], record["first_id"],
+                   {"deduplicated": record["deduplicated"]} if record.get("deduplicated") else {})
 
 
 def pack_ids(ids: list[str]) -> str:

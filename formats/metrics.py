@@ -24,6 +24,11 @@ COUNTS = {
     "dead_letters": "Dead letters (record and sentence level).",
     "dead_letter_sentences": "Sentences dead-lettered (too long, no tokens, embedding failed, ...).",
 }
+# counts of a run with --dedupe only (sentences_written = sentences_embedded + sentences_deduplicated)
+DEDUPE_COUNTS = {
+    "sentences_embedded": "Sentences written with vectors the biLM computed for them.",
+    "sentences_deduplicated": "Sentences written with the vectors of an equal sentence of the run (--dedupe).",
+}
 
 
 def _escape(value: str) -> str:
@@ -62,6 +67,8 @@ def metrics_families(manifest: dict, output: str, stage_seconds: dict[str, float
     counts = manifest.get("counts", {})
     run = manifest.get("run", {})
     fams = [(f"{PREFIX}{k}_total", "counter", h, [(out, int(counts.get(k, 0)))]) for k, h in COUNTS.items()]
+    fams += [(f"{PREFIX}{k}_total", "counter", h, [(out, int(counts[k]))]) for k, h in DEDUPE_COUNTS.items()
+             if k in counts]
     fams.append((f"{PREFIX}dead_letters_by_reason_total", "counter", "Dead letters by the kind of their reason.",
                  [({**out, "reason": r}, int(n)) for r, n in sorted(counts.get("dead_letters_by_reason", {}).items())]))
     fams.append((f"{PREFIX}resumed_sentences_total", "counter",

@@ -142,6 +142,16 @@ def writer_options(schema: pa.Schema, vector_compression: str = "none") -> dict:
                 write_statistics=[c for c in ID_COLUMNS + ["token"] if c in schema.names])
 
 
+KEY_INDEX_SCHEMA = pa.schema([("id", pa.string()), ("key", pa.string())])
+
+
+def write_key_index(ids: list[str], keys: list[str], f) -> None:
+    """A shard's key index: its sentence ids and sentence keys (model.resolve.sentence_key), row r of the shard
+    being row r here; zstd, statistics on both columns (a join by key range skips row groups)."""
+    pq.write_table(pa.table([pa.array(ids, pa.string()), pa.array(keys, pa.string())], schema=KEY_INDEX_SCHEMA),
+                   f, compression="zstd")
+
+
 def write_parquet(table: pa.Table, f, row_group_bytes: int, vector_compression: str = "none") -> None:
     """Text and id columns zstd, vector columns `vector_compression` (VECTOR_COMPRESSIONS); dictionary on
     doc_id only, statistics on id columns only; row groups of about `row_group_bytes`. `f`: a file object,

@@ -83,12 +83,10 @@ class ElmoEmbedder:
         self.device = resolve_device(device)
         if model is None:
             from elmo_pipeline.model.weights import load_bilm
-            if options_file is None and weight_file is None:
+            if options_file is None or weight_file is None:      # both or neither: resolve_model checks
                 from elmo_pipeline.model.resolve import resolve_model
-                default = resolve_model()
+                default = resolve_model(None, options_file, weight_file, vocab_file)
                 options_file, weight_file, vocab_file = default.options_file, default.weight_file, default.vocab_file
-            elif options_file is None or weight_file is None:
-                raise ValueError("give both options_file and weight_file, or neither (the shipped default)")
             model = load_bilm(options_file, weight_file)
         # dtype None: a given model keeps its own precision, a loaded one runs in float32
         self.dtype = resolve_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
@@ -128,7 +126,7 @@ class ElmoEmbedder:
 
     @classmethod
     def from_model(cls, model, **kwargs) -> "ElmoEmbedder":
-        """An embedder of a model.resolve.ResolvedModel (its files as given: paths or URLs); kwargs as for the
+        """An embedder of a model.resolve.ModelSpec (its files as given: paths or URLs); kwargs as for the
         constructor. Its `model_name` and `tokenization` are set (None for custom files)."""
         embedder = cls(model.options_file, model.weight_file, vocab_file=model.vocab_file, **kwargs)
         embedder.model_name, embedder.tokenization = model.model_name, model.tokenization

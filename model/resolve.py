@@ -1,35 +1,67 @@
-"""Which model files to load, in one place for every entry point (`run`, `plan`, `elmo`, ElmoEmbedder.from_name,
-transforms.inference, the pipeline's workers).
+"""The model's one identity, for every entry point (`run`, `plan`, `elmo`, ElmoEmbedder.from_name,
+transforms.inference, the pipeline's workers): ModelSpec.
 
 A model is given as a name (model.pretrained: shipped, or published and downloaded into the cache on first use,
 verified on every use), as an options file and a weight file (paths or URLs: "custom"), or not at all (the
-shipped default). resolve_model() settles that choice; ResolvedModel.local_files() gives local, verified paths
-(remote files fetched into the cache with the run's storage options). files_here() does the same on a worker,
-which may run on a machine where the launcher's paths do not exist.
+shipped default). resolve_model() settles that choice into a ModelSpec; the run's settings are added to it
+(dataclasses.replace) and pinned() records the files' sha256. local_files() gives local, verified paths on
+whichever machine holds it (remote files fetched into the cache with the run's storage options; a named model
+whose launcher paths do not exist here, from model.pretrained, checked against the recorded sha256).
+
+key_prefix hashes everything that changes the vectors (the files' contents, state mode, batch-invariance,
+compute and stored dtype, layers, windows, tokenizer and its version); sentence_key(tokens) adds the tokens:
+two sentences of one key have the same vectors (bit for bit where the vectors do not depend on the batching).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 CUSTOM = "custom"       # the name of a model given as files
+# what changes the vectors, besides the files' contents (key_prefix); device and threads do not
+VECTOR_SETTINGS = ("state", "batch_invariant", "compute_dtype", "dtype", "layers", "duplicate_layer0", "window",
+                   "overlap", "tokenizer", "tokenizer_version")
 
 
 @dataclass(frozen=True)
-class ResolvedModel:
-    """A model choice settled: its name (CUSTOM for files given) and its files as given (paths or URLs; a named
-    model's are local paths), with the storage options ({protocol: {...}}) remote files are fetched with."""
-    name: str
+class ModelSpec:
+    """A model and what changes its vectors, as workers receive it.
+
+    Files (paths or URLs; a named model's are local paths) and model_name (the model by name in model.pretrained,
+    None for files given: a worker where the launcher's paths do not exist gets its own copy of a named model and
+    checks it against weights_sha256); the files' sha256 once pinned(). How it runs: device, torch threads
+    (0 = default), state mode, the precision the biLM runs in (float32 | bfloat16 | float16), batch_invariant
+    (bit-identical vectors whatever the batching; stateless/warm only). What is stored: dtype, layers (the
+    resolved selection), duplicate_layer0; window (the longest sentence embedded whole; 0: no windows) and
+    overlap; the tokenizer and its version. storage_options ({protocol: {...}}, retries included): how remote
+    files are fetched (not compared, never recorded)."""
     options_file: str
     weight_file: str
     vocab_file: str | None = None
+    device: str = "auto"
+    state: str = "stateless"
+    torch_threads: int = 0
+    compute_dtype: str = "float32"
+    batch_invariant: bool = False
     storage_options: dict | None = field(default=None, repr=False, compare=False)
+    model_name: str | None = None
+    weights_sha256: str | None = None
+    options_sha256: str | None = None
+    vocab_sha256: str | None = None
+    dtype: str = "float32"
+    layers: str = "all"
+    duplicate_layer0: bool = False
+    window: int = 0
+    overlap: int = 0
+    tokenizer: str | None = None
+    tokenizer_version: str | None = None
 
     @property
-    def model_name(self) -> str | None:
-        """The name a worker elsewhere resolves again (None for custom files)."""
-        return None if self.name == CUSTOM else self.name
+    def name(self) -> str:
+        """The model's name (CUSTOM for files given)."""
+        return self.model_name or CUSTOM
 
     @property
     def tokenization(self) -> str | None:
@@ -38,34 +70,72 @@ class ResolvedModel:
         return model_tokenization(self.name)
 
     def local_files(self) -> tuple[str, str, str | None]:
-        """(options, weights, vocab) as local paths (files_here)."""
+        """(options, weights, vocab) as local paths on this machine (files_here)."""
         return files_here(self.options_file, self.weight_file, self.vocab_file, self.model_name,
-                          storage_options=self.storage_options)
+                          self.weights_sha256, self.storage_options)
+
+    def pinned(self) -> "ModelSpec":
+        """This spec with the sha256 of its weights, of its parsed options and of its vocabulary recorded (what
+        workers elsewhere check, and what key_prefix hashes)."""
+        from elmo_pipeline.fsio import file_sha256
+        options_file, weight_file, vocab_file = self.local_files()
+        return replace(self, weights_sha256=file_sha256(weight_file), options_sha256=_digest(_json(options_file)),
+                       vocab_sha256=file_sha256(vocab_file) if vocab_file else None)
 
     def identity(self) -> dict:
         """The files as given, the weights' sha256 and the parsed options, for the manifest and the run key."""
         from elmo_pipeline.fsio import file_sha256
         options_file, weight_file, _ = self.local_files()
-        with open(options_file) as f:
-            options = json.load(f)
         return {"options_file": self.options_file, "weight_file": self.weight_file, "vocab_file": self.vocab_file,
-                "weights_sha256": file_sha256(weight_file), "options": options}
+                "weights_sha256": self.weights_sha256 or file_sha256(weight_file), "options": _json(options_file)}
+
+    @property
+    def key_prefix(self) -> str:
+        """A short hash (16 hex digits) of everything that changes the vectors: the files' contents (pinned())
+        and VECTOR_SETTINGS. ValueError before pinned()."""
+        if not self.weights_sha256 or not self.options_sha256:
+            raise ValueError("a model's key prefix needs its files' sha256: ModelSpec.pinned()")
+        settings = {k: v for k, v in asdict(self).items() if k in VECTOR_SETTINGS}
+        return _digest({"weights": self.weights_sha256, "options": self.options_sha256,
+                        "vocab": self.vocab_sha256, **settings})[:16]
+
+    def sentence_key(self, tokens, prefix: str | None = None) -> str:
+        """The content key of a sentence's vectors (sentence_key; `prefix`: key_prefix, computed once by the
+        caller)."""
+        return sentence_key(prefix or self.key_prefix, tokens)
+
+
+def sentence_key(prefix: str, tokens) -> str:
+    """A key prefix (ModelSpec.key_prefix) + a hash of the tokens (128 bits)."""
+    return prefix + hashlib.sha256(json.dumps(list(tokens), ensure_ascii=False).encode("utf-8")).hexdigest()[:32]
+
+
+def _json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _digest(value) -> str:
+    """sha256 hex of a JSON value (keys sorted: the same value, the same digest)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
 def resolve_model(name: str | None = None, options_file: str | None = None, weight_file: str | None = None,
                   vocab_file: str | None = None, storage_options: dict | None = None,
-                  progress: bool | None = None) -> ResolvedModel:
+                  progress: bool | None = None) -> ModelSpec:
     """The model of a name, of options + weight files (both, and no name), or the shipped default (neither);
     vocab_file: the one given, else a named model's own. A published model is downloaded here on first use
-    (progress: its bar on / off / None: when stderr is a terminal) and verified; a bad choice is ValueError."""
+    (progress: its bar on / off / None: when stderr is a terminal) and verified; a bad choice is ValueError
+    (the one place that checks "both files or neither")."""
     if options_file or weight_file:
         if not (options_file and weight_file) or name:
-            raise ValueError("give --options-file and --weight-file together, or --model NAME, not both")
-        return ResolvedModel(CUSTOM, options_file, weight_file, vocab_file, storage_options)
+            raise ValueError("give the options file and the weight file together (--options-file, --weight-file), "
+                             "or a model name (--model), not both")
+        return ModelSpec(options_file, weight_file, vocab_file, storage_options=storage_options)
     from elmo_pipeline.model.pretrained import DEFAULT_MODEL, model_files
     name = name or DEFAULT_MODEL
     options, weights, vocab = model_files(name, progress)
-    return ResolvedModel(name, options, weights, vocab_file or vocab, storage_options)
+    return ModelSpec(options, weights, vocab_file or vocab, storage_options=storage_options, model_name=name)
 
 
 def fetch_model_files(options_file: str, weight_file: str, vocab_file: str | None = None,

@@ -155,6 +155,9 @@ def complete_manifest(manifest: dict, shards: list[ShardInfo], dead: list[ShardI
     counts["dead_letters"] = sum(s.sentences for s in dead)
     counts["dead_letter_sentences"] = sum(s.extra.get("sentence_level", 0) for s in dead)
     counts["sentences"] = counts["sentences_written"] + counts["dead_letter_sentences"]
+    if manifest.get("dedupe"):     # written = embedded + deduplicated (written with another sentence's vectors)
+        counts["sentences_deduplicated"] = sum(s.extra.get("deduplicated", 0) for s in shards)
+        counts["sentences_embedded"] = counts["sentences_written"] - counts["sentences_deduplicated"]
     manifest.update(schema_version=SCHEMA_VERSION, shards=listing, dead_letter_files=dead_files)
     return manifest, moves
 

@@ -3,6 +3,7 @@
     <out>/parquet/part-00000-of-00002.parquet   <out>/hdf5/part-00000-of-00002.hdf5   (same sentences in shard i)
     <out>/arrow/part-00000-of-00002.arrow       (with --format arrow: formats/arrow.py)
     <out>/dead_letters/part-00000-of-00001.jsonl                                       (only when there are any)
+    <out>/keys/part-00000-of-00002.parquet      (stateless, warm: the key index, row r = shard i's row r)
     <out>/manifest.json, <out>/report.html, <out>/metrics.prom                         (by Finalize, after all shards)
     <out>/_SUCCESS                                                                     (written last)
     <out>/_staging/<run key>/   while a run is live: <uuid>.<format> (shard files), committed/<uuid>.json (commit
@@ -37,8 +38,10 @@ METRICS = "metrics.prom"      # <out>/metrics.prom: counts and stage times (form
 LEASE = "_lease.json"         # <out>/_lease.json: the live run holding the output
 PROBE = "_write_probe-"       # <out>/_write_probe-<uuid hex>: an object store's write probe
 DEAD_LETTERS = "dead_letters"
-SUFFIX = {**{fmt: fmt for fmt in FORMATS}, DEAD_LETTERS: "jsonl"}     # folder -> its files' suffix
-SHARD_FOLDERS = (*FORMATS, DEAD_LETTERS)         # readers glob these: only listed files may be there
+KEYS = "keys"                 # <out>/keys/: each shard's sentence ids and sentence keys (output/staging.py)
+SUFFIX = {**{fmt: fmt for fmt in FORMATS}, DEAD_LETTERS: "jsonl", KEYS: "parquet"}    # folder -> its files' suffix
+SHARD_FILES = (*FORMATS, KEYS)                   # the files of a shard, by its manifest entry's keys
+SHARD_FOLDERS = (*SHARD_FILES, DEAD_LETTERS)     # readers glob these: only listed files may be there
 TOP_FILES = (MANIFEST, REPORT, METRICS, SUCCESS)  # Finalize's files at the top of the output
 FINAL_NAMES = (*SHARD_FOLDERS, *TOP_FILES)
 ATOMIC_TOP = (MANIFEST, SUCCESS, LEASE)          # top files written with fsio.atomic_write (temporary names)
@@ -74,7 +77,7 @@ def is_scratch_name(rel: str) -> bool:
 def listed_names(manifest: dict) -> set[str]:
     """The final names a manifest lists (shard files, dead-letter files, the report, metrics.prom): only names
     of this layout (is_final_name), whatever else an edited manifest may hold."""
-    names = [s.get(f) for s in manifest.get("shards", []) if isinstance(s, dict) for f in FORMATS]
+    names = [s.get(f) for s in manifest.get("shards", []) if isinstance(s, dict) for f in SHARD_FILES]
     names += [d.get("path") for d in manifest.get("dead_letter_files", []) if isinstance(d, dict)]
     names += [manifest.get("report"), manifest.get("metrics")]
     return {n for n in names if is_final_name(n)}

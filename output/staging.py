@@ -21,7 +21,9 @@ from elmo_pipeline.formats.arrow import arrow_table, write_arrow
 from elmo_pipeline.formats.hdf5 import hdf5_bytes
 from elmo_pipeline.formats.layout import ShardInfo
 from elmo_pipeline.formats.parquet import ShardColumns, build_table, write_parquet
-from elmo_pipeline.output.names import DEAD, RECORDS, STATS, counts_name
+from elmo_pipeline.formats.parquet import write_key_index
+from elmo_pipeline.model.resolve import sentence_key
+from elmo_pipeline.output.names import DEAD, KEYS, RECORDS, STATS, counts_name
 from elmo_pipeline.output.sink import Sink
 
 
@@ -39,6 +41,7 @@ class ShardSpec:
     n_layers: int                       # L + 1
     dim: int                            # 2P
     vector_compression: str = "none"    # Parquet vector columns (formats.parquet.VECTOR_COMPRESSIONS)
+    key_prefix: str | None = None       # the model's (model.resolve.ModelSpec.key_prefix): a key index per shard
 
     @property
     def bytes_per_token(self) -> int:
@@ -122,7 +125,7 @@ class Staging:
 
     def shard(self, sentences: list[tuple], spec: ShardSpec) -> ShardInfo:
         """Write one shard of (EmbeddedBatch, sentence index) pairs, sorted by sentence id (uuid names, one file
-        per format), then its commit record (committed/<name>.json: file names, counts, sentence ids)."""
+        per format, and its key index with spec.key_prefix), then its commit record (committed/<name>.json: file names, counts, sentence ids)."""
         sentences = sorted(sentences, key=lambda p: p[0].items[p[1]].id)
         ids = [b.items[i].id for b, i in sentences]
         name = uuid.uuid4().hex
@@ -138,8 +141,13 @@ class Staging:
         if "hdf5" in files:
             with self.sink.open(files["hdf5"]) as f:
                 f.write(hdf5_bytes(hdf5_sentences(sentences, spec)))
+        if spec.key_prefix:
+            files[KEYS] = posixpath.join(self.root, f"{name}.{KEYS}")      # keys/part-*.parquet once final
+            with self.sink.open(files[KEYS]) as f:
+                write_key_index(ids, [sentence_key(spec.key_prefix, b.items[i].tokens) for b, i in sentences], f)
         lengths = np.fromiter((b.tokens(i) for b, i in sentences), dtype=np.int64, count=len(sentences))
-        info = ShardInfo(files, len(sentences), int(lengths.sum()), ids[0])
+        copies = sum(i >= len(b.items) - b.copies for b, i in sentences)      # written from another's vectors
+        info = ShardInfo(files, len(sentences), int(lengths.sum()), ids[0], {"deduplicated": copies} if copies else {})
         histogram = dict(zip(*(a.tolist() for a in np.unique(lengths, return_counts=True))))
         self.sink.put(self._at(RECORDS, name + ".json"), json.dumps(info.record(ids, histogram)).encode())
         return info

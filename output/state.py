@@ -23,11 +23,11 @@ import os
 import posixpath
 from dataclasses import dataclass, field
 
-from elmo_pipeline.formats.layout import FORMATS, MANIFEST, SUCCESS, ShardInfo, read_manifest, record_ids
+from elmo_pipeline.formats.layout import MANIFEST, SUCCESS, ShardInfo, read_manifest, record_ids
 from elmo_pipeline.fsio import is_local_fs, url_fs
 from elmo_pipeline.output.finalize import (clear_final, owned_final_names, plan_consistent, plan_names, read_plan, roll_back,
                                            select_records)
-from elmo_pipeline.output.names import (FINAL_NAMES, PLAN, RUN_FILE, SHARD_FOLDERS, STAGING, STATS, TOP_FILES,
+from elmo_pipeline.output.names import (FINAL_NAMES, PLAN, RUN_FILE, SHARD_FILES, SHARD_FOLDERS, STAGING, STATS, TOP_FILES,
                                         is_scratch_name)
 from elmo_pipeline.output.sink import Sink
 
@@ -46,7 +46,7 @@ KEY_VERSION = 1
 NOT_CONTENT = {"output", "overwrite", "progress", "torch_threads", "device", "shard_sentences", "shard_bytes",
                "row_group_bytes", "vector_compression", "sort_buffer", "input", "options_file", "weight_file", "model", "s3_max_attempts",
                "lease_stale_seconds", "tokenizer_process", "embed_threads", "iceberg_table", "iceberg_catalog", "iceberg_warehouse",
-               "id_root"}
+               "id_root", "dedupe"}
 
 
 def input_fingerprints(files: list[str], storage_options: dict | None = None) -> list[list]:
@@ -150,7 +150,7 @@ def finalize_started(output: str, key: str, storage_options: dict | None = None)
 
 
 def _listed_files_present(fs, root: str, manifest: dict) -> bool:
-    rels = [s[f] for s in manifest.get("shards", []) for f in FORMATS if f in s]
+    rels = [s[f] for s in manifest.get("shards", []) for f in SHARD_FILES if f in s]
     rels += [d["path"] for d in manifest.get("dead_letter_files", [])]
     return all(fs.exists(posixpath.join(root, r)) for r in rels)
 

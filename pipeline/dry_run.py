@@ -183,7 +183,7 @@ def measure(pl, written: list, seed: int = 0) -> dict:
 
     from elmo_pipeline.formats.estimate import sample_file_bytes
     from elmo_pipeline.model.batching import plan_batches
-    from elmo_pipeline.transforms.embed import load_embedder
+    from elmo_pipeline.transforms.embed_step import shared_model
     o = pl.options
     limit = max(1, min(o.max_tokens_per_batch - 2, pl.window or o.max_tokens_per_batch))
     pool = [w for w in written if 0 < len(w[3]) <= limit]
@@ -196,7 +196,7 @@ def measure(pl, written: list, seed: int = 0) -> dict:
         tokens += len(w[3])
     if not chosen:
         return {"tokens_per_s": 0.0, "timed_tokens": 0, "timed_batches": 0, "bytes_per_token": {}, "encode_seconds": 0}
-    embedder = load_embedder(pl.spec)
+    embedder = shared_model(pl.models, pl.spec).embedder
     batches = plan_batches([len(w[3]) for w in chosen], o.max_tokens_per_batch, sort=pl.sort, lanes=pl.sort)
     for b in batches:     # the token cache warmed on these sentences, as a run's is by the corpus's frequent words
         embedder.prepare_packed([chosen[i][3] for i in b])
@@ -260,20 +260,17 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     from elmo_pipeline.formats.estimate import layer_bytes
     from elmo_pipeline.pipeline.exits import after_plan
     from elmo_pipeline.pipeline.plan import pipeline_options, plan
-    from elmo_pipeline.transforms.embed import withdraw_models
     t_start = time.perf_counter()
     opts = pipeline_options(argv)
+    pl = plan(opts, probe_output=False)
+    sizes = {url: int(size or 0) for url, (_, size, _) in zip(pl.files, pl.ingredients["inputs"])}  # plan() stat'ed them
     try:
-        pl = plan(opts, probe_output=False)
-        sizes = {url: int(size or 0) for url, (_, size, _) in zip(pl.files, pl.ingredients["inputs"])}  # plan() stat'ed them
-        try:
-            s = sample_inputs(pl, sizes, sample_bytes)
-            m = measure(pl, s.pop("written"))
-        except Exception as e:
-            after_plan(e)
-            raise
-    finally:
-        withdraw_models()
+        s = sample_inputs(pl, sizes, sample_bytes)
+        written = s.pop("written")
+        m = measure(pl, written)
+    except Exception as e:
+        after_plan(e)
+        raise
     est, spec = s["estimated"], pl.shard
     tokens = est["tokens_written"]
     h5_layers = 1 if spec.selection == "average" or list(spec.selection) == [spec.n_layers - 1] \
@@ -282,13 +279,15 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     rate = m["tokens_per_s"]
     tok_rate = s["sampled"]["tokens_written"] / s["tokenize_seconds"] if s["tokenize_seconds"] else 0.0
     enc_rate = m.get("sample_tokens", 0) / m["encode_seconds"] if m["encode_seconds"] else 0.0
-    seconds = {"embed": tokens / rate if rate else None, "tokenize": tokens / tok_rate if tok_rate else None,
+    dedupe = deduplicated(pl.spec, written, est) if pl.dedupe else None
+    embedded = tokens * dedupe["token_share"] if dedupe else tokens
+    seconds = {"embed": embedded / rate if rate else None, "tokenize": tokens / tok_rate if tok_rate else None,
                "encode": tokens / enc_rate if enc_rate else None}
     return {
         "output": pl.options.output, "run_key": pl.key, "output_state": output_state(pl),
         "inputs": [{"url": u, "bytes": sizes[u]} for u in pl.files], "input_bytes": sum(sizes.values()),
         "sample": {"bytes": s["sample_bytes"], "files": s["files_sampled"], **s["sampled"]},
-        "estimated": est,
+        "estimated": est, "dedupe": dedupe,
         "formats": pl.formats, "dtype": pl.options.dtype, "layers": [c for c, _ in spec.columns],
         "output_bytes": out_bytes,
         "layer_bytes": layer_bytes(list(spec.columns) if "parquet" in spec.formats else [],
@@ -299,6 +298,20 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
                  "torch_threads": m.get("threads"), "tokenize_tokens_per_s": tok_rate, "encode_tokens_per_s": enc_rate},
         "seconds": seconds, "plan_seconds": time.perf_counter() - t_start,
     }
+
+
+def deduplicated(spec, written: list, est: dict) -> dict:
+    """--dedupe in the plan: the sample's written sentences of distinct sentence keys (spec: the run's ModelSpec),
+    and the estimated sentences embedded and deduplicated at the sample's share. A sample holds fewer of a
+    corpus's repeats than the corpus: embedded is an upper bound, deduplicated a lower one."""
+    prefix = spec.key_prefix
+    distinct = {spec.sentence_key(w[3], prefix): len(w[3]) for w in written}
+    share = len(distinct) / len(written) if written else 1.0
+    tokens = sum(len(w[3]) for w in written)
+    embedded = round(est["sentences_written"] * share)
+    return {"sampled_sentences": len(written), "sampled_distinct": len(distinct), "sentences_embedded": embedded,
+            "sentences_deduplicated": est["sentences_written"] - embedded,
+            "token_share": sum(distinct.values()) / tokens if tokens else 1.0}
 
 
 def _size(n: float) -> str:
@@ -330,6 +343,12 @@ def render(p: dict) -> str:
     lines.append(f"estimated (sample scaled by bytes): {e['input_records']:,} records, {e['documents']:,} documents, "
                  f"{e['sentences']:,} sentences, {e['tokens_written']:,} tokens written, "
                  f"{e['dead_letter_sentences'] + e['record_dead_letters']:,} dead letters")
+    if p.get("dedupe"):
+        d = p["dedupe"]
+        lines.append(f"dedupe (one embedding per sentence key in the run): {d['sampled_distinct']:,} of the sample's "
+                     f"{d['sampled_sentences']:,} sentences distinct: about {d['sentences_embedded']:,} sentences "
+                     f"embedded, {d['sentences_deduplicated']:,} deduplicated (at least: a sample holds fewer "
+                     "repeats than the corpus)")
     lines.append(f"output ({', '.join(p['formats'])}; --dtype {p['dtype']}; layers {', '.join(p['layers'])}): "
                  + ", ".join(f"{f} {_size(b)}" for f, b in p["output_bytes"].items())
                  + f"; at least {p['shards_at_least']} shard(s)")

@@ -86,10 +86,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: --batch-size must be >= 1")
     if args.max_tokens_per_batch < 0:
         raise SystemExit("error: --max-tokens-per-batch must be >= 0")
-    if (args.options_file is None) != (args.weight_file is None):
-        raise SystemExit("error: give both --options-file and --weight-file, or neither (the shipped default model)")
-    if args.model and args.options_file:
-        raise SystemExit("error: give --model NAME or --options-file and --weight-file, not both")
     from elmo_pipeline.pipeline.validate import check_state, check_windows
     try:
         args.batch_invariant = check_state(args.state, budget_batches=args.max_tokens_per_batch > 0,

@@ -1,6 +1,6 @@
 """The pipeline's graph, one labelled chain that only stages data under <out>/_staging/<run key>/:
     ListFiles -> ReadFiles -> [DropDuplicateIds | SpreadDocuments] -> Tokenize -> [SkipCommitted]
-    -> SortAndBatch -> Embed -> WriteShards (shards + commit records); dead letters from every stage
+    -> [GroupBySentence] -> SortAndBatch -> Embed -> WriteShards (shards + commit records); dead letters from every stage
     -> WriteDeadLetters; per-file record counts staged by ReadFiles.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from elmo_pipeline.formats.layout import ShardInfo
 from elmo_pipeline.pipeline.plan import Plan
 from elmo_pipeline.transforms import coders  # noqa: F401 - registers the element coders
 from elmo_pipeline.transforms.chain import Chain
+from elmo_pipeline.transforms.dedupe import one_of_each
 from elmo_pipeline.transforms.embed_step import EmbedBatches, SortAndBatch
 from elmo_pipeline.transforms.read_step import DropDuplicateIds, ReadFiles
 from elmo_pipeline.transforms.tokenize_step import Tokenize
@@ -52,6 +53,12 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
     if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
         items = items | "SkipCommitted" >> beam.ParDo(
             SkipCommitted(state.record_paths, so, pl.progress)).with_output_types(Item)
+    if pl.dedupe:            # one Item per sentence key, carrying the others as its copies (transforms/dedupe.py)
+        spec, prefix = pl.spec, pl.spec.key_prefix
+        items = (items | "KeyBySentence" >> beam.Map(lambda i: (spec.sentence_key(i.tokens, prefix), i)
+                                                     ).with_output_types(tuple[str, Item])
+                 | "GroupBySentence" >> beam.GroupByKey()
+                 | "OneOfEach" >> beam.MapTuple(lambda _, group: one_of_each(group)).with_output_types(Item))
     # batching, embedding and writing in one step: a bundle's last batches and shard never leave it. The count
     # (unused) gives the step a consumer across a stage boundary: FnApiRunner's multi-process mode notices a
     # dead worker on that data channel, and waits forever without one (docs/runner-notes.md)
@@ -59,6 +66,7 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
         staging,
         SortAndBatch(o.max_tokens_per_batch, o.sort_buffer, sort=pl.sort),
         EmbedBatches(pl.spec, pl.progress, window=pl.window, overlap=o.window_overlap,
-                     max_tokens=o.max_tokens_per_batch, layers=pl.shard.layers_read, threads=pl.embed_threads),
+                     max_tokens=o.max_tokens_per_batch, layers=pl.shard.layers_read, threads=pl.embed_threads,
+                     models=pl.models),
         WriteShards(staging, pl.shard, o.shard_sentences, o.shard_bytes))).with_output_types(ShardInfo)
     _ = shards | "CountStagedShards" >> beam.combiners.Count.Globally()

@@ -74,6 +74,10 @@ class ElmoOptions(PipelineOptions):
           help="bit-identical vectors for a sentence whatever the batch budget, workers or resume, so shard files "
           "hash the same (every GEMM on a multiple of 4 rows; docs/exactness.md); --state stateless or warm; "
           "costs about 1-6%% of tokens/s (benchmarks/README.md). Default off: equal to float32 round-off only")
+        g("--dedupe", choices=("auto", "on", "off"), default="auto",
+          help="embed the sentences of equal tokens once and write every occurrence with those vectors (a "
+          "GroupByKey over every sentence by its key). auto (default): on where exact, with --batch-invariant "
+          "and --state stateless or warm; on: also without it (copies equal to float32 round-off); not stateful")
         g("--layers", default="all", help="all | top | average | comma-separated indices (default all)")
         g("--dtype", choices=STORAGE_DTYPES, default="float32", help="storage precision (default float32)")
         g("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",

@@ -15,6 +15,7 @@ from elmo_pipeline.pipeline.quiet import quiet_beam
 
 quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, S3Options, StandardOptions
+from apache_beam.utils import shared
 
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.hdf5 import hdf5_layout
@@ -24,12 +25,15 @@ from elmo_pipeline.fsio import atomic_write, expand, redact, url_fs
 from elmo_pipeline.model.options import load_options, sentences_independent
 from elmo_pipeline.model.resolve import resolve_model
 from elmo_pipeline.pipeline.options import ElmoOptions, default_torch_threads
-from elmo_pipeline.pipeline.validate import (check_input_columns, check_inputs_outside_output, check_model, check_numbers,
-                               check_output_writable, check_state)
-from elmo_pipeline.transforms.embed import ModelSpec, offer_model, parse_layers
+from elmo_pipeline.pipeline.validate import (check_dedupe, check_input_columns, check_inputs_outside_output, check_model,
+                               check_numbers, check_output_writable, check_state)
+from elmo_pipeline.model.resolve import ModelSpec
+from elmo_pipeline.transforms.embed import parse_layers
+from elmo_pipeline.transforms.embed_step import shared_model
 from elmo_pipeline.transforms.progress import ProgressSpec
 from elmo_pipeline.transforms.ids import file_labels, public_url
 from elmo_pipeline.output.state import finalize_started, input_fingerprints, run_ingredients, run_key
+from elmo_pipeline.output.names import KEYS
 from elmo_pipeline.output.staging import ShardSpec
 
 logger = logging.getLogger("elmo-pipeline.run")
@@ -60,7 +64,7 @@ class Plan:
     files: list[str]               # expanded inputs
     labels: dict[str, str]         # file URL -> label used in document ids
     formats: list[str]
-    spec: ModelSpec
+    spec: ModelSpec                # the model and what changes its vectors (model/resolve.py), pinned
     shard: ShardSpec               # formats, layout, layer selection and columns, dtype, row groups
     spread_documents: bool         # Reshuffle documents over workers (clusters; not one local worker)
     unique_ids: bool               # group documents by --id-field value: duplicates become dead letters
@@ -76,9 +80,12 @@ class Plan:
     tokenizer_processes: int       # child processes tokenizing for each worker (--tokenizer-process resolved)
     embed_threads: int = 1         # batches in the biLM at once per worker (--embed-threads resolved)
     break_fusion: bool = False     # a Reshuffle at every stage boundary: every element encoded (tests set it)
+    dedupe: bool = False           # one embedding per sentence key (--dedupe resolved: transforms/dedupe.py)
     iceberg: IcebergTarget | None = None    # --iceberg-table: where Finalize registers the Parquet shards
     schema: object = None          # the shards' Arrow schema (with --iceberg-table)
     registration: object = None    # what the registration did (formats.iceberg.Registration), once done
+    models: shared.Shared = dataclasses.field(default_factory=shared.Shared)   # the workers' model handle
+    loaded: object = None          # the launcher's hold on it (transforms.embed_step.shared_model), local runs
 
     def register(self, manifest: dict) -> None:
         """Finalize's hook (output/finalize.py): the finished output's shards into the Iceberg table. A
@@ -161,10 +168,18 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     workers = local_workers(opts)
     o.batch_invariant = check_state(o.state, workers=workers, batch_invariant=o.batch_invariant)   # resolved
     stateful = o.state == "stateful"
+    dedupe = check_dedupe(o.dedupe, o.state, o.batch_invariant)
     threads = o.torch_threads or (default_torch_threads(workers) if local else 0)
-    spec = ModelSpec(resolved.options_file, resolved.weight_file, resolved.vocab_file, o.device, o.state, threads,
-                     o.compute_dtype, batch_invariant=o.batch_invariant, storage_options=so,
-                     model_name=resolved.model_name)
+    from elmo_pipeline.model.windows import effective_overlap, effective_window
+    from elmo_pipeline.tokenization import tokenizer_version
+    spec = dataclasses.replace(
+        resolved, device=o.device, state=o.state, torch_threads=threads, compute_dtype=o.compute_dtype,
+        batch_invariant=o.batch_invariant, dtype=o.dtype, duplicate_layer0=o.duplicate_layer0,
+        layers=selection if selection == "average" else ",".join(map(str, selection)),
+        window=0 if stateful or not o.window_tokens else effective_window(o.window_tokens, o.max_tokens_per_batch),
+        overlap=0 if stateful or not o.window_tokens else effective_overlap(o.window_tokens, o.window_overlap,
+                                                                               o.max_tokens_per_batch),
+        tokenizer=tokenizer, tokenizer_version=tokenizer_version(tokenizer))
     if local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
         from elmo_pipeline.model.device import resolve_device
         resolve_device(o.device)
@@ -173,8 +188,8 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
         check_output_writable(o.output, so)
     if o.overwrite:          # an output registered in a table this command does not name: refused
         check_overwrite(o.output, layout.read_manifest(*url_fs(o.output, so)), iceberg)
-    identity = {**resolved.identity(), "batch_invariant": o.batch_invariant}
-    spec = dataclasses.replace(spec, weights_sha256=identity["weights_sha256"])   # what workers elsewhere check
+    spec = spec.pinned()        # what workers elsewhere check, and what the key prefix hashes
+    identity = {**spec.identity(), "batch_invariant": o.batch_invariant}
     flags = redact({k: getattr(o, k) for k in o._visible_option_list()})    # no secret in the manifest
     if o.id_root:
         flags["id_root"] = public_url(o.id_root)
@@ -186,8 +201,9 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     schema = shard_schema(o.parquet_layout, columns, o.dtype) if iceberg else None
     if iceberg:
         check_iceberg(iceberg, schema, o.output, key, o.overwrite, so)
-    if local and workers == 1:     # the worker runs in this process: it takes the model loaded above
-        offer_model(resolved.options_file, resolved.weight_file, model)
+    models = shared.Shared()
+    # the worker runs in this process: it takes the model loaded above, through the handle it is given
+    loaded = shared_model(models, spec, model) if local and workers == 1 else None
     # stateful mode embeds sentences whole (windows are not consecutive sentences): longer than the window is dead
     limit, flag = o.max_sentence_tokens, "--max-sentence-tokens"
     if stateful and o.window_tokens < limit:
@@ -197,9 +213,17 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     manifest = layout.manifest_header(
         model_entry, columns, hdf5_layout(selection, n_layers), flags, formats, redact(files), {"key": key})
     manifest["compute_support"] = compute_support_here(o.compute_dtype, o.device) if local else None
+    if sentences_independent(o.state):      # vectors a function of the tokens: each shard's keys (docs/reuse.md)
+        manifest["key_index"] = {
+            "folder": KEYS, "columns": ["id", "key"], "key_prefix": spec.key_prefix,
+            "rows": "row r of keys/part-i is row r of shard i (sorted by sentence id)",
+            "key": "key_prefix + the first 32 hex digits of the sha256 of the tokens as a JSON list"}
+    if dedupe:     # counts: sentences embedded and deduplicated (output/finalize.py complete_manifest)
+        manifest["dedupe"] = {"scope": "run", "exact": o.batch_invariant}
     shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
                       selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
-                      o.row_group_bytes, n_layers, dim, o.vector_compression)
+                      o.row_group_bytes, n_layers, dim, o.vector_compression,
+                      spec.key_prefix if sentences_independent(o.state) else None)
     children = tokenizer_processes(o.tokenizer_process, tokenizer, local,
                                    opts.view_as(StandardOptions).runner or "FnApiRunner", workers)
     return Plan(o, so, files, labels, formats, spec, shard,
@@ -214,7 +238,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
                 key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
                 tokenizer_processes=children,
                 embed_threads=embed_threads(o.embed_threads or 0, threads, local, o.state, workers, children),
-                iceberg=iceberg, schema=schema)
+                iceberg=iceberg, schema=schema, models=models, loaded=loaded, dedupe=dedupe)
 
 
 def compute_support_here(compute_dtype: str, device: str) -> dict:

@@ -24,7 +24,6 @@ from elmo_pipeline.pipeline.execute import AlreadyComplete, FinalizeOnly, run_pl
 from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
 from elmo_pipeline.pipeline.plan import pipeline_options, plan, storage_options
 from elmo_pipeline.transforms import progress
-from elmo_pipeline.transforms.embed import withdraw_models
 
 
 def run(argv: list[str] | None = None, save_main_session: bool = False):
@@ -40,7 +39,6 @@ def run(argv: list[str] | None = None, save_main_session: bool = False):
         pl = plan(opts)
         result = run_planned(opts, pl)
     finally:
-        withdraw_models()
         progress.close()     # this process's bar (a local run's only worker runs here)
     result.elapsed_seconds = time.perf_counter() - t0
     result.iceberg = pl.registration
@@ -84,7 +82,9 @@ def _summary(result, output: str) -> str:
     batches = (f"{c.get('batches', 0)} batches (padding {1 - c.get('batch_tokens', 0) / slots:.1%}), "
                if slots else "")
     resumed = m.get("run", {}).get("resumed_sentences", 0)
-    return (f"elmo-pipeline: {n.get('documents', 0)} documents, {n.get('sentences', 0)} sentences, "
+    dedupe = (f" ({n['sentences_embedded']} embedded, {n['sentences_deduplicated']} deduplicated)"
+              if "sentences_deduplicated" in n else "")
+    return (f"elmo-pipeline: {n.get('documents', 0)} documents, {n.get('sentences', 0)} sentences{dedupe}, "
             f"{tokens} tokens, {batches}{n.get('dead_letters', 0)} dead letters, {len(m.get('shards', []))} shards "
             f"in {secs:.1f} s ({embedded / secs if secs else 0:.0f} tokens/s) -> {output}"
             + (f" (resumed: {resumed} sentences already committed were skipped)" if resumed else ""))

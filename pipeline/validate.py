@@ -97,11 +97,22 @@ def check_state(state: str, *, workers: int = 1, budget_batches: bool = False, w
     return False
 
 
+def check_dedupe(flag: str, state: str, batch_invariant: bool) -> bool:
+    """--dedupe resolved: auto is on where a sentence's vectors are a function of its tokens down to the bit
+    (--batch-invariant, stateless or warm), so a copy is what the sentence would have been embedded as; on
+    also without --batch-invariant (a copy then equals its own embedding to float32 round-off, like two batch
+    budgets do); ValueError with stateful, where a sentence's vectors depend on the sentences before it."""
+    if flag == "on" and state == "stateful":
+        raise ValueError("--dedupe on needs --state stateless or warm (a stateful sentence's vectors depend on "
+                         "the sentences before it)")
+    return flag == "on" or flag == "auto" and batch_invariant and state != "stateful"
+
+
 def check_model(options_file: str, weight_file: str):
     """Load the biLM once here: a bad options.json or weights file (truncated, missing datasets, wrong shapes,
     options out of their schema's bounds or not matching the weights) fails now with OptionsError/WeightsError,
     not in every worker, and before any tensor is built from the options (model.weights.load_bilm).
-    Returns the loaded BiLM (a local run hands it to its in-process workers: transforms.embed.offer_model)."""
+    Returns the loaded BiLM (a local run hands it to its in-process worker: transforms.embed_step.shared_model)."""
     from elmo_pipeline.model.weights import load_bilm
     return load_bilm(options_file, weight_file)
 

@@ -67,3 +67,32 @@ def moto_s3(bucket: str):
         yield endpoint, fs
     finally:
         server.stop()
+
+
+def embed_failing(model_files, batch, marker="BOOM", **kwargs):
+    """EmbedBatches (kwargs: window, overlap, max_tokens) on one batch of Items with a real model whose
+    embed_batch raises ValueError("boom") for any sentence holding `marker`: (dead letters, EmbeddedBatches)."""
+    from apache_beam.pvalue import TaggedOutput
+    from apache_beam.utils.windowed_value import WindowedValue
+
+    from elmo_pipeline.model.resolve import ModelSpec
+    from elmo_pipeline.transforms.chain import DEAD
+    from elmo_pipeline.transforms.embed_step import EmbedBatches
+    d = EmbedBatches(ModelSpec(*model_files, device="cpu"), **kwargs)
+    d.setup()
+    real = d.embedder.embed_batch
+
+    def failing(sentences, *a, **k):
+        if any(marker in s for s in sentences):
+            raise ValueError("boom")
+        return real(sentences, *a, **k)
+    d.embedder.embed_batch = failing
+    try:
+        d.start_bundle()
+        outs = list(d.process(batch)) + [o.value if isinstance(o, WindowedValue) else o for o in d.finish_bundle()]
+    finally:
+        d.embedder.embed_batch = real
+        d.teardown()
+    assert {o.tag for o in outs if isinstance(o, TaggedOutput)} <= {DEAD}
+    return ([o.value for o in outs if isinstance(o, TaggedOutput)],
+            [o for o in outs if not isinstance(o, TaggedOutput)])

@@ -108,7 +108,7 @@ def test_killed_at_each_stage_then_rerun_equals_uninterrupted(corpus, tiny_model
         p = run_subprocess(args, "finalize_move:3")
         assert p.returncode == -9, p.stderr[-2000:]
         assert os.path.exists(os.path.join(st, PLAN)) and not os.path.exists(os.path.join(out, "manifest.json"))
-        moved = glob.glob(os.path.join(out, "parquet", "*")) + glob.glob(os.path.join(out, "hdf5", "*"))
+        moved = [f for sub in ("parquet", "hdf5", "keys") for f in glob.glob(os.path.join(out, sub, "*"))]
         assert len(moved) == 3
         plan = json.load(open(os.path.join(st, PLAN)))
         assert plan["manifest"]["run"]["resumed_sentences"] == committed   # run 4 skipped what was committed

@@ -29,7 +29,7 @@ def _run(model_files, threads: int) -> list:
     from apache_beam.utils.windowed_value import WindowedValue
 
     from elmo_pipeline.transforms.embed_step import EmbedBatches
-    from elmo_pipeline.transforms.embed import ModelSpec
+    from elmo_pipeline.model.resolve import ModelSpec
     d = EmbedBatches(ModelSpec(*model_files, device="cpu"), threads=threads)
     d.setup()
     embed = d.embedder.embed_packed

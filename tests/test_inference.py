@@ -9,7 +9,7 @@ from apache_beam.testing.util import assert_that
 import apache_beam as beam
 from elmo_pipeline.model.embedder import ElmoEmbedder
 from elmo_pipeline.tokenization import tokenize_text
-from elmo_pipeline.transforms.embed import ModelSpec
+from elmo_pipeline.model.resolve import ModelSpec
 from elmo_pipeline.transforms.inference import ElmoModelHandler, Embed, embed_budgeted
 
 TOL = 1e-5

@@ -36,10 +36,51 @@ def test_a_named_model_takes_a_given_vocabulary(tmp_path):
 @pytest.mark.parametrize("name,options,weights", [("small", "o.json", "w.hdf5"), (None, "o.json", None),
                                                    (None, None, "w.hdf5")])
 def test_files_and_a_name_or_half_the_files_are_refused(name, options, weights):
-    with pytest.raises(ValueError, match="together, or --model NAME, not both"):
+    with pytest.raises(ValueError, match=r"together \(--options-file, --weight-file\), or a model name \(--model\), not both"):
         resolve_model(name, options, weights)
 
 
 def test_an_unknown_name_is_refused():
     with pytest.raises(ValueError, match="no model named 'nope'"):
         resolve_model("nope")
+
+
+def test_the_key_prefix_hashes_what_changes_the_vectors_and_nothing_else(tiny_model_files, tmp_path):
+    """ModelSpec is the one identity: its key prefix changes with the weights and with every vector setting,
+    not with where or how fast it runs; it needs the files' sha256 (pinned())."""
+    import dataclasses
+    import shutil
+
+    from elmo_pipeline.model.resolve import VECTOR_SETTINGS, ModelSpec
+    spec = resolve_model(None, *tiny_model_files)
+    with pytest.raises(ValueError, match="pinned"):
+        spec.key_prefix
+    pinned = spec.pinned()
+    assert pinned.weights_sha256 == file_sha256(tiny_model_files[1]) and len(pinned.key_prefix) == 16
+    same = {"device": "cuda:1", "torch_threads": 7, "storage_options": {"s3": {"secret": "x"}},
+            "options_file": str(tmp_path / "moved.json"), "model_name": "renamed"}
+    for k, v in same.items():
+        assert dataclasses.replace(pinned, **{k: v}).key_prefix == pinned.key_prefix, k
+    changed = {"state": "warm", "batch_invariant": True, "compute_dtype": "bfloat16", "dtype": "float16",
+               "layers": "2", "duplicate_layer0": True, "window": 20, "overlap": 4, "tokenizer": "moses",
+               "tokenizer_version": "2"}
+    assert set(changed) == set(VECTOR_SETTINGS)
+    prefixes = {dataclasses.replace(pinned, **{k: v}).key_prefix for k, v in changed.items()}
+    assert len(prefixes) == len(changed) and pinned.key_prefix not in prefixes
+    other = tmp_path / "w.hdf5"               # other weights: another prefix
+    shutil.copy(tiny_model_files[1], other)
+    with open(other, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    assert ModelSpec(tiny_model_files[0], str(other)).pinned().key_prefix != pinned.key_prefix
+
+
+def test_a_sentence_key_is_the_prefix_and_a_hash_of_the_tokens(tiny_model_files):
+    spec = resolve_model(None, *tiny_model_files).pinned()
+    key = spec.sentence_key(("The", "cat", "."))
+    assert key.startswith(spec.key_prefix) and key == spec.sentence_key(["The", "cat", "."])
+    assert key == spec.sentence_key(("The", "cat", "."), prefix=spec.key_prefix)
+    assert len({key, spec.sentence_key(("The cat", ".")), spec.sentence_key(("the", "cat", ".")),
+                spec.sentence_key(())}) == 4

@@ -169,7 +169,7 @@ def test_a_worker_elsewhere_gets_the_named_model_and_checks_it(tmp_path):
     its own copy from model.pretrained and checks it against the sha256 the run was planned with."""
     from elmo_pipeline.fsio import file_sha256
     from elmo_pipeline.model.pretrained import DEFAULT_MODEL, model_files
-    from elmo_pipeline.transforms.embed import ModelSpec
+    from elmo_pipeline.model.resolve import ModelSpec
     options, weights, _ = model_files(DEFAULT_MODEL)
     sha = file_sha256(weights)
     here = ModelSpec(options, weights, model_name=DEFAULT_MODEL, weights_sha256=sha)

@@ -180,35 +180,13 @@ def test_elmo_command_runs_several_lines_windows_together(tiny_model_files, tmp_
 def test_a_failing_windowed_sentence_is_a_dead_letter_and_the_others_come_out(tiny_model_files, embedder):
     """The windows of a batch's long sentences run together; when that fails, each is retried alone: the one that
     still fails is a dead letter with its reason, the others keep their vectors and their order."""
-    from apache_beam.pvalue import TaggedOutput
-    from apache_beam.utils.windowed_value import WindowedValue
-
-    from elmo_pipeline.transforms.chain import DEAD
-    from elmo_pipeline.transforms.embed_step import EmbedBatches
-    from elmo_pipeline.transforms.embed import ModelSpec
     from elmo_pipeline.transforms.records import Item
+    from tests.pipeline_helpers import embed_failing
 
     sents = [_tokens(61), ["BOOM", *_tokens(40)], _tokens(8), _tokens(33)]
     batch = [Item(f"d#{i}", "d", i, tuple(s), tuple((j, j + 1) for j in range(len(s)))) for i, s in enumerate(sents)]
-    d = EmbedBatches(ModelSpec(*tiny_model_files, device="cpu"), window=20, overlap=6, max_tokens=256)
-    d.setup()
-    real = d.embedder.embed_batch
-
-    def failing(sentences, *a, **k):
-        if any("BOOM" in s for s in sentences):
-            raise ValueError("boom")
-        return real(sentences, *a, **k)
-    d.embedder.embed_batch = failing
-    try:
-        d.start_bundle()
-        outs = list(d.process(batch)) + [o.value if isinstance(o, WindowedValue) else o for o in d.finish_bundle()]
-    finally:
-        d.embedder.embed_batch = real
-        d.teardown()
-    dead = [o.value for o in outs if isinstance(o, TaggedOutput)]
-    assert [o.tag for o in outs if isinstance(o, TaggedOutput)] == [DEAD]
-    assert dead[0].id == "d#1" and dead[0].reason == "embedding failed: ValueError: boom"
-    done = [o for o in outs if not isinstance(o, TaggedOutput)]
+    dead, done = embed_failing(tiny_model_files, batch, window=20, overlap=6, max_tokens=256)
+    assert len(dead) == 1 and dead[0].id == "d#1" and dead[0].reason == "embedding failed: ValueError: boom"
     assert [i.id for b in done for i in b.items] == ["d#2", "d#0", "d#3"]     # the short one, then the windowed
     long = {b.items[0].id: b.vectors for b in done if b.items[0].id != "d#2"}
     for i in (0, 3):

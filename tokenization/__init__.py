@@ -4,7 +4,7 @@ Used by the pipeline (transforms/tokenize_step.py) and by language-model trainin
 neither Beam nor torch.
 """
 from elmo_pipeline.tokenization.tokenizers import (RAW_SCHEMES, TOKENIZERS, Sentence, align_tokens, moses_tokens, resolve_tokenizer,
-                                     tokenize_document, tokenize_text)
+                                     tokenize_document, tokenize_text, tokenizer_version)
 
 __all__ = ["RAW_SCHEMES", "Sentence", "TOKENIZERS", "align_tokens", "moses_tokens", "resolve_tokenizer",
-           "tokenize_document", "tokenize_text"]
+           "tokenize_document", "tokenize_text", "tokenizer_version"]

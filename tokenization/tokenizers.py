@@ -21,6 +21,7 @@ from functools import lru_cache
 TOKENIZERS = ("raw", "wikitext", "moses", "whitespace")
 RAW_SCHEMES = ("wikitext", "moses")      # what `raw` can stand for: the training-text schemes of models
 DEFAULT_RAW = "wikitext"
+TOKENIZER_VERSION = "1"   # raised whenever a tokenizer here splits any text differently (model.resolve key_prefix)
 _WS = re.compile(r"\S+")
 _SOURCE_FORM = {"@-@": "-", "@,@": ",", "@.@": "."}
 PROTECTED = [r"<unk>"]   # WikiText's unknown-word marker stays one token
@@ -40,6 +41,14 @@ def _moses():
 
 
 _PROTECTED_RE = re.compile("|".join(PROTECTED), re.IGNORECASE)
+
+
+def tokenizer_version(mode: str) -> str:
+    """The version of a tokenizer's output: TOKENIZER_VERSION, and sacremoses' for moses."""
+    if mode != "moses":
+        return TOKENIZER_VERSION
+    from importlib.metadata import version
+    return f"{TOKENIZER_VERSION}, sacremoses {version('sacremoses')}"
 
 
 def resolve_tokenizer(mode: str, model_scheme: str | None = None) -> str:

@@ -58,30 +58,31 @@ def _pairs(flat: bytes) -> tuple[tuple[int, int], ...]:
 
 
 class ItemCoder(_TupleBacked):
-    """Tokens as a list of UTF-8 strings, offsets as little-endian int64 pairs."""
-    components = (_STR, _STR, _INT, coders.ListCoder(_STR), _BYTES, _INT)
+    """Tokens as a list of UTF-8 strings, offsets as little-endian int64 pairs, copies as Items encoded alike."""
+    components = (_STR, _STR, _INT, coders.ListCoder(_STR), _BYTES, _INT, coders.ListCoder(_BYTES))
 
     def to_tuple(self, i: Item):
         return (i.id, i.doc_id, i.index, list(i.tokens), np.asarray(i.offsets, dtype="<i8").reshape(-1, 2).tobytes(),
-                i.nbytes)
+                i.nbytes, [self.encode(c) for c in i.copies])
 
     def from_tuple(self, t) -> Item:
-        return Item(t[0], t[1], t[2], tuple(t[3]), _pairs(t[4]), t[5])
+        return Item(t[0], t[1], t[2], tuple(t[3]), _pairs(t[4]), t[5], tuple(self.decode(c) for c in t[6]))
 
 
 class EmbeddedBatchCoder(_TupleBacked):
     """Items, then the vectors' shape and raw little-endian float32 bytes (exact), then the offsets, then the
-    layers they hold ([] for all)."""
-    components = (coders.ListCoder(ItemCoder()), coders.ListCoder(_INT), _BYTES, _BYTES, coders.ListCoder(_INT))
+    layers they hold ([] for all), then how many items are copies."""
+    components = (coders.ListCoder(ItemCoder()), coders.ListCoder(_INT), _BYTES, _BYTES, coders.ListCoder(_INT), _INT)
 
     def to_tuple(self, b: EmbeddedBatch):
         v = np.ascontiguousarray(b.vectors, dtype="<f4")
         return (list(b.items), list(v.shape), v.tobytes(), np.asarray(b.offsets, dtype="<i8").tobytes(),
-                list(b.layers or ()))
+                list(b.layers or ()), b.copies)
 
     def from_tuple(self, t) -> EmbeddedBatch:
         vectors = np.frombuffer(t[2], dtype="<f4").reshape(t[1]).astype(np.float32)   # a writable copy
-        return EmbeddedBatch(t[0], vectors, np.frombuffer(t[3], dtype="<i8").astype(np.int64), tuple(t[4]) or None)
+        return EmbeddedBatch(t[0], vectors, np.frombuffer(t[3], dtype="<i8").astype(np.int64), tuple(t[4]) or None,
+                             t[5])
 
 
 class DeadLetterCoder(_TupleBacked):

@@ -1,42 +1,12 @@
-"""The model on the pipeline's workers: what to load (ModelSpec; which files: model/resolve.py), loading it
-once per process, and the --layers selection. No Beam import.
+"""The model on the pipeline's workers: loading a ModelSpec (model/resolve.py) into an ElmoEmbedder, and the
+--layers selection. No Beam import.
 
 Embedder output: float32 (L, N, 2P), L = LSTM layers + 1, layer 0 = token vector duplicated ([x, x]).
 Selections: "all" | "top" | "average" | "0,1,2" (layer indices).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What to load and how: files (paths or URLs), device, state mode, torch threads (0 = default), the
-    precision the biLM runs in (float32 | bfloat16 | float16), batch_invariant (bit-identical vectors whatever
-    the batching; stateless/warm only; default off, as ElmoEmbedder), and the storage options
-    ({protocol: {...}}, retries included) that remote model files are fetched with. model_name: the model by
-    name (model.pretrained) when the files came from there, so that a worker on another machine, where the
-    launcher's paths do not exist, gets its own copy (shipped, or downloaded into its cache) and checks it
-    against weights_sha256."""
-    options_file: str
-    weight_file: str
-    vocab_file: str | None = None
-    device: str = "auto"
-    state: str = "stateless"
-    torch_threads: int = 0
-    compute_dtype: str = "float32"
-    batch_invariant: bool = False
-    storage_options: dict | None = field(default=None, repr=False, compare=False)
-    model_name: str | None = None
-    weights_sha256: str | None = None
-
-    def local_files(self) -> tuple[str, str, str | None]:
-        """(options, weights, vocab) as local paths on this machine (model.resolve.files_here: remote files
-        fetched with this spec's storage options, so model downloads retry like the data path; a named model
-        not at the launcher's paths here, from model.pretrained, checked against weights_sha256)."""
-        from elmo_pipeline.model.resolve import files_here
-        return files_here(self.options_file, self.weight_file, self.vocab_file, self.model_name,
-                          self.weights_sha256, self.storage_options)
+from elmo_pipeline.model.resolve import ModelSpec  # noqa: F401 - what load_embedder loads
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int] | str:
@@ -58,21 +28,6 @@ def parse_layers(spec: str, n_layers: int) -> list[int] | str:
     return layers
 
 
-_OFFERED: dict = {}   # (options_file, weight_file) -> a BiLM the launcher already loaded, in this process
-
-
-def offer_model(options_file: str, weight_file: str, model) -> None:
-    """Let this process's first load_embedder of these files take `model` instead of loading them again
-    (a local runner's workers run in the launcher's process; remote workers never see it)."""
-    _OFFERED.clear()
-    _OFFERED[(options_file, weight_file)] = model
-
-
-def withdraw_models() -> None:
-    """Drop an offered model nobody took (the run is over)."""
-    _OFFERED.clear()
-
-
 def reuse_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory for reuse instead of returning each large block to the OS.
 
@@ -92,9 +47,10 @@ def reuse_freed_memory() -> bool:
         return False
 
 
-def load_embedder(spec: ModelSpec):
+def load_embedder(spec: ModelSpec, model=None):
     """An ElmoEmbedder for `spec` (sets torch's intra-op threads first when torch_threads > 0), in a
-    process whose allocator keeps freed memory (reuse_freed_memory)."""
+    process whose allocator keeps freed memory (reuse_freed_memory); `model`: the BiLM of spec's files, already
+    loaded in this process (else loaded here)."""
     import torch
     reuse_freed_memory()
 
@@ -102,7 +58,6 @@ def load_embedder(spec: ModelSpec):
     from elmo_pipeline.model.embedder import ElmoEmbedder
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
-    model = _OFFERED.pop((spec.options_file, spec.weight_file), None)
     options_file, weight_file, vocab_file = spec.local_files()
     return ElmoEmbedder(options_file, weight_file, device=resolve_device(spec.device, share_gpus=True), model=model,
                         state=spec.state, vocab_file=vocab_file, dtype=spec.compute_dtype,

@@ -1,6 +1,7 @@
 """The embedding step's Beam shells: SortAndBatch (model.batching) and EmbedBatches (transforms.embed_items)."""
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -10,7 +11,9 @@ from apache_beam.utils import shared
 
 from elmo_pipeline.model.batching import padding, plan_batches
 from elmo_pipeline.transforms.chain import DEAD, NS, in_global_window
-from elmo_pipeline.transforms.embed import ModelSpec, load_embedder
+from elmo_pipeline.transforms.dedupe import occurrences, with_copies
+from elmo_pipeline.model.resolve import ModelSpec
+from elmo_pipeline.transforms.embed import load_embedder
 from elmo_pipeline.transforms.embed_items import embed_alone, embed_windowed, embedding_failed, split_at_window, window_limit
 from elmo_pipeline.transforms.progress import ProgressSpec, advance
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
@@ -55,10 +58,27 @@ class SortAndBatch(beam.DoFn):
             yield in_global_window(batch)
 
 
-class _Holder:
-    """Shared needs a weak-referenceable object."""
-    def __init__(self, embedder):
-        self.embedder = embedder
+class LoadedModel:
+    """A process's embedder of one ModelSpec, built on first use (from `model`, a BiLM of its files this process
+    already loaded, else from the files); held through Beam's Shared, which needs a weak-referenceable object."""
+
+    def __init__(self, spec: ModelSpec, model=None):
+        self.spec, self._model, self._embedder = spec, model, None
+        self._lock = threading.Lock()
+
+    @property
+    def embedder(self):
+        with self._lock:
+            if self._embedder is None:
+                self._embedder, self._model = load_embedder(self.spec, self._model), None
+            return self._embedder
+
+
+def shared_model(models: shared.Shared, spec: ModelSpec, model=None) -> LoadedModel:
+    """This process's LoadedModel of `spec` through the handle `models` (Beam's Shared: one per process, kept
+    while the caller keeps it and after, until another is acquired). A launcher that runs the workers in its own
+    process acquires it first with the BiLM it checked (model); its workers, given the same handle, take it."""
+    return models.acquire(lambda: LoadedModel(spec, model), tag=repr(spec))
 
 
 class _Job:
@@ -73,8 +93,9 @@ class _Job:
 
 
 class EmbedBatches(beam.DoFn):
-    """list[Item] -> EmbeddedBatch (the batch's vectors, packed); the model is loaded once per process (Shared)
-    for all threads.
+    """list[Item] -> EmbeddedBatch (the batch's vectors, packed); the model is loaded once per process (Shared:
+    shared_model; `models`, the handle a launcher that runs the workers in its process already holds the model
+    by) for all threads.
 
     A failing batch is retried sentence by sentence; sentences that still fail go to DEAD.
     window > 0: a sentence longer than the (budget-capped) window is embedded as overlapping windows in
@@ -89,19 +110,20 @@ class EmbedBatches(beam.DoFn):
     1-torch-thread worker use two cores (benchmarks/host_cost.py)."""
 
     def __init__(self, spec: ModelSpec, progress: ProgressSpec | None = None, window: int = 0, overlap: int = 0,
-                 max_tokens: int = 0, layers: tuple[int, ...] | None = None, threads: int = 1):
+                 max_tokens: int = 0, layers: tuple[int, ...] | None = None, threads: int = 1,
+                 models: shared.Shared | None = None):
         self.spec, self.progress, self.layers = spec, progress, layers
         self.window, self.overlap, self.max_tokens = window, overlap, max_tokens
         self.threads = max(1, threads)
         self.windowed = Metrics.counter(NS, "windowed_sentences")
-        self._shared = shared.Shared()
+        self._shared = models or shared.Shared()
         self.seconds = Metrics.counter(NS, "embed_milliseconds")
         self.dead = Metrics.counter(NS, "dead_letters")
+        self.deduplicated = Metrics.counter(NS, "sentences_deduplicated")
         self.run_stats = RunStats()
 
     def setup(self):
-        key = repr(self.spec)
-        self.embedder = self._shared.acquire(lambda: _Holder(load_embedder(self.spec)), tag=key).embedder
+        self.embedder = shared_model(self._shared, self.spec).embedder
         self.pool = None
         if self.threads > 1 and self.embedder.state_mode != "stateful":
             import torch
@@ -139,7 +161,7 @@ class EmbedBatches(beam.DoFn):
                 yield in_global_window(out)
 
     def _one_by_one(self, items: list[Item], outs: list[EmbeddedBatch]):
-        """Each item embedded alone into outs; those that fail go to DEAD (yielded)."""
+        """Each item embedded alone into outs; those that fail go to DEAD (yielded), with their copies."""
         limit = window_limit(self.window, self.max_tokens)
         for item in items:
             if limit is not None and len(item.tokens) > limit:
@@ -147,8 +169,9 @@ class EmbedBatches(beam.DoFn):
             try:
                 outs.append(embed_alone(self.embedder, item, self.window, self.overlap, self.max_tokens, self.layers))
             except Exception as e:  # noqa: BLE001
-                self.dead.inc()
-                yield beam.pvalue.TaggedOutput(DEAD, embedding_failed(item, e))
+                for each in occurrences(item):
+                    self.dead.inc()
+                    yield beam.pvalue.TaggedOutput(DEAD, embedding_failed(each, e))
 
     def _finish(self, job: _Job):
         """The job's EmbeddedBatches (waiting for its biLM thread) and its dead letters."""
@@ -171,5 +194,8 @@ class EmbedBatches(beam.DoFn):
         self.run_stats.time("embed", seconds)
         self.run_stats.embedded(tokens, job.start)
         if self.progress:       # failed sentences' bytes too: their input is done with
-            advance(self.progress, sum(i.nbytes for i in job.batch), tokens)
-        yield from outs
+            advance(self.progress, sum(c.nbytes for i in job.batch for c in occurrences(i)), tokens)
+        for out in outs:
+            out = with_copies(out)
+            self.deduplicated.inc(out.copies)
+            yield out

@@ -23,11 +23,12 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, PredictionResult, RunInference
 
-from elmo_pipeline.transforms.embed import ModelSpec, load_embedder
+from elmo_pipeline.model.resolve import ModelSpec
+from elmo_pipeline.transforms.embed import load_embedder
 
 
 class ElmoModelHandler(ModelHandler):
-    """RunInference handler: a token list -> float32 (L+1, T, 2P). spec: what to load (transforms.embed.ModelSpec);
+    """RunInference handler: a token list -> float32 (L+1, T, 2P). spec: what to load (model.resolve.ModelSpec);
     max_tokens_per_batch: the token budget of a batch (<S> </S> and padding included); bucket_boundaries:
     optionally batch sentences of similar length together (Beam's length buckets, by token count;
     max_batch_duration_secs bounds how long a bucket waits)."""
@@ -51,11 +52,12 @@ class ElmoModelHandler(ModelHandler):
     def from_name(cls, name: str, *, device: str = "auto", state: str = "stateless", torch_threads: int = 0,
                   compute_dtype: str = "float32", **kwargs) -> "ElmoModelHandler":
         """A handler for a model by name (model.pretrained: downloaded and verified here, at construction)."""
+        import dataclasses
+
         from elmo_pipeline.model.resolve import resolve_model
-        model = resolve_model(name)
-        spec = ModelSpec(model.options_file, model.weight_file, model.vocab_file, device, state, torch_threads,
-                         compute_dtype)
-        return cls(spec, tokenization=model.tokenization, **kwargs)
+        spec = dataclasses.replace(resolve_model(name), device=device, state=state, torch_threads=torch_threads,
+                                   compute_dtype=compute_dtype)
+        return cls(spec, tokenization=spec.tokenization, **kwargs)
 
     def load_model(self):
         return load_embedder(self.spec)

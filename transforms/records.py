@@ -36,13 +36,15 @@ class Blank:
 @dataclass(frozen=True)
 class Item:
     """A tokenized sentence: id "<doc_id>#<index>", its document, index, tokens and [start, end) offsets;
-    `nbytes` its share of its document's input bytes (progress only; not compared)."""
+    `nbytes` its share of its document's input bytes (progress only; not compared). `copies`: with --dedupe,
+    the other sentences of its sentence key, written with its vectors (transforms/dedupe.py)."""
     id: str
     doc_id: str
     index: int
     tokens: tuple[str, ...]
     offsets: tuple[tuple[int, int], ...]
     nbytes: int = field(default=0, compare=False)
+    copies: tuple["Item", ...] = ()
 
 
 @dataclass
@@ -50,11 +52,12 @@ class EmbeddedBatch:
     """Embedded sentences, columnar: the embedder's packed output as it is, never a Python object or an array
     per sentence. vectors float32 (L+1, N, 2P) (layer 0 duplicated [x, x]), or (len(layers), N, 2P) when only
     `layers` (ascending) were copied out of the model; sentence b of `items` is vectors[:, offsets[b]:offsets[b+1]];
-    offsets (B+1,) int64."""
+    offsets (B+1,) int64. The last `copies` items are copies (--dedupe): written with another item's vectors."""
     items: list[Item]
     vectors: np.ndarray
     offsets: np.ndarray
     layers: tuple[int, ...] | None = None
+    copies: int = 0
 
     def tokens(self, b: int) -> int:
         return int(self.offsets[b + 1] - self.offsets[b])
