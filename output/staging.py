@@ -20,8 +20,7 @@ from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.arrow import arrow_table, write_arrow
 from elmo_pipeline.formats.hdf5 import hdf5_bytes
 from elmo_pipeline.formats.layout import ShardInfo
-from elmo_pipeline.formats.parquet import ShardColumns, build_table, write_parquet
-from elmo_pipeline.formats.parquet import write_key_index
+from elmo_pipeline.formats.parquet import ShardColumns, build_table, write_key_index, write_parquet
 from elmo_pipeline.model.resolve import sentence_key
 from elmo_pipeline.output.names import DEAD, KEYS, RECORDS, STATS, counts_name
 from elmo_pipeline.output.sink import Sink

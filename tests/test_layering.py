@@ -2,7 +2,7 @@
 
     fsio, tokenization               (nothing of ours)
     formats                          fsio
-    output                           formats, fsio
+    output                           model, formats, fsio
     model                            fsio
     training                         model, tokenization, fsio
     transforms                       model, output, formats, fsio, tokenization
@@ -19,7 +19,7 @@ ALLOWED = {
     "fsio": set(),
     "tokenization": set(),
     "formats": {"fsio"},
-    "output": {"formats", "fsio"},
+    "output": {"model", "formats", "fsio"},
     "model": {"fsio"},
     "training": {"model", "tokenization", "fsio"},
     "transforms": {"model", "output", "formats", "fsio", "tokenization"},
