@@ -2,8 +2,8 @@
 
     fsio, tokenization               (nothing of ours)
     formats                          fsio
-    output                           model, formats, fsio
     model                            fsio
+    output                           model, formats, fsio
     training                         model, tokenization, fsio
     transforms                       model, output, formats, fsio, tokenization
     downstream                       model, output, formats, fsio
