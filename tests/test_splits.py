@@ -148,3 +148,19 @@ def test_tiny_parts_killed_then_rerun(corpus, tiny_model_files, whole, tmp_path)
     got = read_output(out)
     assert got[0]["run"]["resumed_shards"] > 0
     assert_same_output(got, whole, tol=0.0)
+
+
+def test_finalize_needs_the_counts_of_every_part(tmp_path):
+    """A file read in parts is counted once every part's counts are staged, summed; a missing part is Incomplete."""
+    from elmo_pipeline.output.finalize import Incomplete, plan_from_staging
+    from elmo_pipeline.output.staging import Staging
+    st = str(tmp_path / "_staging" / "k")
+    staging = Staging(st)
+    staging.counts("a.txt", {"input_records": 3, "blank_records": 1}, (0, 3))
+    staging.counts("a.txt", {"input_records": 4, "blank_records": 0}, (2, 3))
+    staging.counts("b.txt", {"input_records": 5, "blank_records": 2})
+    with pytest.raises(Incomplete, match="1 input file"):
+        plan_from_staging(st, ["a.txt", "b.txt"])
+    staging.counts("a.txt", {"input_records": 1, "blank_records": 1}, (1, 3))
+    staging.counts("a.txt", {"input_records": 1, "blank_records": 1}, (1, 3))      # a retried part: same name
+    assert plan_from_staging(st, ["a.txt", "b.txt"]).counts == {"input_records": 13, "blank_records": 4}
