@@ -38,7 +38,8 @@ class ElmoOptions(PipelineOptions):
           help="read uncompressed text/JSONL files in byte ranges of about this many bytes (cut at line starts) and "
           "Parquet files in runs of row groups of about this many bytes, so that one big file is read by many "
           f"workers (default 0: the corpus's bytes / {TARGET_SPLITS}, within {MIN_SPLIT_BYTES >> 10} KiB and "
-          f"{MAX_SPLIT_BYTES >> 20} MiB; -1: read every file whole; docs/scaling-out.md)")
+          f"{MAX_SPLIT_BYTES >> 20} MiB, where the work is spread: several workers or a cluster; -1: read every file "
+          "whole; docs/scaling-out.md)")
         g("--max-document-tokens", type=int, default=MAX_DOCUMENT_TOKENS,
           help="a document with more tokens in all its sentences is one dead letter 'too long' (its sentence #0; "
           f"default {MAX_DOCUMENT_TOKENS})")

@@ -208,8 +208,13 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     if labels != file_labels(files):      # ids other than the default ones (--id-root itself is not in the key)
         ingredients["options"]["id_root"] = flags["id_root"] or "full paths (--iceberg-table)"
     key = run_key(ingredients)
-    sizes = {f[0]: f[1] or 0 for f in fingerprints}
-    split = split_size(o.split_bytes, sum(sizes.values()))
+    # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
+    # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
+    spread = not stateful and not (local and workers == 1)
+    if stateful and o.split_bytes > 0:
+        raise ValueError("--split-bytes needs --state stateless or warm (stateful reads each file in order)")
+    sizes = {f[0]: f[1] or 0 for f in fingerprints}       # auto: files are cut only where the work is spread
+    split = split_size(o.split_bytes, sum(sizes.values())) if o.split_bytes > 0 or spread else 0
     splits = plan_splits(files, sizes, o.input_format, split, so)
     runner = opts.view_as(StandardOptions).runner or "FnApiRunner"
     buckets = 0
@@ -236,9 +241,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     children = tokenizer_processes(o.tokenizer_process, tokenizer, local,
                                    opts.view_as(StandardOptions).runner or "FnApiRunner", workers)
     return Plan(o, so, files, labels, formats, spec, shard,
-                # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
-                # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
-                spread_documents=not stateful and not (local and workers == 1),
+                spread_documents=spread,
                 unique_ids=bool(o.id_field) and not stateful, sort=sentences_independent(o.state),
                 sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
                 progress=ProgressSpec(sum(f[1] or 0 for f in fingerprints), {f[0]: f[1] or 0 for f in fingerprints},

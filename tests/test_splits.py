@@ -164,3 +164,18 @@ def test_finalize_needs_the_counts_of_every_part(tmp_path):
     staging.counts("a.txt", {"input_records": 1, "blank_records": 1}, (1, 3))
     staging.counts("a.txt", {"input_records": 1, "blank_records": 1}, (1, 3))      # a retried part: same name
     assert plan_from_staging(st, ["a.txt", "b.txt"]).counts == {"input_records": 13, "blank_records": 4}
+
+
+def test_auto_split_where_work_is_spread(corpus, tiny_model_files, tmp_path):
+    """Auto (--split-bytes 0): one local worker reads files whole (its output as before); 2 worker processes
+    read the file in parts of 64 KiB at least; --state stateful with --split-bytes is refused."""
+    from elmo_pipeline.pipeline.plan import pipeline_options, plan
+    big = str(tmp_path / "big.txt")
+    with open(corpus, "rb") as src, open(big, "wb") as f:
+        f.write(src.read() * 40)
+    args = argv(tiny_model_files, big, str(tmp_path / "out"))
+    assert len(plan(pipeline_options(args)).splits) == 1
+    multi = plan(pipeline_options(args + ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]))
+    assert abs(len(multi.splits) - os.path.getsize(big) / (64 << 10)) <= 1 and multi.spread_buckets == 0
+    with pytest.raises(ValueError, match="--split-bytes needs"):
+        plan(pipeline_options(args + ["--state", "stateful", "--split-bytes", "100"]))

@@ -163,8 +163,9 @@ def _batch_rows(pf, column: int) -> int:
 
 def _read_parquet(url, label, text_field, id_field, storage_options, max_record_bytes: int = MAX_RECORD_BYTES,
                   part: Split | None = None) -> Iterator[Document | DeadLetter | Blank]:
-    """The rows of a Parquet file (of row groups [part.start, part.end) only, numbered as in the file); a text over max_record_bytes (UTF-8) is a dead letter "too long" (left out
-    of the batch before it becomes a Python string) and an --id-field cell follows document_id()."""
+    """The rows of a Parquet file (of row groups [part.start, part.end) only, numbered as in the file); a text
+    over max_record_bytes (UTF-8) is a dead letter "too long" (left out of the batch before it becomes a Python
+    string) and an --id-field cell follows document_id()."""
     import pyarrow.parquet as pq
     with open_file(url, "rb", storage_options) as f:
         size = f.seek(0, 2)         # row n's share of the file's bytes: size * n // rows - size * (n - 1) // rows
