@@ -102,10 +102,14 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
                          "overlap others")
     counts_dir = posixpath.join(st, COUNTS) + "/"
     count_files = sorted(p for p in present if p.startswith(counts_dir) and p.endswith(".json"))
-    per_file = {c["url"]: c for c in map(json.loads, fs.cat(count_files).values())} if count_files else {}
-    if set(files) - set(per_file):
-        raise Incomplete(f"{len(set(files) - set(per_file))} input file(s) have no record counts")
-    counts = {k: sum(c[k] for c in per_file.values()) for k in ("input_records", "blank_records")}
+    parts: dict[str, dict] = {}         # url -> {part: counts}, a file read whole being its part 0 of 1
+    for c in map(json.loads, fs.cat(count_files).values()) if count_files else ():
+        k, n = c.get("part", (0, 1))
+        parts.setdefault(c["url"], {})[k] = (n, c)
+    counted = {u for u, got in parts.items() if all(n == len(got) for n, _ in got.values())}
+    if set(files) - counted:
+        raise Incomplete(f"{len(set(files) - counted)} input file(s) have no record counts (of every part)")
+    counts = {k: sum(c[k] for got in parts.values() for _, c in got.values()) for k in ("input_records", "blank_records")}
     dead_dir = posixpath.join(st, DEAD) + "/"
     dead_files = sorted(p for p in present if p.startswith(dead_dir) and p.endswith(".jsonl"))
     letters = {DeadLetter.from_json(line) for data in (fs.cat(dead_files).values() if dead_files else ())

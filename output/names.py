@@ -58,9 +58,11 @@ def part_name(folder: str, i: int, n: int) -> str:
     return f"{folder}/part-{i:05d}-of-{n:05d}.{SUFFIX[folder]}"
 
 
-def counts_name(url: str) -> str:
-    """<staging>-relative name of an input file's record counts (the same for every attempt at the file)."""
-    return f"{COUNTS}/{hashlib.sha256(url.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}.json"
+def counts_name(url: str, part: int | None = None) -> str:
+    """<staging>-relative name of an input file's record counts, or of its part `part` when it is read in parts
+    (transforms/splits.py): the same for every attempt at the file or part."""
+    name = hashlib.sha256(url.encode('utf-8', 'surrogatepass')).hexdigest()[:32]
+    return f"{COUNTS}/{name}.json" if part is None else f"{COUNTS}/{name}-{part}.json"
 
 
 def is_final_name(rel: str) -> bool:

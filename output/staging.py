@@ -162,10 +162,12 @@ class Staging:
         """Stage a bundle's run statistics (stats/<uuid>.json, output/stats.py) for the run report."""
         self.sink.put(self._at(STATS, uuid.uuid4().hex + ".json"), json.dumps(stats).encode())
 
-    def counts(self, url: str, counts: dict) -> None:
-        """Stage the record counts of input file `url` (counts/<hash>.json: one name per file, so a retried
-        read rewrites the same object with the same content)."""
-        self.sink.put(self._at(counts_name(url)), json.dumps({"url": url, **counts}).encode())
+    def counts(self, url: str, counts: dict, part: tuple[int, int] | None = None) -> None:
+        """Stage the record counts of input file `url`, or of its part (k, of n parts) when it is read in parts
+        (counts/<hash>[-k].json: one name per file or part, so a retried read rewrites the same object with the
+        same content)."""
+        record = {"url": url, **counts, **({"part": list(part)} if part else {})}
+        self.sink.put(self._at(counts_name(url, part[0] if part else None)), json.dumps(record).encode())
 
     def _at(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)

@@ -11,7 +11,9 @@ estimate(): the run's plan (pipeline.plan.plan, without the object-store write p
   rest. Tokenizing and encoding are timed on the same sample;
 - output bytes: the sample's vectors encoded by the formats' own writers (formats/estimate.py), per token,
   times the tokens estimated; per layer and dtype from the widths;
-- what --output holds now (already complete, a live run's lease), read only.
+- what --output holds now (already complete, a live run's lease), read only;
+- how the work is split and spread: read elements (files and parts of files: transforms/splits.py), files read
+  whole because compressed, how documents reach the workers (work_split).
 Nothing is created or written under --output (not even the folder or a lease).
 """
 from __future__ import annotations
@@ -296,7 +298,7 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
                                math.ceil(tokens * spec.bytes_per_token / pl.options.shard_bytes)),
         "rate": {"tokens_per_s": rate, "timed_tokens": m["timed_tokens"], "timed_batches": m["timed_batches"],
                  "torch_threads": m.get("threads"), "tokenize_tokens_per_s": tok_rate, "encode_tokens_per_s": enc_rate},
-        "seconds": seconds, "plan_seconds": time.perf_counter() - t_start,
+        "seconds": seconds, "plan_seconds": time.perf_counter() - t_start, "work": work_split(pl, opts),
     }
 
 
@@ -312,6 +314,24 @@ def deduplicated(spec, written: list, est: dict) -> dict:
     return {"sampled_sentences": len(written), "sampled_distinct": len(distinct), "sentences_embedded": embedded,
             "sentences_deduplicated": est["sentences_written"] - embedded,
             "token_share": sum(distinct.values()) / tokens if tokens else 1.0}
+
+
+def work_split(pl, opts) -> dict:
+    """How the run splits and spreads its work: the read elements (transforms.splits.describe), how documents
+    reach the workers, and DaskRunner's partitions."""
+    from elmo_pipeline.transforms.splits import Split, describe
+    splits = pl.splits or [Split(i) for i in range(len(pl.files))]
+    from elmo_pipeline.fsio import redact
+    work = describe(splits, [redact(f) for f in pl.files], pl.options.input_format, pl.split_bytes)
+    work["spread"] = ("spread by the --id-field GroupByKey" if pl.unique_ids else
+                      f"spread by a GroupByKey on a hash of their id into {pl.spread_buckets} buckets (the runner's "
+                      "Reshuffle moves nothing)" if pl.spread_documents and pl.spread_buckets else
+                      "spread by a Reshuffle" if pl.spread_documents else
+                      "not spread (one local worker, or --state stateful)")
+    partitions = opts.get_all_options().get("npartitions")
+    if partitions:
+        work["dask_partitions"] = partitions
+    return work
 
 
 def _size(n: float) -> str:
@@ -360,6 +380,15 @@ def render(p: dict) -> str:
                  f"{r['timed_tokens']:,} sample tokens in {r['timed_batches']} batch(es) of --max-tokens-per-batch, "
                  f"token cache warm, after an untimed first one, {r['torch_threads']} torch thread(s)); tokenizing {_dur(sec['tokenize'])}, "
                  f"encoding {_dur(sec['encode'])} (one thread each; a run overlaps part of them with the biLM)")
+    w = p["work"]
+    lines.append(f"work: {w['read_elements']:,} read element(s)" + (
+        f", {w['files_split']} file(s) cut into parts of about {_size(w['split_bytes'])} (--split-bytes)"
+        if w["files_split"] else ", one per file") + (
+        f"; {w['dask_partitions']} Dask partition(s)" if "dask_partitions" in w else "")
+        + f"; documents {w['spread']}")
+    if w["read_whole_compressed"]:
+        lines.append(f"  read whole (compressed, cannot be split): {len(w['read_whole_compressed'])} file(s), e.g. "
+                     f"{w['read_whole_compressed'][0]}")
     return "\n".join(lines)
 
 

@@ -1,9 +1,12 @@
 """The pipeline's graph, one labelled chain that only stages data under <out>/_staging/<run key>/:
-    ListFiles -> ReadFiles -> [DropDuplicateIds | SpreadDocuments] -> Tokenize -> [SkipCommitted]
-    -> [GroupBySentence] -> SortAndBatch -> Embed -> WriteShards (shards + commit records); dead letters from every stage
-    -> WriteDeadLetters; per-file record counts staged by ReadFiles.
+    ListFiles (read elements: files or parts of them) -> ReadFiles -> [DropDuplicateIds | SpreadDocuments]
+    -> Tokenize -> [SkipCommitted] -> [GroupBySentence] -> SortAndBatch -> Embed -> WriteShards (shards + commit
+    records); dead letters from every stage -> WriteDeadLetters; per-file (or per-part) record counts staged by
+    ReadFiles.
 """
 from __future__ import annotations
+
+import zlib
 
 from elmo_pipeline.pipeline.quiet import quiet_beam
 
@@ -37,15 +40,16 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
         out = pcoll | label >> beam.ParDo(Chain(staging, *dofns)).with_output_types(output_type)
         return out | f"{label}Encoded" >> beam.Reshuffle() if pl.break_fusion else out
 
-    files = p | "ListFiles" >> beam.Create(range(len(pl.files))) | "SpreadFiles" >> beam.Reshuffle()
+    files = p | "ListFiles" >> beam.Create(range(len(pl.splits or pl.files))) | "SpreadFiles" >> beam.Reshuffle()
     docs = stage(files, "ReadFiles", ReadFiles(o.input_format, pl.files, pl.labels, o.text_field, o.id_field, so,
-                                               staging, pl.progress, o.max_record_bytes), output_type=Document)
+                                               staging, pl.progress, o.max_record_bytes, pl.splits or None),
+                 output_type=Document)
     if pl.unique_ids:          # grouping by id also spreads the documents over workers
         keyed = docs | "KeyById" >> beam.Map(lambda d: (d.doc_id, d)).with_output_types(tuple[str, Document])
         docs = stage(keyed | "GroupById" >> beam.GroupByKey(), "DropDuplicateIds", DropDuplicateIds(pl.progress),
                      output_type=Document)
     elif pl.spread_documents and not pl.break_fusion:
-        docs = docs | "SpreadDocuments" >> beam.Reshuffle()
+        docs = spread(docs, pl.spread_buckets)
     items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag,
                                              processes=pl.tokenizer_processes, progress=pl.progress,
                                              max_document_tokens=o.max_document_tokens),
@@ -70,3 +74,20 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
                      models=pl.models),
         WriteShards(staging, pl.shard, o.shard_sentences, o.shard_bytes))).with_output_types(ShardInfo)
     _ = shards | "CountStagedShards" >> beam.combiners.Count.Globally()
+
+
+def bucket(doc_id: str, buckets: int) -> int:
+    """A document's bucket for spread(): a hash of its id that is the same in every process."""
+    return zlib.crc32(doc_id.encode("utf-8", "surrogatepass")) % buckets
+
+
+def spread(docs, buckets: int):
+    """Documents over the workers: a Reshuffle, or, where the runner's Reshuffle moves nothing (buckets > 0,
+    pipeline.plan.spread_by_key: DaskRunner), a GroupByKey on bucket(doc_id) into that many buckets, each a
+    bounded group (pipeline.plan.BUCKET_BYTES), then ungrouped."""
+    if not buckets:
+        return docs | "SpreadDocuments" >> beam.Reshuffle()
+    keyed = docs | "KeyByBucket" >> beam.Map(lambda d: (bucket(d.doc_id, buckets), d)).with_output_types(
+        tuple[int, Document])
+    return (keyed | "SpreadDocuments" >> beam.GroupByKey()
+            | "Ungroup" >> beam.FlatMap(lambda kv: kv[1]).with_output_types(Document))

@@ -11,6 +11,7 @@ from elmo_pipeline.formats.parquet import VECTOR_COMPRESSIONS
 from elmo_pipeline.model.options import COMPUTE_DTYPES, STATE_MODES
 from elmo_pipeline.transforms.read import INPUT_FORMATS, MAX_RECORD_BYTES
 from elmo_pipeline.transforms.records import MAX_DOCUMENT_TOKENS
+from elmo_pipeline.transforms.splits import MAX_SPLIT_BYTES, MIN_SPLIT_BYTES, TARGET_SPLITS
 from elmo_pipeline.tokenization import TOKENIZERS
 
 
@@ -33,6 +34,12 @@ class ElmoOptions(PipelineOptions):
           help="a longer input record (a line of a text/JSONL file as stored, without its newline, or a Parquet "
           f"text cell in UTF-8) is a dead letter 'too long', read in blocks and never held whole (default "
           f"{MAX_RECORD_BYTES} = {MAX_RECORD_BYTES >> 20} MiB): bounds the memory a record can take")
+        g("--split-bytes", type=int, default=0,
+          help="read uncompressed text/JSONL files in byte ranges of about this many bytes (cut at line starts) and "
+          "Parquet files in runs of row groups of about this many bytes, so that one big file is read by many "
+          f"workers (default 0: the corpus's bytes / {TARGET_SPLITS}, within {MIN_SPLIT_BYTES >> 10} KiB and "
+          f"{MAX_SPLIT_BYTES >> 20} MiB, where the work is spread: several workers or a cluster; -1: read every file "
+          "whole; docs/scaling-out.md)")
         g("--max-document-tokens", type=int, default=MAX_DOCUMENT_TOKENS,
           help="a document with more tokens in all its sentences is one dead letter 'too long' (its sentence #0; "
           f"default {MAX_DOCUMENT_TOKENS})")

@@ -9,7 +9,7 @@ import logging
 import os
 import posixpath
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elmo_pipeline.pipeline.quiet import quiet_beam
 
@@ -31,6 +31,7 @@ from elmo_pipeline.model.resolve import ModelSpec
 from elmo_pipeline.transforms.embed import parse_layers
 from elmo_pipeline.transforms.embed_step import shared_model
 from elmo_pipeline.transforms.progress import ProgressSpec
+from elmo_pipeline.transforms.splits import Split, plan_splits, split_size
 from elmo_pipeline.transforms.ids import file_labels, public_url
 from elmo_pipeline.output.state import finalize_started, input_fingerprints, run_ingredients, run_key
 from elmo_pipeline.output.names import KEYS
@@ -38,6 +39,10 @@ from elmo_pipeline.output.staging import ShardSpec
 
 logger = logging.getLogger("elmo-pipeline.run")
 LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
+IDENTITY_RESHUFFLE = ("DaskRunner",)    # runners whose Reshuffle moves nothing (apache_beam/runners/dask/overrides.py)
+MAX_PARTITIONS = 1024       # DaskRunner partitions chosen from the corpus: one per read element, at most this many
+BUCKET_BYTES = 16 << 20     # documents spread by key: at least 4 buckets per partition, and this many bytes of input
+                            # per bucket at most on average (a group is held in memory)
 
 
 def storage_options(opts: PipelineOptions) -> dict:
@@ -84,8 +89,12 @@ class Plan:
     iceberg: IcebergTarget | None = None    # --iceberg-table: where Finalize registers the Parquet shards
     schema: object = None          # the shards' Arrow schema (with --iceberg-table)
     registration: object = None    # what the registration did (formats.iceberg.Registration), once done
-    models: shared.Shared = dataclasses.field(default_factory=shared.Shared)   # the workers' model handle
+    models: shared.Shared = field(default_factory=shared.Shared)   # the workers' model handle
     loaded: object = None          # the launcher's hold on it (transforms.embed_step.shared_model), local runs
+    splits: list[Split] = field(default_factory=list)   # the read elements (transforms/splits.py); [] one per file
+    split_bytes: int = 0           # --split-bytes resolved (0: whole files)
+    spread_buckets: int = 0        # > 0: documents spread by a GroupByKey on a hash of their id into this many
+                                   # buckets (runners whose Reshuffle moves nothing), else by a Reshuffle
 
     def register(self, manifest: dict) -> None:
         """Finalize's hook (output/finalize.py): the finished output's shards into the Iceberg table. A
@@ -103,6 +112,22 @@ class Plan:
     @property
     def registrar(self):
         return self.register if self.iceberg is not None else None
+
+
+def spread_by_key(runner: str) -> bool:
+    """Whether documents must be spread by a keyed GroupByKey: the runner's Reshuffle moves nothing."""
+    return any(r in runner for r in IDENTITY_RESHUFFLE)
+
+
+def dask_partitions(opts: PipelineOptions, elements: int) -> int:
+    """DaskRunner's partitions of the read elements (the parallelism of every step, Dask running a partition as
+    one task): --dask_npartitions when given, else one per read element up to MAX_PARTITIONS, set in `opts` for
+    the runner (Beam's own default puts up to 128 elements in one partition: one worker)."""
+    from apache_beam.runners.dask.dask_runner import DaskOptions
+    d = opts.view_as(DaskOptions)
+    if not d.npartitions and not d.partition_size:
+        d.npartitions = max(1, min(MAX_PARTITIONS, elements))
+    return d.npartitions or max(1, -(-elements // d.partition_size))
 
 
 def local_workers(opts: PipelineOptions) -> int:
@@ -198,6 +223,19 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     if labels != file_labels(files):      # ids other than the default ones (--id-root itself is not in the key)
         ingredients["options"]["id_root"] = flags["id_root"] or "full paths (--iceberg-table)"
     key = run_key(ingredients)
+    # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
+    # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
+    spread = not stateful and not (local and workers == 1)
+    if stateful and o.split_bytes > 0:
+        raise ValueError("--split-bytes needs --state stateless or warm (stateful reads each file in order)")
+    sizes = {f[0]: f[1] or 0 for f in fingerprints}       # auto: files are cut only where the work is spread
+    split = split_size(o.split_bytes, sum(sizes.values())) if o.split_bytes > 0 or spread else 0
+    splits = plan_splits(files, sizes, o.input_format, split, so)
+    runner = opts.view_as(StandardOptions).runner or "FnApiRunner"
+    buckets = 0
+    if spread_by_key(runner):
+        partitions = dask_partitions(opts, len(splits)) if "DaskRunner" in runner else len(splits)
+        buckets = max(4 * partitions, sum(sizes.values()) // BUCKET_BYTES)
     schema = shard_schema(o.parquet_layout, columns, o.dtype) if iceberg else None
     if iceberg:
         check_iceberg(iceberg, schema, o.output, key, o.overwrite, so)
@@ -227,9 +265,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     children = tokenizer_processes(o.tokenizer_process, tokenizer, local,
                                    opts.view_as(StandardOptions).runner or "FnApiRunner", workers)
     return Plan(o, so, files, labels, formats, spec, shard,
-                # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
-                # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
-                spread_documents=not stateful and not (local and workers == 1),
+                spread_documents=spread,
                 unique_ids=bool(o.id_field) and not stateful, sort=sentences_independent(o.state),
                 sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
                 progress=ProgressSpec(sum(f[1] or 0 for f in fingerprints), {f[0]: f[1] or 0 for f in fingerprints},
@@ -238,7 +274,8 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
                 key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
                 tokenizer_processes=children,
                 embed_threads=embed_threads(o.embed_threads or 0, threads, local, o.state, workers, children),
-                iceberg=iceberg, schema=schema, models=models, loaded=loaded, dedupe=dedupe)
+                iceberg=iceberg, schema=schema, models=models, loaded=loaded, dedupe=dedupe, splits=splits,
+                split_bytes=split, spread_buckets=buckets)
 
 
 def compute_support_here(compute_dtype: str, device: str) -> dict:

@@ -60,6 +60,8 @@ def check_numbers(o) -> None:
     if (o.embed_threads or 0) > 1 and o.state == "stateful":
         raise ValueError("--embed-threads > 1 needs --state stateless or warm (stateful carries each batch's state "
                          "into the next)")
+    if o.split_bytes < -1:
+        raise ValueError(f"--split-bytes must be >= -1 (0: automatic, -1: whole files), got {o.split_bytes}")
     if o.torch_threads is not None and o.torch_threads < 0:
         raise ValueError(f"--torch-threads must be >= 0 (0: automatic), got {o.torch_threads}")
     o.window_overlap = check_windows(o.window_tokens, o.window_overlap, o.max_tokens_per_batch)

@@ -145,3 +145,22 @@ def test_dask_cli_cluster_commands(corpus, tiny_model_files, reference, tmp_path
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_dask_one_file_spreads_over_both_workers(cluster, tiny_model_files, tmp_path):
+    """One file, no --dask_npartitions: read in parts, one partition each, documents spread by key; both workers
+    embed (tasks as long as a delayed batch on each) and the output equals FnApiRunner's reading the file whole."""
+    from elmo_pipeline.pipeline.run import main
+    c, client = cluster
+    path = write_corpus(str(tmp_path / "one.txt"), n_docs=500, seed=11)
+    ref_out, out = str(tmp_path / "ref"), str(tmp_path / "out")
+    assert main(argv(tiny_model_files, path, ref_out, *EXTRA, "--split-bytes", "-1")) == 0
+    from distributed import get_task_stream
+    with get_task_stream(client) as ts:
+        p = run_subprocess(argv(tiny_model_files, path, out, *EXTRA, "--split-bytes", "2500", "--runner", DASK,
+                                "--dask_client_address", c.scheduler_address), timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert_same_output(read_output(out), read_output(ref_out))
+    embedding = {t["worker"] for t in ts.data for s in t["startstops"]
+                 if s["action"] == "compute" and s["stop"] - s["start"] >= 0.3}
+    assert len(embedding) == 2, ts.data

@@ -13,6 +13,7 @@ from elmo_pipeline.transforms.ids import JSON_TYPES, BadId, document_id, printab
 from elmo_pipeline.transforms.lines import (CORRUPT, Corrupt, Meter, TooLong, lines_until_corrupt, open_decompressed,
                                             utf8_lines)
 from elmo_pipeline.transforms.records import Blank, Document
+from elmo_pipeline.transforms.splits import Range, Split
 
 INPUT_FORMATS = ("text", "lines", "jsonl", "parquet")
 
@@ -30,9 +31,10 @@ MAX_RECORD_BYTES = 8 << 20          # --max-record-bytes default
 
 
 def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_field: str | None = None,
-                   storage_options: dict | None = None, max_record_bytes: int = MAX_RECORD_BYTES
-                   ) -> Iterator[Document | DeadLetter | Blank]:
-    """Every record of one file, in file order: a Document, a Blank (whitespace-only) or a DeadLetter.
+                   storage_options: dict | None = None, max_record_bytes: int = MAX_RECORD_BYTES,
+                   split: Split | None = None) -> Iterator[Document | DeadLetter | Blank]:
+    """Every record of one file, in file order: a Document, a Blank (whitespace-only) or a DeadLetter; of
+    its part `split` only (transforms.splits: whole lines or row groups, numbered as in the whole file).
 
     Lines are split on b"\\n" only and decoded one by one as strict UTF-8 (a line that is not valid
     UTF-8 is a dead letter, its neighbours are unaffected); a trailing "\\r" is dropped (CRLF files),
@@ -40,25 +42,33 @@ def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_
     line ends (transforms.lines.not_utf8_lines) is one record dead letter "unreadable file", never read. A
     record over `max_record_bytes` is a dead letter "too long", read in blocks and never held whole. A failure
     that is not an I/O error (those propagate: the runner retries the file) ends the file with one record dead
-    letter "unreadable file" for the rest of it; the records before it stand."""
+    letter "unreadable file" for the rest of it (of the part, for a split); the records before it stand."""
     if fmt not in INPUT_FORMATS:
         raise ValueError(f"input format must be one of {INPUT_FORMATS}, got {fmt!r}")
     label = printable_label(label)
-    n = 0
+    part = split if split is not None and not split.whole else None
+    n = part.first - 1 if part else 0
     try:
-        for rec in _file_records(url, fmt, label, text_field, id_field, storage_options, max_record_bytes):
+        for rec in _file_records(url, fmt, label, text_field, id_field, storage_options, max_record_bytes, part):
             n += 1
             yield rec
     except Exception as e:  # noqa: BLE001 - one file must not fail the run; I/O errors are re-raised
         if isinstance(e, OSError) and not isinstance(e, CORRUPT):
             raise
-        yield DeadLetter(f"{label}:{n + 1}", f"unreadable file: after record {n}, the rest of the file is lost: "
+        rest = f"the rest of part {part.part + 1} of {part.parts} of the file" if part else "the rest of the file"
+        yield DeadLetter(f"{label}:{n + 1}", f"unreadable file: after record {n}, {rest} is lost: "
                          f"{type(e).__name__}: {' '.join(str(e).split())}"[:500], "", level="record")
 
 
-def _file_records(url, fmt, label, text_field, id_field, storage_options, max_record_bytes):
+def _file_records(url, fmt, label, text_field, id_field, storage_options, max_record_bytes, part: Split | None):
     if fmt == "parquet":
-        yield from _read_parquet(url, label, text_field, id_field, storage_options, max_record_bytes)
+        yield from _read_parquet(url, label, text_field, id_field, storage_options, max_record_bytes, part)
+        return
+    if part:        # uncompressed: its bytes [start, end), whole lines
+        with open_file(url, "rb", storage_options) as raw:
+            meter = Meter(Range(raw, part.start, part.end))
+            yield from line_records(meter, meter, fmt, label, text_field, id_field, max_record_bytes,
+                                    whole_file=part.start == 0, first=part.first)
         return
     with open_decompressed(url, storage_options) as (f, meter):
         yield from line_records(f, meter, fmt, label, text_field, id_field, max_record_bytes)
@@ -70,13 +80,14 @@ def too_long(nbytes: int, max_record_bytes: int, what: str = "record") -> str:
 
 
 def line_records(f, meter: Meter, fmt: str, label: str, text_field: str, id_field: str | None,
-                  max_record_bytes: int = MAX_RECORD_BYTES, whole_file: bool = True):
+                  max_record_bytes: int = MAX_RECORD_BYTES, whole_file: bool = True, first: int = 1):
     """The records of a line format (text, lines, jsonl); each Document's nbytes is the bytes of the stored
     file read since the previous Document (so read-ahead and skipped records count with the next one).
-    `whole_file`: f starts at the file's start, so the file-level check applies (transforms.lines.utf8_lines)."""
+    `whole_file`: f starts at the file's start, so the file-level check applies (transforms.lines.utf8_lines);
+    `first`: the line number of f's first line."""
     done = 0
     raws = lines_until_corrupt(f, max_record_bytes)
-    for n, raw in enumerate(utf8_lines(raws) if whole_file else raws, 1):
+    for n, raw in enumerate(utf8_lines(raws) if whole_file else raws, first):
         default_id = f"{label}:{n}"
         if isinstance(raw, Corrupt):     # one record dead letter for the unreadable (rest of the) file
             yield DeadLetter(default_id, raw.reason, "", level="record")
@@ -150,24 +161,26 @@ def _batch_rows(pf, column: int) -> int:
     return int(max(1, min(4096, BATCH_BYTES // max(per_row, 1.0))))
 
 
-def _read_parquet(url, label, text_field, id_field, storage_options,
-                  max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[Document | DeadLetter | Blank]:
-    """The rows of a Parquet file; a text over max_record_bytes (UTF-8) is a dead letter "too long" (left out
-    of the batch before it becomes a Python string) and an --id-field cell follows document_id(). A row group
-    with a text or id page over PAGE_RECORDS * max_record_bytes is never decoded (pyarrow decompresses a whole
-    page to read any value of it): each of its rows is a dead letter "too long: Parquet page ..."."""
+def _read_parquet(url, label, text_field, id_field, storage_options, max_record_bytes: int = MAX_RECORD_BYTES,
+                  part: Split | None = None) -> Iterator[Document | DeadLetter | Blank]:
+    """The rows of a Parquet file (of row groups [part.start, part.end) only, numbered as in the file); a text
+    over max_record_bytes (UTF-8) is a dead letter "too long" (left out of the batch before it becomes a Python
+    string) and an --id-field cell follows document_id(). A row group with a text or id page over
+    PAGE_RECORDS * max_record_bytes is never decoded (pyarrow decompresses a whole page to read any value of it):
+    each of its rows is a dead letter "too long: Parquet page ..."."""
     import pyarrow.parquet as pq
     with open_file(url, "rb", storage_options) as f:
         size = f.seek(0, 2)         # row n's share of the file's bytes: size * n // rows - size * (n - 1) // rows
         f.seek(0)
         pf = pq.ParquetFile(f)
-        rows, done = max(1, pf.metadata.num_rows), 0
+        rows = max(1, pf.metadata.num_rows)
+        n = part.first - 1 if part else 0
+        done = size * n // rows
         columns = [text_field] + ([id_field] if id_field else [])
         names = pf.schema_arrow.names
         missing = [c for c in columns if c not in names]
         if missing:
             raise ValueError(f"no column(s) {missing} (has {names})")
-        n = 0
         leaf = pf.schema_arrow.get_field_index(text_field)
         dictionary = [c for c in columns if pf.metadata.num_columns == len(names) and
                       _dictionary_pages(pf, pf.schema_arrow.get_field_index(c))]
@@ -175,7 +188,8 @@ def _read_parquet(url, label, text_field, id_field, storage_options,
             f.seek(0)       # read as dictionary: one copy of each distinct value, never one per row
             pf = pq.ParquetFile(f, read_dictionary=dictionary)
         batch_rows = _batch_rows(pf, leaf) if pf.metadata.num_columns == len(names) else 4096
-        for groups, reason in _row_group_runs(pf, f, columns, max_record_bytes):
+        mine = range(part.start, part.end) if part else range(pf.metadata.num_row_groups)
+        for groups, reason in _row_group_runs(pf, f, columns, max_record_bytes, mine):
             if reason:          # a page too big to decode: the row group's rows are dead letters, never read
                 for _ in range(pf.metadata.row_group(groups[0]).num_rows):
                     n += 1
@@ -198,14 +212,15 @@ def _read_parquet(url, label, text_field, id_field, storage_options,
 PAGE_RECORDS = 4    # a Parquet page over this many --max-record-bytes is never decoded (the memory bound)
 
 
-def _row_group_runs(pf, f, columns: list[str], max_record_bytes: int) -> Iterator[tuple[list[int], str | None]]:
-    """The file's row groups in order, lazily: (runs of groups to read, None), or ([group], the reason) for a group
+def _row_group_runs(pf, f, columns: list[str], max_record_bytes: int,
+                    groups: range) -> Iterator[tuple[list[int], str | None]]:
+    """The row groups `groups` of the file in order, lazily: (runs of groups to read, None), or ([group], the reason) for a group
     with a page of the columns over PAGE_RECORDS * max_record_bytes uncompressed. Only a column chunk over that
     size in the footer has its page headers read (transforms.parquet_pages), and only when its group is next."""
     from elmo_pipeline.transforms.parquet_pages import chunk_span, column_pages
     md, limit, run = pf.metadata, PAGE_RECORDS * max_record_bytes, []
     leaves = [i for i in range(md.num_columns) if pf.schema.column(i).path in columns]
-    for g in range(md.num_row_groups):
+    for g in groups:
         big = [i for i in leaves if md.row_group(g).column(i).total_uncompressed_size > limit]
         if not big:
             run.append(g)

@@ -13,20 +13,24 @@ from elmo_pipeline.transforms.ids import split_duplicate_ids
 from elmo_pipeline.transforms.progress import ProgressSpec, advance
 from elmo_pipeline.transforms.read import MAX_RECORD_BYTES, read_documents
 from elmo_pipeline.transforms.records import Blank
+from elmo_pipeline.transforms.splits import Split
 from elmo_pipeline.output.stats import RunStats
 from elmo_pipeline.output.staging import Staging
 
 
 class ReadFiles(beam.DoFn):
-    """index of a file in `files` -> Document ...; unreadable records to the DEAD output; per file, its record
-    counts (input records, blank records) staged under the run's staging folder (output.staging.Staging.counts).
-    The progress bar advances by the file's bytes that no Document carries (blank and unreadable records).
-    Files travel by index: a local name that is not valid UTF-8 cannot be a Beam string."""
+    """index of a read element in `splits` (transforms.splits: a file or a part of one; default: one per file)
+    -> Document ...; unreadable records to the DEAD output; per file or part, its record counts (input records,
+    blank records) staged under the run's staging folder (output.staging.Staging.counts). The progress bar
+    advances by the bytes that no Document carries (blank and unreadable records). Files travel by index: a
+    local name that is not valid UTF-8 cannot be a Beam string."""
 
     def __init__(self, fmt, files, labels, text_field, id_field, storage_options, staging: Staging,
-                 progress: ProgressSpec | None = None, max_record_bytes: int = MAX_RECORD_BYTES):
+                 progress: ProgressSpec | None = None, max_record_bytes: int = MAX_RECORD_BYTES,
+                 splits: list[Split] | None = None):
         self.args = (fmt, labels, text_field, id_field, storage_options)
         self.files, self.max_record_bytes = list(files), max_record_bytes
+        self.splits = list(splits) if splits is not None else [Split(i) for i in range(len(self.files))]
         self.staging, self.progress = staging, progress
         self.docs = Metrics.counter(NS, "documents")
         self.dead = Metrics.counter(NS, "dead_letters")
@@ -35,10 +39,11 @@ class ReadFiles(beam.DoFn):
 
     def process(self, index: int):
         fmt, labels, text_field, id_field, so = self.args
-        url = self.files[index]
+        split = self.splits[index]
+        url = self.files[split.index]
         records = blank = doc_bytes = 0
         busy, t = 0.0, time.perf_counter()      # time reading, not the time downstream steps take per yield
-        for rec in read_documents(url, fmt, labels[url], text_field, id_field, so, self.max_record_bytes):
+        for rec in read_documents(url, fmt, labels[url], text_field, id_field, so, self.max_record_bytes, split):
             busy += time.perf_counter() - t
             records += 1
             if isinstance(rec, Blank):
@@ -54,9 +59,12 @@ class ReadFiles(beam.DoFn):
         busy += time.perf_counter() - t
         self.run_stats.time("read", busy)
         self.blank.inc(blank)
-        self.staging.counts(url, {"input_records": records, "blank_records": blank})
+        self.staging.counts(url, {"input_records": records, "blank_records": blank},
+                            None if split.whole else (split.part, split.parts))
         if self.progress:
-            advance(self.progress, max(0, self.progress.sizes.get(url, doc_bytes) - doc_bytes))
+            size = self.progress.sizes.get(url, doc_bytes) if split.whole else \
+                doc_bytes if fmt == "parquet" else split.end - split.start    # a Parquet part: what its rows carry
+            advance(self.progress, max(0, size - doc_bytes))
 
 
 class DropDuplicateIds(beam.DoFn):
