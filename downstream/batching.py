@@ -11,6 +11,7 @@ the next one); pinned when CUDA is there and pin_memory is asked.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -121,7 +122,7 @@ class Batcher:
         """A tensor of `shape`: a view of the kept buffer `name`, grown when short; a fresh one for the batch's
         layers unless reuse."""
         import torch
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         if not self.reuse and name == "layers":
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
         b = self._bufs.get(name)
@@ -131,57 +132,94 @@ class Batcher:
 
     def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
         """A kept numpy buffer of shape and dtype (rows read before they are placed)."""
-        n = int(np.prod(shape)) * dtype.itemsize
+        n = math.prod(shape) * dtype.itemsize
         if self._rows is None or len(self._rows) < n:
             self._rows = np.empty(n, np.uint8)
         return self._rows[:n].view(dtype).reshape(shape)
 
-    def _converted(self, k: int, v):
-        """Layer k's rows as a numpy array of the batch dtype (converted by torch into a kept buffer)."""
+    def _table(self, rows: int):
+        """A kept (rows + 1, dim) tensor of the batch dtype, its last row zero: the rows a batch gathers from."""
+        t = self._buffer("table", (rows + 1, self.dim), self.torch_dtype)
+        t[rows].zero_()
+        return t
+
+    def destinations(self, n: int, widths: Sequence[int], dtype: np.dtype) -> list:
+        """Where from_rows wants each layer's n rows read: the table's rows for a layer as wide as the batch in
+        its dtype (from_rows then gathers from them without a copy), None for the others."""
+        table = self._table(len(widths) * n)
+        return [table[k * n: (k + 1) * n] if w == self.dim and np.dtype(dtype) == self.dtype else None
+                for k, w in enumerate(widths)]
+
+    def _put(self, dst, src) -> None:
+        """Copy (n, d) rows (a tensor or array) into dst (n, dim): a d = dim / 2 wide layer 0 into both halves
+        in one call (AllenNLP's [x, x]), another dtype converted by torch; nothing when src is dst."""
         import torch
-        t = v if isinstance(v, torch.Tensor) else tensor(v)
-        if t.dtype == self.torch_dtype:
-            return t.numpy()
-        c = self._buffer(f"rows{k}", tuple(t.shape), self.torch_dtype)
-        c.copy_(t)
-        return c.numpy()
+        src = src if isinstance(src, torch.Tensor) else tensor(np.asarray(src))
+        n, d = src.shape
+        if src.data_ptr() == dst.data_ptr() and src.dtype == dst.dtype and d == self.dim:
+            return
+        if d == self.dim:
+            dst.copy_(src)
+        elif 2 * d == self.dim:
+            dst.view(n, 2, d).copy_(src[:, None, :].expand(n, 2, d))
+        else:
+            raise ValueError(f"layer width {d} is neither {self.dim} nor half of it")
+
+    def _gather(self, table, base: list[int], starts, lengths) -> tuple:
+        """(layers (B, L, T, dim), mask (B, T)) gathered by one index_select from `table`: sentence b's rows of
+        layer k are table rows base[k] + starts[b] onwards; positions past a length take the zero last row."""
+        import torch
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        starts = torch.as_tensor(starts, dtype=torch.int64)
+        B, L = len(lengths), len(base)
+        T = int(lengths.max()) if B else 0
+        mask = lengths_mask(lengths, T)
+        idx = torch.as_tensor(base, dtype=torch.int64)[None, :, None] + (starts[:, None] + torch.arange(T)[None, :])[:, None, :]
+        idx = torch.where(mask[:, None, :], idx, len(table) - 1)
+        out = self._buffer("layers", (B, L, T, self.dim), self.torch_dtype)
+        torch.index_select(table, 0, idx.view(-1), out=out.view(-1, self.dim))
+        return out, mask
 
     def from_rows(self, vectors: Sequence, starts, lengths) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) of flat (N, D_k) rows per layer, sentence b at rows
-        starts[b]:starts[b] + lengths[b] (MappedDataset.stream's vectors)."""
-        st, ln = [int(x) for x in starts], [int(x) for x in lengths]
-        rows = [self._converted(k, v) for k, v in enumerate(vectors)]
-        return self._fill("layers", [[v[a: a + n] for v in rows] for a, n in zip(st, ln)], ln, len(vectors),
-                          self.torch_dtype)
+        starts[b]:starts[b] + lengths[b] (MappedDataset.stream's vectors): each layer copied once into the
+        table (converted, layer 0 duplicated), the batch gathered from it in one call."""
+        N = int(vectors[0].shape[0]) if len(vectors) else 0
+        table = self._table(len(vectors) * N)
+        for k, v in enumerate(vectors):
+            self._put(table[k * N: (k + 1) * N], v)
+        return self._gather(table, [k * N for k in range(len(vectors))], starts, lengths)
 
     def from_sentences(self, sentences: Sequence[Sequence]) -> tuple:
-        """(layers (B, L, T, dim), mask (B, T)) of sentences, each a list of per-layer (T_b, D_k) arrays of one
-        dtype (a batch of another dtype is filled as stored, then converted by torch in one pass)."""
-        import torch
+        """(layers (B, L, T, dim), mask (B, T)) of sentences, each a list of per-layer (T_b, D_k) arrays, tensors
+        or Rows. Each layer's rows are put one after another in the table: Rows as wide as the batch in its
+        dtype read straight into it, other Rows read into a kept buffer as stored and put there in one call a
+        layer; then one gather."""
         lengths = [int(s[0].shape[0]) if len(s) else 0 for s in sentences]
         L = len(sentences[0]) if sentences else 0
-        arrays = [[a if isinstance(a, Rows) else a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in s]
-                  for s in sentences]
-        source = arrays[0][0].dtype if L else self.dtype
-        if source == self.dtype or source.kind != "f":
-            return self._fill("layers", arrays, lengths, L, self.torch_dtype)
-        stage, mask = self._fill("stage", arrays, lengths, L, getattr(torch, source.name))
-        out = self._buffer("layers", tuple(stage.shape), self.torch_dtype)
-        out.copy_(stage)
-        return out, mask
-
-    def _fill(self, name: str, sentences: list, lengths: list[int], L: int, dtype) -> tuple:
-        T = max(lengths, default=0)
-        out = self._buffer(name, (len(lengths), L, T, self.dim), dtype)
-        o = out.numpy()
-        for b, (layers, n) in enumerate(zip(sentences, lengths)):
-            for k, a in enumerate(layers):
-                if isinstance(a, Rows):
-                    a.read_into(o[b, k, :n], self._scratch)
-                else:
-                    place(o[b, k, :n], a)
-            o[b, :, n:] = 0
-        return out, lengths_mask(lengths, T)
+        starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        N = starts[-1]
+        table = self._table(L * N)
+        view = memoryview(table.numpy()).cast("B")
+        for k in range(L):
+            first = sentences[0][k] if sentences else None
+            region = table[k * N: (k + 1) * N]
+            if not isinstance(first, Rows):
+                for b, s in enumerate(sentences):
+                    self._put(region[starts[b]: starts[b + 1]], s[k])
+                continue
+            d, dtype = first.shape[1], first.dtype
+            if d == self.dim and dtype == self.dtype:
+                row, at = d * dtype.itemsize, k * N * d * dtype.itemsize
+                for b, s in enumerate(sentences):
+                    pread_into(s[k].fd, view[at + starts[b] * row: at + starts[b + 1] * row], s[k].offset)
+                continue
+            stage = self._scratch((N, d), dtype)
+            sv, row = memoryview(stage).cast("B"), d * dtype.itemsize
+            for b, s in enumerate(sentences):
+                pread_into(s[k].fd, sv[starts[b] * row: starts[b + 1] * row], s[k].offset)
+            self._put(region, stage)
+        return self._gather(table, [k * N for k in range(L)], starts[:-1], lengths)
 
     def records(self, records: Sequence[dict]) -> dict:
         """A batch of records with "layers" (L, T, D) (readers.collate): layers, mask, lengths, ids,

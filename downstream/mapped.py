@@ -354,7 +354,9 @@ class MappedDataset(_TorchDataset):
                     offsets, fd, fd_unit = vector_offsets(path, names), os.open(path, os.O_RDONLY), u
                 first = int(self._starts[pos[0]])
                 n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
-                yield self._stream_batch(buf.read(fd, offsets, first, n), pos, kept, first, batcher)
+                into = batcher.destinations(n, [w // buf.dtype.itemsize for w in buf.widths], buf.dtype) \
+                    if batcher else None
+                yield self._stream_batch(buf.read(fd, offsets, first, n, into), pos, kept, first, batcher)
         finally:
             if fd >= 0:
                 os.close(fd)
