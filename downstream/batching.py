@@ -39,24 +39,29 @@ class Rows:
             place(dst, tmp)
 
 
-def place(dst: np.ndarray, src) -> None:
-    """Copy (n, d) rows (an array or Rows) into dst (n, dim): a d = dim / 2 wide layer 0 into both halves
-    (AllenNLP's [x, x]); another dtype converted by torch (numpy's float16 conversion is several times slower)."""
+def place(dst, src) -> None:
+    """Copy (n, d) rows (an array, a tensor or Rows) into dst (n, dim, an array or a tensor): a d = dim / 2 wide
+    layer 0 into both halves (AllenNLP's [x, x]); another dtype converted by torch in one call (numpy's float16
+    conversion is several times slower); nothing when src is dst."""
+    import torch
     if isinstance(src, Rows):
         src.read_into(dst, lambda shape, dtype: np.empty(shape, dtype))
         return
     d, dim = src.shape[1], dst.shape[1]
     if d != dim and 2 * d != dim:
         raise ValueError(f"layer width {d} is neither {dim} nor half of it")
-    if src.dtype == dst.dtype:
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray) and src.dtype == dst.dtype:
         dst[:, :d] = src
         if d != dim:
             dst[:, d:] = src
         return
-    t = tensor(dst)
-    t[:, :d].copy_(tensor(src))
-    if d != dim:
-        t[:, d:].copy_(t[:, :d])
+    t = src if isinstance(src, torch.Tensor) else tensor(np.asarray(src))
+    o = dst if isinstance(dst, torch.Tensor) else tensor(dst)
+    if d == dim:
+        if t.data_ptr() != o.data_ptr() or t.dtype != o.dtype:
+            o.copy_(t)
+        return
+    o.unflatten(1, (2, d)).copy_(t[:, None, :].expand(len(t), 2, d))
 
 
 def stack(arrays: Sequence, dim: int) -> np.ndarray:
@@ -108,7 +113,11 @@ class Batcher:
     """Builds padded batches of width `dim` in `dtype` (a numpy dtype name, e.g. "float32").
 
     reuse: build into buffers kept between calls (each batch valid until the next call; clone to keep);
-    pin_memory: pinned buffers when CUDA is available."""
+    pin_memory: pinned buffers when CUDA is available. Without reuse each batch is a tensor of its own, built in
+    one of a few kept buffers that nothing outside holds any more (torch's storage use count), else a new one:
+    a new allocation's page faults cost more than the batch's reads."""
+
+    POOL = 3                                        # kept buffers for batches of their own
 
     def __init__(self, dim: int, dtype: str = "float32", reuse: bool = False, pin_memory: bool = False):
         import torch
@@ -117,6 +126,7 @@ class Batcher:
         self.pin = pin_memory and torch.cuda.is_available()
         self._bufs: dict = {}
         self._rows: np.ndarray | None = None
+        self._pool: list = []
 
     def _buffer(self, name: str, shape: tuple, dtype):
         """A tensor of `shape`: a view of the kept buffer `name`, grown when short; a fresh one for the batch's
@@ -124,11 +134,33 @@ class Batcher:
         import torch
         n = math.prod(shape)
         if not self.reuse and name == "layers":
-            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+            return self._own(n, dtype).view(shape)
         b = self._bufs.get(name)
         if b is None or b.numel() < n or b.dtype != dtype:
             b = self._bufs[name] = torch.empty(max(n, 1), dtype=dtype, pin_memory=self.pin)
         return b[:n].view(shape)
+
+    def _own(self, n: int, dtype):
+        """n elements of a tensor no earlier batch still uses: a kept buffer that only the pool holds (the
+        storage's use count is 2: the pool's tensor and the count's own reference), else a new one, kept in place
+        of a free, smaller one or of the oldest. Pinned buffers are always new (an asynchronous copy may still read
+        them)."""
+        import torch
+        count = getattr(torch._C, "_storage_Use_Count", None)
+        if self.pin or count is None:
+            return torch.empty(max(n, 1), dtype=dtype, pin_memory=self.pin)[:n]
+        spare = None
+        for i, b in enumerate(self._pool):
+            if b.dtype == dtype and count(b.untyped_storage()._cdata) == 2:
+                if b.numel() >= n:
+                    return b[:n]
+                spare = i
+        b = torch.empty(max(1 << (max(n, 1) - 1).bit_length(), 1), dtype=dtype)     # a power of two: room to grow
+        if spare is not None:
+            self._pool[spare] = b
+        else:                                       # the oldest forgotten when all are held (their holders keep them)
+            self._pool = self._pool[-(self.POOL - 1):] + [b]
+        return b[:n]
 
     def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
         """A kept numpy buffer of shape and dtype (rows read before they are placed)."""
@@ -149,21 +181,6 @@ class Batcher:
         table = self._table(len(widths) * n)
         return [table[k * n: (k + 1) * n] if w == self.dim and np.dtype(dtype) == self.dtype else None
                 for k, w in enumerate(widths)]
-
-    def _put(self, dst, src) -> None:
-        """Copy (n, d) rows (a tensor or array) into dst (n, dim): a d = dim / 2 wide layer 0 into both halves
-        in one call (AllenNLP's [x, x]), another dtype converted by torch; nothing when src is dst."""
-        import torch
-        src = src if isinstance(src, torch.Tensor) else tensor(np.asarray(src))
-        n, d = src.shape
-        if src.data_ptr() == dst.data_ptr() and src.dtype == dst.dtype and d == self.dim:
-            return
-        if d == self.dim:
-            dst.copy_(src)
-        elif 2 * d == self.dim:
-            dst.view(n, 2, d).copy_(src[:, None, :].expand(n, 2, d))
-        else:
-            raise ValueError(f"layer width {d} is neither {self.dim} nor half of it")
 
     def _gather(self, table, base: list[int], starts, lengths) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) gathered by one index_select from `table`: sentence b's rows of
@@ -187,39 +204,37 @@ class Batcher:
         N = int(vectors[0].shape[0]) if len(vectors) else 0
         table = self._table(len(vectors) * N)
         for k, v in enumerate(vectors):
-            self._put(table[k * N: (k + 1) * N], v)
+            place(table[k * N: (k + 1) * N], v)
         return self._gather(table, [k * N for k in range(len(vectors))], starts, lengths)
 
     def from_sentences(self, sentences: Sequence[Sequence]) -> tuple:
-        """(layers (B, L, T, dim), mask (B, T)) of sentences, each a list of per-layer (T_b, D_k) arrays, tensors
-        or Rows. Each layer's rows are put one after another in the table: Rows as wide as the batch in its
-        dtype read straight into it, other Rows read into a kept buffer as stored and put there in one call a
-        layer; then one gather."""
+        """(layers (B, L, T, dim), mask (B, T)) of sentences, each a list of per-layer (T_b, D_k) arrays of one
+        dtype (a batch of another dtype is filled as stored, then converted by torch in one pass)."""
+        import torch
         lengths = [int(s[0].shape[0]) if len(s) else 0 for s in sentences]
         L = len(sentences[0]) if sentences else 0
-        starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-        N = starts[-1]
-        table = self._table(L * N)
-        view = memoryview(table.numpy()).cast("B")
-        for k in range(L):
-            first = sentences[0][k] if sentences else None
-            region = table[k * N: (k + 1) * N]
-            if not isinstance(first, Rows):
-                for b, s in enumerate(sentences):
-                    self._put(region[starts[b]: starts[b + 1]], s[k])
-                continue
-            d, dtype = first.shape[1], first.dtype
-            if d == self.dim and dtype == self.dtype:
-                row, at = d * dtype.itemsize, k * N * d * dtype.itemsize
-                for b, s in enumerate(sentences):
-                    pread_into(s[k].fd, view[at + starts[b] * row: at + starts[b + 1] * row], s[k].offset)
-                continue
-            stage = self._scratch((N, d), dtype)
-            sv, row = memoryview(stage).cast("B"), d * dtype.itemsize
-            for b, s in enumerate(sentences):
-                pread_into(s[k].fd, sv[starts[b] * row: starts[b + 1] * row], s[k].offset)
-            self._put(region, stage)
-        return self._gather(table, [k * N for k in range(L)], starts[:-1], lengths)
+        arrays = [[a if isinstance(a, Rows) else a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in s]
+                  for s in sentences]
+        source = arrays[0][0].dtype if L else self.dtype
+        if source == self.dtype or source.kind != "f":
+            return self._fill("layers", arrays, lengths, L, self.torch_dtype)
+        stage, mask = self._fill("stage", arrays, lengths, L, getattr(torch, source.name))
+        out = self._buffer("layers", tuple(stage.shape), self.torch_dtype)
+        out.copy_(stage)
+        return out, mask
+
+    def _fill(self, name: str, sentences: list, lengths: list[int], L: int, dtype) -> tuple:
+        T = max(lengths, default=0)
+        out = self._buffer(name, (len(lengths), L, T, self.dim), dtype)
+        o = out.numpy()
+        for b, (layers, n) in enumerate(zip(sentences, lengths)):
+            for k, a in enumerate(layers):
+                if isinstance(a, Rows):
+                    a.read_into(o[b, k, :n], self._scratch)
+                else:
+                    place(o[b, k, :n], a)
+            o[b, :, n:] = 0
+        return out, lengths_mask(lengths, T)
 
     def records(self, records: Sequence[dict]) -> dict:
         """A batch of records with "layers" (L, T, D) (readers.collate): layers, mask, lengths, ids,

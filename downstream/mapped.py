@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -190,6 +191,7 @@ class MappedDataset(_TorchDataset):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_maps"], state["_views"], state["_fds"] = {}, {}, {}
+        state.pop("_threads", None)
         return state
 
     def _open(self, u: int) -> pa.RecordBatch:
@@ -276,7 +278,7 @@ class MappedDataset(_TorchDataset):
         a fresh batching.Batcher: a new tensor per batch)."""
         import torch
         pos = [self._position(int(i)) for i in positions]
-        batcher = batcher or Batcher(self.dim, (self.dtype or self.stored_dtype).name, pin_memory=pin_memory)
+        batcher = batcher or self._batcher(pin_memory)
         out, mask = batcher.from_sentences([self._rows(p) for p in pos])
         metas = [self._meta(p) for p in pos]
         batch = {"layers": out, "mask": mask,
@@ -290,6 +292,17 @@ class MappedDataset(_TorchDataset):
         return batch
 
     __getitems__ = batch
+
+    def _batcher(self, pin_memory: bool) -> Batcher:
+        """This thread's Batcher for batch() (its kept buffers reused, each batch a tensor of its own)."""
+        local = self.__dict__.get("_threads")
+        if local is None or self._pid != os.getpid():
+            local = self._threads = threading.local()
+        b = getattr(local, "pinned" if pin_memory else "plain", None)
+        if b is None:
+            b = Batcher(self.dim, (self.dtype or self.stored_dtype).name, pin_memory=pin_memory)
+            setattr(local, "pinned" if pin_memory else "plain", b)
+        return b
 
     def _tokens(self, p: int) -> list[str]:
         u, _ = self._unit(p)

@@ -93,6 +93,23 @@ def test_mapped_dataset_fp16_labels_and_partitions(outputs):
 
 
 
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_batches_of_their_own_reuse_only_dropped_buffers(outputs, dtype):
+    """batch() builds in kept buffers once nothing holds them: a batch held (the tensor, a view, its numpy
+    array) keeps its values while later batches are built, and a dropped one's memory is built in again."""
+    ref = ElmoDataset(outputs["fp16"])
+    ds = MappedDataset(outputs["fp16"], dtype=dtype, tokens=False)
+    orders = [[5, 0, 7, 3], [1, 2], [6, 4, 0], [7], [3, 5]]
+    want = [collate([ref[i] for i in o])["layers"].to(getattr(torch, dtype or "float16")) for o in orders]
+    held = [ds.batch(orders[0])["layers"], ds.batch(orders[1])["layers"][1:], ds.batch(orders[2])["layers"].numpy()]
+    for o, w in zip(orders[3:], want[3:]):
+        assert torch.equal(ds.batch(o)["layers"], w)
+    assert torch.equal(held[0], want[0]) and torch.equal(held[1], want[1][1:]) and np.array_equal(held[2], want[2].numpy())
+    del held
+    kept = {b.untyped_storage().data_ptr() for b in ds._batcher(False)._pool}
+    assert {ds.batch(o)["layers"].untyped_storage().data_ptr() for o in orders * 2} <= kept
+
+
 def _streamed(ds: MappedDataset, output: ElmoOutput, **kw) -> list[dict]:
     """The stream's sentences as records (id, doc_id, layers stacked as ElmoOutput does), each batch checked
     before the next overwrites its buffer."""
