@@ -4,10 +4,13 @@ No Beam import.
 A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past
 each length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Sentences come
 as per-layer (T_b, D_k) arrays (numpy or torch, any float dtype) or `Rows` of a file (read with pread): rows
-are copied once into the batch (numpy slice copies or one pread, a few per sentence and layer, no per-row
-work); a dtype change (float16 stored, float32 delivered) is done by torch in one pass, never by numpy.
-`Batcher(reuse=True)` builds into buffers kept from batch to batch (no page faults of a fresh allocation: a batch is valid until
-the next one); pinned when CUDA is there and pin_memory is asked.
+are read or copied straight into the batch (one pread or slice copy per sentence and layer, no per-row work).
+Flat rows (a stream's consecutive sentences) and batches converted with much padding are put once a layer
+into a kept table (layer 0 duplicated, the dtype converted: by torch, never by numpy), the padded batch then
+gathered from it by one index_select (a zero row for the padding). `Batcher(reuse=True)` builds into buffers
+kept from batch to batch (a batch is valid until the next one); without reuse a batch is a tensor of its own,
+built in a kept buffer nothing holds any more (no page faults of a new allocation); pinned when CUDA is there
+and pin_memory is asked.
 """
 from __future__ import annotations
 
@@ -243,13 +246,18 @@ class Batcher:
         T = max(lengths, default=0)
         out = self._buffer(name, (len(lengths), L, T, self.dim), dtype)
         o = out.numpy()
+        flat, row = memoryview(o.reshape(-1)).cast("B"), self.dim * o.itemsize
         for b, (layers, n) in enumerate(zip(sentences, lengths)):
             for k, a in enumerate(layers):
-                if isinstance(a, Rows):
+                if isinstance(a, Rows) and a.shape[1] == self.dim and a.dtype == o.dtype:
+                    at = (b * L + k) * T * row                      # straight into the batch: one pread
+                    pread_into(a.fd, flat[at: at + n * row], a.offset)
+                elif isinstance(a, Rows):
                     a.read_into(o[b, k, :n], self._scratch)
                 else:
                     place(o[b, k, :n], a)
-            o[b, :, n:] = 0
+            if n < T:
+                o[b, :, n:] = 0
         return out, lengths_mask(lengths, T)
 
     def records(self, records: Sequence[dict]) -> dict:
