@@ -275,7 +275,7 @@ class MappedDataset(_TorchDataset):
         """A padded batch of the records at `positions`: layers (B, L, T, dim) in `dtype` (layer 0 duplicated,
         zero past each length), mask (B, T) bool, lengths (B,) int64, ids, doc_ids, tokens (lists; tokens
         None unless tokens=True), and label / tags as readers.collate makes them. Built by `batcher` (default
-        a fresh batching.Batcher: a new tensor per batch)."""
+        this thread's batching.Batcher: a tensor of its own per batch, in a kept buffer nothing holds any more)."""
         import torch
         pos = [self._position(int(i)) for i in positions]
         batcher = batcher or self._batcher(pin_memory)
