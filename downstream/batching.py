@@ -147,11 +147,12 @@ class Batcher:
         """n elements of a tensor no earlier batch still uses: a kept buffer that only the pool holds (the
         storage's use count is 2: the pool's tensor and the count's own reference), else a new one, kept in place
         of a free, smaller one or of the oldest. Pinned buffers are always new (an asynchronous copy may still read
-        them)."""
+        them); a buffer moved to shared memory (a DataLoader worker's batch, sent to the main process) is forgotten."""
         import torch
         count = getattr(torch._C, "_storage_Use_Count", None)
         if self.pin or count is None:
             return torch.empty(max(n, 1), dtype=dtype, pin_memory=self.pin)[:n]
+        self._pool = [b for b in self._pool if not b.is_shared()]      # sent to another process: theirs now
         spare = None
         for i, b in enumerate(self._pool):
             if b.dtype == dtype and count(b.untyped_storage()._cdata) == 2:

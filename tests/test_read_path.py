@@ -257,9 +257,11 @@ def test_dataloader_workers_each_batch_once(outputs):
     ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False)
     sampler = BucketBatchSampler(ds.lengths, batch_size=2, shuffle=True, seed=1)
     loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=2)
-    got = [b["ids"] for b in loader]
+    batches = list(loader)                    # all held: a worker's buffer sent to this process is never built in again
+    got = [b["ids"] for b in batches]
     want = [[ds[i]["id"] for i in b] for b in sampler]
     assert got == want and sorted(i for b in got for i in b) == sorted(ds[i]["id"] for i in range(len(ds)))
+    assert all(torch.equal(b["layers"], ds.batch(list(p))["layers"]) for b, p in zip(batches, sampler))
     first = next(iter(loader))
     assert torch.equal(first["layers"], ds.batch(next(iter(sampler)))["layers"])
 
