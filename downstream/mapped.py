@@ -204,18 +204,23 @@ class MappedDataset(_TorchDataset):
         return b
 
     def _file(self, u: int) -> tuple[int, list[tuple[int, int]]]:
-        """(descriptor, vector_offsets of the selected layers) of unit u's shard, open in this process (the
-        _FDS most recently used stay open)."""
+        """(descriptor, vector_offsets of the selected layers) of unit u's shard, open in this process (kept
+        open until a later read closes all but the _FDS most recently used: _close_files)."""
         if self._pid != os.getpid():
             self._maps, self._views, self._fds, self._pid = {}, {}, {}, os.getpid()
         f = self._fds.pop(u, None)
         if f is None:
             path = self._local(u)
             f = (os.open(path, os.O_RDONLY), vector_offsets(path, self.layers))
-            if len(self._fds) >= _FDS:
-                os.close(self._fds.pop(next(iter(self._fds)))[0])
         self._fds[u] = f
         return f
+
+    def _close_files(self) -> None:
+        """Close all but the _FDS most recently used shard files, before a read (never during one: a batch's
+        descriptors stay valid until it is read, however many shards it spans)."""
+        if self._pid == os.getpid():
+            while len(self._fds) > _FDS:
+                os.close(self._fds.pop(next(iter(self._fds)))[0])
 
     def __del__(self):
         for fd, _ in getattr(self, "_fds", {}).values():
@@ -265,6 +270,7 @@ class MappedDataset(_TorchDataset):
             r["tokens"] = self._open(u).column("token").slice(a, n).to_pylist()
         if self._labels is not None:
             r[self.label_key] = self._labels[i % len(self)]
+        self._close_files()
         r["layers"] = self.outputs[0].stack(self._rows(p))
         return self.transform(r) if self.transform else r
 
@@ -278,6 +284,7 @@ class MappedDataset(_TorchDataset):
         this thread's batching.Batcher: a tensor of its own per batch, in a kept buffer nothing holds any more)."""
         import torch
         pos = [self._position(int(i)) for i in positions]
+        self._close_files()
         batcher = batcher or self._batcher(pin_memory)
         out, mask = batcher.from_sentences([self._rows(p) for p in pos])
         metas = [self._meta(p) for p in pos]

@@ -110,6 +110,20 @@ def test_batches_of_their_own_reuse_only_dropped_buffers(outputs, dtype):
     assert {ds.batch(o)["layers"].untyped_storage().data_ptr() for o in orders * 2} <= kept
 
 
+def test_batch_over_more_shards_than_files_kept_open(outputs, monkeypatch):
+    """A batch whose sentences lie in more shards than the open files kept (_FDS) reads each from its own
+    shard: no descriptor is closed (and its number reused for another shard) before the batch is read."""
+    from elmo_pipeline.downstream import mapped
+    monkeypatch.setattr(mapped, "_FDS", 2)
+    ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False)
+    ref = ElmoDataset([outputs["all"], outputs["part2"]])
+    assert len(ds.units) > 3
+    for order in ([0, 3, 6, 8, 10], [10, 8, 6, 3, 0, 9, 4]):
+        assert torch.equal(ds.batch(order)["layers"], collate([ref[i] for i in order])["layers"])
+    assert len(ds._fds) > 3                                          # open while the last batch was read
+    assert np.array_equal(ds[9]["layers"], ref[9]["layers"]) and len(ds._fds) <= 3      # then closed down to _FDS
+
+
 def _streamed(ds: MappedDataset, output: ElmoOutput, **kw) -> list[dict]:
     """The stream's sentences as records (id, doc_id, layers stacked as ElmoOutput does), each batch checked
     before the next overwrites its buffer."""
