@@ -159,7 +159,7 @@ class Batcher:
                 if b.numel() >= n:
                     return b[:n]
                 spare = i
-        b = torch.empty(max(1 << (max(n, 1) - 1).bit_length(), 1), dtype=dtype)     # a power of two: room to grow
+        b = torch.empty(1 << (max(n, 1) - 1).bit_length(), dtype=dtype)     # a power of two: room to grow
         if spare is not None:
             self._pool[spare] = b
         else:                                       # the oldest forgotten when all are held (their holders keep them)
@@ -195,7 +195,8 @@ class Batcher:
         B, L = len(lengths), len(base)
         T = int(lengths.max()) if B else 0
         mask = lengths_mask(lengths, T)
-        idx = torch.as_tensor(base, dtype=torch.int64)[None, :, None] + (starts[:, None] + torch.arange(T)[None, :])[:, None, :]
+        rows = starts[:, None] + torch.arange(T)[None, :]                               # (B, T)
+        idx = torch.as_tensor(base, dtype=torch.int64)[None, :, None] + rows[:, None, :]   # (B, L, T)
         idx = torch.where(mask[:, None, :], idx, len(table) - 1)
         out = self._buffer("layers", (B, L, T, self.dim), self.torch_dtype)
         torch.index_select(table, 0, idx.view(-1), out=out.view(-1, self.dim))

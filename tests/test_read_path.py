@@ -104,7 +104,8 @@ def test_batches_of_their_own_reuse_only_dropped_buffers(outputs, dtype):
     held = [ds.batch(orders[0])["layers"], ds.batch(orders[1])["layers"][1:], ds.batch(orders[2])["layers"].numpy()]
     for o, w in zip(orders[3:], want[3:]):
         assert torch.equal(ds.batch(o)["layers"], w)
-    assert torch.equal(held[0], want[0]) and torch.equal(held[1], want[1][1:]) and np.array_equal(held[2], want[2].numpy())
+    assert torch.equal(held[0], want[0]) and torch.equal(held[1], want[1][1:])
+    assert np.array_equal(held[2], want[2].numpy())
     del held
     kept = {b.untyped_storage().data_ptr() for b in ds._batcher(False)._pool}
     assert {ds.batch(o)["layers"].untyped_storage().data_ptr() for o in orders * 2} <= kept
