@@ -4,13 +4,17 @@ No Beam import.
 A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past
 each length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Sentences come
 as per-layer (T_b, D_k) arrays (numpy or torch, any float dtype) or `Rows` of a file (read with pread): rows
-are copied once into the batch (numpy slice copies or one pread, a few per sentence and layer, no per-row
-work); a dtype change (float16 stored, float32 delivered) is done by torch in one pass, never by numpy.
-`Batcher(reuse=True)` builds into buffers kept from batch to batch (no page faults of a fresh allocation: a batch is valid until
-the next one); pinned when CUDA is there and pin_memory is asked.
+are read or copied straight into the batch (one pread or slice copy per sentence and layer, no per-row work).
+Flat rows (a stream's consecutive sentences) and batches converted with much padding are put once a layer
+into a kept table (layer 0 duplicated, the dtype converted: by torch, never by numpy), the padded batch then
+gathered from it by one index_select (a zero row for the padding). `Batcher(reuse=True)` builds into buffers
+kept from batch to batch (a batch is valid until the next one); without reuse a batch is a tensor of its own,
+built in a kept buffer nothing holds any more (no page faults of a new allocation); pinned when CUDA is there
+and pin_memory is asked.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -38,24 +42,29 @@ class Rows:
             place(dst, tmp)
 
 
-def place(dst: np.ndarray, src) -> None:
-    """Copy (n, d) rows (an array or Rows) into dst (n, dim): a d = dim / 2 wide layer 0 into both halves
-    (AllenNLP's [x, x]); another dtype converted by torch (numpy's float16 conversion is several times slower)."""
+def place(dst, src) -> None:
+    """Copy (n, d) rows (an array, a tensor or Rows) into dst (n, dim, an array or a tensor): a d = dim / 2 wide
+    layer 0 into both halves (AllenNLP's [x, x]); another dtype converted by torch in one call (numpy's float16
+    conversion is several times slower); nothing when src is dst."""
+    import torch
     if isinstance(src, Rows):
         src.read_into(dst, lambda shape, dtype: np.empty(shape, dtype))
         return
     d, dim = src.shape[1], dst.shape[1]
     if d != dim and 2 * d != dim:
         raise ValueError(f"layer width {d} is neither {dim} nor half of it")
-    if src.dtype == dst.dtype:
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray) and src.dtype == dst.dtype:
         dst[:, :d] = src
         if d != dim:
             dst[:, d:] = src
         return
-    t = tensor(dst)
-    t[:, :d].copy_(tensor(src))
-    if d != dim:
-        t[:, d:].copy_(t[:, :d])
+    t = src if isinstance(src, torch.Tensor) else tensor(np.asarray(src))
+    o = dst if isinstance(dst, torch.Tensor) else tensor(dst)
+    if d == dim:
+        if t.data_ptr() != o.data_ptr() or t.dtype != o.dtype:
+            o.copy_(t)
+        return
+    o.unflatten(1, (2, d)).copy_(t[:, None, :].expand(len(t), 2, d))
 
 
 def stack(arrays: Sequence, dim: int) -> np.ndarray:
@@ -107,7 +116,11 @@ class Batcher:
     """Builds padded batches of width `dim` in `dtype` (a numpy dtype name, e.g. "float32").
 
     reuse: build into buffers kept between calls (each batch valid until the next call; clone to keep);
-    pin_memory: pinned buffers when CUDA is available."""
+    pin_memory: pinned buffers when CUDA is available. Without reuse each batch is a tensor of its own, built in
+    one of a few kept buffers that nothing outside holds any more (torch's storage use count), else a new one:
+    a new allocation's page faults cost more than the batch's reads."""
+
+    POOL = 3                                        # kept buffers for batches of their own
 
     def __init__(self, dim: int, dtype: str = "float32", reuse: bool = False, pin_memory: bool = False):
         import torch
@@ -116,47 +129,95 @@ class Batcher:
         self.pin = pin_memory and torch.cuda.is_available()
         self._bufs: dict = {}
         self._rows: np.ndarray | None = None
+        self._pool: list = []
 
     def _buffer(self, name: str, shape: tuple, dtype):
         """A tensor of `shape`: a view of the kept buffer `name`, grown when short; a fresh one for the batch's
         layers unless reuse."""
         import torch
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         if not self.reuse and name == "layers":
-            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+            return self._own(n, dtype).view(shape)
         b = self._bufs.get(name)
         if b is None or b.numel() < n or b.dtype != dtype:
             b = self._bufs[name] = torch.empty(max(n, 1), dtype=dtype, pin_memory=self.pin)
         return b[:n].view(shape)
 
+    def _own(self, n: int, dtype):
+        """n elements of a tensor no earlier batch still uses: a kept buffer that only the pool holds (the
+        storage's use count is 2: the pool's tensor and the count's own reference), else a new one, kept in place
+        of a free, smaller one or of the oldest. Pinned buffers are always new (an asynchronous copy may still read
+        them); a buffer moved to shared memory (a DataLoader worker's batch, sent to the main process) is forgotten."""
+        import torch
+        count = getattr(torch._C, "_storage_Use_Count", None)
+        if self.pin or count is None:
+            return torch.empty(max(n, 1), dtype=dtype, pin_memory=self.pin)[:n]
+        self._pool = [b for b in self._pool if not b.is_shared()]      # sent to another process: theirs now
+        spare = None
+        for i, b in enumerate(self._pool):
+            if b.dtype == dtype and count(b.untyped_storage()._cdata) == 2:
+                if b.numel() >= n:
+                    return b[:n]
+                spare = i
+        b = torch.empty(1 << (max(n, 1) - 1).bit_length(), dtype=dtype)     # a power of two: room to grow
+        if spare is not None:
+            self._pool[spare] = b
+        else:                                       # the oldest forgotten when all are held (their holders keep them)
+            self._pool = self._pool[-(self.POOL - 1):] + [b]
+        return b[:n]
+
     def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
         """A kept numpy buffer of shape and dtype (rows read before they are placed)."""
-        n = int(np.prod(shape)) * dtype.itemsize
+        n = math.prod(shape) * dtype.itemsize
         if self._rows is None or len(self._rows) < n:
             self._rows = np.empty(n, np.uint8)
         return self._rows[:n].view(dtype).reshape(shape)
 
-    def _converted(self, k: int, v):
-        """Layer k's rows as a numpy array of the batch dtype (converted by torch into a kept buffer)."""
+    def _table(self, rows: int):
+        """A kept (rows + 1, dim) tensor of the batch dtype, its last row zero: the rows a batch gathers from."""
+        t = self._buffer("table", (rows + 1, self.dim), self.torch_dtype)
+        t[rows].zero_()
+        return t
+
+    def destinations(self, n: int, widths: Sequence[int], dtype: np.dtype) -> list:
+        """Where from_rows wants each layer's n rows read: the table's rows for a layer as wide as the batch in
+        its dtype (from_rows then gathers from them without a copy), None for the others."""
+        table = self._table(len(widths) * n)
+        return [table[k * n: (k + 1) * n] if w == self.dim and np.dtype(dtype) == self.dtype else None
+                for k, w in enumerate(widths)]
+
+    def _gather(self, table, base: list[int], starts, lengths) -> tuple:
+        """(layers (B, L, T, dim), mask (B, T)) gathered by one index_select from `table`: sentence b's rows of
+        layer k are table rows base[k] + starts[b] onwards; positions past a length take the zero last row."""
         import torch
-        t = v if isinstance(v, torch.Tensor) else tensor(v)
-        if t.dtype == self.torch_dtype:
-            return t.numpy()
-        c = self._buffer(f"rows{k}", tuple(t.shape), self.torch_dtype)
-        c.copy_(t)
-        return c.numpy()
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        starts = torch.as_tensor(starts, dtype=torch.int64)
+        B, L = len(lengths), len(base)
+        T = int(lengths.max()) if B else 0
+        mask = lengths_mask(lengths, T)
+        rows = starts[:, None] + torch.arange(T)[None, :]                               # (B, T)
+        idx = torch.as_tensor(base, dtype=torch.int64)[None, :, None] + rows[:, None, :]   # (B, L, T)
+        idx = torch.where(mask[:, None, :], idx, len(table) - 1)
+        out = self._buffer("layers", (B, L, T, self.dim), self.torch_dtype)
+        torch.index_select(table, 0, idx.view(-1), out=out.view(-1, self.dim))
+        return out, mask
 
     def from_rows(self, vectors: Sequence, starts, lengths) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) of flat (N, D_k) rows per layer, sentence b at rows
-        starts[b]:starts[b] + lengths[b] (MappedDataset.stream's vectors)."""
-        st, ln = [int(x) for x in starts], [int(x) for x in lengths]
-        rows = [self._converted(k, v) for k, v in enumerate(vectors)]
-        return self._fill("layers", [[v[a: a + n] for v in rows] for a, n in zip(st, ln)], ln, len(vectors),
-                          self.torch_dtype)
+        starts[b]:starts[b] + lengths[b] (MappedDataset.stream's vectors): each layer copied once into the
+        table (converted, layer 0 duplicated), the batch gathered from it in one call."""
+        N = int(vectors[0].shape[0]) if len(vectors) else 0
+        table = self._table(len(vectors) * N)
+        for k, v in enumerate(vectors):
+            place(table[k * N: (k + 1) * N], v)
+        return self._gather(table, [k * N for k in range(len(vectors))], starts, lengths)
 
     def from_sentences(self, sentences: Sequence[Sequence]) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) of sentences, each a list of per-layer (T_b, D_k) arrays of one
-        dtype (a batch of another dtype is filled as stored, then converted by torch in one pass)."""
+        dtype or Rows. In the batch dtype: read or copied straight into place. In another: filled as stored, then
+        converted by torch in one pass; or, with much padding (measured faster), each layer's rows read one after
+        another into a kept buffer as stored, converted into the table in one call a layer, the batch gathered
+        from it (from_rows)."""
         import torch
         lengths = [int(s[0].shape[0]) if len(s) else 0 for s in sentences]
         L = len(sentences[0]) if sentences else 0
@@ -165,22 +226,40 @@ class Batcher:
         source = arrays[0][0].dtype if L else self.dtype
         if source == self.dtype or source.kind != "f":
             return self._fill("layers", arrays, lengths, L, self.torch_dtype)
-        stage, mask = self._fill("stage", arrays, lengths, L, getattr(torch, source.name))
-        out = self._buffer("layers", tuple(stage.shape), self.torch_dtype)
-        out.copy_(stage)
-        return out, mask
+        if len(lengths) * max(lengths) < 1.5 * sum(lengths):            # little padding: converted in one pass
+            stage, mask = self._fill("stage", arrays, lengths, L, getattr(torch, source.name))
+            out = self._buffer("layers", tuple(stage.shape), self.torch_dtype)
+            out.copy_(stage)
+            return out, mask
+        starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).tolist()
+        N = starts[-1]
+        table = self._table(L * N)
+        for k in range(L):
+            stage = self._scratch((N, arrays[0][k].shape[1]), source)
+            for b, s in enumerate(arrays):
+                if isinstance(s[k], Rows):
+                    pread_into(s[k].fd, memoryview(stage[starts[b]: starts[b + 1]]).cast("B"), s[k].offset)
+                else:
+                    stage[starts[b]: starts[b + 1]] = s[k]
+            place(table[k * N: (k + 1) * N], stage)
+        return self._gather(table, [k * N for k in range(L)], starts[:-1], lengths)
 
     def _fill(self, name: str, sentences: list, lengths: list[int], L: int, dtype) -> tuple:
         T = max(lengths, default=0)
         out = self._buffer(name, (len(lengths), L, T, self.dim), dtype)
         o = out.numpy()
+        flat, row = memoryview(o.reshape(-1)).cast("B"), self.dim * o.itemsize
         for b, (layers, n) in enumerate(zip(sentences, lengths)):
             for k, a in enumerate(layers):
-                if isinstance(a, Rows):
+                if isinstance(a, Rows) and a.shape[1] == self.dim and a.dtype == o.dtype:
+                    at = (b * L + k) * T * row                      # straight into the batch: one pread
+                    pread_into(a.fd, flat[at: at + n * row], a.offset)
+                elif isinstance(a, Rows):
                     a.read_into(o[b, k, :n], self._scratch)
                 else:
                     place(o[b, k, :n], a)
-            o[b, :, n:] = 0
+            if n < T:
+                o[b, :, n:] = 0
         return out, lengths_mask(lengths, T)
 
     def records(self, records: Sequence[dict]) -> dict:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -190,6 +191,7 @@ class MappedDataset(_TorchDataset):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_maps"], state["_views"], state["_fds"] = {}, {}, {}
+        state.pop("_threads", None)
         return state
 
     def _open(self, u: int) -> pa.RecordBatch:
@@ -202,18 +204,23 @@ class MappedDataset(_TorchDataset):
         return b
 
     def _file(self, u: int) -> tuple[int, list[tuple[int, int]]]:
-        """(descriptor, vector_offsets of the selected layers) of unit u's shard, open in this process (the
-        _FDS most recently used stay open)."""
+        """(descriptor, vector_offsets of the selected layers) of unit u's shard, open in this process (kept
+        open until a later read closes all but the _FDS most recently used: _close_files)."""
         if self._pid != os.getpid():
             self._maps, self._views, self._fds, self._pid = {}, {}, {}, os.getpid()
         f = self._fds.pop(u, None)
         if f is None:
             path = self._local(u)
             f = (os.open(path, os.O_RDONLY), vector_offsets(path, self.layers))
-            if len(self._fds) >= _FDS:
-                os.close(self._fds.pop(next(iter(self._fds)))[0])
         self._fds[u] = f
         return f
+
+    def _close_files(self) -> None:
+        """Close all but the _FDS most recently used shard files, before a read (never during one: a batch's
+        descriptors stay valid until it is read, however many shards it spans)."""
+        if self._pid == os.getpid():
+            while len(self._fds) > _FDS:
+                os.close(self._fds.pop(next(iter(self._fds)))[0])
 
     def __del__(self):
         for fd, _ in getattr(self, "_fds", {}).values():
@@ -263,6 +270,7 @@ class MappedDataset(_TorchDataset):
             r["tokens"] = self._open(u).column("token").slice(a, n).to_pylist()
         if self._labels is not None:
             r[self.label_key] = self._labels[i % len(self)]
+        self._close_files()
         r["layers"] = self.outputs[0].stack(self._rows(p))
         return self.transform(r) if self.transform else r
 
@@ -273,10 +281,11 @@ class MappedDataset(_TorchDataset):
         """A padded batch of the records at `positions`: layers (B, L, T, dim) in `dtype` (layer 0 duplicated,
         zero past each length), mask (B, T) bool, lengths (B,) int64, ids, doc_ids, tokens (lists; tokens
         None unless tokens=True), and label / tags as readers.collate makes them. Built by `batcher` (default
-        a fresh batching.Batcher: a new tensor per batch)."""
+        this thread's batching.Batcher: a tensor of its own per batch, in a kept buffer nothing holds any more)."""
         import torch
         pos = [self._position(int(i)) for i in positions]
-        batcher = batcher or Batcher(self.dim, (self.dtype or self.stored_dtype).name, pin_memory=pin_memory)
+        self._close_files()
+        batcher = batcher or self._batcher(pin_memory)
         out, mask = batcher.from_sentences([self._rows(p) for p in pos])
         metas = [self._meta(p) for p in pos]
         batch = {"layers": out, "mask": mask,
@@ -290,6 +299,17 @@ class MappedDataset(_TorchDataset):
         return batch
 
     __getitems__ = batch
+
+    def _batcher(self, pin_memory: bool) -> Batcher:
+        """This thread's Batcher for batch() (its kept buffers reused, each batch a tensor of its own)."""
+        local = self.__dict__.get("_threads")
+        if local is None or self._pid != os.getpid():
+            local = self._threads = threading.local()
+        b = getattr(local, "pinned" if pin_memory else "plain", None)
+        if b is None:
+            b = Batcher(self.dim, (self.dtype or self.stored_dtype).name, pin_memory=pin_memory)
+            setattr(local, "pinned" if pin_memory else "plain", b)
+        return b
 
     def _tokens(self, p: int) -> list[str]:
         u, _ = self._unit(p)
@@ -354,7 +374,9 @@ class MappedDataset(_TorchDataset):
                     offsets, fd, fd_unit = vector_offsets(path, names), os.open(path, os.O_RDONLY), u
                 first = int(self._starts[pos[0]])
                 n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
-                yield self._stream_batch(buf.read(fd, offsets, first, n), pos, kept, first, batcher)
+                into = batcher.destinations(n, [w // buf.dtype.itemsize for w in buf.widths], buf.dtype) \
+                    if batcher else None
+                yield self._stream_batch(buf.read(fd, offsets, first, n, into), pos, kept, first, batcher)
         finally:
             if fd >= 0:
                 os.close(fd)

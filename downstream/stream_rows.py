@@ -53,13 +53,17 @@ class RowBuffer:
         self.buf = torch.empty(sum(region), dtype=torch.uint8, pin_memory=pin_memory and torch.cuda.is_available())
         self.view, self.base = memoryview(self.buf.numpy()), np.cumsum([0] + region[:-1]).tolist()
 
-    def read(self, fd: int, offsets: list[tuple[int, int]], first: int, n: int) -> list:
+    def read(self, fd: int, offsets: list[tuple[int, int]], first: int, n: int, into: Sequence | None = None) -> list:
         """Rows first:first + n of each layer, (N, D_k) tensors viewing the buffer (valid until the next read);
-        offsets: (file offset of row 0, bytes per row) of each layer (arrow_shards.vector_offsets)."""
+        offsets: (file offset of row 0, bytes per row) of each layer (arrow_shards.vector_offsets); into: per
+        layer, a contiguous (N, D_k) tensor of the stored dtype to read into instead (None: the buffer)."""
         vectors = []
-        for (off, row), at, w in zip(offsets, self.base, self.widths):
-            pread_into(fd, self.view[at: at + n * row], off + first * row)
-            vectors.append(self.buf[at: at + n * row].view(self.torch_dtype).view(n, row // self.dtype.itemsize))
+        for k, ((off, row), at) in enumerate(zip(offsets, self.base)):
+            dst = into[k] if into is not None else None
+            if dst is None:
+                dst = self.buf[at: at + n * row].view(self.torch_dtype).view(n, row // self.dtype.itemsize)
+            pread_into(fd, memoryview(dst.numpy()).cast("B"), off + first * row)
+            vectors.append(dst)
         return vectors
 
 

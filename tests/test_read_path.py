@@ -93,6 +93,38 @@ def test_mapped_dataset_fp16_labels_and_partitions(outputs):
 
 
 
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_batches_of_their_own_reuse_only_dropped_buffers(outputs, dtype):
+    """batch() builds in kept buffers once nothing holds them: a batch held (the tensor, a view, its numpy
+    array) keeps its values while later batches are built, and a dropped one's memory is built in again."""
+    ref = ElmoDataset(outputs["fp16"])
+    ds = MappedDataset(outputs["fp16"], dtype=dtype, tokens=False)
+    orders = [[5, 0, 7, 3], [1, 2], [6, 4, 0], [7], [3, 5]]
+    want = [collate([ref[i] for i in o])["layers"].to(getattr(torch, dtype or "float16")) for o in orders]
+    held = [ds.batch(orders[0])["layers"], ds.batch(orders[1])["layers"][1:], ds.batch(orders[2])["layers"].numpy()]
+    for o, w in zip(orders[3:], want[3:]):
+        assert torch.equal(ds.batch(o)["layers"], w)
+    assert torch.equal(held[0], want[0]) and torch.equal(held[1], want[1][1:])
+    assert np.array_equal(held[2], want[2].numpy())
+    del held
+    kept = {b.untyped_storage().data_ptr() for b in ds._batcher(False)._pool}
+    assert {ds.batch(o)["layers"].untyped_storage().data_ptr() for o in orders * 2} <= kept
+
+
+def test_batch_over_more_shards_than_files_kept_open(outputs, monkeypatch):
+    """A batch whose sentences lie in more shards than the open files kept (_FDS) reads each from its own
+    shard: no descriptor is closed (and its number reused for another shard) before the batch is read."""
+    from elmo_pipeline.downstream import mapped
+    monkeypatch.setattr(mapped, "_FDS", 2)
+    ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False)
+    ref = ElmoDataset([outputs["all"], outputs["part2"]])
+    assert len(ds.units) > 3
+    for order in ([0, 3, 6, 8, 10], [10, 8, 6, 3, 0, 9, 4]):
+        assert torch.equal(ds.batch(order)["layers"], collate([ref[i] for i in order])["layers"])
+    assert len(ds._fds) > 3                                          # open while the last batch was read
+    assert np.array_equal(ds[9]["layers"], ref[9]["layers"]) and len(ds._fds) <= 3      # then closed down to _FDS
+
+
 def _streamed(ds: MappedDataset, output: ElmoOutput, **kw) -> list[dict]:
     """The stream's sentences as records (id, doc_id, layers stacked as ElmoOutput does), each batch checked
     before the next overwrites its buffer."""
@@ -240,9 +272,11 @@ def test_dataloader_workers_each_batch_once(outputs):
     ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False)
     sampler = BucketBatchSampler(ds.lengths, batch_size=2, shuffle=True, seed=1)
     loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=2)
-    got = [b["ids"] for b in loader]
+    batches = list(loader)                    # all held: a worker's buffer sent to this process is never built in again
+    got = [b["ids"] for b in batches]
     want = [[ds[i]["id"] for i in b] for b in sampler]
     assert got == want and sorted(i for b in got for i in b) == sorted(ds[i]["id"] for i in range(len(ds)))
+    assert all(torch.equal(b["layers"], ds.batch(list(p))["layers"]) for b, p in zip(batches, sampler))
     first = next(iter(loader))
     assert torch.equal(first["layers"], ds.batch(next(iter(sampler)))["layers"])
 
