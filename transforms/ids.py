@@ -39,7 +39,9 @@ def file_labels(files: list[str], root: str | None = None, full: bool = False) -
         labels = {f: public_url(f) for f in files}
     else:
         labels = _relative_labels(files)
-    return _distinct({f: escape_label(redact(label)) for f, label in labels.items()})
+    # a remote URL's label is redacted (a presigned URL's signature is in no id); a local name is the file's own
+    # name, whatever it holds ("page?id=3.html" has no query)
+    return _distinct({f: escape_label(redact(label) if _place(f)[0] else label) for f, label in labels.items()})
 
 
 def _relative_labels(files: list[str]) -> dict[str, str]:
