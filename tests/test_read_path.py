@@ -200,6 +200,16 @@ def test_read_ahead_and_reused_batches_equal_fresh_ones(outputs, name):
     assert not [t for t in threading.enumerate() if t.name == "read-ahead"]
 
 
+def test_padded_stream_batches_default_to_256_rows(tmp_path):
+    """Padded stream batches span at most 256 rows by default (the padded batch stays in the CPU cache), flat
+    ones 512; an explicit batch_tokens is kept. 20-token sentences, 40 a shard."""
+    from benchmarks.read_path import big_output
+    ds = MappedDataset(big_output(str(tmp_path), 4000, 40), tokens=False, dtype=None)
+    rows = lambda **kw: [int(b["lengths"].sum()) for b in ds.stream(**kw)]     # noqa: E731
+    assert max(rows(padded=True)) == 240 and max(rows()) == 500 and max(rows(padded=True, batch_tokens=512)) == 500
+    assert sum(rows(padded=True)) == sum(rows()) == 4000
+
+
 def test_read_ahead_raises_the_producers_error():
     from elmo_pipeline.downstream.stream_rows import read_ahead
 
