@@ -12,7 +12,9 @@ float32 also give "% of floor": the floor is the cat's time for the vector bytes
 conversion of the same bytes (measured in the same run, one stream batch at a time into a reused buffer; on a GPU that
 conversion belongs on the device: deliver the stored dtype and call .float() there). Random-access rows read
 every byte of each sentence and give "% of its bound": the cat's bytes/s divided by the mean bytes of the
-sentences read. The index's memory: a fresh process over the same output (default sharding) and over a
+sentences read; they time the reads only (opening the dataset, drawing the positions and, by id, listing the ids
+and building the id table are timed apart: set-up seconds). Every form runs in one thread with its defaults
+(stream batches of 512 rows, padded ones of 256). The index's memory: a fresh process over the same output (default sharding) and over a
 --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and file pages) after the index,
 after 100k random reads and after 100k id lookups.
 """
@@ -315,7 +317,9 @@ def main() -> int:
            "load_average_at_start": os.getloadavg(), "lines": args.lines or "all", "one_process": True,
            "torch_threads": 1, "pairs": args.pairs,
            "method": "each row: the median of `pairs` pairs, one cat of the arrow files then the form, every "
-                     "delivered tensor summed in the loop; rates in stored vector bytes delivered per second",
+                     "delivered tensor summed in the loop, one thread (no read-ahead), the forms' defaults; rates in "
+                     "stored vector bytes delivered per second; random-access rows time the reads, their set-up "
+                     "(dataset opened, positions drawn, ids listed, id table built) apart",
            "dtypes": {}}
     print(f"# read path, {res['machine']}, one process, 1 torch thread; median of {args.pairs} (cat, form) pairs; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
