@@ -210,6 +210,26 @@ def test_padded_stream_batches_default_to_256_rows(tmp_path):
     assert sum(rows(padded=True)) == sum(rows()) == 4000
 
 
+def test_converted_batches_filled_a_chunk_at_a_time(monkeypatch):
+    """fp16 sentences with little padding become a float32 batch a CHUNK of sentences at a time: equal to numpy's
+    conversion, layer 0 duplicated, zero past each length, also after a batch of longer sentences in the same
+    buffers."""
+    from elmo_pipeline.downstream.batching import Batcher
+    monkeypatch.setattr(Batcher, "CHUNK", 2)
+    rng = np.random.default_rng(0)
+    batcher = Batcher(8, "float32", reuse=True)
+    for lengths in ([7, 7, 7, 7, 7], [5, 6, 6, 5, 6]):
+        sents = [[rng.standard_normal((n, 4)).astype(np.float16), rng.standard_normal((n, 8)).astype(np.float16)]
+                 for n in lengths]
+        want = np.zeros((len(lengths), 2, max(lengths), 8), np.float32)
+        for b, (l0, l1) in enumerate(sents):
+            want[b, 0, : len(l0)] = np.concatenate([l0, l0], 1)
+            want[b, 1, : len(l1)] = l1
+        layers, mask = batcher.from_sentences(sents)
+        assert layers.dtype == torch.float32 and np.array_equal(layers.numpy(), want)
+        assert mask.sum(1).tolist() == lengths
+
+
 def test_read_ahead_raises_the_producers_error():
     from elmo_pipeline.downstream.stream_rows import read_ahead
 
