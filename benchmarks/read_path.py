@@ -12,7 +12,9 @@ float32 also give "% of floor": the floor is the cat's time for the vector bytes
 conversion of the same bytes (measured in the same run, one stream batch at a time into a reused buffer; on a GPU that
 conversion belongs on the device: deliver the stored dtype and call .float() there). Random-access rows read
 every byte of each sentence and give "% of its bound": the cat's bytes/s divided by the mean bytes of the
-sentences read. The index's memory: a fresh process over the same output (default sharding) and over a
+sentences read; they time the reads only (opening the dataset, drawing the positions and, by id, listing the ids
+and building the id table are timed apart: set-up seconds). Every form runs in one thread with its defaults
+(stream batches of 512 rows, padded ones of 256). The index's memory: a fresh process over the same output (default sharding) and over a
 --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and file pages) after the index,
 after 100k random reads and after 100k id lookups.
 """
@@ -127,29 +129,35 @@ def loader_form(out: str, workers: int) -> int:
     return total
 
 
-def random_form(out: str, n: int, kind: str) -> tuple[int, int]:
-    """(sentences, stored bytes) of n random reads, every byte of each summed: kind views (by position), id
-    (views by id), record (ds[p], float32), batch (ds.batch of 32 random positions, float32)."""
+def random_form(out: str, n: int, kind: str):
+    """(reads, sentences, stored bytes, set-up seconds) of n random reads, every byte of each summed: kind views
+    (by position), id (views by id), record (ds[p], float32), batch (ds.batch of 32 random positions, float32).
+    reads() does the reads; the set-up before it (the dataset opened, the positions drawn, for id the ids
+    listed and the id table built by a first lookup) is timed apart."""
     import torch
     from elmo_pipeline.downstream.batching import tensor
     from elmo_pipeline.downstream.mapped import MappedDataset
+    t = time.perf_counter()
     ds = MappedDataset(out, tokens=False)
     picks = np.random.default_rng(0).integers(0, len(ds), n)
     ids = [ds._meta(int(p))["id"] for p in picks] if kind == "id" else None
     if ids:
         ds.position(ids[0])                                      # the id table, built once
-    acc = 0.0
-    if kind in ("views", "id"):
-        for j, p in enumerate(picks.tolist()):
-            for v in ds.views(ds.position(ids[j]) if ids else p):
-                acc += float(tensor(v).sum())
-    elif kind == "record":
-        for p in picks.tolist():
-            acc += float(torch.from_numpy(ds[p]["layers"]).sum())
-    else:
-        for s in range(0, n, 32):
-            acc += float(ds.batch(picks[s: s + 32].tolist())["layers"].sum())
-    return n, _stored_bytes(ds, ds.lengths[picks])
+    setup = time.perf_counter() - t
+
+    def reads() -> None:
+        acc = 0.0
+        if kind in ("views", "id"):
+            for j, p in enumerate(picks.tolist()):
+                for v in ds.views(ds.position(ids[j]) if ids else p):
+                    acc += float(tensor(v).sum())
+        elif kind == "record":
+            for p in picks.tolist():
+                acc += float(torch.from_numpy(ds[p]["layers"]).sum())
+        else:
+            for s in range(0, n, 32):
+                acc += float(ds.batch(picks[s: s + 32].tolist())["layers"].sum())
+    return reads, n, _stored_bytes(ds, ds.lengths[picks]), setup
 
 
 def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
@@ -195,20 +203,24 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
     for kind, n, label in (("views", 20_000, "by position, views"), ("id", 20_000, "by id, views"),
                            ("record", 5_000, "ds[p], float32 record"),
                            ("batch", 5_120, "batch() of 32 random, float32")):
-        runs, cats = [], []
+        runs, cats, setups = [], [], []
         for _ in range(n_pairs):
             cats.append(cat_seconds(files))
+            reads, sentences, nbytes, setup = random_form(out, n, kind)
             t = time.perf_counter()
-            sentences, nbytes = random_form(out, n, kind)
+            reads()
             runs.append(time.perf_counter() - t)
+            setups.append(setup)
         sec, cat = float(np.median(runs)), d["file_bytes"] / float(np.median(cats))
         bound = cat / (nbytes / sentences)
         r = d["random_access"][label] = {"sentences_per_s": sentences / sec, "bytes": nbytes, "sentences": sentences,
                                          "bound_sentences_per_s": bound, "fraction_of_bound": sentences / sec / bound,
-                                         "fraction": nbytes / sec / cat, "pairs": n_pairs}
+                                         "fraction": nbytes / sec / cat, "setup_seconds": float(np.median(setups)),
+                                         "pairs": n_pairs}
         print(f"random access, {label}: {r['sentences_per_s'] / 1e3:.1f}k sentences/s; bound "
               f"{bound / 1e3:.1f}k; {100 * r['fraction_of_bound']:.1f} % of its bound; "
-              f"{100 * r['fraction']:.1f} % of page-cache bandwidth", flush=True)
+              f"{100 * r['fraction']:.1f} % of page-cache bandwidth; set-up {r['setup_seconds']:.3f} s apart",
+              flush=True)
     return d
 
 
@@ -305,7 +317,9 @@ def main() -> int:
            "load_average_at_start": os.getloadavg(), "lines": args.lines or "all", "one_process": True,
            "torch_threads": 1, "pairs": args.pairs,
            "method": "each row: the median of `pairs` pairs, one cat of the arrow files then the form, every "
-                     "delivered tensor summed in the loop; rates in stored vector bytes delivered per second",
+                     "delivered tensor summed in the loop, one thread (no read-ahead), the forms' defaults; rates in "
+                     "stored vector bytes delivered per second; random-access rows time the reads, their set-up "
+                     "(dataset opened, positions drawn, ids listed, id table built) apart",
            "dtypes": {}}
     print(f"# read path, {res['machine']}, one process, 1 torch thread; median of {args.pairs} (cat, form) pairs; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)

@@ -330,11 +330,12 @@ class MappedDataset(_TorchDataset):
         return read_ahead((self.batch(list(positions), batcher=batchers[j % len(batchers)])
                            for j, positions in enumerate(plan)), ahead)
 
-    def stream(self, batch_tokens: int = 512, layers: Sequence[str] | None = None, padded: bool = False,
+    def stream(self, batch_tokens: int | None = None, layers: Sequence[str] | None = None, padded: bool = False,
                pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
         """Every sentence of the dataset in file order (output, shard, id), in batches of consecutive sentences
-        spanning at most `batch_tokens` rows (a longer sentence alone; the default 512 keeps a batch of the
-        original width in the CPU cache: measured faster than 2048, padded or not). Each layer's rows of a batch are one
+        spanning at most `batch_tokens` rows (a longer sentence alone; default 512, or 256 with padded=True: a
+        batch of the original width, padded or not, stays in the CPU cache; measured faster than 2048 flat and
+        than 512 padded: 1.4x fp16 as float32, 1.2x fp32). Each layer's rows of a batch are one
         byte range of the shard: one pread per layer straight into a reused buffer (pinned with pin_memory
         when CUDA is there), no per-sentence work.
 
@@ -351,6 +352,8 @@ class MappedDataset(_TorchDataset):
         if missing:
             raise ValueError(f"layers {missing} are not among the dataset's {self.layers}")
         read = self._keep if self._keep is not None else np.arange(len(self._all_lengths), dtype=np.int64)
+        if batch_tokens is None:
+            batch_tokens = 256 if padded else 512
         plan = stream_plan(read, self._firsts, self._starts, self._all_lengths, max(1, batch_tokens))
         rows = max((int(self._starts[q[-1]] + self._all_lengths[q[-1]] - self._starts[q[0]]) for _, q, _ in plan),
                    default=0)

@@ -200,6 +200,36 @@ def test_read_ahead_and_reused_batches_equal_fresh_ones(outputs, name):
     assert not [t for t in threading.enumerate() if t.name == "read-ahead"]
 
 
+def test_padded_stream_batches_default_to_256_rows(tmp_path):
+    """Padded stream batches span at most 256 rows by default (the padded batch stays in the CPU cache), flat
+    ones 512; an explicit batch_tokens is kept. 20-token sentences, 40 a shard."""
+    from benchmarks.read_path import big_output
+    ds = MappedDataset(big_output(str(tmp_path), 4000, 40), tokens=False, dtype=None)
+    rows = lambda **kw: [int(b["lengths"].sum()) for b in ds.stream(**kw)]     # noqa: E731
+    assert max(rows(padded=True)) == 240 and max(rows()) == 500 and max(rows(padded=True, batch_tokens=512)) == 500
+    assert sum(rows(padded=True)) == sum(rows()) == 4000
+
+
+def test_converted_batches_filled_a_chunk_at_a_time(monkeypatch):
+    """fp16 sentences with little padding become a float32 batch a CHUNK of sentences at a time: equal to numpy's
+    conversion, layer 0 duplicated, zero past each length, also after a batch of longer sentences in the same
+    buffers."""
+    from elmo_pipeline.downstream.batching import Batcher
+    monkeypatch.setattr(Batcher, "CHUNK", 2)
+    rng = np.random.default_rng(0)
+    batcher = Batcher(8, "float32", reuse=True)
+    for lengths in ([7, 7, 7, 7, 7], [5, 6, 6, 5, 6]):
+        sents = [[rng.standard_normal((n, 4)).astype(np.float16), rng.standard_normal((n, 8)).astype(np.float16)]
+                 for n in lengths]
+        want = np.zeros((len(lengths), 2, max(lengths), 8), np.float32)
+        for b, (l0, l1) in enumerate(sents):
+            want[b, 0, : len(l0)] = np.concatenate([l0, l0], 1)
+            want[b, 1, : len(l1)] = l1
+        layers, mask = batcher.from_sentences(sents)
+        assert layers.dtype == torch.float32 and np.array_equal(layers.numpy(), want)
+        assert mask.sum(1).tolist() == lengths
+
+
 def test_read_ahead_raises_the_producers_error():
     from elmo_pipeline.downstream.stream_rows import read_ahead
 
