@@ -124,6 +124,12 @@ class ElmoOptions(PipelineOptions):
         g("--iceberg-warehouse", default=None, metavar="URL",
           help="where a new table's metadata is written (default: for sqlite:///, the folder of the database file); "
           "the data files stay in --output")
+        g("--iceberg-mode", choices=("append", "upsert"), default="append",
+          help="append: the run's shards are added to the table (default; ids must be new to it). upsert: the table "
+          "mirrors the corpus: only documents new or changed since its current snapshot (by --id-field and a content "
+          "hash) are embedded and written, their old rows removed, in one snapshot (docs/warehouses.md)")
+        g("--delete-missing", action="store_true",
+          help="with --iceberg-mode upsert: also remove from the table the documents no longer in the input")
         g("--s3-max-attempts", type=int, default=10,
           help="attempts per S3 request, first one included (botocore 'standard' retries with exponential "
           "backoff on 500/503/throttling/connection errors; default 10)")
