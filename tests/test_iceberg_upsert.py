@@ -11,6 +11,8 @@ import json
 import os
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 from elmo_pipeline.formats.iceberg_upsert import (change_counts, change_of, delete_positions, doc_hash, new_state,
@@ -187,14 +189,50 @@ def test_unchanged_documents_are_neither_embedded_nor_rewritten(three_days):
     assert (m3["documents_unchanged"], m3["documents_added"], m3["documents_removed"]) == (22, 1, 2)
     for c in (m1, m2, m3):       # nothing lost: every document read is counted once
         assert c["documents"] == c["documents_unchanged"] + c["documents_changed"] + c["documents_added"]
-    day2 = {r["doc_id"] for r in three_days["rebuilds"][1]}
-    written = [json.load(open(three_days["dir"] / "day2" / "manifest.json"))["shards"]]
-    assert sum(s["sentences"] for s in written[0]) == sum(
-        1 for r in three_days["rebuilds"][1] if r["doc_id"] in ("wiki-002", "wiki-009", "wiki-017")) and day2
+    edited = [r for r in three_days["rebuilds"][1] if r["doc_id"] in ("wiki-002", "wiki-009", "wiki-017")]
+    assert m2["sentences_written"] == len(edited) > 0          # only the edited documents were embedded
     before, after = three_days["files"][0], three_days["files"][1]
     assert all(after[f] == h for f, h in before.items())          # day 1's file: still there, same bytes
-    state = three_days["dir"] / "day3" / "doc_hashes.parquet"
-    import pyarrow.parquet as pq
-    live = pq.read_table(state).filter(pa.compute.not_equal(pq.read_table(state).column("change"), "removed"))
+    state = pq.read_table(three_days["dir"] / "day3" / "doc_hashes.parquet")
+    live = state.filter(pc.not_equal(state.column("change"), "removed"))
     assert sorted(live.column("doc_id").to_pylist()) == sorted({r["doc_id"] for r in three_days["rebuilds"][2]})
     assert os.path.exists(three_days["dir"] / "day2" / "doc_hashes.parquet")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["register:1", "registered:1"])
+def test_day_killed_around_its_commit_then_rerun_commits_once(point, three_days, tmp_path):
+    from tests.resume_helpers import run_subprocess
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    day1, day2 = three_days["inputs"][:2]
+    assert main([*upsert_argv(day1, str(tmp_path / "day1"), TABLE, catalog(wh)), *COMMON]) == 0
+    args = [*upsert_argv(day2, str(tmp_path / "day2"), TABLE, catalog(wh)), *COMMON]
+    p = run_subprocess(args, point)                       # SIGKILL just before / just after the commit
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert len(table_of(wh).snapshots()) == (1 if point == "register:1" else 2)
+    p = run_subprocess(args)                              # the same command finishes the finalize
+    assert p.returncode == 0 and "finished the interrupted finalize" in p.stderr, p.stderr[-2000:]
+    p = run_subprocess(args)
+    assert p.returncode == 0 and "already complete" in p.stderr and "already registered" in p.stderr
+    t = table_of(wh)
+    assert len(t.snapshots()) == 2 and rows(t) == three_days["rebuilds"][1]
+
+
+@pytest.mark.slow
+def test_a_table_changed_since_the_comparison_is_refused(three_days, tmp_path, capsys):
+    """An upsert that compared its documents with an older snapshot than the table's current one (another upsert
+    committed meanwhile) commits nothing."""
+    from elmo_pipeline.formats.iceberg import IcebergTarget
+    from elmo_pipeline.formats.iceberg_upsert import Upsert
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    day1, day2, day3 = three_days["inputs"]
+    assert main([*upsert_argv(day1, str(tmp_path / "day1"), TABLE, catalog(wh)), *COMMON]) == 0
+    stale = Upsert.plan(IcebergTarget(TABLE, catalog(wh)), "salt", False)
+    assert main([*upsert_argv(day2, str(tmp_path / "day2"), TABLE, catalog(wh)), *COMMON]) == 0
+    m = json.load(open(tmp_path / "day2" / "manifest.json"))
+    m["upsert"]["base_snapshot"], m["run"]["key"] = stale.base_snapshot, "another"
+    with pytest.raises(ValueError, match="changed since this run compared"):
+        stale.register(str(tmp_path / "day2"), m, None)
+    assert len(table_of(wh).snapshots()) == 2
