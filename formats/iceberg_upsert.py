@@ -28,7 +28,7 @@ from elmo_pipeline.formats.iceberg import (OUTPUT_PROPERTY, RUN_KEY_PROPERTY, FI
                                            Registration, _marked, _quiet_statistics, check_unpartitioned,
                                            data_file_urls, output_url, registration_property)
 from elmo_pipeline.fsio import redact
-from elmo_pipeline.output.names import DOC_HASHES
+from elmo_pipeline.formats.layout import DOC_HASHES
 
 logger = logging.getLogger("elmo-pipeline.iceberg")
 MODES = ("append", "upsert")

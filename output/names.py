@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from elmo_pipeline.formats.layout import FORMATS, MANIFEST, SUCCESS
+from elmo_pipeline.formats.layout import DOC_HASHES, FORMATS, MANIFEST, SUCCESS
 from elmo_pipeline.fsio.fs import TEMP_NAME
 
 STAGING = "_staging"          # <out>/_staging/<run key>/
@@ -36,7 +36,6 @@ DEAD = "dead"                 # <staging>/dead/<uuid>.jsonl: staged dead letters
 COUNTS = "counts"             # <staging>/counts/<hash of the file URL>.json: its record counts
 STATS = "stats"               # <staging>/stats/<uuid>.json: run statistics (output/stats.py)
 DOCS = "docs"                 # <staging>/docs/<uuid>.jsonl: each document's content hash (--iceberg-mode upsert)
-DOC_HASHES = "doc_hashes.parquet"   # <out>/doc_hashes.parquet: the table's documents after an upsert
 REPORT = "report.html"        # <out>/report.html: the run report (output/report.py)
 METRICS = "metrics.prom"      # <out>/metrics.prom: counts and stage times (formats/metrics.py)
 LEASE = "_lease.json"         # <out>/_lease.json: the live run holding the output

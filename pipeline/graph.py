@@ -19,9 +19,8 @@ from elmo_pipeline.transforms import coders  # noqa: F401 - registers the elemen
 from elmo_pipeline.transforms.chain import Chain
 from elmo_pipeline.transforms.dedupe import one_of_each
 from elmo_pipeline.transforms.embed_step import EmbedBatches, SortAndBatch
-from elmo_pipeline.transforms.read_step import DropDuplicateIds, ReadFiles
+from elmo_pipeline.transforms.read_step import DropDuplicateIds, ReadFiles, SkipUnchanged
 from elmo_pipeline.transforms.tokenize_step import Tokenize
-from elmo_pipeline.transforms.upsert_step import SkipUnchanged
 from elmo_pipeline.transforms.write_step import SkipCommitted, WriteShards
 from elmo_pipeline.transforms.records import Document, Item
 from elmo_pipeline.output.staging import Staging
