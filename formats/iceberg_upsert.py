@@ -322,3 +322,17 @@ def table_rows(target: IcebergTarget, columns: tuple[str, ...] | None = None, sn
     scan = table.scan(selected_fields=columns or ("*",), snapshot_id=snapshot_id)
     rows = scan.to_arrow()
     return rows.sort_by("id") if rows.num_rows else rows
+
+
+def same_rows(target: IcebergTarget, output: str, snapshot_id: int | None = None) -> bool:
+    """Whether the table's live rows (table_rows) equal the Parquet shards of the finished local output folder
+    `output` (a full run: its manifest's shards), row for row by id, value for value (vectors bit for bit; the shards'
+    fixed-size lists compared as the table's plain lists)."""
+    with open(os.path.join(output, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    got = table_rows(target, snapshot_id=snapshot_id)
+    parts = [pq.read_table(u[len("file://"):]) for u in data_file_urls(output, manifest)]
+    want = pa.concat_tables(parts).sort_by("id") if parts else None
+    if want is None or not want.num_rows:
+        return got.num_rows == 0
+    return got.num_rows == want.num_rows and got.equals(want.cast(got.schema))

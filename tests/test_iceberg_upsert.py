@@ -15,8 +15,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from elmo_pipeline.formats.iceberg import IcebergTarget
 from elmo_pipeline.formats.iceberg_upsert import (change_counts, change_of, delete_positions, doc_hash, new_state,
-                                                  upsert_argv)
+                                                  same_rows, upsert_argv)
 from elmo_pipeline.pipeline.run import main
 
 pyiceberg = pytest.importorskip("pyiceberg")
@@ -158,6 +159,9 @@ def three_days(tmp_path_factory):
 def test_each_day_the_table_equals_a_full_rebuild(three_days):
     t = table_of(three_days["wh"])
     assert rows(t) == three_days["rebuilds"][2]                   # pyiceberg: ids, tokens, every float
+    target = IcebergTarget(TABLE, catalog(three_days["wh"]))
+    assert same_rows(target, str(three_days["dir"] / "full3"))   # the full run's own shards, as a benchmark checks
+    assert not same_rows(target, str(three_days["dir"] / "full2"))
     assert duckdb_rows(t) == three_days["rebuilds"][2]            # DuckDB over the planned files
     ids = {r["doc_id"] for r in rows(t)}
     assert "wiki-100" in ids and not {"wiki-004", "wiki-020"} & ids
