@@ -44,6 +44,11 @@ DELETE_SCHEMA = pa.schema([
     pa.field("pos", pa.int64(), nullable=False, metadata={b"PARQUET:field_id": str(POS_ID).encode()})])
 
 
+class TableMovedError(ValueError):
+    """The table's current snapshot is not the one an upsert compared its documents with (pipeline/exits.py:
+    USAGE, exit 2: run that day again into a new --output: this one holds the change against another state)."""
+
+
 def settings_salt(key_prefix: str, sentence_limit: int, max_document_tokens: int) -> str:
     """What doc_hash() mixes in besides the text: the vectors' key prefix (model and every setting that changes
     vectors, model/resolve.py) and the limits that make sentences dead letters. Another value makes every
@@ -254,7 +259,7 @@ class Upsert:
     def register(self, output: str, manifest: dict, schema: pa.Schema, storage_options: dict | None = None,
                  before_commit=None) -> Registration:
         """Commit the finished output's change (see the module docstring) in one snapshot, unless this run key's
-        output is registered already. ValueError when the table moved since the run compared with it."""
+        output is registered already. TableMovedError when the table moved since the run compared with it."""
         from pyiceberg.exceptions import CommitFailedException
         from pyiceberg.table import TableProperties, _parquet_files_to_data_files
         from pyiceberg.table.snapshots import Operation
@@ -271,10 +276,10 @@ class Upsert:
             check_unpartitioned(table)
             current = table.current_snapshot()
             if (current.snapshot_id if current else None) != manifest["upsert"]["base_snapshot"]:
-                raise ValueError(f"--iceberg-mode upsert: Iceberg table {self.target.table} changed since this run "
+                raise TableMovedError(f"--iceberg-mode upsert: Iceberg table {self.target.table} changed since this run "
                                  f"compared its documents with snapshot {manifest['upsert']['base_snapshot']} (now "
-                                 f"{current.snapshot_id if current else None}); nothing was committed: rerun with "
-                                 "--overwrite")
+                                 f"{current.snapshot_id if current else None}); nothing was committed: run that day again "
+                                 "into a new --output")
             with table.io.new_input(state_url).open() as f:
                 state = pq.ParquetFile(f).read(columns=["doc_id", "change"])
             remove = state.filter(pc.is_in(state.column("change"), value_set=pa.array(["changed", "removed"])))

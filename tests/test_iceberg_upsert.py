@@ -224,19 +224,23 @@ def test_day_killed_around_its_commit_then_rerun_commits_once(point, three_days,
 
 
 @pytest.mark.slow
-def test_a_table_changed_since_the_comparison_is_refused(three_days, tmp_path, capsys):
-    """An upsert that compared its documents with an older snapshot than the table's current one (another upsert
-    committed meanwhile) commits nothing."""
-    from elmo_pipeline.formats.iceberg import IcebergTarget
-    from elmo_pipeline.formats.iceberg_upsert import Upsert
+def test_a_table_changed_since_the_comparison_is_refused(three_days, tmp_path):
+    """Day 2 killed before its commit; day 3 commits meanwhile; rerun, day 2 finds the table moved since it
+    compared and commits nothing (one line, exit 2); into a new --output it compares with day 3's table."""
+    from tests.resume_helpers import run_subprocess
     wh = tmp_path / "wh"
     wh.mkdir()
     day1, day2, day3 = three_days["inputs"]
     assert main([*upsert_argv(day1, str(tmp_path / "day1"), TABLE, catalog(wh)), *COMMON]) == 0
-    stale = Upsert.plan(IcebergTarget(TABLE, catalog(wh)), "salt", False)
-    assert main([*upsert_argv(day2, str(tmp_path / "day2"), TABLE, catalog(wh)), *COMMON]) == 0
-    m = json.load(open(tmp_path / "day2" / "manifest.json"))
-    m["upsert"]["base_snapshot"], m["run"]["key"] = stale.base_snapshot, "another"
-    with pytest.raises(ValueError, match="changed since this run compared"):
-        stale.register(str(tmp_path / "day2"), m, None)
+    late = [*upsert_argv(day2, str(tmp_path / "late"), TABLE, catalog(wh)), *COMMON]
+    assert run_subprocess(late, "register:1").returncode == -9
+    assert main([*upsert_argv(day3, str(tmp_path / "day3"), TABLE, catalog(wh), delete_missing=True), *COMMON]) == 0
+    p = run_subprocess(late)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and err[-1].startswith("error: ") and "changed since this run compared" in err[-1], err
     assert len(table_of(wh).snapshots()) == 2
+    assert main([*upsert_argv(day2, str(tmp_path / "again"), TABLE, catalog(wh), delete_missing=False), *COMMON]) == 0
+    t = table_of(wh)
+    assert len(t.snapshots()) == 3
+    # day 2's input upon day 3's table, without --delete-missing: day 2's documents, and day 3's addition kept
+    assert sorted({r["doc_id"] for r in rows(t)}) == sorted({d for d, _ in days()[1]} | {"wiki-100"})
