@@ -86,14 +86,16 @@ def write_jsonl(path, docs):
 
 
 def days():
-    """Day 1: 24 documents of 1-3 WikiText-2 valid lines; day 2: 3 of them edited; day 3: one added, two gone."""
+    """Day 1: 24 documents of 1-2 WikiText-2 valid lines; day 2: 3 of them edited; day 3: one of those edited
+    again, one added, two gone."""
     lines = [s.strip() for s in open(VALID, encoding="utf-8") if s.strip() and not s.strip().startswith("=")]
     lines = [s[:400] for s in lines[:60]]
     day1 = [(f"wiki-{i:03d}", " ".join(lines[2 * i: 2 * i + 1 + i % 2])) for i in range(24)]
     day2 = list(day1)
     for k in (2, 9, 17):
         day2[k] = (day2[k][0], day2[k][1] + " An edit adds this sentence .")
-    day3 = [d for d in day2 if d[0] not in ("wiki-004", "wiki-020")] + [("wiki-100", lines[55])]
+    day3 = [(i, t + " Edited once more ." if i == "wiki-009" else t) for i, t in day2 if i not in ("wiki-004", "wiki-020")]
+    day3.append(("wiki-100", lines[55]))
     return day1, day2, day3
 
 
@@ -190,11 +192,21 @@ def test_unchanged_documents_are_neither_embedded_nor_rewritten(three_days):
     assert (m1["documents_added"], m1["documents_unchanged"]) == (24, 0)
     assert (m2["documents_unchanged"], m2["documents_changed"], m2["documents_added"], m2["documents_removed"]) == \
         (21, 3, 0, 0)
-    assert (m3["documents_unchanged"], m3["documents_added"], m3["documents_removed"]) == (22, 1, 2)
+    assert (m3["documents_unchanged"], m3["documents_changed"], m3["documents_added"], m3["documents_removed"]) == \
+        (21, 1, 1, 2)
     for c in (m1, m2, m3):       # nothing lost: every document read is counted once
         assert c["documents"] == c["documents_unchanged"] + c["documents_changed"] + c["documents_added"]
     edited = [r for r in three_days["rebuilds"][1] if r["doc_id"] in ("wiki-002", "wiki-009", "wiki-017")]
     assert m2["sentences_written"] == len(edited) > 0          # only the edited documents were embedded
+    # each removed row deleted once (wiki-009's day-1 rows, deleted on day 2, are not deleted again on day 3)
+    r1, r2 = three_days["rebuilds"][:2]
+    removed = sum(r["doc_id"] in ("wiki-002", "wiki-009", "wiki-017") for r in r1) + \
+        sum(r["doc_id"] in ("wiki-009", "wiki-004", "wiki-020") for r in r2)
+    summary = table_of(three_days["wh"]).current_snapshot().summary
+    assert int(summary["total-position-deletes"]) == removed > 0
+    metrics = open(three_days["dir"] / "day3" / "metrics.prom").read()
+    assert 'elmo_pipeline_documents_unchanged_total{' in metrics and "documents unchanged" in \
+        open(three_days["dir"] / "day3" / "report.html").read()
     before, after = three_days["files"][0], three_days["files"][1]
     assert all(after[f] == h for f, h in before.items())          # day 1's file: still there, same bytes
     state = pq.read_table(three_days["dir"] / "day3" / "doc_hashes.parquet")
