@@ -1,7 +1,7 @@
 """The pipeline's graph, one labelled chain that only stages data under <out>/_staging/<run key>/:
     ListFiles (read elements: files or parts of them) -> ReadFiles -> [DropDuplicateIds | SpreadDocuments]
-    -> [SkipUnchanged] -> Tokenize -> [SkipCommitted] -> [GroupBySentence] -> SortAndBatch -> Embed -> WriteShards (shards + commit
-    records); dead letters from every stage -> WriteDeadLetters; per-file (or per-part) record counts staged by
+    -> [SkipUnchanged] -> Tokenize -> [SkipCommitted] -> [GroupBySentence] -> SortAndBatch -> Embed -> WriteShards
+    (shards + commit records); dead letters from every stage -> WriteDeadLetters; per-file (or per-part) record counts staged by
     ReadFiles.
 """
 from __future__ import annotations

@@ -7,6 +7,7 @@ import os
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from elmo_pipeline.formats.layout import FORMATS, PARQUET_LAYOUTS, STORAGE_DTYPES
+from elmo_pipeline.formats.iceberg_upsert import MODES as ICEBERG_MODES
 from elmo_pipeline.formats.parquet import VECTOR_COMPRESSIONS
 from elmo_pipeline.model.options import COMPUTE_DTYPES, STATE_MODES
 from elmo_pipeline.transforms.read import INPUT_FORMATS, MAX_RECORD_BYTES
@@ -124,7 +125,7 @@ class ElmoOptions(PipelineOptions):
         g("--iceberg-warehouse", default=None, metavar="URL",
           help="where a new table's metadata is written (default: for sqlite:///, the folder of the database file); "
           "the data files stay in --output")
-        g("--iceberg-mode", choices=("append", "upsert"), default="append",
+        g("--iceberg-mode", choices=ICEBERG_MODES, default="append",
           help="append: the run's shards are added to the table (default; ids must be new to it). upsert: the table "
           "mirrors the corpus: only documents new or changed since its current snapshot (by --id-field and a content "
           "hash) are embedded and written, their old rows removed, in one snapshot (docs/warehouses.md)")
