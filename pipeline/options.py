@@ -126,9 +126,8 @@ class ElmoOptions(PipelineOptions):
           help="where a new table's metadata is written (default: for sqlite:///, the folder of the database file); "
           "the data files stay in --output")
         g("--iceberg-mode", choices=ICEBERG_MODES, default="append",
-          help="append: the run's shards are added to the table (default; ids must be new to it). upsert: the table "
-          "mirrors the corpus: only documents new or changed since its current snapshot (by --id-field and a content "
-          "hash) are embedded and written, their old rows removed, in one snapshot (docs/warehouses.md)")
+          help="append (default): the shards are added, ids new to the table. upsert: the table mirrors the corpus, "
+          "only new or changed documents (by --id-field and content hash) are embedded and replace their rows")
         g("--delete-missing", action="store_true",
           help="with --iceberg-mode upsert: also remove from the table the documents no longer in the input")
         g("--s3-max-attempts", type=int, default=10,
