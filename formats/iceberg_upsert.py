@@ -164,7 +164,10 @@ def write_delete_file(table, name: str, data_path: str, positions: pa.Array):
 
 def _upsert_producer():
     """pyiceberg's fast-append snapshot producer that also commits position-delete files: they go into a
-    manifest of content DELETES (pyiceberg 0.12 writes only data manifests) and into the snapshot summary."""
+    manifest of content DELETES (pyiceberg 0.12 writes only data manifests) and into the snapshot summary. It
+    is never rebased: pyiceberg retries a conflicting commit on top of the new head, which would apply deletes
+    and rows computed against another state; a moved head is a CommitFailedException instead."""
+    from pyiceberg.exceptions import CommitFailedException
     from pyiceberg.manifest import ManifestContent, ManifestEntry, ManifestEntryStatus, ManifestWriterV2
     from pyiceberg.table.update.snapshot import _FastAppendFiles
 
@@ -177,6 +180,10 @@ def _upsert_producer():
             return {**super()._meta, "content": "deletes"}
 
     class UpsertFiles(_FastAppendFiles):
+        def _validate_concurrency(self) -> None:
+            if self._commit_window is not None and not self._commit_window.is_empty():
+                raise CommitFailedException("the table moved since this upsert read it")
+
         def append_delete_file(self, delete_file) -> None:
             self.__dict__.setdefault("added_deletes", []).append(delete_file)
 

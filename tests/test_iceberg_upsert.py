@@ -256,3 +256,29 @@ def test_a_table_changed_since_the_comparison_is_refused(three_days, tmp_path):
     assert len(t.snapshots()) == 3
     # day 2's input upon day 3's table, without --delete-missing: day 2's documents, and day 3's addition kept
     assert sorted({r["doc_id"] for r in rows(t)}) == sorted({d for d, _ in days()[1]} | {"wiki-100"})
+
+
+def test_the_upsert_commit_is_never_rebased_on_a_moved_table(tmp_path):
+    """pyiceberg retries a conflicting commit on top of the new head; an upsert's snapshot (rows and deletes
+    computed against the head it read) must fail instead."""
+    from pyiceberg.exceptions import CommitFailedException
+    from pyiceberg.table import _parquet_files_to_data_files
+    from pyiceberg.table.snapshots import Operation
+    from elmo_pipeline.formats.iceberg_upsert import _upsert_producer
+    files = []
+    for k in range(3):
+        pq.write_table(pa.table({"id": [f"d{k}#0"], "doc_id": [f"d{k}"]}), tmp_path / f"f{k}.parquet")
+        files.append(f"file://{tmp_path}/f{k}.parquet")
+    cat = load_catalog("default", uri=catalog(tmp_path), warehouse=f"file://{tmp_path}")
+    cat.create_namespace("elmo")
+    t = cat.create_table(TABLE, schema=pa.schema([("id", pa.string()), ("doc_id", pa.string())]),
+                         properties={"commit.retry.min-wait-ms": "1"})
+    t.add_files(files[:1])
+    stale = cat.load_table(TABLE)
+    cat.load_table(TABLE).add_files(files[1:2])          # another writer moves the head
+    with pytest.raises(CommitFailedException):
+        with stale.transaction() as tx:
+            with _upsert_producer()(operation=Operation.OVERWRITE, transaction=tx, io=stale.io) as producer:
+                for f in _parquet_files_to_data_files(tx.table_metadata, files[2:], stale.io):
+                    producer.append_data_file(f)
+    assert len(cat.load_table(TABLE).snapshots()) == 2
