@@ -24,7 +24,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_pipeline.formats.iceberg import (OUTPUT_PROPERTY, RUN_KEY_PROPERTY, FILES_PROPERTY, IcebergTarget,
+from elmo_pipeline.formats.iceberg import (OUTPUT_PROPERTY, REGISTERED_PREFIX, RUN_KEY_PROPERTY, FILES_PROPERTY,
+                                           IcebergTarget,
                                            Registration, _marked, _quiet_statistics, check_unpartitioned,
                                            data_file_urls, output_url, registration_property)
 from elmo_pipeline.fsio import redact
@@ -292,7 +293,8 @@ class Upsert:
             remove = state.filter(pc.is_in(state.column("change"), value_set=pa.array(["changed", "removed"])))
             if before_commit is not None:
                 before_commit()
-            deletes = [write_delete_file(table, f"{key}-{i:05d}-deletes.parquet", path, positions)
+            name = registration_property(key, base)[len(REGISTERED_PREFIX):]    # this run's output: its own names
+            deletes = [write_delete_file(table, f"{name}-{i:05d}-deletes.parquet", path, positions)
                        for i, (path, positions) in enumerate(live_deletes(table, remove.column("doc_id").combine_chunks()))]
             props = {OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key, FILES_PROPERTY: str(len(files)),
                      STATE_PROPERTY: redact(state_url)}

@@ -282,3 +282,20 @@ def test_the_upsert_commit_is_never_rebased_on_a_moved_table(tmp_path):
                 for f in _parquet_files_to_data_files(tx.table_metadata, files[2:], stale.io):
                     producer.append_data_file(f)
     assert len(cat.load_table(TABLE).snapshots()) == 2
+
+
+@pytest.mark.slow
+def test_the_same_command_into_another_output_leaves_earlier_snapshots_whole(three_days, tmp_path):
+    """Day 2's command run again later into another --output (the same run key): its delete files are its own,
+    so day 2's snapshot, still current for the rows it deleted, reads as before."""
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    day1, day2, day3 = three_days["inputs"]
+    for k, (inp, out) in enumerate(((day1, "day1"), (day2, "day2"), (day3, "day3"), (day2, "day2-again"))):
+        assert main([*upsert_argv(inp, str(tmp_path / out), TABLE, catalog(wh), delete_missing=k == 2), *COMMON]) == 0
+    t = table_of(wh)
+    assert rows(t, t.snapshots()[1].snapshot_id) == three_days["rebuilds"][1]
+    got = rows(t)
+    assert sorted({r["doc_id"] for r in got}) == sorted({d for d, _ in days()[1]} | {"wiki-100"})
+    assert len({r["id"] for r in got}) == len(got)          # no sentence twice
+    assert [r for r in got if r["doc_id"] != "wiki-100"] == three_days["rebuilds"][1]
