@@ -213,6 +213,20 @@ def _upsert_producer():
     return UpsertFiles
 
 
+@dataclass(frozen=True)
+class UpsertRegistration(Registration):
+    """What Upsert.register() did: Registration's, and the position-delete files and rows it committed."""
+    delete_files: int = 0
+    deleted_rows: int = 0
+
+    def describe(self) -> str:
+        if not self.added:
+            return super().describe()
+        return (f"Iceberg table {self.table}: snapshot {self.snapshot_id} (upsert: {self.files} file"
+                f"{'' if self.files == 1 else 's'} added, {self.deleted_rows} rows deleted by {self.delete_files} "
+                "position-delete file" + ("" if self.delete_files == 1 else "s") + ")")
+
+
 def _registered(table, base: str, key: str) -> int | None:
     """The snapshot that registered run `key`'s output at `base` (or the current one when only the table
     property says so), else None."""
@@ -315,7 +329,8 @@ class Upsert:
                 conflict = e
                 table = catalog.load_table(self.target.table)
                 continue
-            return Registration(self.target.table, table.current_snapshot().snapshot_id, True, len(files))
+            return UpsertRegistration(self.target.table, table.current_snapshot().snapshot_id, True, len(files),
+                                      len(deletes), sum(d.record_count for d in deletes))
         raise RuntimeError(f"--iceberg-table {self.target.table}: every commit conflicted with another; rerun the "
                            "same command") from conflict
 

@@ -6,7 +6,9 @@ DuckDB over the data and position-delete files the scan plans, equals a fresh ta
 day's input (same ids, tokens, bit-identical vectors: the shipped model with --batch-invariant); each day adds
 one snapshot; a rerun is `already complete` and adds none; time travel gives the earlier days; unchanged
 documents are neither embedded nor written, and the files holding them stay as they are."""
+import contextlib
 import hashlib
+import io
 import json
 import os
 
@@ -139,10 +141,12 @@ def three_days(tmp_path_factory):
     inputs = [write_jsonl(d / f"day{k}.jsonl", docs) for k, docs in enumerate(days(), 1)]
     wh = d / "wh"
     wh.mkdir()
-    out = {"snapshots": [], "manifests": [], "files": [], "rebuilds": []}
+    out = {"snapshots": [], "manifests": [], "files": [], "rebuilds": [], "summaries": []}
     for k, inp in enumerate(inputs, 1):
         args = upsert_argv(inp, str(d / f"day{k}"), TABLE, catalog(wh), delete_missing=k == 3)
-        assert main([*args, *COMMON]) == 0
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert main([*args, *COMMON]) == 0
+        out["summaries"].append(err.getvalue())
         t = table_of(wh)
         out["snapshots"].append([s.snapshot_id for s in t.snapshots()])
         out["manifests"].append(json.load(open(d / f"day{k}" / "manifest.json")))
@@ -200,10 +204,11 @@ def test_unchanged_documents_are_neither_embedded_nor_rewritten(three_days):
     assert m2["sentences_written"] == len(edited) > 0          # only the edited documents were embedded
     # each removed row deleted once (wiki-009's day-1 rows, deleted on day 2, are not deleted again on day 3)
     r1, r2 = three_days["rebuilds"][:2]
-    removed = sum(r["doc_id"] in ("wiki-002", "wiki-009", "wiki-017") for r in r1) + \
-        sum(r["doc_id"] in ("wiki-009", "wiki-004", "wiki-020") for r in r2)
+    r1_removed = sum(r["doc_id"] in ("wiki-002", "wiki-009", "wiki-017") for r in r1)
+    removed = r1_removed + sum(r["doc_id"] in ("wiki-009", "wiki-004", "wiki-020") for r in r2)
     summary = table_of(three_days["wh"]).current_snapshot().summary
     assert int(summary["total-position-deletes"]) == removed > 0
+    assert f"upsert: 1 file added, {removed - r1_removed} rows deleted by" in three_days["summaries"][2]
     metrics = open(three_days["dir"] / "day3" / "metrics.prom").read()
     assert 'elmo_pipeline_documents_unchanged_total{' in metrics and "documents unchanged" in \
         open(three_days["dir"] / "day3" / "report.html").read()
