@@ -346,11 +346,16 @@ def upsert_argv(input_glob: str, output: str, table: str, catalog: str, delete_m
 
 def table_rows(target: IcebergTarget, columns: tuple[str, ...] | None = None, snapshot_id: int | None = None) -> pa.Table:
     """The table's live rows (at `snapshot_id`, default the current one) as pyiceberg's scan reads them
-    (position deletes applied), sorted by id: what a comparison with a full rebuild takes."""
+    (position deletes applied), sorted by id (_in_order): what a comparison with a full rebuild takes."""
     table = target._load_table(target.load_catalog(read_only=True))      # noqa: SLF001
     scan = table.scan(selected_fields=columns or ("*",), snapshot_id=snapshot_id)
-    rows = scan.to_arrow()
-    return rows.sort_by("id") if rows.num_rows else rows
+    return _in_order(scan.to_arrow())
+
+
+def _in_order(rows: pa.Table) -> pa.Table:
+    """Rows sorted by id (and token_index: --parquet-layout token has a row per token)."""
+    keys = [k for k in ("id", "token_index") if k in rows.column_names]
+    return rows.sort_by([(k, "ascending") for k in keys]) if rows.num_rows else rows
 
 
 def same_rows(target: IcebergTarget, output: str, snapshot_id: int | None = None) -> bool:
@@ -361,7 +366,7 @@ def same_rows(target: IcebergTarget, output: str, snapshot_id: int | None = None
         manifest = json.load(f)
     got = table_rows(target, snapshot_id=snapshot_id)
     parts = [pq.read_table(u[len("file://"):]) for u in data_file_urls(output, manifest)]
-    want = pa.concat_tables(parts).sort_by("id") if parts else None
+    want = _in_order(pa.concat_tables(parts)) if parts else None
     if want is None or not want.num_rows:
         return got.num_rows == 0
     return got.num_rows == want.num_rows and got.equals(want.cast(got.schema))
