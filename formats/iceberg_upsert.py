@@ -3,11 +3,11 @@
 A document is keyed by its id (--id-field) and doc_hash(): its text under the settings that shape its rows.
 Each upsert snapshot's summary names (STATE_PROPERTY) a Parquet file, DOC_HASHES in the output that made it,
 holding the table's documents at that snapshot: doc_id, doc_hash, change (CHANGES). The next run reads the
-current snapshot's file (read_state: two columns), embeds only the documents whose hash differs or that are
-new, and commits in ONE snapshot (UpsertFiles): its Parquet shards added as they are, and Iceberg v2
+current snapshot's file (read_state: its three small columns), embeds only the documents whose hash differs or that are
+new, and commits in ONE snapshot (_upsert_producer): its Parquet shards added as they are, and Iceberg v2
 position-delete files (one per affected data file, in the table's data folder) removing the live rows of
 the changed documents and, with --delete-missing, of those no longer in the input. Unchanged rows' files are
-neither read (but their `doc_id` column) nor rewritten. Exactly once: the registration property of the run
+not rewritten; only their `doc_id` column is read. Exactly once: the registration property of the run
 key (formats.iceberg.registration_property) is set in the same commit; a rerun finds it. Time travel: any
 snapshot's rows, and its state file.
 """
@@ -24,16 +24,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_pipeline.formats.iceberg import (OUTPUT_PROPERTY, REGISTERED_PREFIX, RUN_KEY_PROPERTY, FILES_PROPERTY,
-                                           IcebergTarget,
-                                           Registration, _marked, _quiet_statistics, check_unpartitioned,
-                                           data_file_urls, output_url, registration_property)
-from elmo_pipeline.fsio import redact
+from elmo_pipeline.formats.iceberg import (FILES_PROPERTY, OUTPUT_PROPERTY, REGISTERED_PREFIX, RUN_KEY_PROPERTY,
+                                           IcebergTarget, Registration, _marked, _quiet_statistics,
+                                           check_unpartitioned, data_file_urls, output_url, registration_property)
 from elmo_pipeline.formats.layout import DOC_HASHES
+from elmo_pipeline.fsio import redact
 
 logger = logging.getLogger("elmo-pipeline.iceberg")
 MODES = ("append", "upsert")
-STATE_PROPERTY = "elmo-pipeline.doc-hashes"    # snapshot summary: the URL of its DOC_HASHES (output/names.py)
+STATE_PROPERTY = "elmo-pipeline.doc-hashes"    # snapshot summary: the URL of its DOC_HASHES (formats/layout.py)
 ROW_DOC = "doc_id"                             # the shards' column naming each row's document
 # unchanged/changed/added: documents of the input; removed: gone from the input (--delete-missing);
 # kept: gone from the input, rows kept (without --delete-missing)
@@ -72,7 +71,7 @@ def change_of(doc_id: str, digest: str, state: dict[str, str]) -> str:
 def new_state(old: dict[str, str], seen: dict[str, tuple[str, str]], delete_missing: bool) -> pa.Table:
     """The table's documents after this run (STATE_SCHEMA, sorted by doc_id): `seen` {doc_id: (doc_hash, change)}
     of the input, and the ids of `old` not seen: removed (doc_hash null) with `delete_missing`, else kept."""
-    rows = {d: v for d, v in seen.items()}
+    rows = dict(seen)
     for d, h in old.items():
         if d not in rows:
             rows[d] = (None, "removed") if delete_missing else (h, "kept")
