@@ -3,8 +3,8 @@
 A document is keyed by its id (--id-field) and doc_hash(): its text under the settings that shape its rows.
 Each upsert snapshot's summary names (STATE_PROPERTY) a Parquet file, DOC_HASHES in the output that made it,
 holding the table's documents at that snapshot: doc_id, doc_hash, change (CHANGES). The next run reads the
-current snapshot's file (read_state: its three small columns), embeds only the documents whose hash differs or that are
-new, and commits in ONE snapshot (_upsert_producer): its Parquet shards added as they are, and Iceberg v2
+current snapshot's file (read_state: its three small columns), embeds only the documents whose hash differs
+or that are new, and commits in ONE snapshot (_upsert_producer): its Parquet shards added as they are, and Iceberg v2
 position-delete files (one per affected data file, in the table's data folder) removing the live rows of
 the changed documents and, with --delete-missing, of those no longer in the input. Unchanged rows' files are
 not rewritten; only their `doc_id` column is read. Exactly once: the registration property of the run
@@ -143,8 +143,8 @@ def live_deletes(table, remove: pa.Array) -> list[tuple[str, pa.Array]]:
 
 
 def write_delete_file(table, name: str, data_path: str, positions: pa.Array):
-    """An Iceberg v2 position-delete file for one data file (`positions` ascending: rows sorted by file_path, pos), written in the
-    table's data folder; its DataFile, with the path bounds that scope it to that file."""
+    """An Iceberg v2 position-delete file for one data file (`positions` ascending: rows sorted by file_path,
+    pos), written in the table's data folder; its DataFile, with the path bounds that scope it to that file."""
     from pyiceberg.conversions import to_bytes
     from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
     from pyiceberg.typedef import Record
@@ -195,9 +195,9 @@ def _upsert_producer():
                 with DeleteManifestWriter(md.spec(), self.schema(), self.new_manifest_output(), self._snapshot_id,
                                           self._compression) as writer:
                     for d in deletes:
-                        writer.add(ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=self._snapshot_id,
-                                                           sequence_number=None, file_sequence_number=None,
-                                                           data_file=d))
+                        writer.add(ManifestEntry.from_args(
+                            status=ManifestEntryStatus.ADDED, snapshot_id=self._snapshot_id, sequence_number=None,
+                            file_sequence_number=None, data_file=d))
                 out = [writer.to_manifest_file()] + out
             return out
 
@@ -229,7 +229,8 @@ class UpsertRegistration(Registration):
 def _registered(table, base: str, key: str) -> int | None:
     """The snapshot that registered run `key`'s output at `base` (or the current one when only the table
     property says so), else None."""
-    marked = [s.snapshot_id for s in _marked(table, base) if s.summary.additional_properties.get(RUN_KEY_PROPERTY) == key]
+    marked = [s.snapshot_id for s in _marked(table, base)
+              if s.summary.additional_properties.get(RUN_KEY_PROPERTY) == key]
     if marked:
         return marked[-1]
     if table.properties.get(registration_property(key, base)) == redact(base) and table.current_snapshot():
@@ -248,7 +249,8 @@ class Upsert:
     delete_missing: bool = False
 
     @classmethod
-    def plan(cls, target: IcebergTarget, salt: str, delete_missing: bool, storage_options: dict | None = None) -> "Upsert":
+    def plan(cls, target: IcebergTarget, salt: str, delete_missing: bool,
+             storage_options: dict | None = None) -> "Upsert":
         """The table's current state (reading only; no table yet: empty)."""
         path = target.sqlite_path()
         table = None
@@ -297,18 +299,20 @@ class Upsert:
             check_unpartitioned(table)
             current = table.current_snapshot()
             if (current.snapshot_id if current else None) != manifest["upsert"]["base_snapshot"]:
-                raise TableMovedError(f"--iceberg-mode upsert: Iceberg table {self.target.table} changed since this run "
-                                 f"compared its documents with snapshot {manifest['upsert']['base_snapshot']} (now "
-                                 f"{current.snapshot_id if current else None}); nothing was committed: run that day again "
-                                 "into a new --output")
+                raise TableMovedError(
+                    f"--iceberg-mode upsert: Iceberg table {self.target.table} changed since this run compared its "
+                    f"documents with snapshot {manifest['upsert']['base_snapshot']} (now "
+                    f"{current.snapshot_id if current else None}); nothing was committed: run that day again into a "
+                    "new --output")
             with table.io.new_input(state_url).open() as f:
                 state = pq.ParquetFile(f).read(columns=["doc_id", "change"])
             remove = state.filter(pc.is_in(state.column("change"), value_set=pa.array(["changed", "removed"])))
             if before_commit is not None:
                 before_commit()
             name = registration_property(key, base)[len(REGISTERED_PREFIX):]    # this run's output: its own names
+            found = live_deletes(table, remove.column("doc_id").combine_chunks())
             deletes = [write_delete_file(table, f"{name}-{i:05d}-deletes.parquet", path, positions)
-                       for i, (path, positions) in enumerate(live_deletes(table, remove.column("doc_id").combine_chunks()))]
+                       for i, (path, positions) in enumerate(found)]
             props = {OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key, FILES_PROPERTY: str(len(files)),
                      STATE_PROPERTY: redact(state_url)}
             try:
@@ -343,7 +347,8 @@ def upsert_argv(input_glob: str, output: str, table: str, catalog: str, delete_m
             *(["--delete-missing"] if delete_missing else [])]
 
 
-def table_rows(target: IcebergTarget, columns: tuple[str, ...] | None = None, snapshot_id: int | None = None) -> pa.Table:
+def table_rows(target: IcebergTarget, columns: tuple[str, ...] | None = None,
+               snapshot_id: int | None = None) -> pa.Table:
     """The table's live rows (at `snapshot_id`, default the current one) as pyiceberg's scan reads them
     (position deletes applied), sorted by id (_in_order): what a comparison with a full rebuild takes."""
     table = target._load_table(target.load_catalog(read_only=True))      # noqa: SLF001

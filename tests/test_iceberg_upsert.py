@@ -96,7 +96,8 @@ def days():
     day2 = list(day1)
     for k in (2, 9, 17):
         day2[k] = (day2[k][0], day2[k][1] + " An edit adds this sentence .")
-    day3 = [(i, t + " Edited once more ." if i == "wiki-009" else t) for i, t in day2 if i not in ("wiki-004", "wiki-020")]
+    day3 = [(i, t + " Edited once more ." if i == "wiki-009" else t) for i, t in day2
+            if i not in ("wiki-004", "wiki-020")]
     day3.append(("wiki-100", lines[55]))
     return day1, day2, day3
 
