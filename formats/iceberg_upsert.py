@@ -125,12 +125,14 @@ def _deleted_in(io, delete_files, path: str) -> pa.Array | None:
 
 
 def live_deletes(table, remove: pa.Array) -> list[tuple[str, pa.Array]]:
-    """(data file path, positions) of the current snapshot's live rows whose document is in `remove`: each data
-    file's doc_id column alone is read, and its delete files."""
+    """(data file path, positions) of the current snapshot's live rows whose document is in `remove`: the doc_id
+    column alone is read, and the delete files, of the data files whose doc_id bounds may hold one of them
+    (pyiceberg prunes by the bounds for up to 200 ids; more, and every data file is read)."""
+    from pyiceberg.expressions import In
     if table.current_snapshot() is None or not len(remove):
         return []
     out = []
-    for task in table.scan().plan_files():
+    for task in table.scan(row_filter=In(ROW_DOC, set(remove.to_pylist()))).plan_files():
         path = task.file.file_path
         with table.io.new_input(path).open() as f:
             ids = pq.ParquetFile(f).read(columns=[ROW_DOC]).column(0).combine_chunks()
