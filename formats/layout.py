@@ -18,6 +18,7 @@ PARQUET_LAYOUTS = ("sentence", "token")       # --parquet-layout
 ARROW_LAYOUT = "token-rows"                   # the manifest's arrow_layout (formats/arrow.py)
 STORAGE_DTYPES = ("float32", "float16")       # --dtype: precision of the stored vectors
 MANIFEST, SUCCESS = "manifest.json", "_SUCCESS"
+DOC_HASHES = "doc_hashes.parquet"   # --iceberg-mode upsert: the table's documents after it (formats/iceberg_upsert.py)
 EXCERPT_CHARS = 200                           # dead letters keep the first 200 characters
 
 

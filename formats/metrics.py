@@ -29,6 +29,14 @@ DEDUPE_COUNTS = {
     "sentences_embedded": "Sentences written with vectors the biLM computed for them.",
     "sentences_deduplicated": "Sentences written with the vectors of an equal sentence of the run (--dedupe).",
 }
+# counts of a run with --iceberg-mode upsert only (documents = unchanged + changed + added)
+UPSERT_COUNTS = {
+    "documents_unchanged": "Documents equal to the table's (same id and content hash): neither embedded nor written.",
+    "documents_changed": "Documents whose content hash differs from the table's: embedded, their old rows removed.",
+    "documents_added": "Documents new to the table: embedded and written.",
+    "documents_removed": "Documents of the table no longer in the input, removed (--delete-missing).",
+    "documents_kept": "Documents of the table no longer in the input, rows kept (no --delete-missing).",
+}
 
 
 def _escape(value: str) -> str:
@@ -67,8 +75,8 @@ def metrics_families(manifest: dict, output: str, stage_seconds: dict[str, float
     counts = manifest.get("counts", {})
     run = manifest.get("run", {})
     fams = [(f"{PREFIX}{k}_total", "counter", h, [(out, int(counts.get(k, 0)))]) for k, h in COUNTS.items()]
-    fams += [(f"{PREFIX}{k}_total", "counter", h, [(out, int(counts[k]))]) for k, h in DEDUPE_COUNTS.items()
-             if k in counts]
+    fams += [(f"{PREFIX}{k}_total", "counter", h, [(out, int(counts[k]))])
+             for k, h in {**DEDUPE_COUNTS, **UPSERT_COUNTS}.items() if k in counts]
     fams.append((f"{PREFIX}dead_letters_by_reason_total", "counter", "Dead letters by the kind of their reason.",
                  [({**out, "reason": r}, int(n)) for r, n in sorted(counts.get("dead_letters_by_reason", {}).items())]))
     fams.append((f"{PREFIX}resumed_sentences_total", "counter",

@@ -40,7 +40,7 @@ from elmo_pipeline.formats.layout import MANIFEST, SCHEMA_VERSION, SUCCESS, Dead
 from elmo_pipeline.formats.metrics import metrics_text
 from elmo_pipeline.fsio import remove_temp_files, url_fs
 from elmo_pipeline.fsio.lease import RetryLater
-from elmo_pipeline.output.names import (COUNTS, DEAD, DEAD_LETTERS, METRICS, PLAN, RECORDS, REPORT, SHARD_FOLDERS,
+from elmo_pipeline.output.names import (COUNTS, DEAD, DEAD_LETTERS, DOCS, METRICS, PLAN, RECORDS, REPORT, SHARD_FOLDERS,
                                         STAGING, STATS, is_final_name, listed_names, part_name)
 from elmo_pipeline.output.report import build_report
 from elmo_pipeline.output.sink import Sink
@@ -63,6 +63,7 @@ class Staged:
     counts: dict
     records: list[dict] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
+    docs: list[str] = field(default_factory=list)      # staged documents' content hashes (--iceberg-mode upsert)
 
 
 def select_records(fs, st: str, present: set[str]) -> tuple[list[dict], list[str], set[str]]:
@@ -120,7 +121,9 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     stats_dir = posixpath.join(st, STATS) + "/"
     stats_files = sorted(p for p in present if p.startswith(stats_dir) and p.endswith(".json"))
     stats = [json.loads(v) for v in fs.cat(stats_files).values()] if stats_files else []
-    return Staged([ShardInfo.from_record(r, st) for r in records], letters, counts, records, stats)
+    docs_dir = posixpath.join(st, DOCS) + "/"
+    docs = sorted(p for p in present if p.startswith(docs_dir) and p.endswith(".jsonl"))
+    return Staged([ShardInfo.from_record(r, st) for r in records], letters, counts, records, stats, docs)
 
 
 def record_counts(stats: dict, dead: list[ShardInfo]) -> dict:
@@ -168,11 +171,12 @@ def complete_manifest(manifest: dict, shards: list[ShardInfo], dead: list[ShardI
 
 def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_options: dict | None = None,
              register: Callable[[dict], None] | None = None, run_seconds: float | None = None,
-             fence: Callable[[], None] | None = None) -> dict:
+             fence: Callable[[], None] | None = None, upsert=None) -> dict:
     """Publish `staged`: dead letters as files of at most DEAD_LETTERS_PER_FILE (sorted by id), the run
     report (report.html; `run_seconds`: the run's wall time so far, for it) and metrics.prom, then the plan (finalize.json:
     every move and `manifest` completed with counts and the shard list), then complete_finalize() (with
-    `register` and `fence`). Returns the manifest."""
+    `register` and `fence`). `upsert` (formats.iceberg_upsert.Upsert): the documents' state file too, and its
+    counts. Returns the manifest."""
     sink, st = Sink.at(staging, storage_options, fence)
     dead = []
     for n, i in enumerate(range(0, len(staged.dead), DEAD_LETTERS_PER_FILE)):
@@ -185,6 +189,8 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
     counts.update(record_counts(staged.counts, dead))
     counts["documents"] = counts["input_records"] - counts["blank_records"] - counts["record_dead_letters"]
     m, moves = complete_manifest(m, staged.shards, dead)
+    if upsert is not None:
+        moves += upsert.stage(sink, st, staged.docs, m)
     try:            # an extra: a report that cannot be built must not cost the run its output
         page = build_report(m, staged.records, staged.stats, run_seconds)
     except Exception:  # noqa: BLE001

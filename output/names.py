@@ -5,10 +5,12 @@
     <out>/dead_letters/part-00000-of-00001.jsonl                                       (only when there are any)
     <out>/keys/part-00000-of-00002.parquet      (stateless, warm: the key index, row r = shard i's row r)
     <out>/manifest.json, <out>/report.html, <out>/metrics.prom                         (by Finalize, after all shards)
+    <out>/doc_hashes.parquet    (--iceberg-mode upsert: the table's documents after it, formats/iceberg_upsert.py)
     <out>/_SUCCESS                                                                     (written last)
     <out>/_staging/<run key>/   while a run is live: <uuid>.<format> (shard files), committed/<uuid>.json (commit
                                records), dead/<uuid>.jsonl (dead letters), counts/<file hash>.json (per
                                input file), stats/<uuid>.json (run statistics for the report),
+                               docs/<uuid>.jsonl (documents' content hashes, --iceberg-mode upsert),
                                finalize.json (the plan of a started finalize), run.json
     <out>/_lease.json           while a run is live: who holds the output (fsio/lease.py)
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from elmo_pipeline.formats.layout import FORMATS, MANIFEST, SUCCESS
+from elmo_pipeline.formats.layout import DOC_HASHES, FORMATS, MANIFEST, SUCCESS
 from elmo_pipeline.fsio.fs import TEMP_NAME
 
 STAGING = "_staging"          # <out>/_staging/<run key>/
@@ -33,6 +35,7 @@ RUN_FILE = "run.json"         # <staging>/run.json: what the run key hashes
 DEAD = "dead"                 # <staging>/dead/<uuid>.jsonl: staged dead letters
 COUNTS = "counts"             # <staging>/counts/<hash of the file URL>.json: its record counts
 STATS = "stats"               # <staging>/stats/<uuid>.json: run statistics (output/stats.py)
+DOCS = "docs"                 # <staging>/docs/<uuid>.jsonl: each document's content hash (--iceberg-mode upsert)
 REPORT = "report.html"        # <out>/report.html: the run report (output/report.py)
 METRICS = "metrics.prom"      # <out>/metrics.prom: counts and stage times (formats/metrics.py)
 LEASE = "_lease.json"         # <out>/_lease.json: the live run holding the output
@@ -48,7 +51,7 @@ ATOMIC_TOP = (MANIFEST, SUCCESS, LEASE)          # top files written with fsio.a
 
 _PART = r"part-\d{5}-of-\d{5}"
 _FINAL_FILE = re.compile("|".join([*(f"{re.escape(d)}/{_PART}\\.{re.escape(s)}" for d, s in SUFFIX.items()),
-                                   re.escape(REPORT), re.escape(METRICS)]))
+                                   re.escape(REPORT), re.escape(METRICS), re.escape(DOC_HASHES)]))
 _SCRATCH = re.compile("|".join([re.escape(LEASE), f"{re.escape(PROBE)}[0-9a-f]{{32}}",
                                 *(re.escape(n) + TEMP_NAME.pattern.rstrip("$") for n in ATOMIC_TOP)]))
 
@@ -81,5 +84,5 @@ def listed_names(manifest: dict) -> set[str]:
     of this layout (is_final_name), whatever else an edited manifest may hold."""
     names = [s.get(f) for s in manifest.get("shards", []) if isinstance(s, dict) for f in SHARD_FILES]
     names += [d.get("path") for d in manifest.get("dead_letter_files", []) if isinstance(d, dict)]
-    names += [manifest.get("report"), manifest.get("metrics")]
+    names += [manifest.get("report"), manifest.get("metrics"), (manifest.get("upsert") or {}).get("doc_hashes")]
     return {n for n in names if is_final_name(n)}

@@ -15,6 +15,7 @@ import html
 import math
 
 from elmo_pipeline.output.stats import STAGES, merge_stats
+from elmo_pipeline.formats.metrics import UPSERT_COUNTS
 
 MAX_POINTS = 120            # tokens/s over time: at most this many points (wider time bins beyond)
 MAX_BINS = 40               # sentence-length histogram bins (longer than the 99th percentile: one last bin)
@@ -103,6 +104,7 @@ def report_data(manifest: dict, records: list[dict], stats_parts: list[dict], ru
             "tokens_per_s": tl["tokens"] / span if span else 0.0,
             "tokens_per_embed_s": tl["tokens"] / embed_s if embed_s else 0.0,
             "run_seconds": run_seconds, "processes": len(stats["hosts"]),
+            "upsert": {k[len("documents_"):]: v for k, v in counts.items() if k in UPSERT_COUNTS},
         },
         "timeline": tl,
         "lengths": length_histogram(lengths),
@@ -246,6 +248,7 @@ def render(d: dict) -> str:
         rows.append(["sentences resumed (committed by an interrupted run)", s["resumed_sentences"]])
     if s["run_seconds"] is not None:
         rows.append(["run wall time until finalize (s)", float(s["run_seconds"])])
+    rows += [[f"documents {change} (--iceberg-mode upsert)", n] for change, n in s.get("upsert", {}).items()]
     out.append('<h2 id="summary">Summary</h2>' + _table(rows))
 
     out.append('<h2 id="tokens-per-second">Tokens/s over time</h2>')

@@ -22,7 +22,7 @@ from elmo_pipeline.formats.hdf5 import hdf5_bytes
 from elmo_pipeline.formats.layout import ShardInfo
 from elmo_pipeline.formats.parquet import ShardColumns, build_table, write_key_index, write_parquet
 from elmo_pipeline.model.resolve import sentence_key
-from elmo_pipeline.output.names import DEAD, KEYS, RECORDS, STATS, counts_name
+from elmo_pipeline.output.names import DEAD, DOCS, KEYS, RECORDS, STATS, counts_name
 from elmo_pipeline.output.sink import Sink
 
 
@@ -161,6 +161,11 @@ class Staging:
     def stats(self, stats: dict) -> None:
         """Stage a bundle's run statistics (stats/<uuid>.json, output/stats.py) for the run report."""
         self.sink.put(self._at(STATS, uuid.uuid4().hex + ".json"), json.dumps(stats).encode())
+
+    def docs(self, rows: list[list[str]]) -> None:
+        """Stage a bundle's [doc_id, doc_hash, change] rows (docs/<uuid>.jsonl, --iceberg-mode upsert); a retried
+        bundle stages them again, with the same content."""
+        self.sink.put(self._at(DOCS, uuid.uuid4().hex + ".jsonl"), "".join(json.dumps(r) + "\n" for r in rows).encode())
 
     def counts(self, url: str, counts: dict, part: tuple[int, int] | None = None) -> None:
         """Stage the record counts of input file `url`, or of its part (k, of n parts) when it is read in parts

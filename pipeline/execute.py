@@ -97,7 +97,7 @@ def run_under_lease(opts: PipelineOptions, pl: Plan, lease: Lease):
         manifest = dict(pl.manifest, run={"key": pl.key, "resumed_shards": len(first.records),
                                           "resumed_sentences": first.sentences})
         result.manifest = finalize(o.output, state.staging, staged, manifest, so, pl.registrar,
-                                   run_seconds=time.time() - started, fence=lease.check_held)
+                                   run_seconds=time.time() - started, fence=lease.check_held, upsert=pl.upsert)
         result.resumed_tokens = sum(r["tokens"] for r in first.records)
         return result
     raise RetryLater(f"{o.output}: sentences still missing after {MAX_ROUNDS} rounds; rerun the same command")

@@ -1,7 +1,7 @@
 """The pipeline's graph, one labelled chain that only stages data under <out>/_staging/<run key>/:
     ListFiles (read elements: files or parts of them) -> ReadFiles -> [DropDuplicateIds | SpreadDocuments]
-    -> Tokenize -> [SkipCommitted] -> [GroupBySentence] -> SortAndBatch -> Embed -> WriteShards (shards + commit
-    records); dead letters from every stage -> WriteDeadLetters; per-file (or per-part) record counts staged by
+    -> [SkipUnchanged] -> Tokenize -> [SkipCommitted] -> [GroupBySentence] -> SortAndBatch -> Embed -> WriteShards
+    (shards + commit records); dead letters from every stage -> WriteDeadLetters; per-file (or per-part) record counts staged by
     ReadFiles.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from elmo_pipeline.transforms import coders  # noqa: F401 - registers the elemen
 from elmo_pipeline.transforms.chain import Chain
 from elmo_pipeline.transforms.dedupe import one_of_each
 from elmo_pipeline.transforms.embed_step import EmbedBatches, SortAndBatch
-from elmo_pipeline.transforms.read_step import DropDuplicateIds, ReadFiles
+from elmo_pipeline.transforms.read_step import DropDuplicateIds, ReadFiles, SkipUnchanged
 from elmo_pipeline.transforms.tokenize_step import Tokenize
 from elmo_pipeline.transforms.write_step import SkipCommitted, WriteShards
 from elmo_pipeline.transforms.records import Document, Item
@@ -50,6 +50,9 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
                      output_type=Document)
     elif pl.spread_documents and not pl.break_fusion:
         docs = spread(docs, pl.spread_buckets)
+    if pl.upsert is not None:  # --iceberg-mode upsert: only new and changed documents go on
+        docs = stage(docs, "SkipUnchanged", SkipUnchanged(pl.upsert.state, pl.upsert.salt, staging, pl.progress),
+                     output_type=Document)
     items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag,
                                              processes=pl.tokenizer_processes, progress=pl.progress,
                                              max_document_tokens=o.max_document_tokens),

@@ -7,6 +7,7 @@ import os
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from elmo_pipeline.formats.layout import FORMATS, PARQUET_LAYOUTS, STORAGE_DTYPES
+from elmo_pipeline.formats.iceberg_upsert import MODES as ICEBERG_MODES
 from elmo_pipeline.formats.parquet import VECTOR_COMPRESSIONS
 from elmo_pipeline.model.options import COMPUTE_DTYPES, STATE_MODES
 from elmo_pipeline.transforms.read import INPUT_FORMATS, MAX_RECORD_BYTES
@@ -124,6 +125,11 @@ class ElmoOptions(PipelineOptions):
         g("--iceberg-warehouse", default=None, metavar="URL",
           help="where a new table's metadata is written (default: for sqlite:///, the folder of the database file); "
           "the data files stay in --output")
+        g("--iceberg-mode", choices=ICEBERG_MODES, default="append",
+          help="append (default): the shards are added, ids new to the table. upsert: the table mirrors the corpus, "
+          "only new or changed documents (by --id-field and content hash) are embedded and replace their rows")
+        g("--delete-missing", action="store_true",
+          help="with --iceberg-mode upsert: also remove from the table the documents no longer in the input")
         g("--s3-max-attempts", type=int, default=10,
           help="attempts per S3 request, first one included (botocore 'standard' retries with exponential "
           "backoff on 500/503/throttling/connection errors; default 10)")

@@ -20,6 +20,7 @@ from apache_beam.utils import shared
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.hdf5 import hdf5_layout
 from elmo_pipeline.formats.iceberg import IcebergTarget, check_overwrite, record_table
+from elmo_pipeline.formats.iceberg_upsert import Upsert, settings_salt
 from elmo_pipeline.formats.parquet import layer_columns, shard_schema
 from elmo_pipeline.fsio import atomic_write, expand, redact, url_fs
 from elmo_pipeline.model.options import load_options, sentences_independent
@@ -87,6 +88,7 @@ class Plan:
     break_fusion: bool = False     # a Reshuffle at every stage boundary: every element encoded (tests set it)
     dedupe: bool = False           # one embedding per sentence key (--dedupe resolved: transforms/dedupe.py)
     iceberg: IcebergTarget | None = None    # --iceberg-table: where Finalize registers the Parquet shards
+    upsert: Upsert | None = None   # --iceberg-mode upsert: the table's state compared with, and the commit
     schema: object = None          # the shards' Arrow schema (with --iceberg-table)
     registration: object = None    # what the registration did (formats.iceberg.Registration), once done
     models: shared.Shared = field(default_factory=shared.Shared)   # the workers' model handle
@@ -105,8 +107,8 @@ class Plan:
             if record_table(manifest, self.iceberg):
                 fs, root = url_fs(self.options.output, self.storage_options)
                 atomic_write(fs, posixpath.join(root, layout.MANIFEST), layout.manifest_bytes(manifest))
-        self.registration = self.iceberg.register(self.options.output, manifest, self.schema, self.storage_options,
-                                                  record)
+        how = self.upsert if self.upsert is not None else self.iceberg
+        self.registration = how.register(self.options.output, manifest, self.schema, self.storage_options, record)
         logger.info("%s", self.registration.describe())
 
     @property
@@ -173,6 +175,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     check_numbers(o)
     formats = o.formats()
     iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, formats, o.dtype)
+    check_upsert(o, iceberg)
     so = storage_options(opts)
     files = expand(o.input, so)
     labels = file_labels(files, o.id_root, full=iceberg is not None and not o.id_field)
@@ -222,6 +225,8 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     ingredients = run_ingredients(flags, redact(fingerprints), identity)   # as run.json records them
     if labels != file_labels(files):      # ids other than the default ones (--id-root itself is not in the key)
         ingredients["options"]["id_root"] = flags["id_root"] or "full paths (--iceberg-table)"
+    if o.iceberg_mode == "upsert":        # only the changed documents are written: another output
+        ingredients["options"].update(iceberg_mode=o.iceberg_mode, delete_missing=o.delete_missing)
     key = run_key(ingredients)
     # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
     # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
@@ -246,6 +251,8 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     limit, flag = o.max_sentence_tokens, "--max-sentence-tokens"
     if stateful and o.window_tokens < limit:
         limit, flag = o.window_tokens, "--window-tokens (--state stateful embeds sentences whole)"
+    upsert = Upsert.plan(iceberg, settings_salt(spec.key_prefix, limit, o.max_document_tokens), o.delete_missing,
+                         so) if o.iceberg_mode == "upsert" else None
     model_entry = redact({"name": model_name, **identity, "tokenization": tokenization, "tokenizer": tokenizer,
                           **({"urls": model_urls(model_name)} if is_published(model_name) else {})})
     manifest = layout.manifest_header(
@@ -274,7 +281,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
                 key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
                 tokenizer_processes=children,
                 embed_threads=embed_threads(o.embed_threads or 0, threads, local, o.state, workers, children),
-                iceberg=iceberg, schema=schema, models=models, loaded=loaded, dedupe=dedupe, splits=splits,
+                iceberg=iceberg, upsert=upsert, schema=schema, models=models, loaded=loaded, dedupe=dedupe, splits=splits,
                 split_bytes=split, spread_buckets=buckets)
 
 
@@ -284,6 +291,24 @@ def compute_support_here(compute_dtype: str, device: str) -> dict:
     from elmo_pipeline.model.device import resolve_device
     from elmo_pipeline.model.hardware import compute_support
     return compute_support(compute_dtype, resolve_device(device))
+
+
+def check_upsert(o: ElmoOptions, iceberg: IcebergTarget | None) -> None:
+    """ValueError for --iceberg-mode upsert / --delete-missing flags that cannot work: upsert needs a table,
+    ids stable across runs (--id-field: default ids number lines, which shift when a line is inserted) and
+    documents embedded independently of each other (not --state stateful)."""
+    if o.delete_missing and o.iceberg_mode != "upsert":
+        raise ValueError("--delete-missing needs --iceberg-mode upsert")
+    if o.iceberg_mode != "upsert":
+        return
+    if iceberg is None:
+        raise ValueError("--iceberg-mode upsert needs --iceberg-table NS.TABLE (and --iceberg-catalog)")
+    if not o.id_field or o.input_format not in ("jsonl", "parquet"):
+        raise ValueError("--iceberg-mode upsert needs --input-format jsonl or parquet with --id-field (JSONL or Parquet input with ids stable from one run "
+                         "to the next; default ids number lines, which shift when a line is inserted)")
+    if o.state == "stateful":
+        raise ValueError("--iceberg-mode upsert needs --state stateless or warm (stateful vectors depend on the "
+                         "documents before)")
 
 
 def check_iceberg(iceberg: IcebergTarget, schema, output: str, key: str, overwrite: bool, so: dict) -> None:

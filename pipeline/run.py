@@ -84,7 +84,9 @@ def _summary(result, output: str) -> str:
     resumed = m.get("run", {}).get("resumed_sentences", 0)
     dedupe = (f" ({n['sentences_embedded']} embedded, {n['sentences_deduplicated']} deduplicated)"
               if "sentences_deduplicated" in n else "")
-    return (f"elmo-pipeline: {n.get('documents', 0)} documents, {n.get('sentences', 0)} sentences{dedupe}, "
+    changes = (f" ({n['documents_unchanged']} unchanged, {n['documents_changed']} changed, {n['documents_added']} "
+               f"added, {n['documents_removed']} removed)" if "documents_unchanged" in n else "")  # upsert
+    return (f"elmo-pipeline: {n.get('documents', 0)} documents{changes}, {n.get('sentences', 0)} sentences{dedupe}, "
             f"{tokens} tokens, {batches}{n.get('dead_letters', 0)} dead letters, {len(m.get('shards', []))} shards "
             f"in {secs:.1f} s ({embedded / secs if secs else 0:.0f} tokens/s) -> {output}"
             + (f" (resumed: {resumed} sentences already committed were skipped)" if resumed else ""))

@@ -1,0 +1,378 @@
+"""Change-only runs into an Iceberg table that mirrors the corpus (--iceberg-mode upsert). No Beam import.
+
+A document is keyed by its id (--id-field) and doc_hash(): its text under the settings that shape its rows.
+Each upsert snapshot's summary names (STATE_PROPERTY) a Parquet file, DOC_HASHES in the output that made it,
+holding the table's documents at that snapshot: doc_id, doc_hash, change (CHANGES). The next run reads the
+current snapshot's file (read_state: its three small columns), embeds only the documents whose hash differs
+or that are new, and commits in ONE snapshot (_upsert_producer): its Parquet shards added as they are, and Iceberg v2
+position-delete files (one per affected data file, in the table's data folder) removing the live rows of
+the changed documents and, with --delete-missing, of those no longer in the input. Unchanged rows' files are
+not rewritten; only their `doc_id` column is read. Exactly once: the registration property of the run
+key (formats.iceberg.registration_property) is set in the same commit; a rerun finds it. Time travel: any
+snapshot's rows, and its state file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import posixpath
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from elmo_pipeline.formats.iceberg import (FILES_PROPERTY, OUTPUT_PROPERTY, REGISTERED_PREFIX, RUN_KEY_PROPERTY,
+                                           IcebergTarget, Registration, _marked, _quiet_statistics,
+                                           check_unpartitioned, data_file_urls, output_url, registration_property)
+from elmo_pipeline.formats.layout import DOC_HASHES
+from elmo_pipeline.fsio import redact
+
+logger = logging.getLogger("elmo-pipeline.iceberg")
+MODES = ("append", "upsert")
+STATE_PROPERTY = "elmo-pipeline.doc-hashes"    # snapshot summary: the URL of its DOC_HASHES (formats/layout.py)
+ROW_DOC = "doc_id"                             # the shards' column naming each row's document
+# unchanged/changed/added: documents of the input; removed: gone from the input (--delete-missing);
+# kept: gone from the input, rows kept (without --delete-missing)
+CHANGES = ("unchanged", "changed", "added", "removed", "kept")
+STATE_SCHEMA = pa.schema([("doc_id", pa.string()), ("doc_hash", pa.string()), ("change", pa.string())])
+FILE_PATH_ID, POS_ID = 2147483546, 2147483545  # Iceberg's reserved field ids of a position-delete file
+DELETE_SCHEMA = pa.schema([
+    pa.field("file_path", pa.string(), nullable=False, metadata={b"PARQUET:field_id": str(FILE_PATH_ID).encode()}),
+    pa.field("pos", pa.int64(), nullable=False, metadata={b"PARQUET:field_id": str(POS_ID).encode()})])
+
+
+class TableMovedError(ValueError):
+    """The table's current snapshot is not the one an upsert compared its documents with (pipeline/exits.py:
+    USAGE, exit 2: run that day again into a new --output: this one holds the change against another state)."""
+
+
+def settings_salt(key_prefix: str, sentence_limit: int, max_document_tokens: int) -> str:
+    """What doc_hash() mixes in besides the text: the vectors' key prefix (model and every setting that changes
+    vectors, model/resolve.py) and the limits that make sentences dead letters. Another value makes every
+    document 'changed'."""
+    return f"{key_prefix}|{sentence_limit}|{max_document_tokens}"
+
+
+def doc_hash(text: str, split_sentences: bool, salt: str) -> str:
+    """A document's content hash: the first 32 hex digits of the sha256 of salt, sentence splitting and text."""
+    raw = f"{salt}\x00{int(split_sentences)}\x00{text}".encode("utf-8", "surrogatepass")
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def change_of(doc_id: str, digest: str, state: dict[str, str]) -> str:
+    """unchanged, changed or added: a document of the input against the table's state {doc_id: doc_hash}."""
+    old = state.get(doc_id)
+    return "added" if old is None else "unchanged" if old == digest else "changed"
+
+
+def new_state(old: dict[str, str], seen: dict[str, tuple[str, str]], delete_missing: bool) -> pa.Table:
+    """The table's documents after this run (STATE_SCHEMA, sorted by doc_id): `seen` {doc_id: (doc_hash, change)}
+    of the input, and the ids of `old` not seen: removed (doc_hash null) with `delete_missing`, else kept."""
+    rows = dict(seen)
+    for d, h in old.items():
+        if d not in rows:
+            rows[d] = (None, "removed") if delete_missing else (h, "kept")
+    ids = sorted(rows)
+    return pa.table([pa.array(ids, pa.string()), pa.array([rows[d][0] for d in ids], pa.string()),
+                     pa.array([rows[d][1] for d in ids], pa.string())], schema=STATE_SCHEMA)
+
+
+def change_counts(state: pa.Table) -> dict[str, int]:
+    """{documents_<change>: n} of a state table (every change of CHANGES, 0 when absent)."""
+    got = dict(zip(*(c.to_pylist() for c in pc.value_counts(state.column("change")).flatten())))\
+        if state.num_rows else {}
+    return {f"documents_{c}": int(got.get(c, 0)) for c in CHANGES}
+
+
+def delete_positions(remove: pa.Array, doc_ids: pa.Array, deleted: pa.Array | None = None) -> pa.Array:
+    """Row positions (int64, ascending) of a data file whose `doc_ids` (its doc_id column, row by row) are in
+    `remove`, less the positions already `deleted` by earlier delete files."""
+    hit = pc.is_in(doc_ids, value_set=remove)
+    positions = pc.indices_nonzero(pc.fill_null(hit, False)).cast(pa.int64())
+    if deleted is not None and len(deleted):
+        positions = positions.filter(pc.invert(pc.is_in(positions, value_set=deleted.cast(pa.int64()))))
+    return positions
+
+
+def read_state(table) -> tuple[int | None, dict[str, str]]:
+    """(current snapshot id, {doc_id: doc_hash}) of a table for an upsert: {} for a table without snapshots;
+    ValueError when its current snapshot was not made by an upsert (no state to compare with)."""
+    snapshot = table.current_snapshot()
+    if snapshot is None:
+        return None, {}
+    url = (snapshot.summary.additional_properties if snapshot.summary else {}).get(STATE_PROPERTY)
+    if not url:
+        raise ValueError(f"--iceberg-mode upsert: the current snapshot {snapshot.snapshot_id} of Iceberg table "
+                         f"{'.'.join(table.name())} was not made by an upsert (it names no document state): upsert "
+                         "into a new table, or one whose every snapshot an upsert made")
+    with table.io.new_input(url).open() as f:
+        state = pq.ParquetFile(f).read(columns=["doc_id", "doc_hash", "change"])
+    state = state.filter(pc.not_equal(state.column("change"), "removed"))
+    return snapshot.snapshot_id, dict(zip(state.column("doc_id").to_pylist(), state.column("doc_hash").to_pylist()))
+
+
+def _deleted_in(io, delete_files, path: str) -> pa.Array | None:
+    """Positions of data file `path` that earlier position-delete files remove."""
+    parts = []
+    for d in delete_files:
+        with io.new_input(d.file_path).open() as f:
+            t = pq.ParquetFile(f).read(columns=["file_path", "pos"])
+        parts += t.filter(pc.equal(t.column("file_path"), path)).column("pos").chunks
+    return pa.chunked_array(parts, pa.int64()).combine_chunks() if parts else None
+
+
+def live_deletes(table, remove: pa.Array) -> list[tuple[str, pa.Array]]:
+    """(data file path, positions) of the current snapshot's live rows whose document is in `remove`: the doc_id
+    column alone is read, and the delete files, of the data files whose doc_id bounds may hold one of them
+    (pyiceberg prunes by the bounds for up to 200 ids; more, and every data file is read)."""
+    from pyiceberg.expressions import In
+    if table.current_snapshot() is None or not len(remove):
+        return []
+    out = []
+    for task in table.scan(row_filter=In(ROW_DOC, set(remove.to_pylist()))).plan_files():
+        path = task.file.file_path
+        with table.io.new_input(path).open() as f:
+            ids = pq.ParquetFile(f).read(columns=[ROW_DOC]).column(0).combine_chunks()
+        if pa.types.is_dictionary(ids.type):
+            ids = ids.dictionary_decode()
+        positions = delete_positions(remove, ids, _deleted_in(table.io, task.delete_files, path))
+        if len(positions):
+            out.append((path, positions))
+    return out
+
+
+def write_delete_file(table, name: str, data_path: str, positions: pa.Array):
+    """An Iceberg v2 position-delete file for one data file (`positions` ascending: rows sorted by file_path,
+    pos), written in the table's data folder; its DataFile, with the path bounds that scope it to that file."""
+    from pyiceberg.conversions import to_bytes
+    from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+    from pyiceberg.typedef import Record
+    from pyiceberg.types import LongType, StringType
+    url = table.location_provider().new_data_location(name)
+    t = pa.table([pa.array([data_path] * len(positions), pa.string()), positions], schema=DELETE_SCHEMA)
+    with table.io.new_output(url).create(overwrite=True) as f:
+        pq.write_table(t, f)
+    lo, hi = (v.as_py() for v in pc.min_max(positions).values())
+    return DataFile.from_args(
+        content=DataFileContent.POSITION_DELETES, file_path=url, file_format=FileFormat.PARQUET, partition=Record(),
+        record_count=len(positions), file_size_in_bytes=len(table.io.new_input(url)),
+        lower_bounds={FILE_PATH_ID: to_bytes(StringType(), data_path), POS_ID: to_bytes(LongType(), lo)},
+        upper_bounds={FILE_PATH_ID: to_bytes(StringType(), data_path), POS_ID: to_bytes(LongType(), hi)},
+        spec_id=table.spec().spec_id, sort_order_id=None, equality_ids=None, key_metadata=None)
+
+
+def _upsert_producer():
+    """pyiceberg's fast-append snapshot producer that also commits position-delete files: they go into a
+    manifest of content DELETES (pyiceberg 0.12 writes only data manifests) and into the snapshot summary. It
+    is never rebased: pyiceberg retries a conflicting commit on top of the new head, which would apply deletes
+    and rows computed against another state; a moved head is a CommitFailedException instead."""
+    from pyiceberg.exceptions import CommitFailedException
+    from pyiceberg.manifest import ManifestContent, ManifestEntry, ManifestEntryStatus, ManifestWriterV2
+    from pyiceberg.table.update.snapshot import _FastAppendFiles
+
+    class DeleteManifestWriter(ManifestWriterV2):
+        def content(self):
+            return ManifestContent.DELETES
+
+        @property
+        def _meta(self):
+            return {**super()._meta, "content": "deletes"}
+
+    class UpsertFiles(_FastAppendFiles):
+        def _validate_concurrency(self) -> None:
+            if self._commit_window is not None and not self._commit_window.is_empty():
+                raise CommitFailedException("the table moved since this upsert read it")
+
+        def append_delete_file(self, delete_file) -> None:
+            self.__dict__.setdefault("added_deletes", []).append(delete_file)
+
+        def _manifests(self):
+            out = super()._manifests()
+            deletes = self.__dict__.get("added_deletes", [])
+            if deletes:
+                md = self._transaction.table_metadata
+                with DeleteManifestWriter(md.spec(), self.schema(), self.new_manifest_output(), self._snapshot_id,
+                                          self._compression) as writer:
+                    for d in deletes:
+                        writer.add(ManifestEntry.from_args(
+                            status=ManifestEntryStatus.ADDED, snapshot_id=self._snapshot_id, sequence_number=None,
+                            file_sequence_number=None, data_file=d))
+                out = [writer.to_manifest_file()] + out
+            return out
+
+        def _summary(self, snapshot_properties=None):
+            data = self._added_data_files           # the summary counts what _added_data_files holds
+            self._added_data_files = data + self.__dict__.get("added_deletes", [])
+            try:
+                return super()._summary(snapshot_properties or {})
+            finally:
+                self._added_data_files = data
+
+    return UpsertFiles
+
+
+@dataclass(frozen=True)
+class UpsertRegistration(Registration):
+    """What Upsert.register() did: Registration's, and the position-delete files and rows it committed."""
+    delete_files: int = 0
+    deleted_rows: int = 0
+
+    def describe(self) -> str:
+        if not self.added:
+            return super().describe()
+        return (f"Iceberg table {self.table}: snapshot {self.snapshot_id} (upsert: {self.files} file"
+                f"{'' if self.files == 1 else 's'} added, {self.deleted_rows} rows deleted by {self.delete_files} "
+                "position-delete file" + ("" if self.delete_files == 1 else "s") + ")")
+
+
+def _registered(table, base: str, key: str) -> int | None:
+    """The snapshot that registered run `key`'s output at `base` (or the current one when only the table
+    property says so), else None."""
+    marked = [s.snapshot_id for s in _marked(table, base)
+              if s.summary.additional_properties.get(RUN_KEY_PROPERTY) == key]
+    if marked:
+        return marked[-1]
+    if table.properties.get(registration_property(key, base)) == redact(base) and table.current_snapshot():
+        return table.current_snapshot().snapshot_id
+    return None
+
+
+@dataclass
+class Upsert:
+    """--iceberg-mode upsert of one run: the table, the state it compares with (read at plan time), the salt of
+    doc_hash(), and --delete-missing."""
+    target: IcebergTarget
+    base_snapshot: int | None
+    state: dict[str, str] = field(repr=False)
+    salt: str = ""
+    delete_missing: bool = False
+
+    @classmethod
+    def plan(cls, target: IcebergTarget, salt: str, delete_missing: bool,
+             storage_options: dict | None = None) -> "Upsert":
+        """The table's current state (reading only; no table yet: empty)."""
+        path = target.sqlite_path()
+        table = None
+        if not path or os.path.exists(path):
+            table = target._load_table(target.load_catalog(storage_options, read_only=True))   # noqa: SLF001
+        base, state = read_state(table) if table is not None else (None, {})
+        return cls(target, base, state, salt, delete_missing)
+
+    def stage(self, sink, staging_root: str, doc_files: list[str], manifest: dict) -> list[list[str]]:
+        """At finalize: the staged documents ([doc_id, doc_hash, change] lines, a retried bundle's twice) and
+        the state read at plan time become DOC_HASHES, staged; its counts go into the manifest's counts, its
+        entry into manifest["upsert"]. Returns the move that publishes it."""
+        seen: dict[str, tuple[str, str]] = {}
+        for data in (sink.fs.cat(doc_files).values() if doc_files else ()):
+            for line in data.decode("utf-8").splitlines():
+                if line:
+                    d, h, c = json.loads(line)
+                    seen[d] = (h, c)
+        state = new_state(self.state, seen, self.delete_missing)
+        path = posixpath.join(staging_root, DOC_HASHES)
+        out = pa.BufferOutputStream()
+        pq.write_table(state, out)
+        sink.put(path, out.getvalue().to_pybytes())
+        manifest.setdefault("counts", {}).update(change_counts(state))
+        manifest["upsert"] = {"table": self.target.table, "doc_hashes": DOC_HASHES, "base_snapshot": self.base_snapshot,
+                              "delete_missing": self.delete_missing}
+        return [[path, DOC_HASHES]]
+
+    def register(self, output: str, manifest: dict, schema: pa.Schema, storage_options: dict | None = None,
+                 before_commit=None) -> Registration:
+        """Commit the finished output's change (see the module docstring) in one snapshot, unless this run key's
+        output is registered already. TableMovedError when the table moved since the run compared with it."""
+        from pyiceberg.exceptions import CommitFailedException
+        from pyiceberg.table import TableProperties, _parquet_files_to_data_files
+        from pyiceberg.table.snapshots import Operation
+        files = data_file_urls(output, manifest)
+        base, key = output_url(output), str((manifest.get("run") or {}).get("key"))
+        state_url = f"{base}/{manifest['upsert']['doc_hashes']}"
+        catalog = self.target.load_catalog(storage_options)
+        table = self.target._table_or_create(catalog, schema)     # noqa: SLF001
+        conflict = None
+        for _ in range(5):
+            found = _registered(table, base, key)
+            if found is not None:
+                return Registration(self.target.table, found, False, len(files))
+            check_unpartitioned(table)
+            current = table.current_snapshot()
+            if (current.snapshot_id if current else None) != manifest["upsert"]["base_snapshot"]:
+                raise TableMovedError(
+                    f"--iceberg-mode upsert: Iceberg table {self.target.table} changed since this run compared its "
+                    f"documents with snapshot {manifest['upsert']['base_snapshot']} (now "
+                    f"{current.snapshot_id if current else None}); nothing was committed: run that day again into a "
+                    "new --output")
+            with table.io.new_input(state_url).open() as f:
+                state = pq.ParquetFile(f).read(columns=["doc_id", "change"])
+            remove = state.filter(pc.is_in(state.column("change"), value_set=pa.array(["changed", "removed"])))
+            if before_commit is not None:
+                before_commit()
+            name = registration_property(key, base)[len(REGISTERED_PREFIX):]    # this run's output: its own names
+            found = live_deletes(table, remove.column("doc_id").combine_chunks())
+            deletes = [write_delete_file(table, f"{name}-{i:05d}-deletes.parquet", path, positions)
+                       for i, (path, positions) in enumerate(found)]
+            props = {OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key, FILES_PROPERTY: str(len(files)),
+                     STATE_PROPERTY: redact(state_url)}
+            try:
+                with _quiet_statistics(), table.transaction() as tx:
+                    if tx.table_metadata.name_mapping() is None:     # as add_files: our shards have no field ids
+                        tx.set_properties({TableProperties.DEFAULT_NAME_MAPPING:
+                                           tx.table_metadata.schema().name_mapping.model_dump_json()})
+                    with _upsert_producer()(operation=Operation.OVERWRITE if current else Operation.APPEND,
+                                            transaction=tx, io=table.io, snapshot_properties=props) as producer:
+                        for data_file in _parquet_files_to_data_files(tx.table_metadata, files, table.io):
+                            producer.append_data_file(data_file)
+                        for d in deletes:
+                            producer.append_delete_file(d)
+                    tx.set_properties({registration_property(key, base): redact(base)})
+            except CommitFailedException as e:      # another commit came first: reread, then decide again
+                logger.warning("%s: %s; retrying", self.target.table, e)
+                conflict = e
+                table = catalog.load_table(self.target.table)
+                continue
+            return UpsertRegistration(self.target.table, table.current_snapshot().snapshot_id, True, len(files),
+                                      len(deletes), sum(d.record_count for d in deletes))
+        raise RuntimeError(f"--iceberg-table {self.target.table}: every commit conflicted with another; rerun the "
+                           "same command") from conflict
+
+
+def upsert_argv(input_glob: str, output: str, table: str, catalog: str, delete_missing: bool = True,
+                id_field: str = "id") -> list[str]:
+    """The flags of one day of a change-only run into `table` (what a benchmark times): JSONL input with stable
+    ids in `id_field`, Parquet only; the model and the other flags are the caller's."""
+    return ["--input", input_glob, "--input-format", "jsonl", "--id-field", id_field, "--output", output,
+            "--format", "parquet", "--iceberg-table", table, "--iceberg-catalog", catalog, "--iceberg-mode", "upsert",
+            *(["--delete-missing"] if delete_missing else [])]
+
+
+def table_rows(target: IcebergTarget, columns: tuple[str, ...] | None = None,
+               snapshot_id: int | None = None) -> pa.Table:
+    """The table's live rows (at `snapshot_id`, default the current one) as pyiceberg's scan reads them
+    (position deletes applied), sorted by id (_in_order): what a comparison with a full rebuild takes."""
+    table = target._load_table(target.load_catalog(read_only=True))      # noqa: SLF001
+    scan = table.scan(selected_fields=columns or ("*",), snapshot_id=snapshot_id)
+    return _in_order(scan.to_arrow())
+
+
+def _in_order(rows: pa.Table) -> pa.Table:
+    """Rows sorted by id (and token_index: --parquet-layout token has a row per token)."""
+    keys = [k for k in ("id", "token_index") if k in rows.column_names]
+    return rows.sort_by([(k, "ascending") for k in keys]) if rows.num_rows else rows
+
+
+def same_rows(target: IcebergTarget, output: str, snapshot_id: int | None = None) -> bool:
+    """Whether the table's live rows (table_rows) equal the Parquet shards of the finished local output folder
+    `output` (a full run: its manifest's shards), row for row by id, value for value (vectors bit for bit; the shards'
+    fixed-size lists compared as the table's plain lists)."""
+    with open(os.path.join(output, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    got = table_rows(target, snapshot_id=snapshot_id)
+    parts = [pq.read_table(u[len("file://"):]) for u in data_file_urls(output, manifest)]
+    want = _in_order(pa.concat_tables(parts)) if parts else None
+    if want is None or not want.num_rows:
+        return got.num_rows == 0
+    return got.num_rows == want.num_rows and got.equals(want.cast(got.schema))

@@ -1,0 +1,307 @@
+"""--iceberg-mode upsert: a table that mirrors a corpus, one change-only snapshot per day.
+
+Three days of a JSONL corpus (documents made of WikiText-2 valid lines) upserted into one table: day 2 edits
+documents, day 3 adds one and drops two (--delete-missing). After each day the table, read by pyiceberg and by
+DuckDB over the data and position-delete files the scan plans, equals a fresh table of a full run of that
+day's input (same ids, tokens, bit-identical vectors: the shipped model with --batch-invariant); each day adds
+one snapshot; a rerun is `already complete` and adds none; time travel gives the earlier days; unchanged
+documents are neither embedded nor written, and the files holding them stay as they are."""
+import contextlib
+import hashlib
+import io
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from elmo_pipeline.formats.iceberg import IcebergTarget
+from elmo_pipeline.formats.iceberg_upsert import (change_counts, change_of, delete_positions, doc_hash, new_state,
+                                                  same_rows, upsert_argv)
+from elmo_pipeline.pipeline.run import main
+
+pyiceberg = pytest.importorskip("pyiceberg")
+from pyiceberg.catalog import load_catalog  # noqa: E402
+
+VALID = "/work/shared/data/wikitext-2/valid.txt"
+TABLE = "elmo.docs"
+COMMON = ("--batch-invariant", "--torch-threads", "1", "--progress", "off", "--max-tokens-per-batch", "512")
+
+
+# ---- pure functions ----------------------------------------------------------------------------------------
+
+def test_doc_hash_is_the_text_under_the_settings():
+    h = doc_hash("A text .", True, "salt")
+    assert h == doc_hash("A text .", True, "salt") and len(h) == 32
+    assert len({h, doc_hash("A text !", True, "salt"), doc_hash("A text .", False, "salt"),
+                doc_hash("A text .", True, "other model")}) == 4
+
+
+def test_change_of_and_the_next_state():
+    state = {"a": "1", "b": "2", "c": "3"}
+    assert [change_of(d, h, state) for d, h in (("a", "1"), ("b", "9"), ("z", "5"))] == ["unchanged", "changed",
+                                                                                          "added"]
+    seen = {"a": ("1", "unchanged"), "b": ("9", "changed"), "z": ("5", "added")}
+    gone = new_state(state, seen, delete_missing=True)
+    assert gone.to_pylist() == [{"doc_id": "a", "doc_hash": "1", "change": "unchanged"},
+                                {"doc_id": "b", "doc_hash": "9", "change": "changed"},
+                                {"doc_id": "c", "doc_hash": None, "change": "removed"},
+                                {"doc_id": "z", "doc_hash": "5", "change": "added"}]
+    kept = new_state(state, seen, delete_missing=False)
+    assert kept.to_pylist()[2] == {"doc_id": "c", "doc_hash": "3", "change": "kept"}
+    assert change_counts(gone) == {"documents_unchanged": 1, "documents_changed": 1, "documents_added": 1,
+                                   "documents_removed": 1, "documents_kept": 0}
+
+
+def test_delete_positions_skip_rows_already_deleted():
+    rows = pa.array(["a", "b", "a", "c", "b", "a"])
+    assert delete_positions(pa.array(["a", "c"]), rows).to_pylist() == [0, 2, 3, 5]
+    assert delete_positions(pa.array(["a"]), rows, pa.array([0, 5], pa.int64())).to_pylist() == [2]
+    assert delete_positions(pa.array(["x"]), rows).to_pylist() == []
+
+
+# ---- refusals (exit 2, one line, before any work) -----------------------------------------------------------
+
+@pytest.mark.parametrize("extra, says", [
+    (("--iceberg-mode", "upsert"), "--iceberg-mode upsert needs --iceberg-table"),
+    (("--delete-missing",), "--delete-missing needs --iceberg-mode upsert"),
+    (("--iceberg-mode", "upsert", "--iceberg-table", TABLE, "--iceberg-catalog", "sqlite:////nonexistent/c.db",
+      "--input-format", "text"), "--iceberg-mode upsert needs --input-format jsonl or parquet with --id-field"),
+])
+def test_upsert_flags_that_cannot_work_are_refused(tmp_path, capsys, extra, says):
+    inp = tmp_path / "a.txt"
+    inp.write_text("One document .\n")
+    code = main(["--input", str(inp), "--output", str(tmp_path / "out"), "--format", "parquet", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and says in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+# ---- three days into one table ------------------------------------------------------------------------------
+
+def write_jsonl(path, docs):
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"id": i, "text": t}) + "\n" for i, t in docs)
+    return str(path)
+
+
+def days():
+    """Day 1: 24 documents of 1-2 WikiText-2 valid lines; day 2: 3 of them edited; day 3: one of those edited
+    again, one added, two gone."""
+    lines = [s.strip() for s in open(VALID, encoding="utf-8") if s.strip() and not s.strip().startswith("=")]
+    lines = [s[:400] for s in lines[:60]]
+    day1 = [(f"wiki-{i:03d}", " ".join(lines[2 * i: 2 * i + 1 + i % 2])) for i in range(24)]
+    day2 = list(day1)
+    for k in (2, 9, 17):
+        day2[k] = (day2[k][0], day2[k][1] + " An edit adds this sentence .")
+    day3 = [(i, t + " Edited once more ." if i == "wiki-009" else t) for i, t in day2
+            if i not in ("wiki-004", "wiki-020")]
+    day3.append(("wiki-100", lines[55]))
+    return day1, day2, day3
+
+
+def catalog(folder):
+    return f"sqlite:///{folder}/catalog.db"
+
+
+def table_of(folder):
+    return load_catalog("default", uri=catalog(folder), warehouse=f"file://{folder}").load_table(TABLE)
+
+
+def rows(table, snapshot_id=None):
+    got = table.scan(snapshot_id=snapshot_id).to_arrow()
+    return sorted(got.to_pylist(), key=lambda r: r["id"])
+
+
+def duckdb_rows(table):
+    """The table's rows as DuckDB reads them: the data files the scan plans, less the rows their position-delete
+    files name (file_row_number is Iceberg's pos)."""
+    import duckdb
+    tasks = list(table.scan().plan_files())
+    data = [t.file.file_path[len("file://"):] for t in tasks]
+    deletes = sorted({d.file_path[len("file://"):] for t in tasks for d in t.delete_files})
+    con = duckdb.connect()
+    con.execute("CREATE TABLE dels (file_path VARCHAR, pos BIGINT)")
+    if deletes:
+        con.execute(f"INSERT INTO dels SELECT file_path, pos FROM read_parquet({deletes!r})")
+    got = con.sql(f"SELECT * EXCLUDE (filename, file_row_number) FROM read_parquet({data!r}, filename=true, "
+                      "file_row_number=true) r WHERE NOT EXISTS (SELECT 1 FROM dels d WHERE d.file_path = "
+                      "'file://' || r.filename AND d.pos = r.file_row_number) ORDER BY id").to_arrow_table()
+    return got.to_pylist()
+
+
+def sha(url):
+    return hashlib.sha256(open(url[len("file://"):], "rb").read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def three_days(tmp_path_factory):
+    d = tmp_path_factory.mktemp("upsert")
+    inputs = [write_jsonl(d / f"day{k}.jsonl", docs) for k, docs in enumerate(days(), 1)]
+    wh = d / "wh"
+    wh.mkdir()
+    out = {"snapshots": [], "manifests": [], "files": [], "rebuilds": [], "summaries": []}
+    for k, inp in enumerate(inputs, 1):
+        args = upsert_argv(inp, str(d / f"day{k}"), TABLE, catalog(wh), delete_missing=k == 3)
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert main([*args, *COMMON]) == 0
+        out["summaries"].append(err.getvalue())
+        t = table_of(wh)
+        out["snapshots"].append([s.snapshot_id for s in t.snapshots()])
+        out["manifests"].append(json.load(open(d / f"day{k}" / "manifest.json")))
+        out["files"].append({f.file.file_path: sha(f.file.file_path) for f in t.scan().plan_files()})
+        rebuild = d / f"rebuild{k}"          # a fresh table of a full run of the day's input (append mode)
+        rebuild.mkdir()
+        assert main(["--input", inp, "--input-format", "jsonl", "--id-field", "id", "--output",
+                     str(d / f"full{k}"), "--format", "parquet", "--iceberg-table", TABLE, "--iceberg-catalog",
+                     catalog(rebuild), *COMMON]) == 0
+        out["rebuilds"].append(rows(table_of(rebuild)))
+    out.update(dir=d, wh=wh, inputs=inputs)
+    return out
+
+
+@pytest.mark.slow
+def test_each_day_the_table_equals_a_full_rebuild(three_days):
+    t = table_of(three_days["wh"])
+    assert rows(t) == three_days["rebuilds"][2]                   # pyiceberg: ids, tokens, every float
+    target = IcebergTarget(TABLE, catalog(three_days["wh"]))
+    assert same_rows(target, str(three_days["dir"] / "full3"))   # the full run's own shards, as a benchmark checks
+    assert not same_rows(target, str(three_days["dir"] / "full2"))
+    assert duckdb_rows(t) == three_days["rebuilds"][2]            # DuckDB over the planned files
+    ids = {r["doc_id"] for r in rows(t)}
+    assert "wiki-100" in ids and not {"wiki-004", "wiki-020"} & ids
+    for k in (0, 1):      # time travel: the snapshot of day k + 1
+        assert rows(t, three_days["snapshots"][k][-1]) == three_days["rebuilds"][k]
+
+
+@pytest.mark.slow
+def test_each_day_is_one_snapshot_and_a_rerun_adds_none(three_days, capsys):
+    snaps = three_days["snapshots"]
+    assert [len(s) for s in snaps] == [1, 2, 3]
+    t = table_of(three_days["wh"])
+    for k, inp in enumerate(three_days["inputs"], 1):
+        capsys.readouterr()
+        args = upsert_argv(inp, str(three_days["dir"] / f"day{k}"), TABLE, catalog(three_days["wh"]),
+                           delete_missing=k == 3)
+        assert main([*args, *COMMON]) == 0
+        assert "already complete" in capsys.readouterr().err
+    assert [s.snapshot_id for s in table_of(three_days["wh"]).snapshots()] == snaps[2]
+    assert rows(table_of(three_days["wh"])) == rows(t)
+
+
+@pytest.mark.slow
+def test_unchanged_documents_are_neither_embedded_nor_rewritten(three_days):
+    m1, m2, m3 = (m["counts"] for m in three_days["manifests"])
+    assert (m1["documents_added"], m1["documents_unchanged"]) == (24, 0)
+    assert (m2["documents_unchanged"], m2["documents_changed"], m2["documents_added"], m2["documents_removed"]) == \
+        (21, 3, 0, 0)
+    assert (m3["documents_unchanged"], m3["documents_changed"], m3["documents_added"], m3["documents_removed"]) == \
+        (21, 1, 1, 2)
+    for c in (m1, m2, m3):       # nothing lost: every document read is counted once
+        assert c["documents"] == c["documents_unchanged"] + c["documents_changed"] + c["documents_added"]
+    edited = [r for r in three_days["rebuilds"][1] if r["doc_id"] in ("wiki-002", "wiki-009", "wiki-017")]
+    assert m2["sentences_written"] == len(edited) > 0          # only the edited documents were embedded
+    # each removed row deleted once (wiki-009's day-1 rows, deleted on day 2, are not deleted again on day 3)
+    r1, r2 = three_days["rebuilds"][:2]
+    r1_removed = sum(r["doc_id"] in ("wiki-002", "wiki-009", "wiki-017") for r in r1)
+    removed = r1_removed + sum(r["doc_id"] in ("wiki-009", "wiki-004", "wiki-020") for r in r2)
+    summary = table_of(three_days["wh"]).current_snapshot().summary
+    assert int(summary["total-position-deletes"]) == removed > 0
+    assert f"upsert: 1 file added, {removed - r1_removed} rows deleted by" in three_days["summaries"][2]
+    metrics = open(three_days["dir"] / "day3" / "metrics.prom").read()
+    assert 'elmo_pipeline_documents_unchanged_total{' in metrics and "documents unchanged" in \
+        open(three_days["dir"] / "day3" / "report.html").read()
+    before, after = three_days["files"][0], three_days["files"][1]
+    assert all(after[f] == h for f, h in before.items())          # day 1's file: still there, same bytes
+    state = pq.read_table(three_days["dir"] / "day3" / "doc_hashes.parquet")
+    live = state.filter(pc.not_equal(state.column("change"), "removed"))
+    assert sorted(live.column("doc_id").to_pylist()) == sorted({r["doc_id"] for r in three_days["rebuilds"][2]})
+    assert os.path.exists(three_days["dir"] / "day2" / "doc_hashes.parquet")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["register:1", "registered:1"])
+def test_day_killed_around_its_commit_then_rerun_commits_once(point, three_days, tmp_path):
+    from tests.resume_helpers import run_subprocess
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    day1, day2 = three_days["inputs"][:2]
+    assert main([*upsert_argv(day1, str(tmp_path / "day1"), TABLE, catalog(wh)), *COMMON]) == 0
+    args = [*upsert_argv(day2, str(tmp_path / "day2"), TABLE, catalog(wh)), *COMMON]
+    p = run_subprocess(args, point)                       # SIGKILL just before / just after the commit
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert len(table_of(wh).snapshots()) == (1 if point == "register:1" else 2)
+    p = run_subprocess(args)                              # the same command finishes the finalize
+    assert p.returncode == 0 and "finished the interrupted finalize" in p.stderr, p.stderr[-2000:]
+    p = run_subprocess(args)
+    assert p.returncode == 0 and "already complete" in p.stderr and "already registered" in p.stderr
+    t = table_of(wh)
+    assert len(t.snapshots()) == 2 and rows(t) == three_days["rebuilds"][1]
+
+
+@pytest.mark.slow
+def test_a_table_changed_since_the_comparison_is_refused(three_days, tmp_path):
+    """Day 2 killed before its commit; day 3 commits meanwhile; rerun, day 2 finds the table moved since it
+    compared and commits nothing (one line, exit 2); into a new --output it compares with day 3's table."""
+    from tests.resume_helpers import run_subprocess
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    day1, day2, day3 = three_days["inputs"]
+    assert main([*upsert_argv(day1, str(tmp_path / "day1"), TABLE, catalog(wh)), *COMMON]) == 0
+    late = [*upsert_argv(day2, str(tmp_path / "late"), TABLE, catalog(wh)), *COMMON]
+    assert run_subprocess(late, "register:1").returncode == -9
+    assert main([*upsert_argv(day3, str(tmp_path / "day3"), TABLE, catalog(wh), delete_missing=True), *COMMON]) == 0
+    p = run_subprocess(late)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and err[-1].startswith("error: ") and "changed since this run compared" in err[-1], err
+    assert len(table_of(wh).snapshots()) == 2
+    assert main([*upsert_argv(day2, str(tmp_path / "again"), TABLE, catalog(wh), delete_missing=False), *COMMON]) == 0
+    t = table_of(wh)
+    assert len(t.snapshots()) == 3
+    # day 2's input upon day 3's table, without --delete-missing: day 2's documents, and day 3's addition kept
+    assert sorted({r["doc_id"] for r in rows(t)}) == sorted({d for d, _ in days()[1]} | {"wiki-100"})
+
+
+def test_the_upsert_commit_is_never_rebased_on_a_moved_table(tmp_path):
+    """pyiceberg retries a conflicting commit on top of the new head; an upsert's snapshot (rows and deletes
+    computed against the head it read) must fail instead."""
+    from pyiceberg.exceptions import CommitFailedException
+    from pyiceberg.table import _parquet_files_to_data_files
+    from pyiceberg.table.snapshots import Operation
+    from elmo_pipeline.formats.iceberg_upsert import _upsert_producer
+    files = []
+    for k in range(3):
+        pq.write_table(pa.table({"id": [f"d{k}#0"], "doc_id": [f"d{k}"]}), tmp_path / f"f{k}.parquet")
+        files.append(f"file://{tmp_path}/f{k}.parquet")
+    cat = load_catalog("default", uri=catalog(tmp_path), warehouse=f"file://{tmp_path}")
+    cat.create_namespace("elmo")
+    t = cat.create_table(TABLE, schema=pa.schema([("id", pa.string()), ("doc_id", pa.string())]),
+                         properties={"commit.retry.min-wait-ms": "1"})
+    t.add_files(files[:1])
+    stale = cat.load_table(TABLE)
+    cat.load_table(TABLE).add_files(files[1:2])          # another writer moves the head
+    with pytest.raises(CommitFailedException):
+        with stale.transaction() as tx:
+            with _upsert_producer()(operation=Operation.OVERWRITE, transaction=tx, io=stale.io) as producer:
+                for f in _parquet_files_to_data_files(tx.table_metadata, files[2:], stale.io):
+                    producer.append_data_file(f)
+    assert len(cat.load_table(TABLE).snapshots()) == 2
+
+
+@pytest.mark.slow
+def test_the_same_command_into_another_output_leaves_earlier_snapshots_whole(three_days, tmp_path):
+    """Day 2's command run again later into another --output (the same run key): its delete files are its own,
+    so day 2's snapshot, still current for the rows it deleted, reads as before."""
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    day1, day2, day3 = three_days["inputs"]
+    for k, (inp, out) in enumerate(((day1, "day1"), (day2, "day2"), (day3, "day3"), (day2, "day2-again"))):
+        assert main([*upsert_argv(inp, str(tmp_path / out), TABLE, catalog(wh), delete_missing=k == 2), *COMMON]) == 0
+    t = table_of(wh)
+    assert rows(t, t.snapshots()[1].snapshot_id) == three_days["rebuilds"][1]
+    got = rows(t)
+    assert sorted({r["doc_id"] for r in got}) == sorted({d for d, _ in days()[1]} | {"wiki-100"})
+    assert len({r["id"] for r in got}) == len(got)          # no sentence twice
+    assert [r for r in got if r["doc_id"] != "wiki-100"] == three_days["rebuilds"][1]
