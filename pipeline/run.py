@@ -82,7 +82,8 @@ def _summary(result, output: str) -> str:
     batches = (f"{c.get('batches', 0)} batches (padding {1 - c.get('batch_tokens', 0) / slots:.1%}), "
                if slots else "")
     resumed = m.get("run", {}).get("resumed_sentences", 0)
-    dedupe = (f" ({n['sentences_embedded']} embedded, {n['sentences_deduplicated']} deduplicated)"
+    dedupe = (f" ({n['sentences_embedded']} embedded, {n['sentences_deduplicated']} deduplicated"
+              + (f", {n['sentences_reused']} reused" if "sentences_reused" in n else "") + ")"
               if "sentences_deduplicated" in n else "")
     return (f"elmo-pipeline: {n.get('documents', 0)} documents, {n.get('sentences', 0)} sentences{dedupe}, "
             f"{tokens} tokens, {batches}{n.get('dead_letters', 0)} dead letters, {len(m.get('shards', []))} shards "
