@@ -225,3 +225,21 @@ def test_stateful_refuses_reuse(days, tiny_model_files, tmp_path, capsys):
     assert last_error(capsys) == ("error: --reuse needs --state stateless or warm (a stateful sentence's vectors "
                                   "depend on the sentences before it, so no sentence key names them) (exit 2: fix "
                                   "the command)")
+
+
+@pytest.mark.slow
+def test_the_plan_estimates_sentences_reused(days, tiny_days, tiny_model_files, tmp_path):
+    """`plan` with --reuse: the sample's sentences found in the sources' key indexes (the whole small corpus is the
+    sample here: exact), and the biLM time counts the tokens left to embed only."""
+    from elmo_pipeline.pipeline.dry_run import estimate, render
+    outs, flags = tiny_days
+    p = estimate(argv(tiny_model_files, days[1], str(tmp_path / "o"), *flags, "--reuse", outs["parquet"]))
+    full = read_output(outs["full"])[0]["counts"]["sentences_written"]
+    r = p["reuse"]
+    ran = str(tmp_path / "r")
+    assert main(argv(tiny_model_files, days[1], ran, *flags, "--reuse", outs["parquet"])) == 0
+    reused = read_output(ran)[0]["counts"]["sentences_reused"]
+    assert r["sampled_sentences"] == full and r["sampled_found"] == r["sentences_reused"] == reused
+    assert 0 < r["token_share"] < 0.5
+    assert f"{reused:,} of the sample's {full:,} sentences found: about {reused:,} sentences reused" in render(p)
+    assert estimate(argv(tiny_model_files, days[1], str(tmp_path / "o"), *flags))["reuse"] is None

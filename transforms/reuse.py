@@ -138,6 +138,20 @@ def index_entries(source: int, shard: int, path: str, storage_options: dict | No
         yield join_key(key), base + row
 
 
+def found_keys(sources: list[ReuseSource], keys: set[str], storage_options: dict | None = None) -> set[str]:
+    """Which of `keys` (sentence keys) the sources' key indexes hold: every key-index file's key column read once
+    (`plan`'s estimate; the run joins on the runner instead)."""
+    import pyarrow.compute as pc
+    wanted, found = pa.array(sorted(keys), pa.string()), set()
+    for src in sources:
+        for path, _, _ in src.shards:
+            fs, p = url_fs(path, storage_options)
+            with fs.open(p, "rb") as f:
+                col = pq.read_table(f, columns=["key"]).column("key")
+            found.update(col.filter(pc.is_in(col, value_set=wanted)).to_pylist())
+    return found
+
+
 def match(items: Iterable[Item], locations: Iterable[int]) -> list[tuple[int, Item]]:
     """The join's result for one key: each Item with the smallest location of its key (deterministic whichever
     sources hold it), or NOT_FOUND: to be embedded."""
