@@ -22,7 +22,7 @@ from elmo_pipeline.transforms.chain import Chain
 from elmo_pipeline.transforms.dedupe import one_of_each
 from elmo_pipeline.transforms.embed_step import EmbedBatches, SortAndBatch
 from elmo_pipeline.transforms.read_step import DropDuplicateIds, ReadFiles
-from elmo_pipeline.transforms.reuse import NOT_FOUND, by_shard, index_entries, join_key, match
+from elmo_pipeline.transforms.reuse import NOT_FOUND, bucket_of, by_shard, index_blobs, join_key, match
 from elmo_pipeline.transforms.reuse_step import CopyReused
 from elmo_pipeline.transforms.tokenize_step import Tokenize
 from elmo_pipeline.transforms.write_step import SkipCommitted, WriteShards
@@ -89,17 +89,20 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
 
 
 def join_reused(p: beam.Pipeline, items, pl: Plan):
-    """(Items to embed, found Items grouped by source shard): the run's Items keyed by sentence key joined
-    (CoGroupByKey on the runner: memory bounded by the runner's shuffle, not by a worker) with every row of
-    the --reuse sources' key indexes, read one element per key-index file."""
+    """(Items to embed, found Items grouped by source shard): the run's Items joined by key bucket (CoGroupByKey on
+    the runner, transforms/reuse.py) with every row of the --reuse sources' key indexes, read one element per
+    key-index file and packed per bucket."""
     spec, prefix, so = pl.spec, pl.spec.key_prefix, pl.storage_options
     files = [(s, k, keys) for s, src in enumerate(pl.reuse) for k, (keys, _, _) in enumerate(src.shards)]
-    keyed = items | "KeyForReuse" >> beam.Map(lambda i: (join_key(spec.sentence_key(i.tokens, prefix)), i)
-                                              ).with_output_types(tuple[bytes, Item])
+
+    def keyed(i: Item):
+        k = join_key(spec.sentence_key(i.tokens, prefix))
+        return bucket_of(k), (k, i)
+    items = items | "KeyForReuse" >> beam.Map(keyed).with_output_types(tuple[int, tuple[bytes, Item]])
     found_at = (p | "ListKeyIndexes" >> beam.Create(files) | "SpreadKeyIndexes" >> beam.Reshuffle()
-                | "ReadKeyIndexes" >> beam.FlatMapTuple(lambda s, k, keys: index_entries(s, k, keys, so)
-                                                        ).with_output_types(tuple[bytes, int]))
-    matched = ({"items": keyed, "found": found_at} | "JoinReused" >> beam.CoGroupByKey()
+                | "ReadKeyIndexes" >> beam.FlatMapTuple(lambda s, k, keys: index_blobs(s, k, keys, so)
+                                                        ).with_output_types(tuple[int, bytes]))
+    matched = ({"items": items, "found": found_at} | "JoinReused" >> beam.CoGroupByKey()
                | "MatchReused" >> beam.FlatMapTuple(lambda _, g: match(g["items"], g["found"])
                                                     ).with_output_types(tuple[int, Item]))
     to_embed = matched | "NotReused" >> beam.FlatMapTuple(

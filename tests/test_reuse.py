@@ -13,8 +13,8 @@ import pytest
 from elmo_pipeline.output.staging import ShardSpec
 from elmo_pipeline.pipeline.run import main
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
-from elmo_pipeline.transforms.reuse import (NOT_FOUND, ReuseError, by_shard, location, match, model_vectors,
-                                            reused_batches, unpack)
+from elmo_pipeline.transforms.reuse import (NOT_FOUND, ReuseError, bucket_of, by_shard, index_blobs, join_key,
+                                            location, match, model_vectors, reused_batches, unpack)
 from tests.resume_helpers import argv, read_output
 from tests.test_dedupe import assert_equal_outputs
 
@@ -31,11 +31,33 @@ def test_a_location_packs_source_shard_and_row():
     assert by_shard(loc, item(1, "a")) == ((3, 70_000), (19_999, item(1, "a")))
 
 
-def test_match_takes_the_smallest_location_or_none():
-    a, b = item(1, "ab"), item(2, "ab")
-    assert match([a, b], [location(1, 0, 5), location(0, 2, 9)]) == [(location(0, 2, 9), a), (location(0, 2, 9), b)]
-    assert match([a], []) == [(NOT_FOUND, a)]
-    assert match([], [location(0, 0, 0)]) == []
+def test_key_index_rows_are_packed_per_bucket_and_matched_exactly(tmp_path):
+    """index_blobs packs a key-index file's rows per key bucket; match gives each Item the smallest location of its
+    key over all packed rows (two sources here), or NOT_FOUND; a key that shares its first 8 bytes with a wanted
+    one is no match."""
+    from elmo_pipeline.formats.parquet import write_key_index
+    from elmo_pipeline.model.resolve import sentence_key
+    keys = [sentence_key("0123456789abcdef", [w]) for w in ("a", "b", "c", "a")]
+    path = str(tmp_path / "k.parquet")
+    with open(path, "wb") as f:
+        write_key_index(["x#0", "x#1", "x#2", "x#3"], keys, f)
+    blobs = {}
+    for source in (1, 0):
+        for b, blob in index_blobs(source, 7, path):
+            blobs.setdefault(b, []).append(blob)
+    a, c = join_key(keys[0]), join_key(keys[2])
+    near = a[:8] + bytes(8)                         # same first half, another key
+    assert bucket_of(a) in blobs and sum(len(v) for v in blobs.values()) == 2 * len(set(bucket_of(join_key(k))
+                                                                                       for k in keys))
+    got = match([(a, item(1, "a")), (near, item(2, "n"))], blobs[bucket_of(a)])
+    assert got == [(location(0, 7, 0), item(1, "a")), (NOT_FOUND, item(2, "n"))]
+    assert match([(c, item(3, "c"))], blobs[bucket_of(c)]) == [(location(0, 7, 2), item(3, "c"))]
+    assert match([(c, item(3, "c"))], []) == [(NOT_FOUND, item(3, "c"))]
+    assert match([], blobs[bucket_of(c)]) == []
+    with open(path, "wb") as f:
+        write_key_index(["x#0"], ["not a key"], f)
+    with pytest.raises(ReuseError, match="no sentence keys"):
+        list(index_blobs(0, 0, path))
 
 
 def spec(selection, duplicate_layer0=False, dtype="float32"):

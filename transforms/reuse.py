@@ -3,12 +3,15 @@ stored vectors instead of being embedded. No Beam import; the graph joins the ru
 outputs' key indexes by key on the runner (pipeline/graph.py, docs/reuse.md).
 
 open_source: an earlier output's manifest, checked (it is untrusted) -> ReuseSource (what its shards are, where).
-index_entries: one key-index file -> (join key, location) per row.
-match: a join key's Items and locations -> (location or NOT_FOUND, Item) per Item.
+The join is by key bucket (BUCKETS of them, by the key's first bytes): the runner groups each bucket's Items with
+packed runs of the sources' (key, location) rows (ENTRY: 24 bytes a source sentence), not an element per row.
+index_blobs: one key-index file -> (bucket, packed entries) per bucket.
+match: a bucket's (join key, Item)s and packed entries -> (location or NOT_FOUND, Item) per Item.
 read_vectors: a source shard's rows -> their tokens and stored vectors; reused_batch: those as an EmbeddedBatch.
 """
 from __future__ import annotations
 
+import binascii
 import dataclasses
 import posixpath
 from collections.abc import Iterable, Iterator
@@ -28,6 +31,8 @@ from elmo_pipeline.transforms.records import EmbeddedBatch, Item
 KEY_HEX = 32            # a sentence key after its key prefix: the tokens' hash (model.resolve.sentence_key)
 ROW_BITS = SHARD_BITS = 24   # a location packs (source, shard, row) into one int: 2^24 shards and rows at most
 NOT_FOUND = -1
+BUCKETS = 4096          # key buckets of the join (a key's first two bytes, modulo)
+ENTRY = np.dtype([("key", "V16"), ("loc", "<i8")])     # a source sentence in the join: join key, location
 READ_FORMATS = ("parquet", "arrow")     # what vectors are read back from (Parquet: --parquet-layout sentence)
 
 
@@ -49,6 +54,10 @@ def join_key(key: str) -> bytes:
     """The 16 bytes the join groups by: the tokens' hash of a sentence key (its key prefix is the run's, checked
     once per source: open_source)."""
     return bytes.fromhex(key[-KEY_HEX:])
+
+
+def bucket_of(key: bytes) -> int:
+    return int.from_bytes(key[:2], "big") % BUCKETS
 
 
 def location(source: int, shard: int, row: int) -> int:
@@ -127,15 +136,34 @@ def _url(base: str, rel: str) -> str:
     return base.rstrip("/") + "/" + rel
 
 
-def index_entries(source: int, shard: int, path: str, storage_options: dict | None = None
-                  ) -> Iterator[tuple[bytes, int]]:
-    """(join key, location) for every row of one key-index file."""
+def index_blobs(source: int, shard: int, path: str, storage_options: dict | None = None
+                ) -> Iterator[tuple[int, bytes]]:
+    """(bucket, its rows of one key-index file packed as ENTRY records) for every bucket that file has rows in;
+    read as Arrow buffers, no Python object per row. ReuseError when a key is not a key (a damaged file)."""
     fs, p = url_fs(path, storage_options)
     with fs.open(p, "rb") as f:
-        keys = pq.read_table(f, columns=["key"]).column("key").to_pylist()
-    base = location(source, shard, 0)
-    for row, key in enumerate(keys):
-        yield join_key(key), base + row
+        col = pq.read_table(f, columns=["key"]).column("key").combine_chunks()
+    n = len(col)
+    if n == 0:
+        return
+    offsets = np.frombuffer(col.buffers()[1], np.int32, n + 1, col.offset * 4)
+    width = offsets[1] - offsets[0]
+    if col.null_count or width != 16 + KEY_HEX or (np.diff(offsets) != width).any():
+        raise ReuseError(f"--reuse: the key index {redact(path)} holds values that are no sentence keys")
+    text = np.frombuffer(col.buffers()[2], np.uint8, n * width, offsets[0]).reshape(n, width)[:, width - KEY_HEX:]
+    try:
+        raw = np.frombuffer(binascii.unhexlify(text.tobytes()), np.uint8).reshape(n, KEY_HEX // 2)
+    except binascii.Error:
+        raise ReuseError(f"--reuse: the key index {redact(path)} holds values that are no sentence keys") from None
+    entries = np.empty(n, ENTRY)
+    entries["key"] = raw.view("V16").reshape(n)
+    entries["loc"] = location(source, shard, 0) + np.arange(n, dtype=np.int64)
+    buckets = ((raw[:, 0].astype(np.int64) << 8) | raw[:, 1]) % BUCKETS
+    order = np.argsort(buckets, kind="stable")
+    entries, buckets = entries[order], buckets[order]
+    cuts = np.flatnonzero(np.diff(buckets)) + 1
+    for part, b in zip(np.split(entries, cuts), buckets[np.concatenate([[0], cuts])]):
+        yield int(b), part.tobytes()
 
 
 def found_keys(sources: list[ReuseSource], keys: set[str], storage_options: dict | None = None) -> set[str]:
@@ -152,11 +180,22 @@ def found_keys(sources: list[ReuseSource], keys: set[str], storage_options: dict
     return found
 
 
-def match(items: Iterable[Item], locations: Iterable[int]) -> list[tuple[int, Item]]:
-    """The join's result for one key: each Item with the smallest location of its key (deterministic whichever
-    sources hold it), or NOT_FOUND: to be embedded."""
-    loc = min(locations, default=NOT_FOUND)
-    return [(loc, i) for i in items]
+def match(items: Iterable[tuple[bytes, Item]], blobs: Iterable[bytes]) -> list[tuple[int, Item]]:
+    """The join's result for one bucket: each Item (with its join key) with the smallest location of its key in the
+    packed entries (deterministic whichever sources hold it), or NOT_FOUND: to be embedded."""
+    items = list(items)
+    if not items:
+        return []
+    wanted = {k for k, _ in items}
+    first = np.frombuffer(b"".join(wanted), "<u8")[::2]      # each wanted key's first 8 bytes
+    best: dict[bytes, int] = {}
+    for blob in blobs:
+        rows = np.frombuffer(blob, "<u8").reshape(-1, ENTRY.itemsize // 8)     # key (2 words), location
+        for r in np.flatnonzero(np.isin(rows[:, 0], first)):                   # candidates; then the whole key
+            k, loc = rows[r, :2].tobytes(), int(rows[r, 2])
+            if k in wanted and loc < best.get(k, 1 << 62):
+                best[k] = loc
+    return [(best.get(k, NOT_FOUND), i) for k, i in items]
 
 
 def read_vectors(source: ReuseSource, shard: int, rows: list[int], columns: list[tuple[str, int]],
