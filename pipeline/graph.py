@@ -22,7 +22,7 @@ from elmo_pipeline.transforms.chain import Chain
 from elmo_pipeline.transforms.dedupe import one_of_each
 from elmo_pipeline.transforms.embed_step import EmbedBatches, SortAndBatch
 from elmo_pipeline.transforms.read_step import DropDuplicateIds, ReadFiles
-from elmo_pipeline.transforms.reuse import NOT_FOUND, bucket_of, by_shard, index_blobs, join_key, match
+from elmo_pipeline.transforms.reuse import NOT_FOUND, bucket_of, by_shard, index_blobs, join_buckets, join_key, match
 from elmo_pipeline.transforms.reuse_step import CopyReused
 from elmo_pipeline.transforms.tokenize_step import Tokenize
 from elmo_pipeline.transforms.write_step import SkipCommitted, WriteShards
@@ -94,13 +94,14 @@ def join_reused(p: beam.Pipeline, items, pl: Plan):
     key-index file and packed per bucket."""
     spec, prefix, so = pl.spec, pl.spec.key_prefix, pl.storage_options
     files = [(s, k, keys) for s, src in enumerate(pl.reuse) for k, (keys, _, _) in enumerate(src.shards)]
+    buckets = join_buckets(sum(n for src in pl.reuse for _, _, n in src.shards))
 
     def keyed(i: Item):
         k = join_key(spec.sentence_key(i.tokens, prefix))
-        return bucket_of(k), (k, i)
+        return bucket_of(k, buckets), (k, i)
     items = items | "KeyForReuse" >> beam.Map(keyed).with_output_types(tuple[int, tuple[bytes, Item]])
     found_at = (p | "ListKeyIndexes" >> beam.Create(files) | "SpreadKeyIndexes" >> beam.Reshuffle()
-                | "ReadKeyIndexes" >> beam.FlatMapTuple(lambda s, k, keys: index_blobs(s, k, keys, so)
+                | "ReadKeyIndexes" >> beam.FlatMapTuple(lambda s, k, keys: index_blobs(s, k, keys, buckets, so)
                                                         ).with_output_types(tuple[int, bytes]))
     matched = ({"items": items, "found": found_at} | "JoinReused" >> beam.CoGroupByKey()
                | "MatchReused" >> beam.FlatMapTuple(lambda _, g: match(g["items"], g["found"])

@@ -43,21 +43,20 @@ def test_key_index_rows_are_packed_per_bucket_and_matched_exactly(tmp_path):
         write_key_index(["x#0", "x#1", "x#2", "x#3"], keys, f)
     blobs = {}
     for source in (1, 0):
-        for b, blob in index_blobs(source, 7, path):
+        for b, blob in index_blobs(source, 7, path, 3):
             blobs.setdefault(b, []).append(blob)
     a, c = join_key(keys[0]), join_key(keys[2])
     near = a[:8] + bytes(8)                         # same first half, another key
-    assert bucket_of(a) in blobs and sum(len(v) for v in blobs.values()) == 2 * len(set(bucket_of(join_key(k))
-                                                                                       for k in keys))
-    got = match([(a, item(1, "a")), (near, item(2, "n"))], blobs[bucket_of(a)])
+    assert sum(len(v) for v in blobs.values()) == 2 * len({bucket_of(join_key(k), 3) for k in keys})
+    got = match([(a, item(1, "a")), (near, item(2, "n"))], blobs[bucket_of(a, 3)])
     assert got == [(location(0, 7, 0), item(1, "a")), (NOT_FOUND, item(2, "n"))]
-    assert match([(c, item(3, "c"))], blobs[bucket_of(c)]) == [(location(0, 7, 2), item(3, "c"))]
+    assert match([(c, item(3, "c"))], blobs[bucket_of(c, 3)]) == [(location(0, 7, 2), item(3, "c"))]
     assert match([(c, item(3, "c"))], []) == [(NOT_FOUND, item(3, "c"))]
-    assert match([], blobs[bucket_of(c)]) == []
+    assert match([], blobs[bucket_of(c, 3)]) == []
     with open(path, "wb") as f:
         write_key_index(["x#0"], ["not a key"], f)
     with pytest.raises(ReuseError, match="no sentence keys"):
-        list(index_blobs(0, 0, path))
+        list(index_blobs(0, 0, path, 3))
 
 
 def spec(selection, duplicate_layer0=False, dtype="float32"):

@@ -3,8 +3,9 @@ stored vectors instead of being embedded. No Beam import; the graph joins the ru
 outputs' key indexes by key on the runner (pipeline/graph.py, docs/reuse.md).
 
 open_source: an earlier output's manifest, checked (it is untrusted) -> ReuseSource (what its shards are, where).
-The join is by key bucket (BUCKETS of them, by the key's first bytes): the runner groups each bucket's Items with
-packed runs of the sources' (key, location) rows (ENTRY: 24 bytes a source sentence), not an element per row.
+The join is by key bucket (join_buckets: a bucket per GROUP_ROWS source sentences, by the key's first bytes): the
+runner groups each bucket's Items with packed runs of the sources' (key, location) rows (ENTRY: 24 bytes a source
+sentence), an element per key-index file and bucket, not one per row.
 index_blobs: one key-index file -> (bucket, packed entries) per bucket.
 match: a bucket's (join key, Item)s and packed entries -> (location or NOT_FOUND, Item) per Item.
 read_vectors: a source shard's rows -> their tokens and stored vectors; reused_batch: those as an EmbeddedBatch.
@@ -31,7 +32,8 @@ from elmo_pipeline.transforms.records import EmbeddedBatch, Item
 KEY_HEX = 32            # a sentence key after its key prefix: the tokens' hash (model.resolve.sentence_key)
 ROW_BITS = SHARD_BITS = 24   # a location packs (source, shard, row) into one int: 2^24 shards and rows at most
 NOT_FOUND = -1
-BUCKETS = 4096          # key buckets of the join (a key's first two bytes, modulo)
+GROUP_ROWS = 1 << 20    # source sentences per join bucket at most, on average (24 MiB of packed entries)
+MIN_BUCKETS = 64        # so that the join spreads over workers however small the sources
 ENTRY = np.dtype([("key", "V16"), ("loc", "<i8")])     # a source sentence in the join: join key, location
 READ_FORMATS = ("parquet", "arrow")     # what vectors are read back from (Parquet: --parquet-layout sentence)
 
@@ -56,8 +58,15 @@ def join_key(key: str) -> bytes:
     return bytes.fromhex(key[-KEY_HEX:])
 
 
-def bucket_of(key: bytes) -> int:
-    return int.from_bytes(key[:2], "big") % BUCKETS
+def join_buckets(source_rows: int) -> int:
+    """The join's key buckets for sources of `source_rows` sentences in all: a bucket's group (what a worker holds
+    at once) is about GROUP_ROWS source rows at most, and a key-index file's rows travel in few, large elements."""
+    return max(MIN_BUCKETS, -(-source_rows // GROUP_ROWS))
+
+
+def bucket_of(key: bytes, buckets: int) -> int:
+    """A join key's bucket: its first 4 bytes (uniform: a hash), modulo."""
+    return int.from_bytes(key[:4], "big") % buckets
 
 
 def location(source: int, shard: int, row: int) -> int:
@@ -136,7 +145,7 @@ def _url(base: str, rel: str) -> str:
     return base.rstrip("/") + "/" + rel
 
 
-def index_blobs(source: int, shard: int, path: str, storage_options: dict | None = None
+def index_blobs(source: int, shard: int, path: str, buckets: int, storage_options: dict | None = None
                 ) -> Iterator[tuple[int, bytes]]:
     """(bucket, its rows of one key-index file packed as ENTRY records) for every bucket that file has rows in;
     read as Arrow buffers, no Python object per row. ReuseError when a key is not a key (a damaged file)."""
@@ -158,11 +167,11 @@ def index_blobs(source: int, shard: int, path: str, storage_options: dict | None
     entries = np.empty(n, ENTRY)
     entries["key"] = raw.view("V16").reshape(n)
     entries["loc"] = location(source, shard, 0) + np.arange(n, dtype=np.int64)
-    buckets = ((raw[:, 0].astype(np.int64) << 8) | raw[:, 1]) % BUCKETS
-    order = np.argsort(buckets, kind="stable")
-    entries, buckets = entries[order], buckets[order]
-    cuts = np.flatnonzero(np.diff(buckets)) + 1
-    for part, b in zip(np.split(entries, cuts), buckets[np.concatenate([[0], cuts])]):
+    of = np.ascontiguousarray(raw[:, :4]).view(">u4").reshape(n).astype(np.int64) % buckets     # bucket_of
+    order = np.argsort(of, kind="stable")
+    entries, of = entries[order], of[order]
+    cuts = np.flatnonzero(np.diff(of)) + 1
+    for part, b in zip(np.split(entries, cuts), of[np.concatenate([[0], cuts])]):
         yield int(b), part.tobytes()
 
 
