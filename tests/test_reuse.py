@@ -78,7 +78,7 @@ def test_stored_columns_go_back_to_the_same_stored_columns_and_hdf5(selection, d
     s = spec(selection, dup, dtype)
     stored = [c.astype(dtype) for c in s.sources(full)[0]]
     h5 = s.sources(full)[1].astype(dtype)
-    vectors, layers = model_vectors(stored, s.selection, s.duplicate_layer0, s.n_layers)
+    vectors, layers = model_vectors(stored, s.selection, s.duplicate_layer0, s.n_layers, s.dim)
     cols, h = s.sources(vectors, layers)
     assert [c.astype(dtype).tobytes() for c in cols] == [c.tobytes() for c in stored]
     assert h.astype(dtype).tobytes() == h5.tobytes()

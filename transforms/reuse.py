@@ -235,21 +235,23 @@ def read_vectors(source: ReuseSource, shard: int, rows: list[int], columns: list
     return tokens, vectors, lengths
 
 
-def model_vectors(stored: list[np.ndarray], selection, duplicate_layer0: bool, n_layers: int
+def model_vectors(stored: list[np.ndarray], selection, duplicate_layer0: bool, n_layers: int, dim: int
                   ) -> tuple[np.ndarray, tuple[int, ...] | None]:
     """Stored layer columns (T, D_k) back in the embedder's form that output.staging.ShardSpec.sources takes:
-    (vectors float32 (K, T, 2P), layers) with layers None (all L+1, or 'average': K = 1) or the ascending layers
-    held. Exact: a float16 value widened to float32 narrows back to itself; layer 0 stored once is [x, x]."""
+    (vectors float32 (K, T, dim = 2P), layers) with layers None (all L+1, or 'average': K = 1) or the ascending
+    layers held; one copy. Exact: a float16 value widened to float32 narrows back to itself; layer 0 stored once
+    (x, P wide) is [x, x]."""
     if selection == "average":
         return stored[0].astype(np.float32)[None], None
     by_layer = {k: c for k, c in zip(selection, stored)}
     layers = sorted(by_layer)
-    full = layers == list(range(n_layers))
-    out = []
-    for k in layers:
-        c = by_layer[k].astype(np.float32)
-        out.append(np.concatenate([c, c], axis=1) if k == 0 and not duplicate_layer0 else c)
-    return np.stack(out) if out else np.zeros((0, 0, 0), np.float32), None if full else tuple(layers)
+    out = np.empty((len(layers), len(stored[0]), dim), np.float32)
+    for j, k in enumerate(layers):
+        if k == 0 and not duplicate_layer0:
+            out[j, :, : dim // 2] = out[j, :, dim // 2:] = by_layer[k]
+        else:
+            out[j] = by_layer[k]
+    return out, None if layers == list(range(n_layers)) else tuple(layers)
 
 
 def reused_batches(found: list[tuple[int, Item]], tokens: list[list[str]], stored: list[np.ndarray],
@@ -266,6 +268,6 @@ def reused_batches(found: list[tuple[int, Item]], tokens: list[list[str]], store
     for a in range(0, len(found), batch):
         b = min(a + batch, len(found))
         part = [c[ends[a]: ends[b]] for c in stored]
-        vectors, layers = model_vectors(part, spec.selection, spec.duplicate_layer0, spec.n_layers)
+        vectors, layers = model_vectors(part, spec.selection, spec.duplicate_layer0, spec.n_layers, spec.dim)
         out = with_copies(EmbeddedBatch([i for _, i in found[a:b]], vectors, ends[a: b + 1] - ends[a], layers))
         yield dataclasses.replace(out, copies=0, source=source)
