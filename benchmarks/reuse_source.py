@@ -5,8 +5,9 @@ The source is a real output of the tiny random model (model/synthetic.py) over t
 sentences are found and copied), plus filler shards written directly with pyarrow: each a valid sentence-layout
 Parquet shard of one-token sentences (zero vectors of the model's widths, zstd) and its key index of random
 sentence keys under the model's key prefix (which no sentence of the run has), listed in the manifest like any
-shard. The joining run (FnApiRunner, one worker in the launcher's process) is measured against the source without
-filler and with it; the difference over the filler rows is the join's memory per source sentence.
+shard. The joining run is measured against the source without filler and with it, on FnApiRunner with one worker
+(in the launcher's process) and with 2 multi_processing workers; the difference over the filler rows is the join's
+memory per source sentence.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from benchmarks.incremental import _tag, run, wiki_lines
 
 ROWS_PER_SHARD = 20_000      # the default --shard-sentences: key-index files as a run writes them
 FLAGS = ["--torch-threads", "1", "--progress", "off", "--format", "parquet", "--batch-invariant"]
+RUNNERS = {"FnApiRunner, 1 worker in the launcher": [],
+           "FnApiRunner, 2 multi_processing workers": ["--direct_num_workers", "2",
+                                                       "--direct_running_mode", "multi_processing"]}
 
 
 def random_keys(prefix: str, n: int, rng: np.random.Generator) -> pa.Array:
@@ -71,8 +75,6 @@ def measure(args) -> int:
             f.write("\n".join(wiki_lines("valid", args.lines or 300)))
         small = os.path.join(tmp, "source")
         run(["--input", inp, "--output", small, *model, *FLAGS])
-        rows = [{"source_sentences": "run's own only", **run(["--input", inp, "--output", os.path.join(tmp, "j0"),
-                                                               *model, *FLAGS, "--reuse", small])}]
         big = os.path.join(tmp, "big")
         shutil.copytree(small, big)
         t0 = time.perf_counter()
@@ -81,18 +83,25 @@ def measure(args) -> int:
         print(f"{machine()}; filler: {args.reuse_source_rows:,} sentences in {shards} shards, built in {built:.0f} s "
               f"({sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(big) for f in fs) / 1e6:.0f} MB)",
               flush=True)
-        rows.append({"source_sentences": args.reuse_source_rows,
-                     **run(["--input", inp, "--output", os.path.join(tmp, "j1"), *model, *FLAGS, "--reuse", big])})
-        for r in rows:
-            print(f"source {r['source_sentences']!s:>14}: wall {r['wall_s']:6.1f} s  peak RSS {r['peak_rss_mb']:6.0f} MB"
-                  f"  {r['summary']}", flush=True)
-        per = (rows[1]["peak_rss_mb"] - rows[0]["peak_rss_mb"]) * 2 ** 20 / args.reuse_source_rows
-        print(f"peak RSS per source sentence: {per:.0f} bytes (FnApiRunner: the join's grouping is held in the "
-              "launcher's process)")
+        rows = []
+        for runner, flags in RUNNERS.items():
+            for name, source in (("run's own only", small), (args.reuse_source_rows, big)):
+                r = run(["--input", inp, "--output", os.path.join(tmp, f"j{len(rows)}"), *model, *FLAGS, *flags,
+                         "--reuse", source], children=bool(flags))
+                rows.append({"runner": runner, "source_sentences": name, **r})
+                print(f"{runner}: source {name!s:>14}: wall {r['wall_s']:6.1f} s  peak RSS {r['peak_rss_mb']:6.0f} MB"
+                      + (f" (launcher {r['own_peak_rss_mb']:.0f} MB, children "
+                         f"{[round(c) for c in r['children_peak_rss_mb']]} MB)" if flags else "")
+                      + f"  {r['summary']}", flush=True)
+        per = {runner: (b.get("own_peak_rss_mb", b["peak_rss_mb"]) - a.get("own_peak_rss_mb", a["peak_rss_mb"]))
+                       * 2 ** 20 / args.reuse_source_rows
+               for runner, (a, b) in zip(RUNNERS, zip(rows[::2], rows[1::2]))}
+        for runner, v in per.items():
+            print(f"{runner}: the launcher's peak RSS per source sentence: {v:.0f} bytes (it holds the join's groups)")
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as f:
-        json.dump({"machine": machine(), "runner": "FnApiRunner (one worker, in the launcher's process)",
-                   "flags": FLAGS, "filler_build_s": built, "rows": rows, "bytes_per_source_sentence": per},
+        json.dump({"machine": machine(), "flags": FLAGS, "filler_build_s": built, "rows": rows,
+                   "launcher_bytes_per_source_sentence": per},
                   f, indent=1)
     print(f"wrote {out_path}")
     return 0
