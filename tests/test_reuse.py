@@ -88,24 +88,24 @@ def test_reused_batches_carry_copies_and_their_source_and_check_tokens():
     s = spec((0, 1, 2))
     found = [(4, item(1, "ab", copies=(item(7, "ab"),))), (9, item(2, "xyz"))]
     stored = [np.arange(5 * d, dtype=np.float32).reshape(5, d) for _, d in s.columns]
-    out = list(reused_batches(found, [["a", "b"], ["x", "y", "z"]], stored, np.array([2, 3]), s, 1, "src", batch=1))
-    assert [b.source for b in out] == [1, 1] and [b.copies for b in out] == [0, 0]
+    out = list(reused_batches(found, [["a", "b"], ["x", "y", "z"]], stored, np.array([2, 3]), s, "src", batch=1))
+    assert [b.source for b in out] == ["src", "src"] and [b.copies for b in out] == [0, 0]
     assert [[i.id for i in b.items] for b in out] == [["d1#0", "d7#0"], ["d2#0"]]
     assert out[0].items[0].copies == ()
     cols = s.sources(out[0].vectors, out[0].layers)[0]
     assert all((c[:2] == c[2:4]).all() and (c[:2] == st[:2]).all() for c, st in zip(cols, stored))
     assert [c.tobytes() for c in s.sources(out[1].vectors, out[1].layers)[0]] == [st[2:].tobytes() for st in stored]
     with pytest.raises(ReuseError, match="other tokens"):
-        list(reused_batches(found, [["a", "c"], ["x", "y", "z"]], stored, np.array([2, 3]), s, 0, "src"))
+        list(reused_batches(found, [["a", "c"], ["x", "y", "z"]], stored, np.array([2, 3]), s, "src"))
 
 
 def test_a_reused_batch_goes_through_the_coders():
     from apache_beam import coders
     import elmo_pipeline.transforms.coders  # noqa: F401
-    b = EmbeddedBatch([item(1, "ab")], np.ones((3, 2, 4), np.float32), np.array([0, 2]), None, 0, 2)
+    b = EmbeddedBatch([item(1, "ab")], np.ones((3, 2, 4), np.float32), np.array([0, 2]), None, 0, "s3://b/day1")
     c = coders.registry.get_coder(EmbeddedBatch)
     got = c.decode(c.encode(b))
-    assert got.source == 2 and got.items == b.items
+    assert got.source == "s3://b/day1" and got.items == b.items
     assert c.decode(c.encode(EmbeddedBatch([item(1, "ab")], b.vectors, b.offsets))).source is None
 
 
@@ -264,3 +264,22 @@ def test_the_plan_estimates_sentences_reused(days, tiny_days, tiny_model_files, 
     assert 0 < r["token_share"] < 0.5
     assert f"{reused:,} of the sample's {full:,} sentences found: about {reused:,} sentences reused" in render(p)
     assert estimate(argv(tiny_model_files, days[1], str(tmp_path / "o"), *flags))["reuse"] is None
+
+
+@pytest.mark.slow       # a killed process
+def test_a_run_killed_with_reuse_resumes_without_it(days, tiny_days, tiny_model_files, tmp_path):
+    """--reuse is not in the run key: a run killed after committing reused shards resumes without --reuse (the same
+    output), and its counts keep the sentences reused from the source, by source."""
+    from tests.resume_helpers import run_subprocess
+    outs, flags = tiny_days
+    out = str(tmp_path / "r")
+    args = argv(tiny_model_files, days[1], out, *flags, "--shard-sentences", "50")
+    p = run_subprocess([*args, "--reuse", outs["parquet"]], crash_at="commit:3")
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert main(args) == 0
+    got = read_output(out)
+    assert_equal_outputs(got, read_output(outs["full"]))
+    c = got[0]["counts"]
+    assert set(c["sentences_reused_by_source"]) == {outs["parquet"]} and c["sentences_reused"] >= 100
+    assert c["sentences_embedded"] + c["sentences_deduplicated"] + c["sentences_reused"] == c["sentences_written"]
+    assert "reuse" not in got[0]

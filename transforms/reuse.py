@@ -255,11 +255,11 @@ def model_vectors(stored: list[np.ndarray], selection, duplicate_layer0: bool, n
 
 
 def reused_batches(found: list[tuple[int, Item]], tokens: list[list[str]], stored: list[np.ndarray],
-                   lengths: np.ndarray, spec, source: int, label: str, batch: int = 2000) -> Iterator[EmbeddedBatch]:
+                   lengths: np.ndarray, spec, label: str, batch: int = 2000) -> Iterator[EmbeddedBatch]:
     """EmbeddedBatches of at most `batch` found sentences ((row, Item) in the order their vectors were read:
-    read_vectors), each Item's copies (--dedupe) written with its vectors, all counted as reused from `source`
-    (spec: the run's output.staging.ShardSpec). ReuseError (naming the source by `label`) when a row holds other
-    tokens than its key says: a damaged key index, never wrong vectors."""
+    read_vectors), each Item's copies (--dedupe) written with its vectors, all counted as reused from the source
+    `label` (its redacted URL; spec: the run's output.staging.ShardSpec). ReuseError naming it when a row holds
+    other tokens than its key says: a damaged key index, never wrong vectors."""
     for (row, item), toks in zip(found, tokens):
         if tuple(toks) != item.tokens:
             raise ReuseError(f"--reuse {label}: row {row} of a shard holds other tokens than its key index says "
@@ -270,4 +270,4 @@ def reused_batches(found: list[tuple[int, Item]], tokens: list[list[str]], store
         part = [c[ends[a]: ends[b]] for c in stored]
         vectors, layers = model_vectors(part, spec.selection, spec.duplicate_layer0, spec.n_layers, spec.dim)
         out = with_copies(EmbeddedBatch([i for _, i in found[a:b]], vectors, ends[a: b + 1] - ends[a], layers))
-        yield dataclasses.replace(out, copies=0, source=source)
+        yield dataclasses.replace(out, copies=0, source=label)

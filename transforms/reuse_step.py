@@ -23,7 +23,7 @@ class CopyReused(beam.DoFn):
         found = sorted(found, key=lambda f: (f[0], f[1].id))
         src, spec = self.sources[source], self.spec
         tokens, stored, lengths = read_vectors(src, shard, [r for r, _ in found], list(spec.columns), self.so)
-        for out in reused_batches(found, tokens, stored, lengths, spec, source, src.label, self.batch):
+        for out in reused_batches(found, tokens, stored, lengths, spec, src.label, self.batch):
             self.reused.inc(len(out.items))
             advance(self.progress, sum(i.nbytes for i in out.items))
             yield out
