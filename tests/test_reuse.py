@@ -283,3 +283,22 @@ def test_a_run_killed_with_reuse_resumes_without_it(days, tiny_days, tiny_model_
     assert set(c["sentences_reused_by_source"]) == {outs["parquet"]} and c["sentences_reused"] >= 100
     assert c["sentences_embedded"] + c["sentences_deduplicated"] + c["sentences_reused"] == c["sentences_written"]
     assert "reuse" not in got[0]
+
+
+@pytest.mark.slow       # a dask.distributed cluster
+def test_reuse_on_dask_equals_the_full_run(days, tiny_days, tiny_model_files, tmp_path):
+    """DaskRunner on a 2-worker LocalCluster: the join, shuffled by the cluster, writes the full run's output."""
+    pytest.importorskip("distributed")
+    from distributed import LocalCluster
+    from tests.resume_helpers import run_subprocess
+    outs, flags = tiny_days
+    out = str(tmp_path / "r")
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None,
+                      env={"OMP_NUM_THREADS": "1"}) as c:
+        p = run_subprocess(argv(tiny_model_files, days[1], out, *flags, "--reuse", outs["parquet"], "--runner",
+                                "apache_beam.runners.dask.dask_runner.DaskRunner", "--dask_client_address",
+                                c.scheduler_address, "--dask_npartitions", "4"), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = read_output(out)
+    assert_equal_outputs(got, read_output(outs["full"]))
+    assert got[0]["counts"]["sentences_reused"] > 0
