@@ -35,7 +35,6 @@ NOT_FOUND = -1
 GROUP_ROWS = 1 << 20    # source sentences per join bucket at most, on average (24 MiB of packed entries)
 MIN_BUCKETS = 64        # so that the join spreads over workers however small the sources
 ENTRY = np.dtype([("key", "V16"), ("loc", "<i8")])     # a source sentence in the join: join key, location
-READ_FORMATS = ("parquet", "arrow")     # what vectors are read back from (Parquet: --parquet-layout sentence)
 
 
 class ReuseError(ValueError):
@@ -93,7 +92,7 @@ def _inside(rel) -> bool:
 def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype: str,
                 storage_options: dict | None = None) -> ReuseSource:
     """The earlier output at `url`, checked: finished (manifest.json), a key index of this run's key prefix,
-    the run's layer columns and dtype, a format read back (READ_FORMATS), every shard's key index readable with
+    the run's layer columns and dtype, Parquet (sentence layout) or Arrow shards to read vectors from, every shard's key index readable with
     as many rows as the shard. ReuseError naming it (redacted) otherwise."""
     label = redact(url)
     try:
@@ -114,7 +113,7 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
     if m.get("layer_dims") != dict(columns) or m.get("dtype") != dtype:
         raise ReuseError(f"--reuse {label}: its layers {m.get('layer_dims')} ({m.get('dtype')}) are not this "
                          f"run's {dict(columns)} ({dtype})")
-    formats = m.get("formats") or []
+    formats = [f for f in m.get("formats") or [] if isinstance(f, str)]
     fmt = "parquet" if "parquet" in formats and m.get("parquet_layout") == "sentence" else \
         "arrow" if "arrow" in formats else None
     if fmt is None:
@@ -124,12 +123,13 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
     if len(m["shards"]) >= 1 << SHARD_BITS:
         raise ReuseError(f"--reuse {label}: more than {1 << SHARD_BITS} shards")
     for i, s in enumerate(m["shards"]):
-        keys, data, n = s.get(KEYS), s.get(fmt), s.get("sentences")
+        keys, data, n = (s.get(KEYS), s.get(fmt), s.get("sentences")) if isinstance(s, dict) else (None, None, None)
         if not (_inside(keys) and _inside(data) and isinstance(n, int) and 0 <= n < 1 << ROW_BITS):
-            raise ReuseError(f"--reuse {label}: its manifest's shard {i} is damaged ({s})")
+            raise ReuseError(f"--reuse {label}: its manifest's shard {i} is damaged ({redact(str(s))[:200]})")
         path = posixpath.join(root, keys)
         try:
-            meta = pq.read_metadata(fs.open(path, "rb"))
+            with fs.open(path, "rb") as f:
+                meta = pq.read_metadata(f)
             ok = meta.num_rows == n and meta.schema.to_arrow_schema().remove_metadata().equals(KEY_INDEX_SCHEMA)
         except Exception as e:  # noqa: BLE001
             raise ReuseError(f"--reuse {label}: its key index {keys} cannot be read ({type(e).__name__}: "
