@@ -228,6 +228,11 @@ def test_a_missing_or_damaged_source_is_refused(days, tiny_days, tiny_model_file
     assert main(run) == 2
     assert last_error(capsys).startswith(f"error: --reuse {bad}: its key index {m['shards'][0]['keys']} cannot be read")
     open(keys, "wb").write(data)
+    outside = json.loads(json.dumps(m))
+    outside["shards"][0]["keys"] = "../../elsewhere/part.parquet"            # a path out of the output
+    open(f"{bad}/manifest.json", "w").write(json.dumps(outside))
+    assert main(run) == 2
+    assert last_error(capsys).startswith(f"error: --reuse {bad}: its manifest's shard 0 is damaged")
     del m["key_index"]
     open(f"{bad}/manifest.json", "w").write(json.dumps(m))
     assert main(run) == 2
