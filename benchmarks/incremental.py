@@ -154,7 +154,8 @@ def table(rows: list[dict], floor: dict) -> str:
         lines.append(f"| {r['name']} | {r['wall_s']:.1f} | {100 * r['share']:.1f} % | {r['peak_rss_mb']:.0f} | "
                      f"{r['summary'].split(': ', 1)[-1].split(' -> ')[0]} |")
     full = rows[0]["wall_s"]
-    lines.append(f"| floor: start-up (imports) | {floor['startup_s']:.1f} | {100 * floor['startup_s'] / full:.1f} % | | |")
+    lines.append(f"| floor: start-up (imports) | {floor['startup_s']:.1f} | "
+                 f"{100 * floor['startup_s'] / full:.1f} % | | |")
     lines.append(f"| floor: pyarrow read + write of day 1's shards ({floor['vector_bytes'] / 1e9:.2f} GB) | "
                  f"{floor['read_write_s']:.1f} | {100 * floor['read_write_s'] / full:.1f} % | | |")
     return "\n".join(lines)

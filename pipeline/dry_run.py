@@ -386,8 +386,8 @@ def render(p: dict) -> str:
                      "repeats than the corpus)")
     if p.get("reuse"):
         ru = p["reuse"]
-        lines.append(f"reuse (vectors of {len(ru['sources'])} earlier output(s) by sentence key): {ru['sampled_found']:,} "
-                     f"of the sample's {ru['sampled_sentences']:,} sentences found: about {ru['sentences_reused']:,} "
+        lines.append(f"reuse (vectors of {len(ru['sources'])} earlier output(s) by sentence key): "
+                     f"{ru['sampled_found']:,} of the sample's {ru['sampled_sentences']:,} sentences found: about {ru['sentences_reused']:,} "
                      "sentences reused, not embedded")
     lines.append(f"output ({', '.join(p['formats'])}; --dtype {p['dtype']}; layers {', '.join(p['layers'])}): "
                  + ", ".join(f"{f} {_size(b)}" for f, b in p["output_bytes"].items())

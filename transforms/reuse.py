@@ -91,9 +91,9 @@ def _inside(rel) -> bool:
 
 def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype: str,
                 storage_options: dict | None = None) -> ReuseSource:
-    """The earlier output at `url`, checked: finished (manifest.json), a key index of this run's key prefix,
-    the run's layer columns and dtype, Parquet (sentence layout) or Arrow shards to read vectors from, every shard's key index readable with
-    as many rows as the shard. ReuseError naming it (redacted) otherwise."""
+    """The earlier output at `url`, checked: finished (manifest.json), a key index of this run's key prefix, the
+    run's layer columns and dtype, Parquet (sentence layout) or Arrow shards to read vectors from, every shard's
+    key index readable with as many rows as the shard. ReuseError naming it (redacted) otherwise."""
     label = redact(url)
     try:
         fs, root = url_fs(url, storage_options)

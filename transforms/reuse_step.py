@@ -15,7 +15,8 @@ class CopyReused(beam.DoFn):
 
     def __init__(self, sources: list[ReuseSource], shard_spec, storage_options, progress: ProgressSpec | None = None,
                  batch: int = 2000):
-        self.sources, self.spec, self.so, self.progress, self.batch = sources, shard_spec, storage_options, progress, batch
+        self.sources, self.spec, self.so = sources, shard_spec, storage_options
+        self.progress, self.batch = progress, batch
         self.reused = Metrics.counter(NS, "sentences_reused")
 
     def process(self, element):
