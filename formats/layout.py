@@ -81,6 +81,8 @@ class ShardInfo:
                "ids_zlib": pack_ids(ids)}
         if self.extra.get("deduplicated"):      # sentences written with another sentence's vectors (--dedupe)
             rec["deduplicated"] = self.extra["deduplicated"]
+        if self.extra.get("reused"):            # sentences written with a --reuse source's vectors, by source
+            rec["reused"] = self.extra["reused"]
         if lengths is not None:
             rec["lengths"] = {str(k): v for k, v in sorted(lengths.items())}
         return rec
@@ -90,7 +92,7 @@ class ShardInfo:
         """The ShardInfo of a commit record."""
         files = {fmt: posixpath.join(staging_root, name) for fmt, name in record["files"].items()}
         return cls(files, record["sentences"], record["tokens"], record["first_id"],
-                   {"deduplicated": record["deduplicated"]} if record.get("deduplicated") else {})
+                   {k: record[k] for k in ("deduplicated", "reused") if record.get(k)})
 
 
 def pack_ids(ids: list[str]) -> str:

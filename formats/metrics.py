@@ -24,10 +24,12 @@ COUNTS = {
     "dead_letters": "Dead letters (record and sentence level).",
     "dead_letter_sentences": "Sentences dead-lettered (too long, no tokens, embedding failed, ...).",
 }
-# counts of a run with --dedupe only (sentences_written = sentences_embedded + sentences_deduplicated)
+# counts of a run with --dedupe or --reuse only
+# (sentences_written = sentences_embedded + sentences_deduplicated + sentences_reused)
 DEDUPE_COUNTS = {
     "sentences_embedded": "Sentences written with vectors the biLM computed for them.",
     "sentences_deduplicated": "Sentences written with the vectors of an equal sentence of the run (--dedupe).",
+    "sentences_reused": "Sentences written with the stored vectors of an earlier output (--reuse).",
 }
 # counts of a run with --iceberg-mode upsert only (documents = unchanged + changed + added)
 UPSERT_COUNTS = {
@@ -77,6 +79,9 @@ def metrics_families(manifest: dict, output: str, stage_seconds: dict[str, float
     fams = [(f"{PREFIX}{k}_total", "counter", h, [(out, int(counts.get(k, 0)))]) for k, h in COUNTS.items()]
     fams += [(f"{PREFIX}{k}_total", "counter", h, [(out, int(counts[k]))])
              for k, h in {**DEDUPE_COUNTS, **UPSERT_COUNTS}.items() if k in counts]
+    fams.append((f"{PREFIX}sentences_reused_by_source_total", "counter",
+                 "Sentences written with the stored vectors of each earlier output (--reuse).",
+                 [({**out, "source": s}, int(n)) for s, n in counts.get("sentences_reused_by_source", {}).items()]))
     fams.append((f"{PREFIX}dead_letters_by_reason_total", "counter", "Dead letters by the kind of their reason.",
                  [({**out, "reason": r}, int(n)) for r, n in sorted(counts.get("dead_letters_by_reason", {}).items())]))
     fams.append((f"{PREFIX}resumed_sentences_total", "counter",

@@ -162,9 +162,17 @@ def complete_manifest(manifest: dict, shards: list[ShardInfo], dead: list[ShardI
     counts["dead_letters"] = sum(s.sentences for s in dead)
     counts["dead_letter_sentences"] = sum(s.extra.get("sentence_level", 0) for s in dead)
     counts["sentences"] = counts["sentences_written"] + counts["dead_letter_sentences"]
-    if manifest.get("dedupe"):     # written = embedded + deduplicated (written with another sentence's vectors)
+    reused = dict.fromkeys(manifest.get("reuse", {}).get("sources", []), 0)   # by source (--reuse), this run's
+    for s in shards:                    # and those of an interrupted run it resumed
+        for src, n in s.extra.get("reused", {}).items():
+            reused[src] = reused.get(src, 0) + n
+    if manifest.get("dedupe") or reused:    # written = embedded + deduplicated (another sentence's vectors) + reused
         counts["sentences_deduplicated"] = sum(s.extra.get("deduplicated", 0) for s in shards)
-        counts["sentences_embedded"] = counts["sentences_written"] - counts["sentences_deduplicated"]
+        if reused:
+            counts["sentences_reused"] = sum(reused.values())
+            counts["sentences_reused_by_source"] = reused
+        counts["sentences_embedded"] = (counts["sentences_written"] - counts["sentences_deduplicated"]
+                                        - counts.get("sentences_reused", 0))
     manifest.update(schema_version=SCHEMA_VERSION, shards=listing, dead_letter_files=dead_files)
     return manifest, moves
 

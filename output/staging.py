@@ -146,7 +146,12 @@ class Staging:
                 write_key_index(ids, [sentence_key(spec.key_prefix, b.items[i].tokens) for b, i in sentences], f)
         lengths = np.fromiter((b.tokens(i) for b, i in sentences), dtype=np.int64, count=len(sentences))
         copies = sum(i >= len(b.items) - b.copies for b, i in sentences)      # written from another's vectors
-        info = ShardInfo(files, len(sentences), int(lengths.sum()), ids[0], {"deduplicated": copies} if copies else {})
+        reused = {}                                                # read from a --reuse source, by source
+        for b, _ in sentences:
+            if b.source is not None:
+                reused[b.source] = reused.get(b.source, 0) + 1
+        extra = {**({"deduplicated": copies} if copies else {}), **({"reused": reused} if reused else {})}
+        info = ShardInfo(files, len(sentences), int(lengths.sum()), ids[0], extra)
         histogram = dict(zip(*(a.tolist() for a in np.unique(lengths, return_counts=True))))
         self.sink.put(self._at(RECORDS, name + ".json"), json.dumps(info.record(ids, histogram)).encode())
         return info

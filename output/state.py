@@ -37,7 +37,8 @@ KEY_VERSION = 1
 # Options left out of the run key: they change neither which sentences are written nor their vectors
 # (beyond float32 round-off): layout (shard sizes, row groups), speed (threads, device), the output itself,
 # the sort buffer (batches only; not in stateful mode, where batches decide the vectors), and where the
-# finished output is registered (--iceberg-*: the same files, added to a table), and --id-root (the ids it
+# finished output is registered (--iceberg-*: the same files, added to a table), where vectors are copied from
+# (--reuse: the same vectors, by key: docs/reuse.md), and --id-root (the ids it
 # gives are in the key when they differ from the default ones: pipeline/plan.py plan()). Every other
 # option of ElmoOptions is in the key, new ones included: a flag nobody thought about refuses a resume
 # rather than mixing two outputs. The batch budget stays in (it caps long-sentence windows). The model
@@ -46,7 +47,7 @@ KEY_VERSION = 1
 NOT_CONTENT = {"output", "overwrite", "progress", "torch_threads", "device", "shard_sentences", "shard_bytes",
                "row_group_bytes", "vector_compression", "sort_buffer", "input", "options_file", "weight_file", "model", "s3_max_attempts",
                "lease_stale_seconds", "tokenizer_process", "embed_threads", "iceberg_table", "iceberg_catalog", "iceberg_warehouse",
-               "id_root", "dedupe", "iceberg_mode", "delete_missing"}   # upsert's: in the key when given (plan.py)
+               "id_root", "dedupe", "reuse", "iceberg_mode", "delete_missing"}   # upsert's: in the key when given (plan.py)
 
 
 def input_fingerprints(files: list[str], storage_options: dict | None = None) -> list[list]:

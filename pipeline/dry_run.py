@@ -282,14 +282,15 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     tok_rate = s["sampled"]["tokens_written"] / s["tokenize_seconds"] if s["tokenize_seconds"] else 0.0
     enc_rate = m.get("sample_tokens", 0) / m["encode_seconds"] if m["encode_seconds"] else 0.0
     dedupe = deduplicated(pl.spec, written, est) if pl.dedupe else None
-    embedded = tokens * dedupe["token_share"] if dedupe else tokens
+    reuse = reused(pl, written, est) if pl.reuse else None
+    embedded = tokens * (dedupe["token_share"] if dedupe else 1.0) * (reuse["token_share"] if reuse else 1.0)
     seconds = {"embed": embedded / rate if rate else None, "tokenize": tokens / tok_rate if tok_rate else None,
                "encode": tokens / enc_rate if enc_rate else None}
     return {
         "output": pl.options.output, "run_key": pl.key, "output_state": output_state(pl),
         "inputs": [{"url": u, "bytes": sizes[u]} for u in pl.files], "input_bytes": sum(sizes.values()),
         "sample": {"bytes": s["sample_bytes"], "files": s["files_sampled"], **s["sampled"]},
-        "estimated": est, "dedupe": dedupe,
+        "estimated": est, "dedupe": dedupe, "reuse": reuse,
         "formats": pl.formats, "dtype": pl.options.dtype, "layers": [c for c, _ in spec.columns],
         "output_bytes": out_bytes,
         "layer_bytes": layer_bytes(list(spec.columns) if "parquet" in spec.formats else [],
@@ -314,6 +315,20 @@ def deduplicated(spec, written: list, est: dict) -> dict:
     return {"sampled_sentences": len(written), "sampled_distinct": len(distinct), "sentences_embedded": embedded,
             "sentences_deduplicated": est["sentences_written"] - embedded,
             "token_share": sum(distinct.values()) / tokens if tokens else 1.0}
+
+
+def reused(pl, written: list, est: dict) -> dict:
+    """--reuse in the plan: the sample's written sentences whose key the sources' key indexes hold (every key-index
+    file read), the estimated sentences reused at the sample's share, and the share of tokens left to embed."""
+    from elmo_pipeline.transforms.reuse import found_keys
+    prefix = pl.spec.key_prefix
+    keys = [(pl.spec.sentence_key(w[3], prefix), len(w[3])) for w in written]
+    found = found_keys(pl.reuse, {k for k, _ in keys}, pl.storage_options)
+    hit = [n for k, n in keys if k in found]
+    tokens = sum(n for _, n in keys)
+    return {"sources": [s.label for s in pl.reuse], "sampled_sentences": len(keys), "sampled_found": len(hit),
+            "sentences_reused": round(est["sentences_written"] * len(hit) / len(keys)) if keys else 0,
+            "token_share": 1 - sum(hit) / tokens if tokens else 1.0}
 
 
 def work_split(pl, opts) -> dict:
@@ -369,6 +384,11 @@ def render(p: dict) -> str:
                      f"{d['sampled_sentences']:,} sentences distinct: about {d['sentences_embedded']:,} sentences "
                      f"embedded, {d['sentences_deduplicated']:,} deduplicated (at least: a sample holds fewer "
                      "repeats than the corpus)")
+    if p.get("reuse"):
+        ru = p["reuse"]
+        lines.append(f"reuse (vectors of {len(ru['sources'])} earlier output(s) by sentence key): "
+                     f"{ru['sampled_found']:,} of the sample's {ru['sampled_sentences']:,} sentences found: about {ru['sentences_reused']:,} "
+                     "sentences reused, not embedded")
     lines.append(f"output ({', '.join(p['formats'])}; --dtype {p['dtype']}; layers {', '.join(p['layers'])}): "
                  + ", ".join(f"{f} {_size(b)}" for f, b in p["output_bytes"].items())
                  + f"; at least {p['shards_at_least']} shard(s)")

@@ -1,8 +1,10 @@
 """The pipeline's graph, one labelled chain that only stages data under <out>/_staging/<run key>/:
     ListFiles (read elements: files or parts of them) -> ReadFiles -> [DropDuplicateIds | SpreadDocuments]
-    -> [SkipUnchanged] -> Tokenize -> [SkipCommitted] -> [GroupBySentence] -> SortAndBatch -> Embed -> WriteShards
-    (shards + commit records); dead letters from every stage -> WriteDeadLetters; per-file (or per-part) record counts staged by
-    ReadFiles.
+    -> [SkipUnchanged] -> Tokenize -> [SkipCommitted] -> [GroupBySentence] -> [JoinReused] -> SortAndBatch -> Embed
+    -> WriteShards (shards + commit records); dead letters from every stage -> WriteDeadLetters; per-file (or
+    per-part) record counts staged by ReadFiles. With --reuse, JoinReused joins the sentences by key with the
+    earlier outputs' key indexes (read elements ListKeyIndexes -> ReadKeyIndexes): the found ones go
+    GroupBySourceShard -> CopyReused -> WriteShards, the others on to SortAndBatch.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from elmo_pipeline.transforms.chain import Chain
 from elmo_pipeline.transforms.dedupe import one_of_each
 from elmo_pipeline.transforms.embed_step import EmbedBatches, SortAndBatch
 from elmo_pipeline.transforms.read_step import DropDuplicateIds, ReadFiles, SkipUnchanged
+from elmo_pipeline.transforms.reuse import NOT_FOUND, bucket_of, by_shard, index_blobs, join_buckets, join_key, match
+from elmo_pipeline.transforms.reuse_step import CopyReused
 from elmo_pipeline.transforms.tokenize_step import Tokenize
 from elmo_pipeline.transforms.write_step import SkipCommitted, WriteShards
 from elmo_pipeline.transforms.records import Document, Item
@@ -66,6 +70,12 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
                                                      ).with_output_types(tuple[str, Item])
                  | "GroupBySentence" >> beam.GroupByKey()
                  | "OneOfEach" >> beam.MapTuple(lambda _, group: one_of_each(group)).with_output_types(Item))
+    reused = []
+    if pl.reuse:             # sentences an earlier output holds: its stored vectors (transforms/reuse.py)
+        items, copied = join_reused(p, items, pl)
+        reused = [copied | "CopyReused" >> beam.ParDo(Chain(
+            staging, CopyReused(pl.reuse, pl.shard, so, pl.progress),
+            WriteShards(staging, pl.shard, o.shard_sentences, o.shard_bytes))).with_output_types(ShardInfo)]
     # batching, embedding and writing in one step: a bundle's last batches and shard never leave it. The count
     # (unused) gives the step a consumer across a stage boundary: FnApiRunner's multi-process mode notices a
     # dead worker on that data channel, and waits forever without one (docs/runner-notes.md)
@@ -76,7 +86,35 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
                      max_tokens=o.max_tokens_per_batch, layers=pl.shard.layers_read, threads=pl.embed_threads,
                      models=pl.models),
         WriteShards(staging, pl.shard, o.shard_sentences, o.shard_bytes))).with_output_types(ShardInfo)
+    if reused:
+        shards = (shards, *reused) | "AllShards" >> beam.Flatten()
     _ = shards | "CountStagedShards" >> beam.combiners.Count.Globally()
+
+
+def join_reused(p: beam.Pipeline, items, pl: Plan):
+    """(Items to embed, found Items grouped by source shard): the run's Items joined by key bucket (CoGroupByKey on
+    the runner, transforms/reuse.py) with every row of the --reuse sources' key indexes, read one element per
+    key-index file and packed per bucket."""
+    spec, prefix, so = pl.spec, pl.spec.key_prefix, pl.storage_options
+    files = [(s, k, keys) for s, src in enumerate(pl.reuse) for k, (keys, _, _) in enumerate(src.shards)]
+    buckets = join_buckets(sum(n for src in pl.reuse for _, _, n in src.shards))
+
+    def keyed(i: Item):
+        k = join_key(spec.sentence_key(i.tokens, prefix))
+        return bucket_of(k, buckets), (k, i)
+    items = items | "KeyForReuse" >> beam.Map(keyed).with_output_types(tuple[int, tuple[bytes, Item]])
+    found_at = (p | "ListKeyIndexes" >> beam.Create(files) | "SpreadKeyIndexes" >> beam.Reshuffle()
+                | "ReadKeyIndexes" >> beam.FlatMapTuple(lambda s, k, keys: index_blobs(s, k, keys, buckets, so)
+                                                        ).with_output_types(tuple[int, bytes]))
+    matched = ({"items": items, "found": found_at} | "JoinReused" >> beam.CoGroupByKey()
+               | "MatchReused" >> beam.FlatMapTuple(lambda _, g: match(g["items"], g["found"])
+                                                    ).with_output_types(tuple[int, Item]))
+    to_embed = matched | "NotReused" >> beam.FlatMapTuple(
+        lambda loc, i: [i] if loc == NOT_FOUND else []).with_output_types(Item)
+    copied = (matched | "Reused" >> beam.FlatMapTuple(lambda loc, i: [by_shard(loc, i)] if loc != NOT_FOUND else []
+                                                      ).with_output_types(tuple[tuple[int, int], tuple[int, Item]])
+              | "GroupBySourceShard" >> beam.GroupByKey())
+    return to_embed, copied
 
 
 def bucket(doc_id: str, buckets: int) -> int:

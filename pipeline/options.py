@@ -86,6 +86,10 @@ class ElmoOptions(PipelineOptions):
           help="embed the sentences of equal tokens once and write every occurrence with those vectors (a "
           "GroupByKey over every sentence by its key). auto (default): on where exact, with --batch-invariant "
           "and --state stateless or warm; on: also without it (copies equal to float32 round-off); not stateful")
+        g("--reuse", action="append", default=None, metavar="OUTPUT",
+          help="an earlier finished output (path or URL; repeatable) of the same model and vector settings: a "
+          "sentence whose key its key index holds is written with its stored vectors instead of being embedded (a "
+          "join by key on the runner; --state stateless or warm; another model's output is refused: docs/reuse.md)")
         g("--layers", default="all", help="all | top | average | comma-separated indices (default all)")
         g("--dtype", choices=STORAGE_DTYPES, default="float32", help="storage precision (default float32)")
         g("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",

@@ -27,11 +27,12 @@ from elmo_pipeline.model.options import load_options, sentences_independent
 from elmo_pipeline.model.resolve import resolve_model
 from elmo_pipeline.pipeline.options import ElmoOptions, default_torch_threads
 from elmo_pipeline.pipeline.validate import (check_dedupe, check_input_columns, check_inputs_outside_output, check_model,
-                               check_numbers, check_output_writable, check_state)
+                               check_numbers, check_output_writable, check_reuse, check_state)
 from elmo_pipeline.model.resolve import ModelSpec
 from elmo_pipeline.transforms.embed import parse_layers
 from elmo_pipeline.transforms.embed_step import shared_model
 from elmo_pipeline.transforms.progress import ProgressSpec
+from elmo_pipeline.transforms.reuse import ReuseSource, open_source
 from elmo_pipeline.transforms.splits import Split, plan_splits, split_size
 from elmo_pipeline.transforms.ids import file_labels, public_url
 from elmo_pipeline.output.state import finalize_started, input_fingerprints, run_ingredients, run_key
@@ -97,6 +98,7 @@ class Plan:
     split_bytes: int = 0           # --split-bytes resolved (0: whole files)
     spread_buckets: int = 0        # > 0: documents spread by a GroupByKey on a hash of their id into this many
                                    # buckets (runners whose Reshuffle moves nothing), else by a Reshuffle
+    reuse: list[ReuseSource] = field(default_factory=list)   # --reuse sources, checked (transforms/reuse.py)
 
     def register(self, manifest: dict) -> None:
         """Finalize's hook (output/finalize.py): the finished output's shards into the Iceberg table. A
@@ -197,6 +199,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     o.batch_invariant = check_state(o.state, workers=workers, batch_invariant=o.batch_invariant)   # resolved
     stateful = o.state == "stateful"
     dedupe = check_dedupe(o.dedupe, o.state, o.batch_invariant)
+    check_reuse(o.reuse, o.state, o.output)
     threads = o.torch_threads or (default_torch_threads(workers) if local else 0)
     from elmo_pipeline.model.windows import effective_overlap, effective_window
     from elmo_pipeline.tokenization import tokenizer_version
@@ -217,6 +220,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     if o.overwrite:          # an output registered in a table this command does not name: refused
         check_overwrite(o.output, layout.read_manifest(*url_fs(o.output, so)), iceberg)
     spec = spec.pinned()        # what workers elsewhere check, and what the key prefix hashes
+    reuse = [open_source(s, spec.key_prefix, columns, o.dtype, so) for s in o.reuse or ()]
     identity = {**spec.identity(), "batch_invariant": o.batch_invariant}
     flags = redact({k: getattr(o, k) for k in o._visible_option_list()})    # no secret in the manifest
     if o.id_root:
@@ -265,6 +269,9 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
             "key": "key_prefix + the first 32 hex digits of the sha256 of the tokens as a JSON list"}
     if dedupe:     # counts: sentences embedded and deduplicated (output/finalize.py complete_manifest)
         manifest["dedupe"] = {"scope": "run", "exact": o.batch_invariant}
+    if reuse:      # counts: sentences reused, by source (output/finalize.py complete_manifest)
+        manifest["reuse"] = {"sources": [s.label for s in reuse], "formats": [s.format for s in reuse],
+                             "key_prefix": spec.key_prefix}
     shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
                       selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
                       o.row_group_bytes, n_layers, dim, o.vector_compression,
@@ -281,8 +288,8 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
                 key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
                 tokenizer_processes=children,
                 embed_threads=embed_threads(o.embed_threads or 0, threads, local, o.state, workers, children),
-                iceberg=iceberg, upsert=upsert, schema=schema, models=models, loaded=loaded, dedupe=dedupe, splits=splits,
-                split_bytes=split, spread_buckets=buckets)
+                iceberg=iceberg, upsert=upsert, schema=schema, models=models, loaded=loaded, dedupe=dedupe,
+                splits=splits, split_bytes=split, spread_buckets=buckets, reuse=reuse)
 
 
 def compute_support_here(compute_dtype: str, device: str) -> dict:

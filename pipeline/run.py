@@ -82,7 +82,8 @@ def _summary(result, output: str) -> str:
     batches = (f"{c.get('batches', 0)} batches (padding {1 - c.get('batch_tokens', 0) / slots:.1%}), "
                if slots else "")
     resumed = m.get("run", {}).get("resumed_sentences", 0)
-    dedupe = (f" ({n['sentences_embedded']} embedded, {n['sentences_deduplicated']} deduplicated)"
+    dedupe = (f" ({n['sentences_embedded']} embedded, {n['sentences_deduplicated']} deduplicated"
+              + (f", {n['sentences_reused']} reused" if "sentences_reused" in n else "") + ")"
               if "sentences_deduplicated" in n else "")
     changes = (f" ({n['documents_unchanged']} unchanged, {n['documents_changed']} changed, {n['documents_added']} "
                f"added, {n['documents_removed']} removed)" if "documents_unchanged" in n else "")  # upsert

@@ -110,6 +110,23 @@ def check_dedupe(flag: str, state: str, batch_invariant: bool) -> bool:
     return flag == "on" or flag == "auto" and batch_invariant and state != "stateful"
 
 
+def check_reuse(sources: list[str] | None, state: str, output: str) -> None:
+    """--reuse needs --state stateless or warm (a stateful sentence's vectors depend on the sentences before it,
+    so no key names them) and sources outside --output (a run may clear or replace what lies there)."""
+    if not sources:
+        return
+    from elmo_pipeline.fsio import redact
+    if state == "stateful":
+        raise ValueError("--reuse needs --state stateless or warm (a stateful sentence's vectors depend on the "
+                         "sentences before it, so no sentence key names them)")
+    for s in sources:
+        try:
+            check_inputs_outside_output([s], output)
+        except ValueError:
+            raise ValueError(f"--reuse {redact(s)} lies inside --output {redact(output)}: a run may clear or "
+                             "replace what it reads there") from None
+
+
 def check_model(options_file: str, weight_file: str):
     """Load the biLM once here: a bad options.json or weights file (truncated, missing datasets, wrong shapes,
     options out of their schema's bounds or not matching the weights) fails now with OptionsError/WeightsError,

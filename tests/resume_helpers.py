@@ -84,7 +84,8 @@ def read_output(out, fs=None):
 LAYERS = ("layer_0", "layer_1", "layer_2")
 
 
-HOW = ("sentences_embedded", "sentences_deduplicated")     # counts of how sentences were written (--dedupe)
+HOW = ("sentences_embedded", "sentences_deduplicated",     # counts of how sentences were written (--dedupe, --reuse)
+       "sentences_reused", "sentences_reused_by_source")
 
 
 def assert_same_output(a, b, tol=1e-6):

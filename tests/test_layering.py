@@ -29,6 +29,7 @@ OURS = set(ALLOWED) | {"pipeline", "benchmarks", "tests"}
 PACKAGE = "elmo_pipeline"          # the one import name (setup.py maps the folders under it)
 BEAM_SHELLS = {"transforms/chain.py", "transforms/read_step.py", "transforms/tokenize_step.py",
                "transforms/embed_step.py", "transforms/write_step.py", "transforms/coders.py", "transforms/inference.py",
+               "transforms/reuse_step.py",
                "pipeline/run.py", "pipeline/plan.py", "pipeline/graph.py", "pipeline/execute.py",
                "pipeline/options.py", "pipeline/validate.py"}
 

@@ -52,12 +52,14 @@ class EmbeddedBatch:
     """Embedded sentences, columnar: the embedder's packed output as it is, never a Python object or an array
     per sentence. vectors float32 (L+1, N, 2P) (layer 0 duplicated [x, x]), or (len(layers), N, 2P) when only
     `layers` (ascending) were copied out of the model; sentence b of `items` is vectors[:, offsets[b]:offsets[b+1]];
-    offsets (B+1,) int64. The last `copies` items are copies (--dedupe): written with another item's vectors."""
+    offsets (B+1,) int64. The last `copies` items are copies (--dedupe): written with another item's vectors.
+    `source`: the vectors were read from this --reuse source (its redacted URL: transforms/reuse.py), not embedded."""
     items: list[Item]
     vectors: np.ndarray
     offsets: np.ndarray
     layers: tuple[int, ...] | None = None
     copies: int = 0
+    source: str | None = None
 
     def tokens(self, b: int) -> int:
         return int(self.offsets[b + 1] - self.offsets[b])
