@@ -236,6 +236,14 @@ class IcebergTarget:
                              f"shards {ours}")
         return registrations_under(table, output_url(output))
 
+    def registered_outputs(self, storage_options: dict | None = None) -> list[str]:
+        """registered_outputs() of the table, reading only ([] when there is no table yet)."""
+        path = self.sqlite_path()
+        if path and not os.path.exists(path):
+            return []
+        table = self._load_table(self.load_catalog(storage_options, read_only=True))
+        return [] if table is None else registered_outputs(table)
+
     def register(self, output: str, manifest: dict, schema: pa.Schema | None = None,
                  storage_options: dict | None = None, before_commit=None) -> Registration:
         """Add the Parquet shards of a finished output (its manifest) to the table in one snapshot, unless the
@@ -405,6 +413,22 @@ def registrations_under(table, base: str) -> list[int]:
     if not ids and _current_files(table, lambda p: p.startswith(base + "/")):
         ids = [table.current_snapshot().snapshot_id]
     return ids
+
+
+def registered_outputs(table) -> list[str]:
+    """URLs of the outputs registered in the table (their registration properties: registration_property) that its
+    current snapshot references files of, in the order they were registered (history markers; unmarked last)."""
+    urls = {v for k, v in table.properties.items() if k.startswith(REGISTERED_PREFIX)}
+    live = set()
+    for path in _current_files(table, lambda _: True):
+        path = redact(path)
+        while "/" in path and path not in urls:      # the folders above a data file, deepest first
+            path = path.rsplit("/", 1)[0]
+        live.add(path)
+    order = {}
+    for k, s in enumerate(table.snapshots()):
+        order.setdefault((s.summary.additional_properties if s.summary else {}).get(OUTPUT_PROPERTY), k)
+    return sorted((u for u in urls if u in live), key=lambda u: (order.get(u, len(order)), u))
 
 
 def recorded_tables(manifest: dict | None) -> list[dict]:

@@ -47,7 +47,7 @@ KEY_VERSION = 1
 NOT_CONTENT = {"output", "overwrite", "progress", "torch_threads", "device", "shard_sentences", "shard_bytes",
                "row_group_bytes", "vector_compression", "sort_buffer", "input", "options_file", "weight_file", "model", "s3_max_attempts",
                "lease_stale_seconds", "tokenizer_process", "embed_threads", "iceberg_table", "iceberg_catalog", "iceberg_warehouse",
-               "id_root", "dedupe", "reuse", "iceberg_mode", "delete_missing"}   # upsert's: in the key when given (plan.py)
+               "id_root", "dedupe", "reuse", "reuse_table", "iceberg_mode", "delete_missing"}   # upsert's: in the key when given (plan.py)
 
 
 def input_fingerprints(files: list[str], storage_options: dict | None = None) -> list[list]:

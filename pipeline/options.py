@@ -90,6 +90,9 @@ class ElmoOptions(PipelineOptions):
           help="an earlier finished output (path or URL; repeatable) of the same model and vector settings: a "
           "sentence whose key its key index holds is written with its stored vectors instead of being embedded (a "
           "join by key on the runner; --state stateless or warm; another model's output is refused: docs/reuse.md)")
+        g("--reuse-table", action="store_true",
+          help="with --iceberg-table: also reuse the vectors of the outputs registered in the table's current "
+          "snapshot, as --reuse does (those of another model or vector settings are left out, logged; docs/reuse.md)")
         g("--layers", default="all", help="all | top | average | comma-separated indices (default all)")
         g("--dtype", choices=STORAGE_DTYPES, default="float32", help="storage precision (default float32)")
         g("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",

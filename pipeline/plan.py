@@ -19,7 +19,7 @@ from apache_beam.utils import shared
 
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.hdf5 import hdf5_layout
-from elmo_pipeline.formats.iceberg import IcebergTarget, check_overwrite, record_table
+from elmo_pipeline.formats.iceberg import IcebergTarget, check_overwrite, output_url, record_table
 from elmo_pipeline.formats.iceberg_upsert import Upsert, settings_salt
 from elmo_pipeline.formats.parquet import layer_columns, shard_schema
 from elmo_pipeline.fsio import atomic_write, expand, redact, url_fs
@@ -32,7 +32,7 @@ from elmo_pipeline.model.resolve import ModelSpec
 from elmo_pipeline.transforms.embed import parse_layers
 from elmo_pipeline.transforms.embed_step import shared_model
 from elmo_pipeline.transforms.progress import ProgressSpec
-from elmo_pipeline.transforms.reuse import ReuseSource, open_source
+from elmo_pipeline.transforms.reuse import ReuseSource, open_source, table_sources
 from elmo_pipeline.transforms.splits import Split, plan_splits, split_size
 from elmo_pipeline.transforms.ids import file_labels, public_url
 from elmo_pipeline.output.state import finalize_started, input_fingerprints, run_ingredients, run_key
@@ -199,7 +199,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     o.batch_invariant = check_state(o.state, workers=workers, batch_invariant=o.batch_invariant)   # resolved
     stateful = o.state == "stateful"
     dedupe = check_dedupe(o.dedupe, o.state, o.batch_invariant)
-    check_reuse(o.reuse, o.state, o.output)
+    check_reuse(o.reuse, o.state, o.output, o.reuse_table)
     threads = o.torch_threads or (default_torch_threads(workers) if local else 0)
     from elmo_pipeline.model.windows import effective_overlap, effective_window
     from elmo_pipeline.tokenization import tokenizer_version
@@ -221,6 +221,9 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
         check_overwrite(o.output, layout.read_manifest(*url_fs(o.output, so)), iceberg)
     spec = spec.pinned()        # what workers elsewhere check, and what the key prefix hashes
     reuse = [open_source(s, spec.key_prefix, columns, o.dtype, so) for s in o.reuse or ()]
+    if o.reuse_table:        # the outputs registered in the table: sources too, unless foreign (logged)
+        reuse += table_sources(iceberg.table, iceberg.registered_outputs(so), spec.key_prefix, columns, o.dtype,
+                               [output_url(u) for u in [o.output, *(o.reuse or ())]], so)
     identity = {**spec.identity(), "batch_invariant": o.batch_invariant}
     flags = redact({k: getattr(o, k) for k in o._visible_option_list()})    # no secret in the manifest
     if o.id_root:
@@ -301,11 +304,14 @@ def compute_support_here(compute_dtype: str, device: str) -> dict:
 
 
 def check_upsert(o: ElmoOptions, iceberg: IcebergTarget | None) -> None:
-    """ValueError for --iceberg-mode upsert / --delete-missing flags that cannot work: upsert needs a table,
-    ids stable across runs (--id-field: default ids number lines, which shift when a line is inserted) and
-    documents embedded independently of each other (not --state stateful)."""
+    """ValueError for --iceberg-mode upsert / --delete-missing / --reuse-table flags that cannot work: upsert (and
+    --reuse-table) needs a table; upsert needs ids stable across runs (--id-field: default ids number lines, which
+    shift when a line is inserted) and documents embedded independently of each other (not --state stateful)."""
     if o.delete_missing and o.iceberg_mode != "upsert":
         raise ValueError("--delete-missing needs --iceberg-mode upsert")
+    if o.reuse_table and iceberg is None:
+        raise ValueError("--reuse-table needs --iceberg-table NS.TABLE (and --iceberg-catalog): it reuses the "
+                         "outputs registered there")
     if o.iceberg_mode != "upsert":
         return
     if iceberg is None:

@@ -110,16 +110,17 @@ def check_dedupe(flag: str, state: str, batch_invariant: bool) -> bool:
     return flag == "on" or flag == "auto" and batch_invariant and state != "stateful"
 
 
-def check_reuse(sources: list[str] | None, state: str, output: str) -> None:
-    """--reuse needs --state stateless or warm (a stateful sentence's vectors depend on the sentences before it,
-    so no key names them) and sources outside --output (a run may clear or replace what lies there)."""
-    if not sources:
+def check_reuse(sources: list[str] | None, state: str, output: str, table: bool = False) -> None:
+    """--reuse (and --reuse-table: `table`) needs --state stateless or warm (a stateful sentence's vectors depend on
+    the sentences before it, so no key names them) and sources outside --output (a run may clear or replace what
+    lies there)."""
+    if not sources and not table:
         return
     from elmo_pipeline.fsio import redact
     if state == "stateful":
-        raise ValueError("--reuse needs --state stateless or warm (a stateful sentence's vectors depend on the "
-                         "sentences before it, so no sentence key names them)")
-    for s in sources:
+        raise ValueError(f"{'--reuse' if sources else '--reuse-table'} needs --state stateless or warm (a stateful "
+                         "sentence's vectors depend on the sentences before it, so no sentence key names them)")
+    for s in sources or ():
         try:
             check_inputs_outside_output([s], output)
         except ValueError:

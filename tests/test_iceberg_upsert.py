@@ -305,3 +305,68 @@ def test_the_same_command_into_another_output_leaves_earlier_snapshots_whole(thr
     assert sorted({r["doc_id"] for r in got}) == sorted({d for d, _ in days()[1]} | {"wiki-100"})
     assert len({r["id"] for r in got}) == len(got)          # no sentence twice
     assert [r for r in got if r["doc_id"] != "wiki-100"] == three_days["rebuilds"][1]
+
+
+@pytest.mark.slow
+def test_reuse_table_embeds_only_the_new_sentences_and_the_table_equals_a_full_rebuild(three_days, tmp_path):
+    """--reuse-table: each day's changed documents take the vectors of their sentences that an output registered
+    in the table holds; only sentences of new keys are embedded, and the table equals a full rebuild, bit for
+    bit."""
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    manifests = []
+    for k, inp in enumerate(three_days["inputs"], 1):
+        args = upsert_argv(inp, str(tmp_path / f"day{k}"), TABLE, catalog(wh), delete_missing=k == 3)
+        assert main([*args, *COMMON, "--reuse-table"]) == 0
+        manifests.append(json.load(open(tmp_path / f"day{k}" / "manifest.json")))
+        assert rows(table_of(wh)) == three_days["rebuilds"][k - 1]
+    assert same_rows(IcebergTarget(TABLE, catalog(wh)), str(three_days["dir"] / "full3"))
+    day1 = f"file://{tmp_path}/day1"
+    assert manifests[0]["counts"].get("sentences_reused", 0) == 0      # an empty table: nothing to reuse
+    assert manifests[1]["reuse"]["sources"] == [day1]
+    assert manifests[2]["reuse"]["sources"] == [day1, f"file://{tmp_path}/day2"]
+    before = {tuple(r["tokens"]) for r in three_days["rebuilds"][0]}
+    for k in (1, 2):
+        c, written = manifests[k]["counts"], upserted_rows(three_days, k)
+        new = {tuple(r["tokens"]) for r in written} - before
+        assert c["sentences_written"] == len(written) > 0
+        assert c["sentences_embedded"] == len(new)           # one per new key (--dedupe writes its copies)
+        assert c["sentences_reused"] == sum(tuple(r["tokens"]) in before for r in written) > 0
+        assert sum(c["sentences_reused_by_source"].values()) == c["sentences_reused"]
+        before |= {tuple(r["tokens"]) for r in three_days["rebuilds"][k]}
+    assert manifests[1]["counts"]["sentences_reused_by_source"] == {day1: manifests[1]["counts"]["sentences_reused"]}
+
+
+def upserted_rows(three_days, k):
+    """The full rebuild's rows of the new and changed documents of day k + 1: what that day's upsert writes."""
+    old = dict(days()[k - 1])
+    changed = {d for d, t in days()[k] if old.get(d) != t}
+    return [r for r in three_days["rebuilds"][k] if r["doc_id"] in changed]
+
+
+@pytest.mark.slow
+def test_reuse_table_leaves_out_another_models_output_and_refuses_a_missing_one(tmp_path, capsys, caplog):
+    """A table may mix runs: an output registered there by another model or vector settings is left out with
+    a logged line; a registered output gone from its folder is one error line (exit 2)."""
+    docs = days()[0][:6]
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    table = ["--iceberg-table", TABLE, "--iceberg-catalog", catalog(wh), "--input-format", "jsonl", "--id-field",
+             "id", "--format", "parquet", "--torch-threads", "1", "--progress", "off"]
+    for name, extra in (("ours", ["--batch-invariant"]), ("theirs", ["--no-batch-invariant"])):
+        inp = write_jsonl(tmp_path / f"{name}.jsonl", [(f"{name}-{i}", t) for i, t in docs])
+        assert main(["--input", inp, "--output", str(tmp_path / name), *table, *extra]) == 0
+    inp = write_jsonl(tmp_path / "later.jsonl", [(f"later-{i}", t) for i, t in docs])
+    capsys.readouterr()
+    assert main(["--input", inp, "--output", str(tmp_path / "later"), *table, "--batch-invariant",
+                 "--reuse-table"]) == 0
+    assert f"not reused: --reuse-table ({TABLE}) file://{tmp_path}/theirs: written by another model" in caplog.text
+    c = json.load(open(tmp_path / "later" / "manifest.json"))["counts"]
+    assert c["sentences_embedded"] == 0 and c["sentences_reused_by_source"] == \
+        {f"file://{tmp_path}/ours": c["sentences_written"]}
+    os.remove(tmp_path / "ours" / "manifest.json")
+    inp = write_jsonl(tmp_path / "again.jsonl", [(f"again-{i}", t) for i, t in docs])
+    assert main(["--input", inp, "--output", str(tmp_path / "again"), *table, "--batch-invariant",
+                 "--reuse-table"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: --reuse-table ({TABLE}) file://{tmp_path}/ours: no finished output there"), last

@@ -2,7 +2,8 @@
 stored vectors instead of being embedded. No Beam import; the graph joins the run's sentences with the earlier
 outputs' key indexes by key on the runner (pipeline/graph.py, docs/reuse.md).
 
-open_source: an earlier output's manifest, checked (it is untrusted) -> ReuseSource (what its shards are, where).
+open_source: an earlier output's manifest, checked (it is untrusted) -> ReuseSource (what its shards are, where);
+table_sources: those of the outputs registered in the --iceberg-table (--reuse-table).
 The join is by key bucket (join_buckets: a bucket per GROUP_ROWS source sentences, by the key's first bytes): the
 runner groups each bucket's Items with packed runs of the sources' (key, location) rows (ENTRY: 24 bytes a source
 sentence), an element per key-index file and bucket, not one per row.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import binascii
 import dataclasses
+import logging
 import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from elmo_pipeline.output.names import KEYS
 from elmo_pipeline.transforms.dedupe import with_copies
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
 
+logger = logging.getLogger("elmo-pipeline.reuse")
 KEY_HEX = 32            # a sentence key after its key prefix: the tokens' hash (model.resolve.sentence_key)
 ROW_BITS = SHARD_BITS = 24   # a location packs (source, shard, row) into one int: 2^24 shards and rows at most
 NOT_FOUND = -1
@@ -39,6 +42,10 @@ ENTRY = np.dtype([("key", "V16"), ("loc", "<i8")])     # a source sentence in th
 
 class ReuseError(ValueError):
     """An earlier output that cannot be reused: missing, damaged, foreign or in a form not read back."""
+
+
+class ForeignSourceError(ReuseError):
+    """An earlier output of another model, vector settings, layers or dtype: none of its vectors are this run's."""
 
 
 @dataclass(frozen=True)
@@ -90,55 +97,73 @@ def _inside(rel) -> bool:
 
 
 def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype: str,
-                storage_options: dict | None = None) -> ReuseSource:
+                storage_options: dict | None = None, flag: str = "--reuse") -> ReuseSource:
     """The earlier output at `url`, checked: finished (manifest.json), a key index of this run's key prefix, the
     run's layer columns and dtype, Parquet (sentence layout) or Arrow shards to read vectors from, every shard's
-    key index readable with as many rows as the shard. ReuseError naming it (redacted) otherwise."""
+    key index readable with as many rows as the shard. ReuseError naming it (redacted, after `flag`) otherwise;
+    ForeignSourceError for another key prefix, layers or dtype."""
     label = redact(url)
     try:
         fs, root = url_fs(url, storage_options)
         m = layout.read_manifest(fs, root)
     except Exception as e:  # noqa: BLE001 - reported as this source's problem
-        raise ReuseError(f"--reuse {label}: cannot read it ({type(e).__name__}: {redact(str(e))})") from None
+        raise ReuseError(f"{flag} {label}: cannot read it ({type(e).__name__}: {redact(str(e))})") from None
     if m is None:
-        raise ReuseError(f"--reuse {label}: no finished output there (no manifest.json of this pipeline)")
+        raise ReuseError(f"{flag} {label}: no finished output there (no manifest.json of this pipeline)")
     index = m.get("key_index")
     if not isinstance(index, dict) or not isinstance(index.get("key_prefix"), str):
-        raise ReuseError(f"--reuse {label}: its manifest describes no key index (an output of --state stateful, "
+        raise ReuseError(f"{flag} {label}: its manifest describes no key index (an output of --state stateful, "
                          "or of a version without one): nothing to join against")
     if index["key_prefix"] != key_prefix:
-        raise ReuseError(f"--reuse {label}: written by another model or other vector settings (key prefix "
+        raise ForeignSourceError(f"{flag} {label}: written by another model or other vector settings (key prefix "
                          f"{index['key_prefix']}, this run's {key_prefix}: docs/reuse.md): its vectors are not "
                          "this run's")
     if m.get("layer_dims") != dict(columns) or m.get("dtype") != dtype:
-        raise ReuseError(f"--reuse {label}: its layers {m.get('layer_dims')} ({m.get('dtype')}) are not this "
+        raise ForeignSourceError(f"{flag} {label}: its layers {m.get('layer_dims')} ({m.get('dtype')}) are not this "
                          f"run's {dict(columns)} ({dtype})")
     formats = [f for f in m.get("formats") or [] if isinstance(f, str)]
     fmt = "parquet" if "parquet" in formats and m.get("parquet_layout") == "sentence" else \
         "arrow" if "arrow" in formats else None
     if fmt is None:
-        raise ReuseError(f"--reuse {label}: vectors are read back from Parquet (--parquet-layout sentence) or Arrow "
+        raise ReuseError(f"{flag} {label}: vectors are read back from Parquet (--parquet-layout sentence) or Arrow "
                          f"shards; it has {', '.join(formats) or 'none'}")
     shards = []
     if len(m["shards"]) >= 1 << SHARD_BITS:
-        raise ReuseError(f"--reuse {label}: more than {1 << SHARD_BITS} shards")
+        raise ReuseError(f"{flag} {label}: more than {1 << SHARD_BITS} shards")
     for i, s in enumerate(m["shards"]):
         keys, data, n = (s.get(KEYS), s.get(fmt), s.get("sentences")) if isinstance(s, dict) else (None, None, None)
         if not (_inside(keys) and _inside(data) and isinstance(n, int) and 0 <= n < 1 << ROW_BITS):
-            raise ReuseError(f"--reuse {label}: its manifest's shard {i} is damaged ({redact(str(s))[:200]})")
+            raise ReuseError(f"{flag} {label}: its manifest's shard {i} is damaged ({redact(str(s))[:200]})")
         path = posixpath.join(root, keys)
         try:
             with fs.open(path, "rb") as f:
                 meta = pq.read_metadata(f)
             ok = meta.num_rows == n and meta.schema.to_arrow_schema().remove_metadata().equals(KEY_INDEX_SCHEMA)
         except Exception as e:  # noqa: BLE001
-            raise ReuseError(f"--reuse {label}: its key index {keys} cannot be read ({type(e).__name__}: "
+            raise ReuseError(f"{flag} {label}: its key index {keys} cannot be read ({type(e).__name__}: "
                              f"{redact(str(e))})") from None
         if not ok:
-            raise ReuseError(f"--reuse {label}: its key index {keys} does not hold the {n} (id, key) rows of its "
+            raise ReuseError(f"{flag} {label}: its key index {keys} does not hold the {n} (id, key) rows of its "
                              "shard")
         shards.append((_url(url, keys), _url(url, data), n))
     return ReuseSource(url, label, fmt, tuple(shards))
+
+
+def table_sources(table: str, urls: list[str], key_prefix: str, columns: list[tuple[str, int]], dtype: str,
+                  skip: list[str], storage_options: dict | None = None) -> list[ReuseSource]:
+    """--reuse-table: the outputs registered in `table` (`urls`: formats.iceberg.registered_outputs), each opened
+    as a --reuse source is (open_source). One of another model or settings (a table may mix runs) is left out with
+    a logged reason; so is one at or inside a URL of `skip` (--output, the --reuse sources). ReuseError for a
+    missing or damaged one: the table references its files."""
+    out = []
+    for url in urls:
+        if any(url == s or url.startswith(s + "/") for s in skip):
+            continue
+        try:
+            out.append(open_source(url, key_prefix, columns, dtype, storage_options, f"--reuse-table ({table})"))
+        except ForeignSourceError as e:
+            logger.warning("not reused: %s", e)
+    return out
 
 
 def _url(base: str, rel: str) -> str:
