@@ -1,17 +1,21 @@
 """What a daily run costs when the corpus changed a little: day 2 (day 1 with 5 % of its documents edited, 2 % added,
-1 % removed, seeded) as a full run and with `--reuse <day 1>` (docs/reuse.md), whole processes side by side, each
-as a share of the full day-2 run's wall; the floor measured beside them (process start-up and imports; pyarrow
-reading day 1's shards and writing them again); the reuse output compared with the full one, bit for bit.
+1 % removed, seeded) as a full run, with `--reuse <day 1>` (docs/reuse.md), and as a change-only upsert into the
+Iceberg table day 1 was registered in, without and with `--reuse-table` (docs/warehouses.md), whole processes side by
+side, each as a share of the full day-2 run's wall; the floor measured beside them (process start-up and imports;
+pyarrow reading day 1's shards and writing them again); the reuse output compared with the full one, bit for bit,
+and each upserted table with the full one's shards (formats.iceberg_upsert.same_rows).
 
     python -m benchmarks.incremental [--lines N] [--size original] [--repeat 1]
     python -m benchmarks.incremental --reuse-source-rows 10000000      # peak RSS joining a big reuse source
 
 Each run is `python -m elmo_pipeline.pipeline.run` in a fresh process: FnApiRunner, random weights of the
-`--size` shape (model/synthetic.py), --torch-threads 2, --batch-invariant, Parquet. Day 1 is WikiText-2 valid
-(one document per line; `--lines N`: its first N lines); added documents are lines of WikiText-2 test. Peak RSS:
-ru_maxrss of the run's process (its waited-for children included). Writes
-benchmarks/results/incremental_<cpu>.json (or reuse_source_<cpu>.json). CONFIGS lists the day-2 runs: a row is one
-more (name, extra flags) there.
+`--size` shape (model/synthetic.py), --torch-threads 2, --batch-invariant, Parquet. Day 1 is WikiText-2 valid as
+JSONL, one document per non-blank line with a stable id (`valid-<line>`; `--lines N`: its first N lines), every run
+reading it with --id-field id; added documents are lines of WikiText-2 test (`test-<line>`). Day 1 is run once into
+a table (upsert, timed as context); each upsert row starts from a table of its own holding day 1 (day 1 upserted
+into it with `--reuse <day 1>`, untimed). Peak RSS: ru_maxrss of the run's process (its waited-for children
+included). Writes benchmarks/results/incremental_<cpu>.json (or reuse_source_<cpu>.json). CONFIGS lists the day-2
+runs: a row is one more (name, extra flags, into a table) there.
 """
 from __future__ import annotations
 
@@ -26,11 +30,16 @@ import tempfile
 import time
 
 from benchmarks.common import RESULTS, SHARED, machine
+from elmo_pipeline.formats.iceberg import IcebergTarget
+from elmo_pipeline.formats.iceberg_upsert import same_rows, upsert_argv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--torch-threads", "2", "--progress", "off", "--format", "parquet", "--batch-invariant"]
-# the day-2 runs, by name: extra flags ({day1}: day 1's output); the first is the full run the others are shares of
-CONFIGS = [("full day 2", []), ("day 2 --reuse day 1", ["--reuse", "{day1}"])]
+JSONL = ["--input-format", "jsonl", "--id-field", "id"]
+# the day-2 runs, by name: extra flags ({day1}: day 1's output), whether an upsert into a table holding day 1; the
+# first is the full run the others are shares of
+CONFIGS = [("full day 2", [], False), ("day 2 --reuse day 1", ["--reuse", "{day1}"], False),
+           ("day 2 upsert into day 1's table", [], True), ("day 2 upsert --reuse-table", ["--reuse-table"], True)]
 EDITED, ADDED, REMOVED = 0.05, 0.02, 0.01
 
 
@@ -40,15 +49,19 @@ def wiki_lines(split: str, n: int = 0) -> list[str]:
     return lines[:n] if n else lines
 
 
-def next_day(lines: list[str], new: list[str], seed: int = 0) -> tuple[list[str], dict]:
-    """Day 2 from day 1's lines (a document per non-blank line): EDITED of the documents with one word replaced,
-    REMOVED of them dropped, ADDED as many again appended from `new` (non-blank lines). Returns (lines, counts)."""
+def documents(lines: list[str], split: str) -> list[tuple[str, str]]:
+    """(id, text) of a document per non-blank line: id `<split>-<line index>`, the same every day."""
+    return [(f"{split}-{k}", ln) for k, ln in enumerate(lines) if ln.strip()]
+
+
+def next_day(docs: list[tuple[str, str]], new: list[tuple[str, str]], seed: int = 0) -> tuple[list, dict]:
+    """Day 2 from day 1's documents (id, text): EDITED of them with one word replaced (same id), REMOVED of them
+    dropped, ADDED as many again appended from `new` (no headings). Returns (documents, counts)."""
     rng = random.Random(seed)
-    docs = [k for k, ln in enumerate(lines) if ln.strip()]
-    removed = set(rng.sample(docs, round(REMOVED * len(docs))))
-    edited = set(rng.sample([k for k in docs if k not in removed], round(EDITED * len(docs))))
+    removed = set(rng.sample(range(len(docs)), round(REMOVED * len(docs))))
+    edited = set(rng.sample([k for k in range(len(docs)) if k not in removed], round(EDITED * len(docs))))
     out = []
-    for k, ln in enumerate(lines):
+    for k, (i, ln) in enumerate(docs):
         if k in removed:
             continue
         if k in edited:
@@ -56,9 +69,8 @@ def next_day(lines: list[str], new: list[str], seed: int = 0) -> tuple[list[str]
             spots = [j for j, w in enumerate(words) if w.strip()]
             words[rng.choice(spots)] = rng.choice(["river", "harbour", "edited", "yesterday"])
             ln = " ".join(words)
-        out.append(ln)
-    fresh = [ln for ln in new if ln.strip() and not ln.startswith(" =")]
-    added = fresh[: round(ADDED * len(docs))]
+        out.append((i, ln))
+    added = [d for d in new if not d[1].startswith(" =")][: round(ADDED * len(docs))]
     return out + added, {"documents": len(docs), "edited": len(edited), "removed": len(removed),
                          "added": len(added)}
 
@@ -172,45 +184,58 @@ def daily(args) -> int:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         options, weights = write_random_bilm(args.size, os.path.join(tmp, "model"))
         model = ["--options-file", options, "--weight-file", weights]
-        day1 = wiki_lines("valid", args.lines)
-        day2, changes = next_day(day1, wiki_lines("test"), args.seed)
+        day1 = documents(wiki_lines("valid", args.lines), "valid")
+        day2, changes = next_day(day1, documents(wiki_lines("test"), "test"), args.seed)
         paths = {}
-        for name, lines in (("day1", day1), ("day2", day2)):
-            paths[name] = os.path.join(tmp, f"{name}.txt")
+        for name, docs in (("day1", day1), ("day2", day2)):
+            paths[name] = os.path.join(tmp, f"{name}.jsonl")
             with open(paths[name], "w", encoding="utf-8") as f:
-                f.write("\n".join(lines))
+                f.writelines(json.dumps({"id": i, "text": t}) + "\n" for i, t in docs)
         print(f"{machine()}; {args.size} shape, random weights; day 1: {changes['documents']} documents, day 2: "
               f"{changes['edited']} edited, {changes['added']} added, {changes['removed']} removed", flush=True)
+        catalog = f"sqlite:///{tmp}/iceberg/catalog.db"
         one = os.path.join(tmp, "out-day1")
-        first = run(["--input", paths["day1"], "--output", one, *model, *BASE])
-        print(f"day 1 full: {first['wall_s']:.1f} s  {first['summary']}", flush=True)
+        first = run([*upsert_argv(paths["day1"], one, "bench.day1", catalog), *model, *BASE])
+        print(f"day 1 into a table: {first['wall_s']:.1f} s  {first['summary']}", flush=True)
         best: dict[str, dict] = {}
         for k in range(args.repeat):          # the order alternates, so that neither runs only first
-            for name, extra in (CONFIGS if k % 2 == 0 else CONFIGS[::-1]):
-                out = os.path.join(tmp, f"out-{len(best)}-{k}")
-                r = run(["--input", paths["day2"], "--output", out, *model, *BASE,
-                         *[e.format(day1=one) for e in extra]])
-                r.update(output=out, load=os.getloadavg()[0])
+            for n, (name, extra, upsert) in enumerate(CONFIGS if k % 2 == 0 else CONFIGS[::-1]):
+                out, into = os.path.join(tmp, f"out-{n}-{k}"), f"bench.day2_{n}_{k}"
+                if upsert:                    # a table of its own holding day 1 (all of it reused: cheap)
+                    prep = run([*upsert_argv(paths["day1"], out + "-day1", into, catalog), *model, *BASE,
+                                "--reuse", one])
+                    print(f"  (day 1 into {into}: {prep['wall_s']:.1f} s)", flush=True)
+                    argv = upsert_argv(paths["day2"], out, into, catalog)
+                else:
+                    argv = ["--input", paths["day2"], *JSONL, "--output", out]
+                r = run([*argv, *model, *BASE, *[e.format(day1=one) for e in extra]])
+                r.update(output=out, table=into if upsert else None, load=os.getloadavg()[0])
                 print(f"{name:24} wall {r['wall_s']:6.1f} s  peak RSS {r['peak_rss_mb']:6.0f} MB  load "
                       f"{r['load']:.2f}  {r['summary']}", flush=True)
                 if name not in best or r["wall_s"] < best[name]["wall_s"]:
                     best[name] = r
-        rows = [{"name": name, **best[name]} for name, _ in CONFIGS]
+        rows = [{"name": name, **best[name]} for name, _, _ in CONFIGS]
         for r in rows:
             r["share"] = r["wall_s"] / rows[0]["wall_s"]
         floor = {"startup_s": startup_seconds(), **copy_floor(one, os.path.join(tmp, "copy"))}
         ref = digests(rows[0]["output"])
         for r in rows[1:]:
+            if r["table"]:
+                r["equals_full"] = same_rows(IcebergTarget(r["table"], catalog), rows[0]["output"])
+                print(f"{r['name']}: table {r['table']} {'equals' if r['equals_full'] else 'DIFFERS FROM'} the full "
+                      "day-2 run's shards (every row by id, every value; vectors bit for bit)", flush=True)
+                continue
             r["equals_full"] = digests(r["output"]) == ref
             print(f"{r['name']}: output {'equals' if r['equals_full'] else 'DIFFERS FROM'} the full day-2 run's "
                   f"({len(ref)} sentences; ids, tokens, offsets, vectors bit for bit)", flush=True)
         for r in rows:
-            del r["output"]
+            del r["output"], r["table"]
     print(table(rows, floor))
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as f:
         json.dump({"machine": machine(), "size": args.size, "lines": args.lines or "all", "seed": args.seed,
-                   "flags": BASE, "changes": changes, "day1": first, "rows": rows, "floor": floor}, f, indent=1)
+                   "input": "JSONL, a document per non-blank line, --id-field id", "flags": BASE,
+                   "changes": changes, "day1": first, "rows": rows, "floor": floor}, f, indent=1)
     print(f"wrote {out_path}")
     return 0 if all(r.get("equals_full", True) for r in rows) else 1
 

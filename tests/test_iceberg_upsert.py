@@ -69,6 +69,9 @@ def test_delete_positions_skip_rows_already_deleted():
     (("--delete-missing",), "--delete-missing needs --iceberg-mode upsert"),
     (("--iceberg-mode", "upsert", "--iceberg-table", TABLE, "--iceberg-catalog", "sqlite:////nonexistent/c.db",
       "--input-format", "text"), "--iceberg-mode upsert needs --input-format jsonl or parquet with --id-field"),
+    (("--reuse-table",), "--reuse-table needs --iceberg-table"),
+    (("--reuse-table", "--iceberg-table", TABLE, "--iceberg-catalog", "sqlite:////nonexistent/c.db", "--state",
+      "stateful"), "--reuse-table needs --state stateless or warm"),
 ])
 def test_upsert_flags_that_cannot_work_are_refused(tmp_path, capsys, extra, says):
     inp = tmp_path / "a.txt"
