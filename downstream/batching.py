@@ -68,10 +68,16 @@ def place(dst, src) -> None:
 
 
 def stack(arrays: Sequence, dim: int) -> np.ndarray:
-    """(L, T, dim) float32 of per-layer (T, D_k) arrays or Rows (a P-wide layer 0 becomes [x, x])."""
+    """(L, T, dim) float32 of per-layer (T, D_k) arrays, tensors or Rows (a P-wide layer 0 becomes [x, x]);
+    tensors are copied by torch straight into place (one call a layer)."""
+    import torch
     out = np.empty((len(arrays), arrays[0].shape[0] if len(arrays) else 0, dim), dtype=np.float32)
+    o = torch.from_numpy(out)
     for k, a in enumerate(arrays):
-        place(out[k], a if isinstance(a, Rows) else np.asarray(a))
+        if isinstance(a, torch.Tensor):
+            place(o[k], a)
+        else:
+            place(out[k], a if isinstance(a, Rows) else np.asarray(a))
     return out
 
 
