@@ -265,8 +265,8 @@ class MappedDataset(_TorchDataset):
         if cols is None:
             cols = self._columns[u] = [tensor(v) for v in self._layer_views(u)]
         a = int(self._starts[p])
-        n = a + int(self._all_lengths[p])
-        return [c[a: n] for c in cols]
+        end = a + int(self._all_lengths[p])
+        return [c[a: end] for c in cols]
 
     def _rows(self, p: int) -> list[Rows]:
         """The selected layers' rows of global position p, to be read with pread (batching.Rows)."""

@@ -92,6 +92,20 @@ def test_mapped_dataset_fp16_labels_and_partitions(outputs):
     assert both[3]["id"] == "b.txt:1#0" and both.position("b.txt:3#0") == 4
 
 
+def test_fp16_records_converted_from_the_mapped_rows(outputs):
+    """ds[p] of a float16 output: the float32 record ElmoDataset gives, converted by torch straight from the
+    mapped file (no descriptor opened for a pread); a labelled dataset's records too."""
+    ref = ElmoDataset(outputs["fp16"])
+    for labels in (None, {"2": 1, "4": 0}):
+        ds = MappedDataset(outputs["fp16"], labels=labels)
+        keep = [i for i in range(len(ref)) if labels is None or ref[i]["id"].split(":")[1].split("#")[0] in labels]
+        for j, i in enumerate(keep):
+            r = ds[j]
+            assert r["layers"].dtype == np.float32 and r["layers"].flags.c_contiguous and r["layers"].flags.writeable
+            assert np.array_equal(r["layers"], ref[i]["layers"]) and r["id"] == ref[i]["id"]
+        assert len(ds) == len(keep) > 0 and ds._fds == {}
+
+
 
 @pytest.mark.parametrize("dtype", [None, "float32"])
 def test_batches_of_their_own_reuse_only_dropped_buffers(outputs, dtype):
