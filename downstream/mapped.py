@@ -4,7 +4,7 @@
     from elmo_pipeline.downstream.sampler import BucketBatchSampler
 
     ds = MappedDataset(["out/part1", "out/part2"], layers=["layer_2"])   # index only: ids, offsets, lengths
-    ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's (rows read with pread)
+    ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's
     for b in ds.stream(batch_tokens=512): ...       # file order at page-cache speed: b["vectors"] (N, D_k) per layer
     sampler = BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0, rank=r, world_size=w)
     for batch in ds.batches(sampler, reuse=True): ...   # layers (B, L, T, D), mask, lengths, ids (collate's keys)
@@ -12,8 +12,10 @@
     sampler.set_epoch(e, start_batch=k)             # the order of epoch e, resumed after k batches
 
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
-mapped files); vectors are never loaded whole: a batch reads its sentences' rows with one pread per sentence
-and layer (page cache, no mapping faults) into one padded tensor (downstream/batching.py builds every batch);
+mapped files); vectors are never loaded whole: a batch in the stored dtype reads its sentences' rows with one
+pread per sentence and layer (page cache, no mapping faults) into one padded tensor, a converted batch or
+record (float16 stored, float32 delivered) is converted by torch from the mapped rows on the way in
+(downstream/batching.py builds every batch);
 stream() reads consecutive sentences' rows with one pread per layer into a reused buffer (the system call
 `cat` uses). Every shard is checked against the manifest when the index is built (downstream/shard_checks.py).
 Id lookup: a sorted array of 64-bit hashes of the ids (16 bytes a sentence, built on the first lookup:
@@ -258,8 +260,9 @@ class MappedDataset(_TorchDataset):
 
     def _sentence(self, p: int) -> list:
         """The selected layers' (T, D_k) rows of global position p: torch views of the mapped file, no copy. A
-        float16 record is converted from them by torch in one pass (measured 1.3-1.4x the preads into a buffer
-        then converted); float32 rows are read with pread (_rows: no page faults of a fresh mapping)."""
+        record or batch in another dtype than the stored one is converted from them by torch in one pass (measured
+        1.25-1.4x the preads into a buffer then converted); rows kept in the stored dtype are read with pread
+        (_rows: as fast, no page faults of a fresh mapping)."""
         u = bisect.bisect_right(self._firsts, p) - 1
         cols = self._columns.get(u) if self._pid == os.getpid() else None
         if cols is None:
@@ -302,7 +305,8 @@ class MappedDataset(_TorchDataset):
         pos = [self._position(int(i)) for i in positions]
         self._close_files()
         batcher = batcher or self._batcher(pin_memory)
-        out, mask = batcher.from_sentences([self._rows(p) for p in pos])
+        rows = self._rows if batcher.dtype == self.stored_dtype else self._sentence     # converted: from the map
+        out, mask = batcher.from_sentences([rows(p) for p in pos])
         metas = [self._meta(p) for p in pos]
         batch = {"layers": out, "mask": mask,
                  "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)) if pos else

@@ -224,12 +224,10 @@ def test_padded_stream_batches_default_to_256_rows(tmp_path):
     assert sum(rows(padded=True)) == sum(rows()) == 4000
 
 
-def test_converted_batches_filled_a_chunk_at_a_time(monkeypatch):
-    """fp16 sentences with little padding become a float32 batch a CHUNK of sentences at a time: equal to numpy's
-    conversion, layer 0 duplicated, zero past each length, also after a batch of longer sentences in the same
-    buffers."""
+def test_converted_batches_equal_numpys_conversion():
+    """fp16 sentences become a float32 batch converted on the way in: equal to numpy's conversion, layer 0
+    duplicated, zero past each length, also after a batch of longer sentences in the same buffers."""
     from elmo_pipeline.downstream.batching import Batcher
-    monkeypatch.setattr(Batcher, "CHUNK", 2)
     rng = np.random.default_rng(0)
     batcher = Batcher(8, "float32", reuse=True)
     for lengths in ([7, 7, 7, 7, 7], [5, 6, 6, 5, 6]):
