@@ -93,8 +93,9 @@ def test_mapped_dataset_fp16_labels_and_partitions(outputs):
 
 
 def test_fp16_records_converted_from_the_mapped_rows(outputs):
-    """ds[p] of a float16 output: the float32 record ElmoDataset gives, converted by torch straight from the
-    mapped file (no descriptor opened for a pread); a labelled dataset's records too."""
+    """ds[p] and batches of a float16 output delivered as float32: the records and batches ElmoDataset gives,
+    converted by torch straight from the mapped file (no descriptor opened for a pread); a labelled dataset's
+    too."""
     ref = ElmoDataset(outputs["fp16"])
     for labels in (None, {"2": 1, "4": 0}):
         ds = MappedDataset(outputs["fp16"], labels=labels)
@@ -103,6 +104,10 @@ def test_fp16_records_converted_from_the_mapped_rows(outputs):
             r = ds[j]
             assert r["layers"].dtype == np.float32 and r["layers"].flags.c_contiguous and r["layers"].flags.writeable
             assert np.array_equal(r["layers"], ref[i]["layers"]) and r["id"] == ref[i]["id"]
+        order = list(range(len(ds)))[::-1]
+        want = collate([ref[keep[j]] for j in order])
+        for got in (ds.batch(order), next(iter(ds.batches([order], reuse=True)))):
+            assert torch.equal(got["layers"], want["layers"]) and torch.equal(got["mask"], want["mask"])
         assert len(ds) == len(keep) > 0 and ds._fds == {}
 
 
