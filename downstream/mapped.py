@@ -4,7 +4,7 @@
     from elmo_pipeline.downstream.sampler import BucketBatchSampler
 
     ds = MappedDataset(["out/part1", "out/part2"], layers=["layer_2"])   # index only: ids, offsets, lengths
-    ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's (rows read with pread)
+    ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's
     for b in ds.stream(batch_tokens=512): ...       # file order at page-cache speed: b["vectors"] (N, D_k) per layer
     sampler = BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0, rank=r, world_size=w)
     for batch in ds.batches(sampler, reuse=True): ...   # layers (B, L, T, D), mask, lengths, ids (collate's keys)
@@ -12,8 +12,10 @@
     sampler.set_epoch(e, start_batch=k)             # the order of epoch e, resumed after k batches
 
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
-mapped files); vectors are never loaded whole: a batch reads its sentences' rows with one pread per sentence
-and layer (page cache, no mapping faults) into one padded tensor (downstream/batching.py builds every batch);
+mapped files); vectors are never loaded whole: a batch in the stored dtype reads its sentences' rows with one
+pread per sentence and layer (page cache, no mapping faults) into one padded tensor, a converted batch or
+record (float16 stored, float32 delivered) is converted by torch from the mapped rows on the way in
+(downstream/batching.py builds every batch);
 stream() reads consecutive sentences' rows with one pread per layer into a reused buffer (the system call
 `cat` uses). Every shard is checked against the manifest when the index is built (downstream/shard_checks.py).
 Id lookup: a sorted array of 64-bit hashes of the ids (16 bytes a sentence, built on the first lookup:
@@ -32,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from elmo_pipeline.downstream.arrow_shards import flat_vectors, open_arrow_shard, sentence_index, vector_offsets
-from elmo_pipeline.downstream.batching import Batcher, Rows, label_batch
+from elmo_pipeline.downstream.batching import Batcher, Rows, label_batch, tensor
 from elmo_pipeline.downstream.id_table import IdTable
 from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
 from elmo_pipeline.downstream.record_labels import attach_label
@@ -91,6 +93,7 @@ class MappedDataset(_TorchDataset):
         self.units = [(k, i) for k, out in enumerate(self.outputs) for i in range(len(out.shards))]
         self._maps: dict[int, pa.RecordBatch] = {}
         self._views: dict[int, list[np.ndarray]] = {}
+        self._columns: dict[int, list] = {}                             # unit -> torch views of _views
         self._fds: dict[int, tuple[int, list]] = {}                     # unit -> (fd, vector offsets), LRU
         self._pid = os.getpid()
         self._build_index(labels)
@@ -190,13 +193,13 @@ class MappedDataset(_TorchDataset):
     # -- the mapped shards (opened lazily in each process: DataLoader workers map the files themselves)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_maps"], state["_views"], state["_fds"] = {}, {}, {}
+        state["_maps"], state["_views"], state["_columns"], state["_fds"] = {}, {}, {}, {}
         state.pop("_threads", None)
         return state
 
     def _open(self, u: int) -> pa.RecordBatch:
         if self._pid != os.getpid():
-            self._maps, self._views, self._fds, self._pid = {}, {}, {}, os.getpid()
+            self._maps, self._views, self._columns, self._fds, self._pid = {}, {}, {}, {}, os.getpid()
         b = self._maps.get(u)
         if b is None:
             b = self._maps[u] = open_arrow_shard(self._local(u))
@@ -207,7 +210,7 @@ class MappedDataset(_TorchDataset):
         """(descriptor, vector_offsets of the selected layers) of unit u's shard, open in this process (kept
         open until a later read closes all but the _FDS most recently used: _close_files)."""
         if self._pid != os.getpid():
-            self._maps, self._views, self._fds, self._pid = {}, {}, {}, os.getpid()
+            self._maps, self._views, self._columns, self._fds, self._pid = {}, {}, {}, {}, os.getpid()
         f = self._fds.pop(u, None)
         if f is None:
             path = self._local(u)
@@ -255,6 +258,20 @@ class MappedDataset(_TorchDataset):
             views = self._views[u] = [flat_vectors(self._maps[u], name) for name in self.layers]
         return views
 
+    def _sentence(self, p: int) -> list:
+        """The selected layers' (T, D_k) rows of global position p: torch views of the mapped file, no copy. A
+        record or batch in another dtype than the stored one is converted from them by torch in one pass (measured
+        against preads into a buffer then converted: 1.25-1.4x for records and random batches, about equal for
+        length-bucketed batches on a fresh dataset, 1.4x from its second epoch); rows kept in the stored dtype
+        are read with pread (_rows: no page faults of a fresh mapping)."""
+        u = bisect.bisect_right(self._firsts, p) - 1
+        cols = self._columns.get(u) if self._pid == os.getpid() else None
+        if cols is None:
+            cols = self._columns[u] = [tensor(v) for v in self._layer_views(u)]
+        a = int(self._starts[p])
+        end = a + int(self._all_lengths[p])
+        return [c[a: end] for c in cols]
+
     def _rows(self, p: int) -> list[Rows]:
         """The selected layers' rows of global position p, to be read with pread (batching.Rows)."""
         a, n, stored = int(self._starts[p]), int(self._all_lengths[p]), self.stored_dtype
@@ -270,8 +287,11 @@ class MappedDataset(_TorchDataset):
             r["tokens"] = self._open(u).column("token").slice(a, n).to_pylist()
         if self._labels is not None:
             r[self.label_key] = self._labels[i % len(self)]
-        self._close_files()
-        r["layers"] = self.outputs[0].stack(self._rows(p))
+        if self.stored_dtype == np.float32:
+            self._close_files()
+            r["layers"] = self.outputs[0].stack(self._rows(p))
+        else:
+            r["layers"] = self.outputs[0].stack(self._sentence(p))
         return self.transform(r) if self.transform else r
 
     def by_id(self, sentence_id: str) -> dict:
@@ -286,7 +306,8 @@ class MappedDataset(_TorchDataset):
         pos = [self._position(int(i)) for i in positions]
         self._close_files()
         batcher = batcher or self._batcher(pin_memory)
-        out, mask = batcher.from_sentences([self._rows(p) for p in pos])
+        rows = self._rows if batcher.dtype == self.stored_dtype else self._sentence     # converted: from the map
+        out, mask = batcher.from_sentences([rows(p) for p in pos])
         metas = [self._meta(p) for p in pos]
         batch = {"layers": out, "mask": mask,
                  "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)) if pos else

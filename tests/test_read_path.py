@@ -92,6 +92,25 @@ def test_mapped_dataset_fp16_labels_and_partitions(outputs):
     assert both[3]["id"] == "b.txt:1#0" and both.position("b.txt:3#0") == 4
 
 
+def test_fp16_records_converted_from_the_mapped_rows(outputs):
+    """ds[p] and batches of a float16 output delivered as float32: the records and batches ElmoDataset gives,
+    converted by torch straight from the mapped file (no descriptor opened for a pread); a labelled dataset's
+    too."""
+    ref = ElmoDataset(outputs["fp16"])
+    for labels in (None, {"2": 1, "4": 0}):
+        ds = MappedDataset(outputs["fp16"], labels=labels)
+        keep = [i for i in range(len(ref)) if labels is None or ref[i]["id"].split(":")[1].split("#")[0] in labels]
+        for j, i in enumerate(keep):
+            r = ds[j]
+            assert r["layers"].dtype == np.float32 and r["layers"].flags.c_contiguous and r["layers"].flags.writeable
+            assert np.array_equal(r["layers"], ref[i]["layers"]) and r["id"] == ref[i]["id"]
+        order = list(range(len(ds)))[::-1]
+        want = collate([ref[keep[j]] for j in order])
+        for got in (ds.batch(order), next(iter(ds.batches([order], reuse=True)))):
+            assert torch.equal(got["layers"], want["layers"]) and torch.equal(got["mask"], want["mask"])
+        assert len(ds) == len(keep) > 0 and ds._fds == {}
+
+
 
 @pytest.mark.parametrize("dtype", [None, "float32"])
 def test_batches_of_their_own_reuse_only_dropped_buffers(outputs, dtype):
@@ -210,12 +229,10 @@ def test_padded_stream_batches_default_to_256_rows(tmp_path):
     assert sum(rows(padded=True)) == sum(rows()) == 4000
 
 
-def test_converted_batches_filled_a_chunk_at_a_time(monkeypatch):
-    """fp16 sentences with little padding become a float32 batch a CHUNK of sentences at a time: equal to numpy's
-    conversion, layer 0 duplicated, zero past each length, also after a batch of longer sentences in the same
-    buffers."""
+def test_converted_batches_equal_numpys_conversion():
+    """fp16 sentences become a float32 batch converted on the way in: equal to numpy's conversion, layer 0
+    duplicated, zero past each length, also after a batch of longer sentences in the same buffers."""
     from elmo_pipeline.downstream.batching import Batcher
-    monkeypatch.setattr(Batcher, "CHUNK", 2)
     rng = np.random.default_rng(0)
     batcher = Batcher(8, "float32", reuse=True)
     for lengths in ([7, 7, 7, 7, 7], [5, 6, 6, 5, 6]):
