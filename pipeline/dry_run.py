@@ -12,6 +12,9 @@ estimate(): the run's plan (pipeline.plan.plan, without the object-store write p
 - output bytes: the sample's vectors encoded by the formats' own writers (formats/estimate.py), per token,
   times the tokens estimated; per layer and dtype from the widths;
 - what --output holds now (already complete, a live run's lease), read only;
+- --iceberg-mode upsert: the sample's documents compared with the table's state (read once at plan time,
+  read only): documents unchanged, changed and added; sentences, tokens, output and time of the changed and
+  added ones only, as the run embeds;
 - how the work is split and spread: read elements (files and parts of files: transforms/splits.py), files read
   whole because compressed, how documents reach the workers (work_split).
 Nothing is created or written under --output (not even the folder or a lease).
@@ -113,24 +116,32 @@ def sample_file(url: str, size: int, budget: int, fmt: str, label: str, text_fie
 
 def sample_inputs(pl, sizes: dict[str, int], budget: int = SAMPLE_BYTES) -> dict:
     """Counts of the sample, scaled to all inputs, and the sample's written sentences (tokens) for timing. With
-    --id-field, the sample's documents that share an id are dead letters, as in the run."""
+    --id-field, the sample's documents that share an id are dead letters, as in the run. With --iceberg-mode
+    upsert (pl.upsert), each document is also counted unchanged, changed or added against the table's state;
+    the counts of sentences and tokens are those of the changed and added ones only (the run embeds only
+    those); the unchanged ones' sentences are timed too ("timing": the biLM's rate), not counted."""
+    from elmo_pipeline.formats.iceberg_upsert import change_of, doc_hash
     from elmo_pipeline.tokenization.process import tokenize_or_reason
     from elmo_pipeline.transforms.ids import split_duplicate_ids
     from elmo_pipeline.transforms.records import Blank, Document
     o = pl.options
+    upsert = pl.upsert
     files = pl.files
     picked = files if len(files) <= MAX_SAMPLE_FILES else \
         [files[round(i * (len(files) - 1) / (MAX_SAMPLE_FILES - 1))] for i in range(MAX_SAMPLE_FILES)]
     picked_bytes = sum(sizes[f] for f in picked) or 1
     total_bytes = sum(sizes.values())
     keys = ("input_records", "blank_records", "record_dead_letters", "documents", "sentences",
-            "sentences_written", "tokens_written", "dead_letter_sentences")
-    written, tokenize_s, read_bytes = [], 0.0, 0
+            "sentences_written", "tokens_written", "dead_letter_sentences") + \
+        (("documents_unchanged", "documents_changed", "documents_added") if upsert else ())
+    written, timing, tokenize_s, read_bytes = [], [], 0.0, 0
+    tokenized = 0                       # tokens of the written sentences of every document tokenized
     counts, scales = [], []             # each file's counts, and its factor to all inputs
     by_id: dict[str, list] = {}         # --id-field: the sample's documents by id, with their file's number
+    seen: set[str] = set()              # upsert: the ids of the sample's documents
 
     def tally(c: dict, r, read: bool = True) -> None:
-        nonlocal tokenize_s
+        nonlocal tokenize_s, tokenized
         c["input_records"] += read
         if isinstance(r, Blank):
             c["blank_records"] += 1
@@ -139,21 +150,31 @@ def sample_inputs(pl, sizes: dict[str, int], budget: int = SAMPLE_BYTES) -> dict
             c["record_dead_letters"] += 1
             return
         c["documents"] += 1
+        change = None
+        if upsert:
+            seen.add(r.doc_id)
+            change = change_of(r.doc_id, doc_hash(r.text, r.split_sentences, upsert.salt), upsert.state)
+            c[f"documents_{change}"] += 1
         t0 = time.perf_counter()
         sentences = tokenize_or_reason(r.text, pl.tokenizer, r.split_sentences)
         tokenize_s += time.perf_counter() - t0
+        counted = change != "unchanged"
         if isinstance(sentences, str) or not sentences:
-            c["sentences"] += 1
-            c["dead_letter_sentences"] += 1
+            c["sentences"] += counted
+            c["dead_letter_sentences"] += counted
             return
         for i, s in enumerate(sentences):
-            c["sentences"] += 1
+            c["sentences"] += counted
             if len(s.tokens) > pl.sentence_limit:
-                c["dead_letter_sentences"] += 1
+                c["dead_letter_sentences"] += counted
                 continue
-            c["sentences_written"] += 1
-            c["tokens_written"] += len(s.tokens)
-            written.append((f"{r.doc_id}#{i}", r.doc_id, i, list(s.tokens), list(s.offsets)))
+            tokenized += len(s.tokens)
+            w = (f"{r.doc_id}#{i}", r.doc_id, i, list(s.tokens), list(s.offsets))
+            timing.append(w)
+            if counted:
+                c["sentences_written"] += 1
+                c["tokens_written"] += len(s.tokens)
+                written.append(w)
 
     for url in picked:
         c, n = dict.fromkeys(keys, 0), len(counts)
@@ -175,8 +196,13 @@ def sample_inputs(pl, sizes: dict[str, int], budget: int = SAMPLE_BYTES) -> dict
             tally(counts[n], r, read=False)
     est = {k: sum(c[k] * f for c, f in zip(counts, scales)) for k in keys}
     sampled = {k: sum(c[k] for c in counts) for k in keys}
-    return {"estimated": {k: round(v) for k, v in est.items()}, "sampled": sampled, "written": written,
-            "tokenize_seconds": tokenize_s, "sample_bytes": read_bytes, "files_sampled": len(picked)}
+    out = {"estimated": {k: round(v) for k, v in est.items()}, "sampled": sampled, "written": written,
+           "timing": timing, "tokenized_tokens": tokenized, "tokenize_seconds": tokenize_s,
+           "sample_bytes": read_bytes, "files_sampled": len(picked)}
+    if upsert:      # every input document read: the table's documents the input lacks are known
+        whole = len(picked) == len(files) and all(f == 1.0 for f in scales)
+        out["missing"] = sum(d not in seen for d in upsert.state) if whole else None
+    return out
 
 
 def measure(pl, written: list, seed: int = 0) -> dict:
@@ -269,7 +295,7 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     try:
         s = sample_inputs(pl, sizes, sample_bytes)
         written = s.pop("written")
-        m = measure(pl, written)
+        m = measure(pl, s.pop("timing"))
     except Exception as e:
         after_plan(e)
         raise
@@ -279,10 +305,11 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
         else len(spec.selection)
     out_bytes = {f: round(b * tokens) for f, b in m["bytes_per_token"].items()}
     rate = m["tokens_per_s"]
-    tok_rate = s["sampled"]["tokens_written"] / s["tokenize_seconds"] if s["tokenize_seconds"] else 0.0
+    tok_rate = s["tokenized_tokens"] / s["tokenize_seconds"] if s["tokenize_seconds"] else 0.0
     enc_rate = m.get("sample_tokens", 0) / m["encode_seconds"] if m["encode_seconds"] else 0.0
     dedupe = deduplicated(pl.spec, written, est) if pl.dedupe else None
     reuse = reused(pl, written, est) if pl.reuse else None
+    upsert = upserted(pl, est, s.get("missing")) if pl.upsert else None
     embedded = tokens * (dedupe["token_share"] if dedupe else 1.0) * (reuse["token_share"] if reuse else 1.0)
     seconds = {"embed": embedded / rate if rate else None, "tokenize": tokens / tok_rate if tok_rate else None,
                "encode": tokens / enc_rate if enc_rate else None}
@@ -290,7 +317,7 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
         "output": pl.options.output, "run_key": pl.key, "output_state": output_state(pl),
         "inputs": [{"url": u, "bytes": sizes[u]} for u in pl.files], "input_bytes": sum(sizes.values()),
         "sample": {"bytes": s["sample_bytes"], "files": s["files_sampled"], **s["sampled"]},
-        "estimated": est, "dedupe": dedupe, "reuse": reuse,
+        "estimated": est, "dedupe": dedupe, "reuse": reuse, **({"upsert": upsert} if upsert else {}),
         "formats": pl.formats, "dtype": pl.options.dtype, "layers": [c for c, _ in spec.columns],
         "output_bytes": out_bytes,
         "layer_bytes": layer_bytes(list(spec.columns) if "parquet" in spec.formats else [],
@@ -329,6 +356,16 @@ def reused(pl, written: list, est: dict) -> dict:
     return {"sources": [s.label for s in pl.reuse], "sampled_sentences": len(keys), "sampled_found": len(hit),
             "sentences_reused": round(est["sentences_written"] * len(hit) / len(keys)) if keys else 0,
             "token_share": 1 - sum(hit) / tokens if tokens else 1.0}
+
+
+def upserted(pl, est: dict, missing: int | None) -> dict:
+    """--iceberg-mode upsert in the plan: the table and the snapshot compared with, the estimated documents
+    unchanged, changed and added (sample_inputs), and with --delete-missing the table's documents the input
+    lacks: counted when the sample read every input document, else None (the run counts them)."""
+    u = pl.upsert
+    return {"table": u.target.table, "base_snapshot": u.base_snapshot, "table_documents": len(u.state),
+            **{k: est[k] for k in ("documents_unchanged", "documents_changed", "documents_added")},
+            "delete_missing": u.delete_missing, "documents_removed": missing if u.delete_missing else None}
 
 
 def work_split(pl, opts) -> dict:
@@ -389,6 +426,16 @@ def render(p: dict) -> str:
         lines.append(f"reuse (vectors of {len(ru['sources'])} earlier output(s) by sentence key): "
                      f"{ru['sampled_found']:,} of the sample's {ru['sampled_sentences']:,} sentences found: about {ru['sentences_reused']:,} "
                      "sentences reused, not embedded")
+    if p.get("upsert"):
+        u = p["upsert"]
+        gone = "" if not u["delete_missing"] else \
+            f", {u['documents_removed']:,} of the table's removed (not in the input)" \
+            if u["documents_removed"] is not None else \
+            "; the table's documents not in the input (removed) are known at run time"
+        lines.append(f"upsert into {u['table']} (snapshot {u['base_snapshot']}, {u['table_documents']:,} documents): "
+                     f"about {u['documents_unchanged']:,} documents unchanged (not embedded), "
+                     f"{u['documents_changed']:,} changed, {u['documents_added']:,} added{gone}; the sentences and "
+                     "tokens above and the time below are those of the changed and added ones")
     lines.append(f"output ({', '.join(p['formats'])}; --dtype {p['dtype']}; layers {', '.join(p['layers'])}): "
                  + ", ".join(f"{f} {_size(b)}" for f, b in p["output_bytes"].items())
                  + f"; at least {p['shards_at_least']} shard(s)")

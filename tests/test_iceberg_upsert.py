@@ -373,3 +373,40 @@ def test_reuse_table_leaves_out_another_models_output_and_refuses_a_missing_one(
                  "--reuse-table"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"error: --reuse-table ({TABLE}) file://{tmp_path}/ours: no finished output there"), last
+
+
+@pytest.mark.slow
+def test_plan_of_a_day_counts_the_unchanged_documents_and_times_only_the_rest(tmp_path):
+    """`plan` of day 2 against the table day 1 made: the sample (the whole small input) compared with the table's
+    state gives the real day-2 run's counts exactly: documents unchanged, changed, added, removed, and the
+    sentences and tokens embedded (those of the changed and added documents: far fewer than a full run's)."""
+    from elmo_pipeline.pipeline.dry_run import estimate, render
+    day1, day2, _ = days()
+    day2 = [d for d in day2 if d[0] != "wiki-004"] + [("wiki-100", day1[4][1] + " A new one .")]
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    inputs = [write_jsonl(tmp_path / f"day{k}.jsonl", docs) for k, docs in ((1, day1), (2, day2))]
+    args = [[*upsert_argv(inp, str(tmp_path / f"day{k}"), TABLE, catalog(wh)), *COMMON]
+            for k, inp in enumerate(inputs, 1)]
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert main(args[0]) == 0
+    full = json.load(open(tmp_path / "day1" / "manifest.json"))["counts"]
+    snapshots = [s.snapshot_id for s in table_of(wh).snapshots()]
+    plan = estimate(args[1])
+    assert not os.path.exists(tmp_path / "day2") and [s.snapshot_id for s in table_of(wh).snapshots()] == snapshots
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert main(args[1]) == 0
+    real = json.load(open(tmp_path / "day2" / "manifest.json"))["counts"]
+    u, e = plan["upsert"], plan["estimated"]
+    assert plan["sample"]["documents"] == len(day2) == real["documents"]        # the sample is the whole input
+    assert (u["documents_unchanged"], u["documents_changed"], u["documents_added"], u["documents_removed"]) == \
+        (real["documents_unchanged"], real["documents_changed"], real["documents_added"], real["documents_removed"]) \
+        == (20, 3, 1, 1)
+    assert (e["sentences_written"], e["tokens_written"]) == (real["sentences_written"], real["tokens_written"])
+    assert 0 < e["tokens_written"] < 0.3 * full["tokens_written"]
+    assert plan["seconds"]["embed"] == pytest.approx(e["tokens_written"] / plan["rate"]["tokens_per_s"])
+    text = render(plan)
+    assert "about 20 documents unchanged (not embedded), 3 changed, 1 added, 1 of the table's removed" in text
+    print(text, {k: (e[k], real[k], full[k]) for k in ("sentences_written", "tokens_written")})
+    u["documents_removed"] = None          # a sample of part of the input: the run counts them
+    assert "removed) are known at run time" in render(plan)
