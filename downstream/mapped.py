@@ -366,7 +366,7 @@ class MappedDataset(_TorchDataset):
         `dtype` (layer 0 duplicated, zero past each length; a reused buffer too) and mask (B, T) bool.
         layers: a subset of the dataset's layers (default all). ahead: batches read by a background thread
         ahead of the consumer (stream_rows.read_ahead; default 0: in this thread. Measured on a quiet 2-core
-        machine: 1.1-1.4x slower when the loop only sums each batch, 5-10 % faster when each batch's step takes
+        machine: 1.05-1.4x slower when the loop only sums each batch, 5-12 % faster when each batch's step takes
         longer than its build; docs/downstream.md)."""
         names = list(layers) if layers else self.layers
         missing = [n for n in names if n not in self.layers]

@@ -73,14 +73,14 @@ def read_ahead(items: Iterator, depth: int) -> Iterator:
     consumer's work); depth 0: in this thread. Same items, same order. An exception of the producer is raised
     here with its traceback; closing the iterator (or dropping it: a `break`) waits for the item being made,
     closes `items` and ends the thread. A producer that reuses buffers needs depth + 2 of them (one with the
-    consumer, depth made ahead, one spare)."""
+    consumer, depth made, one being made)."""
     if depth <= 0:
         yield from items
         return
     end = object()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead")
     try:
-        pending = deque(pool.submit(next, items, end) for _ in range(depth))
+        pending = deque(pool.submit(next, items, end) for _ in range(depth + 1))     # + the one being made
         while True:
             x = pending.popleft().result()
             if x is end:
