@@ -3,6 +3,7 @@ over real pipeline outputs (tiny random biLM)."""
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -281,6 +282,10 @@ def test_read_ahead_same_batches_in_the_same_order_and_no_thread_left_after_brea
             assert len(got) == len(runs[0]) > 4
             for (i0, l0, m0), (i1, l1, m1) in zip(runs[0], got):
                 assert i0 == i1 and torch.equal(l0, l1) and torch.equal(m0, m1)
+        for b in ds.stream(batch_tokens=5, padded=True, ahead=2):      # the batch in hand is never written
+            held = b["layers"].clone()
+            time.sleep(0.002)                                            # the thread makes the next ones meanwhile
+            assert torch.equal(b["layers"], held)
     lazy = ds.stream(batch_tokens=1, padded=True, ahead=2)
     assert not _read_ahead_threads()                                  # made, not started: nothing to fork with
     for j, _ in enumerate(lazy):
