@@ -77,7 +77,7 @@ def read_ahead(items: Iterator, depth: int) -> Iterator:
     if depth <= 0:
         yield from items
         return
-    end = object()
+    items, end = iter(items), object()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead")
     try:
         pending = deque(pool.submit(next, items, end) for _ in range(depth + 1))     # + the one being made
