@@ -3,9 +3,9 @@ into a reused buffer (batching.Batcher pads them). No Beam import."""
 from __future__ import annotations
 
 import os
-import queue
-import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -68,48 +68,27 @@ class RowBuffer:
 
 
 def read_ahead(items: Iterator, depth: int) -> Iterator:
-    """The items of `items`, produced by a background thread up to `depth` ahead of the consumer (preads and
-    torch copies release the GIL, so reading overlaps the consumer's work); depth 0: in this thread. An
-    exception of the producer is raised here; stopping early stops the producer. A producer that reuses
-    buffers needs depth + 2 of them (one with the consumer, depth queued, one being filled)."""
+    """The items of `items`, produced by one background thread (started on the first next(), one per iterator)
+    up to `depth` ahead of the consumer (preads and torch copies release the GIL, so reading overlaps the
+    consumer's work); depth 0: in this thread. Same items, same order. An exception of the producer is raised
+    here with its traceback; closing the iterator (or dropping it: a `break`) waits for the item being made,
+    closes `items` and ends the thread. A producer that reuses buffers needs depth + 2 of them (one with the
+    consumer, depth made, one being made)."""
     if depth <= 0:
         yield from items
         return
-    q: queue.Queue = queue.Queue(depth)
-    stop, end = threading.Event(), object()
-
-    def put(x) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(x, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def run() -> None:
-        try:
-            for x in items:
-                if not put((x, None)):
-                    return
-            put((end, None))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            put((end, e))
-        finally:
-            close = getattr(items, "close", None)
-            if close:
-                close()
-
-    t = threading.Thread(target=run, daemon=True, name="read-ahead")
-    t.start()
+    items, end = iter(items), object()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead")
     try:
+        pending = deque(pool.submit(next, items, end) for _ in range(depth + 1))     # + the one being made
         while True:
-            x, err = q.get()
+            x = pending.popleft().result()
             if x is end:
-                if err is not None:
-                    raise err
                 return
+            pending.append(pool.submit(next, items, end))
             yield x
     finally:
-        stop.set()
-        t.join()
+        pool.shutdown(wait=True, cancel_futures=True)
+        close = getattr(items, "close", None)
+        if close:
+            close()

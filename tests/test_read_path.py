@@ -2,6 +2,8 @@
 over real pipeline outputs (tiny random biLM)."""
 import json
 import os
+import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -215,8 +217,7 @@ def test_read_ahead_and_reused_batches_equal_fresh_ones(outputs, name):
     it = ds.stream(batch_tokens=1)
     next(it)
     it.close()                                                       # stops the read-ahead thread
-    import threading
-    assert not [t for t in threading.enumerate() if t.name == "read-ahead"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("read-ahead")]
 
 
 def test_padded_stream_batches_default_to_256_rows(tmp_path):
@@ -255,8 +256,47 @@ def test_read_ahead_raises_the_producers_error():
         raise OSError("disk gone")
     it = read_ahead(broken(), 2)
     assert next(it) == 1
-    with pytest.raises(OSError, match="disk gone"):
+    with pytest.raises(OSError, match="disk gone") as e:
         next(it)
+    assert any(f.name == "broken" for f in e.traceback)              # the producer's frame, in its thread
+    assert not [t for t in threading.enumerate() if t.name.startswith("read-ahead")]
+
+
+def _read_ahead_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("read-ahead")]
+
+
+@pytest.mark.parametrize("name", ["all", "fp16"])
+def test_read_ahead_same_batches_in_the_same_order_and_no_thread_left_after_break(outputs, name):
+    """ahead=1 and 2 give the batches of ahead=0, value for value, in the same order, run after run; the thread is
+    started by the first next() (none while the iterator is only made) and gone once a loop breaks early."""
+    for dtype in (None, "float32"):
+        ds = MappedDataset(outputs[name], dtype=dtype, tokens=False)
+        sampler = BucketBatchSampler(ds.lengths, batch_size=2, shuffle=True, seed=5)
+        runs = {}
+        for ahead in (0, 1, 2, 2):
+            got = [(b["ids"], b["layers"].clone(), b["mask"].clone()) for b in ds.batches(sampler, reuse=True, ahead=ahead)]
+            got += [(b["ids"], b["layers"].clone(), b["mask"].clone())
+                    for b in ds.stream(batch_tokens=5, padded=True, ahead=ahead)]
+            runs.setdefault(0, got)
+            assert len(got) == len(runs[0]) > 4
+            for (i0, l0, m0), (i1, l1, m1) in zip(runs[0], got):
+                assert i0 == i1 and torch.equal(l0, l1) and torch.equal(m0, m1)
+        for b in ds.stream(batch_tokens=5, padded=True, ahead=2):      # the batch in hand is never written
+            held = b["layers"].clone()
+            time.sleep(0.002)                                            # the thread makes the next ones meanwhile
+            assert torch.equal(b["layers"], held)
+    lazy = ds.stream(batch_tokens=1, padded=True, ahead=2)
+    assert not _read_ahead_threads()                                  # made, not started: nothing to fork with
+    for j, _ in enumerate(lazy):
+        assert _read_ahead_threads()
+        if j == 1:
+            break
+    del lazy
+    for b in ds.batches(sampler, ahead=2):
+        break
+    del b
+    assert not _read_ahead_threads()
 
 
 def test_id_lookup_every_id_and_hash_collisions(outputs, monkeypatch):
