@@ -178,7 +178,7 @@ def complete_manifest(manifest: dict, shards: list[ShardInfo], dead: list[ShardI
 
 
 def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_options: dict | None = None,
-             register: Callable[[dict], None] | None = None, run_seconds: float | None = None,
+             register: Callable[[dict, Callable[[], None] | None], None] | None = None, run_seconds: float | None = None,
              fence: Callable[[], None] | None = None, upsert=None) -> dict:
     """Publish `staged`: dead letters as files of at most DEAD_LETTERS_PER_FILE (sorted by id), the run
     report (report.html; `run_seconds`: the run's wall time so far, for it) and metrics.prom, then the plan (finalize.json:
@@ -250,7 +250,7 @@ def roll_back(sink: Sink, root: str, st: str, plan: dict) -> None:
 
 
 def complete_finalize(output: str, staging: str, storage_options: dict | None = None,
-                      register: Callable[[dict], None] | None = None,
+                      register: Callable[[dict, Callable[[], None] | None], None] | None = None,
                       fence: Callable[[], None] | None = None) -> dict | None:
     """Carry out (again) the finalize plan in `staging`: every move not yet done, manifest.json, removal of
     the staging folder, then register(manifest) when given (every file is in place; it must be idempotent:
@@ -279,7 +279,7 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
     manifest = plan["manifest"] if plan else layout.read_manifest(fs, root)
     if register is not None and manifest is not None:
         sink.fence()
-        register(manifest)
+        register(manifest, fence)
     remove_temp_files(fs, root, (MANIFEST, SUCCESS))
     sink.put(posixpath.join(root, SUCCESS), b"")
     return manifest

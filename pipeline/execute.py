@@ -41,10 +41,10 @@ def run_planned(opts: PipelineOptions, pl: Plan):
         if not o.overwrite and is_complete(o.output, pl.key, so):
             result = AlreadyComplete(_manifest(pl))
             if pl.iceberg is not None:        # e.g. --iceberg-table newly given: registered now, once, under the
-                with Lease(lease_url(o.output), o.lease_stale_seconds, so):    # lease (no run replacing it)
+                with Lease(lease_url(o.output), o.lease_stale_seconds, so) as lease:  # lease (no run replacing it)
                     if not is_complete(o.output, pl.key, so):
                         raise RetryLater(f"{o.output} changed while this run waited for its lease; rerun")
-                    pl.register(result.manifest)
+                    pl.register(result.manifest, lease.check_held)
         else:
             with Lease(lease_url(o.output), o.lease_stale_seconds, so) as lease:
                 result = run_under_lease(opts, pl, lease)
@@ -70,7 +70,7 @@ def run_under_lease(opts: PipelineOptions, pl: Plan, lease: Lease):
         if state.action == "complete":         # finished by another run meanwhile
             done = AlreadyComplete(_manifest(pl))
             if pl.iceberg is not None:
-                pl.register(done.manifest)
+                pl.register(done.manifest, lease.check_held)
             return done
         if state.action == "finalize":
             return FinalizeOnly(complete_finalize(o.output, state.staging, so, pl.registrar, lease.check_held))

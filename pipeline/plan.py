@@ -10,6 +10,7 @@ import os
 import posixpath
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 from elmo_pipeline.pipeline.quiet import quiet_beam
 
@@ -22,7 +23,7 @@ from elmo_pipeline.formats.hdf5 import hdf5_layout
 from elmo_pipeline.formats.iceberg import IcebergTarget, check_overwrite, output_url, record_table
 from elmo_pipeline.formats.iceberg_upsert import Upsert, settings_salt
 from elmo_pipeline.formats.parquet import layer_columns, shard_schema
-from elmo_pipeline.fsio import atomic_write, expand, redact, url_fs
+from elmo_pipeline.fsio import expand, redact, url_fs
 from elmo_pipeline.model.options import load_options, sentences_independent
 from elmo_pipeline.model.resolve import resolve_model
 from elmo_pipeline.pipeline.options import ElmoOptions, default_torch_threads
@@ -37,6 +38,7 @@ from elmo_pipeline.transforms.splits import Split, plan_splits, split_size
 from elmo_pipeline.transforms.ids import file_labels, public_url
 from elmo_pipeline.output.state import finalize_started, input_fingerprints, run_ingredients, run_key
 from elmo_pipeline.output.names import KEYS
+from elmo_pipeline.output.sink import Sink
 from elmo_pipeline.output.staging import ShardSpec
 
 logger = logging.getLogger("elmo-pipeline.run")
@@ -100,15 +102,15 @@ class Plan:
                                    # buckets (runners whose Reshuffle moves nothing), else by a Reshuffle
     reuse: list[ReuseSource] = field(default_factory=list)   # --reuse sources, checked (transforms/reuse.py)
 
-    def register(self, manifest: dict) -> None:
+    def register(self, manifest: dict, fence: Callable[[], None] | None = None) -> None:
         """Finalize's hook (output/finalize.py): the finished output's shards into the Iceberg table. A
         manifest that does not name the table yet (a finished output registered by this later command) records
         it just before the files are added (formats/iceberg.py recorded_tables): the output knows it before
-        the table does."""
+        the table does. That write goes through a Sink fenced by `fence` (the run's lease), as every other."""
         def record():
             if record_table(manifest, self.iceberg):
-                fs, root = url_fs(self.options.output, self.storage_options)
-                atomic_write(fs, posixpath.join(root, layout.MANIFEST), layout.manifest_bytes(manifest))
+                sink, root = Sink.at(self.options.output, self.storage_options, fence)
+                sink.put(posixpath.join(root, layout.MANIFEST), layout.manifest_bytes(manifest))
         how = self.upsert if self.upsert is not None else self.iceberg
         self.registration = how.register(self.options.output, manifest, self.schema, self.storage_options, record)
         logger.info("%s", self.registration.describe())

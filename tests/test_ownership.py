@@ -141,7 +141,7 @@ def test_finalize_checks_the_fence_before_each_irreversible_step(tmp_path):
     fence check that passed: a fence failing at any of its checks leaves the step it guards undone."""
     out = str(tmp_path / "out")
     seen = []
-    _finished(out, "k1", fence=lambda: seen.append(sorted(os.listdir(out))), register=lambda m: seen.append("register"))
+    _finished(out, "k1", fence=lambda: seen.append(sorted(os.listdir(out))), register=lambda m, fence: seen.append("register"))
     # the staged report and metrics.prom, the plan; 6 moves (2 shards x 2 formats, the report, metrics.prom);
     # the manifest; the staging folder's removal and its parent's; the register hook (then the hook itself);
     # _SUCCESS
@@ -155,7 +155,7 @@ def test_finalize_checks_the_fence_before_each_irreversible_step(tmp_path):
             if len(calls) == point:
                 raise RetryLater("lost")
         with pytest.raises(RetryLater):
-            _finished(other, "k1", fence, register=registered.append)
+            _finished(other, "k1", fence, register=lambda m, fence: registered.append(m))
         assert not os.path.exists(os.path.join(other, "_SUCCESS")) and (point > 13) == bool(registered)
         assert len(glob.glob(os.path.join(other, "*", "part-*"))) == max(0, min(point - 4, 4))
         assert os.path.exists(os.path.join(other, "manifest.json")) == (point > 10)

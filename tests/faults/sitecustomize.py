@@ -82,9 +82,9 @@ def _install() -> None:
         if recursive and isinstance(paths, str) and posixpath.basename(posixpath.dirname(paths)) == STAGING:
             point("finalize_cleanup")
 
-    def register_output(self, manifest):
+    def register_output(self, manifest, fence=None):
         point("register")
-        register(self, manifest)
+        register(self, manifest, fence)
         point("registered")
 
     EmbedBatches._finish, Sink.open, Sink.put, Sink.move, Sink.remove, Plan.register = (
