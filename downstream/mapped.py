@@ -260,9 +260,8 @@ class MappedDataset(_TorchDataset):
 
     def _sentence(self, p: int) -> list:
         """The selected layers' (T, D_k) rows of global position p: torch views of the mapped file, no copy. A
-        record or batch in another dtype than the stored one is converted from them by torch in one pass (measured
-        against preads into a buffer then converted: 1.25-1.4x for records and random batches, about equal for
-        length-bucketed batches on a fresh dataset, 1.4x from its second epoch); rows kept in the stored dtype
+        record or batch in another dtype than the stored one is converted from them by torch in one pass (no
+        scratch buffer); rows kept in the stored dtype
         are read with pread (_rows: no page faults of a fresh mapping)."""
         u = bisect.bisect_right(self._firsts, p) - 1
         cols = self._columns.get(u) if self._pid == os.getpid() else None
@@ -354,8 +353,7 @@ class MappedDataset(_TorchDataset):
                pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
         """Every sentence of the dataset in file order (output, shard, id), in batches of consecutive sentences
         spanning at most `batch_tokens` rows (a longer sentence alone; default 512, or 256 with padded=True: a
-        batch of the original width, padded or not, stays in the CPU cache; measured faster than 2048 flat and
-        than 512 padded: 1.4x fp16 as float32, 1.2x fp32). Each layer's rows of a batch are one
+        batch of the original width, padded or not, stays in the CPU cache). Each layer's rows of a batch are one
         byte range of the shard: one pread per layer straight into a reused buffer (pinned with pin_memory
         when CUDA is there), no per-sentence work.
 
@@ -365,9 +363,8 @@ class MappedDataset(_TorchDataset):
         ids, doc_ids (lists), the label as batch() gives it; padded=True adds layers (B, L, T, dim) in
         `dtype` (layer 0 duplicated, zero past each length; a reused buffer too) and mask (B, T) bool.
         layers: a subset of the dataset's layers (default all). ahead: batches read by a background thread
-        ahead of the consumer (stream_rows.read_ahead; default 0: in this thread. Measured on a quiet 2-core
-        machine: 1.05-1.4x slower when the loop only sums each batch, 5-12 % faster when each batch's step takes
-        longer than its build; docs/downstream.md)."""
+        ahead of the consumer (stream_rows.read_ahead; default 0: in this thread; it pays only when each
+        batch's step takes longer than its build: docs/downstream.md)."""
         names = list(layers) if layers else self.layers
         missing = [n for n in names if n not in self.layers]
         if missing:
