@@ -14,16 +14,23 @@ from elmo_pipeline.fsio import is_local_fs
 def open_arrow_shard(path: str, fields: Sequence[str] | None = None) -> pa.RecordBatch:
     """The record batch of a local Arrow shard, memory-mapped (zero-copy); `fields` selects columns.
     DamagedOutput when the file is no Arrow IPC file."""
+    return map_arrow_shard(path, fields)[0]
+
+
+def map_arrow_shard(path: str, fields: Sequence[str] | None = None) -> tuple[pa.RecordBatch, int, int]:
+    """(record batch, address of the map's first byte, file size) of a local Arrow shard, memory-mapped."""
     source = pa.memory_map(path, "r")
     try:
+        base = source.read_buffer(1).address if source.size() else 0
+        source.seek(0)
         reader = pa.ipc.open_file(source)
         if fields is not None:
             names = reader.schema.names
             reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(
                 included_fields=[names.index(f) for f in fields]))
         if reader.num_record_batches == 0:
-            return pa.RecordBatch.from_pylist([], schema=reader.schema)
-        return reader.get_batch(0)
+            return pa.RecordBatch.from_pylist([], schema=reader.schema), base, source.size()
+        return reader.get_batch(0), base, source.size()
     except pa.ArrowException as e:
         raise DamagedOutput(f"{path}: not a readable Arrow IPC file ({e})") from None
 
@@ -50,21 +57,26 @@ def flat_vectors(batch: pa.RecordBatch, name: str) -> np.ndarray:
 
 
 def vector_offsets(path: str, names: Sequence[str]) -> list[tuple[int, int]]:
-    """(file offset of row 0, bytes per row) of each named fixed_size_list column of a local Arrow shard: the
-    address of the column's values buffer in the memory map minus the map's base address; DamagedOutput when
-    the rows reach past the file's end."""
-    source = pa.memory_map(path, "r")
-    base = source.read_buffer(1).address if source.size() else 0
-    reader = pa.ipc.open_file(source)
-    if reader.num_record_batches == 0:
-        return [(0, 0) for _ in names]
-    batch, out = reader.get_batch(0), []
+    """(file offset of row 0, bytes per row) of each named fixed_size_list column of a local Arrow shard
+    (layer_offsets of its map)."""
+    return layer_offsets(*map_arrow_shard(path), names, path)
+
+
+def layer_offsets(batch: pa.RecordBatch, base: int, size: int, names: Sequence[str],
+                  path: str) -> list[tuple[int, int]]:
+    """(file offset of row 0, bytes per row) of each named fixed_size_list column of a mapped shard's batch:
+    the address of the column's values buffer in the map minus the map's base address (map_arrow_shard);
+    DamagedOutput when the rows reach past the file's end."""
+    out = []
     for name in names:
         col = batch.column(name)
         values, row = col.values, col.type.list_size * col.values.type.byte_width
+        if len(col) == 0:
+            out.append((0, row))
+            continue
         out.append((values.buffers()[1].address - base + (values.offset + col.offset * col.type.list_size)
                     * values.type.byte_width, row))
-        if out[-1][0] < 0 or out[-1][0] + len(col) * row > source.size():
+        if out[-1][0] < 0 or out[-1][0] + len(col) * row > size:
             raise DamagedOutput(f"{path}: column {name}'s rows lie outside the file")
     return out
 

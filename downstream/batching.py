@@ -2,15 +2,16 @@
 No Beam import.
 
 A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past
-each length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Sentences come
-as per-layer (T_b, D_k) arrays (numpy or torch, any float dtype) or `Rows` of a file (read with pread): rows
-are read or copied straight into the batch (one pread or slice copy per sentence and layer, no per-row work;
-another dtype converted by torch on the way, never by numpy). Flat rows (a stream's consecutive sentences) are
-put once a layer into a kept table (layer 0 duplicated, the dtype converted), the padded batch then gathered
-from it by one index_select (a zero row for the padding). `Batcher(reuse=True)` builds into buffers
-kept from batch to batch (a batch is valid until the next one); without reuse a batch is a tensor of its own,
-built in a kept buffer nothing holds any more (no page faults of a new allocation); pinned when CUDA is there
-and pin_memory is asked.
+each length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Three sources:
+sentences of a local file, read with pread (`from_reads`: a layer as wide as the batch in its dtype straight
+into its place, one pread a sentence; layer 0 into a packed table and put in place by one gather; the caller
+and a helper thread read half the sentences each); per-layer (T_b, D_k) arrays or tensors, views of a mapped
+file too (`from_sentences`: one torch copy a sentence and layer, another dtype converted on the way, never by
+numpy); flat rows of consecutive sentences (`from_rows`, a stream's: put once a layer into a kept table, layer
+0 duplicated, the dtype converted, the batch then gathered by one index_select, a zero row for the padding).
+`Batcher(reuse=True)` builds into buffers kept from batch to batch (a batch is valid until the next one);
+without reuse a batch is a tensor of its own, built in a kept buffer nothing holds any more (no page faults of
+a new allocation); pinned when CUDA is there and pin_memory is asked.
 """
 from __future__ import annotations
 
@@ -23,33 +24,11 @@ import numpy as np
 from elmo_pipeline.downstream.stream_rows import pread_into
 
 
-class Rows:
-    """n consecutive rows of one layer in a local file: the descriptor batches read with pread (no mapping, no
-    page faults), straight into the batch when the layer is as wide as it."""
-    __slots__ = ("fd", "offset", "shape", "dtype")
-
-    def __init__(self, fd: int, offset: int, n: int, d: int, dtype: np.dtype):
-        self.fd, self.offset, self.shape, self.dtype = fd, offset, (n, d), dtype
-
-    def read_into(self, dst: np.ndarray, scratch) -> None:
-        """Fill dst (n, dim) with the rows: one pread straight into dst when the widths and dtypes agree, else
-        into scratch(shape, dtype), then placed (a half-width layer 0 into both halves, converted by torch)."""
-        if self.shape[1] == dst.shape[1] and self.dtype == dst.dtype:
-            pread_into(self.fd, memoryview(dst).cast("B"), self.offset)
-        else:
-            tmp = scratch(self.shape, self.dtype)
-            pread_into(self.fd, memoryview(tmp).cast("B"), self.offset)
-            place(dst, tmp)
-
-
 def place(dst, src) -> None:
-    """Copy (n, d) rows (an array, a tensor or Rows) into dst (n, dim, an array or a tensor): a d = dim / 2 wide
+    """Copy (n, d) rows (an array or a tensor) into dst (n, dim, an array or a tensor): a d = dim / 2 wide
     layer 0 into both halves (AllenNLP's [x, x]); another dtype converted by torch in one call (numpy's float16
     conversion is several times slower); nothing when src is dst."""
     import torch
-    if isinstance(src, Rows):
-        src.read_into(dst, lambda shape, dtype: np.empty(shape, dtype))
-        return
     d, dim = src.shape[1], dst.shape[1]
     if d != dim and 2 * d != dim:
         raise ValueError(f"layer width {d} is neither {dim} nor half of it")
@@ -68,8 +47,8 @@ def place(dst, src) -> None:
 
 
 def stack(arrays: Sequence, dim: int) -> np.ndarray:
-    """(L, T, dim) float32 of per-layer (T, D_k) arrays, tensors or Rows (a P-wide layer 0 becomes [x, x]);
-    tensors are copied by torch straight into place (one call a layer)."""
+    """(L, T, dim) float32 of per-layer (T, D_k) arrays or tensors (a P-wide layer 0 becomes [x, x]); tensors are
+    copied by torch straight into place (one call a layer)."""
     import torch
     out = np.empty((len(arrays), arrays[0].shape[0] if len(arrays) else 0, dim), dtype=np.float32)
     o = torch.from_numpy(out)
@@ -77,7 +56,7 @@ def stack(arrays: Sequence, dim: int) -> np.ndarray:
         if isinstance(a, torch.Tensor):
             place(o[k], a)
         else:
-            place(out[k], a if isinstance(a, Rows) else np.asarray(a))
+            place(out[k], np.asarray(a))
     return out
 
 
@@ -118,6 +97,18 @@ def label_batch(values: list, T: int, key: str):
     return values
 
 
+def halves(fn, n: int, helper=None) -> None:
+    """fn(0, n), or fn(0, n // 2) here while helper (an executor) runs fn(n // 2, n); the helper's error raised."""
+    if helper is None or n < 2:
+        fn(0, n)
+        return
+    rest = helper.submit(fn, n // 2, n)
+    try:
+        fn(0, n // 2)
+    finally:
+        rest.result()
+
+
 class Batcher:
     """Builds padded batches of width `dim` in `dtype` (a numpy dtype name, e.g. "float32").
 
@@ -134,7 +125,6 @@ class Batcher:
         self.torch_dtype = getattr(torch, self.dtype.name)
         self.pin = pin_memory and torch.cuda.is_available()
         self._bufs: dict = {}
-        self._rows: np.ndarray | None = None
         self._pool: list = []
 
     def _buffer(self, name: str, shape: tuple, dtype):
@@ -172,13 +162,6 @@ class Batcher:
             self._pool = self._pool[-(self.POOL - 1):] + [b]
         return b[:n]
 
-    def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
-        """A kept numpy buffer of shape and dtype (rows read before they are placed)."""
-        n = math.prod(shape) * dtype.itemsize
-        if self._rows is None or len(self._rows) < n:
-            self._rows = np.empty(n, np.uint8)
-        return self._rows[:n].view(dtype).reshape(shape)
-
     def _table(self, rows: int):
         """A kept (rows + 1, dim) tensor of the batch dtype, its last row zero: the rows a batch gathers from."""
         t = self._buffer("table", (rows + 1, self.dim), self.torch_dtype)
@@ -194,19 +177,19 @@ class Batcher:
 
     def _gather(self, table, base: list[int], starts, lengths) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) gathered by one index_select from `table`: sentence b's rows of
-        layer k are table rows base[k] + starts[b] onwards; positions past a length take the zero last row."""
+        layer k are table rows base[k] + starts[b] onwards; positions past a length take the zero last row. The
+        index is computed by numpy (a few µs a batch, where torch's small-tensor calls cost more)."""
         import torch
-        lengths = torch.as_tensor(lengths, dtype=torch.int64)
-        starts = torch.as_tensor(starts, dtype=torch.int64)
+        lengths, starts = np.asarray(lengths, np.int64), np.asarray(starts, np.int64)
         B, L = len(lengths), len(base)
         T = int(lengths.max()) if B else 0
-        mask = lengths_mask(lengths, T)
-        rows = starts[:, None] + torch.arange(T)[None, :]                               # (B, T)
-        idx = torch.as_tensor(base, dtype=torch.int64)[None, :, None] + rows[:, None, :]   # (B, L, T)
-        idx = torch.where(mask[:, None, :], idx, len(table) - 1)
+        t = np.arange(T)
+        mask = t[None, :] < lengths[:, None]                                                  # (B, T)
+        idx = starts[:, None, None] + np.asarray(base, np.int64)[None, :, None] + t           # (B, L, T)
+        idx = np.where(mask[:, None, :], idx, len(table) - 1)
         out = self._buffer("layers", (B, L, T, self.dim), self.torch_dtype)
-        torch.index_select(table, 0, idx.view(-1), out=out.view(-1, self.dim))
-        return out, mask
+        torch.index_select(table, 0, torch.from_numpy(idx.reshape(-1)), out=out.view(-1, self.dim))
+        return out, torch.from_numpy(mask)
 
     def from_rows(self, vectors: Sequence, starts, lengths) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) of flat (N, D_k) rows per layer, sentence b at rows
@@ -218,30 +201,82 @@ class Batcher:
             place(table[k * N: (k + 1) * N], v)
         return self._gather(table, [k * N for k in range(len(vectors))], starts, lengths)
 
+    def from_reads(self, fds: Sequence[int], offsets: np.ndarray, lengths: np.ndarray, rows: Sequence[int],
+                   stored: np.dtype, helper=None) -> tuple:
+        """(layers (B, L, T, dim), mask (B, T)) of B sentences read from local files with pread: sentence b's
+        layer k is lengths[b] rows of rows[k] bytes (values of `stored`) at byte offsets[b, k] of descriptor fds[b].
+        A layer as wide as the batch in its dtype is read straight into its place (one pread a sentence);
+        the others (layer 0, P wide; another dtype) into a packed table, a layer's sentences one after the
+        other, then put in place by one gather a layer (layer 0 duplicated, converted by torch).
+        helper: an executor whose thread reads the second half of the sentences while the caller reads the
+        first (both cores copy from the page cache)."""
+        import torch
+        B, L = len(lengths), len(rows)
+        lengths = np.asarray(lengths, np.int64)
+        T = int(lengths.max()) if B else 0
+        out = self._buffer("layers", (B, L, T, self.dim), self.torch_dtype)
+        o = out.numpy()
+        flat, rowb = memoryview(o.reshape(-1)).cast("B"), self.dim * o.itemsize
+        direct = [r == rowb and np.dtype(stored) == self.dtype for r in rows]
+        packed = [k for k in range(L) if not direct[k]]
+        zeroed = [k for k in range(L) if direct[k]]                       # packed layers: their gather pads
+        N = int(lengths.sum())
+        first = np.cumsum(lengths) - lengths                                  # (B,) a sentence's first packed row
+        base, at = {}, 0
+        for k in packed:                                                      # layer k's region: N + 1 rows
+            base[k], at = at, at + -(-(N + 1) * rows[k] // 64) * 64
+        table = self._buffer("packed", (max(at, 1),), torch.uint8)
+        tab = memoryview(table.numpy()).cast("B")
+        ln, fl, ol = lengths.tolist(), first.tolist(), np.asarray(offsets, np.int64).tolist()
+
+        def read(lo: int, hi: int) -> None:
+            for b in range(lo, hi):
+                n, fd, off = ln[b], fds[b], ol[b]
+                if n < T:
+                    for k in zeroed:
+                        o[b, k, n:] = 0
+                for k in range(L):
+                    if direct[k]:
+                        at = (b * L + k) * T * rowb
+                        pread_into(fd, flat[at: at + n * rowb], off[k])
+                    else:
+                        at = base[k] + fl[b] * rows[k]
+                        pread_into(fd, tab[at: at + n * rows[k]], off[k])
+        halves(read, B, helper)
+        mask = lengths_mask(torch.from_numpy(lengths), T)
+        if packed:
+            idx = torch.where(mask, torch.from_numpy(first)[:, None] + torch.arange(T)[None, :], N).view(-1)
+        for k in packed:
+            src = table[base[k]: base[k] + (N + 1) * rows[k]].view(getattr(torch, np.dtype(stored).name))
+            src = src.view(N + 1, -1)
+            src[N].zero_()
+            d = src.shape[1]
+            g = self._buffer("gather", (B * T, d), src.dtype)
+            torch.index_select(src, 0, idx, out=g)
+            g = g.view(B, T, 1, d)
+            if d == self.dim:
+                out[:, k].copy_(g[:, :, 0])
+            elif 2 * d == self.dim:
+                out[:, k].unflatten(-1, (2, d)).copy_(g.expand(B, T, 2, d))
+            else:
+                raise ValueError(f"layer width {d} is neither {self.dim} nor half of it")
+        return out, mask
+
     def from_sentences(self, sentences: Sequence[Sequence]) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) of sentences, each a list of per-layer (T_b, D_k) arrays or tensors
-        (any float dtype; views of a mapped file too) or Rows, read or copied straight into the batch, another
-        dtype converted by torch on the way (one pass, no scratch buffer)."""
-        import torch
+        (any float dtype; views of a mapped file too), copied straight into the batch, another dtype converted by
+        torch on the way (one pass, no scratch buffer)."""
         lengths = [int(s[0].shape[0]) if len(s) else 0 for s in sentences]
         L = len(sentences[0]) if sentences else 0
-        arrays = [[a if isinstance(a, Rows) else a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in s]
-                  for s in sentences]
         T = max(lengths, default=0)
         out = self._buffer("layers", (len(lengths), L, T, self.dim), self.torch_dtype)
-        o = out.numpy()
-        flat, row = memoryview(o.reshape(-1)).cast("B"), self.dim * o.itemsize
-        for b, (layers, n) in enumerate(zip(arrays, lengths)):
+
+        for b, layers in enumerate(sentences):
+            n = lengths[b]
             for k, a in enumerate(layers):
-                if isinstance(a, Rows) and a.shape[1] == self.dim and a.dtype == o.dtype:
-                    at = (b * L + k) * T * row                      # straight into the batch: one pread
-                    pread_into(a.fd, flat[at: at + n * row], a.offset)
-                elif isinstance(a, Rows):
-                    a.read_into(o[b, k, :n], self._scratch)
-                else:
-                    place(o[b, k, :n], a)
+                place(out[b, k, :n], a)
             if n < T:
-                o[b, :, n:] = 0
+                out[b, :, n:].zero_()
         return out, lengths_mask(lengths, T)
 
     def records(self, records: Sequence[dict]) -> dict:

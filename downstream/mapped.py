@@ -13,11 +13,13 @@
 
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
 mapped files); vectors are never loaded whole: a batch in the stored dtype reads its sentences' rows with one
-pread per sentence and layer (page cache, no mapping faults) into one padded tensor, a converted batch or
-record (float16 stored, float32 delivered) is converted by torch from the mapped rows on the way in
-(downstream/batching.py builds every batch);
-stream() reads consecutive sentences' rows with one pread per layer into a reused buffer (the system call
-`cat` uses). Every shard is checked against the manifest when the index is built (downstream/shard_checks.py).
+pread per sentence and layer (page cache, no mapping faults) into one padded tensor, the caller and a helper
+thread half the sentences each (`threads=2`, for batches of 1 MiB or more); a converted batch or record
+(float16 stored, float32 delivered) and every record is copied by torch from the mapped rows (downstream/batching.py
+builds every batch); stream() reads consecutive sentences' rows with one pread per layer into a reused buffer
+(the system call `cat` uses). Every shard is checked against the manifest when the index is built
+(downstream/shard_checks.py), its layers' file offsets kept (downstream/shard_files.py: the descriptors of batch
+reads, thread-safe).
 Id lookup: a sorted array of 64-bit hashes of the ids (16 bytes a sentence, built on the first lookup:
 downstream/id_table.py), a hit checked against the stored id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir` on first use (the next shard is
 fetched in the background: read-ahead; downstream/shard_cache.py) and mapped from there.
@@ -27,23 +29,27 @@ from __future__ import annotations
 import bisect
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from elmo_pipeline.downstream.arrow_shards import flat_vectors, open_arrow_shard, sentence_index, vector_offsets
-from elmo_pipeline.downstream.batching import Batcher, Rows, label_batch, tensor
+from elmo_pipeline.downstream.arrow_shards import (flat_vectors, layer_offsets, map_arrow_shard, open_arrow_shard,
+                                                   sentence_index)
+from elmo_pipeline.downstream.batching import Batcher, label_batch, stack, tensor
 from elmo_pipeline.downstream.id_table import IdTable
 from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
 from elmo_pipeline.downstream.record_labels import attach_label
 from elmo_pipeline.downstream.sampler import BucketBatchSampler
 from elmo_pipeline.downstream.shard_cache import ShardCache
+from elmo_pipeline.downstream.shard_files import ShardFiles
 from elmo_pipeline.downstream.stream_rows import RowBuffer, read_ahead, stream_plan
 from elmo_pipeline.fsio import is_local_fs
 
 _FDS = 64                                   # shard files a process keeps open for batch reads
+_SPLIT_BYTES = 1 << 20                      # a batch of at least this many stored bytes is read by two threads
 
 try:
     from torch.utils.data import Dataset as _TorchDataset
@@ -58,7 +64,8 @@ class MappedDataset(_TorchDataset):
     layers: layer names to read (default all); labels / label_key: as ElmoDataset (unlabelled sentences
     are left out, `unlabelled` counts them); tokens: include each record's tokens (a few µs each);
     dtype: of the batches' `layers` (default: float32, as ElmoDataset; None keeps the stored dtype, so
-    float16 outputs stream at half the bytes); cache_dir: where shards of remote URLs are copied.
+    float16 outputs stream at half the bytes); cache_dir: where shards of remote URLs are copied; threads: 2
+    reads a batch of 1 MiB or more with a helper thread (one a process), 1 in the caller's thread only.
 
     ds[i]: a record as ElmoDataset's (id, doc_id, sentence_index, tokens, layers (L, T, dim) float32,
     layer 0 duplicated to [x, x]); ds.views(i): the stored (T, D_k) arrays, no copy; ds.batch(positions):
@@ -71,7 +78,7 @@ class MappedDataset(_TorchDataset):
     def __init__(self, sources: "str | ElmoOutput | Sequence[str | ElmoOutput]", layers: Sequence[str] | None = None,
                  labels: Mapping[str, Any] | None = None, label_key: str = "label", tokens: bool = True,
                  dtype: str | None = "float32", storage_options: Mapping[str, Any] | None = None,
-                 cache_dir: str | None = None, transform=None):
+                 cache_dir: str | None = None, transform=None, threads: int = 2):
         self.outputs = open_outputs(sources, storage_options)
         for out in self.outputs:
             if "arrow" not in out.formats:
@@ -94,7 +101,8 @@ class MappedDataset(_TorchDataset):
         self._maps: dict[int, pa.RecordBatch] = {}
         self._views: dict[int, list[np.ndarray]] = {}
         self._columns: dict[int, list] = {}                             # unit -> torch views of _views
-        self._fds: dict[int, tuple[int, list]] = {}                     # unit -> (fd, vector offsets), LRU
+        self.files = ShardFiles(self._local, len(self.units), self.layers, _FDS)     # batch reads' descriptors
+        self.threads = threads
         self._pid = os.getpid()
         self._build_index(labels)
 
@@ -102,9 +110,10 @@ class MappedDataset(_TorchDataset):
     def _build_index(self, labels) -> None:
         ids, doc_ids, sidx, starts, lengths, unit_first = [], [], [], [], [], [0]
         for u in range(len(self.units)):
-            b = open_arrow_shard(self._local(u))
+            b, base, size = map_arrow_shard(self._local(u))
             k, i = self.units[u]
             self.outputs[k].check_arrow(i, b, self.outputs[k].shard_path(i, "arrow"))
+            self.files.found(u, layer_offsets(b, base, size, self.layers, self.outputs[k].shard_path(i, "arrow")))
             sid, offsets, docs, indices = sentence_index(b)
             ids.append(sid)
             doc_ids.append(docs)
@@ -193,42 +202,37 @@ class MappedDataset(_TorchDataset):
     # -- the mapped shards (opened lazily in each process: DataLoader workers map the files themselves)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_maps"], state["_views"], state["_columns"], state["_fds"] = {}, {}, {}, {}
+        state["_maps"], state["_views"], state["_columns"] = {}, {}, {}
         state.pop("_threads", None)
+        state.pop("_helper", None)
         return state
 
     def _open(self, u: int) -> pa.RecordBatch:
         if self._pid != os.getpid():
-            self._maps, self._views, self._columns, self._fds, self._pid = {}, {}, {}, {}, os.getpid()
+            self._maps, self._views, self._columns, self._pid = {}, {}, {}, os.getpid()
         b = self._maps.get(u)
         if b is None:
             b = self._maps[u] = open_arrow_shard(self._local(u))
             self._prefetch_next(u)
         return b
 
-    def _file(self, u: int) -> tuple[int, list[tuple[int, int]]]:
-        """(descriptor, vector_offsets of the selected layers) of unit u's shard, open in this process (kept
-        open until a later read closes all but the _FDS most recently used: _close_files)."""
-        if self._pid != os.getpid():
-            self._maps, self._views, self._columns, self._fds, self._pid = {}, {}, {}, {}, os.getpid()
-        f = self._fds.pop(u, None)
-        if f is None:
-            path = self._local(u)
-            f = (os.open(path, os.O_RDONLY), vector_offsets(path, self.layers))
-        self._fds[u] = f
-        return f
-
-    def _close_files(self) -> None:
-        """Close all but the _FDS most recently used shard files, before a read (never during one: a batch's
-        descriptors stay valid until it is read, however many shards it spans)."""
-        if self._pid == os.getpid():
-            while len(self._fds) > _FDS:
-                os.close(self._fds.pop(next(iter(self._fds)))[0])
-
     def __del__(self):
-        for fd, _ in getattr(self, "_fds", {}).values():
-            if getattr(self, "_pid", None) == os.getpid():
-                os.close(fd)
+        files = getattr(self, "files", None)
+        if files is not None:
+            files.close()
+        helper = self.__dict__.get("_helper")
+        if helper is not None and helper[0] == os.getpid():
+            helper[1].shutdown(wait=False)
+
+    def _helper_pool(self, nbytes: int):
+        """The executor of this process's second read thread, for a batch of nbytes stored bytes (None when one
+        thread reads it: threads=1, or a batch too small to pay for the hand-over)."""
+        if self.threads < 2 or nbytes < _SPLIT_BYTES:
+            return None
+        helper = self.__dict__.get("_helper")
+        if helper is None or helper[0] != os.getpid():
+            helper = self._helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="elmo-read"))
+        return helper[1]
 
     def _local(self, u: int) -> str:
         """A local path of unit u's Arrow shard: the shard itself, or its copy in the cache."""
@@ -259,10 +263,8 @@ class MappedDataset(_TorchDataset):
         return views
 
     def _sentence(self, p: int) -> list:
-        """The selected layers' (T, D_k) rows of global position p: torch views of the mapped file, no copy. A
-        record or batch in another dtype than the stored one is converted from them by torch in one pass (no
-        scratch buffer); rows kept in the stored dtype
-        are read with pread (_rows: no page faults of a fresh mapping)."""
+        """The selected layers' (T, D_k) rows of global position p: torch views of the mapped file, no copy
+        (records and converted batches are copied from them by torch in one pass)."""
         u = bisect.bisect_right(self._firsts, p) - 1
         cols = self._columns.get(u) if self._pid == os.getpid() else None
         if cols is None:
@@ -270,12 +272,6 @@ class MappedDataset(_TorchDataset):
         a = int(self._starts[p])
         end = a + int(self._all_lengths[p])
         return [c[a: end] for c in cols]
-
-    def _rows(self, p: int) -> list[Rows]:
-        """The selected layers' rows of global position p, to be read with pread (batching.Rows)."""
-        a, n, stored = int(self._starts[p]), int(self._all_lengths[p]), self.stored_dtype
-        fd, offsets = self._file(self._unit(p)[0])
-        return [Rows(fd, off + a * row, n, row // stored.itemsize, stored) for off, row in offsets]
 
     def __getitem__(self, i: int) -> dict:
         p = self._position(i)
@@ -286,11 +282,7 @@ class MappedDataset(_TorchDataset):
             r["tokens"] = self._open(u).column("token").slice(a, n).to_pylist()
         if self._labels is not None:
             r[self.label_key] = self._labels[i % len(self)]
-        if self.stored_dtype == np.float32:
-            self._close_files()
-            r["layers"] = self.outputs[0].stack(self._rows(p))
-        else:
-            r["layers"] = self.outputs[0].stack(self._sentence(p))
+        r["layers"] = stack(self._sentence(p), self.dim)
         return self.transform(r) if self.transform else r
 
     def by_id(self, sentence_id: str) -> dict:
@@ -303,10 +295,8 @@ class MappedDataset(_TorchDataset):
         this thread's batching.Batcher: a tensor of its own per batch, in a kept buffer nothing holds any more)."""
         import torch
         pos = [self._position(int(i)) for i in positions]
-        self._close_files()
         batcher = batcher or self._batcher(pin_memory)
-        rows = self._rows if batcher.dtype == self.stored_dtype else self._sentence     # converted: from the map
-        out, mask = batcher.from_sentences([rows(p) for p in pos])
+        out, mask = self._read_batch(np.asarray(pos, np.int64), batcher)
         metas = [self._meta(p) for p in pos]
         batch = {"layers": out, "mask": mask,
                  "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)) if pos else
@@ -319,6 +309,25 @@ class MappedDataset(_TorchDataset):
         return batch
 
     __getitems__ = batch
+
+    def _read_batch(self, pos: np.ndarray, batcher: Batcher) -> tuple:
+        """(layers, mask) of global positions pos (two threads for a large batch): in the stored dtype read with
+        pread (batcher.from_reads), in another converted by torch from the mapped rows (from_sentences)."""
+        lengths = self._all_lengths[pos]
+        if batcher.dtype != self.stored_dtype:                 # one thread: two fault the same map in turn
+            return batcher.from_sentences([self._sentence(int(p)) for p in pos])
+        units = np.searchsorted(self._unit_first, pos, side="right") - 1
+        fds = self.files.acquire(units.tolist())
+        try:
+            offsets = np.stack([self.files.offsets(u) for u in units.tolist()]) if len(pos) else \
+                np.zeros((0, len(self.layers)), np.int64)
+            rows = self.files.rows.tolist() if self.files.rows is not None else [0] * len(self.layers)
+            offsets = offsets + self._starts[pos][:, None] * np.asarray(rows, np.int64)[None, :]
+            helper = self._helper_pool(int(lengths.sum()) * sum(rows))
+            return batcher.from_reads([fds[u] for u in units.tolist()], offsets, lengths, rows,
+                                      self.stored_dtype, helper)
+        finally:
+            self.files.release(fds)
 
     def _batcher(self, pin_memory: bool) -> Batcher:
         """This thread's Batcher for batch() (its kept buffers reused, each batch a tensor of its own)."""
@@ -384,6 +393,7 @@ class MappedDataset(_TorchDataset):
     def _stream(self, plan: list, names: list[str], slots: list) -> Iterator[dict]:
         """stream()'s batches, each read into the next of `slots` ((RowBuffer, Batcher or None), in turn)."""
         fd, fd_unit = -1, -1
+        pick = [self.layers.index(n) for n in names]
         try:
             for j, (u, pos, kept) in enumerate(plan):
                 buf, batcher = slots[j % len(slots)]
@@ -392,7 +402,9 @@ class MappedDataset(_TorchDataset):
                         os.close(fd)
                     path = self._local(u)
                     self._prefetch_next(u)
-                    offsets, fd, fd_unit = vector_offsets(path, names), os.open(path, os.O_RDONLY), u
+                    found, rows = self.files.offsets(u), self.files.rows
+                    offsets = [(int(found[k]), int(rows[k])) for k in pick]
+                    fd, fd_unit = os.open(path, os.O_RDONLY), u
                 first = int(self._starts[pos[0]])
                 n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
                 into = batcher.destinations(n, [w // buf.dtype.itemsize for w in buf.widths], buf.dtype) \

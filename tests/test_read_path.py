@@ -110,7 +110,7 @@ def test_fp16_records_converted_from_the_mapped_rows(outputs):
         want = collate([ref[keep[j]] for j in order])
         for got in (ds.batch(order), next(iter(ds.batches([order], reuse=True)))):
             assert torch.equal(got["layers"], want["layers"]) and torch.equal(got["mask"], want["mask"])
-        assert len(ds) == len(keep) > 0 and ds._fds == {}
+        assert len(ds) == len(keep) > 0 and ds.files._open == {}
 
 
 
@@ -142,8 +142,75 @@ def test_batch_over_more_shards_than_files_kept_open(outputs, monkeypatch):
     assert len(ds.units) > 3
     for order in ([0, 3, 6, 8, 10], [10, 8, 6, 3, 0, 9, 4]):
         assert torch.equal(ds.batch(order)["layers"], collate([ref[i] for i in order])["layers"])
-    assert len(ds._fds) > 3                                          # open while the last batch was read
-    assert np.array_equal(ds[9]["layers"], ref[9]["layers"]) and len(ds._fds) <= 3      # then closed down to _FDS
+        assert len(ds.files._open) <= 2 and not ds.files._busy            # closed down to _FDS after the batch
+    assert np.array_equal(ds[9]["layers"], ref[9]["layers"]) and len(ds.files._open) <= 2
+
+
+def test_reads_from_several_threads_at_once(outputs, monkeypatch):
+    """Batches (read by two threads each), records and a read-ahead iterator of one dataset used from three
+    threads at once, two descriptors kept: every value as ElmoDataset's (a descriptor is never closed, its
+    number reused for another shard, while a read holds it)."""
+    import threading
+    from elmo_pipeline.downstream import mapped
+    monkeypatch.setattr(mapped, "_FDS", 2)
+    monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
+    ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False, dtype=None)
+    ref = ElmoDataset([outputs["all"], outputs["part2"]])
+    want = {i: ref[i]["layers"] for i in range(len(ref))}
+    orders = [list(np.random.default_rng(s).permutation(len(ds))[:5]) for s in range(30)]
+    errors = []
+
+    def check(fn) -> None:
+        try:
+            fn()
+        except Exception as e:                                           # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def batches() -> None:
+        for order in orders:
+            got = ds.batch(order)["layers"].float()
+            for j, i in enumerate(order):
+                assert np.array_equal(got[j, :, : want[i].shape[1]].numpy(), want[i])
+
+    def records() -> None:
+        for order in orders:
+            for i in order:
+                assert np.array_equal(ds[int(i)]["layers"], want[i])
+
+    def ahead() -> None:
+        for order, b in zip(orders, ds.batches(orders, ahead=2)):
+            assert np.array_equal(b["layers"][0, :, : want[order[0]].shape[1]].float().numpy(), want[order[0]])
+    threads = [threading.Thread(target=check, args=(f,)) for f in (batches, records, ahead)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(ds.files._open) <= 2 and not ds.files._busy
+
+
+def test_two_read_threads_give_the_one_thread_batch(outputs, monkeypatch, tmp_path):
+    """A batch split between the caller and the helper thread equals the one read by one thread, in the stored
+    dtype and converted; a shard cut short after the index was built fails the batch with the file named
+    (the helper's error raised in the caller)."""
+    import shutil
+    from elmo_pipeline.downstream import mapped
+    monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
+    for name in ("all", "fp16"):
+        for dtype in (None, "float32"):
+            one = MappedDataset(outputs[name], tokens=False, dtype=dtype, threads=1)
+            two = MappedDataset(outputs[name], tokens=False, dtype=dtype, threads=2)
+            order = list(range(len(one)))[::-1]
+            a, b = one.batch(order), two.batch(order)
+            assert torch.equal(a["layers"], b["layers"]) and torch.equal(a["mask"], b["mask"])
+    out = tmp_path / "cut"
+    shutil.copytree(outputs["all"], out)
+    ds = MappedDataset(str(out), tokens=False, dtype=None)
+    shard = os.path.join(str(out), ds.outputs[0].shards[0]["arrow"])
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(EOFError, match="file ends"):
+        ds.batch(list(range(len(ds)))[::-1])
 
 
 def _streamed(ds: MappedDataset, output: ElmoOutput, **kw) -> list[dict]:

@@ -1,0 +1,95 @@
+"""The open shard files that batch reads pread from: a descriptor per shard (the most recently used kept open),
+each layer's byte offset in it (found once a shard, kept). Thread-safe: a descriptor is never closed while a read
+holds it. No Beam import."""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from elmo_pipeline.downstream.arrow_shards import vector_offsets
+
+
+class ShardFiles:
+    """Descriptors and layer offsets of the shards of a dataset, in this process (a forked process opens its own).
+
+    path: unit -> a local path of its shard; layers: the layer names read; keep: descriptors kept open when idle.
+    offsets(u): (L,) int64 file offset of row 0 of each layer of unit u; rows: (L,) bytes per row of each layer
+    (the same in every shard: the manifest fixes the widths and dtype)."""
+
+    def __init__(self, path: Callable[[int], str], units: int, layers: Sequence[str], keep: int = 64):
+        self.path, self.layers, self.keep = path, list(layers), keep
+        self._offsets = np.full((units, len(self.layers)), -1, np.int64)
+        self.rows: np.ndarray | None = None
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid, self._open, self._busy = os.getpid(), {}, {}        # unit -> fd (LRU order), unit -> readers
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_lock"]
+        state["_open"], state["_busy"] = {}, {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def found(self, u: int, offsets: Sequence[tuple[int, int]]) -> None:
+        """Keep unit u's (file offset of row 0, bytes per row) of each layer (arrow_shards.layer_offsets)."""
+        if self.rows is None:
+            self.rows = np.asarray([r for _, r in offsets], np.int64)
+        self._offsets[u] = [o for o, _ in offsets]
+
+    def offsets(self, u: int) -> np.ndarray:
+        """(L,) int64: the file offset of row 0 of each layer of unit u's shard (read from it if not found)."""
+        if self._offsets[u, 0] < 0:
+            self.found(u, vector_offsets(self.path(u), self.layers))
+        return self._offsets[u]
+
+    def acquire(self, units: Sequence[int]) -> dict[int, int]:
+        """{unit: descriptor} of each distinct unit, opened if need be and held until release(units)."""
+        with self._lock:
+            if self._pid != os.getpid():
+                self._reset()
+            fds = {}
+            for u in units:
+                if u in fds:
+                    continue
+                fd = self._open.pop(u, None)
+                if fd is None:
+                    self.offsets(u)
+                    fd = os.open(self.path(u), os.O_RDONLY)
+                self._open[u] = fds[u] = fd                            # most recently used last
+                self._busy[u] = self._busy.get(u, 0) + 1
+            self._trim()
+            return fds
+
+    def release(self, fds: dict[int, int]) -> None:
+        """End the reads of acquire's units."""
+        with self._lock:
+            if self._pid != os.getpid():
+                return
+            for u in fds:
+                n = self._busy.pop(u, 1) - 1
+                if n > 0:
+                    self._busy[u] = n
+            self._trim()
+
+    def _trim(self) -> None:
+        """Close the least recently used idle descriptors beyond `keep`."""
+        extra = len(self._open) - self.keep
+        for u in [u for u in self._open if u not in self._busy][:max(0, extra)]:
+            os.close(self._open.pop(u))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                for fd in self._open.values():
+                    os.close(fd)
+            self._open, self._busy = {}, {}
