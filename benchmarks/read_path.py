@@ -13,8 +13,11 @@ conversion of the same bytes (measured in the same run, one stream batch at a ti
 conversion belongs on the device: deliver the stored dtype and call .float() there). Random-access rows read
 every byte of each sentence and give "% of its bound": the cat's bytes/s divided by the mean bytes of the
 sentences read; they time the reads only (opening the dataset, drawing the positions and, by id, listing the ids
-and building the id table are timed apart: set-up seconds). Every form runs in one thread with its defaults
-(stream batches of 512 rows, padded ones of 256). The index's memory: a fresh process over the same output (default sharding) and over a
+and building the id table are timed apart: set-up seconds). Every form runs with its defaults: a batch of 1 MiB
+or more read by the caller and the dataset's helper thread (threads=2), stream batches of 512 rows, padded ones of
+256. Two references, no form: the bucketed batches' byte ranges alone, read with one preadv each in the sampler's
+order into a reused buffer (one thread, then two threads a half each: what reading in that order costs), and a
+`cat` of a copy of the files written by `cp` (page-cache bandwidth depends on how a file was written). The index's memory: a fresh process over the same output (default sharding) and over a
 --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and file pages) after the index,
 after 100k random reads and after 100k id lookups.
 """
@@ -129,6 +132,38 @@ def loader_form(out: str, workers: int) -> int:
     return total
 
 
+def bucket_reads(out: str, threads: int) -> int:
+    """The bucketed batches' byte ranges (each sentence's rows of each layer) read with one preadv each, in the
+    sampler's order, into a reused 4 MiB buffer; `threads` threads a contiguous share of the ranges each."""
+    from concurrent.futures import ThreadPoolExecutor
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    from elmo_pipeline.downstream.sampler import BucketBatchSampler
+    ds = MappedDataset(out, tokens=False, dtype=None)
+    rows = ds.files.rows.tolist()
+    ranges = []
+    for batch in BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0):
+        for p in batch:
+            u, n = ds._unit(p)[0], int(ds._all_lengths[p])
+            for off, row in zip(ds.files.offsets(u).tolist(), rows):
+                ranges.append((u, off + int(ds._starts[p]) * row, n * row))
+    fds = [os.open(ds._local(u), os.O_RDONLY) for u in range(len(ds.units))]
+
+    def read(share: list) -> None:
+        buf = memoryview(bytearray(4 << 20))
+        for u, off, n in share:
+            while n:
+                k = os.preadv(fds[u], [buf[: min(n, len(buf))]], off)
+                off, n = off + k, n - k
+    try:
+        step = -(-len(ranges) // threads)
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, [ranges[i: i + step] for i in range(0, len(ranges), step)]))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return _stored_bytes(ds, ds.lengths)
+
+
 def random_form(out: str, n: int, kind: str):
     """(reads, sentences, stored bytes, set-up seconds) of n random reads, every byte of each summed: kind views
     (by position), id (views by id), record (ds[p], float32), batch (ds.batch of 32 random positions, float32).
@@ -188,6 +223,8 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
         "batches, BucketBatchSampler(32, shuffle), reuse, float32": (lambda: bucket_form(out, "float32"), f32),
         "DataLoader recipe (num_workers=0), float32": (lambda: loader_form(out, 0), f32),
         "DataLoader, num_workers=2, float32": (lambda: loader_form(out, 2), f32),
+        "reference: the bucketed batches' reads alone, one thread": (lambda: bucket_reads(out, 1), False),
+        "reference: the bucketed batches' reads alone, two threads": (lambda: bucket_reads(out, 2), False),
     }
     for name, (fn, to_float32) in rows.items():
         r = d["rows"][name] = pairs(fn, files, n_pairs if "workers=2" not in name else max(1, min(3, n_pairs)))
@@ -200,6 +237,15 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
             r["floor_seconds"], r["fraction_of_floor"] = floor_s, floor_s / r["seconds"] * r["bytes"] / vector_bytes
             line += f"; {100 * r['fraction_of_floor']:.1f} % of floor (cat + torch fp16 -> float32)"
         print(line, flush=True)
+    copy = os.path.join(out, "copy")
+    shutil.copytree(os.path.join(out, "arrow"), copy)
+    copies = sorted(glob.glob(os.path.join(copy, "*")))
+    cat_seconds(copies)
+    d["cat_of_a_copy"] = c = {"seconds": float(np.median([cat_seconds(copies) for _ in range(n_pairs)])),
+                              "pipeline_written_seconds": float(np.median([cat_seconds(files) for _ in range(n_pairs)]))}
+    print(f"reference: cat of the arrow files {d['file_bytes'] / c['pipeline_written_seconds'] / 1e9:.2f} GB/s; of a "
+          f"copy of them written by cp {d['file_bytes'] / c['seconds'] / 1e9:.2f} GB/s", flush=True)
+    shutil.rmtree(copy)
     for kind, n, label in (("views", 20_000, "by position, views"), ("id", 20_000, "by id, views"),
                            ("record", 5_000, "ds[p], float32 record"),
                            ("batch", 5_120, "batch() of 32 random, float32")):

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from elmo_pipeline.downstream.stream_rows import pread_into
+from elmo_pipeline.downstream.stream_rows import halves, pread_into
 
 
 def place(dst, src) -> None:
@@ -95,18 +95,6 @@ def label_batch(values: list, T: int, key: str):
     if key != "tags" and all(isinstance(v, int) for v in values):
         return torch.tensor(values, dtype=torch.int64)
     return values
-
-
-def halves(fn, n: int, helper=None) -> None:
-    """fn(0, n), or fn(0, n // 2) here while helper (an executor) runs fn(n // 2, n); the helper's error raised."""
-    if helper is None or n < 2:
-        fn(0, n)
-        return
-    rest = helper.submit(fn, n // 2, n)
-    try:
-        fn(0, n // 2)
-    finally:
-        rest.result()
 
 
 class Batcher:

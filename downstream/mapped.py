@@ -50,6 +50,7 @@ from elmo_pipeline.fsio import is_local_fs
 
 _FDS = 64                                   # shard files a process keeps open for batch reads
 _SPLIT_BYTES = 1 << 20                      # a batch of at least this many stored bytes is read by two threads
+_CPUS = os.cpu_count() or 1
 
 try:
     from torch.utils.data import Dataset as _TorchDataset
@@ -226,8 +227,8 @@ class MappedDataset(_TorchDataset):
 
     def _helper_pool(self, nbytes: int):
         """The executor of this process's second read thread, for a batch of nbytes stored bytes (None when one
-        thread reads it: threads=1, or a batch too small to pay for the hand-over)."""
-        if self.threads < 2 or nbytes < _SPLIT_BYTES:
+        thread reads it: threads=1, one CPU, or a batch too small to pay for the hand-over)."""
+        if self.threads < 2 or _CPUS < 2 or nbytes < _SPLIT_BYTES:
             return None
         helper = self.__dict__.get("_helper")
         if helper is None or helper[0] != os.getpid():
@@ -297,11 +298,12 @@ class MappedDataset(_TorchDataset):
         pos = [self._position(int(i)) for i in positions]
         batcher = batcher or self._batcher(pin_memory)
         out, mask = self._read_batch(np.asarray(pos, np.int64), batcher)
-        metas = [self._meta(p) for p in pos]
+        where = [self._unit(p) for p in pos]
         batch = {"layers": out, "mask": mask,
                  "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)) if pos else
                  torch.zeros(0, dtype=torch.int64),
-                 "ids": [m["id"] for m in metas], "doc_ids": [m["doc_id"] for m in metas],
+                 "ids": [self._ids[u][s].as_py() for u, s in where],
+                 "doc_ids": [self._doc_ids[u][s].as_py() for u, s in where],
                  "tokens": [self._tokens(p) for p in pos] if self.with_tokens else [None] * len(pos)}
         if self._labels is not None:
             batch[self.label_key] = label_batch([self._labels[int(i) % len(self)] for i in positions],
@@ -364,7 +366,8 @@ class MappedDataset(_TorchDataset):
         spanning at most `batch_tokens` rows (a longer sentence alone; default 512, or 256 with padded=True: a
         batch of the original width, padded or not, stays in the CPU cache). Each layer's rows of a batch are one
         byte range of the shard: one pread per layer straight into a reused buffer (pinned with pin_memory
-        when CUDA is there), no per-sentence work.
+        when CUDA is there), no per-sentence work; the second half of the rows read by the helper thread meanwhile
+        (threads=2, a batch of 1 MiB or more).
 
         Yields dicts: vectors, one (N, D_k) tensor per layer in the stored dtype (views of the reused
         buffer: valid until the next batch, clone to keep); starts, lengths (B,) int64: sentence b is rows
@@ -409,7 +412,8 @@ class MappedDataset(_TorchDataset):
                 n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
                 into = batcher.destinations(n, [w // buf.dtype.itemsize for w in buf.widths], buf.dtype) \
                     if batcher else None
-                yield self._stream_batch(buf.read(fd, offsets, first, n, into), pos, kept, first, batcher)
+                helper = self._helper_pool(n * sum(row for _, row in offsets))
+                yield self._stream_batch(buf.read(fd, offsets, first, n, into, helper), pos, kept, first, batcher)
         finally:
             if fd >= 0:
                 os.close(fd)

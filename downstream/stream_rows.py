@@ -19,6 +19,18 @@ def pread_into(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def halves(fn, n: int, helper=None) -> None:
+    """fn(0, n), or fn(0, n // 2) here while helper (an executor) runs fn(n // 2, n); the helper's error raised."""
+    if helper is None or n < 2:
+        fn(0, n)
+        return
+    rest = helper.submit(fn, n // 2, n)
+    try:
+        fn(0, n // 2)
+    finally:
+        rest.result()
+
+
 def stream_plan(kept: np.ndarray, firsts: Sequence[int], starts: np.ndarray, lengths: np.ndarray,
                 batch_tokens: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """(unit, global positions (B,), dataset positions (B,)) of each stream batch: consecutive positions
@@ -53,17 +65,24 @@ class RowBuffer:
         self.buf = torch.empty(sum(region), dtype=torch.uint8, pin_memory=pin_memory and torch.cuda.is_available())
         self.view, self.base = memoryview(self.buf.numpy()), np.cumsum([0] + region[:-1]).tolist()
 
-    def read(self, fd: int, offsets: list[tuple[int, int]], first: int, n: int, into: Sequence | None = None) -> list:
+    def read(self, fd: int, offsets: list[tuple[int, int]], first: int, n: int, into: Sequence | None = None,
+             helper=None) -> list:
         """Rows first:first + n of each layer, (N, D_k) tensors viewing the buffer (valid until the next read);
         offsets: (file offset of row 0, bytes per row) of each layer (arrow_shards.vector_offsets); into: per
-        layer, a contiguous (N, D_k) tensor of the stored dtype to read into instead (None: the buffer)."""
-        vectors = []
+        layer, a contiguous (N, D_k) tensor of the stored dtype to read into instead (None: the buffer);
+        helper: an executor whose thread reads the second half of each layer's rows meanwhile."""
+        vectors, views = [], []
         for k, ((off, row), at) in enumerate(zip(offsets, self.base)):
             dst = into[k] if into is not None else None
             if dst is None:
                 dst = self.buf[at: at + n * row].view(self.torch_dtype).view(n, row // self.dtype.itemsize)
-            pread_into(fd, memoryview(dst.numpy()).cast("B"), off + first * row)
+            views.append((memoryview(dst.numpy()).cast("B"), off + first * row, row))
             vectors.append(dst)
+
+        def part(lo: int, hi: int) -> None:
+            for view, at, row in views:
+                pread_into(fd, view[lo * row: hi * row], at + lo * row)
+        halves(part, n, helper)
         return vectors
 
 
