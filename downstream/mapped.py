@@ -328,6 +328,8 @@ class MappedDataset(_TorchDataset):
             helper = self._helper_pool(int(lengths.sum()) * sum(rows))
             return batcher.from_reads([fds[u] for u in units.tolist()], offsets, lengths, rows,
                                       self.stored_dtype, helper)
+        except EOFError as e:
+            raise self.files.shorter(units.tolist(), e) from None
         finally:
             self.files.release(fds)
 
@@ -412,8 +414,11 @@ class MappedDataset(_TorchDataset):
                 n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
                 into = batcher.destinations(n, [w // buf.dtype.itemsize for w in buf.widths], buf.dtype) \
                     if batcher else None
-                helper = self._helper_pool(n * sum(row for _, row in offsets))
-                yield self._stream_batch(buf.read(fd, offsets, first, n, into, helper), pos, kept, first, batcher)
+                try:
+                    vectors = buf.read(fd, offsets, first, n, into, self._helper_pool(n * sum(r for _, r in offsets)))
+                except EOFError as e:
+                    raise self.files.shorter([u], e) from None
+                yield self._stream_batch(vectors, pos, kept, first, batcher)
         finally:
             if fd >= 0:
                 os.close(fd)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from elmo_pipeline.downstream.arrow_shards import vector_offsets
+from elmo_pipeline.downstream.shard_checks import DamagedOutput
 
 
 class ShardFiles:
@@ -39,6 +40,18 @@ class ShardFiles:
         self.__dict__.update(state)
         self._lock = threading.Lock()
         self._pid = os.getpid()
+
+    def shorter(self, units: Sequence[int], error: EOFError) -> DamagedOutput:
+        """The error of a read that found a file ending early: the shards among `units` now shorter than their
+        rows (cut after the index was built), named."""
+        cut = []
+        for u in dict.fromkeys(units):
+            path = self.path(u)
+            end = int(self._offsets[u].max()) if self._offsets[u, 0] >= 0 else 0
+            if not os.path.exists(path) or os.path.getsize(path) <= end:
+                cut.append(path)
+        return DamagedOutput(f"{', '.join(cut) or self.path(units[0])}: {error} (the shard changed after it was "
+                             f"opened)")
 
     def found(self, u: int, offsets: Sequence[tuple[int, int]]) -> None:
         """Keep unit u's (file offset of row 0, bytes per row) of each layer (arrow_shards.layer_offsets)."""

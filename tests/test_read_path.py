@@ -2,6 +2,7 @@
 over real pipeline outputs (tiny random biLM)."""
 import json
 import os
+import re
 import threading
 import time
 
@@ -12,6 +13,7 @@ import torch
 
 from elmo_pipeline.downstream import ElmoDataset, ElmoOutput, collate
 from elmo_pipeline.downstream.mapped import MappedDataset, unbatched
+from elmo_pipeline.downstream.shard_checks import DamagedOutput
 from elmo_pipeline.downstream.sampler import BucketBatchSampler
 from elmo_pipeline.pipeline.cli import main as cli_main
 from tests.pipeline_helpers import moto_s3, run_pipeline
@@ -209,8 +211,10 @@ def test_two_read_threads_give_the_one_thread_batch(outputs, monkeypatch, tmp_pa
     shard = os.path.join(str(out), ds.outputs[0].shards[0]["arrow"])
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    with pytest.raises(EOFError, match="file ends"):
+    with pytest.raises(DamagedOutput, match=f"^{re.escape(shard)}: file ends before byte"):
         ds.batch(list(range(len(ds)))[::-1])
+    with pytest.raises(DamagedOutput, match=f"^{re.escape(shard)}: file ends before byte"):
+        list(ds.stream())
 
 
 def _streamed(ds: MappedDataset, output: ElmoOutput, **kw) -> list[dict]:
@@ -433,6 +437,20 @@ def test_dataloader_workers_each_batch_once(outputs):
     assert all(torch.equal(b["layers"], ds.batch(list(p))["layers"]) for b, p in zip(batches, sampler))
     first = next(iter(loader))
     assert torch.equal(first["layers"], ds.batch(next(iter(sampler)))["layers"])
+
+
+@pytest.mark.slow
+def test_dataloader_workers_fork_a_dataset_with_its_read_thread(outputs, monkeypatch):
+    """Workers forked from a process whose dataset already read with two threads (its helper thread started,
+    descriptors open): each worker opens its own descriptors and helper and delivers the parent's batches."""
+    from elmo_pipeline.downstream import mapped
+    monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
+    ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False, dtype=None)
+    sampler = BucketBatchSampler(ds.lengths, batch_size=3, shuffle=True, seed=2)
+    want = [ds.batch(list(p))["layers"].clone() for p in sampler]
+    assert ds.files._open and ds.__dict__.get("_helper") is not None
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=2)
+    assert all(torch.equal(b["layers"], w) for b, w in zip(loader, want))
 
 
 @pytest.mark.slow
