@@ -163,31 +163,36 @@ class Batcher:
         return [table[k * n: (k + 1) * n] if w == self.dim and np.dtype(dtype) == self.dtype else None
                 for k, w in enumerate(widths)]
 
-    def _gather(self, table, base: list[int], starts, lengths) -> tuple:
-        """(layers (B, L, T, dim), mask (B, T)) gathered by one index_select from `table`: sentence b's rows of
-        layer k are table rows base[k] + starts[b] onwards; positions past a length take the zero last row. The
-        index is computed by numpy (a few µs a batch, where torch's small-tensor calls cost more)."""
-        import torch
-        lengths, starts = np.asarray(lengths, np.int64), np.asarray(starts, np.int64)
-        B, L = len(lengths), len(base)
-        T = int(lengths.max()) if B else 0
-        t = np.arange(T)
-        mask = t[None, :] < lengths[:, None]                                                  # (B, T)
-        idx = starts[:, None, None] + np.asarray(base, np.int64)[None, :, None] + t           # (B, L, T)
-        idx = np.where(mask[:, None, :], idx, len(table) - 1)
-        out = self._buffer("layers", (B, L, T, self.dim), self.torch_dtype)
-        torch.index_select(table, 0, torch.from_numpy(idx.reshape(-1)), out=out.view(-1, self.dim))
-        return out, torch.from_numpy(mask)
-
-    def from_rows(self, vectors: Sequence, starts, lengths) -> tuple:
+    def from_rows(self, vectors: Sequence, starts, lengths, read=None, helper=None) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) of flat (N, D_k) rows per layer, sentence b at rows
         starts[b]:starts[b] + lengths[b] (MappedDataset.stream's vectors): each layer copied once into the
-        table (converted, layer 0 duplicated), the batch gathered from it in one call."""
+        table (converted, layer 0 duplicated; a layer read straight into the table is not copied), the batch
+        gathered from it by one index_select. read(a, b): fills rows a:b of the vectors first (None: they are
+        filled). helper: an executor whose thread reads, copies and gathers the second half of the sentences."""
+        import torch
+        lengths, starts = np.asarray(lengths, np.int64), np.asarray(starts, np.int64)
         N = int(vectors[0].shape[0]) if len(vectors) else 0
         table = self._table(len(vectors) * N)
-        for k, v in enumerate(vectors):
-            place(table[k * N: (k + 1) * N], v)
-        return self._gather(table, [k * N for k in range(len(vectors))], starts, lengths)
+        base = np.arange(len(vectors), dtype=np.int64) * N
+        B, L, T = len(lengths), len(vectors), int(lengths.max()) if len(lengths) else 0
+        t = np.arange(T)
+        mask = t[None, :] < lengths[:, None]                                                  # (B, T)
+        idx = torch.from_numpy(np.where(mask[:, None, :], starts[:, None, None] + base[None, :, None] + t,
+                                        len(table) - 1).reshape(B, -1))                       # (B, L * T)
+        out = self._buffer("layers", (B, L, T, self.dim), self.torch_dtype)
+        flat = out.view(B, -1, self.dim)
+
+        def part(lo: int, hi: int) -> None:
+            if hi <= lo:
+                return
+            a, b = int(starts[lo]), int(starts[hi - 1] + lengths[hi - 1])
+            if read is not None:
+                read(a, b)
+            for k, v in enumerate(vectors):
+                place(table[k * N + a: k * N + b], v[a:b])
+            torch.index_select(table, 0, idx[lo:hi].reshape(-1), out=flat[lo:hi].view(-1, self.dim))
+        halves(part, B, helper)
+        return out, torch.from_numpy(mask)
 
     def from_reads(self, fds: Sequence[int], offsets: np.ndarray, lengths: np.ndarray, rows: Sequence[int],
                    stored: np.dtype, helper=None) -> tuple:

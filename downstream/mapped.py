@@ -5,7 +5,7 @@
 
     ds = MappedDataset(["out/part1", "out/part2"], layers=["layer_2"])   # index only: ids, offsets, lengths
     ds[7], ds.by_id("doc-3#0")                      # records as ElmoDataset's
-    for b in ds.stream(batch_tokens=512): ...       # file order at page-cache speed: b["vectors"] (N, D_k) per layer
+    for b in ds.stream(): ...                       # file order at page-cache speed: b["vectors"] (N, D_k) per layer
     sampler = BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0, rank=r, world_size=w)
     for batch in ds.batches(sampler, reuse=True): ...   # layers (B, L, T, D), mask, lengths, ids (collate's keys)
     loader = DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=0, pin_memory=True)
@@ -30,6 +30,7 @@ import bisect
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -45,12 +46,14 @@ from elmo_pipeline.downstream.record_labels import attach_label
 from elmo_pipeline.downstream.sampler import BucketBatchSampler
 from elmo_pipeline.downstream.shard_cache import ShardCache
 from elmo_pipeline.downstream.shard_files import ShardFiles
-from elmo_pipeline.downstream.stream_rows import RowBuffer, read_ahead, stream_plan
+from elmo_pipeline.downstream.stream_rows import RowBuffer, halves, read_ahead, read_rows, stream_plan
 from elmo_pipeline.fsio import is_local_fs
 
 _FDS = 64                                   # shard files a process keeps open for batch reads
 _SPLIT_BYTES = 1 << 20                      # a batch of at least this many stored bytes is read by two threads
 _CPUS = os.cpu_count() or 1
+_STREAM_BYTES = 8 << 20                     # stored bytes a stream batch spans by default
+_PADDED_BYTES = 4 << 20                     # the same with padded=True (its padded copy stays in the CPU cache)
 
 try:
     from torch.utils.data import Dataset as _TorchDataset
@@ -365,8 +368,9 @@ class MappedDataset(_TorchDataset):
     def stream(self, batch_tokens: int | None = None, layers: Sequence[str] | None = None, padded: bool = False,
                pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
         """Every sentence of the dataset in file order (output, shard, id), in batches of consecutive sentences
-        spanning at most `batch_tokens` rows (a longer sentence alone; default 512, or 256 with padded=True: a
-        batch of the original width, padded or not, stays in the CPU cache). Each layer's rows of a batch are one
+        spanning at most `batch_tokens` rows (a longer sentence alone; default: the rows of 8 MiB of the selected
+        layers' stored vectors, 4 MiB with padded=True, so that the padded copy stays in the CPU cache: 819 / 409
+        rows of the original width in float32, twice as many in float16). Each layer's rows of a batch are one
         byte range of the shard: one pread per layer straight into a reused buffer (pinned with pin_memory
         when CUDA is there), no per-sentence work; the second half of the rows read by the helper thread meanwhile
         (threads=2, a batch of 1 MiB or more).
@@ -384,8 +388,9 @@ class MappedDataset(_TorchDataset):
         if missing:
             raise ValueError(f"layers {missing} are not among the dataset's {self.layers}")
         read = self._keep if self._keep is not None else np.arange(len(self._all_lengths), dtype=np.int64)
+        row = sum(self.outputs[0].layer_dims[n] for n in names) * self.stored_dtype.itemsize
         if batch_tokens is None:
-            batch_tokens = 256 if padded else 512
+            batch_tokens = max(1, (_PADDED_BYTES if padded else _STREAM_BYTES) // row)
         plan = stream_plan(read, self._firsts, self._starts, self._all_lengths, max(1, batch_tokens))
         rows = max((int(self._starts[q[-1]] + self._all_lengths[q[-1]] - self._starts[q[0]]) for _, q, _ in plan),
                    default=0)
@@ -414,16 +419,22 @@ class MappedDataset(_TorchDataset):
                 n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
                 into = batcher.destinations(n, [w // buf.dtype.itemsize for w in buf.widths], buf.dtype) \
                     if batcher else None
+                vectors = buf.views(offsets, n, into)
+                helper = self._helper_pool(n * sum(r for _, r in offsets))
                 try:
-                    vectors = buf.read(fd, offsets, first, n, into, self._helper_pool(n * sum(r for _, r in offsets)))
+                    batch = self._stream_batch(vectors, pos, kept, first, batcher,
+                                               partial(read_rows, fd, offsets, first, vectors), helper)
                 except EOFError as e:
                     raise self.files.shorter([u], e) from None
-                yield self._stream_batch(vectors, pos, kept, first, batcher)
+                yield batch
         finally:
             if fd >= 0:
                 os.close(fd)
 
-    def _stream_batch(self, vectors: list, pos: np.ndarray, kept: np.ndarray, first: int, batcher) -> dict:
+    def _stream_batch(self, vectors: list, pos: np.ndarray, kept: np.ndarray, first: int, batcher, read,
+                      helper) -> dict:
+        """The stream batch of positions pos: read(a, b) fills rows a:b of vectors (the helper thread the second
+        half), padded by batcher when given."""
         import torch
         u, s = self._unit(int(pos[0]))
         lengths = torch.from_numpy(self._all_lengths[pos].astype(np.int64))
@@ -437,7 +448,10 @@ class MappedDataset(_TorchDataset):
         if self._labels is not None:
             batch[self.label_key] = label_batch([self._labels[int(i)] for i in kept], T, self.label_key)
         if batcher is not None:
-            batch["layers"], batch["mask"] = batcher.from_rows(vectors, starts, lengths)
+            batch["layers"], batch["mask"] = batcher.from_rows(vectors, starts, lengths, read, helper)
+        else:
+            n = int(vectors[0].shape[0]) if vectors else 0
+            halves(read, n, helper)
         return batch
 
 

@@ -65,25 +65,23 @@ class RowBuffer:
         self.buf = torch.empty(sum(region), dtype=torch.uint8, pin_memory=pin_memory and torch.cuda.is_available())
         self.view, self.base = memoryview(self.buf.numpy()), np.cumsum([0] + region[:-1]).tolist()
 
-    def read(self, fd: int, offsets: list[tuple[int, int]], first: int, n: int, into: Sequence | None = None,
-             helper=None) -> list:
-        """Rows first:first + n of each layer, (N, D_k) tensors viewing the buffer (valid until the next read);
-        offsets: (file offset of row 0, bytes per row) of each layer (arrow_shards.vector_offsets); into: per
-        layer, a contiguous (N, D_k) tensor of the stored dtype to read into instead (None: the buffer);
-        helper: an executor whose thread reads the second half of each layer's rows meanwhile."""
-        vectors, views = [], []
-        for k, ((off, row), at) in enumerate(zip(offsets, self.base)):
+    def views(self, offsets: list[tuple[int, int]], n: int, into: Sequence | None = None) -> list:
+        """Where n rows of each layer go: (N, D_k) tensors of the stored dtype viewing the buffer (valid until the
+        next batch), or into[k] where given (a contiguous (N, D_k) tensor); offsets: (file offset of row 0,
+        bytes per row) of each layer (arrow_shards.layer_offsets)."""
+        vectors = []
+        for k, ((_, row), at) in enumerate(zip(offsets, self.base)):
             dst = into[k] if into is not None else None
             if dst is None:
                 dst = self.buf[at: at + n * row].view(self.torch_dtype).view(n, row // self.dtype.itemsize)
-            views.append((memoryview(dst.numpy()).cast("B"), off + first * row, row))
             vectors.append(dst)
-
-        def part(lo: int, hi: int) -> None:
-            for view, at, row in views:
-                pread_into(fd, view[lo * row: hi * row], at + lo * row)
-        halves(part, n, helper)
         return vectors
+
+
+def read_rows(fd: int, offsets: list[tuple[int, int]], first: int, vectors: Sequence, a: int, b: int) -> None:
+    """Read rows first + a:first + b of each layer (one pread a layer) into rows a:b of vectors[k] (RowBuffer.views)."""
+    for (off, row), v in zip(offsets, vectors):
+        pread_into(fd, memoryview(v[a:b].numpy()).cast("B"), off + (first + a) * row)
 
 
 def read_ahead(items: Iterator, depth: int) -> Iterator:

@@ -291,10 +291,14 @@ def test_read_ahead_and_reused_batches_equal_fresh_ones(outputs, name):
     assert not [t for t in threading.enumerate() if t.name.startswith("read-ahead")]
 
 
-def test_padded_stream_batches_default_to_256_rows(tmp_path):
-    """Padded stream batches span at most 256 rows by default (the padded batch stays in the CPU cache), flat
-    ones 512; an explicit batch_tokens is kept. 20-token sentences, 40 a shard."""
+def test_stream_batches_default_to_a_size_in_bytes(tmp_path, monkeypatch):
+    """Stream batches span the rows of _STREAM_BYTES stored bytes by default, padded ones of _PADDED_BYTES (the
+    padded batch stays in the CPU cache); an explicit batch_tokens is kept. 20-token sentences of one 64-wide
+    float16 layer (128 bytes a row), 40 a shard."""
     from benchmarks.read_path import big_output
+    from elmo_pipeline.downstream import mapped
+    monkeypatch.setattr(mapped, "_PADDED_BYTES", 256 * 128)
+    monkeypatch.setattr(mapped, "_STREAM_BYTES", 512 * 128)
     ds = MappedDataset(big_output(str(tmp_path), 4000, 40), tokens=False, dtype=None)
     rows = lambda **kw: [int(b["lengths"].sum()) for b in ds.stream(**kw)]     # noqa: E731
     assert max(rows(padded=True)) == 240 and max(rows()) == 500 and max(rows(padded=True, batch_tokens=512)) == 500
