@@ -116,15 +116,16 @@ class Batcher:
         self._pool: list = []
 
     def _buffer(self, name: str, shape: tuple, dtype):
-        """A tensor of `shape`: a view of the kept buffer `name`, grown when short; a fresh one for the batch's
-        layers unless reuse."""
+        """A tensor of `shape`: a view of the kept buffer `name`, grown when short (to a power of two: few new
+        allocations, whose pages fault on first use, as batches grow); a fresh one for the batch's layers unless
+        reuse."""
         import torch
         n = math.prod(shape)
         if not self.reuse and name == "layers":
             return self._own(n, dtype).view(shape)
         b = self._bufs.get(name)
         if b is None or b.numel() < n or b.dtype != dtype:
-            b = self._bufs[name] = torch.empty(max(n, 1), dtype=dtype, pin_memory=self.pin)
+            b = self._bufs[name] = torch.empty(1 << (max(n, 1) - 1).bit_length(), dtype=dtype, pin_memory=self.pin)
         return b[:n].view(shape)
 
     def _own(self, n: int, dtype):

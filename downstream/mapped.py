@@ -324,10 +324,8 @@ class MappedDataset(_TorchDataset):
         units = np.searchsorted(self._unit_first, pos, side="right") - 1
         fds = self.files.acquire(units.tolist())
         try:
-            offsets = np.stack([self.files.offsets(u) for u in units.tolist()]) if len(pos) else \
-                np.zeros((0, len(self.layers)), np.int64)
             rows = self.files.rows.tolist() if self.files.rows is not None else [0] * len(self.layers)
-            offsets = offsets + self._starts[pos][:, None] * np.asarray(rows, np.int64)[None, :]
+            offsets = self.files.table(units) + self._starts[pos][:, None] * np.asarray(rows, np.int64)[None, :]
             helper = self._helper_pool(int(lengths.sum()) * sum(rows))
             return batcher.from_reads([fds[u] for u in units.tolist()], offsets, lengths, rows,
                                       self.stored_dtype, helper)

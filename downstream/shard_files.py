@@ -65,6 +65,12 @@ class ShardFiles:
             self.found(u, vector_offsets(self.path(u), self.layers))
         return self._offsets[u]
 
+    def table(self, units: np.ndarray) -> np.ndarray:
+        """(len(units), L) int64: offsets(u) of each unit."""
+        for u in np.unique(units[self._offsets[units, 0] < 0]).tolist():
+            self.offsets(u)
+        return self._offsets[units]
+
     def acquire(self, units: Sequence[int]) -> dict[int, int]:
         """{unit: descriptor} of each distinct unit, opened if need be and held until release(units)."""
         with self._lock:
