@@ -367,11 +367,11 @@ class MappedDataset(_TorchDataset):
                pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
         """Every sentence of the dataset in file order (output, shard, id), in batches of consecutive sentences
         spanning at most `batch_tokens` rows (a longer sentence alone; default: the rows of 8 MiB of the selected
-        layers' stored vectors, 4 MiB with padded=True, so that the padded copy stays in the CPU cache: 819 / 409
-        rows of the original width in float32, twice as many in float16). Each layer's rows of a batch are one
-        byte range of the shard: one pread per layer straight into a reused buffer (pinned with pin_memory
-        when CUDA is there), no per-sentence work; the second half of the rows read by the helper thread meanwhile
-        (threads=2, a batch of 1 MiB or more).
+        layers' stored vectors, with padded=True of 4 MiB in the batch's dtype, so that the padded copy stays in
+        the CPU cache: 819 / 409 rows of the original width in float32, twice as many in float16). Each layer's
+        rows of a batch are one byte range of the shard: one pread per layer straight into a reused buffer
+        (pinned with pin_memory when CUDA is there), no per-sentence work; with threads=2 a batch of 1 MiB or
+        more is split in two halves of its sentences, the helper thread reading (and padding) the second.
 
         Yields dicts: vectors, one (N, D_k) tensor per layer in the stored dtype (views of the reused
         buffer: valid until the next batch, clone to keep); starts, lengths (B,) int64: sentence b is rows
@@ -386,8 +386,9 @@ class MappedDataset(_TorchDataset):
         if missing:
             raise ValueError(f"layers {missing} are not among the dataset's {self.layers}")
         read = self._keep if self._keep is not None else np.arange(len(self._all_lengths), dtype=np.int64)
-        row = sum(self.outputs[0].layer_dims[n] for n in names) * self.stored_dtype.itemsize
-        if batch_tokens is None:
+        if batch_tokens is None:                            # padded: bytes of the batch's dtype
+            size = (self.dtype or self.stored_dtype).itemsize if padded else self.stored_dtype.itemsize
+            row = sum(self.outputs[0].layer_dims[n] for n in names) * size
             batch_tokens = max(1, (_PADDED_BYTES if padded else _STREAM_BYTES) // row)
         plan = stream_plan(read, self._firsts, self._starts, self._all_lengths, max(1, batch_tokens))
         rows = max((int(self._starts[q[-1]] + self._all_lengths[q[-1]] - self._starts[q[0]]) for _, q, _ in plan),
