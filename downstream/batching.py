@@ -222,6 +222,12 @@ class Batcher:
         table = self._buffer("packed", (max(at, 1),), torch.uint8)
         tab = memoryview(table.numpy()).cast("B")
         ln, fl, ol = lengths.tolist(), first.tolist(), np.asarray(offsets, np.int64).tolist()
+        t = np.arange(T)
+        mask = t[None, :] < lengths[:, None]                                              # (B, T)
+        idx = torch.from_numpy(np.where(mask, first[:, None] + t, N))                     # (B, T) packed rows
+        dtype = getattr(torch, np.dtype(stored).name)
+        srcs = {k: table[base[k]: base[k] + (N + 1) * rows[k]].view(dtype).view(N + 1, -1) for k in packed}
+        gather = self._buffer("gather", (B * T * max(rows) // np.dtype(stored).itemsize,), dtype)
 
         def read(lo: int, hi: int) -> None:
             for b in range(lo, hi):
@@ -236,25 +242,21 @@ class Batcher:
                     else:
                         at = base[k] + fl[b] * rows[k]
                         pread_into(fd, tab[at: at + n * rows[k]], off[k])
-        halves(read, B, helper)
-        mask = lengths_mask(torch.from_numpy(lengths), T)
-        if packed:
-            idx = torch.where(mask, torch.from_numpy(first)[:, None] + torch.arange(T)[None, :], N).view(-1)
-        for k in packed:
-            src = table[base[k]: base[k] + (N + 1) * rows[k]].view(getattr(torch, np.dtype(stored).name))
-            src = src.view(N + 1, -1)
+            for k, src in srcs.items():                     # sentences lo:hi of layer k, gathered then placed
+                d = src.shape[1]
+                g = gather[lo * T * d: hi * T * d].view(-1, d)
+                torch.index_select(src, 0, idx[lo:hi].reshape(-1), out=g)
+                g = g.view(hi - lo, T, 1, d)
+                if d == self.dim:
+                    out[lo:hi, k].copy_(g[:, :, 0])
+                elif 2 * d == self.dim:
+                    out[lo:hi, k].unflatten(-1, (2, d)).copy_(g.expand(hi - lo, T, 2, d))
+                else:
+                    raise ValueError(f"layer width {d} is neither {self.dim} nor half of it")
+        for src in srcs.values():
             src[N].zero_()
-            d = src.shape[1]
-            g = self._buffer("gather", (B * T, d), src.dtype)
-            torch.index_select(src, 0, idx, out=g)
-            g = g.view(B, T, 1, d)
-            if d == self.dim:
-                out[:, k].copy_(g[:, :, 0])
-            elif 2 * d == self.dim:
-                out[:, k].unflatten(-1, (2, d)).copy_(g.expand(B, T, 2, d))
-            else:
-                raise ValueError(f"layer width {d} is neither {self.dim} nor half of it")
-        return out, mask
+        halves(read, B, helper)
+        return out, torch.from_numpy(mask)
 
     def from_sentences(self, sentences: Sequence[Sequence]) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) of sentences, each a list of per-layer (T_b, D_k) arrays or tensors
