@@ -14,10 +14,12 @@ conversion belongs on the device: deliver the stored dtype and call .float() the
 every byte of each sentence and give "% of its bound": the cat's bytes/s divided by the mean bytes of the
 sentences read; they time the reads only (opening the dataset, drawing the positions and, by id, listing the ids
 and building the id table are timed apart: set-up seconds). Every form runs with its defaults: a batch of 1 MiB
-or more read by the caller and the dataset's helper thread (threads=2), stream batches of 512 rows, padded ones of
-256. Two references, no form: the bucketed batches' byte ranges alone, read with one preadv each in the sampler's
-order into a reused buffer (one thread, then two threads a half each: what reading in that order costs), and a
-`cat` of a copy of the files written by `cp` (page-cache bandwidth depends on how a file was written). The index's memory: a fresh process over the same output (default sharding) and over a
+or more read by the caller and the dataset's helper thread (threads=2), stream batches of 8 MiB, padded ones of
+4 MiB in their dtype. References, no form: the bucketed batches' byte ranges alone, read with one preadv each in
+the sampler's order into a reused buffer (one thread, then two threads a half each: what reading in that order
+costs); the padded batches' values per stored value; a `cat` of a copy of the files written by `cp` (how a file
+was written changes how fast `cat` reads it back). The index's memory: a fresh process over the same output
+(default sharding) and over a
 --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and file pages) after the index,
 after 100k random reads and after 100k id lookups.
 """
@@ -115,6 +117,26 @@ def bucket_form(out: str, dtype) -> int:
         acc += float(b["layers"].sum())
         total += _stored_bytes(ds, b["lengths"])
     return total
+
+
+def padded_values(out: str, form: str) -> float:
+    """Values in the padded batches of a form (B x L x T x dim, counted over one untimed pass) per stored value
+    its sentences hold: what layer 0's second copy and the padding add."""
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    from elmo_pipeline.downstream.sampler import BucketBatchSampler
+    ds = MappedDataset(out, tokens=False, dtype=None)
+    if form == "stream":
+        batches = ds.stream(padded=True)
+    elif form == "bucket":
+        batches = ds.batches(BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0), reuse=True)
+    else:                                                        # batch() of 32 random positions
+        picks = np.random.default_rng(0).integers(0, len(ds), 5_120)
+        batches = (ds.batch(picks[s: s + 32].tolist()) for s in range(0, len(picks), 32))
+    padded = stored = 0
+    for b in batches:
+        padded += b["layers"].numel()
+        stored += int(b["lengths"].sum()) * sum(ds.widths)
+    return padded / stored
 
 
 def loader_form(out: str, workers: int) -> int:
@@ -237,6 +259,9 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
             r["floor_seconds"], r["fraction_of_floor"] = floor_s, floor_s / r["seconds"] * r["bytes"] / vector_bytes
             line += f"; {100 * r['fraction_of_floor']:.1f} % of floor (cat + torch fp16 -> float32)"
         print(line, flush=True)
+    d["padded_values_per_stored_value"] = pv = {k: padded_values(out, k) for k in ("stream", "bucket", "random")}
+    print(f"padded batches hold {pv['stream']:.2f}x the stored values (stream(padded=True)), {pv['bucket']:.2f}x "
+          f"(bucketed batches of 32), {pv['random']:.2f}x (batch() of 32 random sentences)", flush=True)
     copy = os.path.join(out, "copy")
     shutil.copytree(os.path.join(out, "arrow"), copy)
     copies = sorted(glob.glob(os.path.join(copy, "*")))

@@ -56,12 +56,6 @@ def flat_vectors(batch: pa.RecordBatch, name: str) -> np.ndarray:
     return values.to_numpy(zero_copy_only=True).reshape(-1, d)
 
 
-def vector_offsets(path: str, names: Sequence[str]) -> list[tuple[int, int]]:
-    """(file offset of row 0, bytes per row) of each named fixed_size_list column of a local Arrow shard
-    (layer_offsets of its map)."""
-    return layer_offsets(*map_arrow_shard(path), names, path)
-
-
 def layer_offsets(batch: pa.RecordBatch, base: int, size: int, names: Sequence[str],
                   path: str) -> list[tuple[int, int]]:
     """(file offset of row 0, bytes per row) of each named fixed_size_list column of a mapped shard's batch:

@@ -14,10 +14,10 @@
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
 mapped files); vectors are never loaded whole: a batch in the stored dtype reads its sentences' rows with one
 pread per sentence and layer (page cache, no mapping faults) into one padded tensor, the caller and a helper
-thread half the sentences each (`threads=2`, for batches of 1 MiB or more); a converted batch or record
-(float16 stored, float32 delivered) and every record is copied by torch from the mapped rows (downstream/batching.py
-builds every batch); stream() reads consecutive sentences' rows with one pread per layer into a reused buffer
-(the system call `cat` uses). Every shard is checked against the manifest when the index is built
+thread half the sentences each (`threads=2`, for batches of 1 MiB or more); a converted batch (float16 stored,
+float32 delivered), and every record, is copied by torch from the mapped rows (downstream/batching.py builds
+every batch); stream() reads consecutive sentences' rows with one pread per layer into a reused buffer (the
+system call `cat` uses). Every shard is checked against the manifest when the index is built
 (downstream/shard_checks.py), its layers' file offsets kept (downstream/shard_files.py: the descriptors of batch
 reads, thread-safe).
 Id lookup: a sorted array of 64-bit hashes of the ids (16 bytes a sentence, built on the first lookup:
@@ -105,7 +105,7 @@ class MappedDataset(_TorchDataset):
         self._maps: dict[int, pa.RecordBatch] = {}
         self._views: dict[int, list[np.ndarray]] = {}
         self._columns: dict[int, list] = {}                             # unit -> torch views of _views
-        self.files = ShardFiles(self._local, len(self.units), self.layers, _FDS)     # batch reads' descriptors
+        self.files = ShardFiles(len(self.units), len(self.layers), _FDS)     # batch reads' descriptors
         self.threads = threads
         self._pid = os.getpid()
         self._build_index(labels)
@@ -116,8 +116,9 @@ class MappedDataset(_TorchDataset):
         for u in range(len(self.units)):
             b, base, size = map_arrow_shard(self._local(u))
             k, i = self.units[u]
-            self.outputs[k].check_arrow(i, b, self.outputs[k].shard_path(i, "arrow"))
-            self.files.found(u, layer_offsets(b, base, size, self.layers, self.outputs[k].shard_path(i, "arrow")))
+            where = self.outputs[k].shard_path(i, "arrow")
+            self.outputs[k].check_arrow(i, b, where)
+            self.files.found(u, layer_offsets(b, base, size, self.layers, where), size)
             sid, offsets, docs, indices = sentence_index(b)
             ids.append(sid)
             doc_ids.append(docs)
@@ -322,15 +323,15 @@ class MappedDataset(_TorchDataset):
         if batcher.dtype != self.stored_dtype:                 # one thread: two fault the same map in turn
             return batcher.from_sentences([self._sentence(int(p)) for p in pos])
         units = np.searchsorted(self._unit_first, pos, side="right") - 1
-        fds = self.files.acquire(units.tolist())
+        fds = self.files.acquire(units.tolist(), self._local)
         try:
-            rows = self.files.rows.tolist() if self.files.rows is not None else [0] * len(self.layers)
+            rows = self.files.rows.tolist()
             offsets = self.files.table(units) + self._starts[pos][:, None] * np.asarray(rows, np.int64)[None, :]
             helper = self._helper_pool(int(lengths.sum()) * sum(rows))
             return batcher.from_reads([fds[u] for u in units.tolist()], offsets, lengths, rows,
                                       self.stored_dtype, helper)
         except EOFError as e:
-            raise self.files.shorter(units.tolist(), e) from None
+            raise self.files.shorter(units.tolist(), e, self._local) from None
         finally:
             self.files.release(fds)
 
@@ -424,7 +425,7 @@ class MappedDataset(_TorchDataset):
                     batch = self._stream_batch(vectors, pos, kept, first, batcher,
                                                partial(read_rows, fd, offsets, first, vectors), helper)
                 except EOFError as e:
-                    raise self.files.shorter([u], e) from None
+                    raise self.files.shorter([u], e, self._local) from None
                 yield batch
         finally:
             if fd >= 0:

@@ -1,6 +1,6 @@
 """The open shard files that batch reads pread from: a descriptor per shard (the most recently used kept open),
-each layer's byte offset in it (found once a shard, kept). Thread-safe: a descriptor is never closed while a read
-holds it. No Beam import."""
+each layer's byte offset in it (found when the index is built). Thread-safe: a descriptor is never closed while a
+read holds it. No Beam import."""
 from __future__ import annotations
 
 import os
@@ -9,21 +9,23 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from elmo_pipeline.downstream.arrow_shards import vector_offsets
 from elmo_pipeline.downstream.shard_checks import DamagedOutput
 
 
 class ShardFiles:
-    """Descriptors and layer offsets of the shards of a dataset, in this process (a forked process opens its own).
+    """Descriptors and layer offsets of the shards (units) of a dataset, in this process (a forked or unpickled
+    copy opens its own descriptors).
 
-    path: unit -> a local path of its shard; layers: the layer names read; keep: descriptors kept open when idle.
+    units: how many shards; layers: how many layers are read; keep: descriptors kept open when idle.
     offsets(u): (L,) int64 file offset of row 0 of each layer of unit u; rows: (L,) bytes per row of each layer
-    (the same in every shard: the manifest fixes the widths and dtype)."""
+    (the same in every shard: the manifest fixes the widths and dtype). `path` arguments: unit -> a local path
+    of its shard."""
 
-    def __init__(self, path: Callable[[int], str], units: int, layers: Sequence[str], keep: int = 64):
-        self.path, self.layers, self.keep = path, list(layers), keep
-        self._offsets = np.full((units, len(self.layers)), -1, np.int64)
-        self.rows: np.ndarray | None = None
+    def __init__(self, units: int, layers: int, keep: int = 64):
+        self.keep = keep
+        self._offsets = np.zeros((units, layers), np.int64)
+        self._sizes = np.zeros(units, np.int64)
+        self.rows = np.zeros(layers, np.int64)
         self._lock = threading.Lock()
         self._reset()
 
@@ -41,38 +43,23 @@ class ShardFiles:
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
-    def shorter(self, units: Sequence[int], error: EOFError) -> DamagedOutput:
-        """The error of a read that found a file ending early: the shards among `units` now shorter than their
-        rows (cut after the index was built), named."""
-        cut = []
-        for u in dict.fromkeys(units):
-            path = self.path(u)
-            end = int(self._offsets[u].max()) if self._offsets[u, 0] >= 0 else 0
-            if not os.path.exists(path) or os.path.getsize(path) <= end:
-                cut.append(path)
-        return DamagedOutput(f"{', '.join(cut) or self.path(units[0])}: {error} (the shard changed after it was "
-                             f"opened)")
-
-    def found(self, u: int, offsets: Sequence[tuple[int, int]]) -> None:
-        """Keep unit u's (file offset of row 0, bytes per row) of each layer (arrow_shards.layer_offsets)."""
-        if self.rows is None:
-            self.rows = np.asarray([r for _, r in offsets], np.int64)
+    def found(self, u: int, offsets: Sequence[tuple[int, int]], size: int) -> None:
+        """Keep unit u's (file offset of row 0, bytes per row) of each layer (arrow_shards.layer_offsets) and its
+        file size."""
+        self.rows = np.asarray([r for _, r in offsets], np.int64)
         self._offsets[u] = [o for o, _ in offsets]
+        self._sizes[u] = size
 
     def offsets(self, u: int) -> np.ndarray:
-        """(L,) int64: the file offset of row 0 of each layer of unit u's shard (read from it if not found)."""
-        if self._offsets[u, 0] < 0:
-            self.found(u, vector_offsets(self.path(u), self.layers))
+        """(L,) int64: the file offset of row 0 of each layer of unit u's shard."""
         return self._offsets[u]
 
     def table(self, units: np.ndarray) -> np.ndarray:
         """(len(units), L) int64: offsets(u) of each unit."""
-        for u in np.unique(units[self._offsets[units, 0] < 0]).tolist():
-            self.offsets(u)
         return self._offsets[units]
 
-    def acquire(self, units: Sequence[int]) -> dict[int, int]:
-        """{unit: descriptor} of each distinct unit, opened if need be and held until release(units)."""
+    def acquire(self, units: Sequence[int], path: Callable[[int], str]) -> dict[int, int]:
+        """{unit: descriptor} of each distinct unit, opened if need be and held until release()."""
         with self._lock:
             if self._pid != os.getpid():
                 self._reset()
@@ -82,8 +69,7 @@ class ShardFiles:
                     continue
                 fd = self._open.pop(u, None)
                 if fd is None:
-                    self.offsets(u)
-                    fd = os.open(self.path(u), os.O_RDONLY)
+                    fd = os.open(path(u), os.O_RDONLY)
                 self._open[u] = fds[u] = fd                            # most recently used last
                 self._busy[u] = self._busy.get(u, 0) + 1
             self._trim()
@@ -105,6 +91,14 @@ class ShardFiles:
         extra = len(self._open) - self.keep
         for u in [u for u in self._open if u not in self._busy][:max(0, extra)]:
             os.close(self._open.pop(u))
+
+    def shorter(self, units: Sequence[int], error: EOFError, path: Callable[[int], str]) -> DamagedOutput:
+        """The error of a read that found a file ending early: the shards among `units` now shorter than when
+        the index was built, named."""
+        cut = [path(u) for u in dict.fromkeys(units)
+               if not os.path.exists(path(u)) or os.path.getsize(path(u)) < self._sizes[u]]
+        return DamagedOutput(f"{', '.join(cut or [path(units[0])])}: {error} (the shard changed after it was "
+                             f"opened)")
 
     def close(self) -> None:
         with self._lock:
