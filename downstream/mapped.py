@@ -14,9 +14,9 @@
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
 mapped files); vectors are never loaded whole: a batch in the stored dtype reads its sentences' rows with one
 pread per sentence and layer (page cache, no mapping faults) into one padded tensor, the caller and a helper
-thread half the sentences each (`threads=2`, for batches of 1 MiB or more); a converted batch (float16 stored,
-float32 delivered), and every record, is copied by torch from the mapped rows (downstream/batching.py builds
-every batch); stream() reads consecutive sentences' rows with one pread per layer into a reused buffer (the
+thread half the sentences each (`threads=2`, for batches of 1 MiB or more; a batch converted to another dtype
+too); a converted batch read by one thread, and every record, is copied by torch from the mapped rows
+(downstream/batching.py builds every batch); stream() reads consecutive sentences' rows with one pread per layer into a reused buffer (the
 system call `cat` uses). Every shard is checked against the manifest when the index is built
 (downstream/shard_checks.py), its layers' file offsets kept (downstream/shard_files.py: the descriptors of batch
 reads, thread-safe).
@@ -269,7 +269,7 @@ class MappedDataset(_TorchDataset):
 
     def _sentence(self, p: int) -> list:
         """The selected layers' (T, D_k) rows of global position p: torch views of the mapped file, no copy
-        (records and converted batches are copied from them by torch in one pass)."""
+        (records, and converted batches read by one thread, are copied from them by torch in one pass)."""
         u = bisect.bisect_right(self._firsts, p) - 1
         cols = self._columns.get(u) if self._pid == os.getpid() else None
         if cols is None:
@@ -317,17 +317,18 @@ class MappedDataset(_TorchDataset):
     __getitems__ = batch
 
     def _read_batch(self, pos: np.ndarray, batcher: Batcher) -> tuple:
-        """(layers, mask) of global positions pos (two threads for a large batch): in the stored dtype read with
-        pread (batcher.from_reads), in another converted by torch from the mapped rows (from_sentences)."""
+        """(layers, mask) of global positions pos, read with pread by batcher.from_reads (two threads for a large
+        batch); a batch in another dtype than the stored one read by one thread is converted by torch from the
+        mapped rows instead (from_sentences: one pass, as fast as preads into a table then converted)."""
         lengths = self._all_lengths[pos]
-        if batcher.dtype != self.stored_dtype:                 # one thread: two fault the same map in turn
+        rows = self.files.rows.tolist()
+        helper = self._helper_pool(int(lengths.sum()) * sum(rows))
+        if batcher.dtype != self.stored_dtype and helper is None:
             return batcher.from_sentences([self._sentence(int(p)) for p in pos])
         units = np.searchsorted(self._unit_first, pos, side="right") - 1
         fds = self.files.acquire(units.tolist(), self._local)
         try:
-            rows = self.files.rows.tolist()
             offsets = self.files.table(units) + self._starts[pos][:, None] * np.asarray(rows, np.int64)[None, :]
-            helper = self._helper_pool(int(lengths.sum()) * sum(rows))
             return batcher.from_reads([fds[u] for u in units.tolist()], offsets, lengths, rows,
                                       self.stored_dtype, helper)
         except EOFError as e:
