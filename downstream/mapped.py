@@ -12,14 +12,13 @@
     sampler.set_epoch(e, start_batch=k)             # the order of epoch e, resumed after k batches
 
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
-mapped files); vectors are never loaded whole: a batch in the stored dtype reads its sentences' rows with one
-pread per sentence and layer (page cache, no mapping faults) into one padded tensor, the caller and a helper
-thread half the sentences each (`threads=2`, for batches of 1 MiB or more; a batch converted to another dtype
-too); a converted batch read by one thread, and every record, is copied by torch from the mapped rows
-(downstream/batching.py builds every batch); stream() reads consecutive sentences' rows with one pread per layer into a reused buffer (the
-system call `cat` uses). Every shard is checked against the manifest when the index is built
-(downstream/shard_checks.py), its layers' file offsets kept (downstream/shard_files.py: the descriptors of batch
-reads, thread-safe).
+mapped files); vectors are never loaded whole: a batch reads its sentences' rows with one pread per sentence and
+layer (page cache, no mapping faults) into one padded tensor, the caller and a helper thread half the sentences
+each (`threads=2`, batches of 1 MiB or more); a converted batch read by one thread, and every record, is copied
+by torch from the mapped rows (downstream/batching.py builds every batch); stream() reads consecutive
+sentences' rows with one pread per layer into a reused buffer (the system call `cat` uses). Every shard is
+checked against the manifest when the index is built (downstream/shard_checks.py), its layers' file offsets
+kept (downstream/shard_files.py: the descriptors of batch reads, thread-safe).
 Id lookup: a sorted array of 64-bit hashes of the ids (16 bytes a sentence, built on the first lookup:
 downstream/id_table.py), a hit checked against the stored id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir` on first use (the next shard is
 fetched in the background: read-ahead; downstream/shard_cache.py) and mapped from there.
