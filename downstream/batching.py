@@ -227,7 +227,8 @@ class Batcher:
         idx = torch.from_numpy(np.where(mask, first[:, None] + t, N))                     # (B, T) packed rows
         dtype = getattr(torch, np.dtype(stored).name)
         srcs = {k: table[base[k]: base[k] + (N + 1) * rows[k]].view(dtype).view(N + 1, -1) for k in packed}
-        gather = self._buffer("gather", (B * T * max(rows) // np.dtype(stored).itemsize,), dtype)
+        wide = max(rows) // np.dtype(stored).itemsize                      # each sentence's gather room: T * wide
+        gather = self._buffer("gather", (B * T * wide,), dtype)
 
         def read(lo: int, hi: int) -> None:
             for b in range(lo, hi):
@@ -243,8 +244,8 @@ class Batcher:
                         at = base[k] + fl[b] * rows[k]
                         pread_into(fd, tab[at: at + n * rows[k]], off[k])
             for k, src in srcs.items():                     # sentences lo:hi of layer k, gathered then placed
-                d = src.shape[1]
-                g = gather[lo * T * d: hi * T * d].view(-1, d)
+                d = src.shape[1]                            # this half's room starts at lo * T * wide whatever d
+                g = gather[lo * T * wide: (lo * wide + (hi - lo) * d) * T].view(-1, d)
                 torch.index_select(src, 0, idx[lo:hi].reshape(-1), out=g)
                 g = g.view(hi - lo, T, 1, d)
                 if d == self.dim:

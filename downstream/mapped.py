@@ -220,12 +220,12 @@ class MappedDataset(_TorchDataset):
             self._prefetch_next(u)
         return b
 
-    def __del__(self):
+    def __del__(self, _getpid=os.getpid):             # os may be gone when the interpreter ends
         files = getattr(self, "files", None)
         if files is not None:
             files.close()
         helper = self.__dict__.get("_helper")
-        if helper is not None and helper[0] == os.getpid():
+        if helper is not None and helper[0] == _getpid():
             helper[1].shutdown(wait=False)
 
     def _helper_pool(self, nbytes: int):
