@@ -3,11 +3,11 @@ No Beam import.
 
 A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past
 each length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Three sources:
-sentences of a local file, read with pread (`from_reads`: a layer as wide as the batch in its dtype straight
-into its place, one pread a sentence; layer 0 into a packed table and put in place by one gather; the caller
-and a helper thread read half the sentences each); per-layer (T_b, D_k) arrays or tensors, views of a mapped
-file too (`from_sentences`: one torch copy a sentence and layer, another dtype converted on the way, never by
-numpy); flat rows of consecutive sentences (`from_rows`, a stream's: put once a layer into a kept table, layer
+sentences of a local file, read with pread (`from_reads`: one pread a sentence and layer, a layer as wide as
+the batch in its dtype straight into its place, layer 0 and converted layers into a padded staging batch put
+in place by one copy a layer; the caller and a helper thread read half the sentences each); per-layer
+(T_b, D_k) arrays or tensors, views of a mapped file too (`from_sentences`: one torch copy a sentence and layer,
+another dtype converted on the way, never by numpy); flat rows of consecutive sentences (`from_rows`, a stream's: put once a layer into a kept table, layer
 0 duplicated, the dtype converted, the batch then gathered by one index_select, a zero row for the padding).
 `Batcher(reuse=True)` builds into buffers kept from batch to batch (a batch is valid until the next one);
 without reuse a batch is a tensor of its own, built in a kept buffer nothing holds any more (no page faults of
@@ -61,6 +61,12 @@ def stack(arrays: Sequence, dim: int) -> np.ndarray:
 
 
 _QUIET = []
+_ZEROS = memoryview(bytes(1 << 20))
+
+
+def _zeros(n: int) -> memoryview:
+    """n zero bytes (a view of one kept block; fresh bytes beyond it)."""
+    return _ZEROS[:n] if n <= len(_ZEROS) else memoryview(bytes(n))
 
 
 def tensor(a: np.ndarray):
@@ -200,8 +206,8 @@ class Batcher:
         """(layers (B, L, T, dim), mask (B, T)) of B sentences read from local files with pread: sentence b's
         layer k is lengths[b] rows of rows[k] bytes (values of `stored`) at byte offsets[b, k] of descriptor fds[b].
         A layer as wide as the batch in its dtype is read straight into its place (one pread a sentence);
-        the others (layer 0, P wide; another dtype) into a packed table, a layer's sentences one after the
-        other, then put in place by one gather a layer (layer 0 duplicated, converted by torch).
+        the others (layer 0, P wide; another dtype) into their place in a padded stored-dtype staging batch,
+        then put in place by one copy a layer (layer 0 duplicated, converted by torch); zero past each length.
         helper: an executor whose thread reads the second half of the sentences while the caller reads the
         first (both cores copy from the page cache)."""
         import torch
@@ -210,54 +216,39 @@ class Batcher:
         T = int(lengths.max()) if B else 0
         out = self._buffer("layers", (B, L, T, self.dim), self.torch_dtype)
         o = out.numpy()
-        flat, rowb = memoryview(o.reshape(-1)).cast("B"), self.dim * o.itemsize
-        direct = [r == rowb and np.dtype(stored) == self.dtype for r in rows]
-        packed = [k for k in range(L) if not direct[k]]
-        zeroed = [k for k in range(L) if direct[k]]                       # packed layers: their gather pads
-        N = int(lengths.sum())
-        first = np.cumsum(lengths) - lengths                                  # (B,) a sentence's first packed row
-        base, at = {}, 0
-        for k in packed:                                                      # layer k's region: N + 1 rows
-            base[k], at = at, at + -(-(N + 1) * rows[k] // 64) * 64
-        table = self._buffer("packed", (max(at, 1),), torch.uint8)
-        tab = memoryview(table.numpy()).cast("B")
-        ln, fl, ol = lengths.tolist(), first.tolist(), np.asarray(offsets, np.int64).tolist()
-        t = np.arange(T)
-        mask = t[None, :] < lengths[:, None]                                              # (B, T)
-        idx = torch.from_numpy(np.where(mask, first[:, None] + t, N))                     # (B, T) packed rows
-        dtype = getattr(torch, np.dtype(stored).name)
-        srcs = {k: table[base[k]: base[k] + (N + 1) * rows[k]].view(dtype).view(N + 1, -1) for k in packed}
-        wide = max(rows) // np.dtype(stored).itemsize                      # each sentence's gather room: T * wide
-        gather = self._buffer("gather", (B * T * wide,), dtype)
+        direct = [r == self.dim * o.itemsize and np.dtype(stored) == self.dtype for r in rows]
+        staged = [k for k in range(L) if not direct[k]]
+        size = np.dtype(stored).itemsize
+        room = [0] + np.cumsum([B * T * rows[k] // size for k in staged]).tolist()
+        stage = self._buffer("staged", (max(room[-1], 1),), getattr(torch, np.dtype(stored).name))
+        flat = memoryview(o.reshape(-1)).cast("B")
+        staging = memoryview(stage.numpy()).cast("B")
+        span = [T * r for r in rows]                                    # bytes of a sentence's padded layer
+        # layer k of sentence b is bytes first[k] + b * step[k] of views[k]: in the batch, or in the staging
+        views, first, step = [flat] * L, [k * span[k] for k in range(L)], [L * span[k] for k in range(L)]
+        for j, k in enumerate(staged):
+            views[k], first[k], step[k] = staging, room[j] * size, span[k]
+        ln, ol = lengths.tolist(), np.asarray(offsets, np.int64).tolist()
 
         def read(lo: int, hi: int) -> None:
             for b in range(lo, hi):
                 n, fd, off = ln[b], fds[b], ol[b]
-                if n < T:
-                    for k in zeroed:
-                        o[b, k, n:] = 0
                 for k in range(L):
-                    if direct[k]:
-                        at = (b * L + k) * T * rowb
-                        pread_into(fd, flat[at: at + n * rowb], off[k])
-                    else:
-                        at = base[k] + fl[b] * rows[k]
-                        pread_into(fd, tab[at: at + n * rows[k]], off[k])
-            for k, src in srcs.items():                     # sentences lo:hi of layer k, gathered then placed
-                d = src.shape[1]                            # this half's room starts at lo * T * wide whatever d
-                g = gather[lo * T * wide: (lo * wide + (hi - lo) * d) * T].view(-1, d)
-                torch.index_select(src, 0, idx[lo:hi].reshape(-1), out=g)
-                g = g.view(hi - lo, T, 1, d)
+                    at, m = first[k] + b * step[k], n * rows[k]
+                    pread_into(fd, views[k][at: at + m], off[k])
+                    if n < T:
+                        views[k][at + m: at + span[k]] = _zeros(span[k] - m)
+            for j, k in enumerate(staged):                  # sentences lo:hi of layer k put in place
+                d = rows[k] // size
+                g = stage[room[j]: room[j + 1]].view(B, T, d)[lo:hi]
                 if d == self.dim:
-                    out[lo:hi, k].copy_(g[:, :, 0])
+                    out[lo:hi, k].copy_(g)
                 elif 2 * d == self.dim:
-                    out[lo:hi, k].unflatten(-1, (2, d)).copy_(g.expand(hi - lo, T, 2, d))
+                    out[lo:hi, k].unflatten(-1, (2, d)).copy_(g[:, :, None, :].expand(hi - lo, T, 2, d))
                 else:
                     raise ValueError(f"layer width {d} is neither {self.dim} nor half of it")
-        for src in srcs.values():
-            src[N].zero_()
         halves(read, B, helper)
-        return out, torch.from_numpy(mask)
+        return out, lengths_mask(torch.from_numpy(lengths), T)
 
     def from_sentences(self, sentences: Sequence[Sequence]) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) of sentences, each a list of per-layer (T_b, D_k) arrays or tensors

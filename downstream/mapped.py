@@ -14,8 +14,8 @@
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
 mapped files); vectors are never loaded whole: a batch reads its sentences' rows with one pread per sentence and
 layer (page cache, no mapping faults) into one padded tensor, the caller and a helper thread half the sentences
-each (`threads=2`, batches of 1 MiB or more); a converted batch read by one thread, and every record, is copied
-by torch from the mapped rows (downstream/batching.py builds every batch); stream() reads consecutive
+each (`threads=2`, batches of 1 MiB or more); every record is copied by torch from the mapped rows
+(downstream/batching.py builds every batch); stream() reads consecutive
 sentences' rows with one pread per layer into a reused buffer (the system call `cat` uses). Every shard is
 checked against the manifest when the index is built (downstream/shard_checks.py), its layers' file offsets
 kept (downstream/shard_files.py: the descriptors of batch reads, thread-safe).
@@ -317,13 +317,10 @@ class MappedDataset(_TorchDataset):
 
     def _read_batch(self, pos: np.ndarray, batcher: Batcher) -> tuple:
         """(layers, mask) of global positions pos, read with pread by batcher.from_reads (two threads for a large
-        batch); a batch in another dtype than the stored one read by one thread is converted by torch from the
-        mapped rows instead (from_sentences: one pass, as fast as preads into a table then converted)."""
+        batch)."""
         lengths = self._all_lengths[pos]
         rows = self.files.rows.tolist()
         helper = self._helper_pool(int(lengths.sum()) * sum(rows))
-        if batcher.dtype != self.stored_dtype and helper is None:
-            return batcher.from_sentences([self._sentence(int(p)) for p in pos])
         units = np.searchsorted(self._unit_first, pos, side="right") - 1
         fds = self.files.acquire(units.tolist(), self._local)
         try:

@@ -97,9 +97,9 @@ def test_mapped_dataset_fp16_labels_and_partitions(outputs):
 
 
 def test_fp16_records_converted_from_the_mapped_rows(outputs):
-    """ds[p] and batches of a float16 output delivered as float32: the records and batches ElmoDataset gives,
-    converted by torch straight from the mapped file (no descriptor opened for a pread); a labelled dataset's
-    too."""
+    """ds[p] and batches of a float16 output delivered as float32: the records and batches ElmoDataset gives;
+    records converted by torch straight from the mapped file (no descriptor opened for a pread), batches read
+    with pread and converted; a labelled dataset's too."""
     ref = ElmoDataset(outputs["fp16"])
     for labels in (None, {"2": 1, "4": 0}):
         ds = MappedDataset(outputs["fp16"], labels=labels)
@@ -108,11 +108,12 @@ def test_fp16_records_converted_from_the_mapped_rows(outputs):
             r = ds[j]
             assert r["layers"].dtype == np.float32 and r["layers"].flags.c_contiguous and r["layers"].flags.writeable
             assert np.array_equal(r["layers"], ref[i]["layers"]) and r["id"] == ref[i]["id"]
+        assert ds.files._open == {}
         order = list(range(len(ds)))[::-1]
         want = collate([ref[keep[j]] for j in order])
         for got in (ds.batch(order), next(iter(ds.batches([order], reuse=True)))):
             assert torch.equal(got["layers"], want["layers"]) and torch.equal(got["mask"], want["mask"])
-        assert len(ds) == len(keep) > 0 and ds.files._open == {}
+        assert len(ds) == len(keep) > 0 and ds.files._open and not ds.files._busy
 
 
 
@@ -195,7 +196,7 @@ def test_two_read_threads_give_the_one_thread_batch(outputs, monkeypatch, tmp_pa
     """A batch split between the caller and the helper thread equals the one read by one thread, in the stored
     dtype and converted, every time (50 reads: the two threads' scratch regions once overlapped and a quarter
     of the batches differed); a shard cut short after the index was built fails the batch with the file named
-    (the helper's error raised in the caller)."""
+    (the helper's error raised in the caller; a converted batch read by one thread too)."""
     import shutil
     from elmo_pipeline.downstream import mapped
     monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
@@ -211,11 +212,13 @@ def test_two_read_threads_give_the_one_thread_batch(outputs, monkeypatch, tmp_pa
     out = tmp_path / "cut"
     shutil.copytree(outputs["all"], out)
     ds = MappedDataset(str(out), tokens=False, dtype=None)
+    converted = MappedDataset(str(out), tokens=False, dtype="float16", threads=1)
     shard = os.path.join(str(out), ds.outputs[0].shards[0]["arrow"])
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    with pytest.raises(DamagedOutput, match=f"^{re.escape(shard)}: file ends before byte"):
-        ds.batch(list(range(len(ds)))[::-1])
+    for d in (ds, converted):
+        with pytest.raises(DamagedOutput, match=f"^{re.escape(shard)}: file ends before byte"):
+            d.batch(list(range(len(d)))[::-1])
     with pytest.raises(DamagedOutput, match=f"^{re.escape(shard)}: file ends before byte"):
         list(ds.stream())
 
