@@ -135,6 +135,21 @@ def test_batches_of_their_own_reuse_only_dropped_buffers(outputs, dtype):
     assert {ds.batch(o)["layers"].untyped_storage().data_ptr() for o in orders * 2} <= kept
 
 
+@pytest.mark.parametrize("name,dtype", [("fp16", "float32"), ("all", "float16")])
+def test_converted_batches_equal_the_converted_records(outputs, monkeypatch, name, dtype):
+    """A batch delivered in another dtype than stored (fp16 -> float32, float32 -> fp16), by one thread and
+    split between two, equals ElmoDataset's records padded by collate and converted by torch."""
+    from elmo_pipeline.downstream import mapped
+    monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
+    ref = ElmoDataset(outputs[name])
+    order = [3, 0, 6, 1, 7, 2]
+    want = collate([ref[i] for i in order])
+    for threads in (1, 2):
+        got = MappedDataset(outputs[name], dtype=dtype, tokens=False, threads=threads).batch(order)
+        assert got["layers"].dtype == getattr(torch, dtype) and torch.equal(got["mask"], want["mask"])
+        assert torch.equal(got["layers"], want["layers"].to(getattr(torch, dtype)))
+
+
 def test_batch_over_more_shards_than_files_kept_open(outputs, monkeypatch):
     """A batch whose sentences lie in more shards than the open files kept (_FDS) reads each from its own
     shard: no descriptor is closed (and its number reused for another shard) before the batch is read."""
