@@ -209,9 +209,9 @@ def test_reads_from_several_threads_at_once(outputs, monkeypatch):
 
 def test_two_read_threads_give_the_one_thread_batch(outputs, monkeypatch, tmp_path):
     """A batch split between the caller and the helper thread equals the one read by one thread, in the stored
-    dtype and converted, every time (50 reads: the two threads' scratch regions once overlapped and a quarter
-    of the batches differed); a shard cut short after the index was built fails the batch with the file named
-    (the helper's error raised in the caller; a converted batch read by one thread too)."""
+    dtype and converted, every time (read 50 times: both threads write their scratch at once, so regions that
+    overlap show as batches that differ); a shard cut short after the index was built fails the batch with the
+    file named (the helper's error raised in the caller; a converted batch read by one thread too)."""
     import shutil
     from elmo_pipeline.downstream import mapped
     monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
