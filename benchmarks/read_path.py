@@ -18,7 +18,8 @@ or more read by the caller and the dataset's helper thread (threads=2), stream b
 4 MiB in their dtype. References, no form: the bucketed batches' byte ranges alone, read with one preadv each in
 the sampler's order into a reused buffer (one thread, then two threads a half each: what reading in that order
 costs); the padded batches' values per stored value; a `cat` of a copy of the files written by `cp` (how a file
-was written changes how fast `cat` reads it back). The index's memory: a fresh process over the same output
+was written changes how fast `cat` reads it back); last, `cat` after the files' pages were dropped and read back
+first by one `cat`, then first by building the index (how pages came into the page cache changes it too). The index's memory: a fresh process over the same output
 (default sharding) and over a
 --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and file pages) after the index,
 after 100k random reads and after 100k id lookups.
@@ -65,6 +66,34 @@ def convert_seconds(ds) -> float:
     for r in rows:
         dst[: len(r)].copy_(r)
     return time.perf_counter() - t
+
+
+def first_read_cats(out: str, files: list[str], n: int) -> dict:
+    """Median seconds of `cat` of the files (no map of them held) after their pages were dropped
+    (POSIX_FADV_DONTNEED: the benchmark wrote them) and brought back into the page cache first by one `cat` (a
+    sequential read), then by building a MappedDataset's index before one `cat` (the faults of its mapping: how
+    the forms found them)."""
+    import gc
+    from elmo_pipeline.downstream.mapped import MappedDataset
+
+    def drop() -> None:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    gc.collect()
+    drop()
+    cat_seconds(files)
+    by_cat = float(np.median([cat_seconds(files) for _ in range(n)]))
+    drop()
+    ds = MappedDataset(out, tokens=False)
+    cat_seconds(files)
+    del ds
+    gc.collect()
+    return {"first_read_by_cat_seconds": by_cat,
+            "first_read_by_the_index_seconds": float(np.median([cat_seconds(files) for _ in range(n)]))}
 
 
 def pairs(fn, files: list[str], n: int) -> dict:
@@ -300,6 +329,11 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
               f"{bound / 1e3:.1f}k; {100 * r['fraction_of_bound']:.1f} % of its bound; "
               f"{100 * r['fraction']:.1f} % of page-cache bandwidth; set-up {r['setup_seconds']:.3f} s apart",
               flush=True)
+    del ds
+    d["cat_after_first_read"] = c = first_read_cats(out, files, n_pairs)
+    print(f"reference: cat of the arrow files, their pages dropped and read back first by cat "
+          f"{d['file_bytes'] / c['first_read_by_cat_seconds'] / 1e9:.2f} GB/s; first by building the index "
+          f"{d['file_bytes'] / c['first_read_by_the_index_seconds'] / 1e9:.2f} GB/s", flush=True)
     return d
 
 
