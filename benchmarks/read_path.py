@@ -4,12 +4,12 @@ against a `cat` of the same files in the same run.
     python -m benchmarks.read_path [--lines N] [--pairs 5] [--big-tokens 2000000] [--out benchmarks/results/read_path_KIND.json]
 
 All of WikiText-2 valid (or its first --lines lines) is written by the pipeline with a near-free biLM as wide as
-the original (benchmarks/host_cost.WIDE_CHEAP), default sharding, --format parquet,arrow, one stored dtype at a time
-(fp16, then fp32; each deleted before the next). Each row is the median of --pairs pairs, a pair being one
-`cat` of the Arrow files then one run of the form; a form's rate is stored vector bytes delivered per second,
-its line ending "NN.N % of page-cache bandwidth" (the cat's bytes/s). Rows that deliver an fp16 output as
-float32 also give "% of floor": the floor is the cat's time for the vector bytes plus torch's fp16 -> float32
-conversion of the same bytes (measured in the same run, one stream batch at a time into a reused buffer; on a GPU that
+the original (benchmarks/host_cost.WIDE_CHEAP), default sharding, --format parquet,arrow, one stored dtype at a
+time (fp16, then fp32; each deleted before the next). Each row is the median of --pairs pairs, a pair being one
+`cat` of the Arrow files then one run of the form; a form's rate is stored vector bytes delivered per second, its
+line ending "NN.N % of page-cache bandwidth" (the cat's bytes/s). Rows that deliver an fp16 output as float32
+also give "% of floor": the floor is the cat's time for the vector bytes plus torch's fp16 -> float32 conversion
+of the same bytes (measured in the same run, one stream batch at a time into a reused buffer; on a GPU that
 conversion belongs on the device: deliver the stored dtype and call .float() there). Random-access rows read
 every byte of each sentence and give "% of its bound": the cat's bytes/s divided by the mean bytes of the
 sentences read; they time the reads only (opening the dataset, drawing the positions and, by id, listing the ids
@@ -19,10 +19,10 @@ or more read by the caller and the dataset's helper thread (threads=2), stream b
 the sampler's order into a reused buffer (one thread, then two threads a half each: what reading in that order
 costs); the padded batches' values per stored value; a `cat` of a copy of the files written by `cp` (how a file
 was written changes how fast `cat` reads it back); last, `cat` after the files' pages were dropped and read back
-first by one `cat`, then first by building the index (how pages came into the page cache changes it too). The index's memory: a fresh process over the same output
-(default sharding) and over a
---big-tokens output of synthetic sentences sharded like it, RSS (anonymous and file pages) after the index,
-after 100k random reads and after 100k id lookups.
+first by one `cat`, then first by building the index (how pages came into the page cache changes it too). The
+index's memory: a fresh process over the same output (default sharding) and over a --big-tokens output of
+synthetic sentences sharded like it, RSS (anonymous and file pages) after the index, after 100k random reads and
+after 100k id lookups.
 """
 from __future__ import annotations
 

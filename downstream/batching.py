@@ -1,14 +1,15 @@
 """The one batch builder: every padded batch, stacked record and label batch of the readers is made here.
 No Beam import.
 
-A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past
-each length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Three sources:
-sentences of a local file, read with pread (`from_reads`: one pread a sentence and layer, a layer as wide as
-the batch in its dtype straight into its place, layer 0 and converted layers into a padded staging batch put
-in place by one copy a layer; the caller and a helper thread read half the sentences each); per-layer
-(T_b, D_k) arrays or tensors, views of a mapped file too (`from_sentences`: one torch copy a sentence and layer,
-another dtype converted on the way, never by numpy); flat rows of consecutive sentences (`from_rows`, a stream's: put once a layer into a kept table, layer
-0 duplicated, the dtype converted, the batch then gathered by one index_select, a zero row for the padding).
+A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past each
+length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Three sources: sentences
+of a local file, read with pread (`from_reads`: one pread a sentence and layer, a layer as wide as the batch in
+its dtype straight into its place, layer 0 and converted layers into a padded staging batch put in place by one
+copy a layer; the caller and a helper thread read half the sentences each); per-layer (T_b, D_k) arrays or
+tensors, views of a mapped file too (`from_sentences`: one torch copy a sentence and layer, another dtype
+converted on the way, never by numpy); flat rows of consecutive sentences (`from_rows`, a stream's: put once a
+layer into a kept table, layer 0 duplicated, the dtype converted, the batch then gathered by one index_select, a
+zero row for the padding).
 `Batcher(reuse=True)` builds into buffers kept from batch to batch (a batch is valid until the next one);
 without reuse a batch is a tensor of its own, built in a kept buffer nothing holds any more (no page faults of
 a new allocation); pinned when CUDA is there and pin_memory is asked.
