@@ -26,17 +26,17 @@ from elmo_pipeline.downstream.stream_rows import halves, pread_into
 
 
 def place(dst, src) -> None:
-    """Copy (n, d) rows (an array or a tensor) into dst (n, dim, an array or a tensor): a d = dim / 2 wide
-    layer 0 into both halves (AllenNLP's [x, x]); another dtype converted by torch in one call (numpy's float16
-    conversion is several times slower); nothing when src is dst."""
+    """Copy rows (..., d) (an array or a tensor) into dst (..., dim; an array or a tensor, strided too): a
+    d = dim / 2 wide layer 0 into both halves (AllenNLP's [x, x]); another dtype converted by torch in one call
+    (numpy's float16 conversion is several times slower); nothing when src is dst."""
     import torch
-    d, dim = src.shape[1], dst.shape[1]
+    d, dim = src.shape[-1], dst.shape[-1]
     if d != dim and 2 * d != dim:
         raise ValueError(f"layer width {d} is neither {dim} nor half of it")
     if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray) and src.dtype == dst.dtype:
-        dst[:, :d] = src
+        dst[..., :d] = src
         if d != dim:
-            dst[:, d:] = src
+            dst[..., d:] = src
         return
     t = src if isinstance(src, torch.Tensor) else tensor(np.asarray(src))
     o = dst if isinstance(dst, torch.Tensor) else tensor(dst)
@@ -44,7 +44,7 @@ def place(dst, src) -> None:
         if t.data_ptr() != o.data_ptr() or t.dtype != o.dtype:
             o.copy_(t)
         return
-    o.unflatten(1, (2, d)).copy_(t[:, None, :].expand(len(t), 2, d))
+    o.unflatten(-1, (2, d)).copy_(t.unsqueeze(-2).expand(*t.shape[:-1], 2, d))
 
 
 def stack(arrays: Sequence, dim: int) -> np.ndarray:
@@ -240,14 +240,7 @@ class Batcher:
                     if n < T:
                         views[k][at + m: at + span[k]] = _zeros(span[k] - m)
             for j, k in enumerate(staged):                  # sentences lo:hi of layer k put in place
-                d = rows[k] // size
-                g = stage[room[j]: room[j + 1]].view(B, T, d)[lo:hi]
-                if d == self.dim:
-                    out[lo:hi, k].copy_(g)
-                elif 2 * d == self.dim:
-                    out[lo:hi, k].unflatten(-1, (2, d)).copy_(g[:, :, None, :].expand(hi - lo, T, 2, d))
-                else:
-                    raise ValueError(f"layer width {d} is neither {self.dim} nor half of it")
+                place(out[lo:hi, k], stage[room[j]: room[j + 1]].view(B, T, rows[k] // size)[lo:hi])
         halves(read, B, helper)
         return out, lengths_mask(torch.from_numpy(lengths), T)
 

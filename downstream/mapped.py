@@ -268,8 +268,8 @@ class MappedDataset(_TorchDataset):
 
     def _sentence(self, p: int) -> list:
         """The selected layers' (T, D_k) rows of global position p: torch views of the mapped file, no copy
-        (records, and converted batches read by one thread, are copied from them by torch in one pass)."""
-        u = bisect.bisect_right(self._firsts, p) - 1
+        (records are copied from them by torch in one pass)."""
+        u = self._unit(p)[0]
         cols = self._columns.get(u) if self._pid == os.getpid() else None
         if cols is None:
             cols = self._columns[u] = [tensor(v) for v in self._layer_views(u)]
@@ -399,19 +399,19 @@ class MappedDataset(_TorchDataset):
 
     def _stream(self, plan: list, names: list[str], slots: list) -> Iterator[dict]:
         """stream()'s batches, each read into the next of `slots` ((RowBuffer, Batcher or None), in turn)."""
-        fd, fd_unit = -1, -1
+        held: dict[int, int] = {}                          # the shard being read: {unit: descriptor} (ShardFiles)
         pick = [self.layers.index(n) for n in names]
         try:
             for j, (u, pos, kept) in enumerate(plan):
                 buf, batcher = slots[j % len(slots)]
-                if u != fd_unit:
-                    if fd >= 0:
-                        os.close(fd)
-                    path = self._local(u)
+                if u not in held:
+                    self.files.release(held)
+                    held = {}                               # nothing held should the next open fail
+                    held = self.files.acquire([u], self._local)
                     self._prefetch_next(u)
                     found, rows = self.files.offsets(u), self.files.rows
                     offsets = [(int(found[k]), int(rows[k])) for k in pick]
-                    fd, fd_unit = os.open(path, os.O_RDONLY), u
+                    fd = held[u]
                 first = int(self._starts[pos[0]])
                 n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
                 into = batcher.destinations(n, [w // buf.dtype.itemsize for w in buf.widths], buf.dtype) \
@@ -425,8 +425,7 @@ class MappedDataset(_TorchDataset):
                     raise self.files.shorter([u], e, self._local) from None
                 yield batch
         finally:
-            if fd >= 0:
-                os.close(fd)
+            self.files.release(held)
 
     def _stream_batch(self, vectors: list, pos: np.ndarray, kept: np.ndarray, first: int, batcher, read,
                       helper) -> dict:
