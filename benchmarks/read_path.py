@@ -15,7 +15,7 @@ every byte of each sentence and give "% of its bound": the cat's bytes/s divided
 sentences read; they time the reads only (opening the dataset, drawing the positions and, by id, listing the ids
 and building the id table are timed apart: set-up seconds). Every form runs with its defaults: a batch of 1 MiB
 or more read by the caller and the dataset's helper thread (threads=2), stream batches of 8 MiB, padded ones of
-4 MiB in their dtype. References, no form: the bucketed batches' byte ranges alone, read with one preadv each in
+at most 6 MiB once padded, in their dtype. References, no form: the bucketed batches' byte ranges alone, read with one preadv each in
 the sampler's order into a reused buffer (one thread, then two threads a half each: what reading in that order
 costs); the padded batches' values per stored value; a `cat` of a copy of the files written by `cp` (how a file
 was written changes how fast `cat` reads it back); last, `cat` after the files' pages were dropped and read back

@@ -32,9 +32,10 @@ def halves(fn, n: int, helper=None) -> None:
 
 
 def stream_plan(kept: np.ndarray, firsts: Sequence[int], starts: np.ndarray, lengths: np.ndarray,
-                batch_tokens: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+                batch_tokens: int, padded: bool = False) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """(unit, global positions (B,), dataset positions (B,)) of each stream batch: consecutive positions
-    of one unit whose rows span at most batch_tokens (or one sentence).
+    of one unit whose rows span at most batch_tokens (or one sentence); padded=True: whose padded batch holds
+    at most batch_tokens tokens (B x its longest sentence) instead.
 
     kept: the global positions read, sorted (S,) int64; firsts: each unit's first global position, then the
     total (U+1,); starts, lengths: each global position's first row in its shard and its rows."""
@@ -43,8 +44,15 @@ def stream_plan(kept: np.ndarray, firsts: Sequence[int], starts: np.ndarray, len
         lo, hi = np.searchsorted(kept, firsts[u: u + 2])
         j = lo
         while j < hi:
-            first, k = int(starts[kept[j]]), j + 1
-            while k < hi and int(starts[kept[k]] + lengths[kept[k]]) - first <= batch_tokens:
+            first, longest, k = int(starts[kept[j]]), int(lengths[kept[j]]), j + 1
+            while k < hi:
+                n = int(lengths[kept[k]])
+                if padded:
+                    longest = max(longest, n)
+                    if (k + 1 - j) * longest > batch_tokens:
+                        break
+                elif int(starts[kept[k]]) + n - first > batch_tokens:
+                    break
                 k += 1
             plan.append((u, kept[j:k], np.arange(j, k)))
             j = k

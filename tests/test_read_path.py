@@ -312,10 +312,22 @@ def test_read_ahead_and_reused_batches_equal_fresh_ones(outputs, name):
     assert not [t for t in threading.enumerate() if t.name.startswith("read-ahead")]
 
 
-def test_stream_batches_default_to_a_size_in_bytes(tmp_path, monkeypatch):
-    """Stream batches span the rows of _STREAM_BYTES stored bytes by default, padded ones of _PADDED_BYTES (the
-    padded batch stays in the CPU cache); an explicit batch_tokens is kept. 20-token sentences of one 64-wide
-    float16 layer (128 bytes a row), 40 a shard."""
+def test_stream_plan_caps_rows_or_padded_tokens():
+    """A stream batch spans at most batch_tokens rows, or with padded=True holds at most batch_tokens tokens
+    once padded (sentences x the longest); a longer sentence alone; never across shards."""
+    from elmo_pipeline.downstream.stream_rows import stream_plan
+    lengths = np.array([2, 2, 5, 1, 1, 1, 20, 3, 3])
+    starts = np.concatenate([np.cumsum(np.r_[0, lengths[:6]])[:-1], np.cumsum(np.r_[0, lengths[6:]])[:-1]])
+    plan = lambda padded: [q.tolist() for _, q, _ in stream_plan(np.arange(9), [0, 6, 9], starts, lengths,  # noqa: E731
+                                                                  10, padded)]
+    assert plan(True) == [[0, 1], [2, 3], [4, 5], [6], [7, 8]]
+    assert plan(False) == [[0, 1, 2, 3], [4, 5], [6], [7, 8]]
+
+
+def test_stream_batches_default_to_a_size_in_bytes(tmp_path, monkeypatch, outputs):
+    """Stream batches span the rows of _STREAM_BYTES stored bytes by default, padded ones make a padded batch of
+    at most _PADDED_BYTES (it stays in the CPU cache); an explicit batch_tokens is kept (rows). 20-token sentences
+    of one 64-wide float16 layer (128 bytes a row), 40 a shard; then sentences of mixed lengths."""
     from benchmarks.read_path import big_output
     from elmo_pipeline.downstream import mapped
     monkeypatch.setattr(mapped, "_PADDED_BYTES", 256 * 128)
@@ -324,6 +336,11 @@ def test_stream_batches_default_to_a_size_in_bytes(tmp_path, monkeypatch):
     rows = lambda **kw: [int(b["lengths"].sum()) for b in ds.stream(**kw)]     # noqa: E731
     assert max(rows(padded=True)) == 240 and max(rows()) == 500 and max(rows(padded=True, batch_tokens=512)) == 500
     assert sum(rows(padded=True)) == sum(rows()) == 4000
+    mixed = MappedDataset(outputs["all"], tokens=False)                  # 3 layers, float32 batches
+    monkeypatch.setattr(mapped, "_PADDED_BYTES", 10 * 3 * mixed.dim * 4)  # 10 padded tokens
+    shapes = [tuple(b["layers"].shape) for b in mixed.stream(padded=True)]
+    assert all(B * T <= 10 or B == 1 for B, _, T, _ in shapes) and sum(B for B, *_ in shapes) == len(mixed)
+    assert len({T for _, _, T, _ in shapes}) > 1
 
 
 def test_converted_batches_equal_numpys_conversion():
