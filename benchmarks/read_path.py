@@ -6,8 +6,9 @@ against a `cat` of the same files in the same run.
 All of WikiText-2 valid (or its first --lines lines) is written by the pipeline with a near-free biLM as wide as
 the original (benchmarks/host_cost.WIDE_CHEAP), default sharding, --format parquet,arrow, one stored dtype at a
 time (fp16, then fp32; each deleted before the next). Each row is the median of --pairs pairs, a pair being one
-`cat` of the Arrow files then one run of the form; a form's rate is stored vector bytes delivered per second, its
-line ending "NN.N % of page-cache bandwidth" (the cat's bytes/s). Rows that deliver an fp16 output as float32
+`cat` of the Arrow files then one epoch of the form on a newly opened dataset (opening it, the index, is timed
+apart: set-up seconds); a form's rate is stored vector bytes delivered per second, its line ending "NN.N % of
+page-cache bandwidth" (the cat's bytes/s). Rows that deliver an fp16 output as float32
 also give "% of floor": the floor is the cat's time for the vector bytes plus torch's fp16 -> float32 conversion
 of the same bytes (measured in the same run, one stream batch at a time into a reused buffer; on a GPU that
 conversion belongs on the device: deliver the stored dtype and call .float() there). Random-access rows read
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 import numpy as np
 
@@ -96,56 +98,68 @@ def first_read_cats(out: str, files: list[str], n: int) -> dict:
             "first_read_by_the_index_seconds": float(np.median([cat_seconds(files) for _ in range(n)]))}
 
 
-def pairs(fn, files: list[str], n: int) -> dict:
-    """Median over n pairs (one cat of files, then fn(), which returns the stored vector bytes it delivered)."""
-    cats, runs, delivered = [], [], 0
+def pairs(form, files: list[str], n: int) -> dict:
+    """Median over n pairs: one cat of files, then the form. form() opens what it reads (timed apart: set-up
+    seconds) and returns run; run() (timed) returns the stored vector bytes it delivered."""
+    cats, runs, setups, delivered = [], [], [], 0
     for _ in range(n):
         cats.append(cat_seconds(files))
         t = time.perf_counter()
-        delivered = fn()
+        run = form()
+        setups.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        delivered = run()
         runs.append(time.perf_counter() - t)
     return {"seconds": float(np.median(runs)), "cat_seconds": float(np.median(cats)), "bytes": delivered,
             "cat_bytes": _size(files), "fractions": [delivered / r / (_size(files) / c) for c, r in zip(cats, runs)],
-            "pairs": n}
+            "setup_seconds": float(np.median(setups)), "pairs": n}
 
 
-# -- the forms, each returning the stored vector bytes delivered; every delivered tensor is summed
+# -- the forms: each opens its dataset and returns run(), which reads one epoch, sums every delivered tensor and
+# returns the stored vector bytes delivered
 def _stored_bytes(ds, lengths) -> int:
     return int(lengths.sum()) * sum(ds.widths) * ds.stored_dtype.itemsize
 
 
-def stream_form(out: str, layers=None, dtype=None, as_float32=False) -> int:
+def stream_form(out: str, layers=None, dtype=None, as_float32=False):
     from elmo_pipeline.downstream.mapped import MappedDataset
     ds = MappedDataset(out, tokens=False, dtype=dtype)
-    total, acc = 0, 0.0
     names = layers or ds.layers
     width = sum(ds.outputs[0].layer_dims[n] for n in names) * ds.stored_dtype.itemsize
-    for b in ds.stream(layers=layers):
-        for v in b["vectors"]:
-            acc += float((v.float() if as_float32 else v).sum())
-        total += int(b["lengths"].sum()) * width
-    return total
+
+    def run() -> int:
+        total, acc = 0, 0.0
+        for b in ds.stream(layers=layers):
+            for v in b["vectors"]:
+                acc += float((v.float() if as_float32 else v).sum())
+            total += int(b["lengths"].sum()) * width
+        return total
+    return run
 
 
-def padded_stream_form(out: str, dtype) -> int:
+def _padded_run(ds, batches):
+    """run() of a form whose batches (an iterable made anew each epoch) hold padded layers."""
+    def run() -> int:
+        total, acc = 0, 0.0
+        for b in batches():
+            acc += float(b["layers"].sum())
+            total += _stored_bytes(ds, b["lengths"])
+        return total
+    return run
+
+
+def padded_stream_form(out: str, dtype):
     from elmo_pipeline.downstream.mapped import MappedDataset
     ds = MappedDataset(out, tokens=False, dtype=dtype)
-    total, acc = 0, 0.0
-    for b in ds.stream(padded=True):
-        acc += float(b["layers"].sum())
-        total += _stored_bytes(ds, b["lengths"])
-    return total
+    return _padded_run(ds, lambda: ds.stream(padded=True))
 
 
-def bucket_form(out: str, dtype) -> int:
+def bucket_form(out: str, dtype):
     from elmo_pipeline.downstream.mapped import MappedDataset
     from elmo_pipeline.downstream.sampler import BucketBatchSampler
     ds = MappedDataset(out, tokens=False, dtype=dtype)
-    total, acc = 0, 0.0
-    for b in ds.batches(BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0), reuse=True):
-        acc += float(b["layers"].sum())
-        total += _stored_bytes(ds, b["lengths"])
-    return total
+    sampler = BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0)
+    return _padded_run(ds, lambda: ds.batches(sampler, reuse=True))
 
 
 def padded_values(out: str, form: str) -> float:
@@ -168,7 +182,7 @@ def padded_values(out: str, form: str) -> float:
     return padded / stored
 
 
-def loader_form(out: str, workers: int) -> int:
+def loader_form(out: str, workers: int):
     """The documented DataLoader recipe (docs/downstream.md), float32 batches of 32 in length buckets."""
     from torch.utils.data import DataLoader
     from elmo_pipeline.downstream.mapped import MappedDataset, unbatched
@@ -176,11 +190,7 @@ def loader_form(out: str, workers: int) -> int:
     ds = MappedDataset(out, tokens=False)
     loader = DataLoader(ds, batch_sampler=BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0),
                         collate_fn=unbatched, num_workers=workers)
-    total, acc = 0, 0.0
-    for b in loader:
-        acc += float(b["layers"].sum())
-        total += _stored_bytes(ds, b["lengths"])
-    return total
+    return _padded_run(ds, lambda: loader)
 
 
 def bucket_ranges(out: str) -> tuple[list[str], list[tuple[int, int, int]], int]:
@@ -282,15 +292,17 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
         "batches, BucketBatchSampler(32, shuffle), reuse, float32": (lambda: bucket_form(out, "float32"), f32),
         "DataLoader recipe (num_workers=0), float32": (lambda: loader_form(out, 0), f32),
         "DataLoader, num_workers=2, float32": (lambda: loader_form(out, 2), f32),
-        "reference: the bucketed batches' reads alone, one thread": (lambda: bucket_reads(listed, 1), False),
-        "reference: the bucketed batches' reads alone, two threads": (lambda: bucket_reads(listed, 2), False),
+        "reference: the bucketed batches' reads alone, one thread": (lambda: partial(bucket_reads, listed, 1),
+                                                                      False),
+        "reference: the bucketed batches' reads alone, two threads": (lambda: partial(bucket_reads, listed, 2),
+                                                                       False),
     }
     for name, (fn, to_float32) in rows.items():
         r = d["rows"][name] = pairs(fn, files, n_pairs if "workers=2" not in name else max(1, min(3, n_pairs)))
         rate, cat = r["bytes"] / r["seconds"], r["cat_bytes"] / r["cat_seconds"]
         r["fraction"] = rate / cat
         line = (f"{name}: {rate / 1e9:.2f} GB/s; cat {cat / 1e9:.2f} GB/s; {100 * r['fraction']:.1f} % of page-cache "
-                f"bandwidth")
+                f"bandwidth; set-up {r['setup_seconds']:.3f} s apart")
         if to_float32:
             floor_s = r["cat_seconds"] * vector_bytes / r["cat_bytes"] + conv
             r["floor_seconds"], r["fraction_of_floor"] = floor_s, floor_s / r["seconds"] * r["bytes"] / vector_bytes
@@ -429,10 +441,10 @@ def main() -> int:
     res = {"machine": machine(), "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30,
            "load_average_at_start": os.getloadavg(), "lines": args.lines or "all", "one_process": True,
            "torch_threads": 1, "pairs": args.pairs,
-           "method": "each row: the median of `pairs` pairs, one cat of the arrow files then the form, every "
-                     "delivered tensor summed in the loop, one thread (no read-ahead), the forms' defaults; rates in "
-                     "stored vector bytes delivered per second; random-access rows time the reads, their set-up "
-                     "(dataset opened, positions drawn, ids listed, id table built) apart",
+           "method": "each row: the median of `pairs` pairs, one cat of the arrow files then one epoch of the form, "
+                     "every delivered tensor summed in the loop, one thread (no read-ahead), the forms' defaults; rates "
+                     "in stored vector bytes delivered per second; each row times the reads, its set-up (dataset "
+                     "opened; for random access positions drawn, ids listed, id table built) apart",
            "dtypes": {}}
     print(f"# read path, {res['machine']}, one process, 1 torch thread; median of {args.pairs} (cat, form) pairs; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
