@@ -350,15 +350,16 @@ class MappedDataset(_TorchDataset):
     def batches(self, sampler: "BucketBatchSampler | None" = None, batch_size: int = 32, reuse: bool = False,
                 pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
         """Padded batches in the sampler's order (default: every sentence in order, `batch_size` at a time),
-        built by a background thread `ahead` batches ahead (default 0: in this thread; see stream). reuse:
+        built by a background thread `ahead` batches ahead (default 0: in this thread; see stream). Each batch a
+        tensor of its own, as batch() makes them (the building thread's kept buffers, from epoch to epoch); reuse:
         batches built into buffers kept between batches (each valid until the next: the fastest form for a
         training loop that moves or consumes a batch before asking for the next; ahead + 2 of them with ahead)."""
         plan = sampler if sampler is not None else (range(s, min(s + batch_size, len(self)))
                                                     for s in range(0, len(self), batch_size))
         name = (self.dtype or self.stored_dtype).name
-        batchers = [Batcher(self.dim, name, reuse=reuse, pin_memory=pin_memory)
-                    for _ in range(ahead + 2 if reuse and ahead > 0 else 1)]
-        return read_ahead((self.batch(list(positions), batcher=batchers[j % len(batchers)])
+        batchers = [Batcher(self.dim, name, reuse=True, pin_memory=pin_memory)
+                    for _ in range(ahead + 2 if ahead > 0 else 1)] if reuse else [None]    # None: batch()'s own
+        return read_ahead((self.batch(list(positions), pin_memory, batchers[j % len(batchers)])
                            for j, positions in enumerate(plan)), ahead)
 
     def stream(self, batch_tokens: int | None = None, layers: Sequence[str] | None = None, padded: bool = False,

@@ -133,6 +133,9 @@ def test_batches_of_their_own_reuse_only_dropped_buffers(outputs, dtype):
     del held
     kept = {b.untyped_storage().data_ptr() for b in ds._batcher(False)._pool}
     assert {ds.batch(o)["layers"].untyped_storage().data_ptr() for o in orders * 2} <= kept
+    epoch = [b["layers"].clone() for b in ds.batches(orders)]       # batches(): batch()'s buffers, epoch to epoch
+    assert all(torch.equal(b, w) for b, w in zip(epoch, want))
+    assert next(iter(ds.batches(orders)))["layers"].untyped_storage().data_ptr() in kept
 
 
 @pytest.mark.parametrize("name,dtype", [("fp16", "float32"), ("all", "float16")])
