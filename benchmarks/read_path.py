@@ -7,23 +7,23 @@ All of WikiText-2 valid (or its first --lines lines) is written by the pipeline 
 the original (benchmarks/host_cost.WIDE_CHEAP), default sharding, --format parquet,arrow, one stored dtype at a
 time (fp16, then fp32; each deleted before the next). Each row is the median of --pairs pairs, a pair being one
 `cat` of the Arrow files then one epoch of the form on a newly opened dataset (opening it, the index, is timed
-apart: set-up seconds); a form's rate is stored vector bytes delivered per second, its line ending "NN.N % of
-page-cache bandwidth" (the cat's bytes/s). Rows that deliver an fp16 output as float32
-also give "% of floor": the floor is the cat's time for the vector bytes plus torch's fp16 -> float32 conversion
-of the same bytes (measured in the same run, one stream batch at a time into a reused buffer; on a GPU that
-conversion belongs on the device: deliver the stored dtype and call .float() there). Random-access rows read
-every byte of each sentence and give "% of its bound": the cat's bytes/s divided by the mean bytes of the
-sentences read; they time the reads only (opening the dataset, drawing the positions and, by id, listing the ids
-and building the id table are timed apart: set-up seconds). Every form runs with its defaults: a batch of 1 MiB
-or more read by the caller and the dataset's helper thread (threads=2), stream batches of 8 MiB, padded ones of
-at most 6 MiB once padded, in their dtype. References, no form: the bucketed batches' byte ranges alone, read with one preadv each in
-the sampler's order into a reused buffer (one thread, then two threads a half each: what reading in that order
-costs); the padded batches' values per stored value; a `cat` of a copy of the files written by `cp` (how a file
-was written changes how fast `cat` reads it back); last, `cat` after the files' pages were dropped and read back
-first by one `cat`, then first by building the index (how pages came into the page cache changes it too). The
-index's memory: a fresh process over the same output (default sharding) and over a --big-tokens output of
-synthetic sentences sharded like it, RSS (anonymous and file pages) after the index, after 100k random reads and
-after 100k id lookups.
+apart: set-up seconds), the forms taken in turn pair by pair (a slow spell of the machine falls on all alike); a
+form's rate is stored vector bytes delivered per second, its line ending "NN.N % of page-cache bandwidth" (the
+cat's bytes/s). Rows that deliver an fp16 output as float32 also give "% of floor": the floor is the cat's time for
+the vector bytes plus torch's fp16 -> float32 conversion of the same bytes (measured in the same run, one stream
+batch at a time into a reused buffer; on a GPU that conversion belongs on the device: deliver the stored dtype and
+call .float() there). Random-access rows read every byte of each sentence and give "% of its bound": the cat's
+bytes/s divided by the mean bytes of the sentences read; they time the reads only (opening the dataset, drawing the
+positions and, by id, listing the ids and building the id table are timed apart: set-up seconds). Every form runs
+with its defaults: a batch of 1 MiB or more read by the caller and the dataset's helper thread (threads=2), stream
+batches of 8 MiB, padded ones of at most 6 MiB once padded, in their dtype. References, no form: the bucketed
+batches' byte ranges alone, read with one preadv each in the sampler's order into a reused buffer (one thread, then
+two threads a half each: what reading in that order costs); the padded batches' values per stored value; a `cat` of
+a copy of the files written by `cp` (how a file was written changes how fast `cat` reads it back); last, `cat`
+after the files' pages were dropped and read back first by one `cat`, then first by building the index (how pages
+came into the page cache changes it too). The index's memory: a fresh process over the same output (default
+sharding) and over a --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and file pages)
+after the index, after 100k random reads and after 100k id lookups.
 """
 from __future__ import annotations
 
@@ -98,21 +98,30 @@ def first_read_cats(out: str, files: list[str], n: int) -> dict:
             "first_read_by_the_index_seconds": float(np.median([cat_seconds(files) for _ in range(n)]))}
 
 
-def pairs(form, files: list[str], n: int) -> dict:
-    """Median over n pairs: one cat of files, then the form. form() opens what it reads (timed apart: set-up
-    seconds) and returns run; run() (timed) returns the stored vector bytes it delivered."""
-    cats, runs, setups, delivered = [], [], [], 0
-    for _ in range(n):
-        cats.append(cat_seconds(files))
-        t = time.perf_counter()
-        run = form()
-        setups.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        delivered = run()
-        runs.append(time.perf_counter() - t)
-    return {"seconds": float(np.median(runs)), "cat_seconds": float(np.median(cats)), "bytes": delivered,
-            "cat_bytes": _size(files), "fractions": [delivered / r / (_size(files) / c) for c, r in zip(cats, runs)],
-            "setup_seconds": float(np.median(setups)), "pairs": n}
+def pairs(forms: dict, files: list[str]) -> dict:
+    """{name: medians} of each form's pairs, one cat of files then the form, the forms taken in turn (round i
+    runs pair i of every form that has one: a slow spell of the machine falls on all of them alike).
+    forms: {name: (form, pairs)}; form() opens what it reads (timed apart: set-up seconds) and returns run;
+    run() (timed) returns the stored vector bytes it delivered."""
+    got: dict = {name: ([], [], [], 0) for name in forms}
+    for i in range(max((n for _, n in forms.values()), default=0)):
+        for name, (form, n) in forms.items():
+            if i >= n:
+                continue
+            cats, runs, setups, _ = got[name]
+            cats.append(cat_seconds(files))
+            t = time.perf_counter()
+            run = form()
+            setups.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            delivered = run()
+            runs.append(time.perf_counter() - t)
+            got[name] = (cats, runs, setups, delivered)
+    size = _size(files)
+    return {name: {"seconds": float(np.median(runs)), "cat_seconds": float(np.median(cats)), "bytes": delivered,
+                   "cat_bytes": size, "fractions": [delivered / r / (size / c) for c, r in zip(cats, runs)],
+                   "setup_seconds": float(np.median(setups)), "pairs": len(runs)}
+            for name, (cats, runs, setups, delivered) in got.items()}
 
 
 # -- the forms: each opens its dataset and returns run(), which reads one epoch, sums every delivered tensor and
@@ -297,8 +306,10 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
         "reference: the bucketed batches' reads alone, two threads": (lambda: partial(bucket_reads, listed, 2),
                                                                        False),
     }
-    for name, (fn, to_float32) in rows.items():
-        r = d["rows"][name] = pairs(fn, files, n_pairs if "workers=2" not in name else max(1, min(3, n_pairs)))
+    d["rows"] = pairs({name: (fn, n_pairs if "workers=2" not in name else max(1, min(3, n_pairs)))
+                       for name, (fn, _) in rows.items()}, files)
+    for name, (_, to_float32) in rows.items():
+        r = d["rows"][name]
         rate, cat = r["bytes"] / r["seconds"], r["cat_bytes"] / r["cat_seconds"]
         r["fraction"] = rate / cat
         line = (f"{name}: {rate / 1e9:.2f} GB/s; cat {cat / 1e9:.2f} GB/s; {100 * r['fraction']:.1f} % of page-cache "
@@ -441,10 +452,11 @@ def main() -> int:
     res = {"machine": machine(), "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30,
            "load_average_at_start": os.getloadavg(), "lines": args.lines or "all", "one_process": True,
            "torch_threads": 1, "pairs": args.pairs,
-           "method": "each row: the median of `pairs` pairs, one cat of the arrow files then one epoch of the form, "
-                     "every delivered tensor summed in the loop, one thread (no read-ahead), the forms' defaults; rates "
-                     "in stored vector bytes delivered per second; each row times the reads, its set-up (dataset "
-                     "opened; for random access positions drawn, ids listed, id table built) apart",
+           "method": "each row: the median of `pairs` pairs, one cat of the arrow files then one epoch of the "
+                     "form (the forms in turn, pair by pair), every delivered tensor summed in the loop, one thread "
+                     "(no read-ahead), the forms' defaults; rates in stored vector bytes delivered per second; each "
+                     "row times the reads, its set-up (dataset opened; for random access positions drawn, ids "
+                     "listed, id table built) apart",
            "dtypes": {}}
     print(f"# read path, {res['machine']}, one process, 1 torch thread; median of {args.pairs} (cat, form) pairs; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
