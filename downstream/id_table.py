@@ -36,13 +36,14 @@ class IdTable:
     def __init__(self, ids: list[pa.Array], firsts: list[int]):
         self.ids, self.firsts = ids, firsts
         self._buffers: list[tuple[np.ndarray, memoryview]] | None = None
+        self._views: tuple | None = None
         hashes = np.fromiter((id_hash(data[offs[s]: offs[s + 1]]) for offs, data in self.buffers()
                               for s in range(len(offs) - 1)), dtype=np.uint64, count=firsts[-1])
         order = np.argsort(hashes, kind="stable")
         self.hashes, self.positions = hashes[order], order.astype(np.int64)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_buffers": None}
+        return {**self.__dict__, "_buffers": None, "_views": None}
 
     @property
     def nbytes(self) -> int:
@@ -54,14 +55,24 @@ class IdTable:
             self._buffers = [string_buffers(a) for a in self.ids]
         return self._buffers
 
+    def _lookup_views(self) -> tuple:
+        """(hashes, positions, [(offsets, data)] per array) as memoryviews of the arrays (built on first use):
+        a lookup indexes them for Python ints, without numpy scalars."""
+        if self._views is None:
+            flat = lambda a, code: memoryview(np.ascontiguousarray(a)).cast("B").cast(code)    # noqa: E731
+            self._views = (flat(self.hashes, "Q"), flat(self.positions, "q"),
+                           [(flat(offs, "i"), data) for offs, data in self.buffers()])
+        return self._views
+
     def find(self, key: bytes) -> int | None:
         """The position of the id whose UTF-8 bytes are `key`, or None."""
-        h = np.uint64(id_hash(key))
-        k = int(self.hashes.searchsorted(h))
-        while k < len(self.hashes) and self.hashes[k] == h:
-            p = int(self.positions[k])
+        hashes, positions, strings = self._lookup_views()
+        h = id_hash(key)
+        k = bisect.bisect_left(hashes, h)
+        while k < len(hashes) and hashes[k] == h:
+            p = positions[k]
             u = bisect.bisect_right(self.firsts, p) - 1
-            offs, data = self.buffers()[u]
+            offs, data = strings[u]
             s = p - self.firsts[u]
             if data[offs[s]: offs[s + 1]] == key:
                 return p
