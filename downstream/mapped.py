@@ -366,8 +366,8 @@ class MappedDataset(_TorchDataset):
                pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
         """Every sentence of the dataset in file order (output, shard, id), in batches of consecutive sentences
         spanning at most `batch_tokens` rows (a longer sentence alone; default: the rows of 8 MiB of the selected
-        layers' stored vectors; with padded=True by default as many as make a padded batch (B, L, T, dim) of at
-        most 6 MiB in its dtype, so that it stays in the CPU cache: B x T <= 512 tokens of the original width in
+        layers' stored vectors, and with padded=True by default no more than make a padded batch (B, L, T, dim)
+        of 6 MiB in its dtype, so that it stays in the CPU cache: B x T <= 512 tokens of the original width in
         float32, 1024 in float16, fewer sentences where one is long). Each layer's
         rows of a batch are one byte range of the shard: one pread per layer straight into a reused buffer
         (pinned with pin_memory when CUDA is there), no per-sentence work; with threads=2 a batch of 1 MiB or
@@ -386,13 +386,14 @@ class MappedDataset(_TorchDataset):
         if missing:
             raise ValueError(f"layers {missing} are not among the dataset's {self.layers}")
         read = self._keep if self._keep is not None else np.arange(len(self._all_lengths), dtype=np.int64)
-        by_padding = padded and batch_tokens is None       # the padded batch's bytes, in its dtype
-        if by_padding:
-            batch_tokens = _PADDED_BYTES // (len(names) * self.dim * (self.dtype or self.stored_dtype).itemsize)
-        elif batch_tokens is None:
+        padded_tokens = 0                                   # by default a padded batch's bytes cap it too
+        if batch_tokens is None:
             batch_tokens = _STREAM_BYTES // (sum(self.outputs[0].layer_dims[n] for n in names) *
                                              self.stored_dtype.itemsize)
-        plan = stream_plan(read, self._firsts, self._starts, self._all_lengths, max(1, batch_tokens), by_padding)
+            if padded:
+                padded_tokens = max(1, _PADDED_BYTES // (len(names) * self.dim *
+                                                         (self.dtype or self.stored_dtype).itemsize))
+        plan = stream_plan(read, self._firsts, self._starts, self._all_lengths, max(1, batch_tokens), padded_tokens)
         rows = max((int(self._starts[q[-1]] + self._all_lengths[q[-1]] - self._starts[q[0]]) for _, q, _ in plan),
                    default=0)
         width = [self.outputs[0].layer_dims[n] * self.stored_dtype.itemsize for n in names]

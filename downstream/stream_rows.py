@@ -32,10 +32,10 @@ def halves(fn, n: int, helper=None) -> None:
 
 
 def stream_plan(kept: np.ndarray, firsts: Sequence[int], starts: np.ndarray, lengths: np.ndarray,
-                batch_tokens: int, padded: bool = False) -> list[tuple[int, np.ndarray, np.ndarray]]:
+                batch_tokens: int, padded_tokens: int = 0) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """(unit, global positions (B,), dataset positions (B,)) of each stream batch: consecutive positions
-    of one unit whose rows span at most batch_tokens (or one sentence); padded=True: whose padded batch holds
-    at most batch_tokens tokens (B x its longest sentence) instead.
+    of one unit whose rows span at most batch_tokens (or one sentence) and, when padded_tokens, whose padded
+    batch holds at most padded_tokens tokens (B x its longest sentence).
 
     kept: the global positions read, sorted (S,) int64; firsts: each unit's first global position, then the
     total (U+1,); starts, lengths: each global position's first row in its shard and its rows."""
@@ -47,11 +47,9 @@ def stream_plan(kept: np.ndarray, firsts: Sequence[int], starts: np.ndarray, len
             first, longest, k = int(starts[kept[j]]), int(lengths[kept[j]]), j + 1
             while k < hi:
                 n = int(lengths[kept[k]])
-                if padded:
-                    longest = max(longest, n)
-                    if (k + 1 - j) * longest > batch_tokens:
-                        break
-                elif int(starts[kept[k]]) + n - first > batch_tokens:
+                longest = max(longest, n)
+                if int(starts[kept[k]]) + n - first > batch_tokens or \
+                        padded_tokens and (k + 1 - j) * longest > padded_tokens:
                     break
                 k += 1
             plan.append((u, kept[j:k], np.arange(j, k)))

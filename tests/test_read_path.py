@@ -315,16 +315,19 @@ def test_read_ahead_and_reused_batches_equal_fresh_ones(outputs, name):
     assert not [t for t in threading.enumerate() if t.name.startswith("read-ahead")]
 
 
-def test_stream_plan_caps_rows_or_padded_tokens():
-    """A stream batch spans at most batch_tokens rows, or with padded=True holds at most batch_tokens tokens
-    once padded (sentences x the longest); a longer sentence alone; never across shards."""
+def test_stream_plan_caps_rows_and_padded_tokens():
+    """A stream batch spans at most batch_tokens rows and, given padded_tokens, holds at most that many tokens
+    once padded (sentences x the longest); a longer sentence alone; never across shards; the rows of the
+    sentences left out (unlabelled) count in the span."""
     from elmo_pipeline.downstream.stream_rows import stream_plan
     lengths = np.array([2, 2, 5, 1, 1, 1, 20, 3, 3])
     starts = np.concatenate([np.cumsum(np.r_[0, lengths[:6]])[:-1], np.cumsum(np.r_[0, lengths[6:]])[:-1]])
-    plan = lambda padded: [q.tolist() for _, q, _ in stream_plan(np.arange(9), [0, 6, 9], starts, lengths,  # noqa: E731
-                                                                  10, padded)]
-    assert plan(True) == [[0, 1], [2, 3], [4, 5], [6], [7, 8]]
-    assert plan(False) == [[0, 1, 2, 3], [4, 5], [6], [7, 8]]
+    plan = lambda kept, rows, padded: [q.tolist() for _, q, _ in stream_plan(  # noqa: E731
+        np.asarray(kept), [0, 6, 9], starts, lengths, rows, padded)]
+    assert plan(range(9), 10, 10) == [[0, 1], [2, 3], [4, 5], [6], [7, 8]]
+    assert plan(range(9), 10, 0) == [[0, 1, 2, 3], [4, 5], [6], [7, 8]]
+    assert plan(range(9), 4, 10) == [[0, 1], [2], [3, 4, 5], [6], [7], [8]]
+    assert plan([0, 3, 4, 5], 4, 10) == [[0], [3, 4, 5]]             # 0 and 3 span 10 rows
 
 
 def test_stream_batches_default_to_a_size_in_bytes(tmp_path, monkeypatch, outputs):
