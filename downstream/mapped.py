@@ -209,6 +209,7 @@ class MappedDataset(_TorchDataset):
         state["_maps"], state["_views"], state["_columns"] = {}, {}, {}
         state.pop("_threads", None)
         state.pop("_helper", None)
+        state.pop("_kept", None)
         return state
 
     def _open(self, u: int) -> pa.RecordBatch:
@@ -353,14 +354,27 @@ class MappedDataset(_TorchDataset):
         built by a background thread `ahead` batches ahead (default 0: in this thread; see stream). Each batch a
         tensor of its own, as batch() makes them (the building thread's kept buffers, from epoch to epoch); reuse:
         batches built into buffers kept between batches (each valid until the next: the fastest form for a
-        training loop that moves or consumes a batch before asking for the next; ahead + 2 of them with ahead)."""
+        training loop that moves or consumes a batch before asking for the next; ahead + 2 of them with ahead),
+        and kept by the dataset when the iteration ends for the next call (the next epoch builds in buffers
+        already in memory; so the last batch of one call is valid until the next call's first)."""
         plan = sampler if sampler is not None else (range(s, min(s + batch_size, len(self)))
                                                     for s in range(0, len(self), batch_size))
-        name = (self.dtype or self.stored_dtype).name
-        batchers = [Batcher(self.dim, name, reuse=True, pin_memory=pin_memory)
-                    for _ in range(ahead + 2 if ahead > 0 else 1)] if reuse else [None]    # None: batch()'s own
-        return read_ahead((self.batch(list(positions), pin_memory, batchers[j % len(batchers)])
-                           for j, positions in enumerate(plan)), ahead)
+        if not reuse:                                       # batch()'s own Batcher of the building thread
+            return read_ahead((self.batch(list(positions), pin_memory) for positions in plan), ahead)
+        free = self._free_batchers(pin_memory)
+        n = ahead + 2 if ahead > 0 else 1
+        batchers = [free.pop() for _ in range(min(n, len(free)))]
+        batchers += [Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=True, pin_memory=pin_memory)
+                     for _ in range(n - len(batchers))]
+        return _giving_back(read_ahead((self.batch(list(positions), pin_memory, batchers[j % n])
+                                        for j, positions in enumerate(plan)), ahead), batchers, free)
+
+    def _free_batchers(self, pin_memory: bool) -> list:
+        """The reuse=True Batchers that finished batches() iterations of this process gave back (pinned or not)."""
+        kept = self.__dict__.get("_kept")
+        if kept is None or kept[0] != os.getpid():
+            kept = self._kept = (os.getpid(), {False: [], True: []})
+        return kept[1][bool(pin_memory)]
 
     def stream(self, batch_tokens: int | None = None, layers: Sequence[str] | None = None, padded: bool = False,
                pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
@@ -454,6 +468,15 @@ class MappedDataset(_TorchDataset):
             n = int(vectors[0].shape[0]) if vectors else 0
             halves(read, n, helper)
         return batch
+
+
+def _giving_back(items: Iterator, batchers: list, free: list) -> Iterator:
+    """The items; once they end (or the iteration is closed, its read-ahead thread stopped), batchers go back
+    to `free` for the next iteration."""
+    try:
+        yield from items
+    finally:
+        free.extend(batchers)
 
 
 def unbatched(batch: dict) -> dict:

@@ -138,6 +138,25 @@ def test_batches_of_their_own_reuse_only_dropped_buffers(outputs, dtype):
     assert next(iter(ds.batches(orders)))["layers"].untyped_storage().data_ptr() in kept
 
 
+def test_reused_batches_keep_their_buffers_from_call_to_call(outputs):
+    """batches(reuse=True) gives its buffers back to the dataset when the iteration ends: the next call builds in
+    them (no new allocation to fault in); two iterations at once never share one."""
+    ref = ElmoDataset(outputs["fp16"])
+    ds = MappedDataset(outputs["fp16"], dtype=None, tokens=False)
+    orders = [[5, 0, 7, 3], [1, 2], [6, 4, 0]]
+    want = [collate([ref[i] for i in o])["layers"].half() for o in orders]
+    first = {b["layers"].untyped_storage().data_ptr() for b in ds.batches(orders, reuse=True)}
+    kept = {b._bufs["layers"].data_ptr() for b in ds._free_batchers(False)}
+    assert first == kept
+    for b, w in zip(ds.batches(orders, reuse=True), want):
+        assert torch.equal(b["layers"], w) and b["layers"].untyped_storage().data_ptr() in kept
+    one, two = ds.batches(orders, reuse=True), ds.batches(orders[::-1], reuse=True)
+    for x, y, wx, wy in zip(one, two, want, want[::-1]):
+        assert torch.equal(x["layers"], wx) and torch.equal(y["layers"], wy)
+    two.close()                                                      # the one zip did not run to its end
+    assert len(ds._free_batchers(False)) == 2
+
+
 @pytest.mark.parametrize("name,dtype", [("fp16", "float32"), ("all", "float16")])
 def test_converted_batches_equal_the_converted_records(outputs, monkeypatch, name, dtype):
     """A batch delivered in another dtype than stored (fp16 -> float32, float32 -> fp16), by one thread and
