@@ -14,17 +14,17 @@ the vector bytes plus torch's fp16 -> float32 conversion of the same bytes (meas
 batch at a time into a reused buffer; on a GPU that conversion belongs on the device: deliver the stored dtype and
 call .float() there). Random-access rows read every byte of each sentence and give "% of its bound": the cat's
 bytes/s divided by the mean bytes of the sentences read; they time the reads only (opening the dataset, drawing the
-positions and, by id, listing the ids and building the id table are timed apart: set-up seconds). Rows marked
-"second epoch" time a form's second epoch on the same dataset (the first is part of their set-up). Every form runs
-with its defaults: a batch of 1 MiB or more read by the caller and the dataset's helper thread (threads=2), stream
-batches of 8 MiB, padded ones of at most 6 MiB once padded, in their dtype. References, no form: the bucketed
-batches' byte ranges alone, read with one preadv each in the sampler's order into a reused buffer (one thread, then
-two threads a half each: what reading in that order costs); the padded batches' values per stored value; a `cat` of
-a copy of the files written by `cp` (how a file was written changes how fast `cat` reads it back); last, `cat`
-after the files' pages were dropped and read back first by one `cat`, then first by building the index (how pages
-came into the page cache changes it too). The index's memory: a fresh process over the same output (default
-sharding) and over a --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and file pages)
-after the index, after 100k random reads and after 100k id lookups.
+positions and, by id, listing the ids and building the id table are timed apart: set-up seconds), in turn too. Rows
+marked "second epoch" time a form's second epoch on the same dataset (the first is part of their set-up). Every
+form runs with its defaults: a batch of 1 MiB or more read by the caller and the dataset's helper thread
+(threads=2), stream batches of 8 MiB, padded ones of at most 6 MiB once padded, in their dtype. References, no
+form: the bucketed batches' byte ranges alone, read with one preadv each in the sampler's order into a reused
+buffer (one thread, then two threads a half each: what reading in that order costs); the padded batches' values per
+stored value; a `cat` of a copy of the files written by `cp` (how a file was written changes how fast `cat` reads
+it back); last, `cat` after the files' pages were dropped and read back first by one `cat`, then first by building
+the index (how pages came into the page cache changes it too). The index's memory: a fresh process over the same
+output (default sharding) and over a --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and
+file pages) after the index, after 100k random reads and after 100k id lookups.
 """
 from __future__ import annotations
 
@@ -253,34 +253,36 @@ def bucket_reads(listed: tuple, threads: int) -> int:
 
 
 def random_form(out: str, n: int, kind: str):
-    """(reads, sentences, stored bytes, set-up seconds) of n random reads, every byte of each summed: kind views
-    (by position), id (views by id), record (ds[p], float32), batch (ds.batch of 32 random positions, float32).
-    reads() does the reads; the set-up before it (the dataset opened, the positions drawn, for id the ids
-    listed and the id table built by a first lookup) is timed apart."""
-    import torch
-    from elmo_pipeline.downstream.batching import tensor
-    from elmo_pipeline.downstream.mapped import MappedDataset
-    t = time.perf_counter()
-    ds = MappedDataset(out, tokens=False)
-    picks = np.random.default_rng(0).integers(0, len(ds), n)
-    ids = [ds._meta(int(p))["id"] for p in picks] if kind == "id" else None
-    if ids:
-        ds.position(ids[0])                                      # the id table, built once
-    setup = time.perf_counter() - t
+    """The form (see pairs) of n random reads, every byte of each summed: kind views (by position), id (views by
+    id), record (ds[p], float32), batch (ds.batch of 32 random positions, float32). Its set-up opens the dataset,
+    draws the positions and, for id, lists the ids and builds the id table by a first lookup; run() does the
+    reads and returns the stored bytes of the sentences read."""
+    def form():
+        import torch
+        from elmo_pipeline.downstream.batching import tensor
+        from elmo_pipeline.downstream.mapped import MappedDataset
+        ds = MappedDataset(out, tokens=False)
+        picks = np.random.default_rng(0).integers(0, len(ds), n)
+        ids = [ds._meta(int(p))["id"] for p in picks] if kind == "id" else None
+        if ids:
+            ds.position(ids[0])                                  # the id table, built once
+        nbytes = _stored_bytes(ds, ds.lengths[picks])
 
-    def reads() -> None:
-        acc = 0.0
-        if kind in ("views", "id"):
-            for j, p in enumerate(picks.tolist()):
-                for v in ds.views(ds.position(ids[j]) if ids else p):
-                    acc += float(tensor(v).sum())
-        elif kind == "record":
-            for p in picks.tolist():
-                acc += float(torch.from_numpy(ds[p]["layers"]).sum())
-        else:
-            for s in range(0, n, 32):
-                acc += float(ds.batch(picks[s: s + 32].tolist())["layers"].sum())
-    return reads, n, _stored_bytes(ds, ds.lengths[picks]), setup
+        def run() -> int:
+            acc = 0.0
+            if kind in ("views", "id"):
+                for j, p in enumerate(picks.tolist()):
+                    for v in ds.views(ds.position(ids[j]) if ids else p):
+                        acc += float(tensor(v).sum())
+            elif kind == "record":
+                for p in picks.tolist():
+                    acc += float(torch.from_numpy(ds[p]["layers"]).sum())
+            else:
+                for s in range(0, n, 32):
+                    acc += float(ds.batch(picks[s: s + 32].tolist())["layers"].sum())
+            return nbytes
+        return run
+    return form
 
 
 def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
@@ -345,23 +347,17 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
     print(f"reference: cat of the arrow files {d['file_bytes'] / c['pipeline_written_seconds'] / 1e9:.2f} GB/s; of a "
           f"copy of them written by cp {d['file_bytes'] / c['seconds'] / 1e9:.2f} GB/s", flush=True)
     shutil.rmtree(copy)
-    for kind, n, label in (("views", 20_000, "by position, views"), ("id", 20_000, "by id, views"),
-                           ("record", 5_000, "ds[p], float32 record"),
-                           ("batch", 5_120, "batch() of 32 random, float32")):
-        runs, cats, setups = [], [], []
-        for _ in range(n_pairs):
-            cats.append(cat_seconds(files))
-            reads, sentences, nbytes, setup = random_form(out, n, kind)
-            t = time.perf_counter()
-            reads()
-            runs.append(time.perf_counter() - t)
-            setups.append(setup)
-        sec, cat = float(np.median(runs)), d["file_bytes"] / float(np.median(cats))
-        bound = cat / (nbytes / sentences)
-        r = d["random_access"][label] = {"sentences_per_s": sentences / sec, "bytes": nbytes, "sentences": sentences,
-                                         "bound_sentences_per_s": bound, "fraction_of_bound": sentences / sec / bound,
-                                         "fraction": nbytes / sec / cat, "setup_seconds": float(np.median(setups)),
-                                         "pairs": n_pairs}
+    kinds = {"by position, views": ("views", 20_000), "by id, views": ("id", 20_000),
+             "ds[p], float32 record": ("record", 5_000), "batch() of 32 random, float32": ("batch", 5_120)}
+    got = pairs({label: (random_form(out, n, kind), n_pairs) for label, (kind, n) in kinds.items()}, files)
+    for label, (_, n) in kinds.items():
+        g = got[label]
+        sec, cat = g["seconds"], g["cat_bytes"] / g["cat_seconds"]
+        bound = cat / (g["bytes"] / n)
+        r = d["random_access"][label] = {"sentences_per_s": n / sec, "bytes": g["bytes"], "sentences": n,
+                                         "bound_sentences_per_s": bound, "fraction_of_bound": n / sec / bound,
+                                         "fraction": g["bytes"] / sec / cat, "setup_seconds": g["setup_seconds"],
+                                         "fractions_of_bound": g["fractions"], "pairs": g["pairs"]}
         print(f"random access, {label}: {r['sentences_per_s'] / 1e3:.1f}k sentences/s; bound "
               f"{bound / 1e3:.1f}k; {100 * r['fraction_of_bound']:.1f} % of its bound; "
               f"{100 * r['fraction']:.1f} % of page-cache bandwidth; set-up {r['setup_seconds']:.3f} s apart",
