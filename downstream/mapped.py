@@ -52,7 +52,7 @@ _FDS = 64                                   # shard files a process keeps open f
 _SPLIT_BYTES = 1 << 20                      # a batch of at least this many stored bytes is read by two threads
 _CPUS = os.cpu_count() or 1
 _STREAM_BYTES = 8 << 20                     # stored bytes a stream batch spans by default
-_PADDED_BYTES = 6 << 20                     # bytes of a padded stream batch (B x T x L x dim) by default: in the CPU cache
+_PADDED_BYTES = 6 << 20                     # a padded stream batch's bytes (B x T x L x dim) by default: CPU cache
 
 try:
     from torch.utils.data import Dataset as _TorchDataset
@@ -382,10 +382,10 @@ class MappedDataset(_TorchDataset):
         spanning at most `batch_tokens` rows (a longer sentence alone; default: the rows of 8 MiB of the selected
         layers' stored vectors, and with padded=True by default no more than make a padded batch (B, L, T, dim)
         of 6 MiB in its dtype, so that it stays in the CPU cache: B x T <= 512 tokens of the original width in
-        float32, 1024 in float16, fewer sentences where one is long). Each layer's
-        rows of a batch are one byte range of the shard: one pread per layer straight into a reused buffer
-        (pinned with pin_memory when CUDA is there), no per-sentence work; with threads=2 a batch of 1 MiB or
-        more is split in two halves of its sentences, the helper thread reading (and padding) the second.
+        float32, 1024 in float16, fewer sentences where one is long). Each layer's rows of a batch are one byte
+        range of the shard: one pread per layer straight into a reused buffer (pinned with pin_memory when CUDA is
+        there), no per-sentence work; with threads=2 a batch of 1 MiB or more is split in two halves of its
+        sentences, the helper thread reading (and padding) the second.
 
         Yields dicts: vectors, one (N, D_k) tensor per layer in the stored dtype (views of the reused
         buffer: valid until the next batch, clone to keep); starts, lengths (B,) int64: sentence b is rows

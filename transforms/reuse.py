@@ -182,13 +182,14 @@ def index_blobs(source: int, shard: int, path: str, buckets: int, storage_option
         return
     offsets = np.frombuffer(col.buffers()[1], np.int32, n + 1, col.offset * 4)
     width = offsets[1] - offsets[0]
+    damaged = ReuseError(f"reuse source: its key index {redact(path)} holds values that are no sentence keys")
     if col.null_count or width != 16 + KEY_HEX or (np.diff(offsets) != width).any():
-        raise ReuseError(f"reuse source: its key index {redact(path)} holds values that are no sentence keys")
+        raise damaged
     text = np.frombuffer(col.buffers()[2], np.uint8, n * width, offsets[0]).reshape(n, width)[:, width - KEY_HEX:]
     try:
         raw = np.frombuffer(binascii.unhexlify(text.tobytes()), np.uint8).reshape(n, KEY_HEX // 2)
     except binascii.Error:
-        raise ReuseError(f"reuse source: its key index {redact(path)} holds values that are no sentence keys") from None
+        raise damaged from None
     entries = np.empty(n, ENTRY)
     entries["key"] = raw.view("V16").reshape(n)
     entries["loc"] = location(source, shard, 0) + np.arange(n, dtype=np.int64)
