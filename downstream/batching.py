@@ -2,14 +2,13 @@
 No Beam import.
 
 A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past each
-length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Three sources: sentences
-of a local file, read with pread (`from_reads`: one pread a sentence and layer, a layer as wide as the batch in
-its dtype straight into its place, layer 0 and converted layers into a padded staging batch put in place by one
-copy a layer; the caller and a helper thread read half the sentences each); per-layer (T_b, D_k) arrays or
-tensors, views of a mapped file too (`from_sentences`: one torch copy a sentence and layer, another dtype
-converted on the way, never by numpy); flat rows of consecutive sentences (`from_rows`, a stream's: put once a
-layer into a kept table, layer 0 duplicated, the dtype converted, the batch then gathered by one index_select, a
-zero row for the padding).
+length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Three sources: per-layer
+(n_b, D_k) arrays of sentences, views of mapped shards (`from_views`: numpy copies each straight into its place,
+layer 0 into both halves; another dtype staged in the stored one and converted by torch, one copy a layer; the
+caller and a helper thread copy half the sentences each); per-layer (T_b, D_k) arrays or tensors of any dtype
+(`from_sentences`: one torch copy a sentence and layer, another dtype converted on the way, never by numpy); flat
+rows of consecutive sentences (`from_rows`, a stream's: put once a layer into a kept table, layer 0 duplicated,
+the dtype converted, the batch then gathered by one index_select, a zero row for the padding).
 `Batcher(reuse=True)` builds into buffers kept from batch to batch (a batch is valid until the next one);
 without reuse a batch is a tensor of its own, built in a kept buffer nothing holds any more (no page faults of
 a new allocation); pinned when CUDA is there and pin_memory is asked.
@@ -22,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from elmo_pipeline.downstream.stream_rows import halves, pread_into
+from elmo_pipeline.downstream.stream_rows import halves
 
 
 def place(dst, src) -> None:
@@ -48,28 +47,21 @@ def place(dst, src) -> None:
 
 
 def stack(arrays: Sequence, dim: int) -> np.ndarray:
-    """(L, T, dim) float32 of per-layer (T, D_k) arrays or tensors (a P-wide layer 0 becomes [x, x]); tensors are
-    copied by torch straight into place (one call a layer)."""
-    import torch
+    """(L, T, dim) float32 of per-layer (T, D_k) arrays or tensors (views of a mapped file too): each copied into
+    place, float32 arrays by numpy, another dtype converted by torch (one call a layer); a P-wide layer 0 into the
+    first half, the second half then copied from it ([x, x])."""
     out = np.empty((len(arrays), arrays[0].shape[0] if len(arrays) else 0, dim), dtype=np.float32)
-    o = torch.from_numpy(out)
     for k, a in enumerate(arrays):
-        if isinstance(a, torch.Tensor):
-            place(o[k], a)
-        else:
-            place(out[k], np.asarray(a))
+        d = a.shape[-1]
+        if d != dim and 2 * d != dim:
+            raise ValueError(f"layer width {d} is neither {dim} nor half of it")
+        place(out[k, :, :d], a)
+        if d != dim:
+            out[k, :, d:] = out[k, :, :d]
     return out
 
 
 _QUIET = []
-_ZEROS = memoryview(bytes(1 << 20))
-
-
-def _zeros(n: int) -> memoryview:
-    """n zero bytes (a view of one kept block; fresh bytes beyond it)."""
-    return _ZEROS[:n] if n <= len(_ZEROS) else memoryview(bytes(n))
-
-
 def tensor(a: np.ndarray):
     """A torch view of a numpy array, strided and read-only ones too (views of memory-mapped files: read,
     never written; torch warns about those once a process, and that once is silenced here)."""
@@ -202,46 +194,41 @@ class Batcher:
         halves(part, B, helper)
         return out, torch.from_numpy(mask)
 
-    def from_reads(self, fds: Sequence[int], offsets: np.ndarray, lengths: np.ndarray, rows: Sequence[int],
-                   stored: np.dtype, helper=None) -> tuple:
-        """(layers (B, L, T, dim), mask (B, T)) of B sentences read from local files with pread: sentence b's
-        layer k is lengths[b] rows of rows[k] bytes (values of `stored`) at byte offsets[b, k] of descriptor fds[b].
-        A layer as wide as the batch in its dtype is read straight into its place (one pread a sentence);
-        the others (layer 0, P wide; another dtype) into their place in a padded stored-dtype staging batch,
-        then put in place by one copy a layer (layer 0 duplicated, converted by torch); zero past each length.
-        helper: an executor whose thread reads the second half of the sentences while the caller reads the
-        first (both cores copy from the page cache)."""
+    def from_views(self, sources: Sequence[Sequence[np.ndarray]], widths: Sequence[int], stored: np.dtype,
+                   helper=None) -> tuple:
+        """(layers (B, L, T, dim), mask (B, T)) of B sentences, sources[b] their L (n_b, widths[k]) arrays of the
+        `stored` dtype (views of mapped shards): each copied by numpy straight into its place (a layer 0 half as
+        wide into both halves), zero past each length; in another dtype each sentence goes to its place in a
+        padded stored-dtype staging batch, put in place converted by one torch copy a layer. helper: an executor
+        whose thread copies the second half of the sentences while the caller copies the first (the first
+        copies from a newly mapped shard fault its pages in: two cores do it)."""
         import torch
-        B, L = len(lengths), len(rows)
-        lengths = np.asarray(lengths, np.int64)
+        B, L = len(sources), len(widths)
+        lengths = np.asarray([len(s[0]) for s in sources] if L else [0] * B, np.int64)
         T = int(lengths.max()) if B else 0
         out = self._buffer("layers", (B, L, T, self.dim), self.torch_dtype)
-        o = out.numpy()
-        direct = [r == self.dim * o.itemsize and np.dtype(stored) == self.dtype for r in rows]
-        staged = [k for k in range(L) if not direct[k]]
-        size = np.dtype(stored).itemsize
-        room = [0] + np.cumsum([B * T * rows[k] // size for k in staged]).tolist()
-        stage = self._buffer("staged", (max(room[-1], 1),), getattr(torch, np.dtype(stored).name))
-        flat = memoryview(o.reshape(-1)).cast("B")
-        staging = memoryview(stage.numpy()).cast("B")
-        span = [T * r for r in rows]                                    # bytes of a sentence's padded layer
-        # layer k of sentence b is bytes first[k] + b * step[k] of views[k]: in the batch, or in the staging
-        views, first, step = [flat] * L, [k * span[k] for k in range(L)], [L * span[k] for k in range(L)]
-        for j, k in enumerate(staged):
-            views[k], first[k], step[k] = staging, room[j] * size, span[k]
-        ln, ol = lengths.tolist(), np.asarray(offsets, np.int64).tolist()
+        dst = [out.numpy()[:, k] for k in range(L)]                   # (B, T, dim) each
+        converted = np.dtype(stored) != self.dtype
+        if converted:
+            room = [0] + np.cumsum([B * T * w for w in widths]).tolist()
+            stage = self._buffer("staged", (max(room[-1], 1),), getattr(torch, np.dtype(stored).name))
+            dst = [stage[room[k]: room[k + 1]].view(B, T, w).numpy() for k, w in enumerate(widths)]
+        ln = lengths.tolist()
 
-        def read(lo: int, hi: int) -> None:
+        def copy(lo: int, hi: int) -> None:
             for b in range(lo, hi):
-                n, fd, off = ln[b], fds[b], ol[b]
-                for k in range(L):
-                    at, m = first[k] + b * step[k], n * rows[k]
-                    pread_into(fd, views[k][at: at + m], off[k])
+                n = ln[b]
+                for k, src in enumerate(sources[b]):
+                    d, row = widths[k], dst[k][b]
+                    row[:n, :d] = src
+                    if d != row.shape[1]:                   # layer 0 into the second half too
+                        row[:n, d:] = src
                     if n < T:
-                        views[k][at + m: at + span[k]] = _zeros(span[k] - m)
-            for j, k in enumerate(staged):                  # sentences lo:hi of layer k put in place
-                place(out[lo:hi, k], stage[room[j]: room[j + 1]].view(B, T, rows[k] // size)[lo:hi])
-        halves(read, B, helper)
+                        row[n:] = 0
+            if converted:
+                for k in range(L):
+                    place(out[lo:hi, k], torch.from_numpy(dst[k][lo:hi]))
+        halves(copy, B, helper)
         return out, lengths_mask(torch.from_numpy(lengths), T)
 
     def from_sentences(self, sentences: Sequence[Sequence]) -> tuple:

@@ -12,13 +12,14 @@
     sampler.set_epoch(e, start_batch=k)             # the order of epoch e, resumed after k batches
 
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
-mapped files); vectors are never loaded whole: a batch reads its sentences' rows with one pread per sentence and
-layer (page cache, no mapping faults) into one padded tensor, the caller and a helper thread half the sentences
-each (`threads=2`, batches of 1 MiB or more); every record is copied by torch from the mapped rows
-(downstream/batching.py builds every batch); stream() reads consecutive
-sentences' rows with one pread per layer into a reused buffer (the system call `cat` uses). Every shard is
-checked against the manifest when the index is built (downstream/shard_checks.py), its layers' file offsets
-kept (downstream/shard_files.py: the descriptors of batch reads, thread-safe).
+mapped files); vectors are never loaded whole: a batch copies its sentences' rows from the mapped shards (the
+maps the index was built from) into one padded tensor, the caller and a helper thread half the sentences each
+(`threads=2`, batches of 1 MiB or more: the first copies from a shard fault its pages in, on both cores); a
+record is copied from the mapped rows too (downstream/batching.py builds every batch); stream() reads
+consecutive sentences' rows with one pread per layer into a reused buffer (the system call `cat` uses). Every
+shard is checked against the manifest when the index is built (downstream/shard_checks.py), its layers' file
+offsets and size kept (downstream/shard_files.py: the descriptors of stream reads and of the size check before
+each batch, thread-safe).
 Id lookup: a sorted array of 64-bit hashes of the ids (16 bytes a sentence, built on the first lookup:
 downstream/id_table.py), a hit checked against the stored id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir` on first use (the next shard is
 fetched in the background: read-ahead; downstream/shard_cache.py) and mapped from there.
@@ -38,7 +39,7 @@ import pyarrow as pa
 
 from elmo_pipeline.downstream.arrow_shards import (flat_vectors, layer_offsets, map_arrow_shard, open_arrow_shard,
                                                    sentence_index)
-from elmo_pipeline.downstream.batching import Batcher, label_batch, stack, tensor
+from elmo_pipeline.downstream.batching import Batcher, label_batch, stack
 from elmo_pipeline.downstream.id_table import IdTable
 from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
 from elmo_pipeline.downstream.record_labels import attach_label
@@ -103,7 +104,6 @@ class MappedDataset(_TorchDataset):
         self.units = [(k, i) for k, out in enumerate(self.outputs) for i in range(len(out.shards))]
         self._maps: dict[int, pa.RecordBatch] = {}
         self._views: dict[int, list[np.ndarray]] = {}
-        self._columns: dict[int, list] = {}                             # unit -> torch views of _views
         self.files = ShardFiles(len(self.units), len(self.layers), _FDS)     # batch reads' descriptors
         self.threads = threads
         self._pid = os.getpid()
@@ -114,6 +114,7 @@ class MappedDataset(_TorchDataset):
         ids, doc_ids, sidx, starts, lengths, unit_first = [], [], [], [], [], [0]
         for u in range(len(self.units)):
             b, base, size = map_arrow_shard(self._local(u))
+            self._maps[u] = b                                           # the map batches copy from
             k, i = self.units[u]
             where = self.outputs[k].shard_path(i, "arrow")
             self.outputs[k].check_arrow(i, b, where)
@@ -206,7 +207,7 @@ class MappedDataset(_TorchDataset):
     # -- the mapped shards (opened lazily in each process: DataLoader workers map the files themselves)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_maps"], state["_views"], state["_columns"] = {}, {}, {}
+        state["_maps"], state["_views"] = {}, {}
         state.pop("_threads", None)
         state.pop("_helper", None)
         state.pop("_kept", None)
@@ -214,7 +215,7 @@ class MappedDataset(_TorchDataset):
 
     def _open(self, u: int) -> pa.RecordBatch:
         if self._pid != os.getpid():
-            self._maps, self._views, self._columns, self._pid = {}, {}, {}, os.getpid()
+            self._maps, self._views, self._pid = {}, {}, os.getpid()
         b = self._maps.get(u)
         if b is None:
             b = self._maps[u] = open_arrow_shard(self._local(u))
@@ -255,9 +256,7 @@ class MappedDataset(_TorchDataset):
     # -- records
     def views(self, i: int) -> list[np.ndarray]:
         """The stored (T, D_k) arrays of record i, one per selected layer: views of the mapped file."""
-        p = self._position(i)
-        a, n = int(self._starts[p]), int(self._all_lengths[p])
-        return [v[a: a + n] for v in self._layer_views(self._unit(p)[0])]
+        return self._sentence(self._position(i))
 
     def _layer_views(self, u: int) -> list[np.ndarray]:
         """(N, D_k) views of unit u's selected layers (kept beside the mapped batch)."""
@@ -267,16 +266,10 @@ class MappedDataset(_TorchDataset):
             views = self._views[u] = [flat_vectors(self._maps[u], name) for name in self.layers]
         return views
 
-    def _sentence(self, p: int) -> list:
-        """The selected layers' (T, D_k) rows of global position p: torch views of the mapped file, no copy
-        (records are copied from them by torch in one pass)."""
-        u = self._unit(p)[0]
-        cols = self._columns.get(u) if self._pid == os.getpid() else None
-        if cols is None:
-            cols = self._columns[u] = [tensor(v) for v in self._layer_views(u)]
-        a = int(self._starts[p])
-        end = a + int(self._all_lengths[p])
-        return [c[a: end] for c in cols]
+    def _sentence(self, p: int) -> list[np.ndarray]:
+        """The selected layers' stored (T, D_k) rows of global position p: views of the mapped file, no copy."""
+        a, n = int(self._starts[p]), int(self._all_lengths[p])
+        return [v[a: a + n] for v in self._layer_views(self._unit(p)[0])]
 
     def __getitem__(self, i: int) -> dict:
         p = self._position(i)
@@ -317,21 +310,16 @@ class MappedDataset(_TorchDataset):
     __getitems__ = batch
 
     def _read_batch(self, pos: np.ndarray, batcher: Batcher) -> tuple:
-        """(layers, mask) of global positions pos, read with pread by batcher.from_reads (two threads for a large
-        batch)."""
+        """(layers, mask) of global positions pos, copied from the mapped shards by batcher.from_views (two threads
+        for a large batch), once no shard of the batch is shorter than when the index was built (a mapped page past
+        a file's end faults: SIGBUS)."""
         lengths = self._all_lengths[pos]
-        rows = self.files.rows.tolist()
-        helper = self._helper_pool(int(lengths.sum()) * sum(rows))
         units = np.searchsorted(self._unit_first, pos, side="right") - 1
-        fds = self.files.acquire(units.tolist(), self._local)
-        try:
-            offsets = self.files.table(units) + self._starts[pos][:, None] * np.asarray(rows, np.int64)[None, :]
-            return batcher.from_reads([fds[u] for u in units.tolist()], offsets, lengths, rows,
-                                      self.stored_dtype, helper)
-        except EOFError as e:
-            raise self.files.shorter(units.tolist(), e, self._local) from None
-        finally:
-            self.files.release(fds)
+        self.files.check(units.tolist(), self._local)
+        helper = self._helper_pool(int(lengths.sum()) * int(self.files.rows.sum()))
+        sources = [[v[a: a + n] for v in self._layer_views(u)]
+                   for u, a, n in zip(units.tolist(), self._starts[pos].tolist(), lengths.tolist())]
+        return batcher.from_views(sources, self.widths, self.stored_dtype, helper)
 
     def _batcher(self, pin_memory: bool) -> Batcher:
         """This thread's Batcher for batch() (its kept buffers reused, each batch a tensor of its own)."""

@@ -92,6 +92,17 @@ class ShardFiles:
         for u in [u for u in self._open if u not in self._busy][:max(0, extra)]:
             os.close(self._open.pop(u))
 
+    def check(self, units: Sequence[int], path: Callable[[int], str]) -> None:
+        """DamagedOutput naming the shards among `units` whose files are now shorter than when the index was built
+        (their mapped pages past the new end would fault: SIGBUS)."""
+        fds = self.acquire(units, path)
+        try:
+            cut = [u for u, fd in fds.items() if os.fstat(fd).st_size < self._sizes[u]]
+        finally:
+            self.release(fds)
+        if cut:
+            raise self.shorter(cut, EOFError(f"file ends before byte {self._sizes[cut[0]]}"), path)
+
     def shorter(self, units: Sequence[int], error: EOFError, path: Callable[[int], str]) -> DamagedOutput:
         """The error of a read that found a file ending early: the shards among `units` now shorter than when
         the index was built, named."""
