@@ -21,10 +21,10 @@ marked "second epoch" time a form's second epoch on the same dataset (the first 
 form runs with its defaults: a batch of 1 MiB or more read by the caller and the dataset's helper thread
 (threads=2), stream batches of 8 MiB, padded ones of at most 6 MiB once padded, in their dtype. References, no
 form: the bucketed batches' rows alone, copied from a newly opened dataset's maps in the sampler's order into a
-reused buffer (one thread, then two threads a half each: what copying in that order costs, faults included); the padded batches' values per
-stored value; a `cat` of a copy of the files written by `cp` (how a file was written changes how fast `cat` reads
-it back); last, `cat` after the files' pages were dropped and read back first by one `cat`, then first by building
-the index (how pages came into the page cache changes it too). The index's memory: a fresh process over the same
+reused buffer (one thread, then two threads a half each: what copying in that order costs, faults included); the
+padded batches' values per stored value; a `cat` of a copy of the files written by `cp` (how a file was written
+changes how fast `cat` reads it back); last, `cat` after the files' pages were dropped and read back first by
+one `cat`, then first by building the index (how pages came into the page cache changes it too). The index's memory: a fresh process over the same
 output (default sharding) and over a --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and
 file pages) after the index, after 100k random reads and after 100k id lookups.
 """

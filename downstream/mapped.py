@@ -21,8 +21,9 @@ shard is checked against the manifest when the index is built (downstream/shard_
 offsets and size kept (downstream/shard_files.py: the descriptors of stream reads and of the size check before
 each batch, thread-safe).
 Id lookup: a sorted array of 64-bit hashes of the ids (16 bytes a sentence, built on the first lookup:
-downstream/id_table.py), a hit checked against the stored id. Shards of an fsspec URL (s3://...) are copied whole into `cache_dir` on first use (the next shard is
-fetched in the background: read-ahead; downstream/shard_cache.py) and mapped from there.
+downstream/id_table.py), a hit checked against the stored id. Shards of an fsspec URL (s3://...) are copied whole
+into `cache_dir` on first use (the next shard is fetched in the background: read-ahead; downstream/shard_cache.py)
+and mapped from there.
 """
 from __future__ import annotations
 
@@ -292,33 +293,42 @@ class MappedDataset(_TorchDataset):
         None unless tokens=True), and label / tags as readers.collate makes them. Built by `batcher` (default
         this thread's batching.Batcher: a tensor of its own per batch, in a kept buffer nothing holds any more)."""
         import torch
-        pos = [self._position(int(i)) for i in positions]
-        batcher = batcher or self._batcher(pin_memory)
-        out, mask = self._read_batch(np.asarray(pos, np.int64), batcher)
-        where = [self._unit(p) for p in pos]
-        batch = {"layers": out, "mask": mask,
-                 "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)) if pos else
-                 torch.zeros(0, dtype=torch.int64),
+        kept, pos = self._positions(positions)
+        units = np.searchsorted(self._unit_first, pos, side="right") - 1
+        out, mask = self._read_batch(pos, units, batcher or self._batcher(pin_memory))
+        where = list(zip(units.tolist(), (pos - self._unit_first[units]).tolist()))
+        batch = {"layers": out, "mask": mask, "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)),
                  "ids": [self._ids[u][s].as_py() for u, s in where],
                  "doc_ids": [self._doc_ids[u][s].as_py() for u, s in where],
-                 "tokens": [self._tokens(p) for p in pos] if self.with_tokens else [None] * len(pos)}
+                 "tokens": [self._tokens(p) for p in pos.tolist()] if self.with_tokens else [None] * len(pos)}
         if self._labels is not None:
-            batch[self.label_key] = label_batch([self._labels[int(i) % len(self)] for i in positions],
-                                                int(mask.shape[1]), self.label_key)
+            batch[self.label_key] = label_batch([self._labels[i] for i in kept.tolist()], int(mask.shape[1]),
+                                                self.label_key)
         return batch
 
     __getitems__ = batch
 
-    def _read_batch(self, pos: np.ndarray, batcher: Batcher) -> tuple:
-        """(layers, mask) of global positions pos, copied from the mapped shards by batcher.from_views (two threads
-        for a large batch), once no shard of the batch is shorter than when the index was built (a mapped page past
-        a file's end faults: SIGBUS)."""
+    def _positions(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset positions, global positions), (B,) int64 each, of `positions` (negative ones from the end);
+        IndexError naming the first out of range."""
+        i = np.asarray(positions, dtype=np.int64).reshape(-1)
+        n = len(self.lengths)
+        bad = (i < -n) | (i >= n)
+        if bad.any():
+            raise IndexError(f"position {int(i[bad][0])} out of range ({n} sentences)")
+        i = i % n if n else i
+        return i, (self._keep[i] if self._keep is not None else i)
+
+    def _read_batch(self, pos: np.ndarray, units: np.ndarray, batcher: Batcher) -> tuple:
+        """(layers, mask) of global positions pos (in shards `units`), copied from the mapped shards by
+        batcher.from_views (two threads for a large batch), once no shard of the batch is shorter than when the
+        index was built (a mapped page past a file's end faults: SIGBUS)."""
         lengths = self._all_lengths[pos]
-        units = np.searchsorted(self._unit_first, pos, side="right") - 1
-        self.files.check(units.tolist(), self._local)
+        ul = units.tolist()
+        self.files.check(list(dict.fromkeys(ul)), self._local)
         helper = self._helper_pool(int(lengths.sum()) * int(self.files.rows.sum()))
-        sources = [[v[a: a + n] for v in self._layer_views(u)]
-                   for u, a, n in zip(units.tolist(), self._starts[pos].tolist(), lengths.tolist())]
+        views = {u: self._layer_views(u) for u in set(ul)}
+        sources = [[v[a: a + n] for v in views[u]] for u, a, n in zip(ul, self._starts[pos].tolist(), lengths.tolist())]
         return batcher.from_views(sources, self.widths, self.stored_dtype, helper)
 
     def _batcher(self, pin_memory: bool) -> Batcher:
