@@ -3,30 +3,29 @@ against a `cat` of the same files in the same run.
 
     python -m benchmarks.read_path [--lines N] [--pairs 5] [--big-tokens 2000000] [--out benchmarks/results/read_path_KIND.json]
 
-All of WikiText-2 valid (or its first --lines lines) is written by the pipeline with a near-free biLM as wide as
-the original (benchmarks/host_cost.WIDE_CHEAP), default sharding, --format parquet,arrow, one stored dtype at a
-time (fp16, then fp32; each deleted before the next), its pages then put in one state, as a training job finds
-an output written earlier: written back, dropped from the page cache, read back by a dataset's own reads (its index,
-one stream epoch; read_back). Each row is the median of --pairs pairs, a pair being one
-`cat` of the Arrow files then one epoch of the form on a newly opened dataset (opening it, the index, is timed
-apart: set-up seconds), the forms taken in turn pair by pair (a slow spell of the machine falls on all alike); a
-form's rate is stored vector bytes delivered per second, its line ending "NN.N % of page-cache bandwidth" (the
-cat's bytes/s). Rows that deliver an fp16 output as float32 also give "% of floor": the floor is the cat's time for
-the vector bytes plus torch's fp16 -> float32 conversion of the same bytes (measured in the same run, one stream
-batch at a time into a reused buffer; on a GPU that conversion belongs on the device: deliver the stored dtype and
-call .float() there). Random-access rows read every byte of each sentence and give "% of its bound": the cat's
-bytes/s divided by the mean bytes of the sentences read; they time the reads only (opening the dataset, drawing the
-positions and, by id, listing the ids and building the id table are timed apart: set-up seconds), in turn too. Rows
-marked "second epoch" time a form's second epoch on the same dataset (the first is part of their set-up). Every
-form runs with its defaults: a batch of 1 MiB or more read by the caller and the dataset's helper thread
-(threads=2), stream batches of 8 MiB, padded ones of at most 6 MiB once padded, in their dtype. References, no
-form: the bucketed batches' rows alone, copied from a newly opened dataset's maps in the sampler's order into a
-reused buffer (one thread, then two threads a half each: what copying in that order costs, faults included); the
-padded batches' values per stored value; a `cat` of a copy of the files written by `cp` (how a file was written
-changes how fast `cat` reads it back); last, `cat` after the files' pages were dropped and read back first by
-one `cat`, then first by building the index (how pages came into the page cache changes it too). The index's memory: a fresh process over the same
-output (default sharding) and over a --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and
-file pages) after the index, after 100k random reads and after 100k id lookups.
+All of WikiText-2 valid (or its first --lines lines) is written by the pipeline with a near-free biLM as wide as the
+original (benchmarks/host_cost.WIDE_CHEAP), default sharding, --format parquet,arrow, one stored dtype at a time
+(fp16, then fp32; each deleted before the next), its pages then put in one state, as a training job finds an output
+written earlier: written back, dropped from the page cache, read back by a dataset's own reads (its index, one stream
+epoch; read_back). Each row is the median of --pairs pairs, a pair being one `cat` of the Arrow files then one epoch
+of the form on a newly opened dataset (opening it, the index, is timed apart: set-up seconds), the forms taken in turn
+pair by pair (a slow spell of the machine falls on all alike); a form's rate is stored vector bytes delivered per
+second, its line ending "NN.N % of page-cache bandwidth" (the cat's bytes/s). Rows that deliver an fp16 output as
+float32 also give "% of floor": the floor is the cat's time for the vector bytes plus torch's fp16 -> float32
+conversion of the same bytes (measured in the same run, one stream batch at a time into a reused buffer; on a GPU that
+conversion belongs on the device: deliver the stored dtype and call .float() there). Random-access rows read every
+byte of each sentence and give "% of its bound": the cat's bytes/s divided by the mean bytes of the sentences read;
+they time the reads only (opening the dataset, drawing the positions and, by id, listing the ids and building the id
+table are timed apart: set-up seconds), in turn too. Rows marked "second epoch" time a form's second epoch on the same
+dataset (the first is part of their set-up). Every form runs with its defaults: a batch of 1 MiB or more read by the
+caller and the dataset's helper thread (threads=2), stream batches of 8 MiB, padded ones of at most 6 MiB once padded,
+in their dtype. References, no form: the bucketed batches' rows alone, copied from a newly opened dataset's maps in
+the sampler's order into a reused buffer (one thread, then two threads a half each: what copying in that order costs,
+faults included); the padded batches' values per stored value; a `cat` of a copy of the files written by `cp` (how a
+file was written changes how fast `cat` reads it back); last, `cat` after the files' pages were dropped and read back
+first by one `cat`, then first by building the index (how pages came into the page cache changes it too). The index's
+memory: a fresh process over the same output (default sharding) and over a --big-tokens output of synthetic sentences
+sharded like it, RSS (anonymous and file pages) after the index, after 100k random reads and after 100k id lookups.
 """
 from __future__ import annotations
 
