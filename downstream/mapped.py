@@ -114,12 +114,14 @@ class MappedDataset(_TorchDataset):
     def _build_index(self, labels) -> None:
         ids, doc_ids, sidx, starts, lengths, unit_first = [], [], [], [], [], [0]
         for u in range(len(self.units)):
-            b, base, size = map_arrow_shard(self._local(u))
+            local = self._local(u)
+            b, base, size = map_arrow_shard(local)
+            st = os.stat(local)                                         # the file mapped (a replaced one is refused)
             self._maps[u] = b                                           # the map batches copy from
             k, i = self.units[u]
             where = self.outputs[k].shard_path(i, "arrow")
             self.outputs[k].check_arrow(i, b, where)
-            self.files.found(u, layer_offsets(b, base, size, self.layers, where), size)
+            self.files.found(u, layer_offsets(b, base, size, self.layers, where), size, (st.st_dev, st.st_ino))
             sid, offsets, docs, indices = sentence_index(b)
             ids.append(sid)
             doc_ids.append(docs)

@@ -25,6 +25,7 @@ class ShardFiles:
         self.keep = keep
         self._offsets = np.zeros((units, layers), np.int64)
         self._sizes = np.zeros(units, np.int64)
+        self._files = np.zeros((units, 2), np.uint64)                  # (st_dev, st_ino) the index was built from
         self.rows = np.zeros(layers, np.int64)
         self._lock = threading.Lock()
         self._reset()
@@ -43,48 +44,60 @@ class ShardFiles:
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
-    def found(self, u: int, offsets: Sequence[tuple[int, int]], size: int) -> None:
-        """Keep unit u's (file offset of row 0, bytes per row) of each layer (arrow_shards.layer_offsets) and its
-        file size."""
+    def found(self, u: int, offsets: Sequence[tuple[int, int]], size: int, file: tuple[int, int]) -> None:
+        """Keep unit u's (file offset of row 0, bytes per row) of each layer (arrow_shards.layer_offsets), its file
+        size and the (st_dev, st_ino) of the file indexed: a descriptor opened later on another file (the shard
+        replaced since) is refused."""
         self.rows = np.asarray([r for _, r in offsets], np.int64)
         self._offsets[u] = [o for o, _ in offsets]
         self._sizes[u] = size
+        self._files[u] = file
 
     def offsets(self, u: int) -> np.ndarray:
         """(L,) int64: the file offset of row 0 of each layer of unit u's shard."""
         return self._offsets[u]
 
-    def table(self, units: np.ndarray) -> np.ndarray:
-        """(len(units), L) int64: offsets(u) of each unit."""
-        return self._offsets[units]
-
     def acquire(self, units: Sequence[int], path: Callable[[int], str]) -> dict[int, int]:
-        """{unit: descriptor} of each distinct unit, opened if need be and held until release()."""
+        """{unit: descriptor} of each distinct unit, opened if need be and held until release(); DamagedOutput when a
+        shard's file is no longer the one indexed (replaced: its rows are not where the index says)."""
         with self._lock:
             if self._pid != os.getpid():
                 self._reset()
-            fds = {}
-            for u in units:
-                if u in fds:
-                    continue
-                fd = self._open.pop(u, None)
-                if fd is None:
-                    fd = os.open(path(u), os.O_RDONLY)
-                self._open[u] = fds[u] = fd                            # most recently used last
-                self._busy[u] = self._busy.get(u, 0) + 1
+            fds: dict[int, int] = {}
+            try:
+                for u in units:
+                    if u in fds:
+                        continue
+                    fd = self._open.pop(u, None)
+                    self._open[u] = fds[u] = self._opened(u, path(u)) if fd is None else fd   # most recently used last
+                    self._busy[u] = self._busy.get(u, 0) + 1
+            except BaseException:
+                self._release(fds)
+                raise
             self._trim()
             return fds
+
+    def _opened(self, u: int, where: str) -> int:
+        """A new descriptor of unit u's shard at `where`, checked to be the file indexed."""
+        fd = os.open(where, os.O_RDONLY)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != tuple(int(x) for x in self._files[u]):
+            os.close(fd)
+            raise DamagedOutput(f"{where}: replaced since the dataset was opened (open it again)")
+        return fd
 
     def release(self, fds: dict[int, int]) -> None:
         """End the reads of acquire's units."""
         with self._lock:
-            if self._pid != os.getpid():
-                return
-            for u in fds:
-                n = self._busy.pop(u, 1) - 1
-                if n > 0:
-                    self._busy[u] = n
-            self._trim()
+            if self._pid == os.getpid():
+                self._release(fds)
+
+    def _release(self, fds: dict[int, int]) -> None:
+        for u in fds:
+            n = self._busy.pop(u, 1) - 1
+            if n > 0:
+                self._busy[u] = n
+        self._trim()
 
     def _trim(self) -> None:
         """Close the least recently used idle descriptors beyond `keep`."""

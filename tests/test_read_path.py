@@ -260,6 +260,26 @@ def test_two_read_threads_give_the_one_thread_batch(outputs, monkeypatch, tmp_pa
         list(ds.stream())
 
 
+def test_a_shard_replaced_after_opening_is_refused_or_read_as_indexed(outputs, tmp_path):
+    """A shard file replaced (renamed over) after the index was built: batches and the stream, which open it by
+    its path, refuse it with DamagedOutput naming it (its rows are not where the index says); records read the
+    mapped file the index was built from, so their values are the indexed ones."""
+    import shutil
+    out = tmp_path / "replaced"
+    shutil.copytree(outputs["all"], out)
+    ds = MappedDataset(str(out), tokens=False, dtype=None)
+    shards = [os.path.join(str(out), s["arrow"]) for s in ds.outputs[0].shards]
+    shutil.copy(shards[1], str(out / "other.arrow"))
+    os.replace(str(out / "other.arrow"), shards[0])
+    with pytest.raises(DamagedOutput, match=f"^{re.escape(shards[0])}: replaced since the dataset was opened"):
+        ds.batch(list(range(len(ds))))
+    with pytest.raises(DamagedOutput, match=f"^{re.escape(shards[0])}: replaced since the dataset was opened"):
+        list(ds.stream())
+    ref = ElmoDataset(outputs["all"])
+    assert all(np.array_equal(ds[i]["layers"], ref[i]["layers"]) for i in range(len(ds)))
+    assert not ds.files._busy
+
+
 def _streamed(ds: MappedDataset, output: ElmoOutput, **kw) -> list[dict]:
     """The stream's sentences as records (id, doc_id, layers stacked as ElmoOutput does), each batch checked
     before the next overwrites its buffer."""
