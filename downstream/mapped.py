@@ -220,8 +220,11 @@ class MappedDataset(_TorchDataset):
         if self._pid != os.getpid():
             self._maps, self._views, self._pid = {}, {}, os.getpid()
         b = self._maps.get(u)
-        if b is None:
-            b = self._maps[u] = open_arrow_shard(self._local(u))
+        if b is None:                                   # a forked or unpickled copy maps the file indexed again
+            local = self._local(u)
+            b = open_arrow_shard(local)
+            self.files.indexed(u, os.stat(local), local)
+            self._maps[u] = b
             self._prefetch_next(u)
         return b
 

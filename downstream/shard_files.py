@@ -80,11 +80,17 @@ class ShardFiles:
     def _opened(self, u: int, where: str) -> int:
         """A new descriptor of unit u's shard at `where`, checked to be the file indexed."""
         fd = os.open(where, os.O_RDONLY)
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != tuple(int(x) for x in self._files[u]):
+        try:
+            self.indexed(u, os.fstat(fd), where)
+        except DamagedOutput:
             os.close(fd)
-            raise DamagedOutput(f"{where}: replaced since the dataset was opened (open it again)")
+            raise
         return fd
+
+    def indexed(self, u: int, st: os.stat_result, where: str) -> None:
+        """DamagedOutput unless `st` (an os.stat of unit u's shard at `where`) is of the file indexed."""
+        if (st.st_dev, st.st_ino) != tuple(int(x) for x in self._files[u]):
+            raise DamagedOutput(f"{where}: replaced since the dataset was opened (open it again)")
 
     def release(self, fds: dict[int, int]) -> None:
         """End the reads of acquire's units."""

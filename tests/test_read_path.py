@@ -263,7 +263,8 @@ def test_two_read_threads_give_the_one_thread_batch(outputs, monkeypatch, tmp_pa
 def test_a_shard_replaced_after_opening_is_refused_or_read_as_indexed(outputs, tmp_path):
     """A shard file replaced (renamed over) after the index was built: batches and the stream, which open it by
     its path, refuse it with DamagedOutput naming it (its rows are not where the index says); records read the
-    mapped file the index was built from, so their values are the indexed ones."""
+    mapped file the index was built from, so their values are the indexed ones; a copy that maps the shards again
+    (unpickled) refuses it too."""
     import shutil
     out = tmp_path / "replaced"
     shutil.copytree(outputs["all"], out)
@@ -278,6 +279,10 @@ def test_a_shard_replaced_after_opening_is_refused_or_read_as_indexed(outputs, t
     ref = ElmoDataset(outputs["all"])
     assert all(np.array_equal(ds[i]["layers"], ref[i]["layers"]) for i in range(len(ds)))
     assert not ds.files._busy
+    import pickle
+    copy = pickle.loads(pickle.dumps(ds))                   # a spawned DataLoader worker's: it maps again
+    with pytest.raises(DamagedOutput, match=f"^{re.escape(shards[0])}: replaced since the dataset was opened"):
+        copy[0]
 
 
 def _streamed(ds: MappedDataset, output: ElmoOutput, **kw) -> list[dict]:
