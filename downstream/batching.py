@@ -62,6 +62,8 @@ def stack(arrays: Sequence, dim: int) -> np.ndarray:
 
 
 _QUIET = []
+
+
 def tensor(a: np.ndarray):
     """A torch view of a numpy array, strided and read-only ones too (views of memory-mapped files: read,
     never written; torch warns about those once a process, and that once is silenced here)."""

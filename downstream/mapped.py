@@ -333,7 +333,8 @@ class MappedDataset(_TorchDataset):
         self.files.check(list(dict.fromkeys(ul)), self._local)
         helper = self._helper_pool(int(lengths.sum()) * int(self.files.rows.sum()))
         views = {u: self._layer_views(u) for u in set(ul)}
-        sources = [[v[a: a + n] for v in views[u]] for u, a, n in zip(ul, self._starts[pos].tolist(), lengths.tolist())]
+        sources = [[v[a: a + n] for v in views[u]]
+                   for u, a, n in zip(ul, self._starts[pos].tolist(), lengths.tolist())]
         return batcher.from_views(sources, self.widths, self.stored_dtype, helper)
 
     def _batcher(self, pin_memory: bool) -> Batcher:
