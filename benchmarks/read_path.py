@@ -72,15 +72,12 @@ def convert_seconds(ds) -> float:
 
 
 def drop_pages(files: list[str]) -> None:
-    """Write the files' pages back (fsync) and drop them from the page cache (POSIX_FADV_DONTNEED, as the pipeline
-    does after each shard; the benchmark wrote them)."""
+    """The files' pages written back and dropped from the page cache, as the pipeline does after each shard
+    (fsio.fs.release_written; the benchmark wrote them)."""
+    from elmo_pipeline.fsio.fs import release_written, url_fs
+    fs = url_fs(files[0])[0] if files else None
     for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        release_written(fs, path)
 
 
 def read_back(out: str, files: list[str]) -> None:
