@@ -94,6 +94,13 @@ def test_mapped_dataset_fp16_labels_and_partitions(outputs):
     assert len(both) == 5 and both.unlabelled == len(TEXT) + 3 - 5    # line labels: lines 1, 3 of both, 5 of a
     assert [r["label"] for r in both] == [1, 0, 1, 1, 0] and both.batch([0, 1])["label"].tolist() == [1, 0]
     assert both[3]["id"] == "b.txt:1#0" and both.position("b.txt:3#0") == 4
+    tail = both.batch([-1, -2, 0])                                # positions from the end, labels of those
+    assert tail["ids"] == [both[4]["id"], both[3]["id"], both[0]["id"]] and tail["label"].tolist() == [0, 1, 1]
+    assert torch.equal(tail["layers"], both.batch([4, 3, 0])["layers"])
+    for bad in ([0, 5], [-6]):
+        with pytest.raises(IndexError, match=f"^position {bad[-1]} out of range \\(5 sentences\\)$"):
+            both.batch(bad)
+    assert both.batch([])["layers"].shape[0] == 0 and both.batch([])["ids"] == []
 
 
 def test_fp16_records_converted_from_the_mapped_rows(outputs):
