@@ -330,9 +330,10 @@ class MappedDataset(_TorchDataset):
         index was built (a mapped page past a file's end faults: SIGBUS)."""
         lengths = self._all_lengths[pos]
         ul = units.tolist()
-        self.files.check(list(dict.fromkeys(ul)), self._local)
+        distinct = list(dict.fromkeys(ul))
+        self.files.check(distinct, self._local)
         helper = self._helper_pool(int(lengths.sum()) * int(self.files.rows.sum()))
-        views = {u: self._layer_views(u) for u in set(ul)}
+        views = {u: self._layer_views(u) for u in distinct}
         sources = [[v[a: a + n] for v in views[u]]
                    for u, a, n in zip(ul, self._starts[pos].tolist(), lengths.tolist())]
         return batcher.from_views(sources, self.widths, self.stored_dtype, helper)
