@@ -217,19 +217,23 @@ class Batcher:
             dst = [stage[room[k]: room[k + 1]].view(B, T, w).numpy() for k, w in enumerate(widths)]
         ln = lengths.tolist()
 
+        whole = out.numpy()                                         # (B, L, T, dim)
+
         def copy(lo: int, hi: int) -> None:
             for b in range(lo, hi):
                 n = ln[b]
                 for k, src in enumerate(sources[b]):
                     d, row = widths[k], dst[k][b]
-                    row[:n, :d] = src
-                    if d != row.shape[1]:                   # layer 0 into the second half too
-                        row[:n, d:] = src
-                    if n < T:
-                        row[n:] = 0
-            if converted:
+                    if d == row.shape[1]:
+                        row[:n] = src
+                    else:                                   # layer 0 into both halves, read once
+                        row[:n].reshape(n, 2, d)[:] = src[:, None]
+            if converted:                                   # the staged padding is converted too, then zeroed
                 for k in range(L):
                     place(out[lo:hi, k], torch.from_numpy(dst[k][lo:hi]))
+            for b in range(lo, hi):
+                if ln[b] < T:
+                    whole[b, :, ln[b]:] = 0
         halves(copy, B, helper)
         return out, lengths_mask(torch.from_numpy(lengths), T)
 
