@@ -213,11 +213,12 @@ def second_epoch(form):
 
 
 def loader_form(out: str, workers: int):
-    """The documented DataLoader recipe (docs/downstream.md), float32 batches of 32 in length buckets."""
+    """The documented DataLoader recipe (docs/downstream.md), float32 batches of 32 in length buckets, each built in
+    the dataset's reused buffers (reuse=True; worker processes build batches of their own)."""
     from torch.utils.data import DataLoader
     from elmo_pipeline.downstream.mapped import MappedDataset, unbatched
     from elmo_pipeline.downstream.sampler import BucketBatchSampler
-    ds = MappedDataset(out, tokens=False)
+    ds = MappedDataset(out, tokens=False, reuse=True)
     loader = DataLoader(ds, batch_sampler=BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0),
                         collate_fn=unbatched, num_workers=workers)
     return _padded_run(ds, lambda: loader)

@@ -8,7 +8,8 @@
     for b in ds.stream(): ...                       # file order at page-cache speed: b["vectors"] (N, D_k) per layer
     sampler = BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0, rank=r, world_size=w)
     for batch in ds.batches(sampler, reuse=True): ...   # layers (B, L, T, D), mask, lengths, ids (collate's keys)
-    loader = DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=0, pin_memory=True)
+    loader = DataLoader(MappedDataset(paths, reuse=True), batch_sampler=sampler, collate_fn=unbatched, num_workers=0,
+                        pin_memory=True)            # the same batches, each valid until the next
     sampler.set_epoch(e, start_batch=k)             # the order of epoch e, resumed after k batches
 
 Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
@@ -70,7 +71,11 @@ class MappedDataset(_TorchDataset):
     are left out, `unlabelled` counts them); tokens: include each record's tokens (a few µs each);
     dtype: of the batches' `layers` (default: float32, as ElmoDataset; None keeps the stored dtype, so
     float16 outputs stream at half the bytes); cache_dir: where shards of remote URLs are copied; threads: 2
-    reads a batch of 1 MiB or more with a helper thread (one a process), 1 in the caller's thread only.
+    reads a batch of 1 MiB or more with a helper thread (one a process), 1 in the caller's thread only;
+    reuse: DataLoader's batched fetch (__getitems__) builds into buffers kept between batches, as
+    batches(reuse=True) (each batch valid until the next fetch: for a loop that consumes or moves each batch
+    before the next one, num_workers=0; a worker process builds batches of their own, which cross to the
+    main process).
 
     ds[i]: a record as ElmoDataset's (id, doc_id, sentence_index, tokens, layers (L, T, dim) float32,
     layer 0 duplicated to [x, x]); ds.views(i): the stored (T, D_k) arrays, no copy; ds.batch(positions):
@@ -83,7 +88,7 @@ class MappedDataset(_TorchDataset):
     def __init__(self, sources: "str | ElmoOutput | Sequence[str | ElmoOutput]", layers: Sequence[str] | None = None,
                  labels: Mapping[str, Any] | None = None, label_key: str = "label", tokens: bool = True,
                  dtype: str | None = "float32", storage_options: Mapping[str, Any] | None = None,
-                 cache_dir: str | None = None, transform=None, threads: int = 2):
+                 cache_dir: str | None = None, transform=None, threads: int = 2, reuse: bool = False):
         self.outputs = open_outputs(sources, storage_options)
         for out in self.outputs:
             if "arrow" not in out.formats:
@@ -106,7 +111,7 @@ class MappedDataset(_TorchDataset):
         self._maps: dict[int, pa.RecordBatch] = {}
         self._views: dict[int, list[np.ndarray]] = {}
         self.files = ShardFiles(len(self.units), len(self.layers), _FDS)     # batch reads' descriptors
-        self.threads = threads
+        self.threads, self.reuse = threads, reuse
         self._pid = os.getpid()
         self._build_index(labels)
 
@@ -311,7 +316,12 @@ class MappedDataset(_TorchDataset):
                                                 self.label_key)
         return batch
 
-    __getitems__ = batch
+    def __getitems__(self, positions: Sequence[int]) -> dict:
+        """DataLoader's batched fetch: batch(positions), in this thread's reused buffers with reuse=True (in the
+        process that made the dataset's DataLoader: a worker's batches are pickled to it, so they are their own)."""
+        from torch.utils.data import get_worker_info
+        return self.batch(positions, batcher=self._batcher(False, reused=True)
+                          if self.reuse and get_worker_info() is None else None)
 
     def _positions(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """(dataset positions, global positions), (B,) int64 each, of `positions` (negative ones from the end);
@@ -338,15 +348,17 @@ class MappedDataset(_TorchDataset):
                    for u, a, n in zip(ul, self._starts[pos].tolist(), lengths.tolist())]
         return batcher.from_views(sources, self.widths, self.stored_dtype, helper)
 
-    def _batcher(self, pin_memory: bool) -> Batcher:
-        """This thread's Batcher for batch() (its kept buffers reused, each batch a tensor of its own)."""
+    def _batcher(self, pin_memory: bool, reused: bool = False) -> Batcher:
+        """This thread's Batcher for batch() (its kept buffers reused, each batch a tensor of its own), or with
+        reused its Batcher(reuse=True) (each batch in the same buffers)."""
         local = self.__dict__.get("_threads")
         if local is None or self._pid != os.getpid():
             local = self._threads = threading.local()
-        b = getattr(local, "pinned" if pin_memory else "plain", None)
+        key = ("pinned" if pin_memory else "plain") + ("_reused" if reused else "")
+        b = getattr(local, key, None)
         if b is None:
-            b = Batcher(self.dim, (self.dtype or self.stored_dtype).name, pin_memory=pin_memory)
-            setattr(local, "pinned" if pin_memory else "plain", b)
+            b = Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=reused, pin_memory=pin_memory)
+            setattr(local, key, b)
         return b
 
     def _tokens(self, p: int) -> list[str]:

@@ -539,6 +539,24 @@ def test_dataloader_workers_each_batch_once(outputs):
 
 
 @pytest.mark.slow
+def test_dataloader_reuse_builds_in_one_buffer_in_the_main_process_only(outputs):
+    """reuse=True: the recipe's batches (num_workers=0) are built in one kept buffer, each equal to batch()'s
+    while it is the latest; workers (num_workers=2) still send batches of their own, all right when all are held."""
+    ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False, reuse=True)
+    sampler = BucketBatchSampler(ds.lengths, batch_size=2, shuffle=True, seed=1)
+    want = [ds.batch(list(p))["layers"].clone() for p in sampler]
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched)
+    for epoch in range(2):                                  # the buffer grows in the first, is kept for the second
+        ptrs = set()
+        for b, w in zip(loader, want):
+            assert torch.equal(b["layers"], w)
+            ptrs.add(b["layers"].data_ptr())
+    assert len(ptrs) == 1 and len(want) > 2
+    held = list(torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=2))
+    assert all(torch.equal(b["layers"], w) for b, w in zip(held, want)) and len(held) == len(want)
+
+
+@pytest.mark.slow
 def test_dataloader_workers_fork_a_dataset_with_its_read_thread(outputs, monkeypatch):
     """Workers forked from a process whose dataset already read with two threads (its helper thread started,
     descriptors open): each worker opens its own descriptors and helper and delivers the parent's batches."""
