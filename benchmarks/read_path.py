@@ -22,9 +22,7 @@ caller and the dataset's helper thread (threads=2), stream batches of 8 MiB, pad
 in their dtype. References, no form: the bucketed batches' rows alone, copied from a newly opened dataset's maps in
 the sampler's order into a reused buffer (one thread, then two threads a half each: what copying in that order costs,
 faults included); the padded batches' values per stored value; a `cat` of a copy of the files written by `cp` (how a
-file was written changes how fast `cat` reads it back); the pages dropped and read back by a first epoch of bucketed
-batches (through the dataset's maps, advised to huge pages: 2 MiB folios), then four forms against `cat` again (how
-pages came into the page cache changes every reader); last, `cat` after the files' pages were dropped and read back
+file was written changes how fast `cat` reads it back); last, `cat` after the files' pages were dropped and read back
 first by one `cat`, then first by building the index (how pages came into the page cache changes it too). The index's
 memory: a fresh process over the same output (default sharding) and over a --big-tokens output of synthetic sentences
 sharded like it, RSS (anonymous and file pages) after the index, after 100k random reads and after 100k id lookups.
@@ -89,17 +87,6 @@ def read_back(out: str, files: list[str]) -> None:
     from elmo_pipeline.downstream.mapped import MappedDataset
     drop_pages(files)
     for _ in MappedDataset(out, tokens=False, dtype=None).stream():
-        pass
-
-
-def read_back_by_batches(out: str, files: list[str]) -> None:
-    """The files' pages dropped (drop_pages), then read back by one epoch of a newly opened dataset's bucketed batches:
-    through its maps (advised to huge pages: 2 MiB folios), as a training job's first epoch brings them in."""
-    from elmo_pipeline.downstream.mapped import MappedDataset
-    from elmo_pipeline.downstream.sampler import BucketBatchSampler
-    drop_pages(files)
-    ds = MappedDataset(out, tokens=False, dtype=None)
-    for _ in ds.batches(BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=1), reuse=True):
         pass
 
 
@@ -376,19 +363,6 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
             line += f"; {100 * r['fraction_of_floor']:.1f} % of floor (cat + torch fp16 -> float32)"
         print(line, flush=True)
     del ds
-    read_back_by_batches(out, files)
-    again = {"stream, all layers, stored dtype": lambda: stream_form(out),
-             "batches, BucketBatchSampler(32, shuffle), reuse, stored dtype": lambda: bucket_form(out, None),
-             "batches, BucketBatchSampler(32, shuffle), reuse, float32": lambda: bucket_form(out, "float32"),
-             "ds[p], float32 record (5,000 random)": random_form(out, 5_000, "record")}
-    got = pairs({name: (form, n_pairs) for name, form in again.items()}, files)
-    d["after_batches_read_back"] = {}
-    for name, g in got.items():
-        rate, cat = g["bytes"] / g["seconds"], g["cat_bytes"] / g["cat_seconds"]
-        d["after_batches_read_back"][name] = {"bytes_per_s": rate, "cat_bytes_per_s": cat, "fraction": rate / cat,
-                                              "pairs": g["pairs"]}
-        print(f"pages read back by a first epoch of batches (huge folios), {name}: {rate / 1e9:.2f} GB/s; cat "
-              f"{cat / 1e9:.2f} GB/s; {100 * rate / cat:.1f} % of page-cache bandwidth", flush=True)
     d["cat_after_first_read"] = c = first_read_cats(out, files, n_pairs)
     print(f"reference: cat of the arrow files, their pages dropped and read back first by cat "
           f"{d['file_bytes'] / c['first_read_by_cat_seconds'] / 1e9:.2f} GB/s; first by building the index "

@@ -1,9 +1,7 @@
 """Arrow IPC shards of `--format arrow` outputs (formats/arrow.py): a row per token, sorted by sentence id.
-Local shards are memory-mapped (advised to huge pages) and their columns viewed without a copy. No Beam import."""
+Local shards are memory-mapped and their columns viewed without a copy. No Beam import."""
 from __future__ import annotations
 
-import mmap
-import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,8 +18,8 @@ def open_arrow_shard(path: str, fields: Sequence[str] | None = None) -> pa.Recor
 
 
 def map_arrow_shard(path: str, fields: Sequence[str] | None = None) -> tuple[pa.RecordBatch, int, int]:
-    """(record batch, address of the map's first byte, file size) of a local Arrow shard, memory-mapped (map_file)."""
-    source = pa.BufferReader(map_file(path))
+    """(record batch, address of the map's first byte, file size) of a local Arrow shard, memory-mapped."""
+    source = pa.memory_map(path, "r")
     try:
         base = source.read_buffer(1).address if source.size() else 0
         source.seek(0)
@@ -35,23 +33,6 @@ def map_arrow_shard(path: str, fields: Sequence[str] | None = None) -> tuple[pa.
         return reader.get_batch(0), base, source.size()
     except pa.ArrowException as e:
         raise DamagedOutput(f"{path}: not a readable Arrow IPC file ({e})") from None
-
-
-def map_file(path: str) -> pa.Buffer:
-    """The whole file at a local path, memory-mapped read-only, as a buffer (the map lives as long as a buffer or
-    array over it). The map is advised MADV_HUGEPAGE where the system has transparent huge pages: a page its reads
-    fault in comes into the page cache within a 2 MiB folio, which one fault maps whole, and every later reader of
-    the file (`cat` too) copies from large folios; pages already cached stay as they are."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return pa.py_buffer(b"")
-        m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):                   # no THP here: the usual pages
-        pass
-    return pa.py_buffer(m)
 
 
 def read_arrow_shard(fs, path: str) -> pa.RecordBatch:
