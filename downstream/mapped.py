@@ -74,8 +74,9 @@ class MappedDataset(_TorchDataset):
     reads a batch of 1 MiB or more with a helper thread (one a process), 1 in the caller's thread only;
     reuse: DataLoader's batched fetch (__getitems__) builds into buffers kept between batches, as
     batches(reuse=True) (each batch valid until the next fetch: for a loop that consumes or moves each batch
-    before the next one, num_workers=0; a worker process builds batches of their own, which cross to the
-    main process).
+    before the next one, num_workers=0; not under a wrapper that fetches a batch ahead without copying the
+    current one (docs/downstream.md); a worker process builds batches of their own, which cross to the main
+    process).
 
     ds[i]: a record as ElmoDataset's (id, doc_id, sentence_index, tokens, layers (L, T, dim) float32,
     layer 0 duplicated to [x, x]); ds.views(i): the stored (T, D_k) arrays, no copy; ds.batch(positions):
