@@ -209,15 +209,14 @@ class Batcher:
         lengths = np.asarray([len(s[0]) for s in sources] if L else [0] * B, np.int64)
         T = int(lengths.max()) if B else 0
         out = self._buffer("layers", (B, L, T, self.dim), self.torch_dtype)
-        dst = [out.numpy()[:, k] for k in range(L)]                   # (B, T, dim) each
+        whole = out.numpy()                                         # (B, L, T, dim)
+        dst = [whole[:, k] for k in range(L)]                         # (B, T, dim) each
         converted = np.dtype(stored) != self.dtype
         if converted:
             room = [0] + np.cumsum([B * T * w for w in widths]).tolist()
             stage = self._buffer("staged", (max(room[-1], 1),), getattr(torch, np.dtype(stored).name))
             dst = [stage[room[k]: room[k + 1]].view(B, T, w).numpy() for k, w in enumerate(widths)]
         ln = lengths.tolist()
-
-        whole = out.numpy()                                         # (B, L, T, dim)
 
         def copy(lo: int, hi: int) -> None:
             for b in range(lo, hi):
