@@ -182,6 +182,23 @@ def bucket_form(out: str, dtype):
     return _padded_run(ds, lambda: ds.batches(sampler, reuse=True))
 
 
+def packed_bucket_form(out: str, dtype):
+    """Length-bucketed batches in the packed form (the sentences back to back, no padding), every vector summed."""
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    from elmo_pipeline.downstream.sampler import BucketBatchSampler
+    ds = MappedDataset(out, tokens=False, dtype=dtype)
+    sampler = BucketBatchSampler(ds.lengths, batch_size=32, shuffle=True, seed=0)
+
+    def run() -> int:
+        total, acc = 0, 0.0
+        for b in ds.batches(sampler, reuse=True, packed=True):
+            for v in b["vectors"]:
+                acc += float(v.sum())
+            total += _stored_bytes(ds, b["lengths"])
+        return total
+    return run
+
+
 def padded_values(out: str, form: str) -> float:
     """Values in the padded batches of a form (B x L x T x dim, counted over one untimed pass) per stored value
     its sentences hold: what layer 0's second copy and the padding add."""
@@ -252,14 +269,15 @@ def bucket_copies(out: str, threads: int):
 
 def random_form(out: str, n: int, kind: str):
     """The form (see pairs) of n random reads, every byte of each summed: kind views (by position), id (views by
-    id), record (ds[p], float32), batch (ds.batch of 32 random positions, float32). Its set-up opens the dataset,
+    id), record (ds[p], float32), batch (ds.batch of 32 random positions, float32), packed (ds.batch(packed=True)
+    of 32 random positions, stored dtype: the sentences back to back, no padding). Its set-up opens the dataset,
     draws the positions and, for id, lists the ids and builds the id table by a first lookup; run() does the
     reads and returns the stored bytes of the sentences read."""
     def form():
         import torch
         from elmo_pipeline.downstream.batching import tensor
         from elmo_pipeline.downstream.mapped import MappedDataset
-        ds = MappedDataset(out, tokens=False)
+        ds = MappedDataset(out, tokens=False, dtype=None if kind == "packed" else "float32")
         picks = np.random.default_rng(0).integers(0, len(ds), n)
         ids = [ds._meta(int(p))["id"] for p in picks] if kind == "id" else None
         if ids:
@@ -275,6 +293,10 @@ def random_form(out: str, n: int, kind: str):
             elif kind == "record":
                 for p in picks.tolist():
                     acc += float(torch.from_numpy(ds[p]["layers"]).sum())
+            elif kind == "packed":
+                for s in range(0, n, 32):
+                    for v in ds.batch(picks[s: s + 32].tolist(), packed=True)["vectors"]:
+                        acc += float(v.sum())
             else:
                 for s in range(0, n, 32):
                     acc += float(ds.batch(picks[s: s + 32].tolist())["layers"].sum())
@@ -310,6 +332,10 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
         "stream(padded=True), float32": (lambda: padded_stream_form(out, "float32"), f32),
         "batches, BucketBatchSampler(32, shuffle), reuse, stored dtype": (lambda: bucket_form(out, None), False),
         "batches, BucketBatchSampler(32, shuffle), reuse, float32": (lambda: bucket_form(out, "float32"), f32),
+        "batches, BucketBatchSampler(32, shuffle), reuse, packed, stored dtype":
+            (lambda: packed_bucket_form(out, None), False),
+        "batches, BucketBatchSampler(32, shuffle), reuse, packed, float32":
+            (lambda: packed_bucket_form(out, "float32"), f32),
         "batches, BucketBatchSampler(32, shuffle), reuse, stored dtype, second epoch":
             (second_epoch(lambda: bucket_form(out, None)), False),
         "DataLoader recipe (num_workers=0), float32": (lambda: loader_form(out, 0), f32),
@@ -344,7 +370,8 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
           f"copy of them written by cp {d['file_bytes'] / c['seconds'] / 1e9:.2f} GB/s", flush=True)
     shutil.rmtree(copy)
     kinds = {"by position, views": ("views", 20_000), "by id, views": ("id", 20_000),
-             "ds[p], float32 record": ("record", 5_000), "batch() of 32 random, float32": ("batch", 5_120)}
+             "ds[p], float32 record": ("record", 5_000), "batch() of 32 random, float32": ("batch", 5_120),
+             "batch(packed=True) of 32 random, stored dtype": ("packed", 5_120)}
     got = pairs({label: (random_form(out, n, kind), n_pairs) for label, (kind, n) in kinds.items()}, files)
     for label, (kind, n) in kinds.items():
         g = got[label]

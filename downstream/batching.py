@@ -2,10 +2,11 @@
 No Beam import.
 
 A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past each
-length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them. Three sources: per-layer
-(n_b, D_k) arrays of sentences, views of mapped shards (`from_views`: numpy copies each straight into its place,
-layer 0 into both halves; another dtype staged in the stored one and converted by torch, one copy a layer; the
-caller and a helper thread copy half the sentences each); per-layer (T_b, D_k) arrays or tensors of any dtype
+length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them; a packed batch is one
+(N, D_k) tensor per layer, the sentences back to back with no padding (a stream batch's form). Three sources:
+views of mapped shards (`from_views`: numpy copies each straight into its place, layer 0 into both halves; another
+dtype staged in the stored one and converted by torch, one copy a layer; the caller and a helper thread copy half
+the sentences each; `packed`: the same copies back to back); per-layer (T_b, D_k) arrays or tensors of any dtype
 (`from_sentences`: one torch copy a sentence and layer, another dtype converted on the way, never by numpy); flat
 rows of consecutive sentences (`from_rows`, a stream's: put once a layer into a kept table, layer 0 duplicated,
 the dtype converted, the batch then gathered by one index_select, a zero row for the padding).
@@ -235,6 +236,38 @@ class Batcher:
                     whole[b, :, ln[b]:] = 0
         halves(copy, B, helper)
         return out, lengths_mask(torch.from_numpy(lengths), T)
+
+    def packed(self, sources: Sequence[Sequence[np.ndarray]], widths: Sequence[int], stored: np.dtype,
+               helper=None) -> tuple:
+        """(vectors, starts (B,), lengths (B,)) of B sentences packed back to back, no padding (a stream batch's
+        form): vectors[k] (N, widths[k]) in the batch dtype, N the sentences' total length, sentence b at rows
+        starts[b]:starts[b] + lengths[b]; layer 0 as stored (P wide). sources[b]: its L (n_b, widths[k]) arrays
+        of the `stored` dtype (views of mapped shards), each copied once by numpy into its place; another dtype
+        staged in the stored one and converted by one torch copy a layer. helper: as from_views."""
+        import torch
+        B, L = len(sources), len(widths)
+        lengths = np.asarray([len(s[0]) for s in sources] if L else [0] * B, np.int64)
+        at = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)                # (B+1,)
+        N = int(at[-1])
+        room = [0] + np.cumsum([N * w for w in widths]).tolist()
+        flat = self._buffer("layers", (max(room[-1], 1),), self.torch_dtype)
+        vectors = [flat[room[k]: room[k + 1]].view(N, w) for k, w in enumerate(widths)]
+        converted = np.dtype(stored) != self.dtype
+        dst = [v.numpy() for v in vectors]
+        if converted:
+            stage = self._buffer("staged", (max(room[-1], 1),), getattr(torch, np.dtype(stored).name))
+            dst = [stage[room[k]: room[k + 1]].view(N, w).numpy() for k, w in enumerate(widths)]
+        rows = at.tolist()
+
+        def copy(lo: int, hi: int) -> None:
+            for b in range(lo, hi):
+                for k, src in enumerate(sources[b]):
+                    dst[k][rows[b]: rows[b + 1]] = src
+            if converted:
+                for k in range(L):
+                    vectors[k][rows[lo]: rows[hi]].copy_(torch.from_numpy(dst[k][rows[lo]: rows[hi]]))
+        halves(copy, B, helper)
+        return vectors, torch.from_numpy(at[:-1]), torch.from_numpy(lengths)
 
     def from_sentences(self, sentences: Sequence[Sequence]) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) of sentences, each a list of per-layer (T_b, D_k) arrays or tensors

@@ -298,23 +298,35 @@ class MappedDataset(_TorchDataset):
     def by_id(self, sentence_id: str) -> dict:
         return self[self.position(sentence_id)]
 
-    def batch(self, positions: Sequence[int], pin_memory: bool = False, batcher: Batcher | None = None) -> dict:
+    def batch(self, positions: Sequence[int], pin_memory: bool = False, batcher: Batcher | None = None,
+              packed: bool = False) -> dict:
         """A padded batch of the records at `positions`: layers (B, L, T, dim) in `dtype` (layer 0 duplicated,
         zero past each length), mask (B, T) bool, lengths (B,) int64, ids, doc_ids, tokens (lists; tokens
         None unless tokens=True), and label / tags as readers.collate makes them. Built by `batcher` (default
-        this thread's batching.Batcher: a tensor of its own per batch, in a kept buffer nothing holds any more)."""
+        this thread's batching.Batcher: a tensor of its own per batch, in a kept buffer nothing holds any more).
+        packed: the sentences back to back instead, as a stream batch, no padding: vectors (one (N, D_k) tensor
+        per layer in `dtype`, layer 0 as stored), starts and lengths (B,) int64 (sentence b is rows
+        starts[b]:starts[b] + lengths[b]), ids, doc_ids, tokens, labels."""
         import torch
         kept, pos = self._positions(positions)
         units = np.searchsorted(self._unit_first, pos, side="right") - 1
-        out, mask = self._read_batch(pos, units, batcher or self._batcher(pin_memory))
+        sources, helper = self._sources(pos, units)
+        batcher = batcher or self._batcher(pin_memory)
+        if packed:
+            vectors, starts, lengths = batcher.packed(sources, self.widths, self.stored_dtype, helper)
+            batch = {"vectors": vectors, "starts": starts, "lengths": lengths}
+            T = int(lengths.max()) if len(lengths) else 0
+        else:
+            out, mask = batcher.from_views(sources, self.widths, self.stored_dtype, helper)
+            batch = {"layers": out, "mask": mask,
+                     "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64))}
+            T = int(mask.shape[1])
         where = list(zip(units.tolist(), (pos - self._unit_first[units]).tolist()))
-        batch = {"layers": out, "mask": mask, "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64)),
-                 "ids": [self._ids[u][s].as_py() for u, s in where],
-                 "doc_ids": [self._doc_ids[u][s].as_py() for u, s in where],
-                 "tokens": [self._tokens(p) for p in pos.tolist()] if self.with_tokens else [None] * len(pos)}
+        batch.update({"ids": [self._ids[u][s].as_py() for u, s in where],
+                      "doc_ids": [self._doc_ids[u][s].as_py() for u, s in where],
+                      "tokens": [self._tokens(p) for p in pos.tolist()] if self.with_tokens else [None] * len(pos)})
         if self._labels is not None:
-            batch[self.label_key] = label_batch([self._labels[i] for i in kept.tolist()], int(mask.shape[1]),
-                                                self.label_key)
+            batch[self.label_key] = label_batch([self._labels[i] for i in kept.tolist()], T, self.label_key)
         return batch
 
     def __getitems__(self, positions: Sequence[int]) -> dict:
@@ -335,19 +347,18 @@ class MappedDataset(_TorchDataset):
         i = i % n if n else i
         return i, (self._keep[i] if self._keep is not None else i)
 
-    def _read_batch(self, pos: np.ndarray, units: np.ndarray, batcher: Batcher) -> tuple:
-        """(layers, mask) of global positions pos (in shards `units`), copied from the mapped shards by
-        batcher.from_views (two threads for a large batch), once no shard of the batch is shorter than when the
-        index was built (a mapped page past a file's end faults: SIGBUS)."""
+    def _sources(self, pos: np.ndarray, units: np.ndarray) -> tuple[list, Any]:
+        """(each position's (n, D_k) views of its layers, the helper executor or None) of global positions pos (in
+        shards `units`), once no shard of the batch is shorter than when the index was built (a mapped page past a
+        file's end faults: SIGBUS)."""
         lengths = self._all_lengths[pos]
         ul = units.tolist()
         distinct = list(dict.fromkeys(ul))
         self.files.check(distinct, self._local)
         helper = self._helper_pool(int(lengths.sum()) * int(self.files.rows.sum()))
         views = {u: self._layer_views(u) for u in distinct}
-        sources = [[v[a: a + n] for v in views[u]]
-                   for u, a, n in zip(ul, self._starts[pos].tolist(), lengths.tolist())]
-        return batcher.from_views(sources, self.widths, self.stored_dtype, helper)
+        return [[v[a: a + n] for v in views[u]]
+                for u, a, n in zip(ul, self._starts[pos].tolist(), lengths.tolist())], helper
 
     def _batcher(self, pin_memory: bool, reused: bool = False) -> Batcher:
         """This thread's Batcher for batch() (its kept buffers reused, each batch a tensor of its own), or with
@@ -367,24 +378,25 @@ class MappedDataset(_TorchDataset):
         return self._open(u).column("token").slice(int(self._starts[p]), int(self._all_lengths[p])).to_pylist()
 
     def batches(self, sampler: "BucketBatchSampler | None" = None, batch_size: int = 32, reuse: bool = False,
-                pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
+                pin_memory: bool = False, ahead: int = 0, packed: bool = False) -> Iterator[dict]:
         """Padded batches in the sampler's order (default: every sentence in order, `batch_size` at a time),
         built by a background thread `ahead` batches ahead (default 0: in this thread; see stream). Each batch a
         tensor of its own, as batch() makes them (the building thread's kept buffers, from epoch to epoch); reuse:
         batches built into buffers kept between batches (each valid until the next: the fastest form for a
         training loop that moves or consumes a batch before asking for the next; ahead + 2 of them with ahead),
         and kept by the dataset when the iteration ends for the next call (the next epoch builds in buffers
-        already in memory; so the last batch of one call is valid until the next call's first)."""
+        already in memory; so the last batch of one call is valid until the next call's first); packed: batch()'s
+        packed form (the sentences back to back, no padding)."""
         plan = sampler if sampler is not None else (range(s, min(s + batch_size, len(self)))
                                                     for s in range(0, len(self), batch_size))
         if not reuse:                                       # batch()'s own Batcher of the building thread
-            return read_ahead((self.batch(list(positions), pin_memory) for positions in plan), ahead)
+            return read_ahead((self.batch(list(positions), pin_memory, packed=packed) for positions in plan), ahead)
         free = self._free_batchers(pin_memory)
         n = ahead + 2 if ahead > 0 else 1
         batchers = [free.pop() for _ in range(min(n, len(free)))]
         batchers += [Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=True, pin_memory=pin_memory)
                      for _ in range(n - len(batchers))]
-        return _giving_back(read_ahead((self.batch(list(positions), pin_memory, batchers[j % n])
+        return _giving_back(read_ahead((self.batch(list(positions), pin_memory, batchers[j % n], packed)
                                         for j, positions in enumerate(plan)), ahead), batchers, free)
 
     def _free_batchers(self, pin_memory: bool) -> list:

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -586,3 +587,34 @@ def test_mapped_dataset_on_s3(outputs, tmp_path):
             assert a["id"] == b["id"] and a["tokens"] == b["tokens"] and np.array_equal(a["layers"], b["layers"])
         assert len(os.listdir(next((tmp_path / "cache").iterdir()))) == 3     # every shard cached once
         assert [r["id"] for r in ElmoOutput("s3://readpath/out", so).sentences("arrow")] == [local[i]["id"] for i in range(len(local))]
+
+
+@pytest.mark.parametrize("name,dtype", [("all", None), ("fp16", None), ("fp16", "float32"), ("all", "float16")])
+def test_packed_batches_hold_the_stored_rows_back_to_back(outputs, monkeypatch, name, dtype):
+    """batch(packed=True) and batches(packed=True) (one thread and two, reused buffers or not): each sentence's rows
+    of each layer, as pyarrow reads them from the Parquet shards (converted by torch to the asked dtype), at rows
+    starts[b]:starts[b] + lengths[b] of one (N, D_k) tensor per layer, back to back from row 0; ids, lengths and
+    labels as the padded batch's."""
+    from elmo_pipeline.downstream import mapped
+    monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
+    table = pq.read_table(os.path.join(outputs[name], "parquet")).to_pylist()
+    stored = np.float16 if name == "fp16" else np.float32
+    rows = {r["id"]: r for r in table}
+    labels = {i: k % 3 for k, i in enumerate(rows)}
+    orders = [[3, 0, 6, 1, 7, 2], [5], [7, 6, 5, 4]]
+    for threads in (1, 2):
+        ds = MappedDataset(outputs[name], dtype=dtype, tokens=False, threads=threads, labels=labels)
+        want_dtype = getattr(torch, dtype or np.dtype(stored).name)
+        for reuse in (False, True):
+            for order, got in zip(orders, ds.batches(orders, reuse=reuse, packed=True)):
+                padded = ds.batch(order)
+                assert got["ids"] == padded["ids"] and torch.equal(got["lengths"], padded["lengths"])
+                assert torch.equal(got["label"], padded["label"]) and "layers" not in got
+                assert got["starts"].tolist() == np.concatenate([[0], np.cumsum(got["lengths"])[:-1]]).tolist()
+                for b, sid in enumerate(got["ids"]):
+                    a, n = int(got["starts"][b]), int(got["lengths"][b])
+                    for k, layer in enumerate(ds.layers):
+                        want = torch.from_numpy(np.asarray(rows[sid][layer], dtype=stored)).to(want_dtype)
+                        v = got["vectors"][k]
+                        assert v.dtype == want_dtype and v.shape[0] == int(got["lengths"].sum())
+                        assert torch.equal(v[a: a + n], want)
