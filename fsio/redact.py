@@ -88,6 +88,10 @@ def _redact_query(text: str) -> str:
         name, value = m["name"], m["value"]
         if not value or _MASKED.fullmatch(value) or not (
                 secret_name(name) or in_query and name.lower() not in PLAIN_PARAMETERS):
+            if value and "?" in value and value[0] not in "'\"":   # a kept value holding a query: redacted as one
+                kept, _, rest = value.partition("?")               # (s3://b/&=?sig=X: "&=" is the object's name)
+                query_end = m.end()
+                return f"{m['sep']}{name}={kept}{_redact_query('?' + rest)}"
             return m[0]
         return f"{m['sep']}{name}={MASK}"
 

@@ -44,6 +44,10 @@ EXAMPLES = [
     ("https://h/x?PASSWORD=a&Api_Key=b&access_key=c&token=d&auth=e&pwd=f&passwd=g&secret=h&key=i&signature=j"
      "&credential=k", "https://h/x?PASSWORD=***&Api_Key=***&access_key=***&token=***&auth=***&pwd=***&passwd=***"
      "&secret=***&key=***&signature=***&credential=***"),
+    # a query after what looks like a parameter, in a name ("&=", "a&x=1") or a plain parameter's value
+    ("s3://b/&=?sig=s3cr3t", "s3://b/&=?sig=***"),
+    ("s3://b/a&x=1?token=Zt0k&code=Zc0de", "s3://b/a&x=1?token=***&code=***"),
+    ("https://h/x?versionId=3?sig=Zs1g&page=2", "https://h/x?versionId=3?sig=***&page=2"),
     # a credential-like name after an & outside a query (an Azure SAS in a connection string)
     ("AccountName=a;SharedAccessSignature=sv=2022&sig=Zm9v", "AccountName=a;SharedAccessSignature=sv=2022&sig=***"),
     # an exception message holding URLs
