@@ -76,7 +76,7 @@ class MappedDataset(_TorchDataset):
     batches(reuse=True) (each batch valid until the next fetch: for a loop that consumes or moves each batch
     before the next one, num_workers=0; not under a wrapper that fetches a batch ahead without copying the
     current one (docs/downstream.md); a worker process builds batches of their own, which cross to the main
-    process).
+    process); packed: that fetch returns batch()'s packed form (the sentences back to back, no padding).
 
     ds[i]: a record as ElmoDataset's (id, doc_id, sentence_index, tokens, layers (L, T, dim) float32,
     layer 0 duplicated to [x, x]); ds.views(i): the stored (T, D_k) arrays, no copy; ds.batch(positions):
@@ -89,7 +89,8 @@ class MappedDataset(_TorchDataset):
     def __init__(self, sources: "str | ElmoOutput | Sequence[str | ElmoOutput]", layers: Sequence[str] | None = None,
                  labels: Mapping[str, Any] | None = None, label_key: str = "label", tokens: bool = True,
                  dtype: str | None = "float32", storage_options: Mapping[str, Any] | None = None,
-                 cache_dir: str | None = None, transform=None, threads: int = 2, reuse: bool = False):
+                 cache_dir: str | None = None, transform=None, threads: int = 2, reuse: bool = False,
+                 packed: bool = False):
         self.outputs = open_outputs(sources, storage_options)
         for out in self.outputs:
             if "arrow" not in out.formats:
@@ -112,7 +113,7 @@ class MappedDataset(_TorchDataset):
         self._maps: dict[int, pa.RecordBatch] = {}
         self._views: dict[int, list[np.ndarray]] = {}
         self.files = ShardFiles(len(self.units), len(self.layers), _FDS)     # batch reads' descriptors
-        self.threads, self.reuse = threads, reuse
+        self.threads, self.reuse, self.packed = threads, reuse, packed
         self._pid = os.getpid()
         self._build_index(labels)
 
@@ -189,8 +190,8 @@ class MappedDataset(_TorchDataset):
         u = bisect.bisect_right(self._firsts, p) - 1
         return u, p - self._firsts[u]
 
-    def _meta(self, p: int) -> dict:
-        u, s = self._unit(p)
+    def _meta(self, p: int, where: tuple[int, int] | None = None) -> dict:
+        u, s = where or self._unit(p)
         return {"id": self._ids[u][s].as_py(), "doc_id": self._doc_ids[u][s].as_py(),
                 "sentence_index": int(self._sentence_indices[u][s])}
 
@@ -285,14 +286,14 @@ class MappedDataset(_TorchDataset):
 
     def __getitem__(self, i: int) -> dict:
         p = self._position(i)
-        r = self._meta(p)
-        u, s = self._unit(p)
+        u, s = where = self._unit(p)
+        r = self._meta(p, where)
+        a, n = int(self._starts[p]), int(self._all_lengths[p])
         if self.with_tokens:
-            a, n = int(self._starts[p]), int(self._all_lengths[p])
             r["tokens"] = self._open(u).column("token").slice(a, n).to_pylist()
         if self._labels is not None:
             r[self.label_key] = self._labels[i % len(self)]
-        r["layers"] = stack(self._sentence(p), self.dim)
+        r["layers"] = stack([v[a: a + n] for v in self._layer_views(u)], self.dim)
         return self.transform(r) if self.transform else r
 
     def by_id(self, sentence_id: str) -> dict:
@@ -330,11 +331,12 @@ class MappedDataset(_TorchDataset):
         return batch
 
     def __getitems__(self, positions: Sequence[int]) -> dict:
-        """DataLoader's batched fetch: batch(positions), in this thread's reused buffers with reuse=True (in the
-        process that made the dataset's DataLoader: a worker's batches are pickled to it, so they are their own)."""
+        """DataLoader's batched fetch: batch(positions) (packed with packed=True), in this thread's reused buffers
+        with reuse=True (in the process that made the dataset's DataLoader: a worker's batches are pickled to it, so
+        they are their own)."""
         from torch.utils.data import get_worker_info
         return self.batch(positions, batcher=self._batcher(False, reused=True)
-                          if self.reuse and get_worker_info() is None else None)
+                          if self.reuse and get_worker_info() is None else None, packed=self.packed)
 
     def _positions(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """(dataset positions, global positions), (B,) int64 each, of `positions` (negative ones from the end);

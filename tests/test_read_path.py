@@ -594,7 +594,7 @@ def test_packed_batches_hold_the_stored_rows_back_to_back(outputs, monkeypatch, 
     """batch(packed=True) and batches(packed=True) (one thread and two, reused buffers or not): each sentence's rows
     of each layer, as pyarrow reads them from the Parquet shards (converted by torch to the asked dtype), at rows
     starts[b]:starts[b] + lengths[b] of one (N, D_k) tensor per layer, back to back from row 0; ids, lengths and
-    labels as the padded batch's."""
+    labels as the padded batch's; a DataLoader over MappedDataset(reuse=True, packed=True) fetches the same."""
     from elmo_pipeline.downstream import mapped
     monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
     table = pq.read_table(os.path.join(outputs[name], "parquet")).to_pylist()
@@ -618,3 +618,8 @@ def test_packed_batches_hold_the_stored_rows_back_to_back(outputs, monkeypatch, 
                         v = got["vectors"][k]
                         assert v.dtype == want_dtype and v.shape[0] == int(got["lengths"].sum())
                         assert torch.equal(v[a: a + n], want)
+    loader = torch.utils.data.DataLoader(MappedDataset(outputs[name], dtype=dtype, tokens=False, reuse=True,
+                                                       packed=True), batch_sampler=orders, collate_fn=unbatched)
+    for order, got in zip(orders, loader):                  # the DataLoader recipe's fetch gives the same
+        want = ds.batch(order, packed=True)
+        assert got["ids"] == want["ids"] and all(torch.equal(x, y) for x, y in zip(got["vectors"], want["vectors"]))
