@@ -47,6 +47,7 @@ from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
 from elmo_pipeline.downstream.record_labels import attach_label
 from elmo_pipeline.downstream.sampler import BucketBatchSampler
 from elmo_pipeline.downstream.shard_cache import ShardCache
+from elmo_pipeline.downstream.shard_checks import DamagedOutput
 from elmo_pipeline.downstream.shard_files import ShardFiles
 from elmo_pipeline.downstream.stream_rows import RowBuffer, halves, read_ahead, read_rows, stream_plan
 from elmo_pipeline.fsio import is_local_fs
@@ -122,11 +123,13 @@ class MappedDataset(_TorchDataset):
         ids, doc_ids, sidx, starts, lengths, unit_first = [], [], [], [], [], [0]
         for u in range(len(self.units)):
             local = self._local(u)
-            b, base, size = map_arrow_shard(local)
-            st = os.stat(local)                                         # the file mapped (a replaced one is refused)
-            self._maps[u] = b                                           # the map batches copy from
             k, i = self.units[u]
             where = self.outputs[k].shard_path(i, "arrow")
+            st = os.stat(local)
+            b, base, size = map_arrow_shard(local)
+            if not os.path.samestat(st, os.stat(local)):               # the file mapped is the one identified
+                raise DamagedOutput(f"{where}: replaced while the dataset was opened (open it again)")
+            self._maps[u] = b                                           # the map batches copy from
             self.outputs[k].check_arrow(i, b, where)
             self.files.found(u, layer_offsets(b, base, size, self.layers, where), size, (st.st_dev, st.st_ino))
             sid, offsets, docs, indices = sentence_index(b)
@@ -229,8 +232,11 @@ class MappedDataset(_TorchDataset):
         b = self._maps.get(u)
         if b is None:                                   # a forked or unpickled copy maps the file indexed again
             local = self._local(u)
+            st = os.stat(local)
             b = open_arrow_shard(local)
-            self.files.indexed(u, os.stat(local), local)
+            if not os.path.samestat(st, os.stat(local)):               # the file mapped is the one checked
+                raise DamagedOutput(f"{local}: replaced while it was opened (open the dataset again)")
+            self.files.indexed(u, st, local)
             self._maps[u] = b
             self._prefetch_next(u)
         return b

@@ -293,6 +293,28 @@ def test_a_shard_replaced_after_opening_is_refused_or_read_as_indexed(outputs, t
         copy[0]
 
 
+def test_a_shard_replaced_while_the_index_maps_it_is_refused(outputs, tmp_path, monkeypatch):
+    """A shard file replaced (renamed over) just after building the index mapped it: the dataset refuses to open
+    (DamagedOutput naming it) instead of recording the new file as the one indexed, whose rows the stream would
+    then read at the mapped file's offsets."""
+    import shutil
+    from elmo_pipeline.downstream import mapped
+    out = tmp_path / "racing"
+    shutil.copytree(outputs["all"], out)
+    shards = [os.path.join(str(out), s["arrow"]) for s in ElmoOutput(str(out)).shards]
+    real = mapped.map_arrow_shard
+
+    def map_then_replace(path: str, *args):
+        got = real(path, *args)
+        if path == shards[0]:
+            shutil.copy(shards[1], str(out / "other.arrow"))
+            os.replace(str(out / "other.arrow"), shards[0])
+        return got
+    monkeypatch.setattr(mapped, "map_arrow_shard", map_then_replace)
+    with pytest.raises(DamagedOutput, match=f"^{re.escape(shards[0])}: replaced while the dataset was opened"):
+        MappedDataset(str(out), tokens=False)
+
+
 def _streamed(ds: MappedDataset, output: ElmoOutput, **kw) -> list[dict]:
     """The stream's sentences as records (id, doc_id, layers stacked as ElmoOutput does), each batch checked
     before the next overwrites its buffer."""
