@@ -49,25 +49,18 @@ def place(dst, src) -> None:
 
 def stack(arrays: Sequence, dim: int) -> np.ndarray:
     """(L, T, dim) float32 of per-layer (T, D_k) arrays or tensors (views of a mapped file too): each copied into
-    place, float32 arrays by numpy, another dtype converted by torch; a P-wide layer 0 into the first half, the
-    second half then copied from it ([x, x])."""
+    place, float32 arrays by numpy, another dtype converted by torch (one call a layer); a P-wide layer 0 into the
+    first half, the second half then copied from it ([x, x])."""
     import torch
     out = np.empty((len(arrays), arrays[0].shape[0] if len(arrays) else 0, dim), dtype=np.float32)
-    dst, src = [], []
     for k, a in enumerate(arrays):
         d = a.shape[-1]
         if d != dim and 2 * d != dim:
             raise ValueError(f"layer width {d} is neither {dim} nor half of it")
         if isinstance(a, np.ndarray) and a.dtype == out.dtype:
             out[k, :, :d] = a
-        else:                                       # converted by torch, the layers in one call
-            dst.append(torch.from_numpy(out[k, :, :d]))
-            src.append(a if isinstance(a, torch.Tensor) else tensor(np.asarray(a)))
-    if dst:
-        for o, t in zip(dst, src):
-            o.copy_(t)
-    for k, a in enumerate(arrays):
-        d = a.shape[-1]
+        else:
+            torch.from_numpy(out[k, :, :d]).copy_(a if isinstance(a, torch.Tensor) else tensor(np.asarray(a)))
         if d != dim:
             out[k, :, d:] = out[k, :, :d]
     return out
