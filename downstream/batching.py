@@ -257,10 +257,11 @@ class Batcher:
         flat = self._buffer("layers", (max(room[-1], 1),), self.torch_dtype)
         vectors = [flat[room[k]: room[k + 1]].view(N, w) for k, w in enumerate(widths)]
         converted = np.dtype(stored) != self.dtype
-        dst = [v.numpy() for v in vectors]
         if converted:
             stage = self._buffer("staged", (max(room[-1], 1),), getattr(torch, np.dtype(stored).name))
             dst = [stage[room[k]: room[k + 1]].view(N, w).numpy() for k, w in enumerate(widths)]
+        else:
+            dst = [v.numpy() for v in vectors]
         rows = at.tolist()
 
         def copy(lo: int, hi: int) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from elmo_pipeline.downstream.arrow_shards import (flat_vectors, layer_offsets, map_arrow_shard, open_arrow_shard,
+from elmo_pipeline.downstream.arrow_shards import (flat_vectors, layer_offsets, map_arrow_shard,
                                                    sentence_index)
 from elmo_pipeline.downstream.batching import Batcher, label_batch, stack
 from elmo_pipeline.downstream.id_table import IdTable
@@ -125,10 +125,7 @@ class MappedDataset(_TorchDataset):
             local = self._local(u)
             k, i = self.units[u]
             where = self.outputs[k].shard_path(i, "arrow")
-            st = os.stat(local)
-            b, base, size = map_arrow_shard(local)
-            if not os.path.samestat(st, os.stat(local)):               # the file mapped is the one identified
-                raise DamagedOutput(f"{where}: replaced while the dataset was opened (open it again)")
+            b, base, size, st = _map(local, where)
             self._maps[u] = b                                           # the map batches copy from
             self.outputs[k].check_arrow(i, b, where)
             self.files.found(u, layer_offsets(b, base, size, self.layers, where), size, (st.st_dev, st.st_ino))
@@ -232,10 +229,7 @@ class MappedDataset(_TorchDataset):
         b = self._maps.get(u)
         if b is None:                                   # a forked or unpickled copy maps the file indexed again
             local = self._local(u)
-            st = os.stat(local)
-            b = open_arrow_shard(local)
-            if not os.path.samestat(st, os.stat(local)):               # the file mapped is the one checked
-                raise DamagedOutput(f"{local}: replaced while it was opened (open the dataset again)")
+            b, _, _, st = _map(local, local)
             self.files.indexed(u, st, local)
             self._maps[u] = b
             self._prefetch_next(u)
@@ -285,21 +279,21 @@ class MappedDataset(_TorchDataset):
             views = self._views[u] = [flat_vectors(self._maps[u], name) for name in self.layers]
         return views
 
-    def _sentence(self, p: int) -> list[np.ndarray]:
-        """The selected layers' stored (T, D_k) rows of global position p: views of the mapped file, no copy."""
+    def _sentence(self, p: int, u: int | None = None) -> list[np.ndarray]:
+        """The selected layers' stored (T, D_k) rows of global position p (in unit u, found when not given):
+        views of the mapped file, no copy."""
         a, n = int(self._starts[p]), int(self._all_lengths[p])
-        return [v[a: a + n] for v in self._layer_views(self._unit(p)[0])]
+        return [v[a: a + n] for v in self._layer_views(self._unit(p)[0] if u is None else u)]
 
     def __getitem__(self, i: int) -> dict:
         p = self._position(i)
-        u, s = where = self._unit(p)
+        where = self._unit(p)
         r = self._meta(p, where)
-        a, n = int(self._starts[p]), int(self._all_lengths[p])
         if self.with_tokens:
-            r["tokens"] = self._open(u).column("token").slice(a, n).to_pylist()
+            r["tokens"] = self._tokens(p)
         if self._labels is not None:
             r[self.label_key] = self._labels[i % len(self)]
-        r["layers"] = stack([v[a: a + n] for v in self._layer_views(u)], self.dim)
+        r["layers"] = stack(self._sentence(p, where[0]), self.dim)
         return self.transform(r) if self.transform else r
 
     def by_id(self, sentence_id: str) -> dict:
@@ -506,6 +500,17 @@ class MappedDataset(_TorchDataset):
             n = int(vectors[0].shape[0]) if vectors else 0
             halves(read, n, helper)
         return batch
+
+
+def _map(local: str, where: str) -> tuple[pa.RecordBatch, int, int, os.stat_result]:
+    """(record batch, address of the map's first byte, file size, the file's os.stat) of the local shard file
+    `local`, memory-mapped; DamagedOutput naming `where` when another file was renamed over it while it was mapped
+    (its identity is taken before and after the map)."""
+    st = os.stat(local)
+    b, base, size = map_arrow_shard(local)
+    if not os.path.samestat(st, os.stat(local)):
+        raise DamagedOutput(f"{where}: replaced while the dataset was opened (open it again)")
+    return b, base, size, st
 
 
 def _giving_back(items: Iterator, batchers: list, free: list) -> Iterator:
