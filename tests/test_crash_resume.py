@@ -279,7 +279,8 @@ def test_sigkill_leaves_no_hdf5_temp_file(corpus, tiny_model_files, tmp_path):
     named = {f for r in _records(st) for f in r["files"].values()}
     data = {f for f in os.listdir(st) if os.path.isfile(os.path.join(st, f)) and f != "run.json"}
     from elmo_pipeline.transforms.write_step import WriteShards
-    assert len(_records(st)) == 2 and named <= data and not any(".tmp-" in f for f in data)
+    # the kill follows the 2nd counted commit; another writer thread may have put its record just before
+    assert 2 <= len(_records(st)) <= 1 + WriteShards.WRITERS and named <= data and not any(".tmp-" in f for f in data)
     unnamed = {f.rsplit(".", 1)[0] for f in data - named}            # a shard's .parquet and .hdf5 share a stem
     assert len(unnamed) <= WriteShards.WRITERS - 1, sorted(data - named)
 
