@@ -21,7 +21,9 @@ dataset (the first is part of their set-up). Every form runs with its defaults: 
 caller and the dataset's helper thread (threads=2), stream batches of 8 MiB, padded ones of at most 6 MiB once padded,
 in their dtype. References, no form: the bucketed batches' rows alone, copied from a newly opened dataset's maps in
 the sampler's order into a reused buffer (one thread, then two threads a half each: what copying in that order costs,
-faults included); the padded batches' values per stored value; a `cat` of a copy of the files written by `cp` (how a
+faults included); the padded batches' values per stored value; batch() of 32 random's padded float32 tensors alone,
+each zeroed and summed in a kept buffer with nothing read (the least its padding costs: every value written once and
+read once by the consumer), and from it the most that form can reach with its sentences read at the cat's speed; a `cat` of a copy of the files written by `cp` (how a
 file was written changes how fast `cat` reads it back); last, `cat` after the files' pages were dropped and read back
 first by one `cat`, then first by building the index (how pages came into the page cache changes it too). The index's
 memory: a fresh process over the same output (default sharding) and over a --big-tokens output of synthetic sentences
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -270,7 +273,9 @@ def bucket_copies(out: str, threads: int):
 def random_form(out: str, n: int, kind: str):
     """The form (see pairs) of n random reads, every byte of each summed: kind views (by position), id (views by
     id), record (ds[p], float32), batch (ds.batch of 32 random positions, float32), packed (ds.batch(packed=True)
-    of 32 random positions, stored dtype: the sentences back to back, no padding). Its set-up opens the dataset,
+    of 32 random positions, stored dtype: the sentences back to back, no padding), fill (batch's padded float32
+tensors, each zeroed and summed in one of three kept buffers, nothing read: the least its padded values cost, a
+write and the consumer's read of each). Its set-up opens the dataset,
     draws the positions and, for id, lists the ids and builds the id table by a first lookup; run() does the
     reads and returns the stored bytes of the sentences read."""
     def form():
@@ -297,12 +302,23 @@ def random_form(out: str, n: int, kind: str):
                 for s in range(0, n, 32):
                     for v in ds.batch(picks[s: s + 32].tolist(), packed=True)["vectors"]:
                         acc += float(v.sum())
+            elif kind == "fill":
+                for j, shape in enumerate(shapes):
+                    t = kept[j % len(kept)][: math.prod(shape)].view(shape)
+                    acc += float(t.zero_().sum())
             else:
                 for s in range(0, n, 32):
                     acc += float(ds.batch(picks[s: s + 32].tolist())["layers"].sum())
             return nbytes
+        if kind == "fill":                                       # batch()'s shapes; kept buffers as its Batcher's
+            shapes = [(len(g), len(ds.widths), int(ds.lengths[g].max()), ds.dim)
+                      for g in (picks[s: s + 32] for s in range(0, n, 32))]
+            kept = [torch.zeros(max(math.prod(s) for s in shapes)) for _ in range(3)]
         return run
     return form
+
+
+FILL = "reference: batch() of 32 random's padded tensors, zeroed and summed alone"
 
 
 def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
@@ -371,7 +387,7 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
     shutil.rmtree(copy)
     kinds = {"by position, views": ("views", 20_000), "by id, views": ("id", 20_000),
              "ds[p], float32 record": ("record", 5_000), "batch() of 32 random, float32": ("batch", 5_120),
-             "batch(packed=True) of 32 random, stored dtype": ("packed", 5_120)}
+             "batch(packed=True) of 32 random, stored dtype": ("packed", 5_120), FILL: ("fill", 5_120)}
     got = pairs({label: (random_form(out, n, kind), n_pairs) for label, (kind, n) in kinds.items()}, files)
     for label, (kind, n) in kinds.items():
         g = got[label]
@@ -389,6 +405,13 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
             r["floor_seconds"], r["fraction_of_floor"] = floor_s, floor_s / sec
             line += f"; {100 * r['fraction_of_floor']:.1f} % of floor (cat + torch fp16 -> float32)"
         print(line, flush=True)
+    padded, fill = d["random_access"]["batch() of 32 random, float32"], d["random_access"][FILL]
+    t_fill = fill["sentences"] / fill["sentences_per_s"]
+    t_bound = padded["sentences"] / padded["bound_sentences_per_s"]
+    padded["ceiling_fraction_of_bound"] = c = t_bound / (t_bound + t_fill)
+    line = (f"batch() of 32 random, float32: its padded values alone take {t_fill / t_bound:.2f}x the bound's time; "
+            f"with the sentences read at cat's speed it reaches at most {100 * c:.1f} % of its bound")
+    print(line, flush=True)
     del ds
     d["cat_after_first_read"] = c = first_read_cats(out, files, n_pairs)
     print(f"reference: cat of the arrow files, their pages dropped and read back first by cat "
