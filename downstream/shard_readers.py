@@ -94,24 +94,37 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect:
     """Records of an HDF5 shard (AllenNLP layout: (layers, T, 2P) or (T, 2P) per sentence), layers `pick`
     (indices); doc ids, sentence indices and tokens from `meta` (parquet_meta of the Parquet twin), else
     from the id and None. expect (ElmoOutput.hdf5_expect): each dataset's declared shape and dtype is
-    checked before it is read, so no read allocates more than the manifest's tokens."""
+    checked before it is read, so no read allocates more than the manifest's tokens. A shard HDF5 cannot
+    read (damaged metadata: its signature, groups, names, datatypes) is refused with DamagedOutput naming it."""
     import h5py
-    with fs.open(path, "rb") as f, h5py.File(f, "r") as h:
-        keys = sorted(h.keys(), key=hdf5_unkey)
-        if len(keys) != expect["sentences"]:
-            raise DamagedOutput(f"{path}: {len(keys)} datasets, the manifest says {expect['sentences']} sentences")
-        left = expect["tokens"]
-        for key in keys:
-            sid = hdf5_unkey(key)
-            d = h[key]
-            left -= check_hdf5_shape(path, key, d.shape, d.dtype, expect["n_layers"], expect["dim"],
-                                     expect["dtype"], left)
-            arr = d[...]
-            if arr.ndim == 2:
-                arr = arr[None]
-            did, k, toks = meta.get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)
-            yield {"id": sid, "doc_id": did, "sentence_index": k, "tokens": toks,
-                   "stored": [arr[j] for j in pick]}
+    with fs.open(path, "rb") as f:
+        try:
+            with h5py.File(f, "r") as h:
+                keys = list(h.keys())
+                if not all(isinstance(k, str) for k in keys):
+                    raise DamagedOutput(f"{path}: a dataset name is not UTF-8 text")
+                keys.sort(key=hdf5_unkey)
+                if len(keys) != expect["sentences"]:
+                    raise DamagedOutput(f"{path}: {len(keys)} datasets, the manifest says {expect['sentences']} "
+                                        f"sentences")
+                left = expect["tokens"]
+                for key in keys:
+                    sid = hdf5_unkey(key)
+                    d = h.get(key)
+                    if not isinstance(d, h5py.Dataset):
+                        raise DamagedOutput(f"{path}: {key!r} is not a dataset")
+                    left -= check_hdf5_shape(path, key, d.shape, d.dtype, expect["n_layers"], expect["dim"],
+                                             expect["dtype"], left)
+                    arr = d[...]
+                    if arr.ndim == 2:
+                        arr = arr[None]
+                    did, k, toks = meta.get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)
+                    yield {"id": sid, "doc_id": did, "sentence_index": k, "tokens": toks,
+                           "stored": [arr[j] for j in pick]}
+        except DamagedOutput:
+            raise
+        except (OSError, RuntimeError, KeyError, ValueError) as e:     # what h5py raises for a damaged file
+            raise DamagedOutput(f"{path}: not a readable HDF5 shard ({' '.join(str(e).split())})") from None
 
 
 def _sentence_index(sentence_id: str) -> int:

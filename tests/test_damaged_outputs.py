@@ -159,6 +159,54 @@ def test_hdf5_shard_declaring_more_rows_than_the_manifest_refused(copy):
         list(ElmoOutput(out).sentences("hdf5"))
 
 
+def _rewrite_hdf5(shard: str, change) -> None:
+    """The shard written anew with its datasets as they were, change(h5py file) applied."""
+    with h5py.File(shard, "r") as h:
+        data = {k: h[k][...] for k in h.keys()}
+    with h5py.File(shard, "w") as h:
+        for k, v in data.items():
+            h.create_dataset(k, data=v)
+        change(h)
+
+
+def _broken_signature(shard: str) -> None:
+    """The shard's first symbol-table node or B-tree signature overwritten (damaged group metadata)."""
+    with open(shard, "r+b") as f:
+        data = f.read()
+        at = min(i for i in (data.find(b"SNOD"), data.find(b"TREE")) if i >= 0)
+        f.seek(at)
+        f.write(b"XXXX")
+
+
+@pytest.mark.parametrize("damage", ["signature", "name", "datatype", "not hdf5"])
+def test_hdf5_shard_with_damaged_metadata_refused(copy, damage):
+    """What h5py finds in a damaged shard (a RuntimeError, a bytes name, a named datatype where a dataset was, an
+    OSError) is one DamagedOutput naming the shard, from every reader of it."""
+    from elmo_pipeline.downstream.readers import ElmoDataset
+    out = copy("fp32")
+    shard = os.path.join(out, _manifest(out)["shards"][0]["hdf5"])
+    if damage == "signature":
+        _broken_signature(shard)
+    elif damage == "name":                                        # one more dataset, named by bytes not UTF-8
+        _rewrite_hdf5(shard, lambda h: h.create_dataset(b"\xff\xfe", data=np.zeros((3, 1, 32), np.float32)))
+        with h5py.File(shard, "r") as h:
+            assert any(isinstance(k, bytes) for k in h.keys())
+    elif damage == "datatype":                                    # a sentence's dataset replaced by a datatype
+        def swap(h):
+            k = sorted(h.keys())[0]
+            del h[k]
+            h[k] = np.dtype("float32")
+        _rewrite_hdf5(shard, swap)
+    else:
+        with open(shard, "wb") as f:
+            f.write(b"\x00" * 4096)
+    for read in (lambda: list(ElmoOutput(out).sentences("hdf5")), lambda: ElmoDataset(out, fmt="hdf5")[0],
+                 lambda: ElmoOutput(out).validate()):
+        with pytest.raises(DamagedOutput) as e:
+            read()
+        assert shard in str(e.value) and "\n" not in str(e.value)
+
+
 def test_full_validation_of_a_sound_output(written):
     for name in ("fp32", "fp16"):
         ElmoOutput(written[name]).validate()
