@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from elmo_pipeline.downstream.batching import stack
-from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_arrow_batch, shard_entry
+from elmo_pipeline.downstream.shard_checks import (DamagedOutput, check_arrow_batch, check_parquet_schema,
+                                                   checked_header, shard_entry)
 from elmo_pipeline.downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
                                       parquet_token_records)
 from elmo_pipeline.formats.layout import FORMATS, MANIFEST, read_manifest
@@ -41,11 +42,8 @@ class ElmoOutput:
         where = posixpath.join(self.path, MANIFEST)
         self.shards: list[dict] = [shard_entry(f"{where}: shard {i}", s, FORMATS)
                                    for i, s in enumerate(self.manifest.get("shards", []))]
-        self.layer_names: list[str] = list(self.manifest["layers"])
-        self.layer_dims: dict[str, int] = {k: int(v) for k, v in self.manifest["layer_dims"].items()}
+        self.layer_names, self.layer_dims, self.formats, self.parquet_layout = checked_header(where, manifest)
         self.dim = max(self.layer_dims.values())
-        self.formats: list[str] = list(self.manifest.get("formats", []))
-        self.parquet_layout: str = self.manifest.get("parquet_layout", "sentence")
         self.dtype: str = self.manifest.get("dtype", "float32")
         if self.dtype not in ("float16", "float32"):
             raise DamagedOutput(f"{where}: dtype {self.dtype!r} is neither float16 nor float32")
@@ -69,6 +67,10 @@ class ElmoOutput:
         (shard_checks.check_arrow_batch)."""
         s = self.shards[i]
         check_arrow_batch(batch, where, int(s["tokens"]), int(s["sentences"]), self.dtype, self.layer_dims, full)
+
+    def _parquet_check(self, where: str):
+        """check(schema) of a Parquet shard (read from `where`) against the manifest (check_parquet_schema)."""
+        return lambda schema: check_parquet_schema(schema, where, self.layer_dims, self.dtype, self.parquet_layout)
 
     def hdf5_expect(self, i: int) -> dict:
         """What shard i's HDF5 file must hold: sentences, tokens, layers per dataset, width, dtype."""
@@ -117,7 +119,7 @@ class ElmoOutput:
         path = self.shard_path(i, fmt)
         if fmt == "parquet":
             read = parquet_token_records if self.parquet_layout == "token" else parquet_records
-            it = read(self.fs, path, names)
+            it = read(self.fs, path, names, self._parquet_check(path))
         elif fmt == "arrow":
             it = arrow_records(self.fs, path, names, lambda batch: self.check_arrow(i, batch, path))
         else:
@@ -131,7 +133,8 @@ class ElmoOutput:
     def _hdf5_meta(self, i: int) -> dict[str, tuple]:
         """Doc ids, sentence indices and tokens of shard i's sentences from its Parquet twin ({} without one)."""
         if "parquet" in self.shards[i] and self.parquet_layout == "sentence":
-            return parquet_meta(self.fs, self.shard_path(i, "parquet"))
+            path = self.shard_path(i, "parquet")
+            return parquet_meta(self.fs, path, self._parquet_check(path))
         return {}
 
     def sentences(self, fmt: str | None = None, layers: Sequence[str] | None = None) -> Iterator[dict]:

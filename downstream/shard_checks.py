@@ -27,6 +27,59 @@ def inside_path(where: str, rel) -> str:
     return posixpath.normpath(rel)
 
 
+MAX_WIDTH = 1 << 16             # the widest layer a manifest may declare (the original biLM's is 1,024)
+META_NAMES = ("id", "doc_id", "sentence_index", "tokens", "token", "token_index", "token_offsets")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def checked_header(where: str, manifest: dict) -> tuple[list[str], dict[str, int], list[str], str]:
+    """(layer names, {name: stored width}, formats, parquet layout) of a manifest, checked: distinct layer names
+    that are no metadata column, each with an int width of 1 to MAX_WIDTH, every width the widest or half of it
+    (layer 0 stored P wide); formats a list of names; the Parquet layout "sentence" or "token"."""
+    names, dims = manifest.get("layers"), manifest.get("layer_dims")
+    if not (isinstance(names, list) and names and all(isinstance(n, str) and n and n not in META_NAMES for n in names)
+            and len(set(names)) == len(names)):
+        raise DamagedOutput(f"{where}: layers {_shown(names)} is not a list of distinct layer names")
+    if not (isinstance(dims, dict) and set(dims) == set(names)
+            and all(type(d) is int and 0 < d <= MAX_WIDTH for d in dims.values())):
+        raise DamagedOutput(f"{where}: layer_dims {_shown(dims)} is not a width of 1 to {MAX_WIDTH} for each "
+                            f"layer of {names}")
+    widest = max(dims.values())
+    if any(d != widest and 2 * d != widest for d in dims.values()):
+        raise DamagedOutput(f"{where}: layer_dims {_shown(dims)}: a width neither the widest nor half of it")
+    formats = manifest.get("formats", [])
+    if not (isinstance(formats, list) and all(isinstance(f, str) for f in formats)):
+        raise DamagedOutput(f"{where}: formats {_shown(formats)} is not a list of format names")
+    layout = manifest.get("parquet_layout", "sentence")
+    if layout not in ("sentence", "token"):
+        raise DamagedOutput(f"{where}: parquet_layout {_shown(layout)} is neither sentence nor token")
+    return names, {n: dims[n] for n in names}, formats, layout
+
+
+def check_parquet_schema(schema: pa.Schema, where: str, layer_dims: Mapping[str, int], dtype: str,
+                         layout: str) -> None:
+    """Raise DamagedOutput unless a Parquet shard's schema has the layout's metadata columns and each layer of
+    `layer_dims` as that many `dtype` floats a token (a list of them a row in the sentence layout)."""
+    meta = ("id", "doc_id", "sentence_index", "tokens") if layout == "sentence" else \
+        ("id", "doc_id", "sentence_index", "token_index", "token")
+    for col in (*meta, *layer_dims):
+        if schema.get_field_index(col) < 0:
+            raise DamagedOutput(f"{where}: no column {col!r}")
+    want = pa.float16() if dtype == "float16" else pa.float32()
+    for name, width in layer_dims.items():
+        t = schema.field(name).type
+        row = t.value_type if layout == "sentence" and pa.types.is_list(t) else t
+        if (layout == "sentence" and not pa.types.is_list(t)) or not pa.types.is_fixed_size_list(row) \
+                or row.value_type != want or row.list_size != width:
+            shape = f"list<fixed_size_list<{want}>[{width}]>" if layout == "sentence" else \
+                f"fixed_size_list<{want}>[{width}]"
+            raise DamagedOutput(f"{where}: column {name} is {t}, the manifest says {shape}")
+
+
 def shard_entry(where: str, entry, formats) -> dict:
     """A manifest's shard entry, checked: a dict with int sentences and tokens, each format's file name a
     relative path inside the output (inside_path)."""

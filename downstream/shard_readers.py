@@ -7,8 +7,10 @@ maybe P wide); ElmoOutput.stack makes them one (L, T, 2P) float32 array.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
+import pyarrow as pa
 
 from elmo_pipeline.downstream.arrow_shards import flat_vectors, read_arrow_shard, sentence_index
 from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_hdf5_shape
@@ -16,11 +18,28 @@ from elmo_pipeline.formats.hdf5 import hdf5_unkey
 from elmo_pipeline.formats.parquet import META_COLUMNS
 
 
-def parquet_records(fs, path: str, names: list[str]) -> Iterator[dict]:
-    """Records of a Parquet shard with a row per sentence, read 1024 rows at a time."""
+@contextmanager
+def unreadable(path: str, kind: str, errors: tuple):
+    """What the format's library raises on a damaged shard (`errors`) as one DamagedOutput naming the file."""
+    try:
+        yield
+    except DamagedOutput:
+        raise
+    except errors as e:
+        raise DamagedOutput(f"{path}: not a readable {kind} shard ({' '.join(str(e).split())})") from None
+
+
+PARQUET_ERRORS = (pa.ArrowException, OSError, ValueError)
+HDF5_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
+
+
+def parquet_records(fs, path: str, names: list[str], check) -> Iterator[dict]:
+    """Records of a Parquet shard with a row per sentence, read 1024 rows at a time; check(schema) raises unless
+    the shard's schema matches its manifest."""
     import pyarrow.parquet as pq
-    with fs.open(path, "rb") as f:
+    with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
         pf = pq.ParquetFile(f)
+        check(pf.schema_arrow)
         for batch in pf.iter_batches(batch_size=1024, columns=[*META_COLUMNS, *names]):
             yield from _batch_records(batch, names)
 
@@ -45,11 +64,14 @@ def _batch_records(batch, names: list[str]) -> Iterator[dict]:
                "stored": [m[s:e] for m in mats]}
 
 
-def parquet_token_records(fs, path: str, names: list[str]) -> Iterator[dict]:
-    """Records of a Parquet shard with a row per token (rows sorted by sentence id, then token index)."""
+def parquet_token_records(fs, path: str, names: list[str], check) -> Iterator[dict]:
+    """Records of a Parquet shard with a row per token (rows sorted by sentence id, then token index); check as
+    parquet_records."""
     import pyarrow.parquet as pq
-    with fs.open(path, "rb") as f:
-        t = pq.read_table(f, columns=["id", "doc_id", "sentence_index", "token_index", "token", *names])
+    with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
+        pf = pq.ParquetFile(f)
+        check(pf.schema_arrow)
+        t = pf.read(columns=["id", "doc_id", "sentence_index", "token_index", "token", *names])
     ids = t.column("id").to_pylist()
     mats = [t.column(n).combine_chunks().flatten().to_numpy(zero_copy_only=False)
             .reshape(t.num_rows, -1) for n in names]
@@ -68,11 +90,14 @@ def parquet_token_records(fs, path: str, names: list[str]) -> Iterator[dict]:
         start = end
 
 
-def parquet_meta(fs, path: str) -> dict[str, tuple]:
-    """{sentence id: (doc_id, sentence_index, tokens)} of a Parquet shard with a row per sentence."""
+def parquet_meta(fs, path: str, check) -> dict[str, tuple]:
+    """{sentence id: (doc_id, sentence_index, tokens)} of a Parquet shard with a row per sentence; check as
+    parquet_records."""
     import pyarrow.parquet as pq
-    with fs.open(path, "rb") as f:
-        t = pq.read_table(f, columns=list(META_COLUMNS))
+    with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
+        pf = pq.ParquetFile(f)
+        check(pf.schema_arrow)
+        t = pf.read(columns=list(META_COLUMNS))
     return {sid: (did, k, toks) for sid, did, k, toks in zip(*(t.column(c).to_pylist() for c in META_COLUMNS))}
 
 
@@ -97,34 +122,27 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect:
     checked before it is read, so no read allocates more than the manifest's tokens. A shard HDF5 cannot
     read (damaged metadata: its signature, groups, names, datatypes) is refused with DamagedOutput naming it."""
     import h5py
-    with fs.open(path, "rb") as f:
-        try:
-            with h5py.File(f, "r") as h:
-                keys = list(h.keys())
-                if not all(isinstance(k, str) for k in keys):
-                    raise DamagedOutput(f"{path}: a dataset name is not UTF-8 text")
-                keys.sort(key=hdf5_unkey)
-                if len(keys) != expect["sentences"]:
-                    raise DamagedOutput(f"{path}: {len(keys)} datasets, the manifest says {expect['sentences']} "
-                                        f"sentences")
-                left = expect["tokens"]
-                for key in keys:
-                    sid = hdf5_unkey(key)
-                    d = h.get(key)
-                    if not isinstance(d, h5py.Dataset):
-                        raise DamagedOutput(f"{path}: {key!r} is not a dataset")
-                    left -= check_hdf5_shape(path, key, d.shape, d.dtype, expect["n_layers"], expect["dim"],
-                                             expect["dtype"], left)
-                    arr = d[...]
-                    if arr.ndim == 2:
-                        arr = arr[None]
-                    did, k, toks = meta.get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)
-                    yield {"id": sid, "doc_id": did, "sentence_index": k, "tokens": toks,
-                           "stored": [arr[j] for j in pick]}
-        except DamagedOutput:
-            raise
-        except (OSError, RuntimeError, KeyError, ValueError) as e:     # what h5py raises for a damaged file
-            raise DamagedOutput(f"{path}: not a readable HDF5 shard ({' '.join(str(e).split())})") from None
+    with fs.open(path, "rb") as f, unreadable(path, "HDF5", HDF5_ERRORS), h5py.File(f, "r") as h:
+        keys = list(h.keys())
+        if not all(isinstance(k, str) for k in keys):
+            raise DamagedOutput(f"{path}: a dataset name is not UTF-8 text")
+        keys.sort(key=hdf5_unkey)
+        if len(keys) != expect["sentences"]:
+            raise DamagedOutput(f"{path}: {len(keys)} datasets, the manifest says {expect['sentences']} sentences")
+        left = expect["tokens"]
+        for key in keys:
+            sid = hdf5_unkey(key)
+            d = h.get(key)
+            if not isinstance(d, h5py.Dataset):
+                raise DamagedOutput(f"{path}: {key!r} is not a dataset")
+            left -= check_hdf5_shape(path, key, d.shape, d.dtype, expect["n_layers"], expect["dim"],
+                                     expect["dtype"], left)
+            arr = d[...]
+            if arr.ndim == 2:
+                arr = arr[None]
+            did, k, toks = meta.get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)
+            yield {"id": sid, "doc_id": did, "sentence_index": k, "tokens": toks,
+                   "stored": [arr[j] for j in pick]}
 
 
 def _sentence_index(sentence_id: str) -> int:

@@ -159,6 +159,66 @@ def test_hdf5_shard_declaring_more_rows_than_the_manifest_refused(copy):
         list(ElmoOutput(out).sentences("hdf5"))
 
 
+@pytest.mark.parametrize("field,value,says", [
+    ("layers", 0, "not a list of distinct layer names"),
+    ("layers", ["layer_0", "layer_0", "layer_2"], "not a list of distinct layer names"),
+    ("layers", ["id", "layer_1", "layer_2"], "not a list of distinct layer names"),     # a metadata column
+    ("layers", [0, "layer_1", "layer_2"], "not a list of distinct layer names"),
+    ("layer_dims", 1.5, "not a width"),
+    ("layer_dims", {"layer_0": 32, "layer_1": 10 ** 18, "layer_2": 32}, "not a width"),
+    ("layer_dims", {"layer_0": 32, "layer_1": 32}, "not a width"),                       # layer_2 has none
+    ("layer_dims", {"layer_0": 32, "layer_1": 24, "layer_2": 32}, "neither the widest nor half"),
+    ("formats", -1, "not a list of format names"),
+    ("parquet_layout", [], "neither sentence nor token"),
+])
+def test_manifest_header_fields_of_the_wrong_kind_refused(copy, field, value, says):
+    """Each manifest field the readers size or name things by is checked on open: one DamagedOutput naming
+    manifest.json, from ElmoOutput and MappedDataset alike (not a TypeError, KeyError or OverflowError later)."""
+    out = copy("fp32")
+    m = _manifest(out)
+    m[field] = value
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(m, f)
+    for read in (lambda: ElmoOutput(out), lambda: MappedDataset(out)):
+        with pytest.raises(DamagedOutput, match=f"manifest.json: {field} .*{says}"):
+            read()
+
+
+@pytest.mark.parametrize("damage", ["column", "width", "dtype", "not parquet"])
+def test_parquet_shard_not_matching_its_manifest_refused(copy, damage):
+    """A Parquet shard without a layer column, with another width or dtype, or not Parquet at all: one
+    DamagedOutput naming the shard from every reader of it (the metadata of an HDF5 twin too)."""
+    import pyarrow.parquet as pq
+    from elmo_pipeline.downstream.readers import ElmoDataset
+    out = copy("fp32")
+    shard = os.path.join(out, _manifest(out)["shards"][0]["parquet"])
+    t = pq.read_table(shard)
+    if damage == "column":
+        t = t.drop_columns(["layer_1"])
+    elif damage in ("width", "dtype"):
+        col = t.column("layer_1").combine_chunks()
+        rows = col.flatten()                                     # (tokens, D) fixed-size lists
+        width = rows.type.list_size
+        values = rows.flatten().to_numpy()
+        if damage == "width":
+            flat = pa.FixedSizeListArray.from_arrays(pa.array(values[: len(values) // 2 * 2]), width // 2)
+            values_rows = pa.ListArray.from_arrays(pa.array((col.offsets.to_numpy() * 2).astype(np.int32)), flat)
+        else:
+            flat = pa.FixedSizeListArray.from_arrays(pa.array(values.astype(np.float16)), width)
+            values_rows = pa.ListArray.from_arrays(col.offsets, flat)
+        t = t.set_column(t.schema.get_field_index("layer_1"), "layer_1", values_rows)
+    if damage == "not parquet":
+        with open(shard, "wb") as f:
+            f.write(b"PAR1" + b"\x00" * 100)
+    else:
+        pq.write_table(t, shard)
+    for read in (lambda: list(ElmoOutput(out).sentences("parquet")), lambda: ElmoDataset(out, fmt="parquet")[0],
+                 lambda: list(ElmoOutput(out).sentences("hdf5")), lambda: ElmoOutput(out).validate()):
+        with pytest.raises(DamagedOutput) as e:
+            read()
+        assert shard in str(e.value) and "\n" not in str(e.value)
+
+
 def _rewrite_hdf5(shard: str, change) -> None:
     """The shard written anew with its datasets as they were, change(h5py file) applied."""
     with h5py.File(shard, "r") as h:
