@@ -107,6 +107,27 @@ def record_ids(record: dict) -> list[str]:
     return json.loads(zlib.decompress(base64.b64decode(record["ids_zlib"])))
 
 
+def checked_record(raw: bytes) -> tuple[dict, list[str]] | None:
+    """(commit record, its sentence ids) of a record file's bytes, or None when they are no whole record (a
+    damaged file: not a JSON object; counts, first id or file names of the wrong kind; a file name that is not
+    a plain name in the staging folder; ids that do not decode to `sentences` distinct strings)."""
+    try:
+        rec = json.loads(raw)
+        if not isinstance(rec, dict):
+            return None
+        ids = record_ids(rec)
+    except (KeyError, ValueError, TypeError, zlib.error):
+        return None
+    files = rec.get("files")
+    ok = (type(rec.get("sentences")) is int and type(rec.get("tokens")) is int and rec["tokens"] >= 0
+          and isinstance(rec.get("first_id"), str) and isinstance(files, dict)
+          and all(isinstance(k, str) and isinstance(v, str) and v and v == posixpath.basename(v) and v not in (".", "..")
+                  for k, v in files.items())
+          and isinstance(ids, list) and len(ids) == rec["sentences"] and all(isinstance(i, str) for i in ids)
+          and len(set(ids)) == len(ids))
+    return (rec, ids) if ok else None
+
+
 def manifest_header(model: dict, columns: list[tuple[str, int]], hdf5_layout: str, flags: dict,
                     formats: list[str], inputs: list[str], run: dict) -> dict:
     """What a run knows before it starts: model identity, layers and widths, content options, inputs, run key.

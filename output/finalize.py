@@ -66,20 +66,21 @@ class Staged:
     docs: list[str] = field(default_factory=list)      # staged documents' content hashes (--iceberg-mode upsert)
 
 
-def select_records(fs, st: str, present: set[str]) -> tuple[list[dict], list[str], set[str]]:
-    """(records, their paths, ids of every record) from <st>/committed/: a pairwise-disjoint set of commit
-    records whose files are all present, first come first kept in name order (a retried bundle's record
-    overlapping one already kept is left out)."""
+def select_records(fs, st: str, present: set[str]) -> tuple[list[dict], list[str], set[str], list[str]]:
+    """(records, their paths, ids of every record, paths of damaged records) from <st>/committed/: a
+    pairwise-disjoint set of commit records whose files are all present, first come first kept in name order (a
+    retried bundle's record overlapping one already kept is left out); a record file that is no whole record
+    (formats.layout.checked_record) is left out too, its path listed."""
     rec_dir = posixpath.join(st, RECORDS)
     names = sorted(p for p in present if p.startswith(rec_dir + "/") and p.endswith(".json"))
     contents = fs.cat(names, on_error="omit") if names else {}     # concurrent GETs on object stores
-    records, paths, done, named = [], [], set(), set()
+    records, paths, done, named, damaged = [], [], set(), set(), []
     for path in names:
-        try:
-            rec = json.loads(contents[path])
-            ids = layout.record_ids(rec)
-        except (KeyError, ValueError):
+        got = layout.checked_record(contents[path]) if path in contents else None
+        if got is None:
+            damaged.append(path)
             continue
+        rec, ids = got
         named.update(ids)
         files = [posixpath.join(st, f) for f in rec.get("files", {}).values()]
         if not all(f in present for f in files) or done.intersection(ids):
@@ -87,7 +88,7 @@ def select_records(fs, st: str, present: set[str]) -> tuple[list[dict], list[str
         done.update(ids)
         records.append(rec)
         paths.append(path)
-    return records, paths, named
+    return records, paths, named, damaged
 
 
 def plan_from_staging(staging: str, files: list[str], storage_options: dict | None = None) -> Staged:
@@ -96,15 +97,18 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     fs, st = url_fs(staging, storage_options)
     fs.invalidate_cache()
     present = set(fs.find(st))
-    records, _, named = select_records(fs, st, present)
-    covered = {i for r in records for i in layout.record_ids(r)}
+    records, _, named, damaged = select_records(fs, st, present)
+    if damaged:                 # its sentences are unknown: the next round drops it and embeds them again
+        raise Incomplete(f"{damaged[0]}: not a whole commit record ({len(damaged)} such)")
+    covered = {i for r in records for i in layout.record_ids(r)}      # checked by select_records
     if named - covered:
         raise Incomplete(f"{len(named - covered)} sentence(s) are only in shards whose files are gone or that "
                          "overlap others")
     counts_dir = posixpath.join(st, COUNTS) + "/"
     count_files = sorted(p for p in present if p.startswith(counts_dir) and p.endswith(".json"))
     parts: dict[str, dict] = {}         # url -> {part: counts}, a file read whole being its part 0 of 1
-    for c in map(json.loads, fs.cat(count_files).values()) if count_files else ():
+    for path, data in (fs.cat(count_files) if count_files else {}).items():
+        c = _staged_json(path, data, _is_counts)
         k, n = c.get("part", (0, 1))
         parts.setdefault(c["url"], {})[k] = (n, c)
     counted = {u for u, got in parts.items() if all(n == len(got) for n, _ in got.values())}
@@ -113,17 +117,56 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     counts = {k: sum(c[k] for got in parts.values() for _, c in got.values()) for k in ("input_records", "blank_records")}
     dead_dir = posixpath.join(st, DEAD) + "/"
     dead_files = sorted(p for p in present if p.startswith(dead_dir) and p.endswith(".jsonl"))
-    letters = {DeadLetter.from_json(line) for data in (fs.cat(dead_files).values() if dead_files else ())
-               for line in data.decode("utf-8").splitlines() if line}
+    letters = {_dead_letter(path, line) for path, data in (fs.cat(dead_files) if dead_files else {}).items()
+               for line in data.decode("utf-8", "replace").splitlines() if line}
     # a sentence both written and dead-lettered (an embedding failure that a retry did not repeat): written wins
     letters = sorted((d for d in letters if d.level != "sentence" or d.id not in covered),
                      key=lambda d: (d.id, d.level, d.reason, d.excerpt))
     stats_dir = posixpath.join(st, STATS) + "/"
     stats_files = sorted(p for p in present if p.startswith(stats_dir) and p.endswith(".json"))
-    stats = [json.loads(v) for v in fs.cat(stats_files).values()] if stats_files else []
+    stats = [d for d in (_report_stats(p, v) for p, v in (fs.cat(stats_files) if stats_files else {}).items()) if d]
     docs_dir = posixpath.join(st, DOCS) + "/"
     docs = sorted(p for p in present if p.startswith(docs_dir) and p.endswith(".jsonl"))
     return Staged([ShardInfo.from_record(r, st) for r in records], letters, counts, records, stats, docs)
+
+
+def _staged_json(path: str, data: bytes, whole) -> dict:
+    """A staged JSON file's object when whole(it); else Incomplete: the next round (output/state.py's
+    prepare_output) keeps only commit records and statistics, so it writes counts and dead letters anew."""
+    try:
+        d = json.loads(data)
+    except ValueError:
+        d = None
+    if not whole(d):
+        raise Incomplete(f"{path}: a damaged staged file")
+    return d
+
+
+def _report_stats(path: str, data: bytes) -> dict | None:
+    """A staged statistics file (output/stats.py: the run report's figures only), or None with a warning when it
+    is damaged (the next round keeps statistics files, so one never comes back whole)."""
+    try:
+        d = json.loads(data)
+    except ValueError:
+        d = None
+    if not isinstance(d, dict):
+        logger.warning("%s: a damaged statistics file, left out of the run report", path)
+        return None
+    return d
+
+
+def _is_counts(c) -> bool:
+    part = c.get("part", (0, 1)) if isinstance(c, dict) else None
+    return (isinstance(c, dict) and isinstance(c.get("url"), str)
+            and all(type(c.get(k)) is int for k in ("input_records", "blank_records"))
+            and isinstance(part, (list, tuple)) and len(part) == 2 and all(type(x) is int for x in part)
+            and 0 <= part[0] < part[1])
+
+
+def _dead_letter(path: str, line: str) -> DeadLetter:
+    d = _staged_json(path, line.encode(), lambda d: isinstance(d, dict) and all(
+        isinstance(d.get(k), str) for k in ("id", "reason", "excerpt", "level")))
+    return DeadLetter(d["id"], d["reason"], d["excerpt"], d["level"])
 
 
 def record_counts(stats: dict, dead: list[ShardInfo]) -> dict:

@@ -23,7 +23,7 @@ import os
 import posixpath
 from dataclasses import dataclass, field
 
-from elmo_pipeline.formats.layout import MANIFEST, SUCCESS, ShardInfo, read_manifest, record_ids
+from elmo_pipeline.formats.layout import MANIFEST, SUCCESS, ShardInfo, checked_record, read_manifest
 from elmo_pipeline.fsio import is_local_fs, url_fs
 from elmo_pipeline.output.finalize import (clear_final, owned_final_names, plan_consistent, plan_names, read_plan, roll_back,
                                            select_records)
@@ -336,7 +336,9 @@ def _refuse_another_command(output: str, fs, parent: str, manifest: dict | None,
 def _keep_disjoint_records(sink: Sink, st: str, state: OutputState) -> None:
     fs = sink.fs
     present = set(fs.find(st))
-    records, paths, _ = select_records(fs, st, present)
+    records, paths, _, damaged = select_records(fs, st, present)
+    for path in damaged:        # removed below with the rest: its shard's sentences are embedded again
+        logger.warning("%s: not a whole commit record; its sentences are embedded again", path)
     stats = posixpath.join(st, STATS) + "/"
     keep = {posixpath.join(st, RUN_FILE), *paths, *(p for p in present if p.startswith(stats) and p.endswith(".json"))}
     for rec in records:
@@ -355,4 +357,4 @@ def load_done_ids(record_paths: list[str], storage_options: dict | None = None) 
     fs, _ = url_fs(record_paths[0], storage_options)
     paths = [url_fs(p, storage_options)[1] for p in record_paths]
     contents = fs.cat(paths)                  # one dict, fetched concurrently on object stores
-    return {i for p in paths for i in record_ids(json.loads(contents[p]))}
+    return {i for p in paths for i in (checked_record(contents[p]) or ({}, []))[1]}

@@ -285,6 +285,29 @@ def test_sigkill_leaves_no_hdf5_temp_file(corpus, tiny_model_files, tmp_path):
     assert len(unnamed) <= WriteShards.WRITERS - 1, sorted(data - named)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "ids", "files"])
+def test_a_damaged_commit_record_is_embedded_again(damage, corpus, tiny_model_files, reference, tmp_path, caplog):
+    """A commit record that is no whole record (cut short, ids that do not decode, file names of the wrong
+    kind) is never trusted: the rerun drops it with its shard and embeds its sentences again, and the output
+    equals the uninterrupted run's."""
+    out = str(tmp_path / "out")
+    args = argv(tiny_model_files, corpus, out, *SMALL)
+    p = run_subprocess(args, "commit:2")
+    assert p.returncode == -9, p.stderr[-2000:]
+    st = _staging(out)
+    path = sorted(glob.glob(os.path.join(st, "committed", "*.json")))[0]
+    rec = json.load(open(path))
+    text = {"truncated": json.dumps(rec)[:40], "ids": json.dumps(dict(rec, ids_zlib="bm90IHpsaWI=")),
+            "files": json.dumps(dict(rec, files=list(rec["files"].values())))}[damage]
+    with open(path, "w") as f:
+        f.write(text)
+    assert main(args) == 0
+    assert "not a whole commit record; its sentences are embedded again" in caplog.text
+    got = read_output(out)
+    assert_same_output(got, reference)
+    assert got[0]["run"]["resumed_sentences"] < reference[0]["counts"]["sentences"]
+
+
 def test_plan_from_staging_refuses_an_incomplete_staging(tmp_path):
     """Sentences only in a shard whose file is gone, or an input file without counts: Incomplete (run()
     then embeds the missing sentences in another round); overlapping duplicates are not incomplete."""
@@ -301,3 +324,37 @@ def test_plan_from_staging_refuses_an_incomplete_staging(tmp_path):
     os.remove(lost.files["hdf5"])
     with pytest.raises(Incomplete, match="1 sentence"):
         plan_from_staging(st, ["d"])
+
+
+def test_plan_from_staging_refuses_damaged_staged_files(tmp_path):
+    """At Finalize a damaged commit record, counts file or dead-letter line is Incomplete (the next round drops
+    it and writes it anew), never a crash nor an output without its sentences; a damaged statistics file only
+    leaves the run report."""
+    from elmo_pipeline.output.finalize import Incomplete, plan_from_staging
+    from elmo_pipeline.output.staging import Staging
+    st = str(tmp_path / "out" / "_staging" / "k")
+    _stage(st, ["d:1#0", "d:1#1"])
+    _stage(st, ["d:2#0"])
+    Staging(st).counts("d", {"input_records": 2, "blank_records": 0})
+    assert sum(s.sentences for s in plan_from_staging(st, ["d"]).shards) == 3
+    (record,) = [p for p in glob.glob(os.path.join(st, "committed", "*.json")) if json.load(open(p))["sentences"] == 1]
+    whole = open(record).read()
+    for text in ("[1, 2]", whole[:30], json.dumps(dict(json.loads(whole), sentences="1"))):
+        open(record, "w").write(text)
+        with pytest.raises(Incomplete, match="not a whole commit record"):
+            plan_from_staging(st, ["d"])
+    open(record, "w").write(whole)
+    (counts,) = glob.glob(os.path.join(st, "counts", "*.json"))
+    for text in ("{", json.dumps({"url": "d", "part": [3, 1], "input_records": 2, "blank_records": 0})):
+        open(counts, "w").write(text)
+        with pytest.raises(Incomplete, match="a damaged staged file"):
+            plan_from_staging(st, ["d"])
+    Staging(st).counts("d", {"input_records": 2, "blank_records": 0})
+    os.makedirs(os.path.join(st, "dead"), exist_ok=True)
+    open(os.path.join(st, "dead", "x.jsonl"), "w").write('{"id": "d:3#0", "reason": 5}\n')
+    with pytest.raises(Incomplete, match="x.jsonl: a damaged staged file"):
+        plan_from_staging(st, ["d"])
+    os.remove(os.path.join(st, "dead", "x.jsonl"))
+    os.makedirs(os.path.join(st, "stats"), exist_ok=True)
+    open(os.path.join(st, "stats", "x.json"), "w").write("[")
+    assert plan_from_staging(st, ["d"]).stats == []
