@@ -262,10 +262,26 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
 
 
 def read_plan(fs, st: str) -> dict | None:
+    """The finalize plan in staging folder `st`; None when there is none, or when it is no whole plan (damaged:
+    not a JSON object, a move that is not [a file in `st`, a final name (output/names.is_final_name)], a manifest
+    of another kind), with a warning: the run then goes on as if its Finalize had not started (prepare_output
+    removes the file with the staging folder's other leftovers)."""
+    path = posixpath.join(st, PLAN)
     try:
-        return json.loads(fs.cat_file(posixpath.join(st, PLAN)))
+        data = fs.cat_file(path)
     except FileNotFoundError:
         return None
+    try:
+        plan = json.loads(data)
+    except ValueError:
+        plan = None
+    moves = plan.get("moves") if isinstance(plan, dict) else None
+    if not (isinstance(moves, list) and layout.is_manifest(plan.get("manifest"))
+            and all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) and m[0].startswith(st + "/")
+                    and ".." not in m[0].split("/") and is_final_name(m[1]) for m in moves)):
+        logger.warning("%s: not a whole finalize plan; the run goes on without it", path)
+        return None
+    return plan
 
 
 def plan_consistent(fs, root: str, st: str, plan: dict) -> bool:
@@ -338,18 +354,15 @@ def staged_plans(fs, root: str) -> dict[str, dict]:
     for entry in fs.ls(parent, detail=True):
         if entry["type"] != "directory":
             continue
-        try:
-            plan = read_plan(fs, entry["name"].rstrip("/"))
-        except (ValueError, UnicodeDecodeError):
-            continue
-        if isinstance(plan, dict) and isinstance(plan.get("moves"), list):
+        plan = read_plan(fs, entry["name"].rstrip("/"))
+        if plan is not None:
             plans[entry["name"].rstrip("/")] = plan
     return plans
 
 
 def plan_names(plan: dict) -> set[str]:
-    """The final names (relative to the output folder) that a finalize plan moves files to."""
-    return {m[1] for m in plan["moves"] if isinstance(m, list) and len(m) == 2 and is_final_name(m[1])}
+    """The final names (relative to the output folder) that a finalize plan (read_plan's, checked) moves files to."""
+    return {m[1] for m in plan["moves"]}
 
 
 def owned_final_names(fs, root: str) -> set[str]:

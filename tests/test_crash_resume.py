@@ -358,3 +358,28 @@ def test_plan_from_staging_refuses_damaged_staged_files(tmp_path):
     os.makedirs(os.path.join(st, "stats"), exist_ok=True)
     open(os.path.join(st, "stats", "x.json"), "w").write("[")
     assert plan_from_staging(st, ["d"]).stats == []
+
+
+@pytest.mark.parametrize("damage", ["not json", "escaping move", "no manifest"])
+def test_a_damaged_finalize_plan_is_not_followed(damage, tmp_path):
+    """A finalize.json that is no whole plan (not JSON, a move to a name outside the output's final names, no
+    manifest) is never carried out: the run resumes from its commit records (the plan removed with the other
+    leftovers), and no file is moved anywhere."""
+    out = str(tmp_path / "out")
+    ing = {"version": 1, "inputs": [], "options": {"layers": "all"}, "model": {}}
+    key = resume.run_key(ing)
+    resume.prepare_output(out, key, ing, False)
+    st = os.path.join(out, "_staging", key)
+    shard = _stage(st, ["d:1#0", "d:1#1"])
+    src = shard.files["parquet"]
+    manifest = {"schema_version": 1, "shards": [], "run": {"key": key}}
+    plan = {"not json": "{\"moves\": [", "escaping move": json.dumps({"moves": [[src, "../escaped.parquet"]],
+                                                                       "manifest": manifest}),
+            "no manifest": json.dumps({"moves": [[src, "parquet/part-00000-of-00001.parquet"]]})}[damage]
+    with open(os.path.join(st, PLAN), "w") as f:
+        f.write(plan)
+    state = resume.prepare_output(out, key, ing, False)
+    assert state.action == "resume" and len(state.records) == 1
+    assert not os.path.exists(os.path.join(st, PLAN)) and os.path.exists(src)
+    assert not os.path.exists(os.path.join(str(tmp_path), "escaped.parquet"))
+    assert not os.path.exists(os.path.join(out, "parquet"))
