@@ -73,10 +73,7 @@ def pinned_download(url: str, path: str, progress: bool | None = None, storage_o
     the server announced raises OSError and leaves nothing under `path`. progress: a tqdm bar on stderr
     (None: only on a terminal)."""
     record_path = path + RECORD_SUFFIX
-    record = None
-    if os.path.exists(record_path):
-        with open(record_path, encoding="utf-8") as f:
-            record = json.load(f)
+    record = pinned_record(path)
     if os.path.exists(path):
         if record is None:     # a file without its record: not ours to trust (a crash between rename and record)
             os.remove(path)
@@ -98,12 +95,24 @@ def pinned_download(url: str, path: str, progress: bool | None = None, storage_o
 
 
 def pinned_record(path: str) -> dict | None:
-    """The {"url", "sha256", "size"} recorded by pinned_download for `path`, or None."""
+    """The {"url", "sha256", "size"} recorded by pinned_download for `path`, or None when there is none;
+    ValueError naming the record file when it is damaged (it pins the first download: never replaced silently)."""
+    record_path = path + RECORD_SUFFIX
     try:
-        with open(path + RECORD_SUFFIX, encoding="utf-8") as f:
-            return json.load(f)
+        with open(record_path, "rb") as f:
+            data = f.read(1 << 16)                 # a record is about 200 bytes
     except FileNotFoundError:
         return None
+    try:
+        record = json.loads(data)
+    except ValueError:
+        record = None
+    if not (isinstance(record, dict) and type(record.get("size")) is int and record["size"] >= 0
+            and isinstance(record.get("sha256"), str) and len(record["sha256"]) == 64
+            and all(c in "0123456789abcdef" for c in record["sha256"])):
+        raise ValueError(f"{record_path}: a damaged download record (not its first download's size and sha256); "
+                         "delete it to download the file and record it again")
+    return record
 
 
 @lru_cache(maxsize=64)

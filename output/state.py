@@ -76,16 +76,19 @@ def run_key(ingredients: dict) -> str:
 
 def describe_difference(old: dict | None, new: dict) -> str:
     """A short human account of how two runs' ingredients differ."""
-    if not old:
-        return "it was started by an older version or a different command (no run.json)"
+    if not isinstance(old, dict) or not old:
+        return "it was started by an older version or a different command (no readable run.json)"
     diffs = []
-    for k in sorted(set(old.get("options", {})) | set(new["options"])):
-        a, b = old.get("options", {}).get(k), new["options"].get(k)
+    then = old.get("options") if isinstance(old.get("options"), dict) else {}
+    for k in sorted(set(then) | set(new["options"]), key=str):
+        a, b = then.get(k), new["options"].get(k)
         if a != b:
-            diffs.append(f"--{k.replace('_', '-')} {a!r} then, {b!r} now")
+            diffs.append(f"--{str(k).replace('_', '-')} {a!r} then, {b!r} now")
     if old.get("model") != new["model"]:
         diffs.append("the model (weights or options) changed")
-    oi, ni = {i[0]: i[1:] for i in old.get("inputs", [])}, {i[0]: i[1:] for i in new["inputs"]}
+    inputs = old.get("inputs") if isinstance(old.get("inputs"), list) else []
+    oi = {str(i[0]): i[1:] for i in inputs if isinstance(i, list) and i}
+    ni = {i[0]: i[1:] for i in new["inputs"]}
     if set(oi) != set(ni):
         diffs.append(f"the input files differ ({len(set(oi) ^ set(ni))} added or removed)")
     else:
@@ -116,9 +119,10 @@ class OutputState:
 
 
 def _read_json(fs, path):
+    """The JSON value of the file at path; None when there is none or it is damaged (not JSON)."""
     try:
         return json.loads(fs.cat_file(path))
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):
         return None
 
 

@@ -244,6 +244,22 @@ def test_prepare_output_other_command_refused_or_overwritten(tmp_path):
     assert state.action == "fresh" and os.listdir(os.path.join(out, "_staging")) == [resume.run_key(new)]
 
 
+@pytest.mark.parametrize("damage", ["{", "[1, 2]", '{"options": 5, "inputs": [3, []]}'])
+def test_another_commands_damaged_run_json_still_refused_clearly(damage, tmp_path):
+    """The unfinished run of another command is refused with the one clear message even when its run.json
+    (read only to describe the difference) is damaged."""
+    out = str(tmp_path / "out")
+    old = {"version": 1, "inputs": [["a.txt", 10, "1.0"]], "options": {"layers": "all"}, "model": {}}
+    new = {"version": 1, "inputs": [["a.txt", 12, "2.0"]], "options": {"layers": "top"}, "model": {}}
+    resume.prepare_output(out, resume.run_key(old), old, False)
+    st = os.path.join(out, "_staging", resume.run_key(old))
+    _stage(st, ["d:1#0"])
+    with open(os.path.join(st, "run.json"), "w") as f:
+        f.write(damage)
+    with pytest.raises(FileExistsError, match="holds an unfinished run of a different command .*--overwrite"):
+        resume.prepare_output(out, resume.run_key(new), new, False)
+
+
 def test_run_key_follows_content_not_layout(tmp_path):
     f = tmp_path / "a.txt"
     f.write_text("One. Two.\n")

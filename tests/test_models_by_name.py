@@ -187,3 +187,19 @@ def test_a_worker_elsewhere_gets_the_named_model_and_checks_it(tmp_path):
     given = ModelSpec(gone + "/options.json", gone + "/weights.hdf5", vocab_file=str(vocab), model_name=DEFAULT_MODEL,
                       weights_sha256=sha)
     assert given.local_files() == (options, weights, str(vocab))        # a --vocab-file readable here is kept
+
+
+def test_a_damaged_download_record_is_refused_naming_it(tmp_path):
+    """The record pinning a download's first sha256 is read back checked: damaged (not JSON, another kind, a
+    size or digest of the wrong kind), it is one ValueError naming it, and neither it nor the file is replaced."""
+    from elmo_pipeline.fsio import pinned_download, pinned_record
+    src = tmp_path / "weights.hdf5"
+    src.write_bytes(b"weights" * 100)
+    dst = str(tmp_path / "cache" / "weights.hdf5")
+    assert pinned_download(str(src), dst, progress=False) == dst and pinned_record(dst)["size"] == 700
+    for text in ("{", "[1]", '{"size": "700", "sha256": "ab"}', '{"size": 700}'):
+        with open(dst + ".sha256.json", "w") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match=r"weights\.hdf5\.sha256\.json: a damaged download record"):
+            pinned_download(str(src), dst, progress=False)
+        assert open(dst + ".sha256.json").read() == text and os.path.getsize(dst) == 700
