@@ -44,7 +44,7 @@ from elmo_pipeline.output.names import (COUNTS, DEAD, DEAD_LETTERS, DOCS, METRIC
                                         STAGING, STATS, is_final_name, listed_names, part_name)
 from elmo_pipeline.output.report import build_report
 from elmo_pipeline.output.sink import Sink
-from elmo_pipeline.output.stats import STAGES, merge_stats
+from elmo_pipeline.output.stats import STAGES, is_stats, merge_stats
 
 logger = logging.getLogger("elmo-pipeline.finalize")
 DEAD_LETTERS_PER_FILE = 100_000
@@ -149,7 +149,7 @@ def _report_stats(path: str, data: bytes) -> dict | None:
         d = json.loads(data)
     except ValueError:
         d = None
-    if not isinstance(d, dict):
+    if not is_stats(d):
         logger.warning("%s: a damaged statistics file, left out of the run report", path)
         return None
     return d

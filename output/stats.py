@@ -69,6 +69,22 @@ class RunStats:
         return out
 
 
+def is_stats(d) -> bool:
+    """True for a staged stats dict of the layout above (each key optional): what merge_stats can add up."""
+    def num(x) -> bool:
+        return type(x) in (int, float)
+
+    def numbers(m, key=lambda k: True) -> bool:
+        return isinstance(m, dict) and all(key(k) and num(v) for k, v in m.items())
+    return (isinstance(d, dict) and numbers(d.get("seconds", {}))
+            and numbers(d.get("tokens_at", {}), lambda k: isinstance(k, str) and k.lstrip("-").isdigit())
+            and isinstance(d.get("padding", {}), dict)
+            and all(isinstance(k, str) and k.isdigit() and isinstance(v, list) and len(v) == 3 and all(map(num, v))
+                    for k, v in d.get("padding", {}).items())
+            and isinstance(d.get("hosts", {}), dict)
+            and (not d.get("span") or (isinstance(d["span"], list) and len(d["span"]) == 2 and all(map(num, d["span"])))))
+
+
 def merge_stats(parts) -> dict:
     """The sum of staged stats dicts (see the module docstring); keys of each part are optional."""
     out = {"seconds": {}, "tokens_at": {}, "padding": {}, "hosts": {}, "span": []}

@@ -372,8 +372,13 @@ def test_plan_from_staging_refuses_damaged_staged_files(tmp_path):
         plan_from_staging(st, ["d"])
     os.remove(os.path.join(st, "dead", "x.jsonl"))
     os.makedirs(os.path.join(st, "stats"), exist_ok=True)
-    open(os.path.join(st, "stats", "x.json"), "w").write("[")
-    assert plan_from_staging(st, ["d"]).stats == []
+    for text in ("[", '{"seconds": {"embed": "1.5"}}', '{"padding": {"8": [1, 2]}}', '{"span": [1]}'):
+        open(os.path.join(st, "stats", "x.json"), "w").write(text)
+        assert plan_from_staging(st, ["d"]).stats == []
+    whole = {"seconds": {"embed": 1.5}, "tokens_at": {"1700000000": 12}, "padding": {"8": [1, 6, 8]},
+             "hosts": {"h:1": 1}, "span": [1.0, 2.0]}
+    open(os.path.join(st, "stats", "x.json"), "w").write(json.dumps(whole))
+    assert plan_from_staging(st, ["d"]).stats == [whole]
 
 
 @pytest.mark.parametrize("damage", ["not json", "escaping move", "no manifest"])
