@@ -23,11 +23,12 @@ in their dtype. References, no form: the bucketed batches' rows alone, copied fr
 the sampler's order into a reused buffer (one thread, then two threads a half each: what copying in that order costs,
 faults included); the padded batches' values per stored value; batch() of 32 random's padded float32 tensors alone,
 each zeroed and summed in a kept buffer with nothing read (the least its padding costs: every value written once and
-read once by the consumer), and from it the most that form can reach with its sentences read at the cat's speed; a `cat` of a copy of the files written by `cp` (how a
-file was written changes how fast `cat` reads it back); last, `cat` after the files' pages were dropped and read back
-first by one `cat`, then first by building the index (how pages came into the page cache changes it too). The index's
-memory: a fresh process over the same output (default sharding) and over a --big-tokens output of synthetic sentences
-sharded like it, RSS (anonymous and file pages) after the index, after 100k random reads and after 100k id lookups.
+read once by the consumer), and from it the most that form can reach with its sentences read at the cat's speed;
+a `cat` of a copy of the files written by `cp` (how a file was written changes how fast `cat` reads it back);
+last, `cat` after the files' pages were dropped and read back first by one `cat`, then first by building the index
+(how pages came into the page cache changes it too). The index's memory: a fresh process over the same output
+(default sharding) and over a --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and file
+pages) after the index, after 100k random reads and after 100k id lookups.
 """
 from __future__ import annotations
 
@@ -274,10 +275,10 @@ def random_form(out: str, n: int, kind: str):
     """The form (see pairs) of n random reads, every byte of each summed: kind views (by position), id (views by
     id), record (ds[p], float32), batch (ds.batch of 32 random positions, float32), packed (ds.batch(packed=True)
     of 32 random positions, stored dtype: the sentences back to back, no padding), fill (batch's padded float32
-tensors, each zeroed and summed in one of three kept buffers, nothing read: the least its padded values cost, a
-write and the consumer's read of each). Its set-up opens the dataset,
-    draws the positions and, for id, lists the ids and builds the id table by a first lookup; run() does the
-    reads and returns the stored bytes of the sentences read."""
+    tensors, each zeroed and summed in one of three kept buffers, nothing read: the least its padded values cost, a
+    write and the consumer's read of each). Its set-up opens the dataset, draws the positions and, for id, lists
+    the ids and builds the id table by a first lookup; run() does the reads and returns the stored bytes of the
+    sentences read."""
     def form():
         import torch
         from elmo_pipeline.downstream.batching import tensor

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 import numpy as np
 import pyarrow as pa
 
+from elmo_pipeline.formats.parquet import META_COLUMNS, TOKEN_META_COLUMNS
+
 
 class DamagedOutput(ValueError):
     """A file of an output that does not match its manifest (or a manifest naming a file outside the output)."""
@@ -28,7 +30,7 @@ def inside_path(where: str, rel) -> str:
 
 
 MAX_WIDTH = 1 << 16             # the widest layer a manifest may declare (the original biLM's is 1,024)
-META_NAMES = ("id", "doc_id", "sentence_index", "tokens", "token", "token_index", "token_offsets")
+META_NAMES = {*META_COLUMNS, *TOKEN_META_COLUMNS, "token_offsets"}     # no layer may be named as these
 
 
 def _shown(value) -> str:
@@ -64,8 +66,7 @@ def check_parquet_schema(schema: pa.Schema, where: str, layer_dims: Mapping[str,
                          layout: str) -> None:
     """Raise DamagedOutput unless a Parquet shard's schema has the layout's metadata columns and each layer of
     `layer_dims` as that many `dtype` floats a token (a list of them a row in the sentence layout)."""
-    meta = ("id", "doc_id", "sentence_index", "tokens") if layout == "sentence" else \
-        ("id", "doc_id", "sentence_index", "token_index", "token")
+    meta = META_COLUMNS if layout == "sentence" else TOKEN_META_COLUMNS
     for col in (*meta, *layer_dims):
         if schema.get_field_index(col) < 0:
             raise DamagedOutput(f"{where}: no column {col!r}")

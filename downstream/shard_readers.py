@@ -15,7 +15,7 @@ import pyarrow as pa
 from elmo_pipeline.downstream.arrow_shards import flat_vectors, read_arrow_shard, sentence_index
 from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_hdf5_shape
 from elmo_pipeline.formats.hdf5 import hdf5_unkey
-from elmo_pipeline.formats.parquet import META_COLUMNS
+from elmo_pipeline.formats.parquet import META_COLUMNS, TOKEN_META_COLUMNS
 
 
 @contextmanager
@@ -71,7 +71,7 @@ def parquet_token_records(fs, path: str, names: list[str], check) -> Iterator[di
     with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
         pf = pq.ParquetFile(f)
         check(pf.schema_arrow)
-        t = pf.read(columns=["id", "doc_id", "sentence_index", "token_index", "token", *names])
+        t = pf.read(columns=[*TOKEN_META_COLUMNS, *names])
     ids = t.column("id").to_pylist()
     mats = [t.column(n).combine_chunks().flatten().to_numpy(zero_copy_only=False)
             .reshape(t.num_rows, -1) for n in names]

@@ -121,8 +121,8 @@ def checked_record(raw: bytes) -> tuple[dict, list[str]] | None:
     files = rec.get("files")
     ok = (type(rec.get("sentences")) is int and type(rec.get("tokens")) is int and rec["tokens"] >= 0
           and isinstance(rec.get("first_id"), str) and isinstance(files, dict)
-          and all(isinstance(k, str) and isinstance(v, str) and v and v == posixpath.basename(v) and v not in (".", "..")
-                  for k, v in files.items())
+          and all(isinstance(k, str) and isinstance(v, str) and v not in ("", ".", "..")
+                  and v == posixpath.basename(v) for k, v in files.items())
           and isinstance(ids, list) and len(ids) == rec["sentences"] and all(isinstance(i, str) for i in ids)
           and len(set(ids)) == len(ids))
     return (rec, ids) if ok else None

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 ID_COLUMNS = ["id", "doc_id", "sentence_index", "token_index"]
 META_COLUMNS = ("id", "doc_id", "sentence_index", "tokens")   # sentence layout, before the layer columns
+TOKEN_META_COLUMNS = (*ID_COLUMNS, "token")                      # token layout, before start, end and the layers
 VECTOR_PREFIXES = ("layer_", "average")                          # the vector columns
 # --vector-compression: uncompressed float vectors encode fastest and every reader reads them unchanged; zstd
 # trades encoding CPU for size (both measured by benchmarks/host_cost.py, see benchmarks/README.md).

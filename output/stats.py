@@ -82,7 +82,8 @@ def is_stats(d) -> bool:
             and all(isinstance(k, str) and k.isdigit() and isinstance(v, list) and len(v) == 3 and all(map(num, v))
                     for k, v in d.get("padding", {}).items())
             and isinstance(d.get("hosts", {}), dict)
-            and (not d.get("span") or (isinstance(d["span"], list) and len(d["span"]) == 2 and all(map(num, d["span"])))))
+            and (not d.get("span")
+                 or (isinstance(d["span"], list) and len(d["span"]) == 2 and all(map(num, d["span"])))))
 
 
 def merge_stats(parts) -> dict:
