@@ -4,12 +4,12 @@ No Beam import.
 A batch is layers (B, L, T, dim) (layer 0, stored P wide, duplicated to [x, x] as AllenNLP does; zero past each
 length), mask (B, T) bool, lengths (B,) int64, and labels as `label_batch` makes them; a packed batch is one
 (N, D_k) tensor per layer, the sentences back to back with no padding (a stream batch's form). Three sources:
-views of mapped shards (`from_views`: numpy copies each straight into its place, layer 0 into both halves; another
-dtype staged in the stored one and converted by torch, one copy a layer; the caller and a helper thread copy half
-the sentences each; `packed`: the same copies back to back); per-layer (T_b, D_k) arrays or tensors of any dtype
-(`from_sentences`: one torch copy a sentence and layer, another dtype converted on the way, never by numpy); flat
-rows of consecutive sentences (`from_rows`, a stream's: put once a layer into a kept table, layer 0 duplicated,
-the dtype converted, the batch then gathered by one index_select, a zero row for the padding).
+views of mapped shards (`from_views`: numpy copies each straight into its place, layer 0 into both halves; for
+another dtype the batch is built so in the stored one, then converted by one torch copy of it; the caller and a
+helper thread copy half the sentences each; `packed`: the same copies back to back); per-layer (T_b, D_k) arrays
+or tensors of any dtype (`from_sentences`: one torch copy a sentence and layer, another dtype converted on the way,
+never by numpy); flat rows of consecutive sentences (`from_rows`, a stream's: put once a layer into a kept table,
+layer 0 duplicated, the dtype converted, the batch then gathered by one index_select, a zero row for the padding).
 `Batcher(reuse=True)` builds into buffers kept from batch to batch (a batch is valid until the next one);
 without reuse a batch is a tensor of its own, built in a kept buffer nothing holds any more (no page faults of
 a new allocation); pinned when CUDA is there and pin_memory is asked.
@@ -205,39 +205,34 @@ class Batcher:
                    helper=None) -> tuple:
         """(layers (B, L, T, dim), mask (B, T)) of B sentences, sources[b] their L (n_b, widths[k]) arrays of the
         `stored` dtype (views of mapped shards): each copied by numpy straight into its place (a layer 0 half as
-        wide into both halves), zero past each length; in another dtype each sentence goes to its place in a
-        padded stored-dtype staging batch, put in place converted by one torch copy a layer. helper: an executor
-        whose thread copies the second half of the sentences while the caller copies the first (the first
-        copies from a newly mapped shard fault its pages in: two cores do it)."""
+        wide into both halves), zero past each length; in another dtype the batch is built so in a kept buffer
+        of the stored dtype, then converted by one torch copy of the whole (contiguous: torch's fastest
+        conversion). helper: an executor whose thread builds the second half of the sentences while the caller
+        builds the first (the first copies from a newly mapped shard fault its pages in: two cores do it)."""
         import torch
         B, L = len(sources), len(widths)
         lengths = np.asarray([len(s[0]) for s in sources] if L else [0] * B, np.int64)
         T = int(lengths.max()) if B else 0
         out = self._buffer("layers", (B, L, T, self.dim), self.torch_dtype)
-        whole = out.numpy()                                         # (B, L, T, dim)
-        dst = [whole[:, k] for k in range(L)]                         # (B, T, dim) each
         converted = np.dtype(stored) != self.dtype
-        if converted:
-            room = [0] + np.cumsum([B * T * w for w in widths]).tolist()
-            stage = self._buffer("staged", (max(room[-1], 1),), getattr(torch, np.dtype(stored).name))
-            dst = [stage[room[k]: room[k + 1]].view(B, T, w).numpy() for k, w in enumerate(widths)]
+        stage = self._buffer("staged", (B, L, T, self.dim), getattr(torch, np.dtype(stored).name)) \
+            if converted else out
+        whole = stage.numpy()                                       # (B, L, T, dim)
         ln = lengths.tolist()
 
         def copy(lo: int, hi: int) -> None:
             for b in range(lo, hi):
                 n = ln[b]
                 for k, src in enumerate(sources[b]):
-                    d, row = widths[k], dst[k][b]
-                    if d == row.shape[1]:
+                    row = whole[b, k]
+                    if widths[k] == self.dim:
                         row[:n] = src
                     else:                                   # layer 0 into both halves, read once
-                        row[:n].reshape(n, 2, d)[:] = src[:, None]
-            if converted:                                   # the staged padding is converted too, then zeroed
-                for k in range(L):
-                    place(out[lo:hi, k], torch.from_numpy(dst[k][lo:hi]))
-            for b in range(lo, hi):
-                if ln[b] < T:
-                    whole[b, :, ln[b]:] = 0
+                        row[:n].reshape(n, 2, widths[k])[:] = src[:, None]
+                if n < T:
+                    whole[b, :, n:] = 0
+            if converted:
+                out[lo:hi].copy_(stage[lo:hi])
         halves(copy, B, helper)
         return out, lengths_mask(torch.from_numpy(lengths), T)
 
