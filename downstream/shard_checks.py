@@ -84,7 +84,7 @@ def check_parquet_schema(schema: pa.Schema, where: str, layer_dims: Mapping[str,
 def shard_entry(where: str, entry, formats) -> dict:
     """A manifest's shard entry, checked: a dict with int sentences and tokens, each format's file name a
     relative path inside the output (inside_path)."""
-    if not isinstance(entry, dict) or not all(isinstance(entry.get(k), int) and entry[k] >= 0
+    if not isinstance(entry, dict) or not all(type(entry.get(k)) is int and entry[k] >= 0     # true is no count
                                               for k in ("sentences", "tokens")):
         raise DamagedOutput(f"{where}: not a shard entry with sentence and token counts")
     return {**entry, **{f: inside_path(f"{where} {f}", entry[f]) for f in formats if f in entry}}

@@ -184,6 +184,20 @@ def test_manifest_header_fields_of_the_wrong_kind_refused(copy, field, value, sa
             read()
 
 
+@pytest.mark.parametrize("value", [True, -1, "3", 2.0, None])
+def test_manifest_shard_counts_of_the_wrong_kind_refused(copy, value):
+    """A shard entry's sentence count that is no count (a JSON true is no 1) is refused on open, naming
+    manifest.json's shard."""
+    out = copy("fp32")
+    m = _manifest(out)
+    m["shards"][0]["sentences"] = value
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(m, f)
+    for read in (lambda: ElmoOutput(out), lambda: MappedDataset(out)):
+        with pytest.raises(DamagedOutput, match="manifest.json: shard 0: not a shard entry"):
+            read()
+
+
 @pytest.mark.parametrize("damage", ["column", "width", "dtype", "not parquet"])
 def test_parquet_shard_not_matching_its_manifest_refused(copy, damage):
     """A Parquet shard without a layer column, with another width or dtype, or not Parquet at all: one
