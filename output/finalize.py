@@ -33,7 +33,7 @@ import logging
 import posixpath
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.layout import MANIFEST, SCHEMA_VERSION, SUCCESS, DeadLetter, ShardInfo
@@ -66,11 +66,19 @@ class Staged:
     docs: list[str] = field(default_factory=list)      # staged documents' content hashes (--iceberg-mode upsert)
 
 
-def select_records(fs, st: str, present: set[str]) -> tuple[list[dict], list[str], set[str], list[str]]:
-    """(records, their paths, ids of every record, paths of damaged records) from <st>/committed/: a
-    pairwise-disjoint set of commit records whose files are all present, first come first kept in name order (a
-    retried bundle's record overlapping one already kept is left out); a record file that is no whole record
-    (formats.layout.checked_record) is left out too, its path listed."""
+class Selected(NamedTuple):
+    """select_records' answer."""
+    records: list[dict]             # the commit records kept
+    paths: list[str]                # their files
+    ids: set[str]                   # their sentence ids
+    left_out: set[str]              # ids only in records left out (files gone, or overlapping a kept one)
+    damaged: list[str]              # record files that are no whole record
+
+
+def select_records(fs, st: str, present: set[str]) -> Selected:
+    """The commit records of <st>/committed/ (Selected): a pairwise-disjoint set of records whose files are all
+    present, first come first kept in name order (a retried bundle's record overlapping one already kept is left
+    out); a record file that is no whole record (formats.layout.checked_record) is left out too, its path listed."""
     rec_dir = posixpath.join(st, RECORDS)
     names = sorted(p for p in present if p.startswith(rec_dir + "/") and p.endswith(".json"))
     contents = fs.cat(names, on_error="omit") if names else {}     # concurrent GETs on object stores
@@ -88,7 +96,7 @@ def select_records(fs, st: str, present: set[str]) -> tuple[list[dict], list[str
         done.update(ids)
         records.append(rec)
         paths.append(path)
-    return records, paths, named, damaged
+    return Selected(records, paths, done, named - done, damaged)
 
 
 def plan_from_staging(staging: str, files: list[str], storage_options: dict | None = None) -> Staged:
@@ -97,12 +105,11 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     fs, st = url_fs(staging, storage_options)
     fs.invalidate_cache()
     present = set(fs.find(st))
-    records, _, named, damaged = select_records(fs, st, present)
+    records, _, covered, left_out, damaged = select_records(fs, st, present)
     if damaged:                 # its sentences are unknown: the next round drops it and embeds them again
         raise Incomplete(f"{damaged[0]}: not a whole commit record ({len(damaged)} such)")
-    covered = {i for r in records for i in layout.record_ids(r)}      # checked by select_records
-    if named - covered:
-        raise Incomplete(f"{len(named - covered)} sentence(s) are only in shards whose files are gone or that "
+    if left_out:
+        raise Incomplete(f"{len(left_out)} sentence(s) are only in shards whose files are gone or that "
                          "overlap others")
     counts_dir = posixpath.join(st, COUNTS) + "/"
     count_files = sorted(p for p in present if p.startswith(counts_dir) and p.endswith(".json"))

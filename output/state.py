@@ -340,7 +340,7 @@ def _refuse_another_command(output: str, fs, parent: str, manifest: dict | None,
 def _keep_disjoint_records(sink: Sink, st: str, state: OutputState) -> None:
     fs = sink.fs
     present = set(fs.find(st))
-    records, paths, _, damaged = select_records(fs, st, present)
+    records, paths, _, _, damaged = select_records(fs, st, present)
     for path in damaged:        # removed below with the rest: its shard's sentences are embedded again
         logger.warning("%s: not a whole commit record; its sentences are embedded again", path)
     stats = posixpath.join(st, STATS) + "/"
