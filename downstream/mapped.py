@@ -281,9 +281,13 @@ class MappedDataset(_TorchDataset):
 
     def _sentence(self, p: int, u: int | None = None) -> list[np.ndarray]:
         """The selected layers' stored (T, D_k) rows of global position p (in unit u, found when not given):
-        views of the mapped file, no copy."""
+        views of the mapped file, no copy, once its file is no shorter than when indexed (a mapped page past a
+        file's end faults: SIGBUS)."""
+        u = self._unit(p)[0] if u is None else u
+        views = self._layer_views(u)
+        self.files.check_mapped(u, self._local)
         a, n = int(self._starts[p]), int(self._all_lengths[p])
-        return [v[a: a + n] for v in self._layer_views(self._unit(p)[0] if u is None else u)]
+        return [v[a: a + n] for v in views]
 
     def __getitem__(self, i: int) -> dict:
         p = self._position(i)

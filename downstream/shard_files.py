@@ -108,7 +108,9 @@ class ShardFiles:
     def _trim(self) -> None:
         """Close the least recently used idle descriptors beyond `keep`."""
         extra = len(self._open) - self.keep
-        for u in [u for u in self._open if u not in self._busy][:max(0, extra)]:
+        if extra <= 0:
+            return
+        for u in [u for u in self._open if u not in self._busy][:extra]:
             os.close(self._open.pop(u))
 
     def check(self, units: Sequence[int], path: Callable[[int], str]) -> None:
@@ -116,11 +118,31 @@ class ShardFiles:
         (their mapped pages past the new end would fault: SIGBUS)."""
         fds = self.acquire(units, path)
         try:
-            cut = [u for u, fd in fds.items() if os.fstat(fd).st_size < self._sizes[u]]
+            cut = [u for u, fd in fds.items() if _size(fd) < self._sizes[u]]
         finally:
             self.release(fds)
         if cut:
             raise self.shorter(cut, EOFError(f"file ends before byte {self._sizes[cut[0]]}"), path)
+
+    def check_mapped(self, u: int, path: Callable[[int], str]) -> None:
+        """DamagedOutput naming unit u's shard when the file indexed (the one its map shows) is now shorter than when
+        the index was built; a file renamed over the shard's path since leaves the mapped one whole (nothing to
+        check: a record reads the indexed file). The size read from the kept descriptor (the indexed file, renamed
+        over or not), else from one opened by the path."""
+        with self._lock:
+            if self._pid != os.getpid():
+                self._reset()
+            fd = self._open.pop(u, None)
+            if fd is None:
+                try:
+                    fd = self._opened(u, path(u))
+                except DamagedOutput:                   # another file at the path: the mapped one is not cut
+                    return
+            size = _size(fd)
+            self._open[u] = fd                          # most recently used last
+            self._trim()
+        if size < self._sizes[u]:
+            raise self.shorter([u], EOFError(f"file ends before byte {self._sizes[u]}"), path)
 
     def shorter(self, units: Sequence[int], error: EOFError, path: Callable[[int], str]) -> DamagedOutput:
         """The error of a read that found a file ending early: the shards among `units` now shorter than when
@@ -136,3 +158,9 @@ class ShardFiles:
                 for fd in self._open.values():
                     os.close(fd)
             self._open, self._busy = {}, {}
+
+
+def _size(fd: int) -> int:
+    """The size of an open file: its end's offset (cheaper than fstat; reads use pread, which ignores the
+    descriptor's offset)."""
+    return os.lseek(fd, 0, os.SEEK_END)

@@ -106,8 +106,8 @@ def test_mapped_dataset_fp16_labels_and_partitions(outputs):
 
 def test_fp16_records_converted_from_the_mapped_rows(outputs):
     """ds[p] and batches of a float16 output delivered as float32: the records and batches ElmoDataset gives;
-    records converted by torch straight from the mapped file (no descriptor opened for a pread), batches read
-    with pread and converted; a labelled dataset's too."""
+    records converted by torch straight from the mapped file (a descriptor kept for the file's size check, none
+    held), batches built from the maps and converted; a labelled dataset's too."""
     ref = ElmoDataset(outputs["fp16"])
     for labels in (None, {"2": 1, "4": 0}):
         ds = MappedDataset(outputs["fp16"], labels=labels)
@@ -116,7 +116,7 @@ def test_fp16_records_converted_from_the_mapped_rows(outputs):
             r = ds[j]
             assert r["layers"].dtype == np.float32 and r["layers"].flags.c_contiguous and r["layers"].flags.writeable
             assert np.array_equal(r["layers"], ref[i]["layers"]) and r["id"] == ref[i]["id"]
-        assert ds.files._open == {}
+        assert not ds.files._busy
         order = list(range(len(ds)))[::-1]
         want = collate([ref[keep[j]] for j in order])
         for got in (ds.batch(order), next(iter(ds.batches([order], reuse=True)))):
@@ -240,8 +240,9 @@ def test_reads_from_several_threads_at_once(outputs, monkeypatch):
 def test_two_read_threads_give_the_one_thread_batch(outputs, monkeypatch, tmp_path):
     """A batch split between the caller and the helper thread equals the one read by one thread, in the stored
     dtype and converted, every time (read 50 times: both threads write their scratch at once, so regions that
-    overlap show as batches that differ); a shard cut short after the index was built fails the batch with the
-    file named (the helper's error raised in the caller; a converted batch read by one thread too)."""
+    overlap show as batches that differ); a shard cut short after the index was built fails the batch, the stream,
+    a record and its views with the file named, never a SIGBUS (the helper's error raised in the caller; a
+    converted batch read by one thread too); records of the other shards still read."""
     import shutil
     from elmo_pipeline.downstream import mapped
     monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
@@ -266,6 +267,12 @@ def test_two_read_threads_give_the_one_thread_batch(outputs, monkeypatch, tmp_pa
             d.batch(list(range(len(d)))[::-1])
     with pytest.raises(DamagedOutput, match=f"^{re.escape(shard)}: file ends before byte"):
         list(ds.stream())
+    last = len(ds) - 1                                     # in the last shard, not cut
+    assert ds._unit(last)[0] != 0 and ds._unit(0)[0] == 0
+    for read in (lambda p: ds[p], ds.views, lambda p: converted[p], lambda p: ds.by_id(ds._meta(p)["id"])):
+        with pytest.raises(DamagedOutput, match=f"^{re.escape(shard)}: file ends before byte"):
+            read(0)
+        read(last)
 
 
 def test_a_shard_replaced_after_opening_is_refused_or_read_as_indexed(outputs, tmp_path):
