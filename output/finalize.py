@@ -140,13 +140,13 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
 def _staged_json(path: str, data: bytes, whole) -> dict:
     """A staged JSON file's object when whole(it); else Incomplete: the next round (output/state.py's
     prepare_output) keeps only commit records and statistics, so it writes counts and dead letters anew."""
-    d = _json(data)
+    d = json_or_none(data)
     if not whole(d):
         raise Incomplete(f"{path}: a damaged staged file")
     return d
 
 
-def _json(data: bytes):
+def json_or_none(data: bytes):
     """The JSON value of data, None when it is not JSON."""
     try:
         return json.loads(data)
@@ -157,7 +157,7 @@ def _json(data: bytes):
 def _report_stats(path: str, data: bytes) -> dict | None:
     """A staged statistics file (output/stats.py: the run report's figures only), or None with a warning when it
     is damaged (the next round keeps statistics files, so one never comes back whole)."""
-    d = _json(data)
+    d = json_or_none(data)
     if not is_stats(d):
         logger.warning("%s: a damaged statistics file, left out of the run report", path)
         return None

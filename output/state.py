@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from elmo_pipeline.formats.layout import MANIFEST, SUCCESS, ShardInfo, checked_record, read_manifest
 from elmo_pipeline.fsio import is_local_fs, url_fs
-from elmo_pipeline.output.finalize import (clear_final, owned_final_names, plan_consistent, plan_names, read_plan, roll_back,
-                                           select_records)
+from elmo_pipeline.output.finalize import (clear_final, json_or_none, owned_final_names, plan_consistent, plan_names,
+                                           read_plan, roll_back, select_records)
 from elmo_pipeline.output.names import (FINAL_NAMES, PLAN, RUN_FILE, SHARD_FILES, SHARD_FOLDERS, STAGING, STATS, TOP_FILES,
                                         is_scratch_name)
 from elmo_pipeline.output.sink import Sink
@@ -121,8 +121,8 @@ class OutputState:
 def _read_json(fs, path):
     """The JSON value of the file at path; None when there is none or it is damaged (not JSON)."""
     try:
-        return json.loads(fs.cat_file(path))
-    except (FileNotFoundError, ValueError):
+        return json_or_none(fs.cat_file(path))
+    except FileNotFoundError:
         return None
 
 
@@ -342,7 +342,7 @@ def _keep_disjoint_records(sink: Sink, st: str, state: OutputState) -> None:
     present = set(fs.find(st))
     records, paths, _, _, damaged = select_records(fs, st, present)
     for path in damaged:        # removed below with the rest: its shard's sentences are embedded again
-        logger.warning("%s: not a whole commit record; its sentences are embedded again", path)
+        _embedded_again(path)
     stats = posixpath.join(st, STATS) + "/"
     keep = {posixpath.join(st, RUN_FILE), *paths, *(p for p in present if p.startswith(stats) and p.endswith(".json"))}
     for rec in records:
@@ -354,11 +354,24 @@ def _keep_disjoint_records(sink: Sink, st: str, state: OutputState) -> None:
         sink.remove(gone)
 
 
+def _embedded_again(path: str) -> None:
+    logger.warning("%s: not a whole commit record; its sentences are embedded again", path)
+
+
 def load_done_ids(record_paths: list[str], storage_options: dict | None = None) -> set[str]:
-    """The sentence ids of the given commit records (all in one staging folder)."""
+    """The sentence ids of the given commit records (all in one staging folder); a record that is no longer whole
+    (damaged since prepare_output kept it) adds none, with a warning: its sentences are embedded again, and
+    Finalize leaves it out."""
     if not record_paths:
         return set()
     fs, _ = url_fs(record_paths[0], storage_options)
     paths = [url_fs(p, storage_options)[1] for p in record_paths]
     contents = fs.cat(paths)                  # one dict, fetched concurrently on object stores
-    return {i for p in paths for i in (checked_record(contents[p]) or ({}, []))[1]}
+    done: set[str] = set()
+    for p in paths:
+        got = checked_record(contents[p])
+        if got is None:
+            _embedded_again(p)
+        else:
+            done.update(got[1])
+    return done

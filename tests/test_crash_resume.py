@@ -179,7 +179,7 @@ def _stage(st, ids):
     return Staging(st).shard([(batch, b) for b in range(len(ids))], spec)
 
 
-def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path):
+def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path, caplog):
     out = str(tmp_path / "out")
     ing = {"version": 1, "inputs": [], "options": {"layers": "all"}, "model": {}}
     key = resume.run_key(ing)
@@ -200,6 +200,13 @@ def test_prepare_output_keeps_disjoint_records_and_clears_garbage(tmp_path):
     ids = [i for r in state.records for i in record_ids(r)]
     assert len(ids) == len(set(ids)) == 3 and "d:3#0" in ids
     assert resume.load_done_ids(state.record_paths) == set(ids)
+    kept = json.load(open(state.record_paths[0]))
+    with open(state.record_paths[0], "w") as f:                       # damaged after it was kept: no ids, a warning
+        f.write(json.dumps(kept)[:40])
+    assert resume.load_done_ids(state.record_paths) == set(ids) - set(record_ids(kept))
+    assert f"{state.record_paths[0]}: not a whole commit record; its sentences are embedded again" in caplog.text
+    with open(state.record_paths[0], "w") as f:
+        json.dump(kept, f)
     left = sorted(os.listdir(st))
     assert "partial.parquet" not in left and len([f for f in left if f.endswith(".parquet")]) == 2
     assert len(os.listdir(os.path.join(st, "committed"))) == 2 and "run.json" in left
