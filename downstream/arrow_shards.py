@@ -2,6 +2,8 @@
 Local shards are memory-mapped and their columns viewed without a copy. No Beam import."""
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,22 +19,45 @@ def open_arrow_shard(path: str, fields: Sequence[str] | None = None) -> pa.Recor
     return map_arrow_shard(path, fields)[0]
 
 
-def map_arrow_shard(path: str, fields: Sequence[str] | None = None) -> tuple[pa.RecordBatch, int, int]:
-    """(record batch, address of the map's first byte, file size) of a local Arrow shard, memory-mapped."""
+def map_arrow_shard(path: str, fields: Sequence[str] | None = None,
+                    read_around: bool = True) -> tuple[pa.RecordBatch, int, int]:
+    """(record batch, address of the map's first byte, file size) of a local Arrow shard, memory-mapped, its IPC
+    metadata read with the kernel's read-around off (set_read_around), so that opening a shard whose pages are
+    not in the page cache reads the pages it touches only; read_around=False leaves it off (an index reading the
+    ids: the caller turns it back on). The file is read through one buffer viewing the whole map: pa.memory_map's
+    own reads would ask the kernel to read ahead (WILLNEED) the record batch's body, up to the device's
+    read-ahead size (8 MiB of vectors a shard on a virtio disk)."""
     source = pa.memory_map(path, "r")
+    size = source.size()
+    first = source.read_buffer(1)                   # a view that keeps the map, not the descriptor, open
+    source.close()
+    whole = pa.foreign_buffer(first.address, size, base=first) if size else pa.py_buffer(b"")
+    set_read_around(whole.address, size, False)
     try:
-        base = source.read_buffer(1).address if source.size() else 0
-        source.seek(0)
-        reader = pa.ipc.open_file(source)
+        reader = pa.ipc.open_file(pa.BufferReader(whole))
         if fields is not None:
             names = reader.schema.names
-            reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(
+            reader = pa.ipc.open_file(pa.BufferReader(whole), options=pa.ipc.IpcReadOptions(
                 included_fields=[names.index(f) for f in fields]))
-        if reader.num_record_batches == 0:
-            return pa.RecordBatch.from_pylist([], schema=reader.schema), base, source.size()
-        return reader.get_batch(0), base, source.size()
+        batch = reader.get_batch(0) if reader.num_record_batches else \
+            pa.RecordBatch.from_pylist([], schema=reader.schema)
     except pa.ArrowException as e:
         raise DamagedOutput(f"{path}: not a readable Arrow IPC file ({e})") from None
+    if read_around:
+        set_read_around(whole.address, size, True)
+    return batch, whole.address, size
+
+
+_madvise = ctypes.CDLL(None, use_errno=True).madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def set_read_around(base: int, size: int, on: bool) -> None:
+    """Turn the kernel's read-around of a map's page faults on (MADV_NORMAL: a fault on a page not in the page
+    cache reads up to the device's read-ahead size around it) or off (MADV_RANDOM: it reads that page only).
+    Advice only: a kernel that refuses it changes nothing."""
+    if size:
+        _madvise(base, size, mmap.MADV_NORMAL if on else mmap.MADV_RANDOM)
 
 
 def read_arrow_shard(fs, path: str) -> pa.RecordBatch:

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from elmo_pipeline.downstream.arrow_shards import (flat_vectors, layer_offsets, map_arrow_shard,
-                                                   sentence_index)
+                                                   sentence_index, set_read_around)
 from elmo_pipeline.downstream.batching import Batcher, label_batch, stack
 from elmo_pipeline.downstream.id_table import IdTable
 from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
@@ -125,7 +125,7 @@ class MappedDataset(_TorchDataset):
             local = self._local(u)
             k, i = self.units[u]
             where = self.outputs[k].shard_path(i, "arrow")
-            b, base, size, st = _map(local, where)
+            b, base, size, st = _map(local, where, read_around=False)  # pages read as the index touches them
             self._maps[u] = b                                           # the map batches copy from
             self.outputs[k].check_arrow(i, b, where)
             self.files.found(u, layer_offsets(b, base, size, self.layers, where), size, (st.st_dev, st.st_ino))
@@ -136,6 +136,7 @@ class MappedDataset(_TorchDataset):
             starts.append(offsets[:-1])
             lengths.append(np.diff(offsets).astype(np.int32))
             unit_first.append(unit_first[-1] + len(sid))
+            set_read_around(base, size, True)                           # the vectors' first reads: read ahead
         self._ids, self._doc_ids, self._sentence_indices = ids, doc_ids, sidx
         self._unit_first = np.asarray(unit_first, dtype=np.int64)       # (U+1,) first position of each unit
         self._firsts = unit_first                                        # the same, a list (bisect)
@@ -506,12 +507,12 @@ class MappedDataset(_TorchDataset):
         return batch
 
 
-def _map(local: str, where: str) -> tuple[pa.RecordBatch, int, int, os.stat_result]:
+def _map(local: str, where: str, read_around: bool = True) -> tuple[pa.RecordBatch, int, int, os.stat_result]:
     """(record batch, address of the map's first byte, file size, the file's os.stat) of the local shard file
-    `local`, memory-mapped; DamagedOutput naming `where` when another file was renamed over it while it was mapped
-    (its identity is taken before and after the map)."""
+    `local`, memory-mapped (read_around: as arrow_shards.map_arrow_shard); DamagedOutput naming `where` when another
+    file was renamed over it while it was mapped (its identity is taken before and after the map)."""
     st = os.stat(local)
-    b, base, size = map_arrow_shard(local)
+    b, base, size = map_arrow_shard(local, read_around=read_around)
     if not os.path.samestat(st, os.stat(local)):
         raise DamagedOutput(f"{where}: replaced while the dataset was opened (open it again)")
     return b, base, size, st

@@ -1,5 +1,6 @@
 """The read path for training: --format arrow shards, downstream.mapped's MappedDataset and BucketBatchSampler,
 over real pipeline outputs (tiny random biLM)."""
+import glob
 import json
 import os
 import re
@@ -311,8 +312,8 @@ def test_a_shard_replaced_while_the_index_maps_it_is_refused(outputs, tmp_path, 
     shards = [os.path.join(str(out), s["arrow"]) for s in ElmoOutput(str(out)).shards]
     real = mapped.map_arrow_shard
 
-    def map_then_replace(path: str, *args):
-        got = real(path, *args)
+    def map_then_replace(path: str, *args, **kw):
+        got = real(path, *args, **kw)
         if path == shards[0]:
             shutil.copy(shards[1], str(out / "other.arrow"))
             os.replace(str(out / "other.arrow"), shards[0])
@@ -428,6 +429,44 @@ def test_stream_batches_default_to_a_size_in_bytes(tmp_path, monkeypatch, output
     shapes = [tuple(b["layers"].shape) for b in mixed.stream(padded=True)]
     assert all(B * T <= 10 or B == 1 for B, _, T, _ in shapes) and sum(B for B, *_ in shapes) == len(mixed)
     assert len({T for _, _, T, _ in shapes}) > 1
+
+
+def _cached_bytes(path: str) -> int:
+    """Bytes of the file at path in the page cache (mincore over a map of it, which reads nothing)."""
+    import ctypes
+    import mmap
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    pages = -(-len(m) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    mincore = ctypes.CDLL(None, use_errno=True).mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    view = np.frombuffer(m, np.uint8)
+    assert mincore(view.ctypes.data, len(m), vec) == 0, os.strerror(ctypes.get_errno())
+    del view
+    m.close()
+    return sum(v & 1 for v in vec) * mmap.PAGESIZE
+
+
+def test_opening_reads_the_index_pages_only(tmp_path):
+    """Opening a dataset whose shards are not in the page cache reads the pages its index touches (ids, codes),
+    not the vectors around them: neither pyarrow's read-ahead of the record batch (8 MiB a shard here) nor the
+    kernel's read-around of the first faults. Two 20 MB shards (1,024-wide float16 vectors); their pages dropped
+    (written back, POSIX_FADV_DONTNEED) first. The records read after it equal pyarrow's."""
+    from benchmarks.read_path import big_output
+    from elmo_pipeline.fsio.fs import release_written, url_fs
+    out = big_output(str(tmp_path), 20_000, 500, width=1024)
+    shards = sorted(glob.glob(os.path.join(out, "arrow", "*.arrow")))
+    assert len(shards) == 2 and all(os.path.getsize(s) > 20e6 for s in shards)
+    for s in shards:
+        release_written(url_fs(s)[0], s)
+    if any(_cached_bytes(s) > 1 << 20 for s in shards):
+        pytest.skip("the file system keeps the shards' pages in memory (tmpfs?): nothing to measure")
+    ds = MappedDataset(out, tokens=False, dtype=None)
+    assert len(ds) == 1000
+    assert all(_cached_bytes(s) < 1 << 20 for s in shards), [_cached_bytes(s) for s in shards]
+    table = pa.ipc.open_file(shards[1]).read_all()
+    assert np.array_equal(ds.views(999)[0], np.stack(table.column("average").to_numpy(zero_copy_only=False)[-20:]))
 
 
 def test_converted_batches_equal_numpys_conversion():
