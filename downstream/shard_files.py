@@ -152,11 +152,11 @@ class ShardFiles:
         return DamagedOutput(f"{', '.join(cut or [path(units[0])])}: {error} (the shard changed after it was "
                              f"opened)")
 
-    def close(self) -> None:
+    def close(self, _getpid=os.getpid, _close=os.close) -> None:     # os may be gone when the interpreter ends
         with self._lock:
-            if self._pid == os.getpid():
+            if self._pid == _getpid():
                 for fd in self._open.values():
-                    os.close(fd)
+                    _close(fd)
             self._open, self._busy = {}, {}
 
 

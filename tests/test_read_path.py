@@ -431,40 +431,23 @@ def test_stream_batches_default_to_a_size_in_bytes(tmp_path, monkeypatch, output
     assert len({T for _, _, T, _ in shapes}) > 1
 
 
-def _cached_bytes(path: str) -> int:
-    """Bytes of the file at path in the page cache (mincore over a map of it, which reads nothing)."""
-    import ctypes
-    import mmap
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    pages = -(-len(m) // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * pages)()
-    mincore = ctypes.CDLL(None, use_errno=True).mincore
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    view = np.frombuffer(m, np.uint8)
-    assert mincore(view.ctypes.data, len(m), vec) == 0, os.strerror(ctypes.get_errno())
-    del view
-    m.close()
-    return sum(v & 1 for v in vec) * mmap.PAGESIZE
-
-
 def test_opening_reads_the_index_pages_only(tmp_path):
     """Opening a dataset whose shards are not in the page cache reads the pages its index touches (ids, codes),
     not the vectors around them: neither pyarrow's read-ahead of the record batch (8 MiB a shard here) nor the
     kernel's read-around of the first faults. Two 20 MB shards (1,024-wide float16 vectors); their pages dropped
     (written back, POSIX_FADV_DONTNEED) first. The records read after it equal pyarrow's."""
-    from benchmarks.read_path import big_output
+    from benchmarks.read_path import big_output, cached_bytes
     from elmo_pipeline.fsio.fs import release_written, url_fs
     out = big_output(str(tmp_path), 20_000, 500, width=1024)
     shards = sorted(glob.glob(os.path.join(out, "arrow", "*.arrow")))
     assert len(shards) == 2 and all(os.path.getsize(s) > 20e6 for s in shards)
     for s in shards:
         release_written(url_fs(s)[0], s)
-    if any(_cached_bytes(s) > 1 << 20 for s in shards):
+    if any(cached_bytes(s) > 1 << 20 for s in shards):
         pytest.skip("the file system keeps the shards' pages in memory (tmpfs?): nothing to measure")
     ds = MappedDataset(out, tokens=False, dtype=None)
     assert len(ds) == 1000
-    assert all(_cached_bytes(s) < 1 << 20 for s in shards), [_cached_bytes(s) for s in shards]
+    assert all(cached_bytes(s) < 1 << 20 for s in shards), [cached_bytes(s) for s in shards]
     table = pa.ipc.open_file(shards[1]).read_all()
     assert np.array_equal(ds.views(999)[0], np.stack(table.column("average").to_numpy(zero_copy_only=False)[-20:]))
 
@@ -591,6 +574,20 @@ def test_probe_from_arrow_same_accuracy(outputs, tmp_path):
         results[fmt] = [(r["setting"], r["train_accuracy"], r["test_accuracy"])
                         for r in json.load(open(os.path.join(report, "results.json")))["summary"]]
     assert results["arrow"] == results["parquet"]
+
+
+@pytest.mark.slow
+def test_a_dataset_alive_when_the_interpreter_ends_closes_quietly(outputs):
+    """A script holding a dataset in a global, its descriptors open (a batch read), ends with status 0 and
+    nothing on stderr: the dataset's finalizer may run after the interpreter took modules down (as here, where
+    the script's globals include `elmo_pipeline` and `os`), and must not need them."""
+    import subprocess
+    import sys
+    code = ("import elmo_pipeline, os\nfrom elmo_pipeline.downstream.mapped import MappedDataset\n"
+            f"ds = MappedDataset({outputs['all']!r}, tokens=False)\n"
+            "ds.batch(list(range(len(ds))))\nassert ds.files._open\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stderr == "", p.stderr[-2000:]
 
 
 @pytest.mark.slow
