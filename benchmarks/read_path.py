@@ -24,7 +24,10 @@ the sampler's order into a reused buffer (one thread, then two threads a half ea
 faults included); the padded batches' values per stored value; batch() of 32 random's padded float32 tensors alone,
 each zeroed and summed in a kept buffer with nothing read (the least its padding costs: every value written once and
 read once by the consumer), and from it the most that form can reach with its sentences read at the cat's speed;
+ds[p]'s positions read as views of a newly opened dataset, nothing copied (what the first reads of those
+sentences from newly mapped pages, their page faults, leave a record);
 a `cat` of a copy of the files written by `cp` (how a file was written changes how fast `cat` reads it back);
+opening a dataset with the files' pages dropped: its seconds and the bytes it read into the page cache (mincore);
 last, `cat` after the files' pages were dropped and read back first by one `cat`, then first by building the index
 (how pages came into the page cache changes it too). The index's memory: a fresh process over the same output
 (default sharding) and over a --big-tokens output of synthetic sentences sharded like it, RSS (anonymous and file
@@ -92,6 +95,38 @@ def read_back(out: str, files: list[str]) -> None:
     drop_pages(files)
     for _ in MappedDataset(out, tokens=False, dtype=None).stream():
         pass
+
+
+def cached_bytes(path: str) -> int:
+    """Bytes of the file at path in the page cache (mincore(2) over a map of it, which reads nothing)."""
+    import ctypes
+    import mmap
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    vec = (ctypes.c_ubyte * -(-len(m) // mmap.PAGESIZE))()
+    mincore = ctypes.CDLL(None, use_errno=True).mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    view = np.frombuffer(m, np.uint8)
+    if mincore(view.ctypes.data, len(m), vec) != 0:
+        raise OSError(ctypes.get_errno(), f"mincore of {path}")
+    del view
+    m.close()
+    return int(np.count_nonzero(np.frombuffer(vec, np.uint8) & 1)) * mmap.PAGESIZE
+
+
+def cold_open(out: str, files: list[str]) -> dict:
+    """Seconds to open a MappedDataset (its index) of an output whose pages were dropped (drop_pages), and the bytes
+    of the files in the page cache after it: what opening reads."""
+    import gc
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    gc.collect()
+    drop_pages(files)
+    t = time.perf_counter()
+    ds = MappedDataset(out, tokens=False)
+    seconds = time.perf_counter() - t
+    cached = sum(cached_bytes(f) for f in files)
+    del ds
+    return {"seconds": seconds, "cached_bytes": cached}
 
 
 def first_read_cats(out: str, files: list[str], n: int) -> dict:
@@ -320,6 +355,7 @@ def random_form(out: str, n: int, kind: str):
 
 
 FILL = "reference: batch() of 32 random's padded tensors, zeroed and summed alone"
+RECORD, RECORD_VIEWS = "ds[p], float32 record", "reference: ds[p]'s positions as views, newly mapped"
 
 
 def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
@@ -386,10 +422,12 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
     print(f"reference: cat of the arrow files {d['file_bytes'] / c['pipeline_written_seconds'] / 1e9:.2f} GB/s; of a "
           f"copy of them written by cp {d['file_bytes'] / c['seconds'] / 1e9:.2f} GB/s", flush=True)
     shutil.rmtree(copy)
-    kinds = {"by position, views": ("views", 20_000), "by id, views": ("id", 20_000),
-             "ds[p], float32 record": ("record", 5_000), "batch() of 32 random, float32": ("batch", 5_120),
+    kinds = {"by position, views": ("views", 20_000), "by id, views": ("id", 20_000), RECORD: ("record", 5_000),
+             RECORD + ", second epoch": ("record", 5_000), RECORD_VIEWS: ("views", 5_000),
+             "batch() of 32 random, float32": ("batch", 5_120),
              "batch(packed=True) of 32 random, stored dtype": ("packed", 5_120), FILL: ("fill", 5_120)}
-    got = pairs({label: (random_form(out, n, kind), n_pairs) for label, (kind, n) in kinds.items()}, files)
+    got = pairs({label: ((second_epoch if "second epoch" in label else lambda f: f)(random_form(out, n, kind)), n_pairs)
+                 for label, (kind, n) in kinds.items()}, files)
     for label, (kind, n) in kinds.items():
         g = got[label]
         sec, cat = g["seconds"], g["cat_bytes"] / g["cat_seconds"]
@@ -406,6 +444,11 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
             r["floor_seconds"], r["fraction_of_floor"] = floor_s, floor_s / sec
             line += f"; {100 * r['fraction_of_floor']:.1f} % of floor (cat + torch fp16 -> float32)"
         print(line, flush=True)
+    record, views = d["random_access"][RECORD], d["random_access"][RECORD_VIEWS]
+    record["fraction_of_first_reads"] = f = record["sentences_per_s"] / views["sentences_per_s"]
+    print(f"ds[p], float32 record: {100 * f:.1f} % of the rate of its positions' views, nothing copied (its "
+          f"sentences' first reads from newly mapped pages: {100 * views['fraction_of_bound']:.1f} % of the bound)",
+          flush=True)
     padded, fill = d["random_access"]["batch() of 32 random, float32"], d["random_access"][FILL]
     t_fill = fill["sentences"] / fill["sentences_per_s"]
     t_bound = padded["sentences"] / padded["bound_sentences_per_s"]
@@ -414,6 +457,9 @@ def dtype_rows(out: str, dtype: str, n_pairs: int) -> dict:
             f"with the sentences read at cat's speed it reaches at most {100 * c:.1f} % of its bound")
     print(line, flush=True)
     del ds
+    d["cold_open"] = c = cold_open(out, files)
+    print(f"opening the dataset with the files' pages dropped: {c['seconds']:.3f} s; {c['cached_bytes'] / 1e6:.1f} MB of "
+          f"the {d['file_bytes'] / 1e9:.2f} GB read into the page cache", flush=True)
     d["cat_after_first_read"] = c = first_read_cats(out, files, n_pairs)
     print(f"reference: cat of the arrow files, their pages dropped and read back first by cat "
           f"{d['file_bytes'] / c['first_read_by_cat_seconds'] / 1e9:.2f} GB/s; first by building the index "
@@ -453,9 +499,9 @@ def index_rss(out: str) -> dict:
     return json.loads(p.stdout)
 
 
-def big_output(tmp: str, tokens: int, per_shard: int) -> str:
-    """An arrow output of `tokens` tokens of synthetic 20-token sentences (one 64-wide float16 layer: the index
-    does not depend on the width), `per_shard` sentences a shard, written by formats.arrow."""
+def big_output(tmp: str, tokens: int, per_shard: int, width: int = 64) -> str:
+    """An arrow output of `tokens` tokens of synthetic 20-token sentences (one `width`-wide float16 layer: the
+    index does not depend on the width), `per_shard` sentences a shard, written by formats.arrow."""
     from elmo_pipeline.formats.arrow import arrow_table, write_arrow
     from elmo_pipeline.formats.layout import ARROW_LAYOUT, MANIFEST, SCHEMA_VERSION
     from elmo_pipeline.formats.parquet import ShardColumns
@@ -470,11 +516,11 @@ def big_output(tmp: str, tokens: int, per_shard: int) -> str:
         ids = [f"doc-{i:05d}-{j:04d}#0" for j in range(k)]
         n = int(lengths.sum())
         c = ShardColumns(ids, [s[:-2] for s in ids], [0] * k, lengths, ["tok"] * n, np.zeros((n, 2), np.int32),
-                         [rng.standard_normal((n, 64), dtype=np.float32).astype(np.float16)])
+                         [rng.standard_normal((n, width), dtype=np.float32).astype(np.float16)])
         name = f"arrow/part-{i:05d}-of-{n_shards:05d}.arrow"
-        write_arrow(arrow_table(c, [("average", 64)]), os.path.join(out, name))
+        write_arrow(arrow_table(c, [("average", width)]), os.path.join(out, name))
         shards.append({"arrow": name, "sentences": k, "tokens": n})
-    manifest = {"schema_version": SCHEMA_VERSION, "layers": ["average"], "layer_dims": {"average": 64},
+    manifest = {"schema_version": SCHEMA_VERSION, "layers": ["average"], "layer_dims": {"average": width},
                 "formats": ["arrow"], "dtype": "float16", "arrow_layout": ARROW_LAYOUT, "shards": shards}
     with open(os.path.join(out, MANIFEST), "w") as f:
         json.dump(manifest, f)
