@@ -12,15 +12,15 @@
                         pin_memory=True)            # the same batches, each valid until the next
     sampler.set_epoch(e, start_batch=k)             # the order of epoch e, resumed after k batches
 
-Memory: the index, per sentence an int64 token offset, an int32 length and the arrays of ids (views of the
-mapped files); vectors are never loaded whole: a batch copies its sentences' rows from the mapped shards (the
+Memory: the index, per sentence an int64 token offset, an int32 length, its id and doc id (copied from the shards: a
+shard's map may be dropped); vectors are never loaded whole (a process keeps the 4,096 most recently used shards
+mapped: the kernel bounds the mappings of a process): a batch copies its sentences' rows from the mapped shards (the
 maps the index was built from) into one padded tensor, the caller and a helper thread half the sentences each
-(`threads=2`, batches of 1 MiB or more: the first copies from a shard fault its pages in, on both cores); a
-record is copied from the mapped rows too (downstream/batching.py builds every batch); stream() reads
-consecutive sentences' rows with one pread per layer into a reused buffer (the system call `cat` uses). Every
-shard is checked against the manifest when the index is built (downstream/shard_checks.py), its layers' file
-offsets and size kept (downstream/shard_files.py: the descriptors of stream reads and of the size check before
-each batch, thread-safe).
+(`threads=2`, batches of 1 MiB or more: the first copies from a shard fault its pages in, on both cores); a record
+is copied from the mapped rows too (downstream/batching.py builds every batch); stream() reads consecutive
+sentences' rows with one pread per layer into a reused buffer (the system call `cat` uses). Every shard is checked
+against the manifest when the index is built (downstream/shard_checks.py), its layers' file offsets and size kept
+(downstream/shard_files.py: the descriptors of stream reads and of the size check before each batch, thread-safe).
 Id lookup: a sorted array of 64-bit hashes of the ids (16 bytes a sentence, built on the first lookup:
 downstream/id_table.py), a hit checked against the stored id. Shards of an fsspec URL (s3://...) are copied whole
 into `cache_dir` on first use (the next shard is fetched in the background: read-ahead; downstream/shard_cache.py)
@@ -53,6 +53,8 @@ from elmo_pipeline.downstream.stream_rows import RowBuffer, halves, read_ahead, 
 from elmo_pipeline.fsio import is_local_fs
 
 _FDS = 64                                   # shard files a process keeps open for batch reads
+_MAPS = 4096                                # shards a process keeps mapped (the most recently used; every map is
+                                            # one of the kernel's vm.max_map_count mappings a process, 65,530 here)
 _SPLIT_BYTES = 1 << 20                      # a batch of at least this many stored bytes is read by two threads
 _CPUS = os.cpu_count() or 1
 _STREAM_BYTES = 8 << 20                     # stored bytes a stream batch spans by default
@@ -111,8 +113,7 @@ class MappedDataset(_TorchDataset):
         self.dtype = np.dtype(dtype) if dtype else None
         self.cache = ShardCache(cache_dir)
         self.units = [(k, i) for k, out in enumerate(self.outputs) for i in range(len(out.shards))]
-        self._maps: dict[int, pa.RecordBatch] = {}
-        self._views: dict[int, list[np.ndarray]] = {}
+        self._maps: dict[int, tuple[pa.RecordBatch, list[np.ndarray]]] = {}     # unit -> its map, its layers' views
         self.files = ShardFiles(len(self.units), len(self.layers), _FDS)     # batch reads' descriptors
         self.threads, self.reuse, self.packed = threads, reuse, packed
         self._pid = os.getpid()
@@ -126,17 +127,18 @@ class MappedDataset(_TorchDataset):
             k, i = self.units[u]
             where = self.outputs[k].shard_path(i, "arrow")
             b, base, size, st = _map(local, where, read_around=False)  # pages read as the index touches them
-            self._maps[u] = b                                           # the map batches copy from
             self.outputs[k].check_arrow(i, b, where)
             self.files.found(u, layer_offsets(b, base, size, self.layers, where), size, (st.st_dev, st.st_ino))
             sid, offsets, docs, indices = sentence_index(b)
-            ids.append(sid)
+            ids.append(pa.concat_arrays([sid]))                         # a copy: the map may go, the ids stay
             doc_ids.append(docs)
             sidx.append(indices)
             starts.append(offsets[:-1])
             lengths.append(np.diff(offsets).astype(np.int32))
             unit_first.append(unit_first[-1] + len(sid))
             set_read_around(base, size, True)                           # the vectors' first reads: read ahead
+            if len(self._maps) < _MAPS:                                 # the maps batches copy from, as indexed
+                self._maps[u] = (b, [flat_vectors(b, name) for name in self.layers])
         self._ids, self._doc_ids, self._sentence_indices = ids, doc_ids, sidx
         self._unit_first = np.asarray(unit_first, dtype=np.int64)       # (U+1,) first position of each unit
         self._firsts = unit_first                                        # the same, a list (bisect)
@@ -165,10 +167,11 @@ class MappedDataset(_TorchDataset):
         return np.dtype(self.outputs[0].dtype)
 
     def index_bytes(self) -> int:
-        """Bytes of the in-memory index (offsets, lengths, doc ids, labels kept, the id hash table once built;
-        ids are views of the mapped files)."""
+        """Bytes of the in-memory index (offsets, lengths, ids, doc ids, labels kept, the id hash table once
+        built)."""
         n = self._starts.nbytes + self._all_lengths.nbytes + self._unit_first.nbytes + \
             sum(a.nbytes for a in self._sentence_indices) + sum(a.nbytes for a in self._doc_ids) + \
+            sum(a.nbytes for a in self._ids) + \
             (self._id_table.nbytes if self._id_table is not None else 0)
         return n + (self._keep.nbytes if self._keep is not None else 0)
 
@@ -218,23 +221,33 @@ class MappedDataset(_TorchDataset):
     # -- the mapped shards (opened lazily in each process: DataLoader workers map the files themselves)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_maps"], state["_views"] = {}, {}
+        state["_maps"] = {}
         state.pop("_threads", None)
         state.pop("_helper", None)
         state.pop("_kept", None)
         return state
 
-    def _open(self, u: int) -> pa.RecordBatch:
+    def _open(self, u: int) -> tuple[pa.RecordBatch, list[np.ndarray]]:
+        """Unit u's mapped batch and (N, D_k) views of its selected layers: the map the index was built from, or,
+        in a forked or unpickled copy or once the _MAPS most recently used maps left it out, the file mapped again
+        (DamagedOutput when it is no longer the file indexed). Thread-safe without a lock: a map another thread
+        drops stays mapped while anything views it."""
         if self._pid != os.getpid():
-            self._maps, self._views, self._pid = {}, {}, os.getpid()
-        b = self._maps.get(u)
-        if b is None:                                   # a forked or unpickled copy maps the file indexed again
+            self._maps, self._pid = {}, os.getpid()
+        m = self._maps.pop(u, None)
+        if m is None:
             local = self._local(u)
             b, _, _, st = _map(local, local)
             self.files.indexed(u, st, local)
-            self._maps[u] = b
+            m = (b, [flat_vectors(b, name) for name in self.layers])
             self._prefetch_next(u)
-        return b
+        self._maps[u] = m                               # most recently used last
+        while len(self._maps) > _MAPS:
+            try:
+                self._maps.pop(next(iter(self._maps)), None)
+            except (StopIteration, RuntimeError):       # another thread changed the maps meanwhile
+                break
+        return m
 
     def __del__(self, _getpid=os.getpid):             # os may be gone when the interpreter ends
         files = getattr(self, "files", None)
@@ -274,11 +287,7 @@ class MappedDataset(_TorchDataset):
 
     def _layer_views(self, u: int) -> list[np.ndarray]:
         """(N, D_k) views of unit u's selected layers (kept beside the mapped batch)."""
-        self._open(u)
-        views = self._views.get(u)
-        if views is None:
-            views = self._views[u] = [flat_vectors(self._maps[u], name) for name in self.layers]
-        return views
+        return self._open(u)[1]
 
     def _sentence(self, p: int, u: int | None = None) -> list[np.ndarray]:
         """The selected layers' stored (T, D_k) rows of global position p (in unit u, found when not given):
@@ -382,7 +391,7 @@ class MappedDataset(_TorchDataset):
 
     def _tokens(self, p: int) -> list[str]:
         u, _ = self._unit(p)
-        return self._open(u).column("token").slice(int(self._starts[p]), int(self._all_lengths[p])).to_pylist()
+        return self._open(u)[0].column("token").slice(int(self._starts[p]), int(self._all_lengths[p])).to_pylist()
 
     def batches(self, sampler: "BucketBatchSampler | None" = None, batch_size: int = 32, reuse: bool = False,
                 pin_memory: bool = False, ahead: int = 0, packed: bool = False) -> Iterator[dict]:

@@ -301,6 +301,38 @@ def test_a_shard_replaced_after_opening_is_refused_or_read_as_indexed(outputs, t
         copy[0]
 
 
+def test_more_shards_than_a_process_keeps_mapped(outputs, monkeypatch, tmp_path):
+    """A dataset of more shards than _MAPS (4 shards, 2 kept mapped) gives the same records, views, batches, id
+    lookups, tokens and stream as one that maps them all, never holding more than 2 maps (the least recently used
+    dropped, mapped again when read); a shard dropped and then replaced is refused when mapped again."""
+    import shutil
+    from elmo_pipeline.downstream import mapped
+    paths = [outputs["all"], outputs["part2"]]
+    ref = MappedDataset(paths)
+    monkeypatch.setattr(mapped, "_MAPS", 2)
+    ds = MappedDataset(paths)
+    assert len(ds.units) == 4 and len(ds._maps) == 2
+    for i in list(range(len(ds))) + list(range(len(ds)))[::-1]:
+        a, b = ds[i], ref[i]
+        assert a["id"] == b["id"] and a["tokens"] == b["tokens"] and np.array_equal(a["layers"], b["layers"])
+        assert all(np.array_equal(x, y) for x, y in zip(ds.views(i), ref.views(i))) and len(ds._maps) <= 2
+        assert ds.position(b["id"]) == i
+    order = list(range(len(ds)))[::-1]
+    assert torch.equal(ds.batch(order)["layers"], ref.batch(order)["layers"]) and len(ds._maps) == 2
+    assert [b["ids"] for b in ds.stream()] == [b["ids"] for b in ref.stream()]
+    out = tmp_path / "replaced"
+    shutil.copytree(outputs["all"], out)
+    ds = MappedDataset(str(out), tokens=False)
+    first = os.path.join(str(out), ds.outputs[0].shards[0]["arrow"])
+    assert sorted(ds._maps) == [0, 1]                             # the index keeps the first two it built
+    ds[len(ds) - 1]                                               # unit 2 mapped, unit 0 dropped
+    assert sorted(ds._maps) == [1, 2]
+    shutil.copy(os.path.join(str(out), ds.outputs[0].shards[1]["arrow"]), str(out / "other.arrow"))
+    os.replace(str(out / "other.arrow"), first)
+    with pytest.raises(DamagedOutput, match=f"^{re.escape(first)}: replaced since the dataset was opened"):
+        ds[0]
+
+
 def test_a_shard_replaced_while_the_index_maps_it_is_refused(outputs, tmp_path, monkeypatch):
     """A shard file replaced (renamed over) just after building the index mapped it: the dataset refuses to open
     (DamagedOutput naming it) instead of recording the new file as the one indexed, whose rows the stream would
@@ -574,6 +606,36 @@ def test_probe_from_arrow_same_accuracy(outputs, tmp_path):
         results[fmt] = [(r["setting"], r["train_accuracy"], r["test_accuracy"])
                         for r in json.load(open(os.path.join(report, "results.json")))["summary"]]
     assert results["arrow"] == results["parquet"]
+
+
+@pytest.mark.slow
+def test_a_dataset_of_more_shards_than_the_kernel_maps_a_process(tmp_path):
+    """An output of more shards than the kernel lets a process map (vm.max_map_count, + 2,000; one sentence a
+    shard) opens and reads, in a process of its own (a dataset that maps every shard fails there once mmap does):
+    the records at both ends and a batch of positions across it equal pyarrow's reading of their shards."""
+    import subprocess
+    import sys
+    from benchmarks.read_path import big_output
+    try:
+        limit = int(open("/proc/sys/vm/max_map_count").read())
+    except OSError:
+        pytest.skip("no /proc/sys/vm/max_map_count: not Linux")
+    if limit > 100_000:
+        pytest.skip(f"vm.max_map_count is {limit}: too many shards to write here")
+    n = limit + 2_000
+    out = big_output(str(tmp_path), 20 * n, 1, width=8)
+    code = ("import sys, numpy as np, pyarrow as pa\nfrom elmo_pipeline.downstream.mapped import MappedDataset\n"
+            "ds = MappedDataset(sys.argv[1], tokens=False, dtype=None)\n"
+            "def want(p):\n"
+            "    path = ds.outputs[0].shard_path(p, 'arrow')\n"
+            "    return np.stack(pa.ipc.open_file(path).read_all().column('average').to_numpy(zero_copy_only=False))\n"
+            "picks = [0, 1, len(ds) // 2, len(ds) - 1]\n"
+            "b = ds.batch(picks)['layers'].numpy()\n"
+            "assert all(np.array_equal(ds[p]['layers'][0], want(p)) and np.array_equal(b[j, 0], want(p))\n"
+            "           for j, p in enumerate(picks))\n"
+            "print(len(ds), len(ds._maps))\n")
+    p = subprocess.run([sys.executable, "-c", code, out], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.split() == [str(n), "4096"], (p.returncode, p.stderr[-2000:])
 
 
 @pytest.mark.slow
