@@ -613,6 +613,7 @@ def test_a_dataset_of_more_shards_than_the_kernel_maps_a_process(tmp_path):
     """An output of more shards than the kernel lets a process map (vm.max_map_count, + 2,000; one sentence a
     shard) opens and reads, in a process of its own (a dataset that maps every shard fails there once mmap does):
     the records at both ends and a batch of positions across it equal pyarrow's reading of their shards."""
+    import shutil
     import subprocess
     import sys
     from benchmarks.read_path import big_output
@@ -635,6 +636,7 @@ def test_a_dataset_of_more_shards_than_the_kernel_maps_a_process(tmp_path):
             "           for j, p in enumerate(picks))\n"
             "print(len(ds), len(ds._maps))\n")
     p = subprocess.run([sys.executable, "-c", code, out], capture_output=True, text=True, timeout=600)
+    shutil.rmtree(out)                                          # its many files (pytest keeps its last folders)
     assert p.returncode == 0 and p.stdout.split() == [str(n), "4096"], (p.returncode, p.stderr[-2000:])
 
 
