@@ -126,9 +126,9 @@ class ShardFiles:
 
     def check_mapped(self, u: int, path: Callable[[int], str]) -> None:
         """DamagedOutput naming unit u's shard when the file indexed (the one its map shows) is now shorter than when
-        the index was built; a file renamed over the shard's path since leaves the mapped one whole (nothing to
-        check: a record reads the indexed file). The size read from the kept descriptor (the indexed file, renamed
-        over or not), else from one opened by the path."""
+        the index was built; a file renamed over the shard's path since, or the path removed, leaves the mapped one
+        whole (nothing to check: a record reads the indexed file). The size read from the kept descriptor (the
+        indexed file, renamed over or not), else from one opened by the path."""
         with self._lock:
             if self._pid != os.getpid():
                 self._reset()
@@ -136,8 +136,8 @@ class ShardFiles:
             if fd is None:
                 try:
                     fd = self._opened(u, path(u))
-                except DamagedOutput:                   # another file at the path: the mapped one is not cut
-                    return
+                except (DamagedOutput, FileNotFoundError):   # another file or none at the path: the mapped one
+                    return                                      # is not cut
             size = _size(fd)
             self._open[u] = fd                          # most recently used last
             self._trim()

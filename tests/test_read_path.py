@@ -280,7 +280,7 @@ def test_a_shard_replaced_after_opening_is_refused_or_read_as_indexed(outputs, t
     """A shard file replaced (renamed over) after the index was built: batches and the stream, which open it by
     its path, refuse it with DamagedOutput naming it (its rows are not where the index says); records read the
     mapped file the index was built from, so their values are the indexed ones; a copy that maps the shards again
-    (unpickled) refuses it too."""
+    (unpickled) refuses it too; records still read the indexed file once the shard's path is removed."""
     import shutil
     out = tmp_path / "replaced"
     shutil.copytree(outputs["all"], out)
@@ -299,6 +299,9 @@ def test_a_shard_replaced_after_opening_is_refused_or_read_as_indexed(outputs, t
     copy = pickle.loads(pickle.dumps(ds))                   # a spawned DataLoader worker's: it maps again
     with pytest.raises(DamagedOutput, match=f"^{re.escape(shards[0])}: replaced since the dataset was opened"):
         copy[0]
+    ds.files.close()                                        # no descriptor kept: the size check opens the path
+    os.remove(shards[0])                                    # gone: its map still holds the file indexed
+    assert all(np.array_equal(ds[i]["layers"], ref[i]["layers"]) for i in range(len(ds)))
 
 
 def test_more_shards_than_a_process_keeps_mapped(outputs, monkeypatch, tmp_path):
