@@ -42,6 +42,11 @@ TEST_FILES = ["tests/test_fixture_parity.py", "tests/test_oracle.py", "tests/tes
 STEPS = ("tests", "low_precision", "model_speed", "quality", "levers", "pipeline")
 
 
+def _pythonpath() -> str:
+    """The checkout first, then whatever PYTHONPATH already held (packages carried beside an image's own)."""
+    return os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
@@ -50,14 +55,16 @@ def device_name(device: str) -> str:
 
 
 def step_tests(device: str, quick: bool) -> dict:
-    env = {**os.environ, "ELMO_TEST_DEVICE": device, "PYTHONPATH": REPO}
+    env = {**os.environ, "ELMO_TEST_DEVICE": device, "PYTHONPATH": _pythonpath()}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_FILES]
     if quick:
         cmd += ["-k", "stateful or parity or invariant_mode_flag"]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
-    return {"returncode": p.returncode, "summary": tail, **counts}
+    failed = [ln for ln in p.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    return {"returncode": p.returncode, "summary": tail, **counts, "failed": failed,
+            "output_tail": p.stdout[-6000:] if p.returncode else ""}
 
 
 def step_low_precision(device: str, config: str, sentences) -> dict:
@@ -174,7 +181,7 @@ def step_pipeline(device: str, lines: int, workers: list[int]) -> dict:
                    "--direct_running_mode", "multi_processing", f"--direct_num_workers={n}"]
             t = time.perf_counter()
             with BusyShare(device) as busy:
-                p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True,
+                p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": _pythonpath()}, capture_output=True,
                                    text=True)
             wall = time.perf_counter() - t
             tokens = None

@@ -15,6 +15,31 @@ import torch
 
 _GPU_LOCKS: list = []   # flock'd files held for the life of the process
 
+# Where the batch-invariant path's bits are not independent of the batching, it is refused, never run with a
+# claim of exactness it cannot keep: on CUDA (cuBLAS picks its GEMM kernels by shape) a sentence's vectors
+# differed between batchings by up to 1.2e-6 (fp32, NVIDIA H200, benchmarks/results/gpu_check_NVIDIA_H200_tests.json).
+BATCH_INVARIANT_DEVICES = ("cpu",)
+
+
+def requested_type(device: str | int | torch.device) -> str:
+    """The device type a request names ('cpu', 'cuda'), nothing claimed nor checked; 'auto' is what this machine has."""
+    if isinstance(device, torch.device):
+        return device.type
+    if isinstance(device, int) or str(device).lstrip("-").isdigit():
+        return "cpu" if int(device) < 0 else "cuda"
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
+def check_batch_invariant(device: str | int | torch.device) -> None:
+    """ValueError (one line) when batch-invariant bits are not kept on the requested device's type
+    (BATCH_INVARIANT_DEVICES)."""
+    kind = requested_type(device)
+    if kind not in BATCH_INVARIANT_DEVICES:
+        raise ValueError(f"--batch-invariant runs on a CPU only: on {kind} a sentence's vectors differ "
+                         "between batchings (up to 1.2e-6 in fp32 on an NVIDIA H200); run without it, or on a CPU")
+
 
 def claim_gpu(n_gpus: int, lock_dir: str | None = None, max_per_gpu: int = 64) -> int:
     """Index of the GPU with the fewest processes of this machine (flock'd lock files, held until exit):

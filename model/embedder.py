@@ -24,7 +24,7 @@ import torch
 from elmo_pipeline.model.batching import embed_in_batches, plan_batches
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.char_ids import BOS_TOKEN, EOS_TOKEN, distinct_char_ids
-from elmo_pipeline.model.device import host_side, resolve_device
+from elmo_pipeline.model.device import check_batch_invariant, host_side, resolve_device
 from elmo_pipeline.model.hardware import warn_if_emulated
 from elmo_pipeline.model.options import COMPUTE_DTYPES, STATE_MODES, sentences_independent
 
@@ -81,6 +81,8 @@ class ElmoEmbedder:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.device = resolve_device(device)
+        if self.batch_invariant:
+            check_batch_invariant(self.device)
         if model is None:
             from elmo_pipeline.model.weights import load_bilm
             if options_file is None or weight_file is None:      # both or neither: resolve_model checks

@@ -130,6 +130,8 @@ def step_loop(device: torch.device, dtype: torch.dtype, choice: str = "auto", co
     if check_loop_choice(choice) == "auto":
         choice = "onednn" if onednn_pays(layer) and onednn.runs(device, dtype) else "bmm"
     if choice == "onednn":
+        if device.type != "cpu":
+            raise ValueError(f"the onednn LSTM loop runs on a CPU only, not on {device.type}: use bmm or auto")
         return StepLoop("onednn", pack_onednn_weights, onednn_loop)
     return StepLoop("bmm", stack_weights, functools.partial(bmm_loop, cell=cell_for(device, compile_cell)))
 

@@ -201,9 +201,17 @@ def cell_fused(gates: Tensor, c: Tensor, cell_clip: float | None, out: Tensor) -
 _COMPILED_CELL: dict[str, Cell] = {}
 
 
+# Variants the compiled cell is specialised for, each compiled once: dtype (3) x cell clip given or not (2) x c contiguous
+# or a view into the gates' rows (2) x one row or several (2), and a few stride guards; torch's default of 8 was
+# exceeded by one process running fp32 then bf16 (FailOnRecompileLimitHit on an NVIDIA H200).
+CELL_VARIANTS = 64
+
+
 def compiled_cell() -> Cell:
     """torch.compile of cell_fused, made once per process: one kernel launch a step instead of 7 (GPUs)."""
     if "fn" not in _COMPILED_CELL:
+        import torch._dynamo
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, CELL_VARIANTS)
         _COMPILED_CELL["fn"] = torch.compile(cell_fused, dynamic=True, fullgraph=True)
     return _COMPILED_CELL["fn"]
 

@@ -213,9 +213,11 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
         overlap=0 if stateful or not o.window_tokens else effective_overlap(o.window_tokens, o.window_overlap,
                                                                                o.max_tokens_per_batch),
         tokenizer=tokenizer, tokenizer_version=tokenizer_version(tokenizer))
+    from elmo_pipeline.model.device import check_batch_invariant, resolve_device
     if local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
-        from elmo_pipeline.model.device import resolve_device
         resolve_device(o.device)
+    if o.batch_invariant and (local or o.device != "auto"):   # remote 'auto': each worker's embedder checks
+        check_batch_invariant(o.device)
     model = check_model(local_options, local_weights)   # a bad model fails here, not in every worker
     if probe_output or "://" not in o.output or o.output.startswith("file://"):    # local: reads only
         check_output_writable(o.output, so)

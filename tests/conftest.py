@@ -37,3 +37,17 @@ _TEST_DEVICE = os.environ.get("ELMO_TEST_DEVICE")
 if _TEST_DEVICE:
     from elmo_pipeline.model.embedder import ElmoEmbedder as _Embedder
     _Embedder.__init__.__kwdefaults__["device"] = _TEST_DEVICE
+TEST_DEVICE = _TEST_DEVICE or "cpu"
+
+
+def _invariant_refusal() -> str | None:
+    from elmo_pipeline.model.device import check_batch_invariant
+    try:
+        check_batch_invariant(TEST_DEVICE)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+# tests of batch-invariant bits: skipped, with the reason, on a device that refuses --batch-invariant
+needs_invariant_device = pytest.mark.skipif(_invariant_refusal() is not None, reason=f"{_invariant_refusal()}")

@@ -12,6 +12,7 @@ from elmo_pipeline.model.batching import pack_lanes, padding, plan_batches
 from elmo_pipeline.model.char_ids import batch_char_ids
 from elmo_pipeline.model.embedder import ElmoEmbedder
 from elmo_pipeline.model.synthetic import random_bilm
+from tests.conftest import needs_invariant_device
 from tests.oracle import oracle_forward
 from tests.test_batch_invariant import sentences
 
@@ -130,6 +131,7 @@ def _inputs(ids, lengths):
     return uniq, index, lengths
 
 
+@needs_invariant_device
 @pytest.mark.parametrize("gemm", GEMMS)
 def test_lanes_keep_batch_invariant_bits(gemm):
     """batch_invariant: the same bits with and without lanes, and in any batching with lanes."""

@@ -44,6 +44,8 @@ def test_auto_choice():
     ONEDNN_MIN_GATE_WIDTH, GEMM input width D_in + P >= ONEDNN_MIN_INPUT_WIDTH), the bmm loop for narrower layers
     and on a GPU; a loop named explicitly is taken whatever the shape."""
     assert step_loop(torch.device("cuda"), torch.float32, "auto", compile_cell=False).name == "bmm"
+    with pytest.raises(ValueError, match="CPU only"):       # oneDNN's reorders have no CUDA kernel
+        step_loop(torch.device("cuda"), torch.float32, "onednn")
     want = "onednn" if torch.backends.mkldnn.is_available() else "bmm"
     cpu = torch.device("cpu")
     assert step_loop(cpu, torch.float32).name == want
@@ -176,3 +178,26 @@ def test_a_model_that_ran_copies_and_pickles():
         with torch.inference_mode():
             got, _ = twin(ids, lengths)
         assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_compiled_cell_takes_every_variant_a_process_meets():
+    """The compiled cell is specialised per dtype, clip, c's layout and one row or several: one process meeting all of
+    them (fp32 then bf16, as gpu_check does) compiles each once, never FailOnRecompileLimitHit (torch's default
+    limit of 8 was hit on an NVIDIA H200); each variant's values are cell_eager's."""
+    from elmo_pipeline.model.lstm_loops import cell_eager, compiled_cell
+    cell, H = compiled_cell(), 8
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 5):
+            for view in (False, True):
+                for clip in (None, 3.0):
+                    g = torch.Generator().manual_seed(rows)
+                    gates = torch.randn(2, rows, 5 * H, generator=g).to(dtype)[..., : 4 * H]
+                    c = torch.randn(2, rows, 4 * H, generator=g).to(dtype)[..., H: 2 * H]     # strided, as in the loop
+                    c = c if view else c.contiguous()
+                    out = torch.empty(2, rows, H, dtype=dtype)
+                    c2, h2 = cell(gates, c, clip, out)
+                    c1, h1 = cell_eager(gates.clone(), c.clone(), clip, torch.empty_like(out))
+                    tol = {} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}   # fused: one rounding
+                    torch.testing.assert_close(c2, c1, **tol)
+                    torch.testing.assert_close(h2, h1, **tol)

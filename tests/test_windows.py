@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from elmo_pipeline.model import ElmoEmbedder
+from tests.conftest import needs_invariant_device
 from elmo_pipeline.model.windows import (check_window, effective_overlap, effective_window, embed_long, embed_long_many, stitch_plan,
                            window_groups, window_spans)
 
@@ -74,6 +75,7 @@ def test_long_sentence_positions_come_from_their_window(embedder):
         np.testing.assert_allclose(out[0, p], embedder.embed_sentence([toks[p]])[0, 0], atol=1e-5)
 
 
+@needs_invariant_device
 def test_many_sentences_share_the_sub_batches(embedder, tiny_model_files):
     sents = [_tokens(95), _tokens(12), _tokens(61), _tokens(21)]      # 12 tokens: one window, the sentence whole
     w, v, budget = 20, 6, 70          # 3 windows per sub-batch
@@ -121,6 +123,7 @@ def test_stateful_is_refused(tiny_model_files):
         embed_long(e, _tokens(50), 20, 4, 100)
 
 
+@needs_invariant_device
 def test_elmo_command_windows(tiny_model_files, tmp_path, embedder):
     import h5py
 
@@ -151,6 +154,7 @@ def test_window_groups_fill_one_sub_batch_in_order():
     assert [i for g in groups for i in g] == list(range(len(lengths))) and window_groups([], 20, 6, 100) == []
 
 
+@needs_invariant_device
 def test_elmo_command_runs_several_lines_windows_together(tiny_model_files, tmp_path, monkeypatch):
     """Long lines between short ones: their windows share sub-batches of --batch-size windows, and each line
     still gets its own vectors under its own key (the same bits as alone under --batch-invariant)."""
