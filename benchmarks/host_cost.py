@@ -23,6 +23,7 @@ Prints tables; writes benchmarks/results/host_cost.json naming the CPU.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -58,6 +59,7 @@ CONFIGS = {   # name -> (extra flags, tokenizer input: raw text or pre-tokenized
     "2 workers, tokenizing inline": (TWO + INLINE, "raw"),
 }
 STARTUP_LINES = 8
+DIGEST = "file records: SHA-256 of the Parquet and HDF5 bytes (taken as they are written: manifest.json 'files')"
 MODEL_FLOOR = "model floor: its LSTM GEMMs' FLOPs at the 1-thread GEMM ceiling measured here"
 DIRECT = ("Parquet encode + write straight into a local file, then its pages released (what the pipeline does; vs "
           "encode + file write above)")
@@ -151,7 +153,7 @@ def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
     zstd = "Parquet encode, --vector-compression zstd (not in the pipeline's default)"
     direct = DIRECT
     for name in ("layer selection and copies (Parquet)", "Parquet table build", "Parquet encode floor: pyarrow's encoder",
-                 zstd, "layer selection and copies (HDF5)", "HDF5 encode", "file write (Parquet bytes)", direct):
+                 zstd, "layer selection and copies (HDF5)", "HDF5 encode", "file write (Parquet bytes)", direct, DIGEST):
         t[name] = 0.0
     size = size_zstd = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,8 +174,11 @@ def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
             h5 = list(hdf5_sentences(sh, spec))
             t["layer selection and copies (HDF5)"] += cpu() - c
             c = cpu()
-            hdf5_bytes(h5)
+            h5_data = hdf5_bytes(h5)
             t["HDF5 encode"] += cpu() - c
+            c = cpu()       # the manifest's file records: every byte of both formats hashed as it is written
+            hashlib.sha256(data).hexdigest(), hashlib.sha256(h5_data).hexdigest()
+            t[DIGEST] += cpu() - c
             c = cpu()       # a new file per shard, kept, as in a run (rewriting one file reuses its pages)
             with open(os.path.join(tmp, f"x{size}.parquet"), "wb") as f:
                 f.write(data)
@@ -184,7 +189,7 @@ def stage_costs(text_path: str, model: tuple[str, str], budget: int) -> dict:
             release_written(fsspec.filesystem("file"), path)
             t[direct] += cpu() - c
             size += len(data)
-            del cols, table, data, h5
+            del cols, table, data, h5, h5_data
     return {"tokens": n, "sentences": len(items), "gemm_ceiling_gflops_1_thread": ceiling, "parquet_bytes_per_token": size / n, "parquet_zstd_bytes_per_token": size_zstd / n, "shards": len(shards),
             "us_per_token": {k: 1e6 * v / n for k, v in t.items()}}
 

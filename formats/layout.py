@@ -83,6 +83,8 @@ class ShardInfo:
             rec["deduplicated"] = self.extra["deduplicated"]
         if self.extra.get("reused"):            # sentences written with a --reuse source's vectors, by source
             rec["reused"] = self.extra["reused"]
+        if self.extra.get("digests"):           # {format: {"bytes", "sha256"}} of each file, taken as written
+            rec["digests"] = self.extra["digests"]
         if lengths is not None:
             rec["lengths"] = {str(k): v for k, v in sorted(lengths.items())}
         return rec
@@ -92,7 +94,7 @@ class ShardInfo:
         """The ShardInfo of a commit record."""
         files = {fmt: posixpath.join(staging_root, name) for fmt, name in record["files"].items()}
         return cls(files, record["sentences"], record["tokens"], record["first_id"],
-                   {k: record[k] for k in ("deduplicated", "reused") if record.get(k)})
+                   {k: record[k] for k in ("deduplicated", "reused", "digests") if record.get(k)})
 
 
 def pack_ids(ids: list[str]) -> str:

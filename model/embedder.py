@@ -66,13 +66,17 @@ class ElmoEmbedder:
 
     lstm_loop: the LSTM loop the model runs, 'auto', 'onednn' or 'bmm' (BiLM.lstm_loop, model/lstm.py); None
     (default): the model's own (ELMO_LSTM_GEMM when it was constructed, else 'auto'). Set on the model.
+
+    weights_sha256: the weight file must have this SHA-256 (WeightsError otherwise); the model is then built from
+    the very bytes hashed (a pipeline worker passes the digest its run was planned with).
     """
 
     def __init__(self, options_file: str | None = None, weight_file: str | None = None, *,
                  device: str | int | torch.device | None = "cpu", state: str = "stateless",
                  batch_size: int = 64, model: BiLM | None = None, vocab_file: str | None = None,
                  token_cache: int = 50_000, dtype: str | torch.dtype | None = None,
-                 batch_invariant: bool = False, lanes: bool | None = None, lstm_loop: str | None = None):
+                 batch_invariant: bool = False, lanes: bool | None = None, lstm_loop: str | None = None,
+                 weights_sha256: str | None = None):
         if state not in STATE_MODES:
             raise ValueError(f"state must be one of {STATE_MODES}, got {state!r}")
         if batch_invariant and state == "stateful":
@@ -89,7 +93,7 @@ class ElmoEmbedder:
                 from elmo_pipeline.model.resolve import resolve_model
                 default = resolve_model(None, options_file, weight_file, vocab_file)
                 options_file, weight_file, vocab_file = default.options_file, default.weight_file, default.vocab_file
-            model = load_bilm(options_file, weight_file)
+            model = load_bilm(options_file, weight_file, sha256=weights_sha256)
         # dtype None: a given model keeps its own precision, a loaded one runs in float32
         self.dtype = resolve_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
         moved = any(t.device != self.device or (t.is_floating_point() and t.dtype != self.dtype)

@@ -89,6 +89,11 @@ class ModelSpec:
         return {"options_file": self.options_file, "weight_file": self.weight_file, "vocab_file": self.vocab_file,
                 "weights_sha256": self.weights_sha256 or file_sha256(weight_file), "options": _json(options_file)}
 
+    def check_options(self, options_file: str) -> None:
+        """ValueError when the options file here is not the one pinned() recorded (a worker loading the model)."""
+        if self.options_sha256 and _digest(_json(options_file)) != self.options_sha256:
+            raise ValueError(f"{options_file}: not the options the run was planned with")
+
     @property
     def key_prefix(self) -> str:
         """A short hash (16 hex digits) of everything that changes the vectors: the files' contents (pinned())

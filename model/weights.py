@@ -16,6 +16,8 @@ No pickle anywhere: a weights file is plain arrays.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 from contextlib import contextmanager
@@ -110,9 +112,19 @@ def _copy(param: torch.Tensor, array: np.ndarray) -> None:
 
 
 def _open(weight_file: str, sha256: str | None) -> h5py.File:
-    path = local_path(weight_file, sha256=sha256)
+    """The weights as an open HDF5 file; with `sha256`, opened from the very bytes that were hashed (read once into
+    memory), so a file replaced after the check is never the one loaded."""
+    path = local_path(weight_file)
+    source = path
+    if sha256 is not None:
+        with open(path, "rb") as f:
+            data = f.read()
+        if hashlib.sha256(data).hexdigest() != sha256.lower():
+            raise WeightsError(f"{weight_file}: sha256 mismatch, not the weights the run was planned with (found "
+                               f"{hashlib.sha256(data).hexdigest()}, expected {sha256})")
+        source = io.BytesIO(data)
     try:
-        return h5py.File(path, "r")
+        return h5py.File(source, "r")
     except OSError as e:
         size = os.path.getsize(path)
         raise WeightsError(f"{weight_file}: not a valid HDF5 file (truncated or corrupted?): {size} bytes, "

@@ -229,6 +229,22 @@ def complete_manifest(manifest: dict, shards: list[ShardInfo], dead: list[ShardI
     return manifest, moves
 
 
+def is_file_record(rec) -> bool:
+    """Whether `rec` is a whole file record: {"bytes": a non-negative int, "sha256": 64 lowercase hex digits}."""
+    return (isinstance(rec, dict) and type(rec.get("bytes")) is int and rec["bytes"] >= 0
+            and isinstance(h := rec.get("sha256"), str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h))
+
+
+def file_records(moves: list[list[str]], shards: list[ShardInfo], written: dict[str, dict]) -> dict[str, dict]:
+    """{final name: {"bytes", "sha256"}} of every file the plan moves whose record is known: a shard's from its
+    commit record (taken as the worker wrote it), the others' from this Sink's writes. A shard committed by a
+    version without digests stays unrecorded (read as before, not verified)."""
+    known = {src: rec for s in shards if isinstance(d := s.extra.get("digests"), dict)
+             for fmt, src in s.files.items() if is_file_record(rec := d.get(fmt))}
+    known.update(written)
+    return {rel: known[src] for src, rel in sorted(moves, key=lambda m: m[1]) if src in known}
+
+
 def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_options: dict | None = None,
              register: Callable[[dict, Callable[[], None] | None], None] | None = None, run_seconds: float | None = None,
              fence: Callable[[], None] | None = None, upsert=None) -> dict:
@@ -265,6 +281,7 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
                         time.time())
     sink.put(posixpath.join(st, METRICS), text.encode("utf-8"))
     moves.append([posixpath.join(st, METRICS), METRICS])
+    m["files"] = file_records(moves, staged.shards, sink.written)
     sink.put(posixpath.join(st, PLAN), json.dumps({"moves": moves, "manifest": m}).encode())
     complete_finalize(output, staging, storage_options, register, fence)
     return m

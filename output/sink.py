@@ -1,9 +1,12 @@
 """Where an output's files go: one fsspec filesystem (a local folder or an object store) and the fence checked
 before every write. Local and remote stores differ only here; the format writers (formats/parquet.py,
-formats/arrow.py, formats/hdf5.py) are handed a stream from open() or bytes for put(). No Beam import.
+formats/arrow.py, formats/hdf5.py) are handed a stream from open() or bytes for put(). Each file's size and
+SHA-256 are taken as it is written (one pass, no second read): `Sink.written`, the record a manifest lists and a
+reader checks. No Beam import.
 """
 from __future__ import annotations
 
+import hashlib
 import posixpath
 from contextlib import contextmanager
 from typing import Callable
@@ -17,6 +20,46 @@ def unfenced() -> None:
     """No lease to check (writes outside a run: tests, tools)."""
 
 
+def file_record(size: int, sha256: str) -> dict:
+    """What a manifest records of one file: {"bytes": size, "sha256": hex digest}."""
+    return {"bytes": size, "sha256": sha256}
+
+
+class DigestWriter:
+    """A write-through stream that counts and hashes (SHA-256) every byte handed to `raw` on its way."""
+
+    def __init__(self, raw):
+        self.raw, self.hash, self.size, self.closed = raw, hashlib.sha256(), 0, False
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.hash.update(view)
+        self.size += view.nbytes
+        self.raw.write(view)
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readable(self) -> bool:
+        return False
+
+    def close(self) -> None:        # the Sink closes raw once the writer is done with the stream
+        self.closed = True
+
+    def record(self) -> dict:
+        return file_record(self.size, self.hash.hexdigest())
+
+
 class Sink:
     """Writes under one filesystem. `fence()` runs before each write, move and removal: it raises (fsio.lease's
     LeaseLost) once the run that writes lost the output's lease, so a fenced-off run writes nothing more."""
@@ -24,6 +67,7 @@ class Sink:
     def __init__(self, fs, fence: Callable[[], None] | None = None):
         self.fs, self.fence = fs, fence or unfenced
         self.local = is_local_fs(fs)
+        self.written: dict[str, dict] = {}      # path -> file_record of what this Sink wrote (moves follow it)
 
     @classmethod
     def at(cls, url: str, storage_options: dict | None = None, fence: Callable[[], None] | None = None):
@@ -39,22 +83,28 @@ class Sink:
         makedirs(self.fs, posixpath.dirname(path))
         if self.local:
             with pa.OSFile(path, "wb") as f:
-                yield f
+                stream = DigestWriter(f)
+                yield stream
             release_written(self.fs, path)
         else:
             with self.fs.open(path, "wb") as f:
-                yield f
+                stream = DigestWriter(f)
+                yield stream
+        self.written[path] = stream.record()
 
     def put(self, path: str, data: bytes) -> None:
         """`data` at `path`, whole or not at all (fsio.atomic_write)."""
         self.fence()
         makedirs(self.fs, posixpath.dirname(path))
         atomic_write(self.fs, path, data)
+        self.written[path] = file_record(len(data), hashlib.sha256(data).hexdigest())
 
     def move(self, src: str, dst: str) -> None:
         self.fence()
         makedirs(self.fs, posixpath.dirname(dst))
         move(self.fs, src, dst)
+        if src in self.written:
+            self.written[dst] = self.written.pop(src)
 
     def remove(self, paths: list[str] | str, recursive: bool = False) -> None:
         self.fence()

@@ -150,7 +150,8 @@ class Staging:
         for b, _ in sentences:
             if b.source is not None:
                 reused[b.source] = reused.get(b.source, 0) + 1
-        extra = {**({"deduplicated": copies} if copies else {}), **({"reused": reused} if reused else {})}
+        extra = {**({"deduplicated": copies} if copies else {}), **({"reused": reused} if reused else {}),
+                 "digests": {fmt: self.sink.written[path] for fmt, path in files.items()}}
         info = ShardInfo(files, len(sentences), int(lengths.sum()), ids[0], extra)
         histogram = dict(zip(*(a.tolist() for a in np.unique(lengths, return_counts=True))))
         self.sink.put(self._at(RECORDS, name + ".json"), json.dumps(info.record(ids, histogram)).encode())

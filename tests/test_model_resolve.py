@@ -1,11 +1,12 @@
 """model/resolve.py: one choice of model (a name, options + weight files, or nothing) -> its files and name."""
 import json
+import os
 
 import pytest
 
 from elmo_pipeline.fsio import file_sha256
 from elmo_pipeline.model.pretrained import DEFAULT_MODEL, model_files
-from elmo_pipeline.model.resolve import CUSTOM, resolve_model
+from elmo_pipeline.model.resolve import CUSTOM, ModelSpec, resolve_model
 
 
 def test_nothing_given_is_the_shipped_default():
@@ -84,3 +85,27 @@ def test_a_sentence_key_is_the_prefix_and_a_hash_of_the_tokens(tiny_model_files)
     assert key == spec.sentence_key(("The", "cat", "."), prefix=spec.key_prefix)
     assert len({key, spec.sentence_key(("The cat", ".")), spec.sentence_key(("the", "cat", ".")),
                 spec.sentence_key(())}) == 4
+
+
+def test_a_worker_loads_only_the_model_files_its_run_was_planned_with(tmp_path, tiny_model_files):
+    """load_embedder (each pipeline worker) checks the weights and options it loads against the planned digests: a
+    weight file replaced in place after planning (another model's, same shapes) is refused, never embedded with
+    under the planned model's manifest and key; the model is built from the bytes that were hashed."""
+    import shutil
+
+    from elmo_pipeline.model.synthetic import write_random_bilm
+    from elmo_pipeline.model.weights import WeightsError
+    from elmo_pipeline.transforms.embed import load_embedder
+    options, weights = (shutil.copy(p, tmp_path / os.path.basename(p)) for p in tiny_model_files)
+    spec = ModelSpec(str(options), str(weights)).pinned()
+    assert load_embedder(spec).model is not None
+    other = write_random_bilm("tiny", str(tmp_path / "other"), seed=2)
+    shutil.copy(other[1], weights)
+    with pytest.raises(WeightsError, match="not the weights the run was planned with"):
+        load_embedder(spec)
+    shutil.copy(tiny_model_files[1], weights)
+    raw = json.load(open(options))
+    raw["lstm"]["cell_clip"] = 2.5
+    json.dump(raw, open(options, "w"))
+    with pytest.raises(ValueError, match="not the options the run was planned with"):
+        load_embedder(spec)

@@ -59,6 +59,8 @@ def load_embedder(spec: ModelSpec, model=None):
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
     options_file, weight_file, vocab_file = spec.local_files()
+    if model is None:
+        spec.check_options(options_file)
     return ElmoEmbedder(options_file, weight_file, device=resolve_device(spec.device, share_gpus=True), model=model,
                         state=spec.state, vocab_file=vocab_file, dtype=spec.compute_dtype,
-                        batch_invariant=spec.batch_invariant)
+                        batch_invariant=spec.batch_invariant, weights_sha256=spec.weights_sha256)
