@@ -27,7 +27,7 @@ from elmo_pipeline.fsio import expand, redact, url_fs
 from elmo_pipeline.model.options import load_options, sentences_independent
 from elmo_pipeline.model.resolve import resolve_model
 from elmo_pipeline.pipeline.options import ElmoOptions, default_torch_threads
-from elmo_pipeline.pipeline.validate import (check_dedupe, check_input_columns, check_inputs_outside_output, check_model,
+from elmo_pipeline.pipeline.validate import (check_dedupe, check_input_columns, check_model, inputs_outside_output,
                                check_numbers, check_output_writable, check_reuse, check_state)
 from elmo_pipeline.model.resolve import ModelSpec
 from elmo_pipeline.transforms.embed import parse_layers
@@ -181,10 +181,9 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, formats, o.dtype)
     check_upsert(o, iceberg)
     so = storage_options(opts)
-    files = expand(o.input, so)
+    files = inputs_outside_output(expand(o.input, so), o.input, o.output)
     labels = file_labels(files, o.id_root, full=iceberg is not None and not o.id_field)
     check_input_columns(files, o.input_format, o.text_field, o.id_field, so)
-    check_inputs_outside_output(files, o.output)
     resolved = resolve_model(o.model, o.options_file, o.weight_file, o.vocab_file, so,
                              progress={"on": True, "off": False}.get(o.progress))
     from elmo_pipeline.model.pretrained import is_published, model_urls

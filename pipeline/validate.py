@@ -182,16 +182,43 @@ def check_input_columns(files: list[str], input_format: str, text_field: str, id
             if column not in names:
                 raise ValueError(f"{flag} {column!r}: the Parquet input {printable_label(url)} has no such column "
                                  f"(its columns: {', '.join(names) or 'none'})")
+def _place(url: str) -> str:
+    """Where a path or URL points: local paths resolved (symbolic links, '..'), URLs by scheme and path."""
+    if "://" in url and not url.startswith("file://"):
+        scheme, path = url.split("://", 1)
+        return f"{scheme}://{path.rstrip('/')}"
+    return os.path.realpath(url[len("file://"):] if url.startswith("file://") else url)
+
+
+def _inside(files: list[str], output: str) -> list[str]:
+    out = _place(output)
+    return [f for f in files if _place(f) == out or _place(f).startswith(out.rstrip("/") + "/")]
+
+
+def _is_pattern(p: str) -> bool:
+    """Whether an --input is a glob (a URL's query string is no pattern: a presigned URL is one file)."""
+    path = p.split("?", 1)[0] if "://" in p and not p.startswith("file://") else p
+    return any(c in path for c in "*?[")
+
+
+def inputs_outside_output(files: list[str], patterns: list[str], output: str) -> list[str]:
+    """The input files but those a glob matched inside --output: the output's own files (its dead letters under
+    `corpus/**/*.jsonl` with `--output corpus/emb`) are never inputs, so the same command on a finished output
+    is `already complete`. A file inside it that an --input names literally is refused
+    (check_inputs_outside_output); a glob left with no file: ValueError."""
+    named = {_place(p) for p in patterns if not _is_pattern(p)}
+    check_inputs_outside_output([f for f in files if _place(f) in named], output)
+    inside = set(_inside(files, output))
+    kept = [f for f in files if f not in inside]
+    if not kept:
+        raise ValueError(f"--input matches only files inside --output {output} (its own files are never inputs)")
+    return kept
+
+
 def check_inputs_outside_output(files: list[str], output: str) -> None:
     """ValueError when an input file lies inside --output (a run may clear or replace what it reads there).
     Local paths are compared resolved (symbolic links, '..'); URLs by scheme and path."""
-    def place(url: str) -> str:
-        if "://" in url and not url.startswith("file://"):
-            scheme, path = url.split("://", 1)
-            return f"{scheme}://{path.rstrip('/')}"
-        return os.path.realpath(url[len("file://"):] if url.startswith("file://") else url)
-    out = place(output)
-    inside = [f for f in files if place(f) == out or place(f).startswith(out.rstrip("/") + "/")]
+    inside = _inside(files, output)
     if inside:
         more = f" and {len(inside) - 1} more" if len(inside) > 1 else ""
         raise ValueError(f"--input {inside[0]}{more} lies inside --output {output}: a run may clear or replace "

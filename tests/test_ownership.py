@@ -315,3 +315,30 @@ def test_on_s3_unknown_objects_refuse_and_overwrite_leaves_the_others_alone(corp
         assert got[0]["layers"] == ["layer_top"] or got[0]["options"]["layers"] == "top"
         fs.invalidate_cache()
         assert fs.cat_file("elmo-own/out/notes.txt") == b"mine"
+
+
+def test_a_glob_never_takes_the_output_s_own_files(tmp_path, tiny_model_files):
+    """--input 'corpus/**/*.jsonl' --output corpus/emb, run twice (a daily job): the second run finds its own
+    dead-letter file under the glob and leaves it out: already complete, not exit 2. A file inside the output
+    named literally is still refused; a glob that matches only the output's files is one clear error."""
+    from elmo_pipeline.pipeline.run import run
+    from elmo_pipeline.pipeline.validate import inputs_outside_output
+    corpus = tmp_path / "corpus"
+    (corpus / "a").mkdir(parents=True)
+    (corpus / "a" / "x.jsonl").write_text('{"id": "1", "text": "the cat sat ."}\n{broken\n', encoding="utf-8")
+    options, weights = tiny_model_files
+    argv = ["--input", str(corpus / "**" / "*.jsonl"), "--output", str(corpus / "emb"), "--input-format", "jsonl",
+            "--id-field", "id", "--options-file", options, "--weight-file", weights, "--progress", "off",
+            "--torch-threads", "1"]
+    first = run(argv)
+    dead = [p for p in corpus.rglob("*.jsonl") if "emb" in p.parts]
+    assert dead, "the output holds a JSONL dead-letter file under the glob"
+    again = run(argv)                            # the rerun: already complete, not a refusal
+    assert again.manifest["run"]["key"] == first.manifest["run"]["key"] and again.manifest["files"] == first.manifest["files"]
+    inside = str(dead[0])
+    assert inputs_outside_output([str(corpus / "a" / "x.jsonl"), inside], [str(corpus / "**" / "*.jsonl")],
+                                 str(corpus / "emb")) == [str(corpus / "a" / "x.jsonl")]
+    with pytest.raises(ValueError, match="lies inside --output"):
+        inputs_outside_output([inside], [inside], str(corpus / "emb"))
+    with pytest.raises(ValueError, match="only files inside --output"):
+        inputs_outside_output([inside], [str(corpus / "emb" / "**")], str(corpus / "emb"))
