@@ -5,6 +5,7 @@ In text (a URL, a DSN, an exception message holding URLs):
 - a URL's user info, whatever it holds (a user, user:password, a token, token:x-oauth-basic):
   scheme://user:password@host -> scheme://***@host, also without a scheme (user:se/cret@host, as libpq and
   SQLAlchemy take it);
+- a URL's fragment, whatever it holds: https://host/a.txt#access_token=X -> https://host/a.txt#***;
 - a URL query's values, quoted ("X", 'X') or not, except those of PLAIN_PARAMETERS: ?jwt=X&versionId=3 ->
   ?jwt=***&versionId=3; a parameter with a credential-like name is masked after an & outside a query too.
 In a dict (storage options, flags): the string values of credential-like keys (key, secret, token, password,
@@ -42,6 +43,8 @@ _BARE_USERINFO = re.compile(r"(?<![^\s'\"(=,;])[\w.+-]+:(?!\d*[/?#])[^\s@/][^\s@
 # ?name=value or &name=value, the value quoted or not; a lone ?name or &name keeps a query going
 _PARAMETER = re.compile(r"(?P<sep>[?&])(?P<name>[^=&#\s?'\"<>]*)"
                         r"(?:=(?P<value>\"[^\"\n]*\"|'[^'\n]*'|[^&#\s'\"<>]*))?")
+# a URL's fragment (#access_token=..., as OAuth's implicit flow hands tokens): never sent to a server, masked whole
+_URL_FRAGMENT = re.compile(r"(?P<url>\b[a-zA-Z][\w+.-]*://[^\s#'\"<>]*)#(?!\*\*\*)[^\s'\"<>]+")
 # masked already: a mask, then maybe an id's line number (in.txt?sig=***:1#0) or what ended a quoted value (, ))
 _MASKED = re.compile(r"\*\*\*(:\d+)?\W*")
 
@@ -72,6 +75,8 @@ def _redact_text(text: str) -> str:
         text = _BARE_USERINFO.sub(f"{MASK}@", text)
     if "=" in text:
         text = _redact_query(text)
+    if "#" in text:
+        text = _URL_FRAGMENT.sub(lambda m: f"{m['url']}#{MASK}", text)
     return text
 
 

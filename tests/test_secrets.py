@@ -33,7 +33,7 @@ EXAMPLES = [
     ("https://h/in.txt?jwt=eyJ.eyJ.Zsig&page=2", "https://h/in.txt?jwt=***&page=2"),
     ('https://h/in.txt?token="Zt0 ken"&alt=media', "https://h/in.txt?token=***&alt=media"),
     ("https://h/in.txt?token='Zt0ken'", "https://h/in.txt?token=***"),
-    ("https://h/x?flag&code=Zc0de#top", "https://h/x?flag&code=***#top"),
+    ("https://h/x?flag&code=Zc0de#top", "https://h/x?flag&code=***#***"),
     ("s3://b/k.txt?versionId=3HL4kqtJ&X-Amz-Date=20240101T000000Z", "s3://b/k.txt?versionId=3HL4kqtJ&X-Amz-Date=***"),
     ("https://b.s3.amazonaws.com/w.hdf5?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA%2F20240101"
      "&X-Amz-Date=20240101T000000Z&X-Amz-Expires=3600&X-Amz-Security-Token=FQo&X-Amz-Signature=abc123",
@@ -126,11 +126,14 @@ query_values = st.one_of(planted(QUERY_VALUE),        # unquoted, "quoted" or 'q
 @st.composite
 def secret_url(draw):
     """(a URL or DSN holding a planted secret, the secret)."""
-    kind = draw(st.sampled_from(["userinfo", "query", "bare"]))
+    kind = draw(st.sampled_from(["userinfo", "query", "bare", "fragment"]))
     if kind == "bare":                          # user:password@host, no scheme (libpq, SQLAlchemy)
         secret = draw(planted(USERINFO.replace("@", "") + "/"))
         return f"{draw(words)}:{secret}@{draw(hosts)}{draw(paths)}", secret
     host, path, scheme = draw(hosts), draw(paths), draw(schemes)
+    if kind == "fragment":                      # https://host/a.txt#access_token=secret (never sent; a token)
+        secret = draw(planted(QUERY_VALUE))
+        return f"{scheme}://{host}{path}#{draw(st.sampled_from(['access_token=', 'id_token=', '']))}{secret}", secret
     if kind == "userinfo":                      # the user info whatever it holds: user:secret, secret, secret:word
         secret = draw(planted(USERINFO))
         userinfo = draw(st.sampled_from(["{u}:{s}", "{s}", "{s}:x-oauth-basic", "{s}:{u}"]))
@@ -328,12 +331,13 @@ SPELLINGS = {      # a URL of the model server, spelled with TOKEN in it
     "x-oauth-basic": lambda url: url.replace("http://", f"http://{TOKEN}:x-oauth-basic@", 1),
     "jwt": lambda url: f"{url}?jwt={TOKEN}",
     "quoted": lambda url: f'{url}?token="{TOKEN}"',
+    "fragment": lambda url: f"{url}#access_token={TOKEN}",
 }
 
 
 def served_at(server, spelled: str, data: bytes) -> None:
     """`data` served at the path of `spelled` (a quoted value as the client sends it, percent-encoded, too)."""
-    path = "/" + spelled.split("://", 1)[1].split("/", 1)[1]
+    path = "/" + spelled.split("://", 1)[1].split("/", 1)[1].split("#", 1)[0]     # a fragment is never sent
     server.files[path] = server.files[path.replace('"', "%22")] = data
 
 

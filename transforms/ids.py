@@ -58,11 +58,12 @@ def _relative_labels(files: list[str]) -> dict[str, str]:
 
 
 def _path_and_query(url: str) -> tuple[str, str]:
-    """(what follows the scheme up to the query, without user info; the query string from its '?'); a local
-    path has no query."""
+    """(what follows the scheme up to the query, without user info; the query string from its '?', without the
+    URL's fragment); a local path has no query."""
     rest = url.split("://", 1)[-1]
     if "://" not in url or url.startswith("file://"):
         return rest, ""
+    rest = rest.partition("#")[0]              # a fragment is never sent, and may hold a token: in no id
     path, mark, query = rest.partition("?")
     host, slash, path = path.partition("/")
     return host.rpartition("@")[2] + slash + path, mark + query
