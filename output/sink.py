@@ -7,6 +7,7 @@ reader checks. No Beam import.
 from __future__ import annotations
 
 import hashlib
+import os
 import posixpath
 from contextlib import contextmanager
 from typing import Callable
@@ -64,22 +65,42 @@ class Sink:
     """Writes under one filesystem. `fence()` runs before each write, move and removal: it raises (fsio.lease's
     LeaseLost) once the run that writes lost the output's lease, so a fenced-off run writes nothing more."""
 
-    def __init__(self, fs, fence: Callable[[], None] | None = None):
-        self.fs, self.fence = fs, fence or unfenced
+    def __init__(self, fs, fence: Callable[[], None] | None = None, root: str | None = None):
+        self.fs, self.fence, self.root = fs, fence or unfenced, root
         self.local = is_local_fs(fs)
         self.written: dict[str, dict] = {}      # path -> file_record of what this Sink wrote (moves follow it)
 
     @classmethod
     def at(cls, url: str, storage_options: dict | None = None, fence: Callable[[], None] | None = None):
-        """(Sink, path within its filesystem) of a folder URL or path."""
+        """(Sink, path within its filesystem) of a folder URL or path; every local write, move and removal stays
+        inside that folder (check_inside)."""
         fs, root = url_fs(url, storage_options)
-        return cls(fs, fence), root
+        return cls(fs, fence, root), root
+
+    def check_inside(self, *paths: str) -> None:
+        """FileExistsError when a local `path` would be reached through a symbolic link below this Sink's folder, or
+        is one, or lies outside the folder: checked at the moment of each write, move and removal, since a link
+        planted while a run works would otherwise take the write out of the output."""
+        if not self.local or self.root is None:
+            return
+        root = os.path.abspath(self.root)
+        for path in paths:
+            rel = os.path.relpath(os.path.abspath(path), root)
+            if rel == ".." or rel.startswith("../"):
+                raise FileExistsError(f"{path}: outside the output folder {root}; nothing is written there")
+            here = root
+            for part in rel.split(os.sep):
+                here = os.path.join(here, part)
+                if os.path.islink(here):
+                    raise FileExistsError(f"{here}: a symbolic link where this pipeline writes (planted while it ran?);"
+                                          " nothing is written through it. Remove the link, then rerun")
 
     @contextmanager
     def open(self, path: str):
         """A writable binary stream for a new file at `path` (local: Arrow's own file, written without the GIL;
         object stores: one object, visible once the block ends). The file is released to disk when whole."""
         self.fence()
+        self.check_inside(path)
         makedirs(self.fs, posixpath.dirname(path))
         if self.local:
             with pa.OSFile(path, "wb") as f:
@@ -95,17 +116,21 @@ class Sink:
     def put(self, path: str, data: bytes) -> None:
         """`data` at `path`, whole or not at all (fsio.atomic_write)."""
         self.fence()
+        self.check_inside(path)
         makedirs(self.fs, posixpath.dirname(path))
         atomic_write(self.fs, path, data)
         self.written[path] = file_record(len(data), hashlib.sha256(data).hexdigest())
 
     def move(self, src: str, dst: str) -> None:
         self.fence()
+        self.check_inside(src, dst)
         makedirs(self.fs, posixpath.dirname(dst))
+        self.check_inside(dst)
         move(self.fs, src, dst)
         if src in self.written:
             self.written[dst] = self.written.pop(src)
 
     def remove(self, paths: list[str] | str, recursive: bool = False) -> None:
         self.fence()
+        self.check_inside(*([paths] if isinstance(paths, str) else paths))
         self.fs.rm(paths, recursive=recursive)

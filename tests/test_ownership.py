@@ -6,6 +6,7 @@ inside --output is refused at planning. Finalize is fenced by the lease: a run p
 while another run finished the output exits 75 and changes nothing more. Real files, moto's S3 server on
 loopback, real `python -m elmo_pipeline.pipeline.run` processes."""
 import glob
+import json
 import os
 import signal
 import time
@@ -342,3 +343,57 @@ def test_a_glob_never_takes_the_output_s_own_files(tmp_path, tiny_model_files):
         inputs_outside_output([inside], [inside], str(corpus / "emb"))
     with pytest.raises(ValueError, match="only files inside --output"):
         inputs_outside_output([inside], [str(corpus / "emb" / "**")], str(corpus / "emb"))
+
+
+def test_a_sink_never_writes_moves_or_removes_through_a_link_below_its_folder(tmp_path):
+    from elmo_pipeline.output.sink import Sink
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "victim.parquet").write_bytes(b"theirs")
+    sink, root = Sink.at(str(out))
+    sink.put(f"{root}/staged.bin", b"ours")
+    os.symlink(elsewhere, out / "parquet")
+    for act in (lambda: sink.put(f"{root}/parquet/victim.parquet", b"x"),
+                lambda: sink.move(f"{root}/staged.bin", f"{root}/parquet/victim.parquet"),
+                lambda: sink.remove(f"{root}/parquet/victim.parquet"),
+                lambda: sink.put(f"{root}/../elsewhere/victim.parquet", b"x")):
+        with pytest.raises(FileExistsError):
+            act()
+    with pytest.raises(FileExistsError, match="symbolic link"):
+        with sink.open(f"{root}/parquet/new.parquet") as f:
+            f.write(b"x")
+    assert sorted(os.listdir(elsewhere)) == ["victim.parquet"] and (elsewhere / "victim.parquet").read_bytes() == b"theirs"
+    assert (out / "staged.bin").read_bytes() == b"ours"
+
+
+@pytest.mark.slow
+def test_a_link_planted_while_a_run_embeds_takes_no_write_out_of_the_output(tmp_path, tiny_model_files):
+    """A directory link planted at <out>/parquet after the run's start-up checks: Finalize refuses to move a shard
+    through it (one error line, a file outside the output untouched); with the link removed, the rerun finishes."""
+    import subprocess
+    import sys
+    import time
+    inp, out, elsewhere = tmp_path / "in.txt", tmp_path / "out", tmp_path / "elsewhere"
+    inp.write_text("".join(f"line {i} of the corpus .\n" for i in range(40)), encoding="utf-8")
+    elsewhere.mkdir()
+    (elsewhere / "part-00000-of-00001.parquet").write_bytes(b"theirs")
+    options, weights = tiny_model_files
+    cmd = [sys.executable, "-m", "elmo_pipeline.pipeline.run", "--input", str(inp), "--output", str(out),
+           "--options-file", options, "--weight-file", weights, "--torch-threads", "1", "--progress", "off",
+           "--tokenizer", "whitespace"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", ELMO_PIPELINE_DELAY_AT="embed:3.0")
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not (out / "_staging").is_dir():
+        assert time.time() - t0 < 120 and p.poll() is None, "the run never started staging"
+        time.sleep(0.05)
+    os.symlink(elsewhere, out / "parquet")
+    _, err = p.communicate(timeout=300)
+    assert p.returncode != 0 and err.strip().splitlines()[-1].startswith("error: ") and "symbolic link" in err, err
+    assert sorted(os.listdir(elsewhere)) == ["part-00000-of-00001.parquet"]
+    assert (elsewhere / "part-00000-of-00001.parquet").read_bytes() == b"theirs"
+    os.remove(out / "parquet")
+    again = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert json.load(open(out / "manifest.json"))["counts"]["sentences_written"] == 40
