@@ -180,6 +180,9 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     formats = o.formats()
     iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, formats, o.dtype)
     check_upsert(o, iceberg)
+    if iceberg is not None and any(c in o.output.split("://", 1)[-1] for c in "#?"):
+        raise ValueError(f"--iceberg-table: --output {redact(o.output)} holds '#' or '?', which a table's file URLs "
+                         "cannot carry (read as a fragment or a query); write to a folder named without them")
     so = storage_options(opts)
     files = inputs_outside_output(expand(o.input, so), o.input, o.output)
     labels = file_labels(files, o.id_root, full=iceberg is not None and not o.id_field)

@@ -246,3 +246,16 @@ def test_finalize_killed_around_the_registration_then_rerun_registers_once(point
     p = run_subprocess(args)                              # and the same command once more: nothing to do
     assert p.returncode == 0 and "already complete" in p.stderr and "already registered" in p.stderr
     assert len(table_of(wh).snapshots()) == 1
+
+
+@pytest.mark.parametrize("name", ["emb#1", "emb?x=1"])
+def test_an_output_name_a_table_url_cannot_carry_is_refused_while_planning(name, tiny_model_files, tmp_path, capsys):
+    """A local --output holding '#' or '?' with --iceberg-table: one error line while planning (exit 2), nothing
+    embedded, not exit 65 at registration on every rerun."""
+    inp = tmp_path / "in.txt"
+    inp.write_text("the cat sat .\n", encoding="utf-8")
+    out = tmp_path / name
+    assert main(argv(tiny_model_files, str(inp), str(out), *ice(tmp_path))) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds '#' or '?'" in err, err
+    assert not out.exists()
