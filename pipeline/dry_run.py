@@ -307,10 +307,10 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     rate = m["tokens_per_s"]
     tok_rate = s["tokenized_tokens"] / s["tokenize_seconds"] if s["tokenize_seconds"] else 0.0
     enc_rate = m.get("sample_tokens", 0) / m["encode_seconds"] if m["encode_seconds"] else 0.0
-    dedupe = deduplicated(pl.spec, written, est) if pl.dedupe else None
-    reuse = reused(pl, written, est) if pl.reuse else None
+    reuse, found = reused(pl, written, est) if pl.reuse else (None, frozenset())
+    dedupe = deduplicated(pl.spec, written, est, reuse, found) if pl.dedupe else None
     upsert = upserted(pl, est, s.get("missing")) if pl.upsert else None
-    embedded = tokens * (dedupe["token_share"] if dedupe else 1.0) * (reuse["token_share"] if reuse else 1.0)
+    embedded = tokens * (dedupe or reuse or {}).get("token_share", 1.0)     # dedupe's share leaves out the reused
     seconds = {"embed": embedded / rate if rate else None, "tokenize": tokens / tok_rate if tok_rate else None,
                "encode": tokens / enc_rate if enc_rate else None}
     return {
@@ -330,23 +330,26 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     }
 
 
-def deduplicated(spec, written: list, est: dict) -> dict:
+def deduplicated(spec, written: list, est: dict, reused: dict | None = None, found: frozenset = frozenset()) -> dict:
     """--dedupe in the plan: the sample's written sentences of distinct sentence keys (spec: the run's ModelSpec),
-    and the estimated sentences embedded and deduplicated at the sample's share. A sample holds fewer of a
-    corpus's repeats than the corpus: embedded is an upper bound, deduplicated a lower one."""
+    and the estimated sentences embedded and deduplicated at the sample's share; with --reuse (`reused`, and the
+    keys its sources hold, `found`) what is reused is neither embedded nor deduplicated. A sample holds fewer of
+    a corpus's repeats than the corpus: embedded is an upper bound, deduplicated a lower one."""
     prefix = spec.key_prefix
-    distinct = {spec.sentence_key(w[3], prefix): len(w[3]) for w in written}
+    keys = {spec.sentence_key(w[3], prefix): len(w[3]) for w in written}
+    distinct = {k: n for k, n in keys.items() if k not in found}
     share = len(distinct) / len(written) if written else 1.0
     tokens = sum(len(w[3]) for w in written)
     embedded = round(est["sentences_written"] * share)
-    return {"sampled_sentences": len(written), "sampled_distinct": len(distinct), "sentences_embedded": embedded,
-            "sentences_deduplicated": est["sentences_written"] - embedded,
+    return {"sampled_sentences": len(written), "sampled_distinct": len(keys), "sentences_embedded": embedded,
+            "sentences_deduplicated": est["sentences_written"] - embedded - (reused or {}).get("sentences_reused", 0),
             "token_share": sum(distinct.values()) / tokens if tokens else 1.0}
 
 
-def reused(pl, written: list, est: dict) -> dict:
+def reused(pl, written: list, est: dict) -> tuple[dict, frozenset]:
     """--reuse in the plan: the sample's written sentences whose key the sources' key indexes hold (every key-index
-    file read), the estimated sentences reused at the sample's share, and the share of tokens left to embed."""
+    file read), the estimated sentences reused at the sample's share, and the share of tokens left to embed; and
+    the keys found."""
     from elmo_pipeline.transforms.reuse import found_keys
     prefix = pl.spec.key_prefix
     keys = [(pl.spec.sentence_key(w[3], prefix), len(w[3])) for w in written]
@@ -355,7 +358,7 @@ def reused(pl, written: list, est: dict) -> dict:
     tokens = sum(n for _, n in keys)
     return {"sources": [s.label for s in pl.reuse], "sampled_sentences": len(keys), "sampled_found": len(hit),
             "sentences_reused": round(est["sentences_written"] * len(hit) / len(keys)) if keys else 0,
-            "token_share": 1 - sum(hit) / tokens if tokens else 1.0}
+            "token_share": 1 - sum(hit) / tokens if tokens else 1.0}, frozenset(k for k, _ in keys if k in found)
 
 
 def upserted(pl, est: dict, missing: int | None) -> dict:

@@ -264,8 +264,12 @@ def test_the_plan_estimates_sentences_reused(days, tiny_days, tiny_model_files, 
     r = p["reuse"]
     ran = str(tmp_path / "r")
     assert main(argv(tiny_model_files, days[1], ran, *flags, "--reuse", outs["parquet"])) == 0
-    reused = read_output(ran)[0]["counts"]["sentences_reused"]
+    counts = read_output(ran)[0]["counts"]
+    reused = counts["sentences_reused"]
     assert r["sampled_sentences"] == full and r["sampled_found"] == r["sentences_reused"] == reused
+    d = p["dedupe"]              # --batch-invariant: dedupe on; what is reused is neither embedded nor deduplicated
+    assert (d["sentences_embedded"], d["sentences_deduplicated"]) == (counts["sentences_embedded"],
+                                                                      counts["sentences_deduplicated"])
     assert 0 < r["token_share"] < 0.5
     assert f"{reused:,} of the sample's {full:,} sentences found: about {reused:,} sentences reused" in render(p)
     assert estimate(argv(tiny_model_files, days[1], str(tmp_path / "o"), *flags))["reuse"] is None
