@@ -33,6 +33,9 @@ from elmo_pipeline.fsio import redact
 logger = logging.getLogger("elmo-pipeline.iceberg")
 MODES = ("append", "upsert")
 STATE_PROPERTY = "elmo-pipeline.doc-hashes"    # snapshot summary: the URL of its DOC_HASHES (formats/layout.py)
+STATE_RECORD_PROPERTY = "elmo-pipeline.doc-hashes-record"   # ... and that file's {"bytes", "sha256"} (JSON)
+EMBED_FAILED = "embedding failed:"   # the dead-letter reason of a sentence whose batch failed (transforms/embed_items.py)
+INCOMPLETE = "incomplete"       # the doc_hash of a document one of whose sentences failed to embed: never current
 ROW_DOC = "doc_id"                             # the shards' column naming each row's document
 # unchanged/changed/added: documents of the input; removed: gone from the input (--delete-missing);
 # kept: gone from the input, rows kept (without --delete-missing)
@@ -97,19 +100,33 @@ def delete_positions(remove: pa.Array, doc_ids: pa.Array, deleted: pa.Array | No
     return positions
 
 
+def read_state_file(io, url: str, record: dict | None, columns: list[str]) -> pa.Table:
+    """A document state file, checked against the record of the output that wrote it ({"bytes", "sha256"}; None
+    for a snapshot of a version that recorded none): at most its recorded size read; ValueError when it is not
+    that file (replaced, restored from another day, cut short)."""
+    with io.new_input(url).open() as f:
+        data = f.read() if record is None else f.read(int(record["bytes"]) + 1)
+    if record is not None and (len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]):
+        raise ValueError(f"--iceberg-mode upsert: the document state {redact(url)} is not the file its snapshot "
+                         f"recorded ({len(data)} bytes read, {record['bytes']} recorded, or another digest): it was "
+                         "replaced or restored since; upsert into a new table, or put the recorded file back")
+    return pq.ParquetFile(pa.BufferReader(data)).read(columns=columns)
+
+
 def read_state(table) -> tuple[int | None, dict[str, str]]:
     """(current snapshot id, {doc_id: doc_hash}) of a table for an upsert: {} for a table without snapshots;
     ValueError when its current snapshot was not made by an upsert (no state to compare with)."""
     snapshot = table.current_snapshot()
     if snapshot is None:
         return None, {}
-    url = (snapshot.summary.additional_properties if snapshot.summary else {}).get(STATE_PROPERTY)
+    props = snapshot.summary.additional_properties if snapshot.summary else {}
+    url = props.get(STATE_PROPERTY)
     if not url:
         raise ValueError(f"--iceberg-mode upsert: the current snapshot {snapshot.snapshot_id} of Iceberg table "
                          f"{'.'.join(table.name())} was not made by an upsert (it names no document state): upsert "
                          "into a new table, or one whose every snapshot an upsert made")
-    with table.io.new_input(url).open() as f:
-        state = pq.ParquetFile(f).read(columns=["doc_id", "doc_hash", "change"])
+    record = json.loads(props[STATE_RECORD_PROPERTY]) if STATE_RECORD_PROPERTY in props else None
+    state = read_state_file(table.io, url, record, ["doc_id", "doc_hash", "change"])
     state = state.filter(pc.not_equal(state.column("change"), "removed"))
     return snapshot.snapshot_id, dict(zip(state.column("doc_id").to_pylist(), state.column("doc_hash").to_pylist()))
 
@@ -261,16 +278,19 @@ class Upsert:
         base, state = read_state(table) if table is not None else (None, {})
         return cls(target, base, state, salt, delete_missing)
 
-    def stage(self, sink, staging_root: str, doc_files: list[str], manifest: dict) -> list[list[str]]:
+    def stage(self, sink, staging_root: str, doc_files: list[str], manifest: dict, dead=()) -> list[list[str]]:
         """At finalize: the staged documents ([doc_id, doc_hash, change] lines, a retried bundle's twice) and
         the state read at plan time become DOC_HASHES, staged; its counts go into the manifest's counts, its
-        entry into manifest["upsert"]. Returns the move that publishes it."""
+        entry into manifest["upsert"]. A document one of whose sentences failed to embed (`dead`: the run's dead
+        letters; a failure that may not recur) is recorded INCOMPLETE, so the next run embeds it again. Returns the
+        move that publishes it."""
+        failed = {d.id.rpartition("#")[0] for d in dead if d.level == "sentence" and d.reason.startswith(EMBED_FAILED)}
         seen: dict[str, tuple[str, str]] = {}
         for data in (sink.fs.cat(doc_files).values() if doc_files else ()):
             for line in data.decode("utf-8").splitlines():
                 if line:
                     d, h, c = json.loads(line)
-                    seen[d] = (h, c)
+                    seen[d] = (INCOMPLETE if d in failed else h, c)
         state = new_state(self.state, seen, self.delete_missing)
         path = posixpath.join(staging_root, DOC_HASHES)
         out = pa.BufferOutputStream()
@@ -306,8 +326,8 @@ class Upsert:
                     f"documents with snapshot {manifest['upsert']['base_snapshot']} (now "
                     f"{current.snapshot_id if current else None}); nothing was committed: run that day again into a "
                     "new --output")
-            with table.io.new_input(state_url).open() as f:
-                state = pq.ParquetFile(f).read(columns=["doc_id", "change"])
+            record = (manifest.get("files") or {}).get(DOC_HASHES)
+            state = read_state_file(table.io, state_url, record, ["doc_id", "change"])
             remove = state.filter(pc.is_in(state.column("change"), value_set=pa.array(["changed", "removed"])))
             if before_commit is not None:
                 before_commit()
@@ -316,7 +336,8 @@ class Upsert:
             deletes = [write_delete_file(table, f"{name}-{i:05d}-deletes.parquet", path, positions)
                        for i, (path, positions) in enumerate(found)]
             props = {OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key, FILES_PROPERTY: str(len(files)),
-                     STATE_PROPERTY: redact(state_url)}
+                     STATE_PROPERTY: redact(state_url),
+                     **({STATE_RECORD_PROPERTY: json.dumps(record, sort_keys=True)} if record else {})}
             try:
                 with _quiet_statistics(), table.transaction() as tx:
                     if tx.table_metadata.name_mapping() is None:     # as add_files: our shards have no field ids

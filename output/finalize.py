@@ -266,7 +266,7 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
     counts["documents"] = counts["input_records"] - counts["blank_records"] - counts["record_dead_letters"]
     m, moves = complete_manifest(m, staged.shards, dead)
     if upsert is not None:
-        moves += upsert.stage(sink, st, staged.docs, m)
+        moves += upsert.stage(sink, st, staged.docs, m, staged.dead)
     try:            # an extra: a report that cannot be built must not cost the run its output
         page = build_report(m, staged.records, staged.stats, run_seconds)
     except Exception:  # noqa: BLE001

@@ -410,3 +410,52 @@ def test_plan_of_a_day_counts_the_unchanged_documents_and_times_only_the_rest(tm
     print(text, {k: (e[k], real[k], full[k]) for k in ("sentences_written", "tokens_written")})
     u["documents_removed"] = None          # a sample of part of the input: the run counts them
     assert "removed) are known at run time" in render(plan)
+
+
+@pytest.mark.slow
+def test_a_state_file_replaced_by_an_older_one_is_refused(three_days, tmp_path, capsys):
+    """Day 2's doc_hashes.parquet replaced by day 1's (a restore, a copy between day folders): day 3 refuses it,
+    one line, nothing committed (its snapshot recorded the state file's size and SHA-256), never a duplicate."""
+    import shutil
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    day1, day2, day3 = three_days["inputs"]
+    for k, inp in ((1, day1), (2, day2)):
+        assert main([*upsert_argv(inp, str(tmp_path / f"day{k}"), TABLE, catalog(wh)), *COMMON]) == 0
+    shutil.copy(tmp_path / "day1" / "doc_hashes.parquet", tmp_path / "day2" / "doc_hashes.parquet")
+    capsys.readouterr()
+    assert main([*upsert_argv(day3, str(tmp_path / "day3"), TABLE, catalog(wh)), *COMMON]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "is not the file its snapshot recorded" in err[-1], err
+    assert len(table_of(wh).snapshots()) == 2
+
+
+@pytest.mark.slow
+def test_a_document_with_a_sentence_that_failed_to_embed_is_embedded_again(tmp_path, monkeypatch):
+    """A sentence fails to embed (a transient error: a dead letter) on day 1: its document is not recorded as
+    current, so day 2 (same input, the failure gone) embeds it again and the table holds every sentence."""
+    from elmo_pipeline.model.embedder import ElmoEmbedder
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    docs = [(f"d{i}", f"The cat {i} sat . It was glad {i} .") for i in range(6)]
+    docs[3] = ("d3", "The dog sat . It was BOOMING here .")
+    inp = write_jsonl(tmp_path / "in.jsonl", docs)
+    real = ElmoEmbedder.embed_packed
+
+    def failing(self, sentences, *a, **k):
+        if any("BOOMING" in s for s in sentences):
+            raise MemoryError("transient")
+        return real(self, sentences, *a, **k)
+    monkeypatch.setattr(ElmoEmbedder, "embed_packed", failing)
+    assert main([*upsert_argv(inp, str(tmp_path / "day1"), TABLE, catalog(wh)), *COMMON, "--direct_num_workers",
+                 "1"]) == 0
+    m1 = json.load(open(tmp_path / "day1" / "manifest.json"))
+    assert m1["counts"]["dead_letter_sentences"] == 1
+    state = pq.read_table(tmp_path / "day1" / "doc_hashes.parquet").to_pylist()
+    assert {r["doc_id"]: r["doc_hash"] for r in state}["d3"] == "incomplete"
+    monkeypatch.setattr(ElmoEmbedder, "embed_packed", real)
+    assert main([*upsert_argv(inp, str(tmp_path / "day2"), TABLE, catalog(wh)), *COMMON]) == 0
+    m2 = json.load(open(tmp_path / "day2" / "manifest.json"))
+    assert (m2["counts"]["documents_changed"], m2["counts"]["documents_unchanged"]) == (1, 5)
+    got = rows(table_of(wh))
+    assert len(got) == 12 and len({r["id"] for r in got}) == 12
