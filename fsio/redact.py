@@ -5,6 +5,8 @@ In text (a URL, a DSN, an exception message holding URLs):
 - a URL's user info, whatever it holds (a user, user:password, a token, token:x-oauth-basic):
   scheme://user:password@host -> scheme://***@host, also without a scheme (user:se/cret@host, as libpq and
   SQLAlchemy take it);
+- a header or mapping entry a library prints whose name is credential-like (`'X-Amz-Security-Token': b'...'`,
+  `"Authorization": "..."`), and AWS Signature Version 4's `Credential=` and `Signature=` values;
 - a URL's fragment, whatever it holds: https://host/a.txt#access_token=X -> https://host/a.txt#***;
 - a URL query's values, quoted ("X", 'X') or not, except those of PLAIN_PARAMETERS: ?jwt=X&versionId=3 ->
   ?jwt=***&versionId=3; a parameter with a credential-like name is masked after an & outside a query too.
@@ -45,6 +47,12 @@ _PARAMETER = re.compile(r"(?P<sep>[?&])(?P<name>[^=&#\s?'\"<>]*)"
                         r"(?:=(?P<value>\"[^\"\n]*\"|'[^'\n]*'|[^&#\s'\"<>]*))?")
 # a URL's fragment (#access_token=..., as OAuth's implicit flow hands tokens): never sent to a server, masked whole
 _URL_FRAGMENT = re.compile(r"(?P<url>\b[a-zA-Z][\w+.-]*://[^\s#'\"<>]*)#(?!\*\*\*)[^\s'\"<>]+")
+# a header or mapping printed by a library (botocore's DEBUG lines): 'X-Amz-Security-Token': b'...', "authorization": "..."
+_HEADER = re.compile(r"(?P<head>(?P<q>['\"])(?P<name>[\w.-]+)(?P=q)\s*:\s*b?)(?P<v>['\"])(?P<value>[^'\"\n]*)(?P=v)")
+# a header on its own line (an HTTP request's text, AWS4's canonical request): x-amz-security-token:..., Authorization: ...
+_HEADER_LINE = re.compile(r"^(?P<head>[ \t]*(?P<name>[A-Za-z][\w-]*):[ \t]*)(?!\*\*\*$)(?P<value>\S[^\n]*)$", re.M)
+# AWS Signature Version 4 in an Authorization header: Credential=<key id>/<scope>, Signature=<hex>
+_AWS4 = re.compile(r"(?<![\w-])(?P<name>Credential|Signature)=(?!\*\*\*)[^,\s'\"&]+")
 # masked already: a mask, then maybe an id's line number (in.txt?sig=***:1#0) or what ended a quoted value (, ))
 _MASKED = re.compile(r"\*\*\*(:\d+)?\W*")
 
@@ -77,6 +85,13 @@ def _redact_text(text: str) -> str:
         text = _redact_query(text)
     if "#" in text:
         text = _URL_FRAGMENT.sub(lambda m: f"{m['url']}#{MASK}", text)
+    if ":" in text and ("'" in text or '"' in text):
+        text = _HEADER.sub(lambda m: f"{m['head']}{m['v']}{MASK}{m['v']}" if secret_name(m["name"]) and m["value"]
+                           and m["value"] != MASK else m[0], text)
+    if ":" in text:
+        text = _HEADER_LINE.sub(lambda m: f"{m['head']}{MASK}" if secret_name(m["name"]) else m[0], text)
+    if "Credential=" in text or "Signature=" in text:
+        text = _AWS4.sub(lambda m: f"{m['name']}={MASK}", text)
     return text
 
 

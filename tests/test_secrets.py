@@ -54,6 +54,17 @@ EXAMPLES = [
     ("FileNotFoundError: http://alice:pw1@h:81/o.json?sig=s1 (and 'https://bob:pw2@g/x')",
      "FileNotFoundError: http://***@h:81/o.json?sig=*** (and 'https://***@g/x')"),
     ("cannot open 'https://h/x?jwt=Zj': 404", "cannot open 'https://h/x?jwt=***': 404"),
+    # what botocore prints at DEBUG: a request's headers, and the AWS4 Authorization header's parts
+    ("headers={'X-Amz-Security-Token': b'FwoGZXIvYXdzEXAMPLE', 'X-Amz-Date': b'20261128T000000Z', "
+     "'Authorization': b'AWS4-HMAC-SHA256 Credential=AKIAEXAMPLE/20261128/us-east-1/s3/aws4_request, "
+     "SignedHeaders=host;x-amz-date, Signature=0123abcd'}",
+     "headers={'X-Amz-Security-Token': b'***', 'X-Amz-Date': b'20261128T000000Z', 'Authorization': b'***'}"),
+    ("StringToSign: Credential=AKIAEXAMPLE/20261128/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=beef",
+     "StringToSign: Credential=***, SignedHeaders=host, Signature=***"),
+    ('{"aws_session_token": "FwoGZ", "region": "us-east-1"}', '{"aws_session_token": "***", "region": "us-east-1"}'),
+    ("CanonicalRequest:\nPUT\nhost:127.0.0.1:9000\nx-amz-security-token:FwoGZ\n\nhost;x-amz-security-token",
+     "CanonicalRequest:\nPUT\nhost:127.0.0.1:9000\nx-amz-security-token:***\n\nhost;x-amz-security-token"),
+    ("GET /x HTTP/1.1\nAuthorization: Bearer eyJZ\nAccept: */*", "GET /x HTTP/1.1\nAuthorization: ***\nAccept: */*"),
 ]
 UNCHANGED = ["sqlite:////tmp/x.db", "s3://bucket/in/*.txt", "s3://bucket/in/part-?.txt", "/data/a:b@c.txt", "docs.txt:1#0",
              "http://127.0.0.1:5000/bucket/file@v2.txt", "https://h/x?versionId=7&Generation=2&alt=media&format=csv"
@@ -373,3 +384,38 @@ def test_a_token_in_user_info_or_any_query_value_is_recorded_nowhere(spelling, t
     m = json.load(open(tmp_path / "out" / "manifest.json"))
     assert m["counts"]["sentences_written"] >= 1 and "options.json" in m["model"]["options_file"]
     assert "***" in m["model"]["options_file"] and "***" in m["inputs"][0]
+
+
+@pytest.mark.slow
+def test_debug_logs_of_s3_requests_hold_no_credential():
+    """Root logging at DEBUG (a user's own basicConfig) while botocore talks to an S3 API (moto on loopback) with a key
+    id, a secret and a session token: every line passes redact_logs()'s filter, and none holds one of them (botocore
+    prints request headers, the AWS4 Authorization header and its string to sign)."""
+    import io
+    import logging
+
+    import s3fs
+
+    from elmo_pipeline.fsio.redact import redact_logs
+    from tests.pipeline_helpers import moto_s3
+    key_id, secret, token = "AKIAZKEYID0001", "ZsecretAccessKey0002", "ZsessionToken0003FwoG"
+    root = logging.getLogger()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        redact_logs()
+        with moto_s3("bucket") as (endpoint, _):
+            fs = s3fs.S3FileSystem(key=key_id, secret=secret, token=token, endpoint_url=endpoint, skip_instance_cache=True)
+            fs.pipe("bucket/x.txt", b"hello")
+            assert fs.cat("bucket/x.txt") == b"hello"
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    log = stream.getvalue()
+    assert "Authorization" in log or "Signature" in log, "botocore printed no request at DEBUG: nothing was checked"
+    for s in (secret, token):
+        assert s not in log, log[max(0, log.find(s) - 300):][:600]
+    assert f"Credential={key_id}" not in log
