@@ -30,7 +30,7 @@ TRANSIENT_TYPES = ("LeaseHeld", "RetryLater", "ConnectionError", "EndpointConnec
                    "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError", "ClientConnectorError",
                    "ServerDisconnectedError", "ClientOSError", "ProxyConnectionError", "TimeoutError",
                    "CommitFailedException")
-DATA_TYPES = ("WeightsError", "OptionsError", "DuplicateIdError")
+DATA_TYPES = ("WeightsError", "OptionsError", "DuplicateIdError", "InputChanged")
 USAGE_TYPES = ("PermissionError", "FileExistsError", "NotADirectoryError", "IsADirectoryError",
                "TableMovedError")   # formats/iceberg_upsert.py: an upsert to run again into a new --output
 PLANNING_USAGE_TYPES = ("ValueError", "RuntimeError")   # while planning: a bad value, a missing GPU; once running: a
@@ -42,7 +42,8 @@ TRANSIENT_TEXT = re.compile(
     r"is held by a live run|Could not connect to the endpoint|Connection (refused|reset)|"
     r"SlowDown|Service Unavailable|InternalError|Read timeout|Connect timeout|ServiceUnavailable")
 DATA_TEXT = re.compile(r"WeightsError|OptionsError|sha256 mismatch|differs from its first download|"
-                       r"download truncated|download failed after|matches no file|not a valid HDF5 file")
+                       r"download truncated|download failed after|matches no file|not a valid HDF5 file|"
+                       r"changed since the run was planned")
 MEANINGS = {OK: "done", USAGE: "fix the command", DATA: "fix the data", SOFTWARE: "failed",
             TEMPFAIL: "retry later", INTERRUPTED: "interrupted"}
 

@@ -46,7 +46,8 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
 
     files = p | "ListFiles" >> beam.Create(range(len(pl.splits or pl.files))) | "SpreadFiles" >> beam.Reshuffle()
     docs = stage(files, "ReadFiles", ReadFiles(o.input_format, pl.files, pl.labels, o.text_field, o.id_field, so,
-                                               staging, pl.progress, o.max_record_bytes, pl.splits or None),
+                                               staging, pl.progress, o.max_record_bytes, pl.splits or None,
+                                               pl.fingerprints),
                  output_type=Document)
     if pl.unique_ids:          # grouping by id also spreads the documents over workers
         keyed = docs | "KeyById" >> beam.Map(lambda d: (d.doc_id, d)).with_output_types(tuple[str, Document])

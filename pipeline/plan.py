@@ -98,6 +98,7 @@ class Plan:
     loaded: object = None          # the launcher's hold on it (transforms.embed_step.shared_model), local runs
     splits: list[Split] = field(default_factory=list)   # the read elements (transforms/splits.py); [] one per file
     split_bytes: int = 0           # --split-bytes resolved (0: whole files)
+    fingerprints: dict = field(default_factory=dict)    # file URL -> [size, version] when planned: each read checks it
     spread_buckets: int = 0        # > 0: documents spread by a GroupByKey on a hash of their id into this many
                                    # buckets (runners whose Reshuffle moves nothing), else by a Reshuffle
     reuse: list[ReuseSource] = field(default_factory=list)   # --reuse sources, checked (transforms/reuse.py)
@@ -298,6 +299,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
                 tokenizer_processes=children,
                 embed_threads=embed_threads(o.embed_threads or 0, threads, local, o.state, workers, children),
                 iceberg=iceberg, upsert=upsert, schema=schema, models=models, loaded=loaded, dedupe=dedupe,
+                fingerprints={f[0]: f[1:] for f in fingerprints},
                 splits=splits, split_bytes=split, spread_buckets=buckets, reuse=reuse)
 
 

@@ -179,3 +179,27 @@ def test_auto_split_where_work_is_spread(corpus, tiny_model_files, tmp_path):
     assert abs(len(multi.splits) - os.path.getsize(big) / (64 << 10)) <= 1 and multi.spread_buckets == 0
     with pytest.raises(ValueError, match="--split-bytes needs"):
         plan(pipeline_options(args + ["--state", "stateful", "--split-bytes", "100"]))
+
+
+def test_an_input_replaced_between_planning_and_reading_fails_at_once(tmp_path, tiny_model_files):
+    """--split-bytes: the file replaced after planning (another size and mtime) is read against the planned
+    fingerprint: InputChanged, one line, exit 65 (fix the data), before any of it is read; never rounds of
+    'not a whole commit record'."""
+    from elmo_pipeline.pipeline.execute import run_planned
+    from elmo_pipeline.pipeline.exits import DATA, classify
+    from elmo_pipeline.pipeline.plan import pipeline_options, plan
+    inp = tmp_path / "in.txt"
+    inp.write_text("".join(f"line {i} of the corpus is here .\n" for i in range(200)), encoding="utf-8")
+    options, weights = tiny_model_files
+    opts = pipeline_options(["--input", str(inp), "--output", str(tmp_path / "out"), "--options-file", options,
+                             "--weight-file", weights, "--split-bytes", "2000", "--torch-threads", "1",
+                             "--progress", "off", "--tokenizer", "whitespace"])
+    pl = plan(opts)
+    assert len(pl.splits) > 1
+    inp.write_text("".join(f"another line {i} .\n" for i in range(150)), encoding="utf-8")
+    os.utime(inp, (1, 1))
+    with pytest.raises(Exception) as e:
+        run_planned(opts, pl)
+    failure = classify(e.value)
+    assert failure.status == DATA and "changed since the run was planned" in failure.line(), failure.line()
+    assert not (tmp_path / "out" / "manifest.json").exists()

@@ -16,8 +16,22 @@ from elmo_pipeline.transforms.progress import ProgressSpec, advance
 from elmo_pipeline.transforms.read import MAX_RECORD_BYTES, read_documents
 from elmo_pipeline.transforms.records import Blank, Document
 from elmo_pipeline.transforms.splits import Split
+from elmo_pipeline.fsio import redact
+from elmo_pipeline.output.state import input_fingerprints
 from elmo_pipeline.output.stats import RunStats
 from elmo_pipeline.output.staging import Staging
+
+
+class InputChanged(ValueError):
+    """An input file is not the one the run was planned with (size or version): a read would mix two files."""
+
+
+def check_unchanged(url: str, planned: list, storage_options: dict | None) -> None:
+    """InputChanged when `url`'s [size, version] now differs from `planned` (output.state.input_fingerprints)."""
+    now = input_fingerprints([url], storage_options)[0][1:]
+    if list(now) != list(planned):
+        raise InputChanged(f"input {redact(url)} changed since the run was planned (size, version {planned} -> "
+                           f"{now}): rerun once it no longer changes")
 
 
 class ReadFiles(beam.DoFn):
@@ -29,8 +43,9 @@ class ReadFiles(beam.DoFn):
 
     def __init__(self, fmt, files, labels, text_field, id_field, storage_options, staging: Staging,
                  progress: ProgressSpec | None = None, max_record_bytes: int = MAX_RECORD_BYTES,
-                 splits: list[Split] | None = None):
+                 splits: list[Split] | None = None, fingerprints: dict | None = None):
         self.args = (fmt, labels, text_field, id_field, storage_options)
+        self.fingerprints = dict(fingerprints or {})
         self.files, self.max_record_bytes = list(files), max_record_bytes
         self.splits = list(splits) if splits is not None else [Split(i) for i in range(len(self.files))]
         self.staging, self.progress = staging, progress
@@ -43,6 +58,8 @@ class ReadFiles(beam.DoFn):
         fmt, labels, text_field, id_field, so = self.args
         split = self.splits[index]
         url = self.files[split.index]
+        if url in self.fingerprints:
+            check_unchanged(url, self.fingerprints[url], so)
         records = blank = doc_bytes = 0
         busy, t = 0.0, time.perf_counter()      # time reading, not the time downstream steps take per yield
         for rec in read_documents(url, fmt, labels[url], text_field, id_field, so, self.max_record_bytes, split):
