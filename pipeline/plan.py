@@ -27,7 +27,7 @@ from elmo_pipeline.fsio import expand, redact, url_fs
 from elmo_pipeline.model.options import load_options, sentences_independent
 from elmo_pipeline.model.resolve import resolve_model
 from elmo_pipeline.pipeline.options import ElmoOptions, default_torch_threads
-from elmo_pipeline.pipeline.validate import (check_dedupe, check_input_columns, check_model, inputs_outside_output,
+from elmo_pipeline.pipeline.validate import (check_dedupe, check_input_columns, check_model, inputs_outside_output, own_files,
                                check_numbers, check_output_writable, check_reuse, check_state)
 from elmo_pipeline.model.resolve import ModelSpec
 from elmo_pipeline.transforms.embed import parse_layers
@@ -185,7 +185,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
         raise ValueError(f"--iceberg-table: --output {redact(o.output)} holds '#' or '?', which a table's file URLs "
                          "cannot carry (read as a fragment or a query); write to a folder named without them")
     so = storage_options(opts)
-    files = inputs_outside_output(expand(o.input, so), o.input, o.output)
+    files = inputs_outside_output(expand(o.input, so), o.input, o.output, lambda: own_files(o.output, so))
     labels = file_labels(files, o.id_root, full=iceberg is not None and not o.id_field)
     check_input_columns(files, o.input_format, o.text_field, o.id_field, so)
     resolved = resolve_model(o.model, o.options_file, o.weight_file, o.vocab_file, so,

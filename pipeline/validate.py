@@ -2,6 +2,8 @@
 problem (pipeline.run.main prints it and exits 2, or 65 for bad model files: pipeline/exits.py), before Beam starts and before --output is touched."""
 from __future__ import annotations
 
+from typing import Callable
+
 import os
 import posixpath
 import uuid
@@ -201,18 +203,33 @@ def _is_pattern(p: str) -> bool:
     return any(c in path for c in "*?[")
 
 
-def inputs_outside_output(files: list[str], patterns: list[str], output: str) -> list[str]:
-    """The input files but those a glob matched inside --output: the output's own files (its dead letters under
-    `corpus/**/*.jsonl` with `--output corpus/emb`) are never inputs, so the same command on a finished output
-    is `already complete`. A file inside it that an --input names literally is refused
+def inputs_outside_output(files: list[str], patterns: list[str], output: str,
+                          own: Callable[[], set[str]] = lambda: set()) -> list[str]:
+    """The input files but the output's own files a glob matched (`own()`: their places, as _place gives them:
+    its dead letters under `corpus/**/*.jsonl` with `--output corpus/emb`), so the same command on a finished
+    output is `already complete`. Any other file inside --output, or one an --input names literally, is refused
     (check_inputs_outside_output); a glob left with no file: ValueError."""
     named = {_place(p) for p in patterns if not _is_pattern(p)}
-    check_inputs_outside_output([f for f in files if _place(f) in named], output)
     inside = set(_inside(files, output))
+    ours = own() if inside else set()
+    check_inputs_outside_output([f for f in inside if _place(f) in named or _place(f) not in ours], output)
     kept = [f for f in files if f not in inside]
     if not kept:
         raise ValueError(f"--input matches only files inside --output {output} (its own files are never inputs)")
     return kept
+
+
+def own_files(output: str, storage_options: dict | None = None) -> set[str]:
+    """Where the files of `output` lie that the pipeline can show it wrote (output.finalize.owned_final_names, and
+    everything under _staging/), as _place names them."""
+    from elmo_pipeline.fsio import url_fs
+    from elmo_pipeline.output.finalize import owned_final_names
+    from elmo_pipeline.output.names import STAGING
+    fs, root = url_fs(output, storage_options)
+    staging = posixpath.join(root, STAGING)
+    names = owned_final_names(fs, root) | {posixpath.relpath(p, root) for p in
+                                           (fs.find(staging) if fs.isdir(staging) else [])}
+    return {_place(output.rstrip("/") + "/" + n) for n in names}
 
 
 def check_inputs_outside_output(files: list[str], output: str) -> None:

@@ -66,8 +66,13 @@ def test_forward(dev, batch_invariant):
     assert n.by_region["lstm"] > 0 and n.by_region["encoder"] > 0
 
 
-@pytest.mark.parametrize("state, batch_invariant", [("stateless", False), ("warm", False), ("stateful", False),
-                                                     ("stateless", True), ("warm", True)])
+def test_batch_invariant_embedder_refused_on_a_gpu(dev):
+    """--batch-invariant is refused on CUDA (its bits moved with the batching on an NVIDIA H200: model.device)."""
+    with pytest.raises(ValueError, match="CPU only"):
+        embedder(fake_model("tiny", dev), state="warm", batch_invariant=True)
+
+
+@pytest.mark.parametrize("state, batch_invariant", [("stateless", False), ("warm", False), ("stateful", False)])
 def test_embedder(dev, state, batch_invariant):
     """ElmoEmbedder.embed_batch (BiLM.forward_tokens, through the token cache): host data in, numpy out,
     exactly one copy each way per batch; cold cache and warm cache alike."""

@@ -323,7 +323,7 @@ def test_a_glob_never_takes_the_output_s_own_files(tmp_path, tiny_model_files):
     dead-letter file under the glob and leaves it out: already complete, not exit 2. A file inside the output
     named literally is still refused; a glob that matches only the output's files is one clear error."""
     from elmo_pipeline.pipeline.run import run
-    from elmo_pipeline.pipeline.validate import inputs_outside_output
+    from elmo_pipeline.pipeline.validate import inputs_outside_output, own_files
     corpus = tmp_path / "corpus"
     (corpus / "a").mkdir(parents=True)
     (corpus / "a" / "x.jsonl").write_text('{"id": "1", "text": "the cat sat ."}\n{broken\n', encoding="utf-8")
@@ -337,12 +337,15 @@ def test_a_glob_never_takes_the_output_s_own_files(tmp_path, tiny_model_files):
     again = run(argv)                            # the rerun: already complete, not a refusal
     assert again.manifest["run"]["key"] == first.manifest["run"]["key"] and again.manifest["files"] == first.manifest["files"]
     inside = str(dead[0])
+    own = lambda: own_files(str(corpus / "emb"))      # noqa: E731
     assert inputs_outside_output([str(corpus / "a" / "x.jsonl"), inside], [str(corpus / "**" / "*.jsonl")],
-                                 str(corpus / "emb")) == [str(corpus / "a" / "x.jsonl")]
-    with pytest.raises(ValueError, match="lies inside --output"):
-        inputs_outside_output([inside], [inside], str(corpus / "emb"))
-    with pytest.raises(ValueError, match="only files inside --output"):
+                                 str(corpus / "emb"), own) == [str(corpus / "a" / "x.jsonl")]
+    with pytest.raises(ValueError, match="lies inside --output"):                 # named: refused
+        inputs_outside_output([inside], [inside], str(corpus / "emb"), own)
+    with pytest.raises(ValueError, match="lies inside --output"):                 # not the pipeline's: refused
         inputs_outside_output([inside], [str(corpus / "emb" / "**")], str(corpus / "emb"))
+    with pytest.raises(ValueError, match="only files inside --output"):
+        inputs_outside_output([inside], [str(corpus / "emb" / "**")], str(corpus / "emb"), own)
 
 
 def test_a_sink_never_writes_moves_or_removes_through_a_link_below_its_folder(tmp_path):
