@@ -125,7 +125,7 @@ class MappedDataset(_TorchDataset):
         for u in range(len(self.units)):
             local = self._local(u)
             k, i = self.units[u]
-            where = self.outputs[k].shard_path(i, "arrow")
+            where = self.outputs[k].shard_path(i, "arrow", check=True)
             b, base, size, st = _map(local, where, read_around=False)  # pages read as the index touches them
             self.outputs[k].check_arrow(i, b, where)
             self.files.found(u, layer_offsets(b, base, size, self.layers, where), size, (st.st_dev, st.st_ino))

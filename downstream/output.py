@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from elmo_pipeline.downstream.batching import stack
-from elmo_pipeline.downstream.shard_checks import (DamagedOutput, check_arrow_batch, check_parquet_schema,
-                                                   checked_header, shard_entry)
+from elmo_pipeline.downstream.shard_checks import (DamagedOutput, check_arrow_batch, check_file, check_parquet_schema,
+                                                   checked_files, checked_header, shard_entry)
 from elmo_pipeline.downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
                                       parquet_token_records)
 from elmo_pipeline.formats.layout import FORMATS, MANIFEST, read_manifest
@@ -43,6 +43,7 @@ class ElmoOutput:
         self.shards: list[dict] = [shard_entry(f"{where}: shard {i}", s, FORMATS)
                                    for i, s in enumerate(self.manifest.get("shards", []))]
         self.layer_names, self.layer_dims, self.formats, self.parquet_layout = checked_header(where, manifest)
+        self.files: dict[str, dict] | None = checked_files(where, manifest.get("files"))
         self.dim = max(self.layer_dims.values())
         self.dtype: str = self.manifest.get("dtype", "float32")
         if self.dtype not in ("float16", "float32"):
@@ -56,11 +57,18 @@ class ElmoOutput:
     def num_sentences(self) -> int:
         return sum(int(s["sentences"]) for s in self.shards)
 
-    def shard_path(self, i: int, fmt: str) -> str:
-        """Filesystem path (for self.fs) of shard i in format fmt."""
+    def shard_path(self, i: int, fmt: str, check: bool = False, digest: bool = False) -> str:
+        """Filesystem path (for self.fs) of shard i in format fmt; `check`: checked against the manifest's record of
+        it (a regular file of the recorded size; `digest`: and SHA-256) where the manifest has records."""
         if fmt not in self.shards[i]:
             raise ValueError(f"{self.path}: shard {i} has no {fmt} file (formats: {self.formats})")
-        return posixpath.join(self.root, self.shards[i][fmt])
+        path = posixpath.join(self.root, self.shards[i][fmt])
+        if (check or digest) and self.files is not None:
+            record = self.files.get(self.shards[i][fmt])
+            if record is None:
+                raise DamagedOutput(f"{path}: not recorded in the manifest's files")
+            check_file(self.fs, path, record, digest)
+        return path
 
     def check_arrow(self, i: int, batch, where: str, full: bool = False) -> None:
         """Raise DamagedOutput unless `batch`, shard i's Arrow file (read from `where`), matches the manifest
@@ -79,8 +87,14 @@ class ElmoOutput:
                 "n_layers": len(self.layer_names) if self.manifest.get("hdf5_layout") != "(T, D)" else 1}
 
     def validate(self) -> None:
-        """Read every shard of every format through its checks, Arrow with pyarrow's full validation of every
-        buffer; DamagedOutput names the first file that does not match the manifest."""
+        """Every file the manifest records checked by size and SHA-256 (a file swapped in with the same counts is
+        refused), then every shard of every format read through its checks, Arrow with pyarrow's full validation
+        of every buffer; DamagedOutput names the first file that does not match the manifest."""
+        for i in range(len(self.shards)):
+            for fmt in self.formats:
+                self.shard_path(i, fmt, digest=True)
+        for name, record in (self.files or {}).items():
+            check_file(self.fs, posixpath.join(self.root, name), record, digest=True)
         for i in range(len(self.shards)):
             for fmt in self.formats:
                 if fmt == "arrow":
@@ -116,7 +130,7 @@ class ElmoOutput:
         stacked=False: `stored` (the per-layer (T, D_k) arrays as stored: dtype kept, layer 0 maybe P
         wide) instead of `layers`; stack(record["stored"]) makes `layers`."""
         fmt, names = self.check(fmt, layers)
-        path = self.shard_path(i, fmt)
+        path = self.shard_path(i, fmt, check=True)
         if fmt == "parquet":
             read = parquet_token_records if self.parquet_layout == "token" else parquet_records
             it = read(self.fs, path, names, self._parquet_check(path))

@@ -8,13 +8,17 @@ file; a reader never follows a path out of the output, never allocates more than
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import posixpath
+import stat
 from collections.abc import Mapping
 
 import numpy as np
 import pyarrow as pa
 
 from elmo_pipeline.formats.parquet import META_COLUMNS, TOKEN_META_COLUMNS
+from elmo_pipeline.fsio import is_local_fs
 
 
 class DamagedOutput(ValueError):
@@ -155,3 +159,45 @@ def check_hdf5_shape(where: str, key: str, shape: tuple, dtype, n_layers: int, d
     if shape[-2] > tokens_left:
         raise DamagedOutput(f"{where}: dataset {key!r} declares {shape[-2]} rows, more than the manifest's tokens")
     return int(shape[-2])
+
+
+def checked_files(where: str, files) -> dict[str, dict] | None:
+    """A manifest's `files` ({name: {"bytes", "sha256"}}, output/sink.file_record) checked whole; None when the
+    manifest has none (an output of a version that recorded none: read as before, not verified)."""
+    if files is None:
+        return None
+    if not isinstance(files, dict):
+        raise DamagedOutput(f"{where}: 'files' is not an object")
+    for name, rec in files.items():
+        inside_path(where, name)
+        if not (isinstance(rec, dict) and type(rec.get("bytes")) is int and rec["bytes"] >= 0
+                and isinstance(h := rec.get("sha256"), str) and len(h) == 64
+                and all(c in "0123456789abcdef" for c in h)):
+            raise DamagedOutput(f"{where}: the record of {name!r} is not {{bytes, sha256}}: {_shown(rec)}")
+    return files
+
+
+def check_file(fs, path: str, record: dict, digest: bool = False) -> None:
+    """DamagedOutput unless `path` is a regular file of the recorded size (a FIFO, a device, a folder or a link to
+    one is never opened: no hang), and with `digest` of the recorded SHA-256, reading at most its size + 1 bytes
+    (a file grown since, or linked to /dev/zero, is refused without reading it all)."""
+    if is_local_fs(fs):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise DamagedOutput(f"{path}: cannot be read ({e.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise DamagedOutput(f"{path}: not a regular file (the manifest records a file of {record['bytes']} bytes)")
+        size = st.st_size
+    else:
+        size = fs.size(path)
+    if size != record["bytes"]:
+        raise DamagedOutput(f"{path}: {size} bytes, the manifest records {record['bytes']}")
+    if digest:
+        h, left = hashlib.sha256(), record["bytes"] + 1
+        with fs.open(path, "rb") as f:
+            while left > 0 and (block := f.read(min(left, 8 << 20))):
+                h.update(block)
+                left -= len(block)
+        if left <= 0 or h.hexdigest() != record["sha256"]:
+            raise DamagedOutput(f"{path}: its content is not the file the manifest records (SHA-256 differs)")

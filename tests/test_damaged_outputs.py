@@ -125,7 +125,7 @@ def test_mixed_dtypes_refused(written, copy):
         MappedDataset([written["fp32"], written["fp16"]])
     out = copy("fp32")                                           # one fp16 shard in an fp32 output
     shutil.copyfile(_arrow_shard(written["fp16"], 1), _arrow_shard(out, 1))
-    with pytest.raises(DamagedOutput, match="halffloat"):
+    with pytest.raises(DamagedOutput, match="halffloat|bytes, the manifest records"):   # its record, then its type
         MappedDataset(out)
     with pytest.raises(DamagedOutput, match=_arrow_shard(out, 1)):
         list(ElmoOutput(out).sentences("arrow"))
@@ -155,6 +155,11 @@ def test_hdf5_shard_declaring_more_rows_than_the_manifest_refused(copy):
         for k, (shape, dtype) in keys.items():
             h.create_dataset(k, shape=(shape[0], 1_000_000, shape[2]), dtype=dtype)
     assert os.path.getsize(shard) < 100_000
+    with pytest.raises(DamagedOutput, match="bytes, the manifest records"):       # its recorded size
+        list(ElmoOutput(out).sentences("hdf5"))
+    m = _manifest(out)
+    del m["files"]                                               # an output of a version that recorded none
+    json.dump(m, open(os.path.join(out, "manifest.json"), "w"))
     with pytest.raises(DamagedOutput, match="declares 1000000 rows"):
         list(ElmoOutput(out).sentences("hdf5"))
 

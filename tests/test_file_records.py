@@ -4,8 +4,11 @@ import hashlib
 import io
 import json
 import os
+import re
+import shutil
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elmo_pipeline.output.finalize import file_records, is_file_record
@@ -64,3 +67,65 @@ def test_the_manifest_lists_every_file_of_the_output_by_size_and_digest(tmp_path
     for name, rec in m["files"].items():
         data = open(os.path.join(out, name), "rb").read()
         assert rec == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory, tiny_model_files):
+    """Two finished outputs of one corpus, the same counts and layout, from two models (another seed)."""
+    from elmo_pipeline.model.synthetic import write_random_bilm
+    d = tmp_path_factory.mktemp("two")
+    inp = d / "in.txt"
+    inp.write_text("".join(f"the cat {i} sat on the mat .\n" for i in range(20)), encoding="utf-8")
+    other = write_random_bilm("tiny", str(d / "other"), seed=7)
+    outs = {}
+    for name, files in (("a", tiny_model_files), ("b", other)):
+        outs[name] = str(d / name)
+        run_pipeline(files, str(inp), outs[name], "--format", "parquet,hdf5,arrow", "--shard-sentences", "10",
+                     "--tokenizer", "whitespace")
+    return outs
+
+
+def test_a_shard_of_another_model_with_the_same_counts_is_refused(two_models, tmp_path):
+    """Row 2 of the issue: an Arrow, HDF5 or Parquet shard of another model, same counts, copied in: validate()
+    refuses it (its SHA-256), and readers refuse it on open (its size, where it differs); a FIFO planted at a
+    shard's path is refused, never opened (no hang)."""
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    m = json.load(open(os.path.join(two_models["a"], "manifest.json")))
+    for fmt in ("arrow", "hdf5", "parquet"):
+        out = str(tmp_path / fmt)
+        shutil.copytree(two_models["a"], out)
+        rel = m["shards"][1][fmt]
+        shutil.copy(os.path.join(two_models["b"], rel), os.path.join(out, rel))
+        ElmoOutput(two_models["a"]).validate()
+        with pytest.raises(DamagedOutput, match=re.escape(rel)):
+            ElmoOutput(out).validate()
+    out = str(tmp_path / "fifo")
+    shutil.copytree(two_models["a"], out)
+    rel = m["shards"][0]["parquet"]
+    os.remove(os.path.join(out, rel))
+    os.mkfifo(os.path.join(out, rel))
+    for read in (lambda: ElmoOutput(out).validate(), lambda: list(ElmoOutput(out).sentences("parquet"))):
+        with pytest.raises(DamagedOutput, match="not a regular file"):
+            read()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_any_single_byte_change_or_cut_of_a_recorded_file_is_refused(two_models, tmp_path_factory, data):
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    names = sorted(json.load(open(os.path.join(two_models["a"], "manifest.json")))["files"])
+    name = data.draw(st.sampled_from(names))
+    out = str(tmp_path_factory.mktemp("h") / "o")
+    shutil.copytree(two_models["a"], out)
+    path = os.path.join(out, name)
+    raw = bytearray(open(path, "rb").read())
+    if data.draw(st.booleans()):
+        at = data.draw(st.integers(0, len(raw) - 1))
+        raw[at] ^= data.draw(st.integers(1, 255))
+    else:
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    open(path, "wb").write(bytes(raw))
+    with pytest.raises(DamagedOutput, match=re.escape(name)):
+        ElmoOutput(out).validate()
