@@ -199,3 +199,25 @@ def remove_temp_files(fs, root: str, names: tuple[str, ...]) -> None:
             for p in fs.glob(posixpath.join(root, name + TEMP_MARK + "*")):
                 if TEMP_NAME.search(p):
                     fs.rm_file(p)
+
+
+class NotTheRecordedFile(ValueError):
+    """A file read back is not the one its writer recorded (size, SHA-256), or no regular file."""
+
+
+def read_recorded(fs, path: str, record: dict | None) -> bytes:
+    """The bytes of `path`, checked against the record its writer kept ({"bytes", "sha256"}: manifest.json
+    "files"): at most bytes + 1 read, a local path opened only when it is a regular file (a FIFO never blocks a
+    read, /dev/zero never fills memory). NotTheRecordedFile otherwise. record None (an output of a version that
+    recorded none): the file as it is, not verified."""
+    import hashlib
+    import stat
+    if is_local_fs(fs):
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotTheRecordedFile(f"{path}: not a regular file")
+    with fs.open(path, "rb") as f:
+        data = f.read() if record is None else f.read(int(record["bytes"]) + 1)
+    if record is not None and (len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]):
+        raise NotTheRecordedFile(f"{path}: not the file its manifest records ({len(data) if len(data) <= record['bytes'] else 'more than ' + str(record['bytes'])} bytes read, {record['bytes']} recorded, or another SHA-256)")
+    return data

@@ -320,3 +320,26 @@ def test_a_source_url_is_named_without_its_secrets():
         open_source("memory://user:topsecret@host/out", "0" * 16, [("layer_0", 4)], "float32")
     assert str(e.value) == ("--reuse memory://***@host/out: no finished output there (no manifest.json of this "
                             "pipeline)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_a_source_shard_of_another_model_is_never_copied(fmt, days, tiny_days, tiny_model_files, tmp_path, capsys):
+    """Row 1 of the issue: a shard of another model over the same corpus (same counts) copied into the source, or a
+    source shard grown or linked elsewhere: the run refuses it, one line (its manifest records each file's size and
+    SHA-256), never another model's vectors under this model's manifest."""
+    from elmo_pipeline.model.synthetic import write_random_bilm
+    outs, flags = tiny_days
+    other = write_random_bilm("tiny", str(tmp_path / "other"), seed=11)
+    foreign = str(tmp_path / "foreign")
+    extra = ("--format", "arrow,hdf5") if fmt == "arrow" else ()
+    assert main(argv(other, days[0], foreign, *flags, *extra)) == 0
+    src = str(tmp_path / "src")
+    shutil.copytree(outs[fmt], src)
+    rel = json.load(open(os.path.join(src, "manifest.json")))["shards"][0][fmt]
+    shutil.copy(os.path.join(foreign, rel), os.path.join(src, rel))
+    capsys.readouterr()
+    assert main(argv(tiny_model_files, days[1], str(tmp_path / "r"), *flags, "--reuse", src)) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "not the file its manifest records" in err[-1], err[-1]
+    assert not os.path.exists(tmp_path / "r" / "manifest.json")

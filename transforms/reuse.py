@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.parquet import KEY_INDEX_SCHEMA
-from elmo_pipeline.fsio import redact, url_fs
+from elmo_pipeline.fsio import NotTheRecordedFile, read_recorded, redact, url_fs
 from elmo_pipeline.output.names import KEYS
 from elmo_pipeline.transforms.dedupe import with_copies
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
@@ -56,6 +56,7 @@ class ReuseSource:
     label: str
     format: str
     shards: tuple[tuple[str, str, int], ...]
+    records: tuple[tuple[dict | None, dict | None], ...] = ()    # per shard, (key index, data) as its manifest records
 
 
 def join_key(key: str) -> bytes:
@@ -127,7 +128,9 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
     if fmt is None:
         raise ReuseError(f"{flag} {label}: vectors are read back from Parquet (--parquet-layout sentence) or Arrow "
                          f"shards; it has {', '.join(formats) or 'none'}")
-    shards = []
+    shards, records, files = [], [], m.get("files")
+    if files is not None and not isinstance(files, dict):
+        raise ReuseError(f"{flag} {label}: its manifest's files are damaged")
     if len(m["shards"]) >= 1 << SHARD_BITS:
         raise ReuseError(f"{flag} {label}: more than {1 << SHARD_BITS} shards")
     for i, s in enumerate(m["shards"]):
@@ -135,9 +138,12 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
         if not (_inside(keys) and _inside(data) and isinstance(n, int) and 0 <= n < 1 << ROW_BITS):
             raise ReuseError(f"{flag} {label}: its manifest's shard {i} is damaged ({redact(str(s))[:200]})")
         path = posixpath.join(root, keys)
+        rec = (files.get(keys), files.get(data)) if files is not None else (None, None)
+        if files is not None and not all(isinstance(r, dict) and type(r.get("bytes")) is int and
+                                         isinstance(r.get("sha256"), str) for r in rec):
+            raise ReuseError(f"{flag} {label}: its manifest records no size and digest for shard {i}'s files")
         try:
-            with fs.open(path, "rb") as f:
-                meta = pq.read_metadata(f)
+            meta = pq.read_metadata(pa.BufferReader(read_recorded(fs, path, rec[0])))
             ok = meta.num_rows == n and meta.schema.to_arrow_schema().remove_metadata().equals(KEY_INDEX_SCHEMA)
         except Exception as e:  # noqa: BLE001
             raise ReuseError(f"{flag} {label}: its key index {keys} cannot be read ({type(e).__name__}: "
@@ -146,7 +152,8 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
             raise ReuseError(f"{flag} {label}: its key index {keys} does not hold the {n} (id, key) rows of its "
                              "shard")
         shards.append((_url(url, keys), _url(url, data), n))
-    return ReuseSource(url, label, fmt, tuple(shards))
+        records.append(rec)
+    return ReuseSource(url, label, fmt, tuple(shards), tuple(records))
 
 
 def table_sources(table: str, urls: list[str], key_prefix: str, columns: list[tuple[str, int]], dtype: str,
@@ -166,17 +173,27 @@ def table_sources(table: str, urls: list[str], key_prefix: str, columns: list[tu
     return out
 
 
+def _recorded(path: str, record: dict | None, storage_options: dict | None) -> bytes:
+    """A source file's bytes, checked against its manifest's record (fsio.read_recorded): ReuseError if it is not
+    that file (swapped in, rewritten by another run since, grown, not a regular file)."""
+    fs, p = url_fs(path, storage_options)
+    try:
+        return read_recorded(fs, p, record)
+    except NotTheRecordedFile as e:
+        raise ReuseError(f"--reuse: {redact(str(e))}: its vectors are not reused") from None
+
+
 def _url(base: str, rel: str) -> str:
     return base.rstrip("/") + "/" + rel
 
 
-def index_blobs(source: int, shard: int, path: str, buckets: int, storage_options: dict | None = None
-                ) -> Iterator[tuple[int, bytes]]:
+def index_blobs(source: int, shard: int, path: str, buckets: int, storage_options: dict | None = None,
+                record: dict | None = None) -> Iterator[tuple[int, bytes]]:
     """(bucket, its rows of one key-index file packed as ENTRY records) for every bucket that file has rows in;
-    read as Arrow buffers, no Python object per row. ReuseError when a key is not a key (a damaged file)."""
-    fs, p = url_fs(path, storage_options)
-    with fs.open(p, "rb") as f:
-        col = pq.read_table(f, columns=["key"]).column("key").combine_chunks()
+    read as Arrow buffers, no Python object per row, from the bytes checked against `record` (its manifest's).
+    ReuseError when a key is not a key (a damaged file) or the file is not the one recorded."""
+    col = pq.read_table(pa.BufferReader(_recorded(path, record, storage_options)),
+                        columns=["key"]).column("key").combine_chunks()
     n = len(col)
     if n == 0:
         return
@@ -207,10 +224,9 @@ def found_keys(sources: list[ReuseSource], keys: set[str], storage_options: dict
     import pyarrow.compute as pc
     wanted, found = pa.array(sorted(keys), pa.string()), set()
     for src in sources:
-        for path, _, _ in src.shards:
-            fs, p = url_fs(path, storage_options)
-            with fs.open(p, "rb") as f:
-                col = pq.read_table(f, columns=["key"]).column("key")
+        for k, (path, _, _) in enumerate(src.shards):
+            record = src.records[k][0] if src.records else None
+            col = pq.read_table(pa.BufferReader(_recorded(path, record, storage_options)), columns=["key"]).column("key")
             found.update(col.filter(pc.is_in(col, value_set=wanted)).to_pylist())
     return found
 
@@ -238,9 +254,8 @@ def read_vectors(source: ReuseSource, shard: int, rows: list[int], columns: list
     """Rows `rows` of a source's shard: their tokens, per layer column the stored vectors (T, D_k) of those rows
     in order (the stored dtype, bit for bit), and their token counts (len(rows),)."""
     _, path, _ = source.shards[shard]
-    fs, p = url_fs(path, storage_options)
     names = [n for n, _ in columns]
-    with fs.open(p, "rb") as f:
+    with pa.BufferReader(_recorded(path, source.records[shard][1] if source.records else None, storage_options)) as f:
         if source.format == "parquet":
             t = pq.read_table(f, columns=["tokens", *names]).take(pa.array(rows, pa.int64()))
             tokens = t.column("tokens").to_pylist()
