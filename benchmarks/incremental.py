@@ -3,7 +3,7 @@
 Iceberg table day 1 was registered in, without and with `--reuse-table` (docs/warehouses.md), whole processes side by
 side, each as a share of the full day-2 run's wall; the floor measured beside them (process start-up and imports;
 pyarrow reading day 1's shards and writing them again); the reuse output compared with the full one, bit for bit,
-and each upserted table with the full one's shards (formats.iceberg_upsert.same_rows).
+and each upserted table with the full one's shards (formats.iceberg.upsert.same_rows).
 
     python -m benchmarks.incremental [--lines N] [--size original] [--repeat 1]
     python -m benchmarks.incremental --reuse-source-rows 10000000      # peak RSS joining a big reuse source
@@ -31,7 +31,7 @@ import time
 
 from benchmarks.common import RESULTS, SHARED, machine
 from elmo_pipeline.formats.iceberg import IcebergTarget
-from elmo_pipeline.formats.iceberg_upsert import same_rows, upsert_argv
+from tests.iceberg_rows import same_rows, upsert_argv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--torch-threads", "2", "--progress", "off", "--format", "parquet", "--batch-invariant"]

@@ -18,7 +18,7 @@ PARQUET_LAYOUTS = ("sentence", "token")       # --parquet-layout
 ARROW_LAYOUT = "token-rows"                   # the manifest's arrow_layout (formats/arrow.py)
 STORAGE_DTYPES = ("float32", "float16")       # --dtype: precision of the stored vectors
 MANIFEST, SUCCESS = "manifest.json", "_SUCCESS"
-DOC_HASHES = "doc_hashes.parquet"   # --iceberg-mode upsert: the table's documents after it (formats/iceberg_upsert.py)
+DOC_HASHES = "doc_hashes.parquet"   # --iceberg-mode upsert: the table's documents after it (formats/iceberg/upsert.py)
 EXCERPT_CHARS = 200                           # dead letters keep the first 200 characters
 
 
@@ -128,28 +128,6 @@ def checked_record(raw: bytes) -> tuple[dict, list[str]] | None:
           and isinstance(ids, list) and len(ids) == rec["sentences"] and all(isinstance(i, str) for i in ids)
           and len(set(ids)) == len(ids))
     return (rec, ids) if ok else None
-
-
-def manifest_header(model: dict, columns: list[tuple[str, int]], hdf5_layout: str, flags: dict,
-                    formats: list[str], inputs: list[str], run: dict) -> dict:
-    """What a run knows before it starts: model identity, layers and widths, content options, inputs, run key.
-    `flags` is every flag of the run (ElmoOptions), some of which are also top-level keys."""
-    o = flags
-    return {
-        "model": model,
-        "layers": [c for c, _ in columns], "layer_dims": {c: d for c, d in columns},
-        "hdf5_layout": hdf5_layout,
-        "dtype": o["dtype"], "compute_dtype": o["compute_dtype"], "state": o["state"], "tokenizer": o["tokenizer"],
-        "formats": formats, "parquet_layout": o["parquet_layout"], "duplicate_layer0": o["duplicate_layer0"],
-        **({"arrow_layout": ARROW_LAYOUT} if "arrow" in formats else {}),
-        "inputs": inputs, "input_format": o["input_format"],
-        "options": flags,
-        "run": run,
-    }
-
-
-def manifest_bytes(manifest: dict) -> bytes:
-    return json.dumps(manifest, indent=1, sort_keys=True).encode()
 
 
 def is_manifest(m) -> bool:

@@ -205,6 +205,33 @@ class NotTheRecordedFile(ValueError):
     """A file read back is not the one its writer recorded (size, SHA-256), or no regular file."""
 
 
+def check_recorded(fs, path: str, record: dict, digest: bool = True) -> None:
+    """NotTheRecordedFile unless `path` is a regular file (a FIFO, a device or a folder is never opened) of the
+    recorded size ({"bytes", "sha256"}) and, with `digest`, SHA-256, streamed in blocks: at most bytes + 1 read."""
+    import hashlib
+    import stat
+    if is_local_fs(fs):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise NotTheRecordedFile(f"{path}: cannot be read ({e.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise NotTheRecordedFile(f"{path}: not a regular file (a file of {record['bytes']} bytes is recorded)")
+        size = st.st_size
+    else:
+        size = fs.size(path)
+    if size != record["bytes"]:
+        raise NotTheRecordedFile(f"{path}: {size} bytes, {record['bytes']} recorded")
+    if digest:
+        h, left = hashlib.sha256(), record["bytes"] + 1
+        with fs.open(path, "rb") as f:
+            while left > 0 and (block := f.read(min(left, 8 << 20))):
+                h.update(block)
+                left -= len(block)
+        if left <= 0 or h.hexdigest() != record["sha256"]:
+            raise NotTheRecordedFile(f"{path}: not the file its writer recorded (another SHA-256)")
+
+
 def read_recorded(fs, path: str, record: dict | None) -> bytes:
     """The bytes of `path`, checked against the record its writer kept ({"bytes", "sha256"}: manifest.json
     "files"): at most bytes + 1 read, a local path opened only when it is a regular file (a FIFO never blocks a

@@ -9,7 +9,8 @@ one object per input file.
 
 - plan_from_staging(): that reading, checked: every selected shard's files are there and every sentence
   id any record names is covered (else Incomplete: the missing sentences are embedded by another round).
-- finalize(): dead letters written as final-size files, the run report (report.html, from the commit
+- finalize(): dead letters written as final-size files, the upsert's document state
+  (--iceberg-mode upsert: stage_upsert_state), the run report (report.html, from the commit
   records and the staged run statistics: output/report.py) and metrics.prom (the manifest's counts and
   the stage times: formats/metrics.py), then the plan (finalize.json: every move
   and the manifest) before the first move, then complete_finalize().
@@ -20,9 +21,8 @@ one object per input file.
   name (deleted by hand, or by a run that ignored the lease) is rolled back: the files already moved go
   back to their staged names and the plan is dropped, so the next round resumes from the commit records
   whose files are all present and embeds the rest again.
-- clear_final(): removes only the final-name files the pipeline can show it wrote (owned_final_names: what
-  its manifest lists, what a plan moved), the proof (manifest.json, the plans) last.
-No final-named data file appears before the plan is complete and consistent. Every write, move and removal
+The manifest is assembled and written by output/manifest.py; only what the pipeline owns is ever removed
+(output/ownership.py). No final-named data file appears before the plan is complete and consistent. Every write, move and removal
 goes through a Sink (output/sink.py) whose fence is the lease's check_held (fsio/lease.py); the register hook
 is fenced too: a run that lost its lease stops there (LeaseLost) and changes nothing more.
 """
@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 from elmo_pipeline.formats import layout
-from elmo_pipeline.formats.layout import MANIFEST, SCHEMA_VERSION, SUCCESS, DeadLetter, ShardInfo
+from elmo_pipeline.formats.layout import DOC_HASHES, MANIFEST, SUCCESS, DeadLetter, ShardInfo
 from elmo_pipeline.formats.metrics import metrics_text
 from elmo_pipeline.fsio import remove_temp_files, url_fs
 from elmo_pipeline.fsio.lease import RetryLater
-from elmo_pipeline.output.names import (COUNTS, DEAD, DEAD_LETTERS, DOCS, METRICS, PLAN, RECORDS, REPORT, SHARD_FOLDERS,
-                                        STAGING, STATS, is_final_name, listed_names, part_name)
+from elmo_pipeline.output import manifest as manifests
+from elmo_pipeline.output.names import COUNTS, DEAD, DEAD_LETTERS, DOCS, METRICS, PLAN, RECORDS, REPORT, STAGING, STATS, is_final_name
 from elmo_pipeline.output.report import build_report
 from elmo_pipeline.output.sink import Sink
 from elmo_pipeline.output.stats import STAGES, is_stats, merge_stats
@@ -75,10 +75,11 @@ class Selected(NamedTuple):
     damaged: list[str]              # record files that are no whole record
 
 
-def select_records(fs, st: str, present: set[str]) -> Selected:
+def select_records(fs, st: str, present: set[str], whole: Callable[[dict], bool] | None = None) -> Selected:
     """The commit records of <st>/committed/ (Selected): a pairwise-disjoint set of records whose files are all
-    present, first come first kept in name order (a retried bundle's record overlapping one already kept is left
-    out); a record file that is no whole record (formats.layout.checked_record) is left out too, its path listed."""
+    present (and, with `whole`, for which whole(record) holds), first come first kept in name order (a retried
+    bundle's record overlapping one already kept is left out); a record file that is no whole record
+    (formats.layout.checked_record) is left out too, its path listed."""
     rec_dir = posixpath.join(st, RECORDS)
     names = sorted(p for p in present if p.startswith(rec_dir + "/") and p.endswith(".json"))
     contents = fs.cat(names, on_error="omit") if names else {}     # concurrent GETs on object stores
@@ -91,7 +92,7 @@ def select_records(fs, st: str, present: set[str]) -> Selected:
         rec, ids = got
         named.update(ids)
         files = [posixpath.join(st, f) for f in rec.get("files", {}).values()]
-        if not all(f in present for f in files) or done.intersection(ids):
+        if not all(f in present for f in files) or done.intersection(ids) or (whole and not whole(rec)):
             continue
         done.update(ids)
         records.append(rec)
@@ -178,80 +179,13 @@ def _dead_letter(path: str, line: str) -> DeadLetter:
     return DeadLetter(d["id"], d["reason"], d["excerpt"], d["level"])
 
 
-def record_counts(stats: dict, dead: list[ShardInfo]) -> dict:
-    """Counts that account for every input record, from the per-file read stats and the staged dead-letter
-    files: input_records = documents + blank_records + record_dead_letters."""
-    by_reason: dict[str, int] = {}
-    for d in dead:
-        for k, v in d.extra.get("by_reason", {}).items():
-            by_reason[k] = by_reason.get(k, 0) + v
-    return {"input_records": stats.get("input_records", 0), "blank_records": stats.get("blank_records", 0),
-            "record_dead_letters": sum(d.sentences - d.extra.get("sentence_level", 0) for d in dead),
-            "dead_letters_by_reason": dict(sorted(by_reason.items()))}
-
-
-def complete_manifest(manifest: dict, shards: list[ShardInfo], dead: list[ShardInfo]) -> tuple[dict, list[list[str]]]:
-    """The manifest with shard listing and counts filled in, and the moves [staged url, final relative name]
-    that put every file under its final name. Shards are numbered in order of their first sentence id."""
-    shards = sorted(shards, key=lambda s: s.first_id)
-    dead = sorted(dead, key=lambda s: s.first_id)
-    listing, moves = [], []
-    for i, s in enumerate(shards):
-        entry = {"sentences": s.sentences, "tokens": s.tokens}
-        for fmt, src in sorted(s.files.items()):
-            rel = part_name(fmt, i, len(shards))
-            moves.append([src, rel])
-            entry[fmt] = rel
-        listing.append(entry)
-    dead_files = []
-    for i, s in enumerate(dead):
-        rel = part_name(DEAD_LETTERS, i, len(dead))
-        moves.append([s.files[DEAD_LETTERS], rel])
-        dead_files.append({"path": rel, "records": s.sentences})
-    counts = manifest.setdefault("counts", {})
-    counts["sentences_written"] = sum(s.sentences for s in shards)
-    counts["tokens_written"] = sum(s.tokens for s in shards)
-    counts["dead_letters"] = sum(s.sentences for s in dead)
-    counts["dead_letter_sentences"] = sum(s.extra.get("sentence_level", 0) for s in dead)
-    counts["sentences"] = counts["sentences_written"] + counts["dead_letter_sentences"]
-    reused = dict.fromkeys(manifest.get("reuse", {}).get("sources", []), 0)   # by source (--reuse), this run's
-    for s in shards:                    # and those of an interrupted run it resumed
-        for src, n in s.extra.get("reused", {}).items():
-            reused[src] = reused.get(src, 0) + n
-    if manifest.get("dedupe") or reused:    # written = embedded + deduplicated (another sentence's vectors) + reused
-        counts["sentences_deduplicated"] = sum(s.extra.get("deduplicated", 0) for s in shards)
-        if reused:
-            counts["sentences_reused"] = sum(reused.values())
-            counts["sentences_reused_by_source"] = reused
-        counts["sentences_embedded"] = (counts["sentences_written"] - counts["sentences_deduplicated"]
-                                        - counts.get("sentences_reused", 0))
-    manifest.update(schema_version=SCHEMA_VERSION, shards=listing, dead_letter_files=dead_files)
-    return manifest, moves
-
-
-def is_file_record(rec) -> bool:
-    """Whether `rec` is a whole file record: {"bytes": a non-negative int, "sha256": 64 lowercase hex digits}."""
-    return (isinstance(rec, dict) and type(rec.get("bytes")) is int and rec["bytes"] >= 0
-            and isinstance(h := rec.get("sha256"), str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h))
-
-
-def file_records(moves: list[list[str]], shards: list[ShardInfo], written: dict[str, dict]) -> dict[str, dict]:
-    """{final name: {"bytes", "sha256"}} of every file the plan moves whose record is known: a shard's from its
-    commit record (taken as the worker wrote it), the others' from this Sink's writes. A shard committed by a
-    version without digests stays unrecorded (read as before, not verified)."""
-    known = {src: rec for s in shards if isinstance(d := s.extra.get("digests"), dict)
-             for fmt, src in s.files.items() if is_file_record(rec := d.get(fmt))}
-    known.update(written)
-    return {rel: known[src] for src, rel in sorted(moves, key=lambda m: m[1]) if src in known}
-
-
 def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_options: dict | None = None,
              register: Callable[[dict, Callable[[], None] | None], None] | None = None, run_seconds: float | None = None,
              fence: Callable[[], None] | None = None, upsert=None) -> dict:
     """Publish `staged`: dead letters as files of at most DEAD_LETTERS_PER_FILE (sorted by id), the run
     report (report.html; `run_seconds`: the run's wall time so far, for it) and metrics.prom, then the plan (finalize.json:
     every move and `manifest` completed with counts and the shard list), then complete_finalize() (with
-    `register` and `fence`). `upsert` (formats.iceberg_upsert.Upsert): the documents' state file too, and its
+    `register` and `fence`). `upsert` (formats.iceberg.upsert.Upsert): the documents' state file too, and its
     counts. Returns the manifest."""
     sink, st = Sink.at(staging, storage_options, fence)
     dead = []
@@ -262,11 +196,11 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
         dead.append(ShardInfo({DEAD_LETTERS: path}, len(part), 0, part[0].id, extra=layout.count_dead_letters(part)))
     m = json.loads(json.dumps(manifest, default=str))
     counts = m.setdefault("counts", {})
-    counts.update(record_counts(staged.counts, dead))
+    counts.update(manifests.record_counts(staged.counts, dead))
     counts["documents"] = counts["input_records"] - counts["blank_records"] - counts["record_dead_letters"]
-    m, moves = complete_manifest(m, staged.shards, dead)
+    m, moves = manifests.complete(m, staged.shards, dead)
     if upsert is not None:
-        moves += upsert.stage(sink, st, staged.docs, m, staged.dead)
+        moves.append(stage_upsert_state(sink, st, upsert, staged, m))
     try:            # an extra: a report that cannot be built must not cost the run its output
         page = build_report(m, staged.records, staged.stats, run_seconds)
     except Exception:  # noqa: BLE001
@@ -281,10 +215,22 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
                         time.time())
     sink.put(posixpath.join(st, METRICS), text.encode("utf-8"))
     moves.append([posixpath.join(st, METRICS), METRICS])
-    m["files"] = file_records(moves, staged.shards, sink.written)
+    m["files"] = manifests.file_records(moves, staged.shards, sink.written)
     sink.put(posixpath.join(st, PLAN), json.dumps({"moves": moves, "manifest": m}).encode())
     complete_finalize(output, staging, storage_options, register, fence)
     return m
+
+
+def stage_upsert_state(sink: Sink, st: str, upsert, staged: Staged, m: dict) -> list[str]:
+    """--iceberg-mode upsert: the table's documents after this run (`upsert`: formats.iceberg.upsert.Upsert, from
+    the staged documents' hashes and the run's dead letters) staged as DOC_HASHES, its counts and entry in the
+    manifest `m`. Returns the move that publishes it."""
+    docs = sink.fs.cat(staged.docs).values() if staged.docs else ()
+    state = upsert.state_after(docs, staged.dead)
+    path = posixpath.join(st, DOC_HASHES)
+    sink.put(path, upsert.state_bytes(state))
+    manifests.with_upsert(m, upsert.change_counts(state), upsert.section())
+    return [path, DOC_HASHES]
 
 
 def read_plan(fs, st: str) -> dict | None:
@@ -355,7 +301,7 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
             elif not fs.exists(dst):
                 raise RetryLater(f"finalize: staged file {src} is gone and {dst} was never written; "
                                         "rerun the same command: it re-embeds that shard")
-        sink.put(posixpath.join(root, MANIFEST), layout.manifest_bytes(plan["manifest"]))
+        manifests.write(sink, root, plan["manifest"])
     if fs.exists(st):
         sink.remove(st, recursive=True)
     staging_parent = posixpath.join(root, STAGING)
@@ -370,65 +316,3 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
     return manifest
 
 
-def staged_plans(fs, root: str) -> dict[str, dict]:
-    """{staging folder: its finalize plan} of every run under <root>/_staging/ whose Finalize started (a plan
-    that does not parse is left out)."""
-    parent = posixpath.join(root, STAGING)
-    if not fs.exists(parent):
-        return {}
-    plans = {}
-    for entry in fs.ls(parent, detail=True):
-        if entry["type"] != "directory":
-            continue
-        plan = read_plan(fs, entry["name"].rstrip("/"))
-        if plan is not None:
-            plans[entry["name"].rstrip("/")] = plan
-    return plans
-
-
-def plan_names(plan: dict) -> set[str]:
-    """The final names (relative to the output folder) that a finalize plan (read_plan's, checked) moves files to."""
-    return {m[1] for m in plan["moves"]}
-
-
-def owned_final_names(fs, root: str) -> set[str]:
-    """Names (relative to `root`) of final-name files the pipeline can show it wrote there: what its
-    manifest.json lists, with manifest.json and _SUCCESS, and what the finalize plans under _staging/ move
-    there (output/names.py, ownership)."""
-    names = set()
-    manifest = layout.read_manifest(fs, root)
-    if manifest is not None:
-        names |= listed_names(manifest) | {MANIFEST, SUCCESS}
-    for plan in staged_plans(fs, root).values():
-        names |= plan_names(plan)
-    return names
-
-
-def files_under(fs, root: str, folders: tuple[str, ...]) -> set[str]:
-    """Names (relative to `root`) of the files under the given subfolders of `root` (one listing each)."""
-    found = set()
-    for sub in folders:
-        path = posixpath.join(root, sub)
-        if fs.isdir(path):
-            found.update(posixpath.relpath(p, root) for p in fs.find(path))
-    return found
-
-
-def clear_final(sink: Sink, root: str, keep: set[str] = frozenset()) -> None:
-    """Remove the final-name files the pipeline wrote under `root` (owned_final_names), but those in `keep`:
-    _SUCCESS first, manifest.json last (until then it shows whose the rest are), then shard folders left
-    empty and the temporary files of manifest.json and _SUCCESS. Files of unknown origin stay."""
-    fs = sink.fs
-    owned = owned_final_names(fs, root) - set(keep)
-    present = files_under(fs, root, SHARD_FOLDERS) | {n for n in (SUCCESS, MANIFEST, REPORT, METRICS)
-                                                       if fs.exists(posixpath.join(root, n))}
-    data = sorted((owned & present) - {SUCCESS, MANIFEST})
-    for group in ([SUCCESS], data, [MANIFEST]):
-        paths = [posixpath.join(root, n) for n in group if n in owned and n in present]
-        if paths:
-            sink.remove(paths)
-    for sub in SHARD_FOLDERS:
-        path = posixpath.join(root, sub)
-        if sink.local and fs.isdir(path) and not fs.ls(path):
-            fs.rmdir(path)
-    remove_temp_files(fs, root, (MANIFEST, SUCCESS))

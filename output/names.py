@@ -5,7 +5,7 @@
     <out>/dead_letters/part-00000-of-00001.jsonl                                       (only when there are any)
     <out>/keys/part-00000-of-00002.parquet      (stateless, warm: the key index, row r = shard i's row r)
     <out>/manifest.json, <out>/report.html, <out>/metrics.prom                         (by Finalize, after all shards)
-    <out>/doc_hashes.parquet    (--iceberg-mode upsert: the table's documents after it, formats/iceberg_upsert.py)
+    <out>/doc_hashes.parquet    (--iceberg-mode upsert: the table's documents after it, formats/iceberg/upsert.py)
     <out>/_SUCCESS                                                                     (written last)
     <out>/_staging/<run key>/   while a run is live: <uuid>.<format> (shard files), committed/<uuid>.json (commit
                                records), dead/<uuid>.jsonl (dead letters), counts/<file hash>.json (per

@@ -19,16 +19,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import posixpath
 from dataclasses import dataclass, field
 
-from elmo_pipeline.formats.layout import MANIFEST, SUCCESS, ShardInfo, checked_record, read_manifest
-from elmo_pipeline.fsio import is_local_fs, url_fs
-from elmo_pipeline.output.finalize import (clear_final, json_or_none, owned_final_names, plan_consistent, plan_names,
-                                           read_plan, roll_back, select_records)
-from elmo_pipeline.output.names import (FINAL_NAMES, PLAN, RUN_FILE, SHARD_FILES, SHARD_FOLDERS, STAGING, STATS, TOP_FILES,
-                                        is_scratch_name)
+from elmo_pipeline.formats.layout import SUCCESS, ShardInfo, checked_record, read_manifest
+from elmo_pipeline.fsio import NotTheRecordedFile, check_recorded, url_fs
+from elmo_pipeline.output.manifest import is_file_record
+from elmo_pipeline.output.finalize import json_or_none, plan_consistent, read_plan, roll_back, select_records
+from elmo_pipeline.output.names import PLAN, RUN_FILE, SHARD_FILES, STAGING, STATS
+from elmo_pipeline.output.ownership import check_no_links, check_ownership, clear_final, plan_names
 from elmo_pipeline.output.sink import Sink
 
 logger = logging.getLogger("elmo-pipeline.resume")
@@ -160,91 +159,6 @@ def _listed_files_present(fs, root: str, manifest: dict) -> bool:
     return all(fs.exists(posixpath.join(root, r)) for r in rels)
 
 
-@dataclass
-class Foreign:
-    """What an output folder holds that the pipeline cannot show it wrote (names relative to the folder;
-    output/names.py, ownership)."""
-    in_the_way: list[str]      # under the shard folders or at a name Finalize writes: readers would take them
-    #                            for output, or Finalize would replace them
-    elsewhere: list[str]       # anything else (a folder ends in '/'): left alone
-    ours: bool                 # the folder holds a run of the pipeline (its manifest.json or _staging/)
-
-
-def foreign_files(fs, root: str) -> Foreign:
-    """Sort the top of `root` and its shard folders into owned and foreign (see Foreign). Reads only."""
-    owned = owned_final_names(fs, root)
-    try:
-        top = fs.ls(root, detail=True)
-    except FileNotFoundError:
-        top = []
-    found = Foreign([], [], MANIFEST in owned)
-    for entry in top:
-        name = posixpath.basename(entry["name"].rstrip("/"))
-        if entry["type"] == "directory" and name == STAGING:
-            found.ours = True
-        elif entry["type"] == "directory" and name in SHARD_FOLDERS:
-            found.in_the_way += sorted(n for n in (posixpath.relpath(p, root) for p in fs.find(entry["name"]))
-                                       if n not in owned)
-        elif entry["type"] == "directory":
-            found.elsewhere.append(name + "/")
-        elif name in owned or is_scratch_name(name):
-            continue
-        elif name in FINAL_NAMES or name == STAGING:
-            found.in_the_way.append(name)
-        else:
-            found.elsewhere.append(name)
-    found.in_the_way.sort()
-    found.elsewhere.sort()
-    return found
-
-
-def _some(names: list[str], n: int = 3) -> str:
-    """'a, b, c and 4 more'."""
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
-
-
-def check_ownership(output: str, fs, root: str, overwrite: bool) -> None:
-    """FileExistsError (one line naming a few of them) when `output` holds files the pipeline did not write
-    in the way of its output (even with --overwrite), or, on a folder that holds no run of the pipeline,
-    any file or folder at all (unless --overwrite, which writes beside them and leaves them alone)."""
-    found = foreign_files(fs, root)
-    if found.in_the_way:
-        raise FileExistsError(
-            f"{output} holds {len(found.in_the_way)} file(s) this pipeline did not write where its output goes: "
-            f"{_some(found.in_the_way)}. It never deletes or replaces them, and readers of its shard folders "
-            "would take them for output: move them away or choose another --output")
-    if found.elsewhere and not found.ours and not overwrite:
-        raise FileExistsError(
-            f"{output} is not empty and holds no run of this pipeline: {_some(found.elsewhere)}. Choose an "
-            "empty or new --output, or pass --overwrite to write beside them (they are left alone)")
-
-
-def links_inside(fs, root: str) -> list[str]:
-    """The symbolic links (names relative to `root`) at or below the names the pipeline writes in a local output:
-    _staging/, the shard folders, the top files. Walked without following a link. Object stores have none."""
-    if not is_local_fs(fs):
-        return []
-    found = []
-    for name in (STAGING, *SHARD_FOLDERS, *TOP_FILES):
-        path = os.path.join(root, name)
-        if os.path.islink(path):
-            found.append(name)
-            continue
-        for folder, dirs, files in os.walk(path):
-            found += [os.path.relpath(os.path.join(folder, n), root) for n in dirs + files
-                      if os.path.islink(os.path.join(folder, n))]
-    return sorted(found)
-
-
-def check_no_links(output: str, fs, root: str) -> None:
-    """FileExistsError naming the symbolic links where the pipeline writes (links_inside): staging, clearing and
-    finalizing never follow a link out of the output, so a planted link is refused, not written through."""
-    links = links_inside(fs, root)
-    if links:
-        raise FileExistsError(f"{output} holds {len(links)} symbolic link(s) where this pipeline writes: "
-                              f"{_some(links)}. It never follows a link out of its output: remove them")
-
-
 def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, storage_options: dict | None = None,
                    resumable: bool = True) -> OutputState:
     """Decide what a run with run key `key` does with `output`, and make the folder ready for it. The caller
@@ -340,7 +254,7 @@ def _refuse_another_command(output: str, fs, parent: str, manifest: dict | None,
 def _keep_disjoint_records(sink: Sink, st: str, state: OutputState) -> None:
     fs = sink.fs
     present = set(fs.find(st))
-    records, paths, _, _, damaged = select_records(fs, st, present)
+    records, paths, _, _, damaged = select_records(fs, st, present, lambda rec: _as_recorded(fs, st, rec))
     for path in damaged:        # removed below with the rest: its shard's sentences are embedded again
         _embedded_again(path)
     stats = posixpath.join(st, STATS) + "/"
@@ -352,6 +266,21 @@ def _keep_disjoint_records(sink: Sink, st: str, state: OutputState) -> None:
     gone = sorted(present - keep)    # partial shards, dropped records, dead letters, counts, temp files
     if gone:
         sink.remove(gone)
+
+
+def _as_recorded(fs, st: str, rec: dict) -> bool:
+    """Whether each of a commit record's files is the one its worker recorded (size and SHA-256, streamed:
+    fsio.check_recorded); a shard of a version that recorded none is taken as it is. False, with a warning: its
+    sentences are embedded again."""
+    digests = rec.get("digests") if isinstance(rec.get("digests"), dict) else {}
+    for fmt, name in rec["files"].items():
+        if is_file_record(record := digests.get(fmt)):
+            try:
+                check_recorded(fs, posixpath.join(st, name), record)
+            except NotTheRecordedFile as e:
+                logger.warning("%s; its shard's sentences are embedded again", e)
+                return False
+    return True
 
 
 def _embedded_again(path: str) -> None:

@@ -120,7 +120,7 @@ def sample_inputs(pl, sizes: dict[str, int], budget: int = SAMPLE_BYTES) -> dict
     upsert (pl.upsert), each document is also counted unchanged, changed or added against the table's state;
     the counts of sentences and tokens are those of the changed and added ones only (the run embeds only
     those); the unchanged ones' sentences are timed too ("timing": the biLM's rate), not counted."""
-    from elmo_pipeline.formats.iceberg_upsert import change_of, doc_hash
+    from elmo_pipeline.formats.iceberg.upsert import change_of, doc_hash
     from elmo_pipeline.tokenization.process import tokenize_or_reason
     from elmo_pipeline.transforms.ids import split_duplicate_ids
     from elmo_pipeline.transforms.records import Blank, Document

@@ -32,7 +32,7 @@ TRANSIENT_TYPES = ("LeaseHeld", "RetryLater", "ConnectionError", "EndpointConnec
                    "CommitFailedException")
 DATA_TYPES = ("WeightsError", "OptionsError", "DuplicateIdError", "InputChanged")
 USAGE_TYPES = ("PermissionError", "FileExistsError", "NotADirectoryError", "IsADirectoryError",
-               "TableMovedError")   # formats/iceberg_upsert.py: an upsert to run again into a new --output
+               "TableMovedError")   # formats/iceberg/upsert.py: an upsert to run again into a new --output
 PLANNING_USAGE_TYPES = ("ValueError", "RuntimeError")   # while planning: a bad value, a missing GPU; once running: a
 #                                                       bug or a library's complaint
 AFTER_PLAN = "_elmo_pipeline_after_plan"

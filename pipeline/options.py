@@ -7,7 +7,7 @@ import os
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from elmo_pipeline.formats.layout import FORMATS, PARQUET_LAYOUTS, STORAGE_DTYPES
-from elmo_pipeline.formats.iceberg_upsert import MODES as ICEBERG_MODES
+from elmo_pipeline.formats.iceberg.upsert import MODES as ICEBERG_MODES
 from elmo_pipeline.formats.parquet import VECTOR_COMPRESSIONS
 from elmo_pipeline.model.options import COMPUTE_DTYPES, STATE_MODES
 from elmo_pipeline.transforms.read import INPUT_FORMATS, MAX_RECORD_BYTES

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import posixpath
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -20,8 +19,8 @@ from apache_beam.utils import shared
 
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.hdf5 import hdf5_layout
-from elmo_pipeline.formats.iceberg import IcebergTarget, check_overwrite, output_url, record_table
-from elmo_pipeline.formats.iceberg_upsert import Upsert, settings_salt
+from elmo_pipeline.formats.iceberg import IcebergTarget, check_overwrite, output_url
+from elmo_pipeline.formats.iceberg.upsert import Upsert, settings_salt
 from elmo_pipeline.formats.parquet import layer_columns, shard_schema
 from elmo_pipeline.fsio import expand, redact, url_fs
 from elmo_pipeline.model.options import load_options, sentences_independent
@@ -37,8 +36,9 @@ from elmo_pipeline.transforms.reuse import ReuseSource, open_source, table_sourc
 from elmo_pipeline.transforms.splits import Split, plan_splits, split_size
 from elmo_pipeline.transforms.ids import file_labels, public_url
 from elmo_pipeline.output.state import finalize_started, input_fingerprints, run_ingredients, run_key
-from elmo_pipeline.output.names import KEYS
-from elmo_pipeline.output.sink import Sink
+from elmo_pipeline.output import manifest as manifests
+from elmo_pipeline.output.lifecycle import Job
+from elmo_pipeline.output.register import register
 from elmo_pipeline.output.staging import ShardSpec
 
 logger = logging.getLogger("elmo-pipeline.run")
@@ -104,21 +104,21 @@ class Plan:
     reuse: list[ReuseSource] = field(default_factory=list)   # --reuse sources, checked (transforms/reuse.py)
 
     def register(self, manifest: dict, fence: Callable[[], None] | None = None) -> None:
-        """Finalize's hook (output/finalize.py): the finished output's shards into the Iceberg table. A
-        manifest that does not name the table yet (a finished output registered by this later command) records
-        it just before the files are added (formats/iceberg.py recorded_tables): the output knows it before
-        the table does. That write goes through a Sink fenced by `fence` (the run's lease), as every other."""
-        def record():
-            if record_table(manifest, self.iceberg):
-                sink, root = Sink.at(self.options.output, self.storage_options, fence)
-                sink.put(posixpath.join(root, layout.MANIFEST), layout.manifest_bytes(manifest))
-        how = self.upsert if self.upsert is not None else self.iceberg
-        self.registration = how.register(self.options.output, manifest, self.schema, self.storage_options, record)
-        logger.info("%s", self.registration.describe())
+        """Finalize's hook (output/register.py): the finished output's shards into the Iceberg table, fenced by
+        `fence` (the run's lease)."""
+        self.registration = register(self.options.output, manifest, self.upsert if self.upsert is not None
+                                     else self.iceberg, self.schema, self.storage_options, fence)
 
     @property
     def registrar(self):
         return self.register if self.iceberg is not None else None
+
+    def job(self) -> Job:
+        """What the output's life needs of this plan (output/lifecycle.py)."""
+        o = self.options
+        return Job(o.output, self.key, self.ingredients, self.manifest, self.files, self.storage_options,
+                   overwrite=o.overwrite, resumable=o.state != "stateful", lease_stale_seconds=o.lease_stale_seconds,
+                   register=self.registrar, upsert=self.upsert)
 
 
 def spread_by_key(runner: str) -> bool:
@@ -269,19 +269,16 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
                          so) if o.iceberg_mode == "upsert" else None
     model_entry = redact({"name": model_name, **identity, "tokenization": tokenization, "tokenizer": tokenizer,
                           **({"urls": model_urls(model_name)} if is_published(model_name) else {})})
-    manifest = layout.manifest_header(
-        model_entry, columns, hdf5_layout(selection, n_layers), flags, formats, redact(files), {"key": key})
-    manifest["compute_support"] = compute_support_here(o.compute_dtype, o.device) if local else None
+    sections = {"compute_support": compute_support_here(o.compute_dtype, o.device) if local else None}
     if sentences_independent(o.state):      # vectors a function of the tokens: each shard's keys (docs/reuse.md)
-        manifest["key_index"] = {
-            "folder": KEYS, "columns": ["id", "key"], "key_prefix": spec.key_prefix,
-            "rows": "row r of keys/part-i is row r of shard i (sorted by sentence id)",
-            "key": "key_prefix + the first 32 hex digits of the sha256 of the tokens as a JSON list"}
-    if dedupe:     # counts: sentences embedded and deduplicated (output/finalize.py complete_manifest)
-        manifest["dedupe"] = {"scope": "run", "exact": o.batch_invariant}
-    if reuse:      # counts: sentences reused, by source (output/finalize.py complete_manifest)
-        manifest["reuse"] = {"sources": [s.label for s in reuse], "formats": [s.format for s in reuse],
+        sections["key_index"] = manifests.key_index_section(spec.key_prefix)
+    if dedupe:     # counts: sentences embedded and deduplicated (output/manifest.py complete)
+        sections["dedupe"] = {"scope": "run", "exact": o.batch_invariant}
+    if reuse:      # counts: sentences reused, by source (output/manifest.py complete)
+        sections["reuse"] = {"sources": [s.label for s in reuse], "formats": [s.format for s in reuse],
                              "key_prefix": spec.key_prefix}
+    manifest = manifests.planned(model_entry, columns, hdf5_layout(selection, n_layers), flags, formats,
+                                 redact(files), key, sections)
     shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
                       selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
                       o.row_group_bytes, n_layers, dim, o.vector_compression,

@@ -6,7 +6,6 @@ from typing import Callable
 
 import os
 import posixpath
-import uuid
 
 from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
 
@@ -154,15 +153,8 @@ def check_output_writable(output: str, storage_options: dict | None = None) -> N
         if not os.access(parent, os.W_OK | os.X_OK):
             raise PermissionError(f"--output {output}: {parent} is not writable")
         return
-    from elmo_pipeline.output.names import PROBE
-    from elmo_pipeline.fsio import url_fs
-    fs, root = url_fs(output, storage_options)
-    probe = posixpath.join(root, f"{PROBE}{uuid.uuid4().hex}")
-    try:
-        fs.pipe_file(probe, b"")
-        fs.rm(probe)
-    except Exception as e:  # noqa: BLE001
-        raise PermissionError(f"--output {output} is not writable: {type(e).__name__}: {e}") from None
+    from elmo_pipeline.output.ownership import probe_writable
+    probe_writable(output, storage_options)
 
 
 def check_input_columns(files: list[str], input_format: str, text_field: str, id_field: str | None,
@@ -220,10 +212,10 @@ def inputs_outside_output(files: list[str], patterns: list[str], output: str,
 
 
 def own_files(output: str, storage_options: dict | None = None) -> set[str]:
-    """Where the files of `output` lie that the pipeline can show it wrote (output.finalize.owned_final_names, and
+    """Where the files of `output` lie that the pipeline can show it wrote (output.ownership.owned_final_names, and
     everything under _staging/), as _place names them."""
     from elmo_pipeline.fsio import url_fs
-    from elmo_pipeline.output.finalize import owned_final_names
+    from elmo_pipeline.output.ownership import owned_final_names
     from elmo_pipeline.output.names import STAGING
     fs, root = url_fs(output, storage_options)
     staging = posixpath.join(root, STAGING)

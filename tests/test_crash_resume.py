@@ -331,6 +331,31 @@ def test_a_damaged_commit_record_is_embedded_again(damage, corpus, tiny_model_fi
     assert got[0]["run"]["resumed_sentences"] < reference[0]["counts"]["sentences"]
 
 
+@pytest.mark.parametrize("damage", ["byte", "other shard", "cut"])
+def test_a_committed_shard_changed_since_is_embedded_again(damage, corpus, tiny_model_files, reference, tmp_path,
+                                                           caplog):
+    """A committed shard whose file is not the one its commit record's digests describe (a byte changed, another
+    shard's file copied over it, cut short) is never published by a resume: the rerun drops its record and
+    embeds its sentences again, and the output equals the uninterrupted run's."""
+    out = str(tmp_path / "out")
+    args = argv(tiny_model_files, corpus, out, *SMALL)
+    p = run_subprocess(args, "commit:2")
+    assert p.returncode == -9, p.stderr[-2000:]
+    st = _staging(out)
+    first, second = _records(st)[:2]
+    path = os.path.join(st, first["files"]["parquet"])
+    data = open(path, "rb").read()
+    data = {"byte": data[:100] + bytes([data[100] ^ 1]) + data[101:], "cut": data[:-1],
+            "other shard": open(os.path.join(st, second["files"]["parquet"]), "rb").read()}[damage]
+    with open(path, "wb") as f:
+        f.write(data)
+    assert main(args) == 0
+    assert "its shard's sentences are embedded again" in caplog.text
+    got = read_output(out)
+    assert_same_output(got, reference)
+    assert got[0]["run"]["resumed_sentences"] < reference[0]["counts"]["sentences"]
+
+
 def test_plan_from_staging_refuses_an_incomplete_staging(tmp_path):
     """Sentences only in a shard whose file is gone, or an input file without counts: Incomplete (run()
     then embeds the missing sentences in another round); overlapping duplicates are not incomplete."""

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elmo_pipeline.output.finalize import file_records, is_file_record
+from elmo_pipeline.output.manifest import file_records, is_file_record
 from elmo_pipeline.output.sink import DigestWriter, Sink
 from tests.pipeline_helpers import run_pipeline
 

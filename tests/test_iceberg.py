@@ -20,8 +20,9 @@ from tests.resume_helpers import argv, read_output, run_subprocess, write_corpus
 pyiceberg = pytest.importorskip("pyiceberg")
 from pyiceberg.catalog import load_catalog  # noqa: E402
 
-from elmo_pipeline.formats.iceberg import (OUTPUT_PROPERTY, RUN_KEY_PROPERTY, IcebergTarget, data_file_urls,  # noqa: E402
-                             output_url, redact)
+from elmo_pipeline.formats.iceberg.commit import OUTPUT_PROPERTY, RUN_KEY_PROPERTY  # noqa: E402
+from elmo_pipeline.formats.iceberg import IcebergTarget, data_file_urls, output_url  # noqa: E402
+from elmo_pipeline.fsio import redact  # noqa: E402
 from elmo_pipeline.formats.parquet import shard_schema  # noqa: E402
 
 TABLE = "elmo.vectors"

@@ -18,7 +18,8 @@ pyiceberg = pytest.importorskip("pyiceberg")
 from pyiceberg.catalog import load_catalog  # noqa: E402
 from pyiceberg.expressions import And, GreaterThanOrEqual, LessThanOrEqual  # noqa: E402
 
-from elmo_pipeline.formats.iceberg import ID_METRICS_PROPERTY, DuplicateIdError, check_new_ids  # noqa: E402
+from elmo_pipeline.formats.iceberg.commit import DuplicateIdError, check_new_ids  # noqa: E402
+from elmo_pipeline.formats.iceberg.table import ID_METRICS_PROPERTY  # noqa: E402
 
 TABLE = "elmo.v"
 SMALL = ("--shard-sentences", "5", "--max-tokens-per-batch", "256")

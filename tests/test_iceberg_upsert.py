@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from elmo_pipeline.formats.iceberg import IcebergTarget
-from elmo_pipeline.formats.iceberg_upsert import (change_counts, change_of, delete_positions, doc_hash, new_state,
-                                                  same_rows, upsert_argv)
+from elmo_pipeline.formats.iceberg.upsert import change_counts, change_of, delete_positions, doc_hash, new_state
 from elmo_pipeline.pipeline.run import main
+from tests.iceberg_rows import same_rows, upsert_argv
 
 pyiceberg = pytest.importorskip("pyiceberg")
 from pyiceberg.catalog import load_catalog  # noqa: E402
@@ -273,7 +273,7 @@ def test_the_upsert_commit_is_never_rebased_on_a_moved_table(tmp_path):
     from pyiceberg.exceptions import CommitFailedException
     from pyiceberg.table import _parquet_files_to_data_files
     from pyiceberg.table.snapshots import Operation
-    from elmo_pipeline.formats.iceberg_upsert import _upsert_producer
+    from elmo_pipeline.formats.iceberg.commit import _upsert_producer
     files = []
     for k in range(3):
         pq.write_table(pa.table({"id": [f"d{k}#0"], "doc_id": [f"d{k}"]}), tmp_path / f"f{k}.parquet")
@@ -459,3 +459,20 @@ def test_a_document_with_a_sentence_that_failed_to_embed_is_embedded_again(tmp_p
     assert (m2["counts"]["documents_changed"], m2["counts"]["documents_unchanged"]) == (1, 5)
     got = rows(table_of(wh))
     assert len(got) == 12 and len({r["id"] for r in got}) == 12
+
+
+@pytest.mark.slow
+def test_the_duplicate_id_check_runs_before_an_upsert_commit(three_days):
+    """check_new_ids, as an upsert commit calls it: the ids of day 1's rows are refused against the table after
+    day 3 (its live rows hold most of them), unless every document they belong to is replaced in the same commit."""
+    from elmo_pipeline.formats.iceberg import data_file_urls, output_url
+    from elmo_pipeline.formats.iceberg.commit import DuplicateIdError, check_new_ids, run_ids
+    table = table_of(three_days["wh"])
+    day1 = str(three_days["dir"] / "day1")
+    ids = run_ids(table.io, data_file_urls(day1, three_days["manifests"][0]))
+    with pytest.raises(DuplicateIdError, match="already holds"):
+        check_new_ids(table, ids, output_url(day1))
+    docs = pa.array(sorted({i.rpartition("#")[0] for i in ids.to_pylist()}))
+    check_new_ids(table, ids, output_url(day1), replaced=docs)
+    with pytest.raises(DuplicateIdError, match="already holds"):
+        check_new_ids(table, ids, output_url(day1), replaced=docs[1:])

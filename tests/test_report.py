@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_pipeline.output import finalize
+from elmo_pipeline.output import finalize, ownership
 from elmo_pipeline.transforms import progress
 from elmo_pipeline.transforms.read import read_documents
 from elmo_pipeline.transforms.records import Document, EmbeddedBatch, Item
@@ -143,7 +143,7 @@ def test_a_rerun_of_an_interrupted_finalize_still_writes_it(tmp_path, monkeypatc
     finalize.complete_finalize(out, staging)
     assert os.path.exists(os.path.join(out, "report.html")) and os.path.exists(os.path.join(out, "_SUCCESS"))
     assert os.path.exists(os.path.join(out, "metrics.prom"))
-    finalize.clear_final(Sink(__import__("fsspec").filesystem("file")), out)
+    ownership.clear_final(Sink(__import__("fsspec").filesystem("file")), out)
     assert not os.path.exists(os.path.join(out, "report.html"))        # a final name: cleared with the rest
     assert not os.path.exists(os.path.join(out, "metrics.prom"))
 

@@ -1,5 +1,5 @@
 """The reading step's Beam shells: ReadFiles (a file's records, transforms.read), DropDuplicateIds
-(transforms.ids.split_duplicate_ids) and SkipUnchanged (--iceberg-mode upsert: formats.iceberg_upsert), before
+(transforms.ids.split_duplicate_ids) and SkipUnchanged (--iceberg-mode upsert: formats.iceberg.upsert), before
 Tokenize, so unchanged documents are never tokenized nor embedded."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
-from elmo_pipeline.formats.iceberg_upsert import change_of, doc_hash
+from elmo_pipeline.formats.iceberg.upsert import change_of, doc_hash
 from elmo_pipeline.formats.layout import DeadLetter
 from elmo_pipeline.transforms.chain import DEAD, NS
 from elmo_pipeline.transforms.ids import split_duplicate_ids

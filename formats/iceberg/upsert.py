@@ -13,20 +13,22 @@ snapshot's rows, and its state file.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
-import posixpath
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_pipeline.formats.iceberg import (FILES_PROPERTY, OUTPUT_PROPERTY, REGISTERED_PREFIX, RUN_KEY_PROPERTY,
-                                           IcebergTarget, Registration, _marked, _quiet_statistics,
-                                           check_unpartitioned, data_file_urls, output_url, registration_property)
+from elmo_pipeline.formats.iceberg.commit import (FILES_PROPERTY, OUTPUT_PROPERTY, REGISTERED_PREFIX, RUN_KEY_PROPERTY,
+                                                  Registration, _marked, _upsert_producer, check_new_ids, commit,
+                                                  data_files, registration_property, run_ids)
+from elmo_pipeline.formats.iceberg.table import IcebergTarget, data_file_urls, output_url
 from elmo_pipeline.formats.layout import DOC_HASHES
 from elmo_pipeline.fsio import redact
 
@@ -181,56 +183,6 @@ def write_delete_file(table, name: str, data_path: str, positions: pa.Array):
         spec_id=table.spec().spec_id, sort_order_id=None, equality_ids=None, key_metadata=None)
 
 
-def _upsert_producer():
-    """pyiceberg's fast-append snapshot producer that also commits position-delete files: they go into a
-    manifest of content DELETES (pyiceberg 0.12 writes only data manifests) and into the snapshot summary. It
-    is never rebased: pyiceberg retries a conflicting commit on top of the new head, which would apply deletes
-    and rows computed against another state; a moved head is a CommitFailedException instead."""
-    from pyiceberg.exceptions import CommitFailedException
-    from pyiceberg.manifest import ManifestContent, ManifestEntry, ManifestEntryStatus, ManifestWriterV2
-    from pyiceberg.table.update.snapshot import _FastAppendFiles
-
-    class DeleteManifestWriter(ManifestWriterV2):
-        def content(self):
-            return ManifestContent.DELETES
-
-        @property
-        def _meta(self):
-            return {**super()._meta, "content": "deletes"}
-
-    class UpsertFiles(_FastAppendFiles):
-        def _validate_concurrency(self) -> None:
-            if self._commit_window is not None and not self._commit_window.is_empty():
-                raise CommitFailedException("the table moved since this upsert read it")
-
-        def append_delete_file(self, delete_file) -> None:
-            self.__dict__.setdefault("added_deletes", []).append(delete_file)
-
-        def _manifests(self):
-            out = super()._manifests()
-            deletes = self.__dict__.get("added_deletes", [])
-            if deletes:
-                md = self._transaction.table_metadata
-                with DeleteManifestWriter(md.spec(), self.schema(), self.new_manifest_output(), self._snapshot_id,
-                                          self._compression) as writer:
-                    for d in deletes:
-                        writer.add(ManifestEntry.from_args(
-                            status=ManifestEntryStatus.ADDED, snapshot_id=self._snapshot_id, sequence_number=None,
-                            file_sequence_number=None, data_file=d))
-                out = [writer.to_manifest_file()] + out
-            return out
-
-        def _summary(self, snapshot_properties=None):
-            data = self._added_data_files           # the summary counts what _added_data_files holds
-            self._added_data_files = data + self.__dict__.get("added_deletes", [])
-            try:
-                return super()._summary(snapshot_properties or {})
-            finally:
-                self._added_data_files = data
-
-    return UpsertFiles
-
-
 @dataclass(frozen=True)
 class UpsertRegistration(Registration):
     """What Upsert.register() did: Registration's, and the position-delete files and rows it committed."""
@@ -278,47 +230,50 @@ class Upsert:
         base, state = read_state(table) if table is not None else (None, {})
         return cls(target, base, state, salt, delete_missing)
 
-    def stage(self, sink, staging_root: str, doc_files: list[str], manifest: dict, dead=()) -> list[list[str]]:
-        """At finalize: the staged documents ([doc_id, doc_hash, change] lines, a retried bundle's twice) and
-        the state read at plan time become DOC_HASHES, staged; its counts go into the manifest's counts, its
-        entry into manifest["upsert"]. A document one of whose sentences failed to embed (`dead`: the run's dead
-        letters; a failure that may not recur) is recorded INCOMPLETE, so the next run embeds it again. Returns the
-        move that publishes it."""
+    def state_after(self, doc_files: Iterable[bytes], dead=()) -> pa.Table:
+        """The table's documents after this run (new_state): the staged documents (files of [doc_id, doc_hash,
+        change] lines, a retried bundle's twice) against the state read at plan time. A document one of whose
+        sentences failed to embed (`dead`: the run's dead letters; a failure that may not recur) is recorded
+        INCOMPLETE, so the next run embeds it again."""
         failed = {d.id.rpartition("#")[0] for d in dead if d.level == "sentence" and d.reason.startswith(EMBED_FAILED)}
         seen: dict[str, tuple[str, str]] = {}
-        for data in (sink.fs.cat(doc_files).values() if doc_files else ()):
+        for data in doc_files:
             for line in data.decode("utf-8").splitlines():
                 if line:
                     d, h, c = json.loads(line)
                     seen[d] = (INCOMPLETE if d in failed else h, c)
-        state = new_state(self.state, seen, self.delete_missing)
-        path = posixpath.join(staging_root, DOC_HASHES)
+        return new_state(self.state, seen, self.delete_missing)
+
+    @staticmethod
+    def state_bytes(state: pa.Table) -> bytes:
+        """A state table as the Parquet file DOC_HASHES holds."""
         out = pa.BufferOutputStream()
         pq.write_table(state, out)
-        sink.put(path, out.getvalue().to_pybytes())
-        manifest.setdefault("counts", {}).update(change_counts(state))
-        manifest["upsert"] = {"table": self.target.table, "doc_hashes": DOC_HASHES, "base_snapshot": self.base_snapshot,
-                              "delete_missing": self.delete_missing}
-        return [[path, DOC_HASHES]]
+        return out.getvalue().to_pybytes()
+
+    change_counts = staticmethod(change_counts)
+
+    def section(self) -> dict:
+        """The manifest's `upsert` entry."""
+        return {"table": self.target.table, "doc_hashes": DOC_HASHES, "base_snapshot": self.base_snapshot,
+                "delete_missing": self.delete_missing}
 
     def register(self, output: str, manifest: dict, schema: pa.Schema, storage_options: dict | None = None,
                  before_commit=None) -> Registration:
         """Commit the finished output's change (see the module docstring) in one snapshot, unless this run key's
-        output is registered already. TableMovedError when the table moved since the run compared with it."""
-        from pyiceberg.exceptions import CommitFailedException
-        from pyiceberg.table import TableProperties, _parquet_files_to_data_files
+        output is registered already. TableMovedError when the table moved since the run compared with it;
+        DuplicateIdError when the table would then hold an id twice (formats.iceberg.check_new_ids)."""
+        from pyiceberg.table import TableProperties
         from pyiceberg.table.snapshots import Operation
         files = data_file_urls(output, manifest)
         base, key = output_url(output), str((manifest.get("run") or {}).get("key"))
         state_url = f"{base}/{manifest['upsert']['doc_hashes']}"
+        record = (manifest.get("files") or {}).get(DOC_HASHES)
         catalog = self.target.load_catalog(storage_options)
         table = self.target._table_or_create(catalog, schema)     # noqa: SLF001
-        conflict = None
-        for _ in range(5):
-            found = _registered(table, base, key)
-            if found is not None:
-                return Registration(self.target.table, found, False, len(files))
-            check_unpartitioned(table)
+        ids = functools.cache(lambda: run_ids(table.io, files))
+
+        def prepare(table):
             current = table.current_snapshot()
             if (current.snapshot_id if current else None) != manifest["upsert"]["base_snapshot"]:
                 raise TableMovedError(
@@ -326,74 +281,32 @@ class Upsert:
                     f"documents with snapshot {manifest['upsert']['base_snapshot']} (now "
                     f"{current.snapshot_id if current else None}); nothing was committed: run that day again into a "
                     "new --output")
-            record = (manifest.get("files") or {}).get(DOC_HASHES)
             state = read_state_file(table.io, state_url, record, ["doc_id", "change"])
             remove = state.filter(pc.is_in(state.column("change"), value_set=pa.array(["changed", "removed"])))
-            if before_commit is not None:
-                before_commit()
+            remove = remove.column("doc_id").combine_chunks()
+            check_new_ids(table, ids(), base, replaced=remove)
             name = registration_property(key, base)[len(REGISTERED_PREFIX):]    # this run's output: its own names
-            found = live_deletes(table, remove.column("doc_id").combine_chunks())
-            deletes = [write_delete_file(table, f"{name}-{i:05d}-deletes.parquet", path, positions)
-                       for i, (path, positions) in enumerate(found)]
+            return current, [write_delete_file(table, f"{name}-{i:05d}-deletes.parquet", path, positions)
+                             for i, (path, positions) in enumerate(live_deletes(table, remove))]
+
+        def write(tx, prepared):
+            current, deletes = prepared
             props = {OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key, FILES_PROPERTY: str(len(files)),
                      STATE_PROPERTY: redact(state_url),
                      **({STATE_RECORD_PROPERTY: json.dumps(record, sort_keys=True)} if record else {})}
-            try:
-                with _quiet_statistics(), table.transaction() as tx:
-                    if tx.table_metadata.name_mapping() is None:     # as add_files: our shards have no field ids
-                        tx.set_properties({TableProperties.DEFAULT_NAME_MAPPING:
-                                           tx.table_metadata.schema().name_mapping.model_dump_json()})
-                    with _upsert_producer()(operation=Operation.OVERWRITE if current else Operation.APPEND,
-                                            transaction=tx, io=table.io, snapshot_properties=props) as producer:
-                        for data_file in _parquet_files_to_data_files(tx.table_metadata, files, table.io):
-                            producer.append_data_file(data_file)
-                        for d in deletes:
-                            producer.append_delete_file(d)
-                    tx.set_properties({registration_property(key, base): redact(base)})
-            except CommitFailedException as e:      # another commit came first: reread, then decide again
-                logger.warning("%s: %s; retrying", self.target.table, e)
-                conflict = e
-                table = catalog.load_table(self.target.table)
-                continue
-            return UpsertRegistration(self.target.table, table.current_snapshot().snapshot_id, True, len(files),
-                                      len(deletes), sum(d.record_count for d in deletes))
-        raise RuntimeError(f"--iceberg-table {self.target.table}: every commit conflicted with another; rerun the "
-                           "same command") from conflict
-
-
-def upsert_argv(input_glob: str, output: str, table: str, catalog: str, delete_missing: bool = True,
-                id_field: str = "id") -> list[str]:
-    """The flags of one day of a change-only run into `table` (what a benchmark times): JSONL input with stable
-    ids in `id_field`, Parquet only; the model and the other flags are the caller's."""
-    return ["--input", input_glob, "--input-format", "jsonl", "--id-field", id_field, "--output", output,
-            "--format", "parquet", "--iceberg-table", table, "--iceberg-catalog", catalog, "--iceberg-mode", "upsert",
-            *(["--delete-missing"] if delete_missing else [])]
-
-
-def table_rows(target: IcebergTarget, columns: tuple[str, ...] | None = None,
-               snapshot_id: int | None = None) -> pa.Table:
-    """The table's live rows (at `snapshot_id`, default the current one) as pyiceberg's scan reads them
-    (position deletes applied), sorted by id (_in_order): what a comparison with a full rebuild takes."""
-    table = target._load_table(target.load_catalog(read_only=True))      # noqa: SLF001
-    scan = table.scan(selected_fields=columns or ("*",), snapshot_id=snapshot_id)
-    return _in_order(scan.to_arrow())
-
-
-def _in_order(rows: pa.Table) -> pa.Table:
-    """Rows sorted by id (and token_index: --parquet-layout token has a row per token)."""
-    keys = [k for k in ("id", "token_index") if k in rows.column_names]
-    return rows.sort_by([(k, "ascending") for k in keys]) if rows.num_rows else rows
-
-
-def same_rows(target: IcebergTarget, output: str, snapshot_id: int | None = None) -> bool:
-    """Whether the table's live rows (table_rows) equal the Parquet shards of the finished local output folder
-    `output` (a full run: its manifest's shards), row for row by id, value for value (vectors bit for bit; the shards'
-    fixed-size lists compared as the table's plain lists)."""
-    with open(os.path.join(output, "manifest.json"), encoding="utf-8") as f:
-        manifest = json.load(f)
-    got = table_rows(target, snapshot_id=snapshot_id)
-    parts = [pq.read_table(u[len("file://"):]) for u in data_file_urls(output, manifest)]
-    want = _in_order(pa.concat_tables(parts)) if parts else None
-    if want is None or not want.num_rows:
-        return got.num_rows == 0
-    return got.num_rows == want.num_rows and got.equals(want.cast(got.schema))
+            if tx.table_metadata.name_mapping() is None:     # as add_files: our shards have no field ids
+                tx.set_properties({TableProperties.DEFAULT_NAME_MAPPING:
+                                   tx.table_metadata.schema().name_mapping.model_dump_json()})
+            with _upsert_producer()(operation=Operation.OVERWRITE if current else Operation.APPEND,
+                                    transaction=tx, io=table.io, snapshot_properties=props) as producer:
+                for data_file in data_files(tx, files, table.io):
+                    producer.append_data_file(data_file)
+                for d in deletes:
+                    producer.append_delete_file(d)
+        done, prepared = commit(self.target, catalog, table, base, key, len(files),
+                                lambda t: _registered(t, base, key), prepare, write, before_commit)
+        if prepared is None:
+            return done
+        deletes = prepared[1]
+        return UpsertRegistration(done.table, done.snapshot_id, True, done.files, len(deletes),
+                                  sum(d.record_count for d in deletes))

@@ -24,7 +24,7 @@ the same table is named and no longer references files under the output (check_o
 """
 from __future__ import annotations
 
-import hashlib
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -32,14 +32,14 @@ from urllib.parse import quote
 
 import pyarrow as pa
 
+from elmo_pipeline.formats.iceberg.commit import (FILES_PROPERTY, ID_COLUMN, OUTPUT_PROPERTY, RUN_KEY_PROPERTY,
+                                                  Registration, _iceberg_schema, check_new_ids, check_unpartitioned, commit,
+                                                  find_registration, registered_outputs, registrations_under, run_ids)
 from elmo_pipeline.fsio import redact
 
 INSTALL = "pip install 'elmo-pipeline[iceberg]'"
-OUTPUT_PROPERTY, RUN_KEY_PROPERTY, FILES_PROPERTY = "elmo-pipeline.output", "elmo-pipeline.run-key", "elmo-pipeline.files"
 SCHEMA_PROPERTY = "elmo-pipeline.arrow-schema"
-REGISTERED_PREFIX = "elmo-pipeline.registered."      # + run key + "." + hash of the output URL -> the output URL
 MANIFEST_ENTRY = "iceberg"                           # manifest.json: [{"table", "catalog"}] registered later
-ID_COLUMN = "id"
 # a new table keeps the full min/max of `id` per data file in its manifests (pyiceberg truncates to 16
 # characters by default): check_new_ids() then skips, unread, the files whose ids cannot overlap a run's
 ID_METRICS_PROPERTY = f"write.metadata.metrics.column.{ID_COLUMN}"
@@ -51,10 +51,6 @@ logger = logging.getLogger("elmo-pipeline.iceberg")
 
 class IcebergUnavailable(RuntimeError):
     """--iceberg-table without pyiceberg installed."""
-
-
-class DuplicateIdError(ValueError):
-    """A registration that would add ids the table holds already (pipeline/exits.py: DATA, exit 65)."""
 
 
 def import_pyiceberg():
@@ -84,22 +80,6 @@ def data_file_urls(output: str, manifest: dict) -> list[str]:
 def _field_types(schema) -> list[tuple[str, str]]:
     """(name, Iceberg type) of an Iceberg schema's top-level fields: what two schemas must share (not ids)."""
     return [(f.name, str(f.field_type)) for f in schema.fields]
-
-
-@dataclass(frozen=True)
-class Registration:
-    """What register() did: the table, the snapshot holding the output's files, whether this call added it."""
-    table: str
-    snapshot_id: int | None
-    added: bool
-    files: int
-
-    def describe(self) -> str:
-        if self.snapshot_id is None:
-            return f"Iceberg table {self.table}: no Parquet shards to register"
-        how = "added" if self.added else "already registered"
-        return (f"Iceberg table {self.table}: snapshot {self.snapshot_id} ({self.files} file{'' if self.files == 1 else 's'}, "
-                f"{how})")
 
 
 @dataclass(frozen=True)
@@ -253,7 +233,6 @@ class IcebergTarget:
         files = data_file_urls(output, manifest)
         if not files:
             return Registration(self.table, None, False, 0)
-        from pyiceberg.exceptions import CommitFailedException
         catalog = self.load_catalog(storage_options)
         if schema is None:
             import pyarrow.parquet as pq
@@ -261,32 +240,18 @@ class IcebergTarget:
             with load_file_io(catalog.properties, files[0]).new_input(files[0]).open() as f:
                 schema = pq.read_schema(f)
         table = self._table_or_create(catalog, schema)
-        key = str((manifest.get("run") or {}).get("key"))
-        base = output_url(output)
-        conflict, ids = None, None
-        for _ in range(5):
-            found = find_registration(table, base, key, files)
-            if found is not None:
-                return Registration(self.table, found, False, len(files))
-            check_unpartitioned(table)
-            ids = run_ids(table.io, files) if ids is None else ids
-            check_new_ids(table, ids, base)
-            if before_commit is not None:
-                before_commit()
-            try:
-                with _quiet_statistics(), table.transaction() as tx:     # the files and the record: one commit
-                    tx.add_files(files, snapshot_properties={OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key,
-                                                             FILES_PROPERTY: str(len(files))})
-                    tx.set_properties({registration_property(key, base): redact(base)})
-            except CommitFailedException as e:      # another commit came first: reread, then decide again
-                logger.warning("%s: %s; retrying", self.table, e)
-                conflict = e
-                table = catalog.load_table(self.table)
-                continue
-            return Registration(self.table, table.current_snapshot().snapshot_id, True, len(files))
-        # chained to the conflict: a retry-later failure (pipeline/exits.py: 75)
-        raise RuntimeError(f"--iceberg-table {self.table}: every commit conflicted with another; rerun the same "
-                           "command") from conflict
+        key, base = str((manifest.get("run") or {}).get("key")), output_url(output)
+        ids = functools.cache(lambda: run_ids(table.io, files))     # read once, after the first "registered?"
+
+        def prepare(table):
+            check_new_ids(table, ids(), base)
+
+        def write(tx, _):
+            tx.add_files(files, snapshot_properties={OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key,
+                                                     FILES_PROPERTY: str(len(files))})
+        registration, _ = commit(self, catalog, table, base, key, len(files),
+                                 lambda t: find_registration(t, base, key, files), prepare, write, before_commit)
+        return registration
 
 
 def _columns(schema_text: str) -> dict[str, str]:
@@ -305,132 +270,6 @@ def _schema_difference(table_text: str, run_text: str) -> str:
     return "; ".join(parts) or "the column order differs"
 
 
-def _iceberg_schema(schema: pa.Schema):
-    """The Iceberg schema pyiceberg's create_table makes of an Arrow schema (fresh field ids)."""
-    from pyiceberg.catalog import Catalog
-    return Catalog._convert_schema_if_needed(schema)  # noqa: SLF001 - the conversion create_table uses
-
-
-def _current_files(table, keep) -> list[str]:
-    """Paths of the current snapshot's data files for which keep(path) is true."""
-    snapshot = table.current_snapshot()
-    if snapshot is None:
-        return []
-    from pyiceberg.manifest import ManifestContent
-    out = []
-    for m in snapshot.manifests(table.io):
-        if m.content == ManifestContent.DATA:
-            out += [e.data_file.file_path for e in m.fetch_manifest_entry(table.io, discard_deleted=True)
-                    if keep(e.data_file.file_path)]
-    return out
-
-
-def _marked(table, base: str) -> list:
-    """Snapshots of the table's history that registered the output at `base`."""
-    return [s for s in table.snapshots() if (s.summary.additional_properties if s.summary else {})
-            .get(OUTPUT_PROPERTY) == redact(base)]
-
-
-def registration_property(key: str, base: str) -> str:
-    """The table property that records the registration of run `key`'s output at `base` (its value: the URL)."""
-    return f"{REGISTERED_PREFIX}{key}.{hashlib.sha256(redact(base).encode()).hexdigest()[:16]}"
-
-
-def check_unpartitioned(table) -> None:
-    """ValueError for a partitioned table: add_files cannot give the output's files partition values."""
-    spec = table.spec()
-    if not spec.is_unpartitioned():
-        raise ValueError(f"--iceberg-table {'.'.join(table.name())} is partitioned ({spec}); the output's Parquet "
-                         "files are added as they are, without partition values: name an unpartitioned table, "
-                         "or a new one (created unpartitioned)")
-
-
-def find_registration(table, base: str, key: str, files: list[str]) -> int | None:
-    """The snapshot id that registered these files of the output at `base` (the current snapshot when only the
-    table property of the registration says so: its snapshot rewritten or expired since), or None when they
-    are not in the table. RuntimeError when the current snapshot holds some of them but not all (not our
-    doing)."""
-    snapshot = table.current_snapshot()
-    if snapshot is not None and table.properties.get(registration_property(key, base)) == redact(base):
-        marked = [s.snapshot_id for s in _marked(table, base)
-                  if s.summary.additional_properties.get(RUN_KEY_PROPERTY) == key]
-        return marked[-1] if marked else snapshot.snapshot_id
-    for s in _marked(table, base):
-        if s.summary.additional_properties.get(RUN_KEY_PROPERTY) == key:
-            return s.snapshot_id
-    wanted = set(files)
-    present = set(_current_files(table, wanted.__contains__))
-    if present == wanted:          # registered, its snapshot since expired (or added by hand)
-        return table.current_snapshot().snapshot_id
-    if present:
-        raise RuntimeError(f"Iceberg table {'.'.join(table.name())}: {len(present)} of the {len(files)} Parquet shards of "
-                           f"{base} are in the table already, the others not; remove them from the table and rerun")
-    return None
-
-
-def run_ids(io, files: list[str]) -> pa.Array:
-    """The distinct ids of an output's Parquet shards (their `id` column alone is read), as a string array."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-    columns = []
-    for f in files:
-        with io.new_input(f).open() as stream:
-            columns += pq.ParquetFile(stream).read(columns=[ID_COLUMN]).column(0).chunks
-    return pc.unique(pa.chunked_array(columns, pa.string()))
-
-
-def check_new_ids(table, ids: pa.Array, base: str) -> None:
-    """DuplicateIdError when the table's current snapshot holds any of `ids` (those of the output at `base`).
-
-    Cost: the table's manifests, then the `id` column alone of the data files whose id bounds overlap
-    [min(ids), max(ids)], streamed batch by batch against `ids` (held in memory). With the default ids of
-    --iceberg-table (each file's full path) another partition's files fall outside that range and are not
-    read, in tables created with full id bounds (ID_METRICS_PROPERTY); with --id-field values spread over
-    the whole range, every file's `id` column is read."""
-    if table.current_snapshot() is None or len(ids) == 0:
-        return
-    import pyarrow.compute as pc
-    from pyiceberg.expressions import And, GreaterThanOrEqual, LessThanOrEqual
-    low, high = (v.as_py() for v in pc.min_max(ids).values())
-    scan = table.scan(row_filter=And(GreaterThanOrEqual(ID_COLUMN, low), LessThanOrEqual(ID_COLUMN, high)),
-                      selected_fields=(ID_COLUMN,))
-    held = [pc.unique(c.filter(pc.is_in(c, value_set=ids))) for c in
-            (batch.column(0) for batch in scan.to_arrow_batch_reader())]
-    held = pc.unique(pa.chunked_array(held)) if held else []
-    if len(held):
-        examples = pc.array_take(held, pc.array_sort_indices(held)[:3]).to_pylist()
-        raise DuplicateIdError(
-            f"Iceberg table {'.'.join(table.name())} already holds {len(held)} of the {len(ids)} ids of {base} "
-            f"(e.g. {', '.join(map(repr, examples))}): nothing was added, ids must be unique in the table. "
-            "Give each output ids of its own (the default ids of --iceberg-table name each file by its full path; "
-            "or --id-root, or unique --id-field values), or remove those rows from the table")
-
-
-def registrations_under(table, base: str) -> list[int]:
-    """Ids of snapshots that registered files under the output at `base` (history markers, or the current
-    snapshot when it references files there)."""
-    ids = [s.snapshot_id for s in _marked(table, base)]
-    if not ids and _current_files(table, lambda p: p.startswith(base + "/")):
-        ids = [table.current_snapshot().snapshot_id]
-    return ids
-
-
-def registered_outputs(table) -> list[str]:
-    """URLs of the outputs registered in the table (their registration properties: registration_property) that its
-    current snapshot references files of, in the order they were registered (history markers; unmarked last)."""
-    urls = {v for k, v in table.properties.items() if k.startswith(REGISTERED_PREFIX)}
-    live = set()
-    for path in _current_files(table, lambda _: True):
-        path = redact(path)
-        while "/" in path and path not in urls:      # the folders above a data file, deepest first
-            path = path.rsplit("/", 1)[0]
-        live.add(path)
-    order = {}
-    for k, s in enumerate(table.snapshots()):
-        order.setdefault((s.summary.additional_properties if s.summary else {}).get(OUTPUT_PROPERTY), k)
-    return sorted((u for u in urls if u in live), key=lambda u: (order.get(u, len(order)), u))
-
-
 def recorded_tables(manifest: dict | None) -> list[dict]:
     """The tables an output was registered in, as its manifest records them: {"table", "catalog"} of its own
     command's --iceberg-table (options), then those of the commands that registered it once finished."""
@@ -439,14 +278,6 @@ def recorded_tables(manifest: dict | None) -> list[dict]:
     own = [{"table": options["iceberg_table"], "catalog": options.get("iceberg_catalog")}] \
         if options.get("iceberg_table") else []
     return own + [e for e in manifest.get(MANIFEST_ENTRY, []) if isinstance(e, dict) and e.get("table")]
-
-
-def record_table(manifest: dict, target: IcebergTarget) -> bool:
-    """Add `target` to the manifest's tables (recorded_tables) unless there; True when it was added."""
-    if any((e["table"], e["catalog"]) == (target.table, redact(target.catalog)) for e in recorded_tables(manifest)):
-        return False
-    manifest.setdefault(MANIFEST_ENTRY, []).append({"table": target.table, "catalog": redact(target.catalog)})
-    return True
 
 
 def check_overwrite(output: str, manifest: dict | None, target: IcebergTarget | None) -> None:
@@ -461,19 +292,3 @@ def check_overwrite(output: str, manifest: dict | None, target: IcebergTarget | 
                          f"(catalog {redact(str(e['catalog']))}), which would then point at replaced files. Remove "
                          f"them from that table, then rerun with --iceberg-table {e['table']} --iceberg-catalog "
                          "<its catalog>, or write to a new --output")
-
-
-class _quiet_statistics:
-    """pyiceberg warns once per vector column and file that it has no statistics (we write none on vectors,
-    on purpose: formats/parquet.py); those warnings are dropped while files are added."""
-
-    class _Drop(logging.Filter):
-        def filter(self, record):
-            return "statistics missing" not in record.getMessage()
-
-    def __enter__(self):
-        self.logger, self.f = logging.getLogger("pyiceberg.io.pyarrow"), self._Drop()
-        self.logger.addFilter(self.f)
-
-    def __exit__(self, *exc):
-        self.logger.removeFilter(self.f)
