@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
 import time
 
 import torch
@@ -12,6 +14,7 @@ from elmo_pipeline.model.options import BiLMOptions
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(HERE, "..", "..", "shared")
 RESULTS = os.path.join(HERE, "results")
+REPO = os.path.dirname(HERE)
 
 
 def wikitext_sentences(n: int, split: str = "valid") -> list[list[str]]:
@@ -102,3 +105,57 @@ def cpu_name() -> str:
 
 def machine() -> str:
     return f"{platform.machine()} {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def wiki_lines(split: str, n: int = 0) -> list[str]:
+    with open(os.path.join(SHARED, "data", "wikitext-2", f"{split}.txt"), encoding="utf-8", newline="\n") as f:
+        lines = f.read().split("\n")
+    return lines[:n] if n else lines
+
+
+def run(args: list[str], children: bool = False) -> dict:
+    """One pipeline run in a fresh process: wall seconds, peak RSS (MB: the largest of the process and its waited-for
+    children), the summary line; `children`: also the process's own and each descendant's peak RSS (MB, polled
+    every 0.1 s; those over 20 MB: FnApiRunner's multi_processing workers, not the shells that start them)."""
+    import threading
+
+    import psutil
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=REPO)
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[int, int] = {}
+    stop = threading.Event()
+
+    def poll():
+        while children and not stop.is_set():
+            try:
+                launcher = psutil.Process(p.pid)
+                for c in [launcher, *launcher.children(recursive=True)]:
+                    seen[c.pid] = max(seen.get(c.pid, 0), c.memory_info().rss)
+            except psutil.Error:
+                pass
+            stop.wait(0.1)
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    err = p.stderr.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    stop.set()
+    poller.join()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode:
+        raise RuntimeError(err[-3000:])
+    out = {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "summary": err.strip().splitlines()[-1]}
+    if children:
+        out["own_peak_rss_mb"] = seen.pop(p.pid, 0) / 2 ** 20
+        out["children_peak_rss_mb"] = sorted((v / 2 ** 20 for v in seen.values() if v > 20 << 20), reverse=True)
+    return out
+
+
+def kind_tag() -> str:
+    """The machine kind in a result file's name: zen1, zen4, zen5, intel or cpu."""
+    from elmo_pipeline.model.hardware import cpu_info
+    cpu = cpu_info()
+    zen = {23: "zen1", 25: "zen4", 26: "zen5"}.get(cpu.get("family")) if "AMD" in (cpu.get("name") or "") else None
+    return zen or ("intel" if "Intel" in (cpu.get("name") or "") else "cpu")

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import RESULTS, SHARED, machine
+from benchmarks.common import RESULTS, kind_tag, machine, run, wiki_lines
 from elmo_pipeline.formats.iceberg import IcebergTarget
 from tests.iceberg_rows import same_rows, upsert_argv
 
@@ -41,12 +41,6 @@ JSONL = ["--input-format", "jsonl", "--id-field", "id"]
 CONFIGS = [("full day 2", [], False), ("day 2 --reuse day 1", ["--reuse", "{day1}"], False),
            ("day 2 upsert into day 1's table", [], True), ("day 2 upsert --reuse-table", ["--reuse-table"], True)]
 EDITED, ADDED, REMOVED = 0.05, 0.02, 0.01
-
-
-def wiki_lines(split: str, n: int = 0) -> list[str]:
-    with open(os.path.join(SHARED, "data", "wikitext-2", f"{split}.txt"), encoding="utf-8", newline="\n") as f:
-        lines = f.read().split("\n")
-    return lines[:n] if n else lines
 
 
 def documents(lines: list[str], split: str) -> list[tuple[str, str]]:
@@ -73,46 +67,6 @@ def next_day(docs: list[tuple[str, str]], new: list[tuple[str, str]], seed: int 
     added = [d for d in new if not d[1].startswith(" =")][: round(ADDED * len(docs))]
     return out + added, {"documents": len(docs), "edited": len(edited), "removed": len(removed),
                          "added": len(added)}
-
-
-def run(args: list[str], children: bool = False) -> dict:
-    """One pipeline run in a fresh process: wall seconds, peak RSS (MB: the largest of the process and its waited-for
-    children), the summary line; `children`: also the process's own and each descendant's peak RSS (MB, polled
-    every 0.1 s; those over 20 MB: FnApiRunner's multi_processing workers, not the shells that start them)."""
-    import threading
-
-    import psutil
-    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=REPO)
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen: dict[int, int] = {}
-    stop = threading.Event()
-
-    def poll():
-        while children and not stop.is_set():
-            try:
-                launcher = psutil.Process(p.pid)
-                for c in [launcher, *launcher.children(recursive=True)]:
-                    seen[c.pid] = max(seen.get(c.pid, 0), c.memory_info().rss)
-            except psutil.Error:
-                pass
-            stop.wait(0.1)
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    err = p.stderr.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t0
-    stop.set()
-    poller.join()
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode:
-        raise RuntimeError(err[-3000:])
-    out = {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "summary": err.strip().splitlines()[-1]}
-    if children:
-        out["own_peak_rss_mb"] = seen.pop(p.pid, 0) / 2 ** 20
-        out["children_peak_rss_mb"] = sorted((v / 2 ** 20 for v in seen.values() if v > 20 << 20), reverse=True)
-    return out
 
 
 def startup_seconds() -> float:
@@ -173,14 +127,9 @@ def table(rows: list[dict], floor: dict) -> str:
     return "\n".join(lines)
 
 
-def _tag() -> str:
-    from benchmarks.spread import _tag as tag
-    return tag()
-
-
 def daily(args) -> int:
     from elmo_pipeline.model.synthetic import write_random_bilm
-    out_path = args.out or os.path.join(RESULTS, f"incremental_{_tag()}.json")
+    out_path = args.out or os.path.join(RESULTS, f"incremental_{kind_tag()}.json")
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         options, weights = write_random_bilm(args.size, os.path.join(tmp, "model"))
         model = ["--options-file", options, "--weight-file", weights]

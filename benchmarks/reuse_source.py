@@ -22,8 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks.common import RESULTS, machine
-from benchmarks.incremental import _tag, run, wiki_lines
+from benchmarks.common import RESULTS, kind_tag, machine, run, wiki_lines
 
 ROWS_PER_SHARD = 20_000      # the default --shard-sentences: key-index files as a run writes them
 FLAGS = ["--torch-threads", "1", "--progress", "off", "--format", "parquet", "--batch-invariant"]
@@ -66,7 +65,7 @@ def add_filler(output: str, rows: int, seed: int = 0) -> int:
 
 def measure(args) -> int:
     from elmo_pipeline.model.synthetic import write_random_bilm
-    out_path = args.out or os.path.join(RESULTS, f"reuse_source_{_tag()}.json")
+    out_path = args.out or os.path.join(RESULTS, f"reuse_source_{kind_tag()}.json")
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         options, weights = write_random_bilm("tiny", os.path.join(tmp, "model"))
         model = ["--options-file", options, "--weight-file", weights]

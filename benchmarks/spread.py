@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks.common import RESULTS, SHARED, machine
+from benchmarks.common import RESULTS, SHARED, kind_tag, machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DASK = "apache_beam.runners.dask.dask_runner.DaskRunner"
@@ -123,13 +123,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _tag() -> str:
-    from elmo_pipeline.model.hardware import cpu_info
-    cpu = cpu_info()
-    zen = {23: "zen1", 25: "zen4", 26: "zen5"}.get(cpu.get("family")) if "AMD" in (cpu.get("name") or "") else None
-    return zen or ("intel" if "Intel" in (cpu.get("name") or "") else "cpu")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--split", choices=("valid", "train", "test"), default="valid", help="WikiText-2 split")
@@ -139,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each configuration (the fastest is kept)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    out_path = args.out or os.path.join(RESULTS, f"spread_{args.split}_{_tag()}.json")
+    out_path = args.out or os.path.join(RESULTS, f"spread_{args.split}_{kind_tag()}.json")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         inputs = corpora(tmp, args.split, args.files)

@@ -1,6 +1,6 @@
-"""An output's content: the formats, dead letters, shards and their commit records, the manifest (built and read).
+"""An output's content: the formats, dead letters, shards and their commit records, the manifest read back.
 
-The output folder's names and its protocol (staging, commit, finalize, ownership) are output/'s (output/names.py).
+The output folder's names and its protocol (staging, commit, finalize, ownership, the manifest written) are output/'s.
 Ids: a sentence is "<doc id>#<index>". Readers trust manifest.json (or _SUCCESS) only.
 No Beam import.
 """
@@ -11,6 +11,8 @@ import json
 import posixpath
 import zlib
 from dataclasses import dataclass, field
+
+from elmo_pipeline.fsio.fs import read_json
 
 SCHEMA_VERSION = 1
 FORMATS = ("parquet", "hdf5", "arrow")        # output file formats (--format; arrow: formats/arrow.py)
@@ -139,7 +141,7 @@ def read_manifest(fs, root: str) -> dict | None:
     """The manifest.json of the output folder `root` on `fs`, or None when there is none, or when the file
     there is no manifest of this pipeline (see is_manifest)."""
     try:
-        m = json.loads(fs.cat_file(posixpath.join(root, MANIFEST)))
-    except (FileNotFoundError, ValueError):
+        m = read_json(fs, posixpath.join(root, MANIFEST))
+    except FileNotFoundError:
         return None
     return m if is_manifest(m) else None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import fsspec
 
-from elmo_pipeline.fsio.fs import check_protocol, options_for, protocol, replacing
+from elmo_pipeline.fsio.fs import check_protocol, json_or_none, options_for, protocol, replacing
 from elmo_pipeline.fsio.fs import is_local_url as is_local
 from elmo_pipeline.fsio.redact import redact
 
@@ -103,10 +103,7 @@ def pinned_record(path: str) -> dict | None:
             data = f.read(1 << 16)                 # a record is about 200 bytes
     except FileNotFoundError:
         return None
-    try:
-        record = json.loads(data)
-    except ValueError:
-        record = None
+    record = json_or_none(data)
     if not (isinstance(record, dict) and type(record.get("size")) is int and record["size"] >= 0
             and isinstance(record.get("sha256"), str) and len(record["sha256"]) == 64
             and all(c in "0123456789abcdef" for c in record["sha256"])):

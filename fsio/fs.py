@@ -248,3 +248,27 @@ def read_recorded(fs, path: str, record: dict | None) -> bytes:
     if record is not None and (len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]):
         raise NotTheRecordedFile(f"{path}: not the file its manifest records ({len(data) if len(data) <= record['bytes'] else 'more than ' + str(record['bytes'])} bytes read, {record['bytes']} recorded, or another SHA-256)")
     return data
+
+
+MAX_JSON_BYTES = 256 << 20      # a small file read back as JSON (manifest, finalize plan, lease, record): at most this
+
+
+def json_or_none(data: bytes):
+    """The JSON value of `data`, None when it is not JSON."""
+    import json
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def read_json(fs, path: str, max_bytes: int = MAX_JSON_BYTES):
+    """The JSON value of the file at `path`, read back as the pipeline's small files are: at most max_bytes + 1
+    bytes, a local path opened only when it is a regular file (a FIFO never blocks, /dev/zero never fills
+    memory). None when it is not JSON, larger than max_bytes or no regular file; FileNotFoundError when absent."""
+    import stat
+    if is_local_fs(fs) and not stat.S_ISREG(os.stat(path).st_mode):
+        return None
+    with fs.open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    return json_or_none(data) if len(data) <= max_bytes else None

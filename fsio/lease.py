@@ -35,7 +35,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from elmo_pipeline.fsio.fs import atomic_write, is_local_fs, makedirs, protocol, url_fs
+from elmo_pipeline.fsio.fs import atomic_write, is_local_fs, json_or_none, makedirs, protocol, url_fs
 
 logger = logging.getLogger("elmo-pipeline.lease")
 
@@ -185,10 +185,8 @@ def read_lease(fs, path: str, s3: bool) -> LeaseObject | None:
         data = fs.cat_file(path)    # s3: a change since info() fails the If-Match on its ETag
     except FileNotFoundError:
         return None
-    try:
-        holder = json.loads(data)
-    except ValueError:
-        holder = NOT_JSON
+    holder = json_or_none(data)
+    holder = NOT_JSON if holder is None else holder
     return LeaseObject(holder, info.get("ETag") if s3 else None, _modified(info))
 
 

@@ -122,14 +122,21 @@ def onednn_pays(layer: LstmProjection | None) -> bool:
     return 4 * H >= ONEDNN_MIN_GATE_WIDTH and D + P >= ONEDNN_MIN_INPUT_WIDTH
 
 
+def loop_name(device: torch.device, dtype: torch.dtype, choice: str = "auto",
+              layer: LstmProjection | None = None) -> str:
+    """The loop step_loop() runs ('onednn' | 'bmm') for this device, dtype, choice (one of LSTM_LOOPS) and layer
+    shape (onednn_pays; None: a wide one); what model/kernels.py records."""
+    if check_loop_choice(choice) == "auto":
+        return "onednn" if onednn_pays(layer) and onednn.runs(device, dtype) else "bmm"
+    return choice
+
+
 def step_loop(device: torch.device, dtype: torch.dtype, choice: str = "auto", compile_cell: bool = True,
               layer: LstmProjection | None = None) -> StepLoop:
     """The loop for weights on this device and dtype. choice: one of LSTM_LOOPS; compile_cell: the bmm loop's cell
     as one compiled kernel on a GPU (model.lstm_loops.cell_for); layer: one of the layers it runs, whose shape
     'auto' weighs (onednn_pays; None: a wide one)."""
-    if check_loop_choice(choice) == "auto":
-        choice = "onednn" if onednn_pays(layer) and onednn.runs(device, dtype) else "bmm"
-    if choice == "onednn":
+    if loop_name(device, dtype, choice, layer) == "onednn":
         if device.type != "cpu":
             raise ValueError(f"the onednn LSTM loop runs on a CPU only, not on {device.type}: use bmm or auto")
         return StepLoop("onednn", pack_onednn_weights, onednn_loop)

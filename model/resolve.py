@@ -36,7 +36,9 @@ class ModelSpec:
     (bit-identical vectors whatever the batching; stateless/warm only). What is stored: dtype, layers (the
     resolved selection), duplicate_layer0; window (the longest sentence embedded whole; 0: no windows) and
     overlap; the tokenizer and its version. storage_options ({protocol: {...}}, retries included): how remote
-    files are fetched (not compared, never recorded)."""
+    files are fetched (not compared, never recorded). kernel_path: the planned record of what computes the vectors
+    (model/kernels.py; None on a remote runner), which a --batch-invariant run's workers check (check_kernel_path);
+    not in key_prefix."""
     options_file: str
     weight_file: str
     vocab_file: str | None = None
@@ -57,6 +59,7 @@ class ModelSpec:
     overlap: int = 0
     tokenizer: str | None = None
     tokenizer_version: str | None = None
+    kernel_path: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -93,6 +96,18 @@ class ModelSpec:
         """ValueError when the options file here is not the one pinned() recorded (a worker loading the model)."""
         if self.options_sha256 and _digest(_json(options_file)) != self.options_sha256:
             raise ValueError(f"{options_file}: not the options the run was planned with")
+
+    def check_kernel_path(self, embedder) -> None:
+        """ValueError when a --batch-invariant run's worker would compute on another kernel path than the planned
+        one (model/kernels.py: its loop, CPU kernel class, versions, math modes, dtypes): other bits under the
+        same key prefix. Nothing to check without a planned record (a remote runner's) or batch invariance."""
+        if self.kernel_path is None or not self.batch_invariant:
+            return
+        from elmo_pipeline.model.kernels import embedder_kernel_path, kernel_difference
+        differ = kernel_difference(self.kernel_path, embedder_kernel_path(embedder, self.dtype))
+        if differ:
+            raise ValueError(f"this worker computes vectors on another kernel path than the run was planned with "
+                             f"(planned vs here: {differ}): its bits would differ (docs/exactness.md#kernel-path)")
 
     @property
     def key_prefix(self) -> str:

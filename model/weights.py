@@ -192,6 +192,19 @@ def _load(model: BiLM, f: h5py.File, where: str) -> None:
             _copy(layer.w_proj, _read(f, f"{g}/W_P_0", where).T)
 
 
+def check_bilm(options_file: str, weight_file: str, sha256: str | None = None) -> BiLMOptions:
+    """The options of a model whose files hold together, checked without building it: the options against their
+    schema, the weights' shapes (HDF5 metadata) against the options, then every dataset read once, one at a
+    time (readable, finite). OptionsError/WeightsError otherwise, one line."""
+    opts = load_options(options_file)
+    where = str(weight_file)
+    with _open(weight_file, sha256) as f, _damage_named(where):
+        check_weights_match(f, opts, where)
+        for name in weight_shapes(opts):
+            _read(f, name, where)
+    return opts
+
+
 def load_bilm(options_file: str, weight_file: str, device: str | torch.device = "cpu",
               sha256: str | None = None) -> BiLM:
     """A BiLM (eval mode) from options.json + weights.hdf5, each a path or fsspec URL. The options are checked

@@ -38,7 +38,7 @@ from typing import Callable, NamedTuple
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.layout import DOC_HASHES, MANIFEST, SUCCESS, DeadLetter, ShardInfo
 from elmo_pipeline.formats.metrics import metrics_text
-from elmo_pipeline.fsio import remove_temp_files, url_fs
+from elmo_pipeline.fsio import json_or_none, read_json, remove_temp_files, url_fs
 from elmo_pipeline.fsio.lease import RetryLater
 from elmo_pipeline.output import manifest as manifests
 from elmo_pipeline.output.names import COUNTS, DEAD, DEAD_LETTERS, DOCS, METRICS, PLAN, RECORDS, REPORT, STAGING, STATS, is_final_name
@@ -147,14 +147,6 @@ def _staged_json(path: str, data: bytes, whole) -> dict:
     return d
 
 
-def json_or_none(data: bytes):
-    """The JSON value of data, None when it is not JSON."""
-    try:
-        return json.loads(data)
-    except ValueError:
-        return None
-
-
 def _report_stats(path: str, data: bytes) -> dict | None:
     """A staged statistics file (output/stats.py: the run report's figures only), or None with a warning when it
     is damaged (the next round keeps statistics files, so one never comes back whole)."""
@@ -240,13 +232,9 @@ def read_plan(fs, st: str) -> dict | None:
     removes the file with the staging folder's other leftovers)."""
     path = posixpath.join(st, PLAN)
     try:
-        data = fs.cat_file(path)
+        plan = read_json(fs, path)
     except FileNotFoundError:
         return None
-    try:
-        plan = json.loads(data)
-    except ValueError:
-        plan = None
     moves = plan.get("moves") if isinstance(plan, dict) else None
     if not (isinstance(moves, list) and layout.is_manifest(plan.get("manifest"))
             and all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) and m[0].startswith(st + "/")

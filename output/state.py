@@ -23,9 +23,9 @@ import posixpath
 from dataclasses import dataclass, field
 
 from elmo_pipeline.formats.layout import SUCCESS, ShardInfo, checked_record, read_manifest
-from elmo_pipeline.fsio import NotTheRecordedFile, check_recorded, url_fs
+from elmo_pipeline.fsio import NotTheRecordedFile, check_recorded, read_json, url_fs
 from elmo_pipeline.output.manifest import is_file_record
-from elmo_pipeline.output.finalize import json_or_none, plan_consistent, read_plan, roll_back, select_records
+from elmo_pipeline.output.finalize import plan_consistent, read_plan, roll_back, select_records
 from elmo_pipeline.output.names import PLAN, RUN_FILE, SHARD_FILES, STAGING, STATS
 from elmo_pipeline.output.ownership import check_no_links, check_ownership, clear_final, plan_names
 from elmo_pipeline.output.sink import Sink
@@ -46,7 +46,7 @@ KEY_VERSION = 1
 NOT_CONTENT = {"output", "overwrite", "progress", "torch_threads", "device", "shard_sentences", "shard_bytes",
                "row_group_bytes", "vector_compression", "sort_buffer", "input", "options_file", "weight_file", "model", "s3_max_attempts",
                "lease_stale_seconds", "tokenizer_process", "embed_threads", "iceberg_table", "iceberg_catalog", "iceberg_warehouse",
-               "id_root", "dedupe", "reuse", "reuse_table", "iceberg_mode", "delete_missing"}   # upsert's: in the key when given (plan.py)
+               "id_root", "dedupe", "reuse", "reuse_table", "reuse_across_kernels", "iceberg_mode", "delete_missing"}   # upsert's: in the key when given (plan.py)
 
 
 def input_fingerprints(files: list[str], storage_options: dict | None = None) -> list[list]:
@@ -120,7 +120,7 @@ class OutputState:
 def _read_json(fs, path):
     """The JSON value of the file at path; None when there is none or it is damaged (not JSON)."""
     try:
-        return json_or_none(fs.cat_file(path))
+        return read_json(fs, path)
     except FileNotFoundError:
         return None
 

@@ -1,10 +1,19 @@
-"""The pipeline's graph, one labelled chain that only stages data under <out>/_staging/<run key>/:
-    ListFiles (read elements: files or parts of them) -> ReadFiles -> [DropDuplicateIds | SpreadDocuments]
-    -> [SkipUnchanged] -> Tokenize -> [SkipCommitted] -> [GroupBySentence] -> [JoinReused] -> SortAndBatch -> Embed
-    -> WriteShards (shards + commit records); dead letters from every stage -> WriteDeadLetters; per-file (or
-    per-part) record counts staged by ReadFiles. With --reuse, JoinReused joins the sentences by key with the
-    earlier outputs' key indexes (read elements ListKeyIndexes -> ReadKeyIndexes): the found ones go
-    GroupBySourceShard -> CopyReused -> WriteShards, the others on to SortAndBatch.
+"""The pipeline's graph, one labelled chain that only stages data under <out>/_staging/<run key>/ (the step
+labels, top to bottom; [optional], {alternatives}; tests/test_graph_map.py holds this map to the code):
+
+    ListFiles -> SpreadFiles -> ReadFiles                      read elements (files or parts of them); per-file
+                                                               (or per-part) record counts staged
+    -> {KeyById -> GroupById -> DropDuplicateIds (--id-field) | [SpreadDocuments] (a reshuffle)
+        | KeyByBucket -> SpreadDocuments -> Ungroup (runners whose reshuffle moves nothing)}
+    -> [SkipUnchanged] (--iceberg-mode upsert) -> Tokenize -> [SkipCommitted] (resuming)
+    -> [KeyBySentence -> GroupBySentence -> OneOfEach] (--dedupe)
+    -> [KeyForReuse, ListKeyIndexes -> SpreadKeyIndexes -> ReadKeyIndexes -> JoinReused -> MatchReused
+        -> {NotReused | Reused -> GroupBySourceShard -> CopyReused}] (--reuse)
+    -> EmbedShards (SortAndBatch, EmbedBatches, WriteShards in one step: shards and their commit records)
+    -> [AllShards] -> CountStagedShards
+
+Every step stages the dead letters it finds itself (transforms/chain.py). Finalize runs after the graph, in
+the launching process (output/lifecycle.py).
 """
 from __future__ import annotations
 
@@ -126,7 +135,7 @@ def bucket(doc_id: str, buckets: int) -> int:
 
 def spread(docs, buckets: int):
     """Documents over the workers: a Reshuffle, or, where the runner's Reshuffle moves nothing (buckets > 0,
-    pipeline.plan.spread_by_key: DaskRunner), a GroupByKey on bucket(doc_id) into that many buckets, each a
+    pipeline.workers.spread_by_key: DaskRunner), a GroupByKey on bucket(doc_id) into that many buckets, each a
     bounded group (pipeline.plan.BUCKET_BYTES), then ungrouped."""
     if not buckets:
         return docs | "SpreadDocuments" >> beam.Reshuffle()

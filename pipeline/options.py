@@ -93,6 +93,11 @@ class ElmoOptions(PipelineOptions):
         g("--reuse-table", action="store_true",
           help="with --iceberg-table: also reuse the vectors of the outputs registered in the table's current "
           "snapshot, as --reuse does (those of another model or vector settings are left out, logged; docs/reuse.md)")
+        g("--reuse-across-kernels", action="store_true",
+          help="reuse a source (or, with --iceberg-mode upsert, keep the table's unchanged rows) whose record names "
+          "another kernel path (LSTM loop, CPU kernel class, torch/oneDNN versions, math modes: "
+          "docs/exactness.md#kernel-path) instead of refusing it; its vectors differ from "
+          "this run's in the last bits (the tolerance: docs/reuse.md#kernel-paths); recorded in the manifest")
         g("--layers", default="all", help="all | top | average | comma-separated indices (default all)")
         g("--dtype", choices=STORAGE_DTYPES, default="float32", help="storage precision (default float32)")
         g("--compute-dtype", choices=COMPUTE_DTYPES, default="float32",

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from elmo_pipeline.pipeline.quiet import quiet_beam
 
 quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
-from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, S3Options, StandardOptions
+from apache_beam.options.pipeline_options import PipelineOptions, S3Options
 from apache_beam.utils import shared
 
 from elmo_pipeline.formats import layout
@@ -24,29 +23,28 @@ from elmo_pipeline.formats.iceberg.upsert import Upsert, settings_salt
 from elmo_pipeline.formats.parquet import layer_columns, shard_schema
 from elmo_pipeline.fsio import expand, redact, url_fs
 from elmo_pipeline.model.options import load_options, sentences_independent
+from elmo_pipeline.model.kernels import exact_here, planned_kernel_path
 from elmo_pipeline.model.resolve import resolve_model
-from elmo_pipeline.pipeline.options import ElmoOptions, default_torch_threads
-from elmo_pipeline.pipeline.validate import (check_dedupe, check_input_columns, check_model, inputs_outside_output, own_files,
-                               check_numbers, check_output_writable, check_reuse, check_state)
+from elmo_pipeline.pipeline.options import ElmoOptions
+from elmo_pipeline.pipeline.validate import (check_dedupe, check_iceberg, check_input_columns, check_model, check_numbers,
+                                             check_output_writable, check_reuse, check_state, check_upsert,
+                                             inputs_outside_output, own_files)
+from elmo_pipeline.pipeline.workers import (BUCKET_BYTES, Where, dask_partitions, embed_threads, layout_of,
+                                            spread_by_key, tokenizer_processes)
 from elmo_pipeline.model.resolve import ModelSpec
 from elmo_pipeline.transforms.embed import parse_layers
-from elmo_pipeline.transforms.embed_step import shared_model
+from elmo_pipeline.transforms.embed import shared_model
 from elmo_pipeline.transforms.progress import ProgressSpec
-from elmo_pipeline.transforms.reuse import ReuseSource, open_source, table_sources
+from elmo_pipeline.transforms.reuse import Kernels, ReuseSource, kernel_note, open_source, table_sources
 from elmo_pipeline.transforms.splits import Split, plan_splits, split_size
 from elmo_pipeline.transforms.ids import file_labels, public_url
-from elmo_pipeline.output.state import finalize_started, input_fingerprints, run_ingredients, run_key
+from elmo_pipeline.output.state import input_fingerprints, run_ingredients, run_key
 from elmo_pipeline.output import manifest as manifests
 from elmo_pipeline.output.lifecycle import Job
 from elmo_pipeline.output.register import register
 from elmo_pipeline.output.staging import ShardSpec
 
 logger = logging.getLogger("elmo-pipeline.run")
-LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner")
-IDENTITY_RESHUFFLE = ("DaskRunner",)    # runners whose Reshuffle moves nothing (apache_beam/runners/dask/overrides.py)
-MAX_PARTITIONS = 1024       # DaskRunner partitions chosen from the corpus: one per read element, at most this many
-BUCKET_BYTES = 16 << 20     # documents spread by key: at least 4 buckets per partition, and this many bytes of input
-                            # per bucket at most on average (a group is held in memory)
 
 
 def storage_options(opts: PipelineOptions) -> dict:
@@ -95,7 +93,7 @@ class Plan:
     schema: object = None          # the shards' Arrow schema (with --iceberg-table)
     registration: object = None    # what the registration did (formats.iceberg.Registration), once done
     models: shared.Shared = field(default_factory=shared.Shared)   # the workers' model handle
-    loaded: object = None          # the launcher's hold on it (transforms.embed_step.shared_model), local runs
+    loaded: object = None          # the launcher's hold on it (transforms.embed.shared_model), local runs
     splits: list[Split] = field(default_factory=list)   # the read elements (transforms/splits.py); [] one per file
     split_bytes: int = 0           # --split-bytes resolved (0: whole files)
     fingerprints: dict = field(default_factory=dict)    # file URL -> [size, version] when planned: each read checks it
@@ -121,183 +119,216 @@ class Plan:
                    register=self.registrar, upsert=self.upsert)
 
 
-def spread_by_key(runner: str) -> bool:
-    """Whether documents must be spread by a keyed GroupByKey: the runner's Reshuffle moves nothing."""
-    return any(r in runner for r in IDENTITY_RESHUFFLE)
+class Inputs(NamedTuple):
+    """plan_inputs(): the input files and how they are read."""
+    files: list[str]               # expanded, the output's own files left out
+    labels: dict[str, str]         # file URL -> label in document ids
+    fingerprints: list[list]       # [url, size, version] per file (output/state.py input_fingerprints)
 
 
-def dask_partitions(opts: PipelineOptions, elements: int) -> int:
-    """DaskRunner's partitions of the read elements (the parallelism of every step, Dask running a partition as
-    one task): --dask_npartitions when given, else one per read element up to MAX_PARTITIONS, set in `opts` for
-    the runner (Beam's own default puts up to 128 elements in one partition: one worker)."""
-    from apache_beam.runners.dask.dask_runner import DaskOptions
-    d = opts.view_as(DaskOptions)
-    if not d.npartitions and not d.partition_size:
-        d.npartitions = max(1, min(MAX_PARTITIONS, elements))
-    return d.npartitions or max(1, -(-elements // d.partition_size))
+class Model(NamedTuple):
+    """plan_model(): the model and every setting that changes its vectors."""
+    spec: ModelSpec                # pinned (what workers check, what the key prefix hashes)
+    bilm: object                   # the BiLM loaded once here (a bad model fails here)
+    name: str
+    tokenization: str
+    tokenizer: str
+    selection: object              # --layers: "average" or a list of layer indices
+    columns: list                  # [(column, width)]
+    n_layers: int
+    dim: int
 
 
-def local_workers(opts: PipelineOptions) -> int:
-    """The worker processes of a local run: --direct_num_workers in multi_processing mode, else 1."""
-    d = opts.view_as(DirectOptions)
-    return (d.direct_num_workers or 1) if d.direct_running_mode == "multi_processing" else 1
-
-
-def tokenizer_processes(flag: str, tokenizer: str, local: bool, runner: str, workers: int = 1) -> int:
-    """--tokenizer-process resolved to a number of child processes per worker (0: tokenize inline): the
-    cores each worker has, at most 2 and at least 1. auto: only where the tokenizer is costly (not
-    whitespace), on local runners with a core beside the biLM. on: ValueError on DaskRunner, which drops the
-    Items a child still owes at a bundle's end."""
-    if flag == "on" and "DaskRunner" in runner:
-        raise ValueError("--tokenizer-process on does not work with DaskRunner (it drops what a step emits "
-                         "from finish_bundle: docs/runner-notes.md); use auto or off")
-    cores = os.cpu_count() or 1
-    if flag == "off" or flag == "auto" and not (local and tokenizer != "whitespace" and cores >= 2):
-        return 0
-    return max(1, min(2, cores // max(1, workers)))
-
-
-def embed_threads(flag: int, torch_threads: int, local: bool, state: str, workers: int = 1,
-                  tokenizer_children: int = 0) -> int:
-    """--embed-threads resolved: the flag when given; auto (0): 2 on a local runner when each worker has a core
-    beside its one torch thread that no tokenizer child takes (tokenizing inline) and the state lets batches
-    run at once (not stateful), else 1. With tokenizer children on 2 cores, a second biLM thread only adds
-    contention (benchmarks/README.md, host cost)."""
-    if flag:
-        return flag
-    cores = os.cpu_count() or 1
-    return 2 if (local and state != "stateful" and torch_threads == 1 and not tokenizer_children
-                 and cores // max(1, workers) >= 2) else 1
+class Extras(NamedTuple):
+    """plan_extras(): the features a run may add: --reuse sources, --dedupe, the Iceberg table and its upsert."""
+    reuse: list[ReuseSource]
+    dedupe: bool
+    iceberg: IcebergTarget | None
+    schema: object                 # the shards' Arrow schema (with --iceberg-table)
+    upsert: Upsert | None
+    sentence_limit: int            # longer sentences are dead letters
+    limit_flag: str                # the flag to name in their reason
 
 
 def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
-    """Check the options, the model and --output, and settle what the graph does. Nothing is written under
-    --output (on an object store, a probe object is written and removed: check_output_writable; not with
-    probe_output=False, as for --dry-run, which checks only what it can read)."""
+    """Check the options, the model and --output, and settle what the graph does, in four parts: the inputs,
+    the model, the extras (reuse, dedupe, Iceberg), the output (its checks, the run key, the manifest). Nothing
+    is written under --output (on an object store, a probe object is written and removed: check_output_writable;
+    not with probe_output=False, as for --dry-run, which checks only what it can read)."""
     o = opts.view_as(ElmoOptions)
     if not o.input or not o.output:
         raise ValueError("--input and --output are required")
     check_numbers(o)
-    formats = o.formats()
-    iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, formats, o.dtype)
+    iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, o.formats(), o.dtype)
     check_upsert(o, iceberg)
+    so = storage_options(opts)
+    where = layout_of(opts, o)
+    inputs = plan_inputs(o, so, iceberg)
+    model = plan_model(o, so, where)
+    if probe_output or "://" not in o.output or o.output.startswith("file://"):    # local: reads only
+        check_output_writable(o.output, so)
+    if o.overwrite:          # an output registered in a table this command does not name: refused
+        check_overwrite(o.output, layout.read_manifest(*url_fs(o.output, so)), iceberg)
+    extras = plan_extras(o, so, model, iceberg)
+    key, ingredients, flags = run_identity(o, inputs, model)
+    if iceberg:
+        check_iceberg(iceberg, extras.schema, o.output, key, o.overwrite, so)
+    if o.iceberg_mode == "upsert":        # the table's state, read once (read only)
+        salt = settings_salt(model.spec.key_prefix, extras.sentence_limit, o.max_document_tokens)
+        upsert = Upsert.plan(iceberg, salt, o.delete_missing, so)
+        if upsert.state:        # the documents left unchanged keep rows computed on the table's kernel path
+            upsert.kernel_note = kernel_note(upsert.kernel_path, f"Iceberg table {iceberg.table}",
+                                             "--iceberg-mode upsert", Kernels(model.spec.kernel_path,
+                                                                             o.reuse_across_kernels))
+        extras = extras._replace(upsert=upsert)
+    manifest = planned_manifest(o, model, inputs, extras, key, flags, where.local)
+    return assemble(opts, o, so, where, inputs, model, extras, key, ingredients, manifest)
+
+
+def plan_inputs(o: ElmoOptions, so: dict, iceberg: IcebergTarget | None) -> Inputs:
+    """The input files (a glob leaves out the output's own files), their labels and fingerprints; ValueError for an
+    output name a table's URLs cannot carry, or Parquet inputs without the named columns. Reads only."""
     if iceberg is not None and any(c in o.output.split("://", 1)[-1] for c in "#?"):
         raise ValueError(f"--iceberg-table: --output {redact(o.output)} holds '#' or '?', which a table's file URLs "
                          "cannot carry (read as a fragment or a query); write to a folder named without them")
-    so = storage_options(opts)
     files = inputs_outside_output(expand(o.input, so), o.input, o.output, lambda: own_files(o.output, so))
     labels = file_labels(files, o.id_root, full=iceberg is not None and not o.id_field)
     check_input_columns(files, o.input_format, o.text_field, o.id_field, so)
+    return Inputs(files, labels, input_fingerprints(files, so))
+
+
+def plan_model(o: ElmoOptions, so: dict, where: Where) -> Model:
+    """The model resolved and checked (loaded once here), the tokenizer, the layer selection and the ModelSpec with
+    every setting that changes the vectors, pinned; --state/--batch-invariant and the device checked (on a local
+    runner, or a device named)."""
+    from elmo_pipeline.model.device import check_batch_invariant, resolve_device
+    from elmo_pipeline.model.windows import effective_overlap, effective_window
+    from elmo_pipeline.tokenization import resolve_tokenizer, tokenizer_version
     resolved = resolve_model(o.model, o.options_file, o.weight_file, o.vocab_file, so,
                              progress={"on": True, "off": False}.get(o.progress))
-    from elmo_pipeline.model.pretrained import is_published, model_urls
-    from elmo_pipeline.tokenization import resolve_tokenizer
-    model_name, tokenization = resolved.name, resolved.tokenization
-    tokenizer = resolve_tokenizer(o.tokenizer, tokenization)
+    tokenizer = resolve_tokenizer(o.tokenizer, resolved.tokenization)
     local_options, local_weights, _ = resolved.local_files()
     bilm_opts = load_options(local_options)
     n_layers, dim = bilm_opts.n_layers + 1, bilm_opts.output_dim
     selection = parse_layers(o.layers, n_layers)
     columns = layer_columns(selection, dim, o.duplicate_layer0)
-    local = (opts.view_as(StandardOptions).runner or "FnApiRunner") in LOCAL_RUNNERS
-    workers = local_workers(opts)
-    o.batch_invariant = check_state(o.state, workers=workers, batch_invariant=o.batch_invariant)   # resolved
+    o.batch_invariant = check_state(o.state, workers=where.workers, batch_invariant=o.batch_invariant)   # resolved
     stateful = o.state == "stateful"
-    dedupe = check_dedupe(o.dedupe, o.state, o.batch_invariant)
-    check_reuse(o.reuse, o.state, o.output, o.reuse_table)
-    threads = o.torch_threads or (default_torch_threads(workers) if local else 0)
-    from elmo_pipeline.model.windows import effective_overlap, effective_window
-    from elmo_pipeline.tokenization import tokenizer_version
+    windowed = not stateful and o.window_tokens
     spec = dataclasses.replace(
-        resolved, device=o.device, state=o.state, torch_threads=threads, compute_dtype=o.compute_dtype,
+        resolved, device=o.device, state=o.state, torch_threads=where.threads, compute_dtype=o.compute_dtype,
         batch_invariant=o.batch_invariant, dtype=o.dtype, duplicate_layer0=o.duplicate_layer0,
         layers=selection if selection == "average" else ",".join(map(str, selection)),
-        window=0 if stateful or not o.window_tokens else effective_window(o.window_tokens, o.max_tokens_per_batch),
-        overlap=0 if stateful or not o.window_tokens else effective_overlap(o.window_tokens, o.window_overlap,
-                                                                               o.max_tokens_per_batch),
+        window=effective_window(o.window_tokens, o.max_tokens_per_batch) if windowed else 0,
+        overlap=effective_overlap(o.window_tokens, o.window_overlap, o.max_tokens_per_batch) if windowed else 0,
         tokenizer=tokenizer, tokenizer_version=tokenizer_version(tokenizer))
-    from elmo_pipeline.model.device import check_batch_invariant, resolve_device
-    if local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
+    if where.local and o.device != "auto":   # fail fast on a missing GPU (without claiming one here)
         resolve_device(o.device)
-    if o.batch_invariant and (local or o.device != "auto"):   # remote 'auto': each worker's embedder checks
+    if o.batch_invariant and (where.local or o.device != "auto"):   # remote 'auto': each worker's embedder checks
         check_batch_invariant(o.device)
-    model = check_model(local_options, local_weights)   # a bad model fails here, not in every worker
-    if probe_output or "://" not in o.output or o.output.startswith("file://"):    # local: reads only
-        check_output_writable(o.output, so)
-    if o.overwrite:          # an output registered in a table this command does not name: refused
-        check_overwrite(o.output, layout.read_manifest(*url_fs(o.output, so)), iceberg)
-    spec = spec.pinned()        # what workers elsewhere check, and what the key prefix hashes
-    reuse = [open_source(s, spec.key_prefix, columns, o.dtype, so) for s in o.reuse or ()]
+    # a bad model fails here, not in every worker; built only for a worker in this process
+    bilm = check_model(local_options, local_weights, build=where.local and where.workers == 1)
+    spec = dataclasses.replace(spec.pinned(), kernel_path=planned_kernel_path(spec, bilm, where.local))
+    return Model(spec, bilm, resolved.name, resolved.tokenization, tokenizer, selection, columns,
+                 n_layers, dim)
+
+
+def plan_extras(o: ElmoOptions, so: dict, model: Model, iceberg: IcebergTarget | None) -> Extras:
+    """--reuse / --reuse-table sources (opened and checked), --dedupe resolved, the shards' schema for the table,
+    the sentence limit (the upsert, planned once the table is checked, mixes it into its hashes)."""
+    dedupe = check_dedupe(o.dedupe, o.state, o.batch_invariant)
+    check_reuse(o.reuse, o.state, o.output, o.reuse_table)
+    prefix, kernels = model.spec.key_prefix, Kernels(model.spec.kernel_path, o.reuse_across_kernels)
+    reuse = [open_source(s, prefix, model.columns, o.dtype, so, kernels=kernels) for s in o.reuse or ()]
     if o.reuse_table:        # the outputs registered in the table: sources too, unless foreign (logged)
-        reuse += table_sources(iceberg.table, iceberg.registered_outputs(so), spec.key_prefix, columns, o.dtype,
-                               [output_url(u) for u in [o.output, *(o.reuse or ())]], so)
-    identity = {**spec.identity(), "batch_invariant": o.batch_invariant}
+        reuse += table_sources(iceberg.table, iceberg.registered_outputs(so), prefix, model.columns, o.dtype,
+                               [output_url(u) for u in [o.output, *(o.reuse or ())]], so, kernels)
+    if o.split_bytes > 0 and o.state == "stateful":
+        raise ValueError("--split-bytes needs --state stateless or warm (stateful reads each file in order)")
+    schema = shard_schema(o.parquet_layout, model.columns, o.dtype) if iceberg else None
+    # stateful mode embeds sentences whole (windows are not consecutive sentences): longer than the window is dead
+    limit, flag = o.max_sentence_tokens, "--max-sentence-tokens"
+    if o.state == "stateful" and o.window_tokens < limit:
+        limit, flag = o.window_tokens, "--window-tokens (--state stateful embeds sentences whole)"
+    return Extras(reuse, dedupe, iceberg, schema, None, limit, flag)
+
+
+def identity_of(o: ElmoOptions, spec: ModelSpec) -> dict:
+    """The model's identity as the run key and the manifest record it."""
+    return {**spec.identity(), "batch_invariant": o.batch_invariant}
+
+
+def run_identity(o: ElmoOptions, inputs: Inputs, model: Model) -> tuple[str, dict, dict]:
+    """(run key, what it hashes, the flags the manifest records: redacted) of the run (output/state.py)."""
+    identity = identity_of(o, model.spec)
     flags = redact({k: getattr(o, k) for k in o._visible_option_list()})    # no secret in the manifest
     if o.id_root:
         flags["id_root"] = public_url(o.id_root)
-    fingerprints = input_fingerprints(files, so)
-    ingredients = run_ingredients(flags, redact(fingerprints), identity)   # as run.json records them
-    if labels != file_labels(files):      # ids other than the default ones (--id-root itself is not in the key)
+    ingredients = run_ingredients(flags, redact(inputs.fingerprints), identity)   # as run.json records them
+    if inputs.labels != file_labels(inputs.files):   # ids other than the default ones (--id-root itself is not in the key)
         ingredients["options"]["id_root"] = flags["id_root"] or "full paths (--iceberg-table)"
     if o.iceberg_mode == "upsert":        # only the changed documents are written: another output
         ingredients["options"].update(iceberg_mode=o.iceberg_mode, delete_missing=o.delete_missing)
-    key = run_key(ingredients)
-    # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
-    # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
-    spread = not stateful and not (local and workers == 1)
-    if stateful and o.split_bytes > 0:
-        raise ValueError("--split-bytes needs --state stateless or warm (stateful reads each file in order)")
-    sizes = {f[0]: f[1] or 0 for f in fingerprints}       # auto: files are cut only where the work is spread
-    split = split_size(o.split_bytes, sum(sizes.values())) if o.split_bytes > 0 or spread else 0
-    splits = plan_splits(files, sizes, o.input_format, split, so)
-    runner = opts.view_as(StandardOptions).runner or "FnApiRunner"
-    buckets = 0
-    if spread_by_key(runner):
-        partitions = dask_partitions(opts, len(splits)) if "DaskRunner" in runner else len(splits)
-        buckets = max(4 * partitions, sum(sizes.values()) // BUCKET_BYTES)
-    schema = shard_schema(o.parquet_layout, columns, o.dtype) if iceberg else None
-    if iceberg:
-        check_iceberg(iceberg, schema, o.output, key, o.overwrite, so)
-    models = shared.Shared()
-    # the worker runs in this process: it takes the model loaded above, through the handle it is given
-    loaded = shared_model(models, spec, model) if local and workers == 1 else None
-    # stateful mode embeds sentences whole (windows are not consecutive sentences): longer than the window is dead
-    limit, flag = o.max_sentence_tokens, "--max-sentence-tokens"
-    if stateful and o.window_tokens < limit:
-        limit, flag = o.window_tokens, "--window-tokens (--state stateful embeds sentences whole)"
-    upsert = Upsert.plan(iceberg, settings_salt(spec.key_prefix, limit, o.max_document_tokens), o.delete_missing,
-                         so) if o.iceberg_mode == "upsert" else None
-    model_entry = redact({"name": model_name, **identity, "tokenization": tokenization, "tokenizer": tokenizer,
-                          **({"urls": model_urls(model_name)} if is_published(model_name) else {})})
-    sections = {"compute_support": compute_support_here(o.compute_dtype, o.device) if local else None}
+    return run_key(ingredients), ingredients, flags
+
+
+def planned_manifest(o: ElmoOptions, model: Model, inputs: Inputs, extras: Extras, key: str, flags: dict,
+                     local: bool) -> dict:
+    """manifest.json as known before the run (output/manifest.py planned), with the sections of the features used."""
+    from elmo_pipeline.model.pretrained import is_published, model_urls
+    spec = model.spec
+    entry = redact({"name": model.name, **identity_of(o, spec), "tokenization": model.tokenization, "tokenizer": model.tokenizer,
+                    **({"urls": model_urls(model.name)} if is_published(model.name) else {})})
+    sections = {"compute_support": compute_support_here(o.compute_dtype, o.device) if local else None,
+                "kernel_path": spec.kernel_path}     # what computes the vectors (model/kernels.py; None: remote)
     if sentences_independent(o.state):      # vectors a function of the tokens: each shard's keys (docs/reuse.md)
         sections["key_index"] = manifests.key_index_section(spec.key_prefix)
-    if dedupe:     # counts: sentences embedded and deduplicated (output/manifest.py complete)
-        sections["dedupe"] = {"scope": "run", "exact": o.batch_invariant}
-    if reuse:      # counts: sentences reused, by source (output/manifest.py complete)
-        sections["reuse"] = {"sources": [s.label for s in reuse], "formats": [s.format for s in reuse],
-                             "key_prefix": spec.key_prefix}
-    manifest = manifests.planned(model_entry, columns, hdf5_layout(selection, n_layers), flags, formats,
-                                 redact(files), key, sections)
-    shard = ShardSpec(tuple(formats), o.parquet_layout, tuple(columns),
+    if extras.dedupe:     # counts: sentences embedded and deduplicated (output/manifest.py complete)
+        sections["dedupe"] = {"scope": "run", "exact": exact_here(spec.kernel_path, o.batch_invariant)}
+    if extras.reuse:      # counts: sentences reused, by source (output/manifest.py complete)
+        sections["reuse"] = {"sources": [s.label for s in extras.reuse], "formats": [s.format for s in extras.reuse],
+                             "key_prefix": spec.key_prefix, "kernel_paths": [s.kernel_path for s in extras.reuse]}
+    return manifests.planned(entry, model.columns, hdf5_layout(model.selection, model.n_layers), flags, o.formats(),
+                             redact(inputs.files), key, sections)
+
+
+def assemble(opts: PipelineOptions, o: ElmoOptions, so: dict, where: Where, inputs: Inputs, model: Model,
+             extras: Extras, key: str, ingredients: dict, manifest: dict) -> Plan:
+    """The Plan of the four parts: how the work is cut and spread, the shard spec, the workers' model handle."""
+    stateful = o.state == "stateful"
+    # a local runner materializes a Reshuffle in memory (peak RSS grew with the corpus:
+    # benchmarks/pipeline_memory.py), so one local worker skips it; stateful keeps input order
+    spread = not stateful and not (where.local and where.workers == 1)
+    sizes = {f[0]: f[1] or 0 for f in inputs.fingerprints}       # auto: files are cut only where the work is spread
+    split = split_size(o.split_bytes, sum(sizes.values())) if o.split_bytes > 0 or spread else 0
+    splits = plan_splits(inputs.files, sizes, o.input_format, split, so)
+    buckets = 0
+    if spread_by_key(where.runner):
+        partitions = dask_partitions(opts, len(splits)) if "DaskRunner" in where.runner else len(splits)
+        buckets = max(4 * partitions, sum(sizes.values()) // BUCKET_BYTES)
+    models = shared.Shared()
+    # the worker runs in this process: it takes the model loaded above, through the handle it is given
+    loaded = shared_model(models, model.spec, model.bilm) if where.local and where.workers == 1 else None
+    selection = model.selection
+    shard = ShardSpec(tuple(o.formats()), o.parquet_layout, tuple(model.columns),
                       selection if selection == "average" else tuple(selection), o.duplicate_layer0, o.dtype,
-                      o.row_group_bytes, n_layers, dim, o.vector_compression,
-                      spec.key_prefix if sentences_independent(o.state) else None)
-    children = tokenizer_processes(o.tokenizer_process, tokenizer, local,
-                                   opts.view_as(StandardOptions).runner or "FnApiRunner", workers)
-    return Plan(o, so, files, labels, formats, spec, shard,
+                      o.row_group_bytes, model.n_layers, model.dim, o.vector_compression,
+                      model.spec.key_prefix if sentences_independent(o.state) else None)
+    children = tokenizer_processes(o.tokenizer_process, model.tokenizer, where.local, where.runner, where.workers)
+    bar = o.progress == "on" or (o.progress == "auto" and where.local and sys.stderr.isatty())
+    return Plan(o, so, inputs.files, inputs.labels, o.formats(), model.spec, shard,
                 spread_documents=spread,
                 unique_ids=bool(o.id_field) and not stateful, sort=sentences_independent(o.state),
-                sentence_limit=limit, limit_flag=flag, window=0 if stateful else o.window_tokens,
-                progress=ProgressSpec(sum(f[1] or 0 for f in fingerprints), {f[0]: f[1] or 0 for f in fingerprints},
-                                      workers) if o.progress == "on" or (o.progress == "auto" and local and
-                                                                         sys.stderr.isatty()) else None,
-                key=key, ingredients=ingredients, manifest=manifest, tokenizer=tokenizer,
+                sentence_limit=extras.sentence_limit, limit_flag=extras.limit_flag,
+                window=0 if stateful else o.window_tokens,
+                progress=ProgressSpec(sum(sizes.values()), sizes, where.workers) if bar else None,
+                key=key, ingredients=ingredients, manifest=manifest, tokenizer=model.tokenizer,
                 tokenizer_processes=children,
-                embed_threads=embed_threads(o.embed_threads or 0, threads, local, o.state, workers, children),
-                iceberg=iceberg, upsert=upsert, schema=schema, models=models, loaded=loaded, dedupe=dedupe,
-                fingerprints={f[0]: f[1:] for f in fingerprints},
-                splits=splits, split_bytes=split, spread_buckets=buckets, reuse=reuse)
+                embed_threads=embed_threads(o.embed_threads or 0, where.threads, where.local, o.state, where.workers,
+                                            children),
+                iceberg=extras.iceberg, upsert=extras.upsert, schema=extras.schema, models=models, loaded=loaded,
+                dedupe=extras.dedupe, fingerprints={f[0]: f[1:] for f in inputs.fingerprints},
+                splits=splits, split_bytes=split, spread_buckets=buckets, reuse=extras.reuse)
 
 
 def compute_support_here(compute_dtype: str, device: str) -> dict:
@@ -306,42 +337,6 @@ def compute_support_here(compute_dtype: str, device: str) -> dict:
     from elmo_pipeline.model.device import resolve_device
     from elmo_pipeline.model.hardware import compute_support
     return compute_support(compute_dtype, resolve_device(device))
-
-
-def check_upsert(o: ElmoOptions, iceberg: IcebergTarget | None) -> None:
-    """ValueError for --iceberg-mode upsert / --delete-missing / --reuse-table flags that cannot work: upsert (and
-    --reuse-table) needs a table; upsert needs ids stable across runs (--id-field: default ids number lines, which
-    shift when a line is inserted) and documents embedded independently of each other (not --state stateful)."""
-    if o.delete_missing and o.iceberg_mode != "upsert":
-        raise ValueError("--delete-missing needs --iceberg-mode upsert")
-    if o.reuse_table and iceberg is None:
-        raise ValueError("--reuse-table needs --iceberg-table NS.TABLE (and --iceberg-catalog): it reuses the "
-                         "outputs registered there")
-    if o.iceberg_mode != "upsert":
-        return
-    if iceberg is None:
-        raise ValueError("--iceberg-mode upsert needs --iceberg-table NS.TABLE (and --iceberg-catalog)")
-    if not o.id_field or o.input_format not in ("jsonl", "parquet"):
-        raise ValueError("--iceberg-mode upsert needs --input-format jsonl or parquet with --id-field (JSONL or Parquet input with ids stable from one run "
-                         "to the next; default ids number lines, which shift when a line is inserted)")
-    if o.state == "stateful":
-        raise ValueError("--iceberg-mode upsert needs --state stateless or warm (stateful vectors depend on the "
-                         "documents before)")
-
-
-def check_iceberg(iceberg: IcebergTarget, schema, output: str, key: str, overwrite: bool, so: dict) -> None:
-    """Before a run with --iceberg-table: the catalog answers, an existing table takes this run's shards, and
-    the table points at no files under --output that this run would replace (--overwrite, or an output that
-    no longer holds the finished run registered from it): refused, since the table would then point at
-    replaced files; so are a catalog or warehouse inside --output, and a partitioned table. Reads only."""
-    iceberg.check_outside(output)
-    held = iceberg.check(schema, output, so)
-    if held and (overwrite or not finalize_started(output, key, so)):
-        why = ("--overwrite would replace them" if overwrite else
-               "it no longer holds the finished run of this command registered from it")
-        raise ValueError(f"--iceberg-table {iceberg.table} already references Parquet files under {output} "
-                         f"(snapshot {held[-1]}), and {why}: the table would point at replaced files. Write to a "
-                         "new --output, or remove those files from the table first")
 
 
 def pipeline_options(argv: list[str]) -> PipelineOptions:

@@ -2,22 +2,28 @@
 problem (pipeline.run.main prints it and exits 2, or 65 for bad model files: pipeline/exits.py), before Beam starts and before --output is touched."""
 from __future__ import annotations
 
-from typing import Callable
-
 import os
 import posixpath
+from typing import TYPE_CHECKING, Callable
 
-from apache_beam.options.pipeline_options import PipelineOptions, _BeamArgumentParser
+if TYPE_CHECKING:
+    from elmo_pipeline.formats.iceberg import IcebergTarget
+    from elmo_pipeline.pipeline.options import ElmoOptions
 
 
-class _RaisingParser(_BeamArgumentParser):
-    """Beam's argument parser, raising ValueError instead of printing usage and exiting."""
+def _raising_parser():
+    """Beam's argument parser, raising ValueError instead of printing usage and exiting (Beam imported here only:
+    the `elmo` command's checks below do without it)."""
+    from apache_beam.options.pipeline_options import _BeamArgumentParser
 
-    def error(self, message):
-        raise ValueError(message)
+    class RaisingParser(_BeamArgumentParser):
+        def error(self, message):
+            raise ValueError(message)
+    return RaisingParser(allow_abbrev=False, add_help=False)
 
 
 def _option_classes() -> list[type]:
+    from apache_beam.options.pipeline_options import PipelineOptions
     seen, todo = {}, list(PipelineOptions.__subclasses__())
     while todo:
         cls = todo.pop()
@@ -31,7 +37,7 @@ def check_flags(argv: list[str]) -> None:
     """ValueError for an unknown flag (Beam would only log "Discarding unparseable args" and run on without
     it) or a bad flag value (Beam's parser would print its whole usage and exit)."""
     import elmo_pipeline.pipeline.options  # noqa: F401 - registers ElmoOptions
-    parser = _RaisingParser(allow_abbrev=False, add_help=False)
+    parser = _raising_parser()
     for cls in _option_classes():
         try:
             cls._add_argparse_args(parser)  # noqa: SLF001
@@ -129,13 +135,16 @@ def check_reuse(sources: list[str] | None, state: str, output: str, table: bool 
                              "replace what it reads there") from None
 
 
-def check_model(options_file: str, weight_file: str):
-    """Load the biLM once here: a bad options.json or weights file (truncated, missing datasets, wrong shapes,
-    options out of their schema's bounds or not matching the weights) fails now with OptionsError/WeightsError,
-    not in every worker, and before any tensor is built from the options (model.weights.load_bilm).
-    Returns the loaded BiLM (a local run hands it to its in-process worker: transforms.embed_step.shared_model)."""
-    from elmo_pipeline.model.weights import load_bilm
-    return load_bilm(options_file, weight_file)
+def check_model(options_file: str, weight_file: str, build: bool):
+    """A bad options.json or weights file (truncated, missing datasets, wrong shapes, non-finite values, options out
+    of their schema's bounds or not matching the weights) fails now with OptionsError/WeightsError, not in every
+    worker: checked without building the biLM (model.weights.check_bilm). With `build` (a local run's
+    in-process worker takes it: transforms.embed.shared_model), the biLM loaded here and returned; else None."""
+    from elmo_pipeline.model.weights import check_bilm, load_bilm
+    if build:
+        return load_bilm(options_file, weight_file)
+    check_bilm(options_file, weight_file)
+    return None
 
 
 def check_output_writable(output: str, storage_options: dict | None = None) -> None:
@@ -232,3 +241,40 @@ def check_inputs_outside_output(files: list[str], output: str) -> None:
         more = f" and {len(inside) - 1} more" if len(inside) > 1 else ""
         raise ValueError(f"--input {inside[0]}{more} lies inside --output {output}: a run may clear or replace "
                          "what it reads there. Write to another --output, or move the input out first")
+
+
+def check_upsert(o: ElmoOptions, iceberg: IcebergTarget | None) -> None:
+    """ValueError for --iceberg-mode upsert / --delete-missing / --reuse-table flags that cannot work: upsert (and
+    --reuse-table) needs a table; upsert needs ids stable across runs (--id-field: default ids number lines, which
+    shift when a line is inserted) and documents embedded independently of each other (not --state stateful)."""
+    if o.delete_missing and o.iceberg_mode != "upsert":
+        raise ValueError("--delete-missing needs --iceberg-mode upsert")
+    if o.reuse_table and iceberg is None:
+        raise ValueError("--reuse-table needs --iceberg-table NS.TABLE (and --iceberg-catalog): it reuses the "
+                         "outputs registered there")
+    if o.iceberg_mode != "upsert":
+        return
+    if iceberg is None:
+        raise ValueError("--iceberg-mode upsert needs --iceberg-table NS.TABLE (and --iceberg-catalog)")
+    if not o.id_field or o.input_format not in ("jsonl", "parquet"):
+        raise ValueError("--iceberg-mode upsert needs --input-format jsonl or parquet with --id-field (JSONL or Parquet input with ids stable from one run "
+                         "to the next; default ids number lines, which shift when a line is inserted)")
+    if o.state == "stateful":
+        raise ValueError("--iceberg-mode upsert needs --state stateless or warm (stateful vectors depend on the "
+                         "documents before)")
+
+
+def check_iceberg(iceberg: IcebergTarget, schema, output: str, key: str, overwrite: bool, so: dict) -> None:
+    """Before a run with --iceberg-table: the catalog answers, an existing table takes this run's shards, and
+    the table points at no files under --output that this run would replace (--overwrite, or an output that
+    no longer holds the finished run registered from it): refused, since the table would then point at
+    replaced files; so are a catalog or warehouse inside --output, and a partitioned table. Reads only."""
+    from elmo_pipeline.output.state import finalize_started
+    iceberg.check_outside(output)
+    held = iceberg.check(schema, output, so)
+    if held and (overwrite or not finalize_started(output, key, so)):
+        why = ("--overwrite would replace them" if overwrite else
+               "it no longer holds the finished run of this command registered from it")
+        raise ValueError(f"--iceberg-table {iceberg.table} already references Parquet files under {output} "
+                         f"(snapshot {held[-1]}), and {why}: the table would point at replaced files. Write to a "
+                         "new --output, or remove those files from the table first")

@@ -21,7 +21,8 @@ Commands (inputs made at run time from ../shared/data, or samples/sample.txt):
   probe     `pipeline.cli probe --epochs 2 --seeds 1 --threads 1` on the two JSONL outputs
   --quick   only elmo --all (shipped model) and the WikiText-2 pipeline run
 
-Per output: bytes (SHA-256) and content. Parquet: schema, every column exactly (nulls, list lengths,
+Each side's files are first checked against their manifest's records (`files`: size and SHA-256); a file that
+is not the one its run recorded is a difference. Per output: bytes (SHA-256) and content. Parquet: schema, every column exactly (nulls, list lengths,
 values bit for bit, max |diff|), and which file metadata differs when only bytes do. HDF5: names,
 shapes, dtypes, attributes, values bit for bit. manifest.json / results.json: equal with each side's
 tree and output folder replaced by <TREE>/<OUT>, timings (and results.json `machine`) dropped; manifest
@@ -286,6 +287,19 @@ def compare_output(name: str, a: list[Path], b: list[Path], subs_a: list, subs_b
     return (False, True, *(cmp_parquet if name.endswith(".parquet") else cmp_hdf5)(a, b))
 
 
+def not_as_recorded(folder: Path) -> list[str]:
+    """The files under `folder` that are not the ones their output's manifest.json records (`files`: size and
+    SHA-256, as the run wrote them): a comparison reads what each side's run wrote, not a file swapped in."""
+    bad = []
+    for manifest in sorted(folder.rglob("manifest.json")):
+        for name, rec in (json.loads(manifest.read_text("utf-8")).get("files") or {}).items():
+            f = manifest.parent / name
+            data = f.read_bytes() if f.is_file() else b""
+            if len(data) != rec.get("bytes") or hashlib.sha256(data).hexdigest() != rec.get("sha256"):
+                bad.append(str(f.relative_to(folder)))
+    return bad
+
+
 def report(work: Path, trees: dict, allow_bytes: bool, seconds: float) -> int:
     """Print one row per output; 0 when every output is equal."""
     outputs = {side: {} for side in trees}   # side -> output name -> files (dead letters of a run: one output)
@@ -298,6 +312,10 @@ def report(work: Path, trees: dict, allow_bytes: bool, seconds: float) -> int:
     ob, oh = outputs["base"], outputs["head"]
     subs = {s: [(str(work / s), "<OUT>"), (str(t), "<TREE>")] for s, t in trees.items()}
     rows, bad = [], []
+    for side in trees:
+        for name in not_as_recorded(work / side):
+            rows.append((name, "-", "NO", "", f"{side}: not the file its manifest records (size or SHA-256)"))
+            bad.append(f"{side}:{name}")
     for name in sorted(ob.keys() | oh.keys()):
         if name not in oh:
             rows.append((name, "-", "MISSING", "", "only in base"))

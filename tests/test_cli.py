@@ -25,6 +25,18 @@ def test_help_and_commands_other_than_run_import_no_beam():
         assert "apache_beam" not in r.stderr, args
 
 
+def test_the_elmo_command_embeds_without_importing_beam(tmp_path, tiny_model_files):
+    """The `elmo` command's fixed cost has no Beam in it (its checks are plain functions): a whole run, not --help."""
+    (tmp_path / "in.txt").write_text("The cat sat .\n")
+    code = ("import sys\n"
+            "from elmo_pipeline.pipeline.cli import main\n"
+            f"assert main(['elmo', {str(tmp_path / 'in.txt')!r}, {str(tmp_path / 'out.hdf5')!r}, '--all', "
+            f"'--options-file', {tiny_model_files[0]!r}, '--weight-file', {tiny_model_files[1]!r}]) == 0\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'apache_beam'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[]", (r.stdout, r.stderr)
+
+
 def test_run_prints_only_its_summary(tmp_path, tiny_model_files):
     """No Beam notices (apitools, BigQuery, type hints) on stderr: the summary line is all a run prints."""
     corpus = tmp_path / "in.txt"

@@ -314,18 +314,28 @@ def test_a_damaged_commit_record_is_embedded_again(damage, corpus, tiny_model_fi
     kind) is never trusted: the rerun drops it with its shard and embeds its sentences again, and the output
     equals the uninterrupted run's."""
     out = str(tmp_path / "out")
-    args = argv(tiny_model_files, corpus, out, *SMALL)
-    p = run_subprocess(args, "commit:2")
-    assert p.returncode == -9, p.stderr[-2000:]
-    st = _staging(out)
+    args, st = _killed_after_two_commits(tiny_model_files, corpus, out)
     path = sorted(glob.glob(os.path.join(st, "committed", "*.json")))[0]
     rec = json.load(open(path))
     text = {"truncated": json.dumps(rec)[:40], "ids": json.dumps(dict(rec, ids_zlib="bm90IHpsaWI=")),
             "files": json.dumps(dict(rec, files=list(rec["files"].values())))}[damage]
     with open(path, "w") as f:
         f.write(text)
+    _resumed_as_uninterrupted(args, out, reference, caplog, "not a whole commit record; its sentences are embedded again")
+
+
+def _killed_after_two_commits(tiny_model_files, corpus, out):
+    """(argv, staging folder) of a run killed (SIGKILL) just after its 2nd commit."""
+    args = argv(tiny_model_files, corpus, out, *SMALL)
+    p = run_subprocess(args, "commit:2")
+    assert p.returncode == -9, p.stderr[-2000:]
+    return args, _staging(out)
+
+
+def _resumed_as_uninterrupted(args, out, reference, caplog, says):
+    """The same command resumes (logging `says`), keeps some committed sentences, and gives the uninterrupted output."""
     assert main(args) == 0
-    assert "not a whole commit record; its sentences are embedded again" in caplog.text
+    assert says in caplog.text
     got = read_output(out)
     assert_same_output(got, reference)
     assert got[0]["run"]["resumed_sentences"] < reference[0]["counts"]["sentences"]
@@ -338,10 +348,7 @@ def test_a_committed_shard_changed_since_is_embedded_again(damage, corpus, tiny_
     shard's file copied over it, cut short) is never published by a resume: the rerun drops its record and
     embeds its sentences again, and the output equals the uninterrupted run's."""
     out = str(tmp_path / "out")
-    args = argv(tiny_model_files, corpus, out, *SMALL)
-    p = run_subprocess(args, "commit:2")
-    assert p.returncode == -9, p.stderr[-2000:]
-    st = _staging(out)
+    args, st = _killed_after_two_commits(tiny_model_files, corpus, out)
     first, second = _records(st)[:2]
     path = os.path.join(st, first["files"]["parquet"])
     data = open(path, "rb").read()
@@ -349,11 +356,7 @@ def test_a_committed_shard_changed_since_is_embedded_again(damage, corpus, tiny_
             "other shard": open(os.path.join(st, second["files"]["parquet"]), "rb").read()}[damage]
     with open(path, "wb") as f:
         f.write(data)
-    assert main(args) == 0
-    assert "its shard's sentences are embedded again" in caplog.text
-    got = read_output(out)
-    assert_same_output(got, reference)
-    assert got[0]["run"]["resumed_sentences"] < reference[0]["counts"]["sentences"]
+    _resumed_as_uninterrupted(args, out, reference, caplog, "its shard's sentences are embedded again")
 
 
 def test_plan_from_staging_refuses_an_incomplete_staging(tmp_path):

@@ -70,7 +70,7 @@ def test_two_threads_give_the_batches_of_one(tmp_path):
 
 
 def test_embed_threads_resolution(monkeypatch):
-    from elmo_pipeline.pipeline.plan import embed_threads as n
+    from elmo_pipeline.pipeline.workers import embed_threads as n
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert n(0, 1, True, "stateless") == 2 and n(0, 1, True, "warm") == 2
     assert n(0, 2, True, "stateless") == 1          # the default torch threads already use both cores

@@ -21,11 +21,11 @@ from elmo_pipeline.formats.iceberg import IcebergTarget
 from elmo_pipeline.formats.iceberg.upsert import change_counts, change_of, delete_positions, doc_hash, new_state
 from elmo_pipeline.pipeline.run import main
 from tests.iceberg_rows import same_rows, upsert_argv
+from tests.conftest import shared_path
 
 pyiceberg = pytest.importorskip("pyiceberg")
 from pyiceberg.catalog import load_catalog  # noqa: E402
 
-VALID = "/work/shared/data/wikitext-2/valid.txt"
 TABLE = "elmo.docs"
 COMMON = ("--batch-invariant", "--torch-threads", "1", "--progress", "off", "--max-tokens-per-batch", "512")
 
@@ -93,7 +93,8 @@ def write_jsonl(path, docs):
 def days():
     """Day 1: 24 documents of 1-2 WikiText-2 valid lines; day 2: 3 of them edited; day 3: one of those edited
     again, one added, two gone."""
-    lines = [s.strip() for s in open(VALID, encoding="utf-8") if s.strip() and not s.strip().startswith("=")]
+    with open(shared_path("data", "wikitext-2", "valid.txt"), encoding="utf-8") as f:
+        lines = [s.strip() for s in f if s.strip() and not s.strip().startswith("=")]
     lines = [s[:400] for s in lines[:60]]
     day1 = [(f"wiki-{i:03d}", " ".join(lines[2 * i: 2 * i + 1 + i % 2])) for i in range(24)]
     day2 = list(day1)
@@ -476,3 +477,29 @@ def test_the_duplicate_id_check_runs_before_an_upsert_commit(three_days):
     check_new_ids(table, ids, output_url(day1), replaced=docs)
     with pytest.raises(DuplicateIdError, match="already holds"):
         check_new_ids(table, ids, output_url(day1), replaced=docs[1:])
+
+
+@pytest.mark.slow
+def test_unchanged_rows_of_another_kernel_path_are_refused_unless_asked(tmp_path, capsys, monkeypatch):
+    """Day 1 computed with another LSTM loop (ELMO_LSTM_GEMM=bmm): day 2's upsert would leave its unchanged rows,
+    other bits under the same key, so it refuses (exit 2, one line naming the difference and the flag, nothing
+    committed) unless --reuse-across-kernels, whose manifest says so; the snapshot records each day's path."""
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    docs = [(f"d{i}", f"The cat {i} sat . It was glad {i} .") for i in range(4)]
+    inp = write_jsonl(tmp_path / "in.jsonl", docs)
+    monkeypatch.setenv("ELMO_LSTM_GEMM", "bmm")
+    assert main([*upsert_argv(inp, str(tmp_path / "day1"), TABLE, catalog(wh)), *COMMON]) == 0
+    monkeypatch.delenv("ELMO_LSTM_GEMM")
+    recorded = json.loads(table_of(wh).current_snapshot().summary.additional_properties["elmo-pipeline.kernel-path"])
+    assert recorded["lstm_loop"][0] == "bmm"
+    capsys.readouterr()
+    assert main([*upsert_argv(inp, str(tmp_path / "day2"), TABLE, catalog(wh)), *COMMON]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: --iceberg-mode upsert Iceberg table {TABLE}: computed on another kernel path "
+                              "(LSTM loop bmm") and "--reuse-across-kernels" in err[-1], err
+    assert len(table_of(wh).snapshots()) == 1
+    assert main([*upsert_argv(inp, str(tmp_path / "day2"), TABLE, catalog(wh)), *COMMON,
+                 "--reuse-across-kernels"]) == 0
+    m = json.load(open(tmp_path / "day2" / "manifest.json"))
+    assert m["upsert"]["kernel_path"].startswith("differs: LSTM loop bmm")

@@ -201,7 +201,7 @@ def test_plan_memory_on_a_gz_of_newlines_stays_as_the_runs(tmp_path, tiny_model_
 @given(st.binary(max_size=60).map(lambda b: bytes(c % 3 + 10 if c % 2 else 97 for c in b)),
        st.integers(0, 60), st.integers(0, 60), st.integers(1, 7))
 def test_plan_window_is_the_lines_starting_in_it(data, a, b, block):
-    from elmo_pipeline.pipeline.dry_run import _window
+    from elmo_pipeline.pipeline.sample import _window
     start, end = min(a, b, len(data)), min(max(a, b), len(data))
     starts = [q for q in range(start, end) if q == 0 or data[q - 1] == 10]
     want = b""

@@ -31,7 +31,7 @@ BEAM_SHELLS = {"transforms/chain.py", "transforms/read_step.py", "transforms/tok
                "transforms/embed_step.py", "transforms/write_step.py", "transforms/coders.py", "transforms/inference.py",
                "transforms/reuse_step.py",
                "pipeline/run.py", "pipeline/plan.py", "pipeline/graph.py", "pipeline/execute.py",
-               "pipeline/options.py", "pipeline/validate.py"}
+               "pipeline/options.py", "pipeline/validate.py", "pipeline/workers.py"}
 
 
 def _modules():

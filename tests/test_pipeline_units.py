@@ -241,7 +241,7 @@ def test_write_shards_in_background_keeps_order_and_raises_errors(tmp_path):
 
 
 def test_tokenizer_process_resolution(monkeypatch):
-    from elmo_pipeline.pipeline.plan import tokenizer_processes as n
+    from elmo_pipeline.pipeline.workers import tokenizer_processes as n
     dask = "apache_beam.runners.dask.dask_runner.DaskRunner"
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert n("auto", "wikitext", True, "FnApiRunner") == 2 and n("auto", "wikitext", True, "FnApiRunner", 2) == 1

@@ -17,8 +17,8 @@ from elmo_pipeline.transforms.reuse import (NOT_FOUND, ReuseError, bucket_of, by
                                             location, match, model_vectors, reused_batches, unpack)
 from tests.resume_helpers import argv, read_output
 from tests.test_dedupe import assert_equal_outputs
+from tests.conftest import shared_path
 
-WIKI = "/work/shared/data/wikitext-2/valid.txt"
 
 
 def item(i, tokens, copies=()):
@@ -129,7 +129,7 @@ def day2(lines: list[str], seed=5):
 @pytest.fixture(scope="module")
 def days(tmp_path_factory):
     d = tmp_path_factory.mktemp("days")
-    with open(WIKI, encoding="utf-8") as f:
+    with open(shared_path("data", "wikitext-2", "valid.txt"), encoding="utf-8") as f:
         lines = [next(f).rstrip("\n") for _ in range(240)]
     (d / "day1.txt").write_text("\n".join(lines) + "\n")
     (d / "day2.txt").write_text("\n".join(day2(lines)) + "\n")

@@ -189,3 +189,23 @@ def test_bad_json(tiny_model_files, tmp_path):
 def test_sha256_verified(tiny_model_files):
     with pytest.raises(ValueError, match="sha256 mismatch"):
         load_bilm(*tiny_model_files, sha256="0" * 64)
+
+
+def test_check_bilm_refuses_what_load_bilm_refuses_and_builds_nothing(tiny_model_files, tmp_path, monkeypatch):
+    """The launcher's check (check_bilm): the options and the weights' metadata and values, no BiLM built."""
+    from elmo_pipeline.model import weights
+    options, good = tiny_model_files
+
+    def never(*_, **__):
+        raise AssertionError("check_bilm built a BiLM")
+    monkeypatch.setattr(weights, "BiLM", never)
+    assert weights.check_bilm(options, good).n_layers >= 1
+    broken = str(tmp_path / "w.hdf5")
+    shutil.copy(good, broken)
+    with h5py.File(broken, "a") as f:
+        f["CNN/b_cnn_0"][0] = np.inf
+    with pytest.raises(WeightsError, match=r"'CNN/b_cnn_0' has 1 non-finite value"):
+        weights.check_bilm(options, broken)
+    (tmp_path / "t.hdf5").write_bytes(open(good, "rb").read()[:1000])
+    with pytest.raises(WeightsError, match=r"not a valid HDF5 file"):
+        weights.check_bilm(options, str(tmp_path / "t.hdf5"))

@@ -1,12 +1,15 @@
-"""The model on the pipeline's workers: loading a ModelSpec (model/resolve.py) into an ElmoEmbedder, and the
---layers selection. No Beam import.
+"""The model on the pipeline's workers, all of its life there: loading a ModelSpec (model/resolve.py) into an
+ElmoEmbedder (load_embedder), one per process held through Beam's Shared handle (shared_model: the handle is
+passed in), and the --layers selection. No Beam import.
 
 Embedder output: float32 (L, N, 2P), L = LSTM layers + 1, layer 0 = token vector duplicated ([x, x]).
 Selections: "all" | "top" | "average" | "0,1,2" (layer indices).
 """
 from __future__ import annotations
 
-from elmo_pipeline.model.resolve import ModelSpec  # noqa: F401 - what load_embedder loads
+import threading
+
+from elmo_pipeline.model.resolve import ModelSpec
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int] | str:
@@ -50,7 +53,8 @@ def reuse_freed_memory() -> bool:
 def load_embedder(spec: ModelSpec, model=None):
     """An ElmoEmbedder for `spec` (sets torch's intra-op threads first when torch_threads > 0), in a
     process whose allocator keeps freed memory (reuse_freed_memory); `model`: the BiLM of spec's files, already
-    loaded in this process (else loaded here)."""
+    loaded in this process (else loaded here). ValueError when it runs on another kernel path than the planned
+    one (ModelSpec.check_kernel_path)."""
     import torch
     reuse_freed_memory()
 
@@ -61,6 +65,31 @@ def load_embedder(spec: ModelSpec, model=None):
     options_file, weight_file, vocab_file = spec.local_files()
     if model is None:
         spec.check_options(options_file)
-    return ElmoEmbedder(options_file, weight_file, device=resolve_device(spec.device, share_gpus=True), model=model,
-                        state=spec.state, vocab_file=vocab_file, dtype=spec.compute_dtype,
-                        batch_invariant=spec.batch_invariant, weights_sha256=spec.weights_sha256)
+    embedder = ElmoEmbedder(options_file, weight_file, device=resolve_device(spec.device, share_gpus=True),
+                            model=model, state=spec.state, vocab_file=vocab_file, dtype=spec.compute_dtype,
+                            batch_invariant=spec.batch_invariant, weights_sha256=spec.weights_sha256)
+    spec.check_kernel_path(embedder)        # a --batch-invariant run: the planned kernel path, or one error
+    return embedder
+
+
+class LoadedModel:
+    """A process's embedder of one ModelSpec, built on first use (from `model`, a BiLM of its files this process
+    already loaded, else from the files); held through Beam's Shared, which needs a weak-referenceable object."""
+
+    def __init__(self, spec: ModelSpec, model=None):
+        self.spec, self._model, self._embedder = spec, model, None
+        self._lock = threading.Lock()
+
+    @property
+    def embedder(self):
+        with self._lock:
+            if self._embedder is None:
+                self._embedder, self._model = load_embedder(self.spec, self._model), None
+            return self._embedder
+
+
+def shared_model(models, spec: ModelSpec, model=None) -> LoadedModel:
+    """This process's LoadedModel of `spec` through the handle `models` (Beam's Shared: one per process, kept
+    while the caller keeps it and after, until another is acquired). A launcher that runs the workers in its own
+    process acquires it first with the BiLM it checked (model); its workers, given the same handle, take it."""
+    return models.acquire(lambda: LoadedModel(spec, model), tag=repr(spec))

@@ -1,7 +1,6 @@
 """The embedding step's Beam shells: SortAndBatch (model.batching) and EmbedBatches (transforms.embed_items)."""
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -13,7 +12,7 @@ from elmo_pipeline.model.batching import padding, plan_batches
 from elmo_pipeline.transforms.chain import DEAD, NS, in_global_window
 from elmo_pipeline.transforms.dedupe import occurrences, with_copies
 from elmo_pipeline.model.resolve import ModelSpec
-from elmo_pipeline.transforms.embed import load_embedder
+from elmo_pipeline.transforms.embed import shared_model
 from elmo_pipeline.transforms.embed_items import embed_alone, embed_windowed, embedding_failed, split_at_window, window_limit
 from elmo_pipeline.transforms.progress import ProgressSpec, advance
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
@@ -56,29 +55,6 @@ class SortAndBatch(beam.DoFn):
     def finish_bundle(self):
         for batch in self._flush():
             yield in_global_window(batch)
-
-
-class LoadedModel:
-    """A process's embedder of one ModelSpec, built on first use (from `model`, a BiLM of its files this process
-    already loaded, else from the files); held through Beam's Shared, which needs a weak-referenceable object."""
-
-    def __init__(self, spec: ModelSpec, model=None):
-        self.spec, self._model, self._embedder = spec, model, None
-        self._lock = threading.Lock()
-
-    @property
-    def embedder(self):
-        with self._lock:
-            if self._embedder is None:
-                self._embedder, self._model = load_embedder(self.spec, self._model), None
-            return self._embedder
-
-
-def shared_model(models: shared.Shared, spec: ModelSpec, model=None) -> LoadedModel:
-    """This process's LoadedModel of `spec` through the handle `models` (Beam's Shared: one per process, kept
-    while the caller keeps it and after, until another is acquired). A launcher that runs the workers in its own
-    process acquires it first with the BiLM it checked (model); its workers, given the same handle, take it."""
-    return models.acquire(lambda: LoadedModel(spec, model), tag=repr(spec))
 
 
 class _Job:

@@ -2,7 +2,8 @@
 stored vectors instead of being embedded. No Beam import; the graph joins the run's sentences with the earlier
 outputs' key indexes by key on the runner (pipeline/graph.py, docs/reuse.md).
 
-open_source: an earlier output's manifest, checked (it is untrusted) -> ReuseSource (what its shards are, where);
+open_source: an earlier output's manifest, checked (it is untrusted) -> ReuseSource (what its shards are, where; its
+kernel path against this run's: kernel_note);
 table_sources: those of the outputs registered in the --iceberg-table (--reuse-table).
 The join is by key bucket (join_buckets: a bucket per GROUP_ROWS source sentences, by the key's first bytes): the
 runner groups each bucket's Items with packed runs of the sources' (key, location) rows (ENTRY: 24 bytes a source
@@ -35,6 +36,7 @@ logger = logging.getLogger("elmo-pipeline.reuse")
 KEY_HEX = 32            # a sentence key after its key prefix: the tokens' hash (model.resolve.sentence_key)
 ROW_BITS = SHARD_BITS = 24   # a location packs (source, shard, row) into one int: 2^24 shards and rows at most
 NOT_FOUND = -1
+ACROSS_KERNELS = "--reuse-across-kernels"     # reuse a source computed on another kernel path (kernel_note)
 GROUP_ROWS = 1 << 20    # source sentences per join bucket at most, on average (24 MiB of packed entries)
 MIN_BUCKETS = 64        # so that the join spreads over workers however small the sources
 ENTRY = np.dtype([("key", "V16"), ("loc", "<i8")])     # a source sentence in the join: join key, location
@@ -48,6 +50,18 @@ class ForeignSourceError(ReuseError):
     """An earlier output of another model, vector settings, layers or dtype: none of its vectors are this run's."""
 
 
+class KernelPathError(ForeignSourceError):
+    """An earlier output computed on another kernel path (model/kernels.py): this model's vectors in other bits."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """This run's planned kernel path (model/kernels.py; None: not known while planning, a remote runner) and whether
+    a source computed on another one is reused anyway (ACROSS_KERNELS given)."""
+    here: dict | None
+    across: bool = False
+
+
 @dataclass(frozen=True)
 class ReuseSource:
     """A finished earlier output to reuse vectors from: its URL (as given: read from), label (redacted: what is
@@ -57,6 +71,7 @@ class ReuseSource:
     format: str
     shards: tuple[tuple[str, str, int], ...]
     records: tuple[tuple[dict | None, dict | None], ...] = ()    # per shard, (key index, data) as its manifest records
+    kernel_path: str = "not compared"     # its kernel path against this run's (kernel_note)
 
 
 def join_key(key: str) -> bytes:
@@ -98,11 +113,13 @@ def _inside(rel) -> bool:
 
 
 def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype: str,
-                storage_options: dict | None = None, flag: str = "--reuse") -> ReuseSource:
+                storage_options: dict | None = None, flag: str = "--reuse", kernels: Kernels | None = None
+                ) -> ReuseSource:
     """The earlier output at `url`, checked: finished (manifest.json), a key index of this run's key prefix, the
     run's layer columns and dtype, Parquet (sentence layout) or Arrow shards to read vectors from, every shard's
     key index readable with as many rows as the shard. ReuseError naming it (redacted, after `flag`) otherwise;
-    ForeignSourceError for another key prefix, layers or dtype."""
+    ForeignSourceError for another key prefix, layers or dtype; KernelPathError for another kernel path (kernel_note).
+    """
     label = redact(url)
     try:
         fs, root = url_fs(url, storage_options)
@@ -122,6 +139,7 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
     if m.get("layer_dims") != dict(columns) or m.get("dtype") != dtype:
         raise ForeignSourceError(f"{flag} {label}: its layers {m.get('layer_dims')} ({m.get('dtype')}) are not this "
                          f"run's {dict(columns)} ({dtype})")
+    note = kernel_note(m.get("kernel_path"), label, flag, kernels)
     formats = [f for f in m.get("formats") or [] if isinstance(f, str)]
     fmt = "parquet" if "parquet" in formats and m.get("parquet_layout") == "sentence" else \
         "arrow" if "arrow" in formats else None
@@ -153,21 +171,44 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
                              "shard")
         shards.append((_url(url, keys), _url(url, data), n))
         records.append(rec)
-    return ReuseSource(url, label, fmt, tuple(shards), tuple(records))
+    return ReuseSource(url, label, fmt, tuple(shards), tuple(records), note)
+
+
+def kernel_note(source: dict | None, label: str, flag: str, kernels: Kernels | None) -> str:
+    """How a source's kernel path (its manifest's `kernel_path`) compares with this run's: 'same'; 'not recorded'
+    (an output of an earlier version: reused, with a warning); 'not compared' (this run's is not known while
+    planning); 'differs: <phrase>' where ACROSS_KERNELS accepts the difference; KernelPathError otherwise."""
+    from elmo_pipeline.model.kernels import kernel_difference
+    if kernels is None or kernels.here is None:
+        return "not compared"
+    if source is None:
+        logger.warning("%s %s: its manifest records no kernel path (an output of an earlier version): its vectors are "
+                       "reused as if computed on this run's (docs/reuse.md#kernel-paths)", flag, label)
+        return "not recorded"
+    differ = kernel_difference(source, kernels.here) if isinstance(source, dict) else "a damaged kernel_path record"
+    if differ is None:
+        return "same"
+    if not kernels.across:
+        raise KernelPathError(f"{flag} {label}: computed on another kernel path ({differ}, source vs this run): "
+                              f"its vectors differ from this run's in the last bits; {ACROSS_KERNELS} reuses them "
+                              "anyway (docs/reuse.md#kernel-paths)")
+    return f"differs: {differ} ({ACROSS_KERNELS})"
 
 
 def table_sources(table: str, urls: list[str], key_prefix: str, columns: list[tuple[str, int]], dtype: str,
-                  skip: list[str], storage_options: dict | None = None) -> list[ReuseSource]:
+                  skip: list[str], storage_options: dict | None = None, kernels: Kernels | None = None
+                  ) -> list[ReuseSource]:
     """--reuse-table: the outputs registered in `table` (`urls`: formats.iceberg.registered_outputs), each opened
-    as a --reuse source is (open_source). One of another model or settings (a table may mix runs) is left out with
-    a logged reason; so is one at or inside a URL of `skip` (--output, the --reuse sources). ReuseError for a
-    missing or damaged one: the table references its files."""
+    as a --reuse source is (open_source). One of another model, settings or kernel path (a table may mix runs) is
+    left out with a logged reason; so is one at or inside a URL of `skip` (--output, the --reuse sources).
+    ReuseError for a missing or damaged one: the table references its files."""
     out = []
     for url in urls:
         if any(url == s or url.startswith(s + "/") for s in skip):
             continue
         try:
-            out.append(open_source(url, key_prefix, columns, dtype, storage_options, f"--reuse-table ({table})"))
+            out.append(open_source(url, key_prefix, columns, dtype, storage_options, f"--reuse-table ({table})",
+                                   kernels))
         except ForeignSourceError as e:
             logger.warning("not reused: %s", e)
     return out

@@ -30,12 +30,13 @@ from elmo_pipeline.formats.iceberg.commit import (FILES_PROPERTY, OUTPUT_PROPERT
                                                   data_files, registration_property, run_ids)
 from elmo_pipeline.formats.iceberg.table import IcebergTarget, data_file_urls, output_url
 from elmo_pipeline.formats.layout import DOC_HASHES
-from elmo_pipeline.fsio import redact
+from elmo_pipeline.fsio import json_or_none, redact
 
 logger = logging.getLogger("elmo-pipeline.iceberg")
 MODES = ("append", "upsert")
 STATE_PROPERTY = "elmo-pipeline.doc-hashes"    # snapshot summary: the URL of its DOC_HASHES (formats/layout.py)
 STATE_RECORD_PROPERTY = "elmo-pipeline.doc-hashes-record"   # ... and that file's {"bytes", "sha256"} (JSON)
+KERNEL_PATH_PROPERTY = "elmo-pipeline.kernel-path"  # ... and what computed the rows it added (model/kernels.py, JSON)
 EMBED_FAILED = "embedding failed:"   # the dead-letter reason of a sentence whose batch failed (transforms/embed_items.py)
 INCOMPLETE = "incomplete"       # the doc_hash of a document one of whose sentences failed to embed: never current
 ROW_DOC = "doc_id"                             # the shards' column naming each row's document
@@ -115,12 +116,13 @@ def read_state_file(io, url: str, record: dict | None, columns: list[str]) -> pa
     return pq.ParquetFile(pa.BufferReader(data)).read(columns=columns)
 
 
-def read_state(table) -> tuple[int | None, dict[str, str]]:
-    """(current snapshot id, {doc_id: doc_hash}) of a table for an upsert: {} for a table without snapshots;
-    ValueError when its current snapshot was not made by an upsert (no state to compare with)."""
+def read_state(table) -> tuple[int | None, dict[str, str], dict | None]:
+    """(current snapshot id, {doc_id: doc_hash}, the kernel path its rows were computed on: None when not recorded)
+    of a table for an upsert: {} for a table without snapshots; ValueError when its current snapshot was not made by
+    an upsert (no state to compare with)."""
     snapshot = table.current_snapshot()
     if snapshot is None:
-        return None, {}
+        return None, {}, None
     props = snapshot.summary.additional_properties if snapshot.summary else {}
     url = props.get(STATE_PROPERTY)
     if not url:
@@ -130,7 +132,9 @@ def read_state(table) -> tuple[int | None, dict[str, str]]:
     record = json.loads(props[STATE_RECORD_PROPERTY]) if STATE_RECORD_PROPERTY in props else None
     state = read_state_file(table.io, url, record, ["doc_id", "doc_hash", "change"])
     state = state.filter(pc.not_equal(state.column("change"), "removed"))
-    return snapshot.snapshot_id, dict(zip(state.column("doc_id").to_pylist(), state.column("doc_hash").to_pylist()))
+    kernels = json_or_none(props[KERNEL_PATH_PROPERTY]) if KERNEL_PATH_PROPERTY in props else None
+    return (snapshot.snapshot_id, dict(zip(state.column("doc_id").to_pylist(), state.column("doc_hash").to_pylist())),
+            kernels)
 
 
 def _deleted_in(io, delete_files, path: str) -> pa.Array | None:
@@ -218,6 +222,8 @@ class Upsert:
     state: dict[str, str] = field(repr=False)
     salt: str = ""
     delete_missing: bool = False
+    kernel_path: dict | None = None    # what computed the table's rows (its current snapshot's record), if recorded
+    kernel_note: str = "not compared"  # that against this run's (transforms.reuse.kernel_note): unchanged rows stay
 
     @classmethod
     def plan(cls, target: IcebergTarget, salt: str, delete_missing: bool,
@@ -227,8 +233,8 @@ class Upsert:
         table = None
         if not path or os.path.exists(path):
             table = target._load_table(target.load_catalog(storage_options, read_only=True))   # noqa: SLF001
-        base, state = read_state(table) if table is not None else (None, {})
-        return cls(target, base, state, salt, delete_missing)
+        base, state, kernels = read_state(table) if table is not None else (None, {}, None)
+        return cls(target, base, state, salt, delete_missing, kernels)
 
     def state_after(self, doc_files: Iterable[bytes], dead=()) -> pa.Table:
         """The table's documents after this run (new_state): the staged documents (files of [doc_id, doc_hash,
@@ -256,7 +262,7 @@ class Upsert:
     def section(self) -> dict:
         """The manifest's `upsert` entry."""
         return {"table": self.target.table, "doc_hashes": DOC_HASHES, "base_snapshot": self.base_snapshot,
-                "delete_missing": self.delete_missing}
+                "delete_missing": self.delete_missing, "kernel_path": self.kernel_note}
 
     def register(self, output: str, manifest: dict, schema: pa.Schema, storage_options: dict | None = None,
                  before_commit=None) -> Registration:
@@ -293,6 +299,8 @@ class Upsert:
             current, deletes = prepared
             props = {OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key, FILES_PROPERTY: str(len(files)),
                      STATE_PROPERTY: redact(state_url),
+                     **({KERNEL_PATH_PROPERTY: json.dumps(manifest["kernel_path"], sort_keys=True)}
+                        if manifest.get("kernel_path") else {}),
                      **({STATE_RECORD_PROPERTY: json.dumps(record, sort_keys=True)} if record else {})}
             if tx.table_metadata.name_mapping() is None:     # as add_files: our shards have no field ids
                 tx.set_properties({TableProperties.DEFAULT_NAME_MAPPING:

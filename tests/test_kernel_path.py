@@ -1,0 +1,232 @@
+"""model/kernels.py: the record of what computes the vectors (LSTM loop, CPU kernel class, versions, math modes,
+dtypes, row rule), kernel_difference between two records; the manifest's `kernel_path`; a --batch-invariant
+worker on another path refused (ModelSpec.check_kernel_path); --reuse of a source computed on another path refused
+unless --reuse-across-kernels (transforms/reuse.py kernel_note)."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from elmo_pipeline.model.kernels import exact_here, kernel_difference, kernel_path
+from elmo_pipeline.pipeline.run import main
+from tests.resume_helpers import argv, read_output
+from tests.conftest import shared_path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_record_is_json_and_names_the_loop_the_environment_picks(monkeypatch):
+    """ELMO_LSTM_GEMM is read when the record is made (as BiLM reads it when built): the loop follows it."""
+    monkeypatch.delenv("ELMO_LSTM_GEMM", raising=False)
+    auto = kernel_path("float32", "cpu")
+    assert json.loads(json.dumps(auto)) == auto
+    assert auto["device"] == "cpu" and auto["dtypes"] == {"compute": "float32", "output": "float32"}
+    assert auto["versions"]["torch"] and auto["cpu"]["torch_capability"] and auto["row_rule"] is None
+    monkeypatch.setenv("ELMO_LSTM_GEMM", "bmm")
+    bmm = kernel_path("float32", "cpu")
+    assert bmm["lstm_loop"] == ["bmm"]
+    monkeypatch.setenv("ELMO_LSTM_GEMM", "onednn")
+    onednn = kernel_path("float32", "cpu")
+    assert onednn["lstm_loop"] == ["onednn"] and kernel_difference(onednn, bmm) == "LSTM loop onednn vs bmm"
+
+
+def test_the_loop_is_chosen_per_layer_shape_as_the_model_runs_it(tiny_model_files, monkeypatch):
+    """With a model, the record has the loop of each LSTM depth as model.lstm.step_loop picks it: the tiny model's
+    narrow layers take bmm under 'auto'; the model's own loop option wins over the environment. Without a model
+    (a launcher that does not build one), its options' shapes give the record a model built here would."""
+    from elmo_pipeline.model.options import load_options
+    from elmo_pipeline.model.pretrained import DEFAULT_MODEL, model_files
+    from elmo_pipeline.model.weights import load_bilm
+    monkeypatch.delenv("ELMO_LSTM_GEMM", raising=False)
+    bilm = load_bilm(*tiny_model_files)
+    assert kernel_path("float32", "cpu", model=bilm)["lstm_loop"] == ["bmm"] * len(bilm.forward_layers)
+    assert kernel_path("float32", "cpu", model=bilm) == kernel_path("float32", "cpu",
+                                                                  opts=load_options(tiny_model_files[0]))
+    shipped = model_files(DEFAULT_MODEL)
+    assert kernel_path("float32", "cpu", model=load_bilm(*shipped[:2])) == \
+        kernel_path("float32", "cpu", opts=load_options(shipped[0]))
+    bilm.lstm_loop = "onednn"
+    monkeypatch.setenv("ELMO_LSTM_GEMM", "bmm")
+    assert set(kernel_path("float32", "cpu", model=bilm)["lstm_loop"]) == {"onednn"}
+
+
+def test_dtypes_threads_and_the_row_rule_are_recorded():
+    a = kernel_path("float32", "cpu", "float16", batch_invariant=True, torch_threads=3)
+    assert a["dtypes"] == {"compute": "float32", "output": "float16"} and a["torch_threads"] == 3
+    assert a["row_rule"] == {"row_tile": 4}
+    b = kernel_path("bfloat16", "cpu", "float16", batch_invariant=True, torch_threads=3)
+    assert kernel_difference(a, b).startswith("dtypes compute float32 vs bfloat16")
+    assert kernel_difference(a, dict(a, torch_threads=1)) == "torch threads 3 vs 1"
+    assert kernel_difference(a, dict(a, row_rule=None)) == "batch-invariant row rule row_tile=4 vs none"
+
+
+def test_kernel_difference_names_the_first_field_and_counts_the_others():
+    a = kernel_path("float32", "cpu")
+    assert kernel_difference(a, copy.deepcopy(a)) is None
+    b = copy.deepcopy(a)
+    b["cpu"]["name"] = "another SKU of the same core"          # informational: not compared
+    assert kernel_difference(a, b) is None
+    b["math"]["onednn_fpmath_mode"], b["versions"]["onednn"] = "bf16", "9.9.9"
+    assert kernel_difference(a, b) == "ONEDNN_DEFAULT_FPMATH_MODE strict vs bf16 (and 1 other field)"
+    c = copy.deepcopy(a)
+    c["cpu"]["onednn_max_cpu_isa"] = "AVX2"
+    assert kernel_difference(a, c) == "ONEDNN_MAX_CPU_ISA none vs AVX2"
+    d = copy.deepcopy(a)
+    del d["versions"]["mkl"]                                   # a field one record lacks is a difference
+    assert kernel_difference(a, d).startswith("versions mkl ")
+    gpu = dict(copy.deepcopy(a), device="cuda", cpu=None, gpu={"name": "NVIDIA H200", "capability": "9.0"})
+    assert kernel_difference(a, gpu).startswith("device cpu vs cuda (and ")
+
+
+def test_exact_only_where_the_row_rule_was_measured():
+    """--dedupe's `exact`: batch-invariant on an AVX-512 CPU in strict math; not with an ISA cap, a lower-precision
+    math mode, or without batch invariance; unknown kernel path (remote): as batch_invariant."""
+    a = kernel_path("float32", "cpu", batch_invariant=True)
+    measured = a["cpu"]["torch_capability"] == "AVX512" and a["math"]["onednn_fpmath_mode"] == "strict"
+    assert exact_here(a, True) == measured and not exact_here(a, False)
+    assert exact_here(None, True) and not exact_here(None, False)
+    capped, bf16 = copy.deepcopy(a), copy.deepcopy(a)
+    capped["cpu"]["onednn_max_cpu_isa"] = "AVX2"
+    bf16["math"]["onednn_fpmath_mode"] = "bf16"
+    assert not exact_here(capped, True) and not exact_here(bf16, True)
+    assert not exact_here(dict(a, device="cuda", cpu=None), True)
+
+
+def record_in_subprocess(**env) -> dict:
+    """kernel_path('float32', 'cpu') of a fresh process with `env` set before torch and oneDNN load, at this
+    process's torch thread count (which the record names too)."""
+    import torch
+    code = (f"import json, torch; torch.set_num_threads({torch.get_num_threads()}); "
+            "from elmo_pipeline.model.kernels import kernel_path; print(json.dumps(kernel_path('float32', 'cpu')))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow       # fresh processes
+def test_the_record_changes_with_onednn_math_mode_and_isa_cap(monkeypatch):
+    """Set before the process starts (oneDNN reads them once): ONEDNN_DEFAULT_FPMATH_MODE=BF16 and
+    ONEDNN_MAX_CPU_ISA=AVX2 each give another record, named by kernel_difference; ALL is no cap."""
+    for name in ("ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    here = kernel_path("float32", "cpu")
+    assert kernel_difference(here, record_in_subprocess()) is None
+    assert kernel_difference(here, record_in_subprocess(ONEDNN_DEFAULT_FPMATH_MODE="BF16")) == \
+        "ONEDNN_DEFAULT_FPMATH_MODE strict vs bf16"
+    assert kernel_difference(here, record_in_subprocess(ONEDNN_MAX_CPU_ISA="AVX2")) == "ONEDNN_MAX_CPU_ISA none vs AVX2"
+    assert kernel_difference(here, record_in_subprocess(ONEDNN_MAX_CPU_ISA="all")) is None
+
+
+def test_a_batch_invariant_worker_on_another_kernel_path_is_refused(tiny_model_files):
+    """load_embedder (each pipeline worker) checks its own record against the planned one where the run promises
+    exact bits (--batch-invariant): one error naming the difference, never other bits under the same key."""
+    import dataclasses
+
+    from elmo_pipeline.model.kernels import planned_kernel_path
+    from elmo_pipeline.model.resolve import ModelSpec
+    from elmo_pipeline.model.weights import load_bilm
+    from elmo_pipeline.transforms.embed import load_embedder
+    spec = dataclasses.replace(ModelSpec(*tiny_model_files), batch_invariant=True, torch_threads=1).pinned()
+    planned = planned_kernel_path(spec, load_bilm(*tiny_model_files), local=True)
+    assert planned_kernel_path(spec, None, local=False) is None
+    ok = dataclasses.replace(spec, kernel_path=planned)
+    assert ok.key_prefix == spec.key_prefix and ok == spec          # not part of the identity
+    assert load_embedder(ok).model is not None
+    other = copy.deepcopy(planned)
+    other["lstm_loop"] = ["onednn"] * len(other["lstm_loop"])
+    with pytest.raises(ValueError, match=r"another kernel path than the run was planned with \(planned vs here: "
+                                         r"LSTM loop onednn/onednn vs bmm/bmm\)"):
+        load_embedder(dataclasses.replace(spec, kernel_path=other))
+    assert load_embedder(dataclasses.replace(spec, kernel_path=other, batch_invariant=False)).model is not None
+
+
+def test_a_source_record_against_this_runs(caplog):
+    """transforms/reuse.py kernel_note: the same path; none recorded (an older output: reused, warned); this run's
+    unknown (a remote runner); another or a damaged record: refused unless --reuse-across-kernels, then noted."""
+    from elmo_pipeline.transforms.reuse import Kernels, KernelPathError, ForeignSourceError, kernel_note
+    here = kernel_path("float32", "cpu")
+    other = dict(copy.deepcopy(here), lstm_loop=["bmm", "bmm"])
+    assert kernel_note(copy.deepcopy(here), "src", "--reuse", Kernels(here)) == "same"
+    assert kernel_note(other, "src", "--reuse", Kernels(None)) == "not compared"
+    assert kernel_note(other, "src", "--reuse", None) == "not compared"
+    assert kernel_note(None, "src", "--reuse", Kernels(here)) == "not recorded"
+    assert "--reuse src: its manifest records no kernel path" in caplog.text
+    with pytest.raises(KernelPathError, match=r"^--reuse src: computed on another kernel path \(LSTM loop bmm/bmm vs "):
+        kernel_note(other, "src", "--reuse", Kernels(here))
+    with pytest.raises(ForeignSourceError, match=r"\(a damaged kernel_path record, source vs this run\)"):
+        kernel_note("bmm", "src", "--reuse", Kernels(here))
+    assert kernel_note(other, "src", "--reuse", Kernels(here, across=True)).startswith(
+        "differs: LSTM loop bmm/bmm vs ") and "(--reuse-across-kernels)" in \
+        kernel_note(other, "src", "--reuse", Kernels(here, across=True))
+
+
+# -- whole runs --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kp")
+    with open(shared_path("data", "wikitext-2", "valid.txt"), encoding="utf-8") as f:
+        lines = [next(f) for _ in range(60)]
+    (d / "day.txt").write_text("".join(lines))
+    return str(d / "day.txt")
+
+
+def run(model_files, inp, out, *extra):
+    return main(argv(model_files, inp, out, "--batch-invariant", *extra))
+
+
+@pytest.mark.slow
+def test_reuse_across_a_kernel_path_is_refused_unless_asked(corpus, tiny_model_files, tmp_path, capsys, monkeypatch):
+    """Day 1 with ELMO_LSTM_GEMM=onednn (another LSTM loop: other bits under the same key prefix), day 2 with the
+    defaults and --reuse day 1: exit 2, one error line naming the difference and the flag, nothing written; with
+    --reuse-across-kernels: reused, and the manifest says from which kernel path."""
+    monkeypatch.setenv("ELMO_LSTM_GEMM", "onednn")
+    day1 = str(tmp_path / "day1")
+    assert run(tiny_model_files, corpus, day1) == 0
+    monkeypatch.delenv("ELMO_LSTM_GEMM")
+    capsys.readouterr()
+    out = str(tmp_path / "r")
+    assert run(tiny_model_files, corpus, out, "--reuse", day1) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len([e for e in err if e.startswith("error:")]) == 1
+    assert err[-1].startswith(f"error: --reuse {day1}: computed on another kernel path (LSTM loop onednn/onednn vs "
+                              "bmm/bmm, source vs this run)") and "--reuse-across-kernels" in err[-1], err[-1]
+    assert not os.path.exists(out)
+    assert run(tiny_model_files, corpus, out, "--reuse", day1, "--reuse-across-kernels") == 0
+    m = read_output(out)[0]
+    assert m["reuse"]["kernel_paths"] == ["differs: LSTM loop onednn/onednn vs bmm/bmm (--reuse-across-kernels)"]
+    assert m["counts"]["sentences_reused"] == m["counts"]["sentences_written"] > 0
+    assert m["kernel_path"]["lstm_loop"] == ["bmm", "bmm"]
+    assert json.load(open(f"{day1}/manifest.json"))["kernel_path"]["lstm_loop"] == ["onednn", "onednn"]
+
+
+@pytest.mark.slow
+def test_a_source_manifest_with_another_or_no_record(corpus, tiny_model_files, tmp_path, capsys, caplog):
+    """The source's manifest rewritten (manifests are not digest-checked; its files' records stay valid): another
+    math mode is refused; no record (an output of an earlier version) is reused with a warning, recorded as such;
+    the same record is recorded 'same'."""
+    from elmo_pipeline.model.weights import load_bilm
+    src = str(tmp_path / "src")
+    assert run(tiny_model_files, corpus, src) == 0
+    m = json.load(open(f"{src}/manifest.json"))
+    assert m["kernel_path"] == kernel_path("float32", "cpu", batch_invariant=True, torch_threads=1,
+                                           model=load_bilm(*tiny_model_files))
+    same = str(tmp_path / "same")
+    assert run(tiny_model_files, corpus, same, "--reuse", src) == 0
+    assert read_output(same)[0]["reuse"]["kernel_paths"] == ["same"]
+    bf16 = copy.deepcopy(m)
+    bf16["kernel_path"]["math"]["onednn_fpmath_mode"] = "bf16"
+    open(f"{src}/manifest.json", "w").write(json.dumps(bf16))
+    capsys.readouterr()
+    assert run(tiny_model_files, corpus, str(tmp_path / "r"), "--reuse", src) == 2
+    assert "(ONEDNN_DEFAULT_FPMATH_MODE bf16 vs strict, source vs this run)" in capsys.readouterr().err
+    del bf16["kernel_path"]
+    open(f"{src}/manifest.json", "w").write(json.dumps(bf16))
+    old = str(tmp_path / "old")
+    assert run(tiny_model_files, corpus, old, "--reuse", src) == 0
+    assert "its manifest records no kernel path (an output of an earlier version)" in caplog.text
+    assert read_output(old)[0]["reuse"]["kernel_paths"] == ["not recorded"]
