@@ -5,11 +5,11 @@ the workers are the DoFns of transforms/):
 
 1. Plan (pipeline/plan.py, pipeline/dry_run.py): state.run_key() names the run; state.is_complete() and
    state.finalize_started() read the output and write nothing; manifest.planned() assembles what is known.
-2. Take the output (lifecycle.run, under fsio.lease.Lease): state.prepare_output() checks ownership and links
+2. Take the output (lifecycle.run, under output.lease.Lease): state.prepare_output() checks ownership and links
    (ownership.py), then decides fresh / resume / finalize / complete, clearing only what the pipeline wrote.
 3. Stage (workers): staging.Staging writes shards (one writer per format, handed a stream by sink.Sink),
    then each shard's commit record, dead letters, per-file counts and run statistics under
-   _staging/<run key>/; every write is fenced by the lease (fsio.lease.Fence): a run that lost the lease
+   _staging/<run key>/; every write is fenced by the lease (output.lease.Fence): a run that lost the lease
    writes nothing more.
 4. Finalize (lifecycle.rounds): finalize.plan_from_staging() reads what was committed; finalize.finalize()
    writes the dead-letter files, the upsert's document state, the report, metrics.prom and the plan

@@ -23,7 +23,7 @@ one object per input file.
   whose files are all present and embeds the rest again.
 The manifest is assembled and written by output/manifest.py; only what the pipeline owns is ever removed
 (output/ownership.py). No final-named data file appears before the plan is complete and consistent. Every write, move and removal
-goes through a Sink (output/sink.py) whose fence is the lease's check_held (fsio/lease.py); the register hook
+goes through a Sink (output/sink.py) whose fence is the lease's check_held (output/lease.py); the register hook
 is fenced too: a run that lost its lease stops there (LeaseLost) and changes nothing more.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.layout import DOC_HASHES, MANIFEST, SUCCESS, DeadLetter, ShardInfo
 from elmo_pipeline.formats.metrics import metrics_text
 from elmo_pipeline.fsio import json_or_none, read_json, remove_temp_files, url_fs
-from elmo_pipeline.fsio.lease import RetryLater
+from elmo_pipeline.output.lease import RetryLater
 from elmo_pipeline.output import manifest as manifests
 from elmo_pipeline.output.names import COUNTS, DEAD, DEAD_LETTERS, DOCS, METRICS, PLAN, RECORDS, REPORT, STAGING, STATS, is_final_name
 from elmo_pipeline.output.report import build_report

@@ -1,7 +1,7 @@
 """A run's life over its output, top to bottom, with the graph run passed in (no Beam here).
 
 run(): a finished output of the same run key is 'complete' (registered in a table newly named, under the lease);
-else, under the output's lease (fsio/lease.py), rounds of: prepare_output() (output/state.py: fresh, resume,
+else, under the output's lease (output/lease.py), rounds of: prepare_output() (output/state.py: fresh, resume,
 finalize or complete), the graph run for what is missing, plan_from_staging() and finalize()
 (output/finalize.py). A round that left sentences unwritten is followed by another, at most MAX_ROUNDS.
 """
@@ -14,7 +14,7 @@ from typing import Callable
 
 from elmo_pipeline.formats.layout import read_manifest
 from elmo_pipeline.fsio import url_fs
-from elmo_pipeline.fsio.lease import Lease, RetryLater
+from elmo_pipeline.output.lease import Lease, RetryLater
 from elmo_pipeline.output import manifest as manifests
 from elmo_pipeline.output.finalize import Incomplete, complete_finalize, finalize, plan_from_staging
 from elmo_pipeline.output.names import LEASE

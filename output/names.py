@@ -12,7 +12,7 @@
                                input file), stats/<uuid>.json (run statistics for the report),
                                docs/<uuid>.jsonl (documents' content hashes, --iceberg-mode upsert),
                                finalize.json (the plan of a started finalize), run.json
-    <out>/_lease.json           while a run is live: who holds the output (fsio/lease.py)
+    <out>/_lease.json           while a run is live: who holds the output (output/lease.py)
 
 Ownership (output/state.py): the pipeline deletes or replaces only what it can show it wrote: the files its
 manifest.json lists (and manifest.json, _SUCCESS beside it), the final names a finalize plan moves files to,

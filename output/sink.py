@@ -62,7 +62,7 @@ class DigestWriter:
 
 
 class Sink:
-    """Writes under one filesystem. `fence()` runs before each write, move and removal: it raises (fsio.lease's
+    """Writes under one filesystem. `fence()` runs before each write, move and removal: it raises (output.lease's
     LeaseLost) once the run that writes lost the output's lease, so a fenced-off run writes nothing more."""
 
     def __init__(self, fs, fence: Callable[[], None] | None = None, root: str | None = None):

@@ -112,7 +112,7 @@ def hdf5_sentences(sentences: list[tuple], spec: ShardSpec):
 
 class Staging:
     """A run's staging folder (<out>/_staging/<run key>/) as its workers write it, through a Sink fenced by
-    `fence` (fsio.lease.Fence: a run that lost the output's lease writes nothing more). Picklable: it travels
+    `fence` (output.lease.Fence: a run that lost the output's lease writes nothing more). Picklable: it travels
     to the workers inside the DoFns, which write through it."""
 
     def __init__(self, url: str, storage_options: dict | None = None, fence: Callable[[], None] | None = None):

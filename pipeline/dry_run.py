@@ -93,7 +93,7 @@ def output_state(pl) -> str:
     """What --output holds now, as the run would find it (read only)."""
     from elmo_pipeline.output.names import LEASE
     from elmo_pipeline.fsio import read_json, url_fs
-    from elmo_pipeline.fsio.lease import describe, is_stale
+    from elmo_pipeline.output.lease import describe, is_stale
     from elmo_pipeline.output.state import finalize_started, is_complete
     o, so = pl.options, pl.storage_options
     if not o.overwrite and is_complete(o.output, pl.key, so):

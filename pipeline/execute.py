@@ -12,7 +12,7 @@ quiet_beam()   # before Beam's first import, which logs notices about optional G
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from elmo_pipeline.fsio.lease import Lease, RetryLater
+from elmo_pipeline.output.lease import Lease, RetryLater
 from elmo_pipeline.output import lifecycle
 from elmo_pipeline.output.state import OutputState
 from elmo_pipeline.pipeline.exits import after_plan

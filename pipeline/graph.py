@@ -45,7 +45,7 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
     It only stages data under state.staging (dead letters and counts as side effects of the steps that
     find them); Finalize runs after it (pipeline/execute.py). With pl.break_fusion every stage boundary is a
     Reshuffle, so every element is encoded and decoded with its coder (transforms/coders.py) on every runner.
-    `fence` (fsio.lease.Fence of the run's lease) is checked before every staged write on the workers."""
+    `fence` (output.lease.Fence of the run's lease) is checked before every staged write on the workers."""
     o, so = pl.options, pl.storage_options
     staging = Staging(state.staging, so, fence)
 

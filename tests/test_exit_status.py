@@ -12,7 +12,7 @@ import sys
 import apache_beam as beam
 import pytest
 
-from elmo_pipeline.fsio.lease import Lease
+from elmo_pipeline.output.lease import Lease
 from elmo_pipeline.pipeline import exits
 from tests.pipeline_helpers import moto_s3
 from tests.resume_helpers import REPO, argv, assert_same_output, read_output, run_subprocess, write_corpus

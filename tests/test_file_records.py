@@ -6,6 +6,9 @@ import json
 import os
 import re
 import shutil
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -105,9 +108,10 @@ def test_a_shard_of_another_model_with_the_same_counts_is_refused(two_models, tm
     rel = m["shards"][0]["parquet"]
     os.remove(os.path.join(out, rel))
     os.mkfifo(os.path.join(out, rel))
-    for read in (lambda: ElmoOutput(out).validate(), lambda: list(ElmoOutput(out).sentences("parquet"))):
-        with pytest.raises(DamagedOutput, match="not a regular file"):
-            read()
+    with never_opened(os.path.join(out, rel)):
+        for read in (lambda: ElmoOutput(out).validate(), lambda: list(ElmoOutput(out).sentences("parquet"))):
+            with pytest.raises(DamagedOutput, match="not a regular file"):
+                read()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -129,3 +133,258 @@ def test_any_single_byte_change_or_cut_of_a_recorded_file_is_refused(two_models,
     open(path, "wb").write(bytes(raw))
     with pytest.raises(DamagedOutput, match=re.escape(name)):
         ElmoOutput(out).validate()
+
+
+@contextmanager
+def never_opened(fifo: str, may_open: bool = False, grace: float = 2.0):
+    """Guard of a test planting a FIFO: a watchdog thread opens its write end whenever a reader has opened it (a
+    non-blocking open for writing succeeds only then), so a reader blocked on it is let go (it reads an empty
+    file) instead of hanging the test. On exit, fails if any reader opened it; `may_open` (a reader may open it
+    without blocking): the watchdog starts after `grace` seconds, and fails if the block took that long."""
+    stop, seen = threading.Event(), []
+
+    def watch():
+        if may_open:
+            stop.wait(grace)
+        while not stop.wait(0.005):
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:                     # ENXIO: no reader has it open
+                continue
+            seen.append(time.monotonic())
+            os.close(fd)
+
+    t = threading.Thread(target=watch, daemon=True)
+    start = time.monotonic()
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+    assert not seen, f"{fifo}: a reader opened the FIFO and waited on it"
+    assert time.monotonic() - start < grace or not may_open, f"{fifo}: a reader waited on the FIFO"
+
+
+def _copy(src: str, dst) -> str:
+    shutil.copytree(src, str(dst))
+    return str(dst)
+
+
+def _manifest(out: str) -> dict:
+    return json.load(open(os.path.join(out, "manifest.json")))
+
+
+def _write_manifest(out: str, m: dict) -> None:
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(m, f)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "hdf5", "arrow"])
+@pytest.mark.parametrize("change", ["append", "cut"])
+def test_a_shard_of_another_size_is_refused_when_opened(two_models, tmp_path, fmt, change):
+    """One byte appended to or cut from a shard: reading it (ElmoOutput, and MappedDataset for Arrow) is one
+    DamagedOutput naming it with both sizes, before anything of it is parsed."""
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    out = _copy(two_models["a"], tmp_path / "o")
+    m = _manifest(out)
+    rel = m["shards"][0][fmt]
+    path, size = os.path.join(out, rel), m["files"][rel]["bytes"]
+    if change == "append":
+        with open(path, "ab") as f:
+            f.write(b"\0")
+    else:
+        os.truncate(path, size - 1)
+    new = size + 1 if change == "append" else size - 1
+    want = re.escape(f"{path}: {new} bytes, the manifest records {size}")
+    with pytest.raises(DamagedOutput, match=want):
+        list(ElmoOutput(out).sentences(fmt))
+    if fmt == "arrow":
+        with pytest.raises(DamagedOutput, match=want):
+            MappedDataset(out)
+
+
+def test_a_fifo_at_an_arrow_shard_never_blocks_the_mapped_dataset(two_models, tmp_path):
+    """A FIFO planted at an Arrow shard: MappedDataset refuses it without opening it, with or without the
+    manifest's records (an output of a version that recorded none); so does ElmoOutput."""
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    out = _copy(two_models["a"], tmp_path / "o")
+    m = _manifest(out)
+    fifo = os.path.join(out, m["shards"][1]["arrow"])
+    os.remove(fifo)
+    os.mkfifo(fifo)
+    with never_opened(fifo):
+        for recorded in (True, False):
+            for read in (lambda: MappedDataset(out), lambda: list(ElmoOutput(out).sentences("arrow"))):
+                with pytest.raises(DamagedOutput, match=re.escape(fifo) + ": not a regular file"):
+                    read()
+            if not recorded:
+                break
+            m.pop("files")
+            _write_manifest(out, m)
+            assert ElmoOutput(out).files is None
+
+
+def test_a_shard_replaced_by_a_fifo_after_opening_is_refused(two_models, tmp_path):
+    """A FIFO renamed over an Arrow shard after the dataset was opened: a batch read opens it without blocking and
+    refuses it (not the file indexed), or reads the file it mapped; never a hang."""
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    out = _copy(two_models["a"], tmp_path / "o")
+    ds = MappedDataset(out)
+    ds.files.close()                                            # the descriptors kept: opened again by path
+    path = os.path.join(out, _manifest(out)["shards"][0]["arrow"])
+    os.mkfifo(path + ".fifo")
+    os.replace(path + ".fifo", path)
+    with never_opened(path, may_open=True), pytest.raises(DamagedOutput, match="replaced since the dataset"):
+        ds.batch([0, 1])
+    ds._maps.clear()                                            # its map dropped: mapped again by path
+    with never_opened(path), pytest.raises(DamagedOutput, match=re.escape(path) + ": not a regular file"):
+        ds.views(0)
+
+
+def test_an_output_without_records_reads_as_before(two_models, tmp_path):
+    """An output of a version that recorded no files: read and validated as before (a shard swapped in with the
+    same counts is not detected: nothing records it)."""
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    out = _copy(two_models["a"], tmp_path / "o")
+    m = _manifest(out)
+    del m["files"]
+    _write_manifest(out, m)
+    rel = m["shards"][1]["parquet"]
+    shutil.copy(os.path.join(two_models["b"], rel), os.path.join(out, rel))
+    o = ElmoOutput(out)
+    assert o.files is None
+    o.validate()
+    assert len(list(o.sentences("parquet"))) == len(MappedDataset(out)) == o.num_sentences == 20
+
+
+def test_validate_wants_every_shard_recorded_readers_check_what_is(two_models, tmp_path):
+    """A shard the manifest's files leave out (committed by a version without digests): readers read it (they check
+    what is recorded), validate() refuses the output naming it; a recorded file other than a shard that is gone
+    (the report deleted) is left out of validate(), a recorded shard that is gone is not."""
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    out = _copy(two_models["a"], tmp_path / "o")
+    m = _manifest(out)
+    os.remove(os.path.join(out, "report.html"))
+    assert "report.html" in m["files"]
+    ElmoOutput(out).validate()
+    rel = m["shards"][1]["hdf5"]
+    del m["files"][rel]
+    _write_manifest(out, m)
+    assert len(list(ElmoOutput(out).sentences("hdf5"))) == 20
+    with pytest.raises(DamagedOutput, match=re.escape(rel) + ": not recorded in the manifest"):
+        ElmoOutput(out).validate()
+    _write_manifest(out, _manifest(two_models["a"]))
+    rel = m["shards"][0]["arrow"]
+    os.remove(os.path.join(out, rel))
+    with pytest.raises(DamagedOutput, match=re.escape(rel) + ": cannot be read"):
+        ElmoOutput(out).validate()
+
+
+@pytest.mark.parametrize("files", [
+    [], {"report.html": {"bytes": True, "sha256": "a" * 64}}, {"report.html": {"bytes": -1, "sha256": "a" * 64}},
+    {"report.html": {"bytes": 1, "sha256": "A" * 64}}, {"report.html": {"bytes": 1, "sha256": "a" * 63}},
+    {"report.html": {"bytes": 1.0, "sha256": "a" * 64}}, {"report.html": "a" * 64},
+    {"../x": {"bytes": 1, "sha256": "a" * 64}}, {"/etc/passwd": {"bytes": 1, "sha256": "a" * 64}}])
+def test_a_damaged_files_record_is_refused_on_open(two_models, tmp_path, files):
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    out = _copy(two_models["a"], tmp_path / "o")
+    _write_manifest(out, {**_manifest(out), "files": files})
+    with pytest.raises(DamagedOutput, match=re.escape(os.path.join(out, "manifest.json"))):
+        ElmoOutput(out)
+
+
+def test_a_recorded_file_linked_to_dev_zero_or_grown_is_refused(two_models, tmp_path):
+    """A recorded file linked to /dev/zero is never read (not a regular file); a file that passes the size check
+    but holds more (grown meanwhile: a store's size out of date) is read to its recorded size + 1 bytes only."""
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_file
+    out = _copy(two_models["a"], tmp_path / "o")
+    os.remove(os.path.join(out, "metrics.prom"))
+    os.symlink("/dev/zero", os.path.join(out, "metrics.prom"))
+    with pytest.raises(DamagedOutput, match="metrics.prom: not a regular file"):
+        ElmoOutput(out).validate()
+
+    class Endless(io.RawIOBase):
+        read_bytes = 0
+
+        def readable(self):
+            return True
+
+        def readinto(self, b):
+            Endless.read_bytes += len(b)
+            b[:] = bytes(len(b))
+            return len(b)
+
+    class Store:                                # a remote store whose listing says the recorded size
+        protocol = "s3"
+
+        def size(self, path):
+            return 10 << 20
+
+        def open(self, path, mode):
+            return io.BufferedReader(Endless(), 1 << 16)
+
+    record = {"bytes": 10 << 20, "sha256": hashlib.sha256(bytes(10 << 20)).hexdigest()}
+    with pytest.raises(DamagedOutput, match="s3-bucket/x: not the file the manifest records"):
+        check_file(Store(), "s3-bucket/x", record, digest=True)
+    assert Endless.read_bytes <= (10 << 20) + (1 << 16) + 1
+    check_file(Store(), "s3-bucket/x", record)                       # the size alone: no read
+
+
+def test_validate_reads_each_recorded_file_once(two_models, tmp_path, monkeypatch):
+    """validate() digests every file the manifest records, each once (a shard is not hashed again as a shard)."""
+    from collections import Counter
+    from elmo_pipeline.downstream import ElmoOutput, shard_checks
+    out = _copy(two_models["a"], tmp_path / "o")
+    seen, real = Counter(), shard_checks._same_digest
+    monkeypatch.setattr(shard_checks, "_same_digest", lambda fs, path, rec: seen.update([path]) or real(fs, path, rec))
+    ElmoOutput(out).validate()
+    assert seen == Counter({os.path.join(out, name): 1 for name in _manifest(out)["files"]})
+
+
+def test_the_size_mapped_is_the_recorded_one(two_models, tmp_path, monkeypatch):
+    """A shard grown between its check and its map (the same file): the index refuses the size it mapped."""
+    from elmo_pipeline.downstream import mapped
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    out = _copy(two_models["a"], tmp_path / "o")
+    rel = _manifest(out)["shards"][0]["arrow"]
+    path, size, real = os.path.join(out, rel), _manifest(out)["files"][rel]["bytes"], mapped.map_arrow_shard
+
+    def grow_then_map(local: str, *args, **kw):
+        if local == path:
+            with open(local, "ab") as f:
+                f.write(b"\0")
+        return real(local, *args, **kw)
+    monkeypatch.setattr(mapped, "map_arrow_shard", grow_then_map)
+    with pytest.raises(DamagedOutput, match=re.escape(f"{path}: {size + 1} bytes, the manifest records {size}")):
+        mapped.MappedDataset(out)
+
+
+def test_a_remote_shard_is_checked_before_it_is_copied(two_models, tmp_path):
+    """A remote (fsspec memory://) output: MappedDataset reads it through local copies; a shard of another size is
+    refused naming its URL path before any of it is copied."""
+    import fsspec
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    fs, src = fsspec.filesystem("memory"), two_models["a"]
+    for d, _, names in os.walk(src):
+        for name in names:
+            fs.pipe(f"/records/{os.path.relpath(os.path.join(d, name), src)}", open(os.path.join(d, name), "rb").read())
+    ds = MappedDataset("memory://records", cache_dir=str(tmp_path / "c1"))
+    assert [ds[i]["id"] for i in range(len(ds))] == [r["id"] for r in ElmoOutput(src).sentences("arrow")]
+    rel = _manifest(src)["shards"][1]["arrow"]
+    fs.pipe(f"/records/{rel}", open(os.path.join(src, rel), "rb").read() + b"\0")
+    with pytest.raises(DamagedOutput, match=re.escape(f"/records/{rel}: ")):
+        MappedDataset("memory://records", cache_dir=str(tmp_path / "c2"))
+    assert not any(name == os.path.basename(rel) for _, _, names in os.walk(tmp_path / "c2") for name in names)
+    fs.rm("/records", recursive=True)

@@ -1,4 +1,4 @@
-"""The output lease (fsio/lease.py) on local files: created once, refused while live, taken over when
+"""The output lease (output/lease.py) on local files: created once, refused while live, taken over when
 stale (old heartbeat, or a dead process of this host), lost when someone else takes it."""
 import json
 import os
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from elmo_pipeline.fsio.lease import Lease, LeaseHeld, is_stale
+from elmo_pipeline.output.lease import Lease, LeaseHeld, is_stale
 
 
 def _write(path, **holder):
@@ -106,7 +106,7 @@ def test_another_machine_of_the_same_host_name_is_judged_by_its_heartbeat_alone(
 def test_check_held_stops_once_another_run_took_the_lease(tmp_path):
     """The token is a fencing token: check_held() reads it back and raises RetryLater once the lease object
     carries another run's token, or is gone."""
-    from elmo_pipeline.fsio.lease import RetryLater
+    from elmo_pipeline.output.lease import RetryLater
     url = str(tmp_path / "_lease.json")
     lease = Lease(url, stale_seconds=30).acquire()
     lease.check_held()
@@ -127,7 +127,7 @@ def test_check_held_stops_once_another_run_took_the_lease(tmp_path):
 
 @pytest.mark.slow   # a moto S3 server
 def test_on_s3_a_damaged_lease_is_dated_by_its_last_modified_and_fenced():
-    from elmo_pipeline.fsio.lease import RetryLater
+    from elmo_pipeline.output.lease import RetryLater
     from tests.pipeline_helpers import moto_s3
     with moto_s3("elmo-lease-unit") as (endpoint, fs):
         so = {"s3": {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}}

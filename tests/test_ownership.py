@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_pipeline.fsio.lease import RetryLater
+from elmo_pipeline.output.lease import RetryLater
 from elmo_pipeline.pipeline.run import main
 from tests.pipeline_helpers import moto_s3
 from tests.resume_helpers import (SMALL, argv, assert_same_output, corpus, read_output,  # noqa: F401 (fixtures)

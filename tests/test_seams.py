@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elmo_pipeline.fsio import lease as lease_module
-from elmo_pipeline.fsio.lease import Fence, LeaseLost
+from elmo_pipeline.output import lease as lease_module
+from elmo_pipeline.output.lease import Fence, LeaseLost
 from elmo_pipeline.output.ownership import links_inside
 from elmo_pipeline.pipeline.cli import main as cli_main
 from elmo_pipeline.pipeline.run import main

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.parquet import KEY_INDEX_SCHEMA
 from elmo_pipeline.fsio import NotTheRecordedFile, read_recorded, redact, url_fs
+from elmo_pipeline.output.manifest import is_file_record
 from elmo_pipeline.output.names import KEYS
 from elmo_pipeline.transforms.dedupe import with_copies
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
@@ -157,9 +158,9 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
             raise ReuseError(f"{flag} {label}: its manifest's shard {i} is damaged ({redact(str(s))[:200]})")
         path = posixpath.join(root, keys)
         rec = (files.get(keys), files.get(data)) if files is not None else (None, None)
-        if files is not None and not all(isinstance(r, dict) and type(r.get("bytes")) is int and
-                                         isinstance(r.get("sha256"), str) for r in rec):
-            raise ReuseError(f"{flag} {label}: its manifest records no size and digest for shard {i}'s files")
+        if files is not None and not all(is_file_record(r) for r in rec):
+            raise ReuseError(f"{flag} {label}: its manifest records no size and SHA-256 for shard {i}'s files "
+                             f"({keys}, {data})")
         try:
             meta = pq.read_metadata(pa.BufferReader(read_recorded(fs, path, rec[0])))
             ok = meta.num_rows == n and meta.schema.to_arrow_schema().remove_metadata().equals(KEY_INDEX_SCHEMA)

@@ -40,6 +40,15 @@ from elmo_pipeline.fsio.fs import atomic_write, is_local_fs, json_or_none, maked
 logger = logging.getLogger("elmo-pipeline.lease")
 
 
+def _user() -> str:
+    """The name of the user this process runs as ('' when the system has none for it): a lease's owner."""
+    import pwd
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return ""
+
+
 class LeaseHeld(RuntimeError):
     """The lease is held by a live process (the message names it)."""
 
@@ -229,7 +238,7 @@ class Lease:
         self.fs, self.path = url_fs(url, storage_options)
         self.local, self.s3 = is_local_fs(self.fs), protocol(url) == "s3"
         now = time.time()
-        self.me = {"token": uuid.uuid4().hex, "owner": os.environ.get("USER", ""), "host": socket.gethostname(),
+        self.me = {"token": uuid.uuid4().hex, "owner": _user(), "host": socket.gethostname(),
                    "machine": _machine(), "pid": os.getpid(), "pidns": _pidns(), "start": now, "heartbeat": now}
         self.etag: str | None = None
         self.taken_over = None       # the parsed stale lease object this one replaced, if any
