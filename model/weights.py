@@ -107,8 +107,10 @@ def _read(f, name: str, where: str) -> np.ndarray:
 
 
 def _copy(param: torch.Tensor, array: np.ndarray) -> None:
+    """param <- array, a view as it comes (a transposed dataset too: torch's strided copy, several times
+    numpy's single-threaded ascontiguousarray on the original shape's weights)."""
     with torch.no_grad():
-        param.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+        param.copy_(torch.from_numpy(array))
 
 
 def _open(weight_file: str, sha256: str | None) -> h5py.File:
