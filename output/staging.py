@@ -143,7 +143,8 @@ class Staging:
         if spec.key_prefix:
             files[KEYS] = posixpath.join(self.root, f"{name}.{KEYS}")      # keys/part-*.parquet once final
             with self.sink.open(files[KEYS]) as f:
-                write_key_index(ids, [sentence_key(spec.key_prefix, b.items[i].tokens) for b, i in sentences], f)
+                write_key_index(ids, [b.items[i].key or sentence_key(spec.key_prefix, b.items[i].tokens)
+                                      for b, i in sentences], f)
         lengths = np.fromiter((b.tokens(i) for b, i in sentences), dtype=np.int64, count=len(sentences))
         copies = sum(i >= len(b.items) - b.copies for b, i in sentences)      # written from another's vectors
         reused = {}                                                # read from a --reuse source, by source

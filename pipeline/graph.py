@@ -69,15 +69,14 @@ def build(p: beam.Pipeline, pl: Plan, state: OutputState, fence=None) -> None:
                      output_type=Document)
     items = stage(docs, "Tokenize", Tokenize(pl.tokenizer, pl.sentence_limit, pl.limit_flag,
                                              processes=pl.tokenizer_processes, progress=pl.progress,
-                                             max_document_tokens=o.max_document_tokens),
+                                             max_document_tokens=o.max_document_tokens,
+                                             key_prefix=pl.shard.key_prefix),
                   output_type=Item)
     if state.record_paths:   # resuming: drop the sentences an interrupted run of this command committed
         items = items | "SkipCommitted" >> beam.ParDo(
             SkipCommitted(state.record_paths, so, pl.progress)).with_output_types(Item)
     if pl.dedupe:            # one Item per sentence key, carrying the others as its copies (transforms/dedupe.py)
-        spec, prefix = pl.spec, pl.spec.key_prefix
-        items = (items | "KeyBySentence" >> beam.Map(lambda i: (spec.sentence_key(i.tokens, prefix), i)
-                                                     ).with_output_types(tuple[str, Item])
+        items = (items | "KeyBySentence" >> beam.Map(lambda i: (i.key, i)).with_output_types(tuple[str, Item])
                  | "GroupBySentence" >> beam.GroupByKey()
                  | "OneOfEach" >> beam.MapTuple(lambda _, group: one_of_each(group)).with_output_types(Item))
     reused = []
@@ -105,13 +104,13 @@ def join_reused(p: beam.Pipeline, items, pl: Plan):
     """(Items to embed, found Items grouped by source shard): the run's Items joined by key bucket (CoGroupByKey on
     the runner, transforms/reuse.py) with every row of the --reuse sources' key indexes, read one element per
     key-index file and packed per bucket."""
-    spec, prefix, so = pl.spec, pl.spec.key_prefix, pl.storage_options
+    so = pl.storage_options
     files = [(s, k, keys, src.records[k][0] if src.records else None) for s, src in enumerate(pl.reuse)
              for k, (keys, _, _) in enumerate(src.shards)]
     buckets = join_buckets(sum(n for src in pl.reuse for _, _, n in src.shards))
 
     def keyed(i: Item):
-        k = join_key(spec.sentence_key(i.tokens, prefix))
+        k = join_key(i.key)         # the Item's sentence key, computed once where it was tokenized
         return bucket_of(k, buckets), (k, i)
     items = items | "KeyForReuse" >> beam.Map(keyed).with_output_types(tuple[int, tuple[bytes, Item]])
     found_at = (p | "ListKeyIndexes" >> beam.Create(files) | "SpreadKeyIndexes" >> beam.Reshuffle()

@@ -19,6 +19,7 @@ SAMPLES = [
     ITEM,
     Item("e:2#3", "e:2", 3, (), ()),
     Item("e:2#4", "e:2", 4, ("a",), ((0, 1),), nbytes=2**40),
+    Item("e:2#5", "e:2", 5, ("a",), ((0, 1),), key="prefix-0123456789abcdef0123456789abcdef"),
     Document("y", "z", nbytes=123),
     DeadLetter("f:2", "invalid UTF-8: bad byte", "\ufffd excerpt", "record"),
     ShardInfo({"parquet": "s/a.parquet", "hdf5": "s/a.hdf5"}, 2, 7, "d:1#0", {"by_reason": {"too long": 1}}),
@@ -31,7 +32,8 @@ def test_round_trip_exact_and_deterministic(value):
     assert type(coder) is coders.CODERS[type(value)] and coder.is_deterministic()
     data = coder.encode(value)
     assert coder.decode(data) == value and coder.encode(coder.decode(data)) == data
-    assert getattr(coder.decode(data), "nbytes", None) == getattr(value, "nbytes", None)   # not compared by ==
+    for field in ("nbytes", "key"):        # not compared by ==
+        assert getattr(coder.decode(data), field, None) == getattr(value, field, None)
     assert b"\x80\x04" not in data[:2]         # not a pickle
 
 

@@ -59,14 +59,14 @@ def _pairs(flat: bytes) -> tuple[tuple[int, int], ...]:
 
 class ItemCoder(_TupleBacked):
     """Tokens as a list of UTF-8 strings, offsets as little-endian int64 pairs, copies as Items encoded alike."""
-    components = (_STR, _STR, _INT, coders.ListCoder(_STR), _BYTES, _INT, coders.ListCoder(_BYTES))
+    components = (_STR, _STR, _INT, coders.ListCoder(_STR), _BYTES, _INT, coders.ListCoder(_BYTES), _STR)
 
     def to_tuple(self, i: Item):
         return (i.id, i.doc_id, i.index, list(i.tokens), np.asarray(i.offsets, dtype="<i8").reshape(-1, 2).tobytes(),
-                i.nbytes, [self.encode(c) for c in i.copies])
+                i.nbytes, [self.encode(c) for c in i.copies], i.key)
 
     def from_tuple(self, t) -> Item:
-        return Item(t[0], t[1], t[2], tuple(t[3]), _pairs(t[4]), t[5], tuple(self.decode(c) for c in t[6]))
+        return Item(t[0], t[1], t[2], tuple(t[3]), _pairs(t[4]), t[5], tuple(self.decode(c) for c in t[6]), t[7])
 
 
 class EmbeddedBatchCoder(_TupleBacked):

@@ -37,7 +37,9 @@ class Blank:
 class Item:
     """A tokenized sentence: id "<doc_id>#<index>", its document, index, tokens and [start, end) offsets;
     `nbytes` its share of its document's input bytes (progress only; not compared). `copies`: with --dedupe,
-    the other sentences of its sentence key, written with its vectors (transforms/dedupe.py)."""
+    the other sentences of its sentence key, written with its vectors (transforms/dedupe.py). `key`: its sentence
+    key (model.resolve.sentence_key), computed once where it is tokenized when the run keys its sentences, and
+    carried to --dedupe, --reuse and the key index ('' when not keyed; a function of the tokens: not compared)."""
     id: str
     doc_id: str
     index: int
@@ -45,6 +47,7 @@ class Item:
     offsets: tuple[tuple[int, int], ...]
     nbytes: int = field(default=0, compare=False)
     copies: tuple["Item", ...] = ()
+    key: str = field(default="", compare=False)
 
 
 @dataclass

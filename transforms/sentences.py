@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter, sentence_id
+from elmo_pipeline.model.resolve import sentence_key
 from elmo_pipeline.transforms.progress import split_bytes
 from elmo_pipeline.transforms.records import Document, Item
 
@@ -27,12 +28,12 @@ def document_reason(sentences, max_document_tokens: int) -> str | None:
 
 
 def sentence_items(doc: Document, sentences, max_tokens: int, max_document_tokens: int,
-                   limit_flag: str = "--max-sentence-tokens", share_bytes: bool = False
+                   limit_flag: str = "--max-sentence-tokens", share_bytes: bool = False, key_prefix: str | None = None
                    ) -> Iterator[tuple[Item | DeadLetter, int]]:
     """(Item or DeadLetter, its input bytes) per sentence of `doc`, from tokenize_or_reason()'s result
     (`sentences`); a document that is one dead letter (document_reason) gives only that, with all its bytes.
     share_bytes: the document's bytes are shared out between its sentences (transforms.progress.split_bytes),
-    else each sentence has 0."""
+    else each sentence has 0. key_prefix: each Item carries its sentence key (model.resolve.sentence_key)."""
     reason = document_reason(sentences, max_document_tokens)
     if reason:
         yield DeadLetter(sentence_id(doc.doc_id, 0), reason, doc.text[:EXCERPT_CHARS]), doc.nbytes
@@ -46,4 +47,5 @@ def sentence_items(doc: Document, sentences, max_tokens: int, max_document_token
             yield DeadLetter(sid, f"too long: {len(s.tokens)} tokens > {limit_flag} {max_tokens}",
                              doc.text[start:end][:EXCERPT_CHARS]), nbytes
             continue
-        yield Item(sid, doc.doc_id, i, s.tokens, s.offsets, nbytes), nbytes
+        key = sentence_key(key_prefix, s.tokens) if key_prefix else ""
+        yield Item(sid, doc.doc_id, i, s.tokens, s.offsets, nbytes, key=key), nbytes

@@ -25,8 +25,9 @@ class Tokenize(beam.DoFn):
 
     def __init__(self, mode: str, max_tokens: int, limit_flag: str = "--max-sentence-tokens",
                  processes: int = 0, progress: ProgressSpec | None = None,
-                 max_document_tokens: int = MAX_DOCUMENT_TOKENS):
+                 max_document_tokens: int = MAX_DOCUMENT_TOKENS, key_prefix: str | None = None):
         self.mode, self.max_tokens, self.limit_flag = mode, max_tokens, limit_flag
+        self.key_prefix = key_prefix        # each Item's sentence key, computed here once (transforms.sentences)
         self.max_document_tokens = max_document_tokens
         self.processes, self.progress = processes, progress
         self.sentences = Metrics.counter(NS, "sentences")
@@ -68,7 +69,8 @@ class Tokenize(beam.DoFn):
     def _items(self, doc: Document, sentences):
         """Items (and dead letters) of `doc` from tokenize_or_reason()'s result (transforms.sentences)."""
         for out, nbytes in sentence_items(doc, sentences, self.max_tokens, self.max_document_tokens,
-                                          self.limit_flag, share_bytes=bool(self.progress)):
+                                          self.limit_flag, share_bytes=bool(self.progress),
+                                          key_prefix=self.key_prefix):
             self.sentences.inc()
             if isinstance(out, DeadLetter):
                 self.dead.inc()
