@@ -44,10 +44,10 @@ from elmo_pipeline.downstream.arrow_shards import (flat_vectors, layer_offsets, 
 from elmo_pipeline.downstream.batching import Batcher, label_batch, stack
 from elmo_pipeline.downstream.id_table import IdTable
 from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
-from elmo_pipeline.downstream.record_labels import attach_label
+from elmo_pipeline.downstream.record_labels import labelled
 from elmo_pipeline.downstream.sampler import BucketBatchSampler
 from elmo_pipeline.downstream.shard_cache import ShardCache
-from elmo_pipeline.downstream.shard_checks import DamagedOutput
+from elmo_pipeline.downstream.shard_checks import DamagedOutput, regular
 from elmo_pipeline.downstream.shard_files import ShardFiles
 from elmo_pipeline.downstream.stream_rows import RowBuffer, halves, read_ahead, read_rows, stream_plan
 from elmo_pipeline.fsio import is_local_fs
@@ -123,11 +123,10 @@ class MappedDataset(_TorchDataset):
     def _build_index(self, labels) -> None:
         ids, doc_ids, sidx, starts, lengths, unit_first = [], [], [], [], [], [0]
         for u in range(len(self.units)):
-            local = self._local(u)
             k, i = self.units[u]
-            where = self.outputs[k].shard_path(i, "arrow", check=True)
-            b, base, size, st = _map(local, where, read_around=False)  # pages read as the index touches them
-            self.outputs[k].check_arrow(i, b, where)
+            where = self.outputs[k].shard_path(i, "arrow", check=True)     # its recorded size: before a copy or map
+            b, base, size, st = _map(self._local(u), where, read_around=False)  # pages read as the index touches them
+            self.outputs[k].check_arrow(i, b, where, size=size)
             self.files.found(u, layer_offsets(b, base, size, self.layers, where), size, (st.st_dev, st.st_ino))
             sid, offsets, docs, indices = sentence_index(b)
             ids.append(pa.concat_arrays([sid]))                         # a copy: the map may go, the ids stay
@@ -144,19 +143,11 @@ class MappedDataset(_TorchDataset):
         self._firsts = unit_first                                        # the same, a list (bisect)
         self._starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
         all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
-        self.unlabelled = 0
-        self._keep = None                                                 # positions of labelled sentences
-        self._labels: list | None = None
+        self._keep, self._labels = None, None                             # positions of labelled sentences, labels
         if labels is not None:
-            keep, values = [], []
-            for p in range(len(all_lengths)):
-                r = attach_label(self._meta(p), labels, self.label_key)
-                if r is None:
-                    self.unlabelled += 1
-                else:
-                    keep.append(p)
-                    values.append(r[self.label_key])
-            self._keep, self._labels = np.asarray(keep, dtype=np.int64), values
+            keep, self._labels = labelled(map(self._meta, range(len(all_lengths))), labels, self.label_key)
+            self._keep = np.asarray(keep, dtype=np.int64)
+        self.unlabelled = 0 if self._keep is None else len(all_lengths) - len(self._keep)
         self._all_lengths = all_lengths
         self.lengths = all_lengths if self._keep is None else all_lengths[self._keep]   # (len(self),) tokens
         self._id_table: IdTable | None = None                           # built by the first id lookup
@@ -520,7 +511,7 @@ def _map(local: str, where: str, read_around: bool = True) -> tuple[pa.RecordBat
     """(record batch, address of the map's first byte, file size, the file's os.stat) of the local shard file
     `local`, memory-mapped (read_around: as arrow_shards.map_arrow_shard); DamagedOutput naming `where` when another
     file was renamed over it while it was mapped (its identity is taken before and after the map)."""
-    st = os.stat(local)
+    st = regular(os.stat(local), where)             # a FIFO's open would block
     b, base, size = map_arrow_shard(local, read_around=read_around)
     if not os.path.samestat(st, os.stat(local)):
         raise DamagedOutput(f"{where}: replaced while the dataset was opened (open it again)")

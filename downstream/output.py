@@ -6,6 +6,7 @@ fsspec URLs (s3://, gs://, ...) work; `storage_options` are the fsspec options o
 """
 from __future__ import annotations
 
+import os
 import posixpath
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -14,11 +15,14 @@ import numpy as np
 
 from elmo_pipeline.downstream.batching import stack
 from elmo_pipeline.downstream.shard_checks import (DamagedOutput, check_arrow_batch, check_file, check_parquet_schema,
-                                                   checked_files, checked_header, shard_entry)
+                                                   check_size, checked_files, checked_header, shard_entry)
 from elmo_pipeline.downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
                                       parquet_token_records)
 from elmo_pipeline.formats.layout import FORMATS, MANIFEST, read_manifest
-from elmo_pipeline.fsio import keyed, url_fs
+from elmo_pipeline.fsio import is_local_fs, keyed, url_fs
+from elmo_pipeline.output.names import METRICS, REPORT
+
+RENDERINGS = (REPORT, METRICS)     # recorded files that are renderings of the run, not its data
 
 
 class ElmoOutput:
@@ -57,22 +61,25 @@ class ElmoOutput:
     def num_sentences(self) -> int:
         return sum(int(s["sentences"]) for s in self.shards)
 
-    def shard_path(self, i: int, fmt: str, check: bool = False, digest: bool = False) -> str:
-        """Filesystem path (for self.fs) of shard i in format fmt; `check`: checked against the manifest's record of
-        it (a regular file of the recorded size; `digest`: and SHA-256) where the manifest has records."""
+    def shard_path(self, i: int, fmt: str, check: bool = False) -> str:
+        """Filesystem path (for self.fs) of shard i in format fmt; `check`: checked before it is opened (check_file:
+        a local path a regular file, of the size the manifest's `files` records where it records it)."""
         if fmt not in self.shards[i]:
             raise ValueError(f"{self.path}: shard {i} has no {fmt} file (formats: {self.formats})")
         path = posixpath.join(self.root, self.shards[i][fmt])
-        if (check or digest) and self.files is not None:
-            record = self.files.get(self.shards[i][fmt])
-            if record is None:
-                raise DamagedOutput(f"{path}: not recorded in the manifest's files")
-            check_file(self.fs, path, record, digest)
+        if check:
+            check_file(self.fs, path, self._record(i, fmt))
         return path
 
-    def check_arrow(self, i: int, batch, where: str, full: bool = False) -> None:
+    def _record(self, i: int, fmt: str) -> dict | None:
+        """The manifest's record ({"bytes", "sha256"}) of shard i's fmt file; None where it records none."""
+        return (self.files or {}).get(self.shards[i][fmt])
+
+    def check_arrow(self, i: int, batch, where: str, full: bool = False, size: int | None = None) -> None:
         """Raise DamagedOutput unless `batch`, shard i's Arrow file (read from `where`), matches the manifest
-        (shard_checks.check_arrow_batch)."""
+        (shard_checks.check_arrow_batch); `size`: the file's size as read, first checked against its record."""
+        if size is not None:
+            check_size(where, size, self._record(i, "arrow"))
         s = self.shards[i]
         check_arrow_batch(batch, where, int(s["tokens"]), int(s["sentences"]), self.dtype, self.layer_dims, full)
 
@@ -87,25 +94,37 @@ class ElmoOutput:
                 "n_layers": len(self.layer_names) if self.manifest.get("hdf5_layout") != "(T, D)" else 1}
 
     def validate(self) -> None:
-        """Every file the manifest records checked by size and SHA-256 (a file swapped in with the same counts is
-        refused), then every shard of every format read through its checks, Arrow with pyarrow's full validation
-        of every buffer; DamagedOutput names the first file that does not match the manifest."""
-        for i in range(len(self.shards)):
-            for fmt in self.formats:
-                self.shard_path(i, fmt, digest=True)
-        for name, record in (self.files or {}).items():
-            check_file(self.fs, posixpath.join(self.root, name), record, digest=True)
+        """Where the manifest records files (`files`): every shard file of every format recorded, and every recorded
+        file there checked by size and SHA-256, each read once (a file swapped in with the same counts is refused);
+        then every shard of every format read through its checks, Arrow with pyarrow's full validation of every
+        buffer. DamagedOutput names the first file that does not match the manifest."""
+        self._check_records()
         for i in range(len(self.shards)):
             for fmt in self.formats:
                 if fmt == "arrow":
                     from elmo_pipeline.downstream.arrow_shards import read_arrow_shard
-                    path = self.shard_path(i, fmt)
+                    path = self.shard_path(i, fmt, check=True)
                     self.check_arrow(i, read_arrow_shard(self.fs, path), path, full=True)
                 else:
                     n = sum(1 for _ in self.iter_shard(i, fmt, stacked=False))
                     if n != int(self.shards[i]["sentences"]):
                         raise DamagedOutput(f"{self.shard_path(i, fmt)}: {n} sentences, the manifest says "
                                             f"{self.shards[i]['sentences']}")
+
+    def _check_records(self) -> None:
+        """validate()'s digests: each shard file recorded, each recorded file checked whole (check_file); of the
+        recorded files only the run's renderings (report.html, metrics.prom) may be gone (deleted by hand)."""
+        if self.files is None:
+            return
+        shards = {s[fmt] for s in self.shards for fmt in self.formats if fmt in s}
+        missing = sorted(shards - set(self.files))
+        if missing:
+            raise DamagedOutput(f"{posixpath.join(self.root, missing[0])}: not recorded in the manifest "
+                                f"({MANIFEST} files)")
+        for name, record in self.files.items():
+            path = posixpath.join(self.root, name)
+            if name not in RENDERINGS or (os.path.lexists(path) if is_local_fs(self.fs) else self.fs.exists(path)):
+                check_file(self.fs, path, record, digest=True)
 
     def default_format(self) -> str:
         return next((f for f in ("parquet", "hdf5") if f in self.formats), "arrow")
@@ -147,7 +166,7 @@ class ElmoOutput:
     def _hdf5_meta(self, i: int) -> dict[str, tuple]:
         """Doc ids, sentence indices and tokens of shard i's sentences from its Parquet twin ({} without one)."""
         if "parquet" in self.shards[i] and self.parquet_layout == "sentence":
-            path = self.shard_path(i, "parquet")
+            path = self.shard_path(i, "parquet", check=True)
             return parquet_meta(self.fs, path, self._parquet_check(path))
         return {}
 

@@ -5,7 +5,7 @@ labels: {sentence id | document id | line number: label}, as downstream/labels.p
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 _LINE_ID = re.compile(r":(\d+)$")
@@ -32,3 +32,14 @@ def attach_label(record: dict, labels: Mapping[str, Any] | None, key: str) -> di
         return None
     record[key] = value
     return record
+
+
+def labelled(records: Iterable[dict], labels: Mapping[str, Any], key: str) -> tuple[list[int], list]:
+    """(positions of the records that have a label, in order; their labels) of `records` (attach_label)."""
+    keep, values = [], []
+    for p, record in enumerate(records):
+        r = attach_label(record, labels, key)
+        if r is not None:
+            keep.append(p)
+            values.append(r[key])
+    return keep, values

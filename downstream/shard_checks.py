@@ -8,7 +8,6 @@ file; a reader never follows a path out of the output, never allocates more than
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
 import stat
@@ -18,7 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from elmo_pipeline.formats.parquet import META_COLUMNS, TOKEN_META_COLUMNS
-from elmo_pipeline.fsio import is_local_fs
+from elmo_pipeline.fsio import is_local_fs, same_digest
+from elmo_pipeline.output.manifest import is_file_record
 
 
 class DamagedOutput(ValueError):
@@ -170,34 +170,46 @@ def checked_files(where: str, files) -> dict[str, dict] | None:
         raise DamagedOutput(f"{where}: 'files' is not an object")
     for name, rec in files.items():
         inside_path(where, name)
-        if not (isinstance(rec, dict) and type(rec.get("bytes")) is int and rec["bytes"] >= 0
-                and isinstance(h := rec.get("sha256"), str) and len(h) == 64
-                and all(c in "0123456789abcdef" for c in h)):
+        if not is_file_record(rec):
             raise DamagedOutput(f"{where}: the record of {name!r} is not {{bytes, sha256}}: {_shown(rec)}")
     return files
 
 
-def check_file(fs, path: str, record: dict, digest: bool = False) -> None:
-    """DamagedOutput unless `path` is a regular file of the recorded size (a FIFO, a device, a folder or a link to
-    one is never opened: no hang), and with `digest` of the recorded SHA-256, reading at most its size + 1 bytes
-    (a file grown since, or linked to /dev/zero, is refused without reading it all)."""
-    if is_local_fs(fs):
-        try:
-            st = os.stat(path)
-        except OSError as e:
-            raise DamagedOutput(f"{path}: cannot be read ({e.strerror})") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise DamagedOutput(f"{path}: not a regular file (the manifest records a file of {record['bytes']} bytes)")
-        size = st.st_size
-    else:
-        size = fs.size(path)
-    if size != record["bytes"]:
-        raise DamagedOutput(f"{path}: {size} bytes, the manifest records {record['bytes']}")
-    if digest:
-        h, left = hashlib.sha256(), record["bytes"] + 1
-        with fs.open(path, "rb") as f:
-            while left > 0 and (block := f.read(min(left, 8 << 20))):
-                h.update(block)
-                left -= len(block)
-        if left <= 0 or h.hexdigest() != record["sha256"]:
-            raise DamagedOutput(f"{path}: its content is not the file the manifest records (SHA-256 differs)")
+def check_file(fs, path: str, record: dict | None, digest: bool = False) -> None:
+    """DamagedOutput unless `path` is a regular file (local paths: a FIFO, a device, a folder or a link to one is
+    never opened, no hang) of the recorded size, and with `digest` of the recorded SHA-256, read in 8 MiB blocks, at
+    most its size + 1 bytes (a file grown since, or linked to /dev/zero, is refused without reading it all).
+    record None (a file the manifest does not record): a local path checked to be a regular file only."""
+    size = _regular_size(path, record) if is_local_fs(fs) else None
+    if record is None:
+        return
+    check_size(path, fs.size(path) if size is None else size, record)
+    if digest and not same_digest(fs, path, record):
+        raise DamagedOutput(f"{path}: not the file the manifest records (its SHA-256 differs)")
+
+
+def check_size(where: str, size: int, record: dict | None) -> None:
+    """DamagedOutput unless `size` (of the file at `where`) is the one `record` holds (None: nothing to check)."""
+    if record is not None and size != record["bytes"]:
+        raise DamagedOutput(f"{where}: {size} bytes, the manifest records {record['bytes']}")
+
+
+def _regular_size(path: str, record: dict | None) -> int:
+    """The size of the local file `path`, DamagedOutput unless a regular file (os.stat: nothing opened)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if record is None:
+            raise                                   # as a reader opening it would (FileNotFoundError)
+        raise DamagedOutput(f"{path}: cannot be read ({e.strerror}), the manifest records {record['bytes']} "
+                            "bytes") from None
+    return regular(st, path).st_size
+
+
+def regular(st: os.stat_result, where: str) -> os.stat_result:
+    """st (an os.stat of `where`), DamagedOutput unless of a regular file (a FIFO's open would block, a device's
+    read may never end)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise DamagedOutput(f"{where}: not a regular file")
+    return st
+

@@ -79,7 +79,7 @@ class ShardFiles:
 
     def _opened(self, u: int, where: str) -> int:
         """A new descriptor of unit u's shard at `where`, checked to be the file indexed."""
-        fd = os.open(where, os.O_RDONLY)
+        fd = os.open(where, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))     # a FIFO put there: opened, refused
         try:
             self.indexed(u, os.fstat(fd), where)
         except DamagedOutput:

@@ -24,7 +24,7 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
     if fmt == "parquet":
         tables = []
         for i in range(len(out.shards)):
-            with out.fs.open(out.shard_path(i, "parquet"), "rb") as f:
+            with out.fs.open(out.shard_path(i, "parquet", check=True), "rb") as f:
                 tables.append(pq.read_table(f, columns=list(columns) if columns else None))
         if not tables:
             raise ValueError(f"{out.path}: no shards")

@@ -208,7 +208,6 @@ class NotTheRecordedFile(ValueError):
 def check_recorded(fs, path: str, record: dict, digest: bool = True) -> None:
     """NotTheRecordedFile unless `path` is a regular file (a FIFO, a device or a folder is never opened) of the
     recorded size ({"bytes", "sha256"}) and, with `digest`, SHA-256, streamed in blocks: at most bytes + 1 read."""
-    import hashlib
     import stat
     if is_local_fs(fs):
         try:
@@ -222,14 +221,20 @@ def check_recorded(fs, path: str, record: dict, digest: bool = True) -> None:
         size = fs.size(path)
     if size != record["bytes"]:
         raise NotTheRecordedFile(f"{path}: {size} bytes, {record['bytes']} recorded")
-    if digest:
-        h, left = hashlib.sha256(), record["bytes"] + 1
-        with fs.open(path, "rb") as f:
-            while left > 0 and (block := f.read(min(left, 8 << 20))):
-                h.update(block)
-                left -= len(block)
-        if left <= 0 or h.hexdigest() != record["sha256"]:
-            raise NotTheRecordedFile(f"{path}: not the file its writer recorded (another SHA-256)")
+    if digest and not same_digest(fs, path, record):
+        raise NotTheRecordedFile(f"{path}: not the file its writer recorded (another SHA-256)")
+
+
+def same_digest(fs, path: str, record: dict) -> bool:
+    """Whether `path` holds record["bytes"] bytes of SHA-256 record["sha256"], read in 8 MiB blocks: at most that
+    + 1 bytes read (a file grown since, or /dev/zero, is never read whole)."""
+    import hashlib
+    h, left = hashlib.sha256(), record["bytes"] + 1
+    with fs.open(path, "rb") as f:
+        while left > 0 and (block := f.read(min(left, 8 << 20))):
+            h.update(block)
+            left -= len(block)
+    return left == 1 and h.hexdigest() == record["sha256"]
 
 
 def read_recorded(fs, path: str, record: dict | None) -> bytes:

@@ -92,7 +92,7 @@ def test_a_shard_of_another_model_with_the_same_counts_is_refused(two_models, tm
     """Row 2 of the issue: an Arrow, HDF5 or Parquet shard of another model, same counts, copied in: validate()
     refuses it (its SHA-256), and readers refuse it on open (its size, where it differs); a FIFO planted at a
     shard's path is refused, never opened (no hang)."""
-    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream import ElmoOutput, to_arrow_table
     from elmo_pipeline.downstream.shard_checks import DamagedOutput
     m = json.load(open(os.path.join(two_models["a"], "manifest.json")))
     for fmt in ("arrow", "hdf5", "parquet"):
@@ -108,8 +108,9 @@ def test_a_shard_of_another_model_with_the_same_counts_is_refused(two_models, tm
     rel = m["shards"][0]["parquet"]
     os.remove(os.path.join(out, rel))
     os.mkfifo(os.path.join(out, rel))
-    with never_opened(os.path.join(out, rel)):
-        for read in (lambda: ElmoOutput(out).validate(), lambda: list(ElmoOutput(out).sentences("parquet"))):
+    with never_opened(os.path.join(out, rel)):         # hdf5 reads its Parquet twin's ids; to_arrow_table the Parquet
+        for read in (lambda: ElmoOutput(out).validate(), lambda: list(ElmoOutput(out).sentences("parquet")),
+                     lambda: list(ElmoOutput(out).sentences("hdf5")), lambda: to_arrow_table(out)):
             with pytest.raises(DamagedOutput, match="not a regular file"):
                 read()
 
@@ -345,14 +346,16 @@ def test_validate_reads_each_recorded_file_once(two_models, tmp_path, monkeypatc
     from collections import Counter
     from elmo_pipeline.downstream import ElmoOutput, shard_checks
     out = _copy(two_models["a"], tmp_path / "o")
-    seen, real = Counter(), shard_checks._same_digest
-    monkeypatch.setattr(shard_checks, "_same_digest", lambda fs, path, rec: seen.update([path]) or real(fs, path, rec))
+    seen, real = Counter(), shard_checks.same_digest
+    monkeypatch.setattr(shard_checks, "same_digest", lambda fs, path, rec: seen.update([path]) or real(fs, path, rec))
     ElmoOutput(out).validate()
     assert seen == Counter({os.path.join(out, name): 1 for name in _manifest(out)["files"]})
 
 
 def test_the_size_mapped_is_the_recorded_one(two_models, tmp_path, monkeypatch):
-    """A shard grown between its check and its map (the same file): the index refuses the size it mapped."""
+    """A shard rewritten in place between its check and its map (the same file, a valid Arrow file of its counts
+    and another size): the index refuses the size it mapped."""
+    import pyarrow as pa
     from elmo_pipeline.downstream import mapped
     from elmo_pipeline.downstream.shard_checks import DamagedOutput
     out = _copy(two_models["a"], tmp_path / "o")
@@ -361,11 +364,12 @@ def test_the_size_mapped_is_the_recorded_one(two_models, tmp_path, monkeypatch):
 
     def grow_then_map(local: str, *args, **kw):
         if local == path:
-            with open(local, "ab") as f:
-                f.write(b"\0")
+            batch = pa.ipc.open_file(pa.BufferReader(open(local, "rb").read())).get_batch(0)
+            with open(local, "wb") as f, pa.ipc.new_file(f, batch.schema.with_metadata({"x": "y"})) as w:
+                w.write_batch(batch)
         return real(local, *args, **kw)
     monkeypatch.setattr(mapped, "map_arrow_shard", grow_then_map)
-    with pytest.raises(DamagedOutput, match=re.escape(f"{path}: {size + 1} bytes, the manifest records {size}")):
+    with pytest.raises(DamagedOutput, match=re.escape(f"{path}: ") + r"\d+ bytes, " + f"the manifest records {size}"):
         mapped.MappedDataset(out)
 
 
@@ -388,3 +392,20 @@ def test_a_remote_shard_is_checked_before_it_is_copied(two_models, tmp_path):
         MappedDataset("memory://records", cache_dir=str(tmp_path / "c2"))
     assert not any(name == os.path.basename(rel) for _, _, names in os.walk(tmp_path / "c2") for name in names)
     fs.rm("/records", recursive=True)
+
+
+def test_validate_allows_only_the_renderings_to_be_gone(two_models, tmp_path):
+    """A recorded data file gone (a key index) is a damaged output; the run's renderings (report.html,
+    metrics.prom) deleted by hand are not."""
+    import shutil
+
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    out = str(tmp_path / "out")
+    shutil.copytree(two_models["a"], out)
+    os.remove(os.path.join(out, "report.html"))
+    os.remove(os.path.join(out, "metrics.prom"))
+    ElmoOutput(out).validate()
+    os.remove(os.path.join(out, "keys", "part-00000-of-00002.parquet"))
+    with pytest.raises(DamagedOutput, match=r"keys/part-00000-of-00002\.parquet"):
+        ElmoOutput(out).validate()

@@ -111,5 +111,6 @@ def test_a_source_whose_manifest_records_a_shard_file_badly_is_refused(small_sou
     else:
         m["files"][data] = record
     open(os.path.join(src, "manifest.json"), "w").write(json.dumps(m))
-    with pytest.raises(ReuseError, match=re.escape(f"records no size and SHA-256 for shard 1's files ({keys}, {data})")):
+    want = f"records no size and SHA-256 for shard 1's files ({keys}, {data})"
+    with pytest.raises(ReuseError, match=re.escape(want)):
         _opened(src)
