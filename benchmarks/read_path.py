@@ -320,7 +320,7 @@ def random_form(out: str, n: int, kind: str):
         from elmo_pipeline.downstream.mapped import MappedDataset
         ds = MappedDataset(out, tokens=False, dtype=None if kind == "packed" else "float32")
         picks = np.random.default_rng(0).integers(0, len(ds), n)
-        ids = [ds._meta(int(p))["id"] for p in picks] if kind == "id" else None
+        ids = [ds.index.meta(int(p))["id"] for p in picks] if kind == "id" else None
         if ids:
             ds.position(ids[0])                                  # the id table, built once
         nbytes = _stored_bytes(ds, ds.lengths[picks])
@@ -482,7 +482,7 @@ for p in picks:
     ds.views(int(p))
 r2 = rss()
 for p in picks:
-    ds.views(ds.position(ds._meta(int(p))["id"]))
+    ds.views(ds.position(ds.index.meta(int(p))["id"]))
 r3 = rss()
 n = len(ds)
 print(json.dumps({"sentences": n, "shards": len(ds.units), "index_bytes": ds.index_bytes(),

@@ -25,14 +25,13 @@ Id lookup: a sorted array of 64-bit hashes of the ids (16 bytes a sentence, buil
 downstream/id_table.py), a hit checked against the stored id. Shards of an fsspec URL (s3://...) are copied whole
 into `cache_dir` on first use (the next shard is fetched in the background: read-ahead; downstream/shard_cache.py)
 and mapped from there.
+
+In parts: the index (downstream/mapped_index.py), the per-process Batchers and read helper thread
+(downstream/batcher_pool.py), stream() (downstream/mapped_stream.py); this module holds the dataset API and the maps.
 """
 from __future__ import annotations
 
-import bisect
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -41,24 +40,21 @@ import pyarrow as pa
 
 from elmo_pipeline.downstream.arrow_shards import (flat_vectors, layer_offsets, map_arrow_shard,
                                                    sentence_index, set_read_around)
+from elmo_pipeline.downstream.batcher_pool import BatcherPool
 from elmo_pipeline.downstream.batching import Batcher, label_batch, stack
-from elmo_pipeline.downstream.id_table import IdTable
+from elmo_pipeline.downstream.mapped_index import MappedIndex
 from elmo_pipeline.downstream.output import ElmoOutput, open_outputs
-from elmo_pipeline.downstream.record_labels import labelled
 from elmo_pipeline.downstream.sampler import BucketBatchSampler
 from elmo_pipeline.downstream.shard_cache import ShardCache
 from elmo_pipeline.downstream.shard_checks import DamagedOutput, regular
 from elmo_pipeline.downstream.shard_files import ShardFiles
-from elmo_pipeline.downstream.stream_rows import RowBuffer, halves, read_ahead, read_rows, stream_plan
+from elmo_pipeline.downstream.mapped_stream import stream_batches
+from elmo_pipeline.downstream.stream_rows import read_ahead
 from elmo_pipeline.fsio import is_local_fs
 
 _FDS = 64                                   # shard files a process keeps open for batch reads
 _MAPS = 4096                                # shards a process keeps mapped (the most recently used; every map is
                                             # one of the kernel's vm.max_map_count mappings a process, 65,530 here)
-_SPLIT_BYTES = 1 << 20                      # a batch of at least this many stored bytes is read by two threads
-_CPUS = os.cpu_count() or 1
-_STREAM_BYTES = 8 << 20                     # stored bytes a stream batch spans by default
-_PADDED_BYTES = 6 << 20                     # a padded stream batch's bytes (B x T x L x dim) by default: CPU cache
 
 try:
     from torch.utils.data import Dataset as _TorchDataset
@@ -116,41 +112,25 @@ class MappedDataset(_TorchDataset):
         self._maps: dict[int, tuple[pa.RecordBatch, list[np.ndarray]]] = {}     # unit -> its map, its layers' views
         self.files = ShardFiles(len(self.units), len(self.layers), _FDS)     # batch reads' descriptors
         self.threads, self.reuse, self.packed = threads, reuse, packed
+        self.pool = BatcherPool(self.dim, (self.dtype or np.dtype(first.dtype)).name, threads)
         self._pid = os.getpid()
         self._build_index(labels)
 
     # -- the index
     def _build_index(self, labels) -> None:
-        ids, doc_ids, sidx, starts, lengths, unit_first = [], [], [], [], [], [0]
-        for u in range(len(self.units)):
-            k, i = self.units[u]
-            where = self.outputs[k].shard_path(i, "arrow", check=True)     # its recorded size: before a copy or map
-            b, base, size, st = _map(self._local(u), where, read_around=False)  # pages read as the index touches them
-            self.outputs[k].check_arrow(i, b, where, size=size)
-            self.files.found(u, layer_offsets(b, base, size, self.layers, where), size, (st.st_dev, st.st_ino))
-            sid, offsets, docs, indices = sentence_index(b)
-            ids.append(pa.concat_arrays([sid]))                         # a copy: the map may go, the ids stay
-            doc_ids.append(docs)
-            sidx.append(indices)
-            starts.append(offsets[:-1])
-            lengths.append(np.diff(offsets).astype(np.int32))
-            unit_first.append(unit_first[-1] + len(sid))
-            set_read_around(base, size, True)                           # the vectors' first reads: read ahead
-            if len(self._maps) < _MAPS:                                 # the maps batches copy from, as indexed
-                self._maps[u] = (b, [flat_vectors(b, name) for name in self.layers])
-        self._ids, self._doc_ids, self._sentence_indices = ids, doc_ids, sidx
-        self._unit_first = np.asarray(unit_first, dtype=np.int64)       # (U+1,) first position of each unit
-        self._firsts = unit_first                                        # the same, a list (bisect)
-        self._starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
-        all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
-        self._keep, self._labels = None, None                             # positions of labelled sentences, labels
-        if labels is not None:
-            keep, self._labels = labelled(map(self._meta, range(len(all_lengths))), labels, self.label_key)
-            self._keep = np.asarray(keep, dtype=np.int64)
-        self.unlabelled = 0 if self._keep is None else len(all_lengths) - len(self._keep)
-        self._all_lengths = all_lengths
-        self.lengths = all_lengths if self._keep is None else all_lengths[self._keep]   # (len(self),) tokens
-        self._id_table: IdTable | None = None                           # built by the first id lookup
+        """Each shard checked against its manifest and mapped (its layers' offsets and size kept for the batch reads),
+        its sentences indexed (MappedIndex); the first _MAPS maps kept for the batches to copy from."""
+        def units():
+            for u, (k, i) in enumerate(self.units):
+                where = self.outputs[k].shard_path(i, "arrow", check=True)     # its recorded size: before a copy or map
+                b, base, size, st = _map(self.local_path(u), where, read_around=False)  # pages read as the index touches
+                self.outputs[k].check_arrow(i, b, where, size=size)
+                self.files.found(u, layer_offsets(b, base, size, self.layers, where), size, (st.st_dev, st.st_ino))
+                yield sentence_index(b)
+                set_read_around(base, size, True)                           # the vectors' first reads: read ahead
+                if len(self._maps) < _MAPS:                                 # the maps batches copy from, as indexed
+                    self._maps[u] = (b, [flat_vectors(b, name) for name in self.layers])
+        self.index = MappedIndex(units(), labels, self.label_key)
 
     @property
     def stored_dtype(self) -> np.dtype:
@@ -158,64 +138,33 @@ class MappedDataset(_TorchDataset):
         return np.dtype(self.outputs[0].dtype)
 
     def index_bytes(self) -> int:
-        """Bytes of the in-memory index (offsets, lengths, ids, doc ids, labels kept, the id hash table once
-        built)."""
-        n = self._starts.nbytes + self._all_lengths.nbytes + self._unit_first.nbytes + \
-            sum(a.nbytes for a in self._sentence_indices) + sum(a.nbytes for a in self._doc_ids) + \
-            sum(a.nbytes for a in self._ids) + \
-            (self._id_table.nbytes if self._id_table is not None else 0)
-        return n + (self._keep.nbytes if self._keep is not None else 0)
+        """Bytes of the in-memory index (MappedIndex.nbytes)."""
+        return self.index.nbytes()
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(len(self),) tokens of each sentence."""
+        return self.index.lengths
+
+    @property
+    def unlabelled(self) -> int:
+        return self.index.unlabelled
 
     def __len__(self) -> int:
-        return len(self.lengths)
+        return len(self.index.lengths)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-    def _position(self, i: int) -> int:
-        n = len(self.lengths)
-        if not -n <= i < n:
-            raise IndexError(f"position {i} out of range ({n} sentences)")
-        i = i % n
-        return int(self._keep[i]) if self._keep is not None else i
-
-    def _unit(self, p: int) -> tuple[int, int]:
-        """(unit, sentence within it) of global position p."""
-        u = bisect.bisect_right(self._firsts, p) - 1
-        return u, p - self._firsts[u]
-
-    def _meta(self, p: int, where: tuple[int, int] | None = None) -> dict:
-        u, s = where or self._unit(p)
-        return {"id": self._ids[u][s].as_py(), "doc_id": self._doc_ids[u][s].as_py(),
-                "sentence_index": int(self._sentence_indices[u][s])}
+        return int(self.index.lengths.sum())
 
     def position(self, sentence_id: str) -> int:
-        """The dataset position of a sentence id; KeyError if absent. A binary search in the sorted 64-bit
-        hashes of all ids (built on the first call: 16 bytes a sentence), each hit checked against the id."""
-        if self._id_table is None:
-            self._id_table = IdTable(self._ids, self._firsts)
-        p = self._id_table.find(sentence_id.encode())
-        if p is None:
-            raise KeyError(sentence_id)
-        return self._kept_position(p, sentence_id)
-
-    def _kept_position(self, p: int, sentence_id: str) -> int:
-        """Dataset position of global position p (its index among the labelled ones when labels are given)."""
-        if self._keep is None:
-            return p
-        k = int(np.searchsorted(self._keep, p))
-        if k < len(self._keep) and self._keep[k] == p:
-            return k
-        raise KeyError(sentence_id)
+        """The dataset position of a sentence id; KeyError if absent (MappedIndex.position)."""
+        return self.index.position(sentence_id)
 
     # -- the mapped shards (opened lazily in each process: DataLoader workers map the files themselves)
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_maps"] = {}
-        state.pop("_threads", None)
-        state.pop("_helper", None)
-        state.pop("_kept", None)
         return state
 
     def _open(self, u: int) -> tuple[pa.RecordBatch, list[np.ndarray]]:
@@ -227,11 +176,11 @@ class MappedDataset(_TorchDataset):
             self._maps, self._pid = {}, os.getpid()
         m = self._maps.pop(u, None)
         if m is None:
-            local = self._local(u)
+            local = self.local_path(u)
             b, _, _, st = _map(local, local)
             self.files.indexed(u, st, local)
             m = (b, [flat_vectors(b, name) for name in self.layers])
-            self._prefetch_next(u)
+            self.prefetch_after(u)
         self._maps[u] = m                               # most recently used last
         while len(self._maps) > _MAPS:
             try:
@@ -244,28 +193,18 @@ class MappedDataset(_TorchDataset):
         files = getattr(self, "files", None)
         if files is not None:
             files.close()
-        helper = self.__dict__.get("_helper")
-        if helper is not None and helper[0] == _getpid():
-            helper[1].shutdown(wait=False)
+        pool = self.__dict__.get("pool")
+        if pool is not None:
+            pool.close(_getpid)
 
-    def _helper_pool(self, nbytes: int):
-        """The executor of this process's second read thread, for a batch of nbytes stored bytes (None when one
-        thread reads it: threads=1, one CPU, or a batch too small to pay for the hand-over)."""
-        if self.threads < 2 or _CPUS < 2 or nbytes < _SPLIT_BYTES:
-            return None
-        helper = self.__dict__.get("_helper")
-        if helper is None or helper[0] != os.getpid():
-            helper = self._helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="elmo-read"))
-        return helper[1]
-
-    def _local(self, u: int) -> str:
+    def local_path(self, u: int) -> str:
         """A local path of unit u's Arrow shard: the shard itself, or its copy in the cache."""
         k, i = self.units[u]
         out = self.outputs[k]
         path = out.shard_path(i, "arrow")
         return path if is_local_fs(out.fs) else self.cache.local(out, path)
 
-    def _prefetch_next(self, u: int) -> None:
+    def prefetch_after(self, u: int) -> None:
         """Start copying unit u + 1's shard when unit u's is remote (read-ahead)."""
         if not is_local_fs(self.outputs[self.units[u][0]].fs) and u + 1 < len(self.units):
             k, i = self.units[u + 1]
@@ -274,7 +213,7 @@ class MappedDataset(_TorchDataset):
     # -- records
     def views(self, i: int) -> list[np.ndarray]:
         """The stored (T, D_k) arrays of record i, one per selected layer: views of the mapped file."""
-        return self._sentence(self._position(i))
+        return self._sentence(self.index.global_position(i))
 
     def _layer_views(self, u: int) -> list[np.ndarray]:
         """(N, D_k) views of unit u's selected layers (kept beside the mapped batch)."""
@@ -284,20 +223,20 @@ class MappedDataset(_TorchDataset):
         """The selected layers' stored (T, D_k) rows of global position p (in unit u, found when not given):
         views of the mapped file, no copy, once its file is no shorter than when indexed (a mapped page past a
         file's end faults: SIGBUS)."""
-        u = self._unit(p)[0] if u is None else u
+        u = self.index.unit(p)[0] if u is None else u
         views = self._layer_views(u)
-        self.files.check_mapped(u, self._local)
-        a, n = int(self._starts[p]), int(self._all_lengths[p])
+        self.files.check_mapped(u, self.local_path)
+        a, n = int(self.index.starts[p]), int(self.index.all_lengths[p])
         return [v[a: a + n] for v in views]
 
     def __getitem__(self, i: int) -> dict:
-        p = self._position(i)
-        where = self._unit(p)
-        r = self._meta(p, where)
+        p = self.index.global_position(i)
+        where = self.index.unit(p)
+        r = self.index.meta(p, where)
         if self.with_tokens:
             r["tokens"] = self._tokens(p)
-        if self._labels is not None:
-            r[self.label_key] = self._labels[i % len(self)]
+        if self.index.labels is not None:
+            r[self.label_key] = self.index.labels[i % len(self)]
         r["layers"] = stack(self._sentence(p, where[0]), self.dim)
         return self.transform(r) if self.transform else r
 
@@ -314,10 +253,10 @@ class MappedDataset(_TorchDataset):
         per layer in `dtype`, layer 0 as stored), starts and lengths (B,) int64 (sentence b is rows
         starts[b]:starts[b] + lengths[b]), ids, doc_ids, tokens, labels."""
         import torch
-        kept, pos = self._positions(positions)
-        units = np.searchsorted(self._unit_first, pos, side="right") - 1
+        kept, pos = self.index.global_positions(positions)
+        units = self.index.units_of(pos)
         sources, helper = self._sources(pos, units)
-        batcher = batcher or self._batcher(pin_memory)
+        batcher = batcher or self.pool.of_thread(pin_memory)
         if packed:
             vectors, starts, lengths = batcher.packed(sources, self.widths, self.stored_dtype, helper)
             batch = {"vectors": vectors, "starts": starts, "lengths": lengths}
@@ -325,14 +264,14 @@ class MappedDataset(_TorchDataset):
         else:
             out, mask = batcher.from_views(sources, self.widths, self.stored_dtype, helper)
             batch = {"layers": out, "mask": mask,
-                     "lengths": torch.from_numpy(self._all_lengths[pos].astype(np.int64))}
+                     "lengths": torch.from_numpy(self.index.all_lengths[pos].astype(np.int64))}
             T = int(mask.shape[1])
-        where = list(zip(units.tolist(), (pos - self._unit_first[units]).tolist()))
-        batch.update({"ids": [self._ids[u][s].as_py() for u, s in where],
-                      "doc_ids": [self._doc_ids[u][s].as_py() for u, s in where],
+        where = list(zip(units.tolist(), (pos - self.index.unit_first[units]).tolist()))
+        batch.update({"ids": [self.index.ids[u][s].as_py() for u, s in where],
+                      "doc_ids": [self.index.doc_ids[u][s].as_py() for u, s in where],
                       "tokens": [self._tokens(p) for p in pos.tolist()] if self.with_tokens else [None] * len(pos)})
-        if self._labels is not None:
-            batch[self.label_key] = label_batch([self._labels[i] for i in kept.tolist()], T, self.label_key)
+        if self.index.labels is not None:
+            batch[self.label_key] = label_batch([self.index.labels[i] for i in kept.tolist()], T, self.label_key)
         return batch
 
     def __getitems__(self, positions: Sequence[int]) -> dict:
@@ -340,7 +279,7 @@ class MappedDataset(_TorchDataset):
         with reuse=True (in the process that made the dataset's DataLoader: a worker's batches are pickled to it, so
         they are their own)."""
         from torch.utils.data import get_worker_info
-        return self.batch(positions, batcher=self._batcher(False, reused=True)
+        return self.batch(positions, batcher=self.pool.of_thread(False, reused=True)
                           if self.reuse and get_worker_info() is None else None, packed=self.packed)
 
     def _positions(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -352,37 +291,24 @@ class MappedDataset(_TorchDataset):
         if bad.any():
             raise IndexError(f"position {int(i[bad][0])} out of range ({n} sentences)")
         i = i % n if n else i
-        return i, (self._keep[i] if self._keep is not None else i)
+        return i, (self.index.keep[i] if self.index.keep is not None else i)
 
     def _sources(self, pos: np.ndarray, units: np.ndarray) -> tuple[list, Any]:
         """(each position's (n, D_k) views of its layers, the helper executor or None) of global positions pos (in
         shards `units`), once no shard of the batch is shorter than when the index was built (a mapped page past a
         file's end faults: SIGBUS)."""
-        lengths = self._all_lengths[pos]
+        lengths = self.index.all_lengths[pos]
         ul = units.tolist()
         distinct = list(dict.fromkeys(ul))
-        self.files.check(distinct, self._local)
-        helper = self._helper_pool(int(lengths.sum()) * int(self.files.rows.sum()))
+        self.files.check(distinct, self.local_path)
+        helper = self.pool.helper(int(lengths.sum()) * int(self.files.rows.sum()))
         views = {u: self._layer_views(u) for u in distinct}
         return [[v[a: a + n] for v in views[u]]
-                for u, a, n in zip(ul, self._starts[pos].tolist(), lengths.tolist())], helper
-
-    def _batcher(self, pin_memory: bool, reused: bool = False) -> Batcher:
-        """This thread's Batcher for batch() (its kept buffers reused, each batch a tensor of its own), or with
-        reused its Batcher(reuse=True) (each batch in the same buffers)."""
-        local = self.__dict__.get("_threads")
-        if local is None or self._pid != os.getpid():
-            local = self._threads = threading.local()
-        key = ("pinned" if pin_memory else "plain") + ("_reused" if reused else "")
-        b = getattr(local, key, None)
-        if b is None:
-            b = Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=reused, pin_memory=pin_memory)
-            setattr(local, key, b)
-        return b
+                for u, a, n in zip(ul, self.index.starts[pos].tolist(), lengths.tolist())], helper
 
     def _tokens(self, p: int) -> list[str]:
-        u, _ = self._unit(p)
-        return self._open(u)[0].column("token").slice(int(self._starts[p]), int(self._all_lengths[p])).to_pylist()
+        u, _ = self.index.unit(p)
+        return self._open(u)[0].column("token").slice(int(self.index.starts[p]), int(self.index.all_lengths[p])).to_pylist()
 
     def batches(self, sampler: "BucketBatchSampler | None" = None, batch_size: int = 32, reuse: bool = False,
                 pin_memory: bool = False, ahead: int = 0, packed: bool = False) -> Iterator[dict]:
@@ -398,20 +324,10 @@ class MappedDataset(_TorchDataset):
                                                     for s in range(0, len(self), batch_size))
         if not reuse:                                       # batch()'s own Batcher of the building thread
             return read_ahead((self.batch(list(positions), pin_memory, packed=packed) for positions in plan), ahead)
-        free = self._free_batchers(pin_memory)
         n = ahead + 2 if ahead > 0 else 1
-        batchers = [free.pop() for _ in range(min(n, len(free)))]
-        batchers += [Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=True, pin_memory=pin_memory)
-                     for _ in range(n - len(batchers))]
-        return _giving_back(read_ahead((self.batch(list(positions), pin_memory, batchers[j % n], packed)
-                                        for j, positions in enumerate(plan)), ahead), batchers, free)
-
-    def _free_batchers(self, pin_memory: bool) -> list:
-        """The reuse=True Batchers that finished batches() iterations of this process gave back (pinned or not)."""
-        kept = self.__dict__.get("_kept")
-        if kept is None or kept[0] != os.getpid():
-            kept = self._kept = (os.getpid(), {False: [], True: []})
-        return kept[1][bool(pin_memory)]
+        batchers = self.pool.lend(n, pin_memory)
+        return self.pool.giving_back(read_ahead((self.batch(list(positions), pin_memory, batchers[j % n], packed)
+                                                 for j, positions in enumerate(plan)), ahead), batchers, pin_memory)
 
     def stream(self, batch_tokens: int | None = None, layers: Sequence[str] | None = None, padded: bool = False,
                pin_memory: bool = False, ahead: int = 0) -> Iterator[dict]:
@@ -432,79 +348,7 @@ class MappedDataset(_TorchDataset):
         layers: a subset of the dataset's layers (default all). ahead: batches read by a background thread
         ahead of the consumer (stream_rows.read_ahead; default 0: in this thread; it pays only when each
         batch's step takes longer than its build: docs/downstream.md)."""
-        names = list(layers) if layers else self.layers
-        missing = [n for n in names if n not in self.layers]
-        if missing:
-            raise ValueError(f"layers {missing} are not among the dataset's {self.layers}")
-        read = self._keep if self._keep is not None else np.arange(len(self._all_lengths), dtype=np.int64)
-        padded_tokens = 0                                   # by default a padded batch's bytes cap it too
-        if batch_tokens is None:
-            batch_tokens = _STREAM_BYTES // (sum(self.outputs[0].layer_dims[n] for n in names) *
-                                             self.stored_dtype.itemsize)
-            if padded:
-                padded_tokens = max(1, _PADDED_BYTES // (len(names) * self.dim *
-                                                         (self.dtype or self.stored_dtype).itemsize))
-        plan = stream_plan(read, self._firsts, self._starts, self._all_lengths, max(1, batch_tokens), padded_tokens)
-        rows = max((int(self._starts[q[-1]] + self._all_lengths[q[-1]] - self._starts[q[0]]) for _, q, _ in plan),
-                   default=0)
-        width = [self.outputs[0].layer_dims[n] * self.stored_dtype.itemsize for n in names]
-        slots = [(RowBuffer(rows, width, self.stored_dtype, pin_memory),
-                  Batcher(self.dim, (self.dtype or self.stored_dtype).name, reuse=True, pin_memory=pin_memory)
-                  if padded else None) for _ in range(ahead + 2 if ahead > 0 else 1)]
-        return read_ahead(self._stream(plan, names, slots), ahead)
-
-    def _stream(self, plan: list, names: list[str], slots: list) -> Iterator[dict]:
-        """stream()'s batches, each read into the next of `slots` ((RowBuffer, Batcher or None), in turn)."""
-        held: dict[int, int] = {}                          # the shard being read: {unit: descriptor} (ShardFiles)
-        pick = [self.layers.index(n) for n in names]
-        try:
-            for j, (u, pos, kept) in enumerate(plan):
-                buf, batcher = slots[j % len(slots)]
-                if u not in held:
-                    self.files.release(held)
-                    held = {}                               # nothing held should the next open fail
-                    held = self.files.acquire([u], self._local)
-                    self._prefetch_next(u)
-                    found, rows = self.files.offsets(u), self.files.rows
-                    offsets = [(int(found[k]), int(rows[k])) for k in pick]
-                    fd = held[u]
-                first = int(self._starts[pos[0]])
-                n = int(self._starts[pos[-1]] + self._all_lengths[pos[-1]]) - first
-                into = batcher.destinations(n, [w // buf.dtype.itemsize for w in buf.widths], buf.dtype) \
-                    if batcher else None
-                vectors = buf.views(offsets, n, into)
-                helper = self._helper_pool(n * sum(r for _, r in offsets))
-                try:
-                    batch = self._stream_batch(vectors, pos, kept, first, batcher,
-                                               partial(read_rows, fd, offsets, first, vectors), helper)
-                except EOFError as e:
-                    raise self.files.shorter([u], e, self._local) from None
-                yield batch
-        finally:
-            self.files.release(held)
-
-    def _stream_batch(self, vectors: list, pos: np.ndarray, kept: np.ndarray, first: int, batcher, read,
-                      helper) -> dict:
-        """The stream batch of positions pos: read(a, b) fills rows a:b of vectors (the helper thread the second
-        half), padded by batcher when given."""
-        import torch
-        u, s = self._unit(int(pos[0]))
-        lengths = torch.from_numpy(self._all_lengths[pos].astype(np.int64))
-        starts = torch.from_numpy(self._starts[pos] - first)
-        rel = slice(s, s + len(pos)) if self._keep is None else (pos - self._firsts[u])
-        ids, docs = self._ids[u], self._doc_ids[u]
-        pick = (lambda a: a.slice(rel.start, len(pos))) if isinstance(rel, slice) else (lambda a: a.take(pa.array(rel)))
-        batch = {"vectors": vectors, "starts": starts, "lengths": lengths,
-                 "ids": pick(ids).to_pylist(), "doc_ids": pick(docs).to_pylist()}
-        T = int(lengths.max()) if len(lengths) else 0
-        if self._labels is not None:
-            batch[self.label_key] = label_batch([self._labels[int(i)] for i in kept], T, self.label_key)
-        if batcher is not None:
-            batch["layers"], batch["mask"] = batcher.from_rows(vectors, starts, lengths, read, helper)
-        else:
-            n = int(vectors[0].shape[0]) if vectors else 0
-            halves(read, n, helper)
-        return batch
+        return stream_batches(self, batch_tokens, layers, padded, pin_memory, ahead)
 
 
 def _map(local: str, where: str, read_around: bool = True) -> tuple[pa.RecordBatch, int, int, os.stat_result]:
@@ -516,15 +360,6 @@ def _map(local: str, where: str, read_around: bool = True) -> tuple[pa.RecordBat
     if not os.path.samestat(st, os.stat(local)):
         raise DamagedOutput(f"{where}: replaced while the dataset was opened (open it again)")
     return b, base, size, st
-
-
-def _giving_back(items: Iterator, batchers: list, free: list) -> Iterator:
-    """The items; once they end (or the iteration is closed, its read-ahead thread stopped), batchers go back
-    to `free` for the next iteration."""
-    try:
-        yield from items
-    finally:
-        free.extend(batchers)
 
 
 def unbatched(batch: dict) -> dict:

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from elmo_pipeline.downstream import ElmoDataset, ElmoOutput, collate
+from elmo_pipeline.downstream import ElmoDataset, ElmoOutput, batcher_pool, collate, mapped_stream
 from elmo_pipeline.downstream.mapped import MappedDataset, unbatched
 from elmo_pipeline.downstream.shard_checks import DamagedOutput
 from elmo_pipeline.downstream.sampler import BucketBatchSampler
@@ -140,7 +140,7 @@ def test_batches_of_their_own_reuse_only_dropped_buffers(outputs, dtype):
     assert torch.equal(held[0], want[0]) and torch.equal(held[1], want[1][1:])
     assert np.array_equal(held[2], want[2].numpy())
     del held
-    kept = {b.untyped_storage().data_ptr() for b in ds._batcher(False)._pool}
+    kept = {b.untyped_storage().data_ptr() for b in ds.pool.of_thread(False)._pool}
     assert {ds.batch(o)["layers"].untyped_storage().data_ptr() for o in orders * 2} <= kept
     epoch = [b["layers"].clone() for b in ds.batches(orders)]       # batches(): batch()'s buffers, epoch to epoch
     assert all(torch.equal(b, w) for b, w in zip(epoch, want))
@@ -155,7 +155,7 @@ def test_reused_batches_keep_their_buffers_from_call_to_call(outputs):
     orders = [[5, 0, 7, 3], [1, 2], [6, 4, 0]]
     want = [collate([ref[i] for i in o])["layers"].half() for o in orders]
     first = {b["layers"].untyped_storage().data_ptr() for b in ds.batches(orders, reuse=True)}
-    kept = {b._bufs["layers"].data_ptr() for b in ds._free_batchers(False)}
+    kept = {b._bufs["layers"].data_ptr() for b in ds.pool.free(False)}
     assert first == kept
     for b, w in zip(ds.batches(orders, reuse=True), want):
         assert torch.equal(b["layers"], w) and b["layers"].untyped_storage().data_ptr() in kept
@@ -163,15 +163,14 @@ def test_reused_batches_keep_their_buffers_from_call_to_call(outputs):
     for x, y, wx, wy in zip(one, two, want, want[::-1]):
         assert torch.equal(x["layers"], wx) and torch.equal(y["layers"], wy)
     two.close()                                                      # the one zip did not run to its end
-    assert len(ds._free_batchers(False)) == 2
+    assert len(ds.pool.free(False)) == 2
 
 
 @pytest.mark.parametrize("name,dtype", [("fp16", "float32"), ("all", "float16")])
 def test_converted_batches_equal_the_converted_records(outputs, monkeypatch, name, dtype):
     """A batch delivered in another dtype than stored (fp16 -> float32, float32 -> fp16), by one thread and
     split between two, equals ElmoDataset's records padded by collate and converted by torch."""
-    from elmo_pipeline.downstream import mapped
-    monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
+    monkeypatch.setattr(batcher_pool, "SPLIT_BYTES", 0)
     ref = ElmoDataset(outputs[name])
     order = [3, 0, 6, 1, 7, 2]
     want = collate([ref[i] for i in order])
@@ -202,7 +201,7 @@ def test_reads_from_several_threads_at_once(outputs, monkeypatch):
     import threading
     from elmo_pipeline.downstream import mapped
     monkeypatch.setattr(mapped, "_FDS", 2)
-    monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
+    monkeypatch.setattr(batcher_pool, "SPLIT_BYTES", 0)
     ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False, dtype=None)
     ref = ElmoDataset([outputs["all"], outputs["part2"]])
     want = {i: ref[i]["layers"] for i in range(len(ref))}
@@ -245,8 +244,7 @@ def test_two_read_threads_give_the_one_thread_batch(outputs, monkeypatch, tmp_pa
     a record and its views with the file named, never a SIGBUS (the helper's error raised in the caller; a
     converted batch read by one thread too); records of the other shards still read."""
     import shutil
-    from elmo_pipeline.downstream import mapped
-    monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
+    monkeypatch.setattr(batcher_pool, "SPLIT_BYTES", 0)
     for name in ("all", "fp16"):
         for dtype in (None, "float32"):
             one = MappedDataset(outputs[name], tokens=False, dtype=dtype, threads=1)
@@ -269,8 +267,8 @@ def test_two_read_threads_give_the_one_thread_batch(outputs, monkeypatch, tmp_pa
     with pytest.raises(DamagedOutput, match=f"^{re.escape(shard)}: file ends before byte"):
         list(ds.stream())
     last = len(ds) - 1                                     # in the last shard, not cut
-    assert ds._unit(last)[0] != 0 and ds._unit(0)[0] == 0
-    for read in (lambda p: ds[p], ds.views, lambda p: converted[p], lambda p: ds.by_id(ds._meta(p)["id"])):
+    assert ds.index.unit(last)[0] != 0 and ds.index.unit(0)[0] == 0
+    for read in (lambda p: ds[p], ds.views, lambda p: converted[p], lambda p: ds.by_id(ds.index.meta(p)["id"])):
         with pytest.raises(DamagedOutput, match=f"^{re.escape(shard)}: file ends before byte"):
             read(0)
         read(last)
@@ -448,19 +446,18 @@ def test_stream_plan_caps_rows_and_padded_tokens():
 
 
 def test_stream_batches_default_to_a_size_in_bytes(tmp_path, monkeypatch, outputs):
-    """Stream batches span the rows of _STREAM_BYTES stored bytes by default, padded ones make a padded batch of
-    at most _PADDED_BYTES (it stays in the CPU cache); an explicit batch_tokens is kept (rows). 20-token sentences
+    """Stream batches span the rows of STREAM_BYTES stored bytes by default, padded ones make a padded batch of
+    at most PADDED_BYTES (it stays in the CPU cache); an explicit batch_tokens is kept (rows). 20-token sentences
     of one 64-wide float16 layer (128 bytes a row), 40 a shard; then sentences of mixed lengths."""
     from benchmarks.read_path import big_output
-    from elmo_pipeline.downstream import mapped
-    monkeypatch.setattr(mapped, "_PADDED_BYTES", 256 * 128)
-    monkeypatch.setattr(mapped, "_STREAM_BYTES", 512 * 128)
+    monkeypatch.setattr(mapped_stream, "PADDED_BYTES", 256 * 128)
+    monkeypatch.setattr(mapped_stream, "STREAM_BYTES", 512 * 128)
     ds = MappedDataset(big_output(str(tmp_path), 4000, 40), tokens=False, dtype=None)
     rows = lambda **kw: [int(b["lengths"].sum()) for b in ds.stream(**kw)]     # noqa: E731
     assert max(rows(padded=True)) == 240 and max(rows()) == 500 and max(rows(padded=True, batch_tokens=512)) == 500
     assert sum(rows(padded=True)) == sum(rows()) == 4000
     mixed = MappedDataset(outputs["all"], tokens=False)                  # 3 layers, float32 batches
-    monkeypatch.setattr(mapped, "_PADDED_BYTES", 10 * 3 * mixed.dim * 4)  # 10 padded tokens
+    monkeypatch.setattr(mapped_stream, "PADDED_BYTES", 10 * 3 * mixed.dim * 4)  # 10 padded tokens
     shapes = [tuple(b["layers"].shape) for b in mixed.stream(padded=True)]
     assert all(B * T <= 10 or B == 1 for B, _, T, _ in shapes) and sum(B for B, *_ in shapes) == len(mixed)
     assert len({T for _, _, T, _ in shapes}) > 1
@@ -561,7 +558,7 @@ def test_id_lookup_every_id_and_hash_collisions(outputs, monkeypatch):
     ids = [ds[i]["id"] for i in range(len(ds))]
     assert [ds.position(s) for s in ids] == list(range(len(ds)))
     before = ds.index_bytes()
-    assert ds._id_table is not None and before >= 16 * len(ds)     # 16 bytes a sentence: hash + position
+    assert ds.index.id_table is not None and before >= 16 * len(ds)     # 16 bytes a sentence: hash + position
     for missing in ("a.txt:99#0", "", "b.txt:1#1", ids[0] + " "):
         with pytest.raises(KeyError):
             ds.position(missing)
@@ -693,12 +690,11 @@ def test_dataloader_reuse_builds_in_one_buffer_in_the_main_process_only(outputs)
 def test_dataloader_workers_fork_a_dataset_with_its_read_thread(outputs, monkeypatch):
     """Workers forked from a process whose dataset already read with two threads (its helper thread started,
     descriptors open): each worker opens its own descriptors and helper and delivers the parent's batches."""
-    from elmo_pipeline.downstream import mapped
-    monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
+    monkeypatch.setattr(batcher_pool, "SPLIT_BYTES", 0)
     ds = MappedDataset([outputs["all"], outputs["part2"]], tokens=False, dtype=None)
     sampler = BucketBatchSampler(ds.lengths, batch_size=3, shuffle=True, seed=2)
     want = [ds.batch(list(p))["layers"].clone() for p in sampler]
-    assert ds.files._open and ds.__dict__.get("_helper") is not None
+    assert ds.files._open and ds.pool._helper is not None
     loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=unbatched, num_workers=2)
     assert all(torch.equal(b["layers"], w) for b, w in zip(loader, want))
 
@@ -727,8 +723,7 @@ def test_packed_batches_hold_the_stored_rows_back_to_back(outputs, monkeypatch, 
     of each layer, as pyarrow reads them from the Parquet shards (converted by torch to the asked dtype), at rows
     starts[b]:starts[b] + lengths[b] of one (N, D_k) tensor per layer, back to back from row 0; ids, lengths and
     labels as the padded batch's; a DataLoader over MappedDataset(reuse=True, packed=True) fetches the same."""
-    from elmo_pipeline.downstream import mapped
-    monkeypatch.setattr(mapped, "_SPLIT_BYTES", 0)
+    monkeypatch.setattr(batcher_pool, "SPLIT_BYTES", 0)
     table = pq.read_table(os.path.join(outputs[name], "parquet")).to_pylist()
     stored = np.float16 if name == "fp16" else np.float32
     rows = {r["id"]: r for r in table}
