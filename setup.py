@@ -39,7 +39,8 @@ setup(
         "downstream": ["datasets>=3", "matplotlib>=3.7"],
         # --iceberg-table: pyiceberg with its SQL catalog (SQLite; Postgres needs a driver too) and pyarrow I/O
         "iceberg": ["pyiceberg[sql-sqlite,pyarrow]>=0.12,<0.13"],
-        "test": ["pytest>=8", "hypothesis>=6.100", "duckdb>=1.1", "moto[server]>=5", "s3fs>=2024.6", "boto3>=1.34",
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "duckdb>=1.1", "moto[server]>=5", "s3fs>=2024.6",
+                 "boto3>=1.34",
                  "dask[distributed]>=2024.6",
                  "datasets>=3", "matplotlib>=3.7",
                  "pyiceberg[sql-sqlite,pyarrow]>=0.12,<0.13",

@@ -282,17 +282,6 @@ class MappedDataset(_TorchDataset):
         return self.batch(positions, batcher=self.pool.of_thread(False, reused=True)
                           if self.reuse and get_worker_info() is None else None, packed=self.packed)
 
-    def _positions(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(dataset positions, global positions), (B,) int64 each, of `positions` (negative ones from the end);
-        IndexError naming the first out of range."""
-        i = np.asarray(positions, dtype=np.int64).reshape(-1)
-        n = len(self.lengths)
-        bad = (i < -n) | (i >= n)
-        if bad.any():
-            raise IndexError(f"position {int(i[bad][0])} out of range ({n} sentences)")
-        i = i % n if n else i
-        return i, (self.index.keep[i] if self.index.keep is not None else i)
-
     def _sources(self, pos: np.ndarray, units: np.ndarray) -> tuple[list, Any]:
         """(each position's (n, D_k) views of its layers, the helper executor or None) of global positions pos (in
         shards `units`), once no shard of the batch is shorter than when the index was built (a mapped page past a

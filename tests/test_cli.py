@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
+@pytest.mark.slow
 def test_help_and_commands_other_than_run_import_no_beam():
     code = ("import sys\n"
             "from pipeline.cli import build_parser\n"
@@ -25,6 +28,7 @@ def test_help_and_commands_other_than_run_import_no_beam():
         assert "apache_beam" not in r.stderr, args
 
 
+@pytest.mark.slow
 def test_the_elmo_command_embeds_without_importing_beam(tmp_path, tiny_model_files):
     """The `elmo` command's fixed cost has no Beam in it (its checks are plain functions): a whole run, not --help."""
     (tmp_path / "in.txt").write_text("The cat sat .\n")
@@ -37,6 +41,7 @@ def test_the_elmo_command_embeds_without_importing_beam(tmp_path, tiny_model_fil
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[]", (r.stdout, r.stderr)
 
 
+@pytest.mark.slow
 def test_run_prints_only_its_summary(tmp_path, tiny_model_files):
     """No Beam notices (apitools, BigQuery, type hints) on stderr: the summary line is all a run prints."""
     corpus = tmp_path / "in.txt"

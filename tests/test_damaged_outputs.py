@@ -96,6 +96,7 @@ def _read_in_child(out: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", READERS, out], capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_tampered_dictionary_offsets_refused_not_a_crash(copy):
     out = copy("fp32")
     shard = _arrow_shard(out)

@@ -61,6 +61,7 @@ def test_one_directions_resets_are_its_pairs_of_both():
             assert (mine.at(step)[0].tolist() if step in mine else []) == want
 
 
+@pytest.mark.slow
 def test_a_forked_child_makes_its_own_helpers():
     """After a fork the child has none of the parent's helper threads: it makes its own and gets its results."""
     import os

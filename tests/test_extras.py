@@ -55,6 +55,7 @@ def test_iceberg_extra_pins_pyiceberg_and_its_sql_catalog():
     assert any(_name(r) == "pyiceberg" for r in _setup_kwargs()["extras_require"]["test"])
 
 
+@pytest.mark.slow
 def test_the_pipeline_imports_no_optional_package_until_asked():
     lazy = sorted(OPTIONAL - {"boto3"})        # Beam itself imports boto3 when it is installed (its S3 I/O)
     code = ("import sys, pipeline.run, pipeline.cli, formats.iceberg, output.finalize; "

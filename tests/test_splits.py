@@ -123,6 +123,7 @@ def whole(corpus, tiny_model_files, tmp_path_factory):
     return ref
 
 
+@pytest.mark.slow
 def test_tiny_parts_equal_whole_files(corpus, tiny_model_files, whole, tmp_path):
     """--split-bytes 97 (about 100 parts of one file) writes what reading the file whole writes, bit for bit
     (--batch-invariant): ids, tokens, offsets, vectors, counts, dead letters."""

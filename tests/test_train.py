@@ -201,6 +201,7 @@ def test_checkpoint_is_arrays_and_json_only(trained):
     assert kinds <= {"f", "u", "i"} and meta["step"] == 400
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_equal_one(texts, tmp_path):
     """2 gloo processes (half the batch each, gradients summed, loss over the global token count) give
     the weights of 1 process. Adagrad (bilm-tf's optimizer) keeps float-rounding differences of tiny
