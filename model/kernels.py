@@ -73,7 +73,27 @@ def embedder_kernel_path(embedder, output_dtype: str) -> dict:
 
 def row_rule() -> dict:
     """The batch-invariant path's row rule: every GEMM on a multiple of ROW_TILE rows (model/row_tile.py)."""
-    return {"row_tile": row_tile.ROW_TILE}
+    return row_tile.row_rule()
+
+
+def check_row_rule(device: str | torch.device, compute_dtype, *, model=None, opts=None,
+                   threads: int | None = None) -> None:
+    """ValueError (one line) when the row rule of --batch-invariant does not hold here: the step GEMMs of `model`'s
+    LSTM loops (or, without one, those a BiLM of `opts` built here runs) give a row other bits at some multiple of
+    ROW_TILE rows, at `threads` torch threads (None: this process's); checked once per process and key
+    (model/row_tile.py row_rule_breaks). A CPU only: other devices are refused by model.device.check_batch_invariant."""
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return
+    dtype = getattr(torch, str(compute_dtype).removeprefix("torch."))
+    choice = model.lstm_loop if model is not None else options_from_env()[0]
+    layers = list(model.forward_layers) if model is not None else shape_layers(opts)
+    o = model.opts if model is not None else opts
+    for loop in sorted({loop_name(dev, dtype, choice, layer) for layer in layers}):
+        breaks = row_tile.row_rule_breaks(dtype, threads or torch.get_num_threads(), row_tile.step_gemms(o, loop), loop)
+        error = row_tile.row_rule_error(breaks, dtype)
+        if error:
+            raise ValueError(error)
 
 
 def cpu_kind() -> dict:

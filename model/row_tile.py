@@ -7,9 +7,81 @@ differ too. So the token encoder pads its inputs and the LSTMs pad each step to 
 """
 from __future__ import annotations
 
+import functools
+
+import torch
+
 ROW_TILE = 4
 
 
 def round_up(n: int, tile: int = ROW_TILE) -> int:
     """The smallest multiple of tile that is >= n."""
     return -(-n // tile) * tile
+
+
+def first_rows_keep_their_bits(gemm, x, tile: int = ROW_TILE) -> list[int]:
+    """The row counts m (multiples of tile, tile <= m <= len(x)) at which gemm(x[:m])[:tile] differs bitwise from
+    gemm(x[:tile]); [] when the row rule holds for this GEMM. gemm: (m, K) tensor -> (m, N) tensor, pure."""
+    ref = gemm(x[:tile])
+    return [m for m in range(tile, x.shape[0] + 1, tile) if not bool((gemm(x[:m])[:tile] == ref).all())]
+
+
+def step_gemms(opts, loop: str) -> tuple:
+    """The step GEMMs (K, N, post-op, scalars) of a biLM's LSTM layers (opts: model.options.BiLMOptions) as `loop`
+    runs them: onednn, [x, h] (2P) -> the sigmoid gates (3H) and gate j (H), the projection H -> P with its clip;
+    bmm, x -> 4H, h -> 4H and H -> P, the directions side by side."""
+    P, H, clip = opts.projection_dim, opts.lstm_dim, opts.proj_clip
+    if loop == "onednn":
+        return ((2 * P, 3 * H, "sigmoid", ()), (2 * P, H, "tanh", ()),
+                (H, P, "hardtanh", (-clip, clip)) if clip else (H, P, "none", ()))
+    return ((P, 4 * H, "", ()), (P, 4 * H, "", ()), (H, P, "", ()))
+
+
+@functools.lru_cache(maxsize=None)
+def row_rule_breaks(dtype: torch.dtype, threads: int, gemms: tuple, loop: str = "onednn",
+                    max_rows: int = 132) -> tuple:
+    """The (K, N, rows) at which this process's step GEMMs (`gemms`: step_gemms(); `loop`: onednn's linear with
+    its post-op, or bmm over both directions) give the first ROW_TILE rows other bits than at ROW_TILE rows, at
+    `threads` torch threads, for every multiple of ROW_TILE up to max_rows; () when the rule holds, or for onednn
+    when this torch has no oneDNN for dtype. Computed once per process per key (random weights, fixed seed)."""
+    if loop == "onednn" and (not torch.backends.mkldnn.is_available() or (
+            dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported())):
+        return ()
+    g, before = torch.Generator().manual_seed(0), torch.get_num_threads()
+    breaks = []
+    try:
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            for k, n, attr, scalars in gemms:
+                bad = first_rows_keep_their_bits(_gemm(loop, k, n, attr, list(scalars), dtype, g),
+                                                 torch.randn(max_rows, k, generator=g).to(dtype))
+                breaks += [(k, n, m) for m in bad]
+    finally:
+        torch.set_num_threads(before)
+    return tuple(breaks)
+
+
+def _gemm(loop: str, k: int, n: int, attr: str, scalars: list, dtype: torch.dtype, g: torch.Generator):
+    """A (m, K) -> (m, N) step GEMM as `loop` calls it, on random weights."""
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    if loop == "onednn":
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        return lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, b, attr, scalars, "")
+    both = torch.stack([w.t(), w.t().flip(0)])                       # (2, K, N): the two directions' weights
+    return lambda rows: torch.bmm(rows.expand(2, *rows.shape).contiguous(), both)[0]
+
+
+def row_rule_error(breaks: tuple, dtype: torch.dtype) -> str | None:
+    """The one-line refusal for --batch-invariant when row_rule_breaks found breaks; None when it found none."""
+    if not breaks:
+        return None
+    k, n, m = breaks[0]
+    return (f"--batch-invariant cannot keep a row's bits in {str(dtype).removeprefix('torch.')} on this CPU: its "
+            f"oneDNN GEMM K={k} N={n} gives a row other bits at {m} rows than at {ROW_TILE} rows "
+            f"({len(breaks)} row counts); run without it, or with --compute-dtype float32")
+
+
+def row_rule() -> dict:
+    """The batch-invariant path's row rule as a JSON-able record (for the manifest's kernel path)."""
+    return {"row_tile": ROW_TILE}
