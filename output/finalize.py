@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -38,7 +40,9 @@ from typing import Callable, NamedTuple
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.layout import DOC_HASHES, MANIFEST, SUCCESS, DeadLetter, ShardInfo
 from elmo_pipeline.formats.metrics import metrics_text
-from elmo_pipeline.fsio import json_or_none, read_json, remove_temp_files, url_fs
+from elmo_pipeline.fsio import (NotTheRecordedFile, check_recorded, is_local_fs, json_or_none, read_json,
+                                remove_temp_files, url_fs)
+from elmo_pipeline.fsio.fs import MAX_JSON_BYTES
 from elmo_pipeline.output.lease import RetryLater
 from elmo_pipeline.output import manifest as manifests
 from elmo_pipeline.output.names import COUNTS, DEAD, DEAD_LETTERS, DOCS, METRICS, PLAN, RECORDS, REPORT, STAGING, STATS, is_final_name
@@ -75,6 +79,23 @@ class Selected(NamedTuple):
     damaged: list[str]              # record files that are no whole record
 
 
+def read_staged(fs, paths: list[str]) -> dict[str, bytes]:
+    """{path: bytes} of staged files read back (commit records, counts, dead letters, statistics): local ones only
+    when regular files of at most MAX_JSON_BYTES (a FIFO never blocks, a huge file is never read); the others left
+    out, as a damaged file is."""
+    if is_local_fs(fs):
+        paths = [p for p in paths if _small_regular(p)]
+    return fs.cat(paths, on_error="omit") if paths else {}      # concurrent GETs on object stores
+
+
+def _small_regular(path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size <= MAX_JSON_BYTES
+
+
 def select_records(fs, st: str, present: set[str], whole: Callable[[dict], bool] | None = None) -> Selected:
     """The commit records of <st>/committed/ (Selected): a pairwise-disjoint set of records whose files are all
     present (and, with `whole`, for which whole(record) holds), first come first kept in name order (a retried
@@ -82,7 +103,7 @@ def select_records(fs, st: str, present: set[str], whole: Callable[[dict], bool]
     (formats.layout.checked_record) is left out too, its path listed."""
     rec_dir = posixpath.join(st, RECORDS)
     names = sorted(p for p in present if p.startswith(rec_dir + "/") and p.endswith(".json"))
-    contents = fs.cat(names, on_error="omit") if names else {}     # concurrent GETs on object stores
+    contents = read_staged(fs, names)
     records, paths, done, named, damaged = [], [], set(), set(), []
     for path in names:
         got = layout.checked_record(contents[path]) if path in contents else None
@@ -115,8 +136,9 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     counts_dir = posixpath.join(st, COUNTS) + "/"
     count_files = sorted(p for p in present if p.startswith(counts_dir) and p.endswith(".json"))
     parts: dict[str, dict] = {}         # url -> {part: counts}, a file read whole being its part 0 of 1
-    for path, data in (fs.cat(count_files) if count_files else {}).items():
-        c = _staged_json(path, data, _is_counts)
+    counted_files = read_staged(fs, count_files)
+    for path in count_files:
+        c = _staged_json(path, counted_files.get(path, b""), _is_counts)
         k, n = c.get("part", (0, 1))
         parts.setdefault(c["url"], {})[k] = (n, c)
     counted = {u for u, got in parts.items() if all(n == len(got) for n, _ in got.values())}
@@ -125,14 +147,18 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     counts = {k: sum(c[k] for got in parts.values() for _, c in got.values()) for k in ("input_records", "blank_records")}
     dead_dir = posixpath.join(st, DEAD) + "/"
     dead_files = sorted(p for p in present if p.startswith(dead_dir) and p.endswith(".jsonl"))
-    letters = {_dead_letter(path, line) for path, data in (fs.cat(dead_files) if dead_files else {}).items()
+    dead_data = read_staged(fs, dead_files)
+    if set(dead_files) - set(dead_data):
+        raise Incomplete(f"{sorted(set(dead_files) - set(dead_data))[0]}: a damaged staged file")
+    letters = {_dead_letter(path, line) for path, data in dead_data.items()
                for line in data.decode("utf-8", "replace").splitlines() if line}
     # a sentence both written and dead-lettered (an embedding failure that a retry did not repeat): written wins
     letters = sorted((d for d in letters if d.level != "sentence" or d.id not in covered),
                      key=lambda d: (d.id, d.level, d.reason, d.excerpt))
     stats_dir = posixpath.join(st, STATS) + "/"
     stats_files = sorted(p for p in present if p.startswith(stats_dir) and p.endswith(".json"))
-    stats = [d for d in (_report_stats(p, v) for p, v in (fs.cat(stats_files) if stats_files else {}).items()) if d]
+    stats_data = read_staged(fs, stats_files)
+    stats = [d for d in (_report_stats(p, stats_data.get(p, b"")) for p in stats_files) if d]
     docs_dir = posixpath.join(st, DOCS) + "/"
     docs = sorted(p for p in present if p.startswith(docs_dir) and p.endswith(".jsonl"))
     return Staged([ShardInfo.from_record(r, st) for r in records], letters, counts, records, stats, docs)
@@ -245,9 +271,30 @@ def read_plan(fs, st: str) -> dict | None:
 
 
 def plan_consistent(fs, root: str, st: str, plan: dict) -> bool:
-    """True when every move of `plan` still has its file, under the staged or the final name."""
+    """True when every move of `plan` still has its file, under the staged or the final name, and each is the file
+    the plan's manifest records (size and SHA-256: fsio.check_recorded; a file without a record: present)."""
     staged = set(fs.find(st)) if fs.exists(st) else set()
-    return all(src in staged or fs.exists(posixpath.join(root, rel)) for src, rel in plan["moves"])
+    records = plan["manifest"].get("files") or {}
+    for src, rel in plan["moves"]:
+        path = src if src in staged else posixpath.join(root, rel)
+        if src not in staged and not fs.exists(path):
+            return False
+        if not as_recorded(fs, path, records.get(rel)):
+            return False
+    return True
+
+
+def as_recorded(fs, path: str, record, then: str = "the interrupted finalize is rolled back") -> bool:
+    """Whether `path` is the file `record` describes (no whole record: nothing to check); False with a warning
+    saying what happens `then`."""
+    if not manifests.is_file_record(record):
+        return True
+    try:
+        check_recorded(fs, path, record)
+    except NotTheRecordedFile as e:
+        logger.warning("%s; %s", e, then)
+        return False
+    return True
 
 
 def roll_back(sink: Sink, root: str, st: str, plan: dict) -> None:

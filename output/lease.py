@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from elmo_pipeline.fsio.fs import atomic_write, is_local_fs, json_or_none, makedirs, protocol, url_fs
 
 logger = logging.getLogger("elmo-pipeline.lease")
+LEASE_BYTES = 1 << 20          # a lease object is a few hundred bytes: a larger one is no lease
 
 
 def _user() -> str:
@@ -191,7 +193,10 @@ def read_lease(fs, path: str, s3: bool) -> LeaseObject | None:
     """The lease object at `path`, None when there is none."""
     try:
         info = fs.info(path, refresh=True) if s3 else fs.info(path)
-        data = fs.cat_file(path)    # s3: a change since info() fails the If-Match on its ETag
+        if (is_local_fs(fs) and not stat.S_ISREG(os.stat(path).st_mode)) or (info.get("size") or 0) > LEASE_BYTES:
+            data = b""              # a FIFO, a device or a huge file: no lease (never read: no hang, no allocation)
+        else:
+            data = fs.cat_file(path)    # s3: a change since info() fails the If-Match on its ETag
     except FileNotFoundError:
         return None
     holder = json_or_none(data)

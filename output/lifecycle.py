@@ -38,6 +38,7 @@ class Job:
     lease_stale_seconds: float = 0
     register: Callable | None = None    # register(manifest, fence): --iceberg-table (output/register.py)
     upsert: object = None           # formats.iceberg.upsert.Upsert: its state file staged by Finalize
+    kernel_path: dict | None = None  # what the workers compute on (model/kernels.py; None: a remote runner's)
 
 
 @dataclass
@@ -77,7 +78,8 @@ def rounds(job: Job, run_graph: Callable[[OutputState], object], fence: Callable
     so = job.storage_options
     first, started = None, time.time()
     for _ in range(MAX_ROUNDS):
-        state = prepare_output(job.output, job.key, job.ingredients, job.overwrite, so, resumable=job.resumable)
+        state = prepare_output(job.output, job.key, job.ingredients, job.overwrite, so, resumable=job.resumable,
+                               kernel_path=job.kernel_path)
         first = first or state
         if state.action == "complete":         # finished by another run meanwhile
             done = Outcome("complete", _manifest(job))

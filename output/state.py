@@ -7,7 +7,7 @@ command after a crash finds the same folder:
 
   committed/<shard>.json   commit records of the shards already written (files, counts, sentence ids)
   finalize.json            present once Finalize has started: the moves and the manifest
-  run.json                 the key's ingredients (to explain a mismatch)
+  run.json                 the key's ingredients (to explain a mismatch), and the kernel path the run planned
   dead/, counts/           dead letters and per-file counts: not resumed (every run reads and tokenizes all)
   stats/                   run statistics for the report: kept (its timings count every attempt)
 
@@ -23,9 +23,8 @@ import posixpath
 from dataclasses import dataclass, field
 
 from elmo_pipeline.formats.layout import SUCCESS, ShardInfo, checked_record, read_manifest
-from elmo_pipeline.fsio import NotTheRecordedFile, check_recorded, read_json, url_fs
-from elmo_pipeline.output.manifest import is_file_record
-from elmo_pipeline.output.finalize import plan_consistent, read_plan, roll_back, select_records
+from elmo_pipeline.fsio import read_json, url_fs
+from elmo_pipeline.output.finalize import as_recorded, plan_consistent, read_plan, read_staged, roll_back, select_records
 from elmo_pipeline.output.names import PLAN, RUN_FILE, SHARD_FILES, STAGING, STATS
 from elmo_pipeline.output.ownership import check_no_links, check_ownership, clear_final, plan_names
 from elmo_pipeline.output.sink import Sink
@@ -154,13 +153,16 @@ def finalize_started(output: str, key: str, storage_options: dict | None = None)
 
 
 def _listed_files_present(fs, root: str, manifest: dict) -> bool:
+    """Whether the shard and dead-letter files a manifest lists are there, each the file it records (if any)."""
     rels = [s[f] for s in manifest.get("shards", []) for f in SHARD_FILES if f in s]
     rels += [d["path"] for d in manifest.get("dead_letter_files", [])]
-    return all(fs.exists(posixpath.join(root, r)) for r in rels)
+    records = manifest.get("files") or {}
+    return all(fs.exists(posixpath.join(root, r)) and as_recorded(fs, posixpath.join(root, r), records.get(r),
+                                                                   "starting over") for r in rels)
 
 
 def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, storage_options: dict | None = None,
-                   resumable: bool = True) -> OutputState:
+                   resumable: bool = True, kernel_path: dict | None = None) -> OutputState:
     """Decide what a run with run key `key` does with `output`, and make the folder ready for it. The caller
     holds the output's lease. Nothing is removed before every refusal has been decided; only what the
     pipeline wrote is ever removed (check_no_links and check_ownership first, then output/finalize.clear_final).
@@ -222,13 +224,14 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
         roll_back(sink, root, st, plan)
     clear_final(sink, root)
     if fs.exists(st):
-        if resumable:
+        if resumable and not _other_kernel_path(fs, st, kernel_path):
             _keep_disjoint_records(sink, st, state)
         else:
             sink.remove(st, recursive=True)
         state.action = "resume" if state.records else "fresh"
     if not fs.exists(posixpath.join(st, RUN_FILE)):
-        sink.put(posixpath.join(st, RUN_FILE), json.dumps(ingredients, default=str).encode())
+        sink.put(posixpath.join(st, RUN_FILE), json.dumps({**ingredients, "kernel_path": kernel_path},
+                                                          default=str).encode())
     return state
 
 
@@ -268,19 +271,29 @@ def _keep_disjoint_records(sink: Sink, st: str, state: OutputState) -> None:
         sink.remove(gone)
 
 
+def _other_kernel_path(fs, st: str, kernel_path: dict | None) -> bool:
+    """Whether the interrupted run in `st` computed on another kernel path than this one (its run.json's record
+    against `kernel_path`, model/kernels.py); True with a warning: its shards are embedded again, never mixed with
+    this run's under one manifest. Unknown on either side (a remote runner, an earlier version): False."""
+    old = _read_json(fs, posixpath.join(st, RUN_FILE))
+    old = old.get("kernel_path") if isinstance(old, dict) else None
+    if not isinstance(old, dict) or kernel_path is None:
+        return False
+    from elmo_pipeline.model.kernels import kernel_difference
+    differ = kernel_difference(old, kernel_path)
+    if differ:
+        logger.warning("%s: the interrupted run computed on another kernel path (%s, then vs now): its shards are "
+                       "embedded again", st, differ)
+    return bool(differ)
+
+
 def _as_recorded(fs, st: str, rec: dict) -> bool:
     """Whether each of a commit record's files is the one its worker recorded (size and SHA-256, streamed:
     fsio.check_recorded); a shard of a version that recorded none is taken as it is. False, with a warning: its
     sentences are embedded again."""
     digests = rec.get("digests") if isinstance(rec.get("digests"), dict) else {}
-    for fmt, name in rec["files"].items():
-        if is_file_record(record := digests.get(fmt)):
-            try:
-                check_recorded(fs, posixpath.join(st, name), record)
-            except NotTheRecordedFile as e:
-                logger.warning("%s; its shard's sentences are embedded again", e)
-                return False
-    return True
+    return all(as_recorded(fs, posixpath.join(st, name), digests.get(fmt), "its shard's sentences are embedded again")
+               for fmt, name in rec["files"].items())
 
 
 def _embedded_again(path: str) -> None:
@@ -295,7 +308,7 @@ def load_done_ids(record_paths: list[str], storage_options: dict | None = None) 
         return set()
     fs, _ = url_fs(record_paths[0], storage_options)
     paths = [url_fs(p, storage_options)[1] for p in record_paths]
-    contents = fs.cat(paths)                  # one dict, fetched concurrently on object stores
+    contents = read_staged(fs, paths)         # one dict, fetched concurrently on object stores
     done: set[str] = set()
     for p in paths:
         got = checked_record(contents[p])

@@ -116,7 +116,7 @@ class Plan:
         o = self.options
         return Job(o.output, self.key, self.ingredients, self.manifest, self.files, self.storage_options,
                    overwrite=o.overwrite, resumable=o.state != "stateful", lease_stale_seconds=o.lease_stale_seconds,
-                   register=self.registrar, upsert=self.upsert)
+                   register=self.registrar, upsert=self.upsert, kernel_path=self.manifest.get("kernel_path"))
 
 
 class Inputs(NamedTuple):

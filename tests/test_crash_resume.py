@@ -439,3 +439,47 @@ def test_a_damaged_finalize_plan_is_not_followed(damage, tmp_path):
     assert not os.path.exists(os.path.join(st, PLAN)) and os.path.exists(src)
     assert not os.path.exists(os.path.join(str(tmp_path), "escaped.parquet"))
     assert not os.path.exists(os.path.join(out, "parquet"))
+
+
+def test_a_run_resumed_on_another_kernel_path_embeds_everything_again(corpus, tiny_model_files, reference, tmp_path,
+                                                                       caplog, monkeypatch):
+    """The interrupted run computed on one LSTM loop; the rerun plans another (ELMO_LSTM_GEMM): the committed shards
+    are embedded again, never mixed with the rerun's under its manifest's one kernel path."""
+    out = str(tmp_path / "out")
+    args, st = _killed_after_two_commits(tiny_model_files, corpus, out)
+    before = json.load(open(os.path.join(st, "run.json")))["kernel_path"]["lstm_loop"]
+    monkeypatch.setenv("ELMO_LSTM_GEMM", "onednn" if before[0] == "bmm" else "bmm")
+    assert main(args) == 0
+    assert "the interrupted run computed on another kernel path (LSTM loop" in caplog.text
+    got = read_output(out)
+    assert got[0]["run"]["resumed_sentences"] == 0 and got[0]["kernel_path"]["lstm_loop"] != before
+
+
+def test_an_interrupted_finalize_with_a_changed_file_is_rolled_back(corpus, tiny_model_files, reference, tmp_path,
+                                                                     caplog):
+    """Killed after Finalize moved a shard; that shard then changed (a byte): the rerun does not finish the plan with
+    it (each planned file is checked against the plan's records), it rolls back and embeds that shard again."""
+    out = str(tmp_path / "out")
+    args = argv(tiny_model_files, corpus, out, *SMALL)
+    p = run_subprocess(args, "finalize_move:3")
+    assert p.returncode == -9, p.stderr[-2000:]
+    moved = sorted(glob.glob(os.path.join(out, "hdf5", "part-*.hdf5")))[0]
+    data = bytearray(open(moved, "rb").read())
+    data[-100] ^= 1
+    open(moved, "wb").write(bytes(data))
+    assert main(args) == 0
+    assert "the interrupted finalize is rolled back" in caplog.text
+    assert_same_output(read_output(out), reference)
+
+
+def test_a_fifo_at_a_staged_commit_record_never_blocks(corpus, tiny_model_files, reference, tmp_path):
+    """A FIFO where a commit record was: the rerun (a process of its own, with a time limit) takes it for a damaged
+    record, embeds its sentences again and finishes."""
+    out = str(tmp_path / "out")
+    args, st = _killed_after_two_commits(tiny_model_files, corpus, out)
+    record = sorted(glob.glob(os.path.join(st, "committed", "*.json")))[0]
+    os.remove(record)
+    os.mkfifo(record)
+    p = run_subprocess(args, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert_same_output(read_output(out), reference)

@@ -144,3 +144,17 @@ def test_on_s3_a_damaged_lease_is_dated_by_its_last_modified_and_fenced():
         lease.release()
         fs.invalidate_cache()
         assert json.loads(fs.cat_file("elmo-lease-unit/out/_lease.json"))["token"] == "other"
+
+
+def test_a_fifo_or_device_at_the_lease_is_no_lease_and_never_blocks(tmp_path):
+    """read_lease of a FIFO or of a link to /dev/zero: no lease (NOT_JSON: it goes stale), read without blocking or
+    allocating."""
+    import fsspec
+
+    from elmo_pipeline.output.lease import NOT_JSON, read_lease
+    fs = fsspec.filesystem("file")
+    fifo, zero = str(tmp_path / "fifo.json"), str(tmp_path / "zero.json")
+    os.mkfifo(fifo)
+    os.symlink("/dev/zero", zero)
+    for path in (fifo, zero):
+        assert read_lease(fs, path, False).holder == NOT_JSON
