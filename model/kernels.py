@@ -7,7 +7,7 @@ precision, TF32 on a GPU), the torch thread count, the compute and stored dtypes
 kernel_path() is that record (JSON-able; the manifest's `kernel_path`), kernel_difference() the first field two
 records differ in, as a phrase (None: the same path). Workers of a --batch-invariant run check their own record
 against the planned one (model.resolve.ModelSpec.check_kernel_path); --reuse compares a source's
-(transforms/reuse.py).
+(pipeline/reuse_sources.py).
 """
 from __future__ import annotations
 

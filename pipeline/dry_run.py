@@ -15,7 +15,7 @@ estimate(): the run's plan (pipeline.plan.plan, without the object-store write p
 - --iceberg-mode upsert: the sample's documents compared with the table's state (read once at plan time,
   read only): documents unchanged, changed and added; sentences, tokens, output and time of the changed and
   added ones only, as the run embeds;
-- how the work is split and spread: read elements (files and parts of files: transforms/splits.py), files read
+- how the work is split and spread: read elements (files and parts of files: pipeline/read_plan.py), files read
   whole because compressed, how documents reach the workers (work_split).
 Nothing is created or written under --output (not even the folder or a lease).
 """
@@ -177,7 +177,7 @@ def reused(pl, written: list, est: dict) -> tuple[dict, frozenset]:
     """--reuse in the plan: the sample's written sentences whose key the sources' key indexes hold (every key-index
     file read), the estimated sentences reused at the sample's share, and the share of tokens left to embed; and
     the keys found."""
-    from elmo_pipeline.transforms.reuse import found_keys
+    from elmo_pipeline.pipeline.reuse_sources import found_keys
     prefix = pl.spec.key_prefix
     keys = [(pl.spec.sentence_key(w[3], prefix), len(w[3])) for w in written]
     found = found_keys(pl.reuse, {k for k, _ in keys}, pl.storage_options)
@@ -199,9 +199,10 @@ def upserted(pl, est: dict, missing: int | None) -> dict:
 
 
 def work_split(pl, opts) -> dict:
-    """How the run splits and spreads its work: the read elements (transforms.splits.describe), how documents
+    """How the run splits and spreads its work: the read elements (pipeline.read_plan.describe), how documents
     reach the workers, and DaskRunner's partitions."""
-    from elmo_pipeline.transforms.splits import Split, describe
+    from elmo_pipeline.pipeline.read_plan import describe
+    from elmo_pipeline.transforms.splits import Split
     splits = pl.splits or [Split(i) for i in range(len(pl.files))]
     from elmo_pipeline.fsio import redact
     work = describe(splits, [redact(f) for f in pl.files], pl.options.input_format, pl.split_bytes)

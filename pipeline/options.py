@@ -12,7 +12,7 @@ from elmo_pipeline.formats.parquet import VECTOR_COMPRESSIONS
 from elmo_pipeline.model.options import COMPUTE_DTYPES, STATE_MODES
 from elmo_pipeline.transforms.read import INPUT_FORMATS, MAX_RECORD_BYTES
 from elmo_pipeline.transforms.records import MAX_DOCUMENT_TOKENS
-from elmo_pipeline.transforms.splits import MAX_SPLIT_BYTES, MIN_SPLIT_BYTES, TARGET_SPLITS
+from elmo_pipeline.pipeline.read_plan import MAX_SPLIT_BYTES, MIN_SPLIT_BYTES, TARGET_SPLITS
 from elmo_pipeline.tokenization import TOKENIZERS
 
 

@@ -35,8 +35,10 @@ from elmo_pipeline.model.resolve import ModelSpec
 from elmo_pipeline.transforms.embed import parse_layers
 from elmo_pipeline.transforms.embed import shared_model
 from elmo_pipeline.transforms.progress import ProgressSpec
-from elmo_pipeline.transforms.reuse import Kernels, ReuseSource, kernel_note, open_source, table_sources
-from elmo_pipeline.transforms.splits import Split, plan_splits, split_size
+from elmo_pipeline.pipeline.reuse_sources import Kernels, kernel_note, open_source, table_sources
+from elmo_pipeline.transforms.reuse import ReuseSource
+from elmo_pipeline.pipeline.read_plan import plan_splits, split_size
+from elmo_pipeline.transforms.splits import Split
 from elmo_pipeline.transforms.ids import file_labels, public_url
 from elmo_pipeline.output.state import input_fingerprints, run_ingredients, run_key
 from elmo_pipeline.output import manifest as manifests

@@ -1,7 +1,7 @@
 """model/kernels.py: the record of what computes the vectors (LSTM loop, CPU kernel class, versions, math modes,
 dtypes, row rule), kernel_difference between two records; the manifest's `kernel_path`; a --batch-invariant
 worker on another path refused (ModelSpec.check_kernel_path); --reuse of a source computed on another path refused
-unless --reuse-across-kernels (transforms/reuse.py kernel_note)."""
+unless --reuse-across-kernels (pipeline/reuse_sources.py kernel_note)."""
 import copy
 import json
 import os
@@ -145,9 +145,10 @@ def test_a_batch_invariant_worker_on_another_kernel_path_is_refused(tiny_model_f
 
 
 def test_a_source_record_against_this_runs(caplog):
-    """transforms/reuse.py kernel_note: the same path; none recorded (an older output: reused, warned); this run's
+    """pipeline/reuse_sources.py kernel_note: the same path; none recorded (an older output: reused, warned); this run's
     unknown (a remote runner); another or a damaged record: refused unless --reuse-across-kernels, then noted."""
-    from elmo_pipeline.transforms.reuse import Kernels, KernelPathError, ForeignSourceError, kernel_note
+    from elmo_pipeline.pipeline.reuse_sources import Kernels, kernel_note
+    from elmo_pipeline.transforms.reuse import ForeignSourceError, KernelPathError
     here = kernel_path("float32", "cpu")
     other = dict(copy.deepcopy(here), lstm_loop=["bmm", "bmm"])
     assert kernel_note(copy.deepcopy(here), "src", "--reuse", Kernels(here)) == "same"

@@ -315,7 +315,7 @@ def test_reuse_on_dask_equals_the_full_run(days, tiny_days, tiny_model_files, tm
 
 def test_a_source_url_is_named_without_its_secrets():
     """The error line names the source redacted (fsio/redact.py): user info and query values masked."""
-    from elmo_pipeline.transforms.reuse import open_source
+    from elmo_pipeline.pipeline.reuse_sources import open_source
     with pytest.raises(ReuseError) as e:
         open_source("memory://user:topsecret@host/out", "0" * 16, [("layer_0", 4)], "float32")
     assert str(e.value) == ("--reuse memory://***@host/out: no finished output there (no manifest.json of this "

@@ -1,4 +1,4 @@
-"""--reuse trusts a source's files only as its manifest records them (transforms/reuse.py, fsio.read_recorded): each
+"""--reuse trusts a source's files only as its manifest records them (pipeline/reuse_sources.py, transforms/reuse.py, fsio.read_recorded): each
 key index and shard it opens is read at most to its recorded size + 1 bytes, from a regular file, and used only when
 its size and SHA-256 are the recorded ones; a source written before files were recorded is read as before."""
 import json
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from elmo_pipeline.pipeline.run import main
-from elmo_pipeline.transforms.reuse import ReuseError, index_blobs, open_source, read_vectors
+from elmo_pipeline.pipeline.reuse_sources import open_source
+from elmo_pipeline.transforms.reuse import ReuseError, index_blobs, read_vectors
 from tests.resume_helpers import argv
 from tests.test_file_records import never_opened
 

@@ -1,4 +1,4 @@
-"""Reads below the file (transforms/splits.py): a file read in parts, whatever their size, gives exactly the
+"""Reads below the file (pipeline/read_plan.py, transforms/splits.py): a file read in parts, whatever their size, gives exactly the
 records of the file read whole (ids, texts, blanks, dead letters), and a run with tiny parts writes what a run
 reading whole files writes; killed mid-run and rerun, it stays exact."""
 import io
@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from elmo_pipeline.transforms.read import read_documents
-from elmo_pipeline.transforms.splits import Split, line_cuts, plan_splits, split_size
+from elmo_pipeline.pipeline.read_plan import line_cuts, plan_splits, split_size
+from elmo_pipeline.transforms.splits import Split
 from tests import robustness_corpus as rc
 from tests.resume_helpers import argv, assert_same_output, read_output, run_subprocess, write_corpus
 

@@ -1,10 +1,8 @@
 """--reuse: sentences whose key (model.resolve.ModelSpec.sentence_key) an earlier output holds get that output's
 stored vectors instead of being embedded. No Beam import; the graph joins the run's sentences with the earlier
-outputs' key indexes by key on the runner (pipeline/graph.py, docs/reuse.md).
+outputs' key indexes by key on the runner (pipeline/graph.py, docs/reuse.md). The sources are opened and checked
+while planning (pipeline/reuse_sources.py: ReuseSource, what their shards are, where).
 
-open_source: an earlier output's manifest, checked (it is untrusted) -> ReuseSource (what its shards are, where; its
-kernel path against this run's: kernel_note);
-table_sources: those of the outputs registered in the --iceberg-table (--reuse-table).
 The join is by key bucket (join_buckets: a bucket per GROUP_ROWS source sentences, by the key's first bytes): the
 runner groups each bucket's Items with packed runs of the sources' (key, location) rows (ENTRY: 24 bytes a source
 sentence), an element per key-index file and bucket, not one per row.
@@ -16,8 +14,6 @@ from __future__ import annotations
 
 import binascii
 import dataclasses
-import logging
-import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -25,19 +21,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from elmo_pipeline.formats import layout
-from elmo_pipeline.formats.parquet import KEY_INDEX_SCHEMA
 from elmo_pipeline.fsio import NotTheRecordedFile, read_recorded, redact, url_fs
-from elmo_pipeline.output.manifest import is_file_record
-from elmo_pipeline.output.names import KEYS
 from elmo_pipeline.transforms.dedupe import with_copies
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
 
-logger = logging.getLogger("elmo-pipeline.reuse")
 KEY_HEX = 32            # a sentence key after its key prefix: the tokens' hash (model.resolve.sentence_key)
 ROW_BITS = SHARD_BITS = 24   # a location packs (source, shard, row) into one int: 2^24 shards and rows at most
 NOT_FOUND = -1
-ACROSS_KERNELS = "--reuse-across-kernels"     # reuse a source computed on another kernel path (kernel_note)
 GROUP_ROWS = 1 << 20    # source sentences per join bucket at most, on average (24 MiB of packed entries)
 MIN_BUCKETS = 64        # so that the join spreads over workers however small the sources
 ENTRY = np.dtype([("key", "V16"), ("loc", "<i8")])     # a source sentence in the join: join key, location
@@ -56,14 +46,6 @@ class KernelPathError(ForeignSourceError):
 
 
 @dataclass(frozen=True)
-class Kernels:
-    """This run's planned kernel path (model/kernels.py; None: not known while planning, a remote runner) and whether
-    a source computed on another one is reused anyway (ACROSS_KERNELS given)."""
-    here: dict | None
-    across: bool = False
-
-
-@dataclass(frozen=True)
 class ReuseSource:
     """A finished earlier output to reuse vectors from: its URL (as given: read from), label (redacted: what is
     recorded and printed), the format read back, and per shard (key-index path, data path, sentences)."""
@@ -72,7 +54,7 @@ class ReuseSource:
     format: str
     shards: tuple[tuple[str, str, int], ...]
     records: tuple[tuple[dict | None, dict | None], ...] = ()    # per shard, (key index, data) as its manifest records
-    kernel_path: str = "not compared"     # its kernel path against this run's (kernel_note)
+    kernel_path: str = "not compared"     # its kernel path against this run's (pipeline/reuse_sources.py)
 
 
 def join_key(key: str) -> bytes:
@@ -108,114 +90,7 @@ def by_shard(loc: int, item: Item) -> tuple[tuple[int, int], tuple[int, Item]]:
     return (source, shard), (row, item)
 
 
-def _inside(rel) -> bool:
-    return isinstance(rel, str) and rel and not rel.startswith("/") and "://" not in rel and \
-        ".." not in rel.split("/")
-
-
-def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype: str,
-                storage_options: dict | None = None, flag: str = "--reuse", kernels: Kernels | None = None
-                ) -> ReuseSource:
-    """The earlier output at `url`, checked: finished (manifest.json), a key index of this run's key prefix, the
-    run's layer columns and dtype, Parquet (sentence layout) or Arrow shards to read vectors from, every shard's
-    key index readable with as many rows as the shard. ReuseError naming it (redacted, after `flag`) otherwise;
-    ForeignSourceError for another key prefix, layers or dtype; KernelPathError for another kernel path (kernel_note).
-    """
-    label = redact(url)
-    try:
-        fs, root = url_fs(url, storage_options)
-        m = layout.read_manifest(fs, root)
-    except Exception as e:  # noqa: BLE001 - reported as this source's problem
-        raise ReuseError(f"{flag} {label}: cannot read it ({type(e).__name__}: {redact(str(e))})") from None
-    if m is None:
-        raise ReuseError(f"{flag} {label}: no finished output there (no manifest.json of this pipeline)")
-    index = m.get("key_index")
-    if not isinstance(index, dict) or not isinstance(index.get("key_prefix"), str):
-        raise ReuseError(f"{flag} {label}: its manifest describes no key index (an output of --state stateful, "
-                         "or of a version without one): nothing to join against")
-    if index["key_prefix"] != key_prefix:
-        raise ForeignSourceError(f"{flag} {label}: written by another model or other vector settings (key prefix "
-                         f"{index['key_prefix']}, this run's {key_prefix}: docs/reuse.md): its vectors are not "
-                         "this run's")
-    if m.get("layer_dims") != dict(columns) or m.get("dtype") != dtype:
-        raise ForeignSourceError(f"{flag} {label}: its layers {m.get('layer_dims')} ({m.get('dtype')}) are not this "
-                         f"run's {dict(columns)} ({dtype})")
-    note = kernel_note(m.get("kernel_path"), label, flag, kernels)
-    formats = [f for f in m.get("formats") or [] if isinstance(f, str)]
-    fmt = "parquet" if "parquet" in formats and m.get("parquet_layout") == "sentence" else \
-        "arrow" if "arrow" in formats else None
-    if fmt is None:
-        raise ReuseError(f"{flag} {label}: vectors are read back from Parquet (--parquet-layout sentence) or Arrow "
-                         f"shards; it has {', '.join(formats) or 'none'}")
-    shards, records, files = [], [], m.get("files")
-    if files is not None and not isinstance(files, dict):
-        raise ReuseError(f"{flag} {label}: its manifest's files are damaged")
-    if len(m["shards"]) >= 1 << SHARD_BITS:
-        raise ReuseError(f"{flag} {label}: more than {1 << SHARD_BITS} shards")
-    for i, s in enumerate(m["shards"]):
-        keys, data, n = (s.get(KEYS), s.get(fmt), s.get("sentences")) if isinstance(s, dict) else (None, None, None)
-        if not (_inside(keys) and _inside(data) and isinstance(n, int) and 0 <= n < 1 << ROW_BITS):
-            raise ReuseError(f"{flag} {label}: its manifest's shard {i} is damaged ({redact(str(s))[:200]})")
-        path = posixpath.join(root, keys)
-        rec = (files.get(keys), files.get(data)) if files is not None else (None, None)
-        if files is not None and not all(is_file_record(r) for r in rec):
-            raise ReuseError(f"{flag} {label}: its manifest records no size and SHA-256 for shard {i}'s files "
-                             f"({keys}, {data})")
-        try:
-            meta = pq.read_metadata(pa.BufferReader(read_recorded(fs, path, rec[0])))
-            ok = meta.num_rows == n and meta.schema.to_arrow_schema().remove_metadata().equals(KEY_INDEX_SCHEMA)
-        except Exception as e:  # noqa: BLE001
-            raise ReuseError(f"{flag} {label}: its key index {keys} cannot be read ({type(e).__name__}: "
-                             f"{redact(str(e))})") from None
-        if not ok:
-            raise ReuseError(f"{flag} {label}: its key index {keys} does not hold the {n} (id, key) rows of its "
-                             "shard")
-        shards.append((_url(url, keys), _url(url, data), n))
-        records.append(rec)
-    return ReuseSource(url, label, fmt, tuple(shards), tuple(records), note)
-
-
-def kernel_note(source: dict | None, label: str, flag: str, kernels: Kernels | None) -> str:
-    """How a source's kernel path (its manifest's `kernel_path`) compares with this run's: 'same'; 'not recorded'
-    (an output of an earlier version: reused, with a warning); 'not compared' (this run's is not known while
-    planning); 'differs: <phrase>' where ACROSS_KERNELS accepts the difference; KernelPathError otherwise."""
-    from elmo_pipeline.model.kernels import kernel_difference
-    if kernels is None or kernels.here is None:
-        return "not compared"
-    if source is None:
-        logger.warning("%s %s: its manifest records no kernel path (an output of an earlier version): its vectors are "
-                       "reused as if computed on this run's (docs/reuse.md#kernel-paths)", flag, label)
-        return "not recorded"
-    differ = kernel_difference(source, kernels.here) if isinstance(source, dict) else "a damaged kernel_path record"
-    if differ is None:
-        return "same"
-    if not kernels.across:
-        raise KernelPathError(f"{flag} {label}: computed on another kernel path ({differ}, source vs this run): "
-                              f"its vectors differ from this run's in the last bits; {ACROSS_KERNELS} reuses them "
-                              "anyway (docs/reuse.md#kernel-paths)")
-    return f"differs: {differ} ({ACROSS_KERNELS})"
-
-
-def table_sources(table: str, urls: list[str], key_prefix: str, columns: list[tuple[str, int]], dtype: str,
-                  skip: list[str], storage_options: dict | None = None, kernels: Kernels | None = None
-                  ) -> list[ReuseSource]:
-    """--reuse-table: the outputs registered in `table` (`urls`: formats.iceberg.registered_outputs), each opened
-    as a --reuse source is (open_source). One of another model, settings or kernel path (a table may mix runs) is
-    left out with a logged reason; so is one at or inside a URL of `skip` (--output, the --reuse sources).
-    ReuseError for a missing or damaged one: the table references its files."""
-    out = []
-    for url in urls:
-        if any(url == s or url.startswith(s + "/") for s in skip):
-            continue
-        try:
-            out.append(open_source(url, key_prefix, columns, dtype, storage_options, f"--reuse-table ({table})",
-                                   kernels))
-        except ForeignSourceError as e:
-            logger.warning("not reused: %s", e)
-    return out
-
-
-def _recorded(path: str, record: dict | None, storage_options: dict | None) -> bytes:
+def read_source_file(path: str, record: dict | None, storage_options: dict | None) -> bytes:
     """A source file's bytes, checked against its manifest's record (fsio.read_recorded): ReuseError if it is not
     that file (swapped in, rewritten by another run since, grown, not a regular file)."""
     fs, p = url_fs(path, storage_options)
@@ -225,16 +100,12 @@ def _recorded(path: str, record: dict | None, storage_options: dict | None) -> b
         raise ReuseError(f"--reuse: {redact(str(e))}: its vectors are not reused") from None
 
 
-def _url(base: str, rel: str) -> str:
-    return base.rstrip("/") + "/" + rel
-
-
 def index_blobs(source: int, shard: int, path: str, buckets: int, storage_options: dict | None = None,
                 record: dict | None = None) -> Iterator[tuple[int, bytes]]:
     """(bucket, its rows of one key-index file packed as ENTRY records) for every bucket that file has rows in;
     read as Arrow buffers, no Python object per row, from the bytes checked against `record` (its manifest's).
     ReuseError when a key is not a key (a damaged file) or the file is not the one recorded."""
-    col = pq.read_table(pa.BufferReader(_recorded(path, record, storage_options)),
+    col = pq.read_table(pa.BufferReader(read_source_file(path, record, storage_options)),
                         columns=["key"]).column("key").combine_chunks()
     n = len(col)
     if n == 0:
@@ -258,19 +129,6 @@ def index_blobs(source: int, shard: int, path: str, buckets: int, storage_option
     cuts = np.flatnonzero(np.diff(of)) + 1
     for part, b in zip(np.split(entries, cuts), of[np.concatenate([[0], cuts])]):
         yield int(b), part.tobytes()
-
-
-def found_keys(sources: list[ReuseSource], keys: set[str], storage_options: dict | None = None) -> set[str]:
-    """Which of `keys` (sentence keys) the sources' key indexes hold: every key-index file's key column read once
-    (`plan`'s estimate; the run joins on the runner instead)."""
-    import pyarrow.compute as pc
-    wanted, found = pa.array(sorted(keys), pa.string()), set()
-    for src in sources:
-        for k, (path, _, _) in enumerate(src.shards):
-            record = src.records[k][0] if src.records else None
-            col = pq.read_table(pa.BufferReader(_recorded(path, record, storage_options)), columns=["key"]).column("key")
-            found.update(col.filter(pc.is_in(col, value_set=wanted)).to_pylist())
-    return found
 
 
 def match(items: Iterable[tuple[bytes, Item]], blobs: Iterable[bytes]) -> list[tuple[int, Item]]:
@@ -297,7 +155,7 @@ def read_vectors(source: ReuseSource, shard: int, rows: list[int], columns: list
     in order (the stored dtype, bit for bit), and their token counts (len(rows),)."""
     _, path, _ = source.shards[shard]
     names = [n for n, _ in columns]
-    with pa.BufferReader(_recorded(path, source.records[shard][1] if source.records else None, storage_options)) as f:
+    with pa.BufferReader(read_source_file(path, source.records[shard][1] if source.records else None, storage_options)) as f:
         if source.format == "parquet":
             t = pq.read_table(f, columns=["tokens", *names]).take(pa.array(rows, pa.int64()))
             tokens = t.column("tokens").to_pylist()

@@ -223,7 +223,7 @@ class Upsert:
     salt: str = ""
     delete_missing: bool = False
     kernel_path: dict | None = None    # what computed the table's rows (its current snapshot's record), if recorded
-    kernel_note: str = "not compared"  # that against this run's (transforms.reuse.kernel_note): unchanged rows stay
+    kernel_note: str = "not compared"  # that against this run's (pipeline.reuse_sources.kernel_note): unchanged rows stay
 
     @classmethod
     def plan(cls, target: IcebergTarget, salt: str, delete_missing: bool,
