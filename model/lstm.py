@@ -36,6 +36,13 @@ ONEDNN_MIN_GATE_WIDTH = 512
 ONEDNN_MIN_INPUT_WIDTH = 64
 
 
+def forget_bias(dim: int) -> Tensor:
+    """TF's run-time forget bias over the gate rows (i, j, f, o): 1.0 on f's `dim` rows, else 0: (4 * dim,)."""
+    bias = torch.zeros(4 * dim)
+    bias[2 * dim: 3 * dim] = 1.0
+    return bias
+
+
 class LstmProjection(nn.Module):
     """One LSTM layer with projected output, as TF's LSTMCell(num_proj, cell_clip, proj_clip).
 
@@ -55,9 +62,7 @@ class LstmProjection(nn.Module):
         self.w_rec = nn.Parameter(torch.empty(4 * dim, proj_dim))
         self.bias = nn.Parameter(torch.zeros(4 * dim))
         self.w_proj = nn.Parameter(torch.empty(proj_dim, dim))
-        forget = torch.zeros(4 * dim)
-        forget[2 * dim: 3 * dim] = 1.0
-        self.register_buffer("forget_bias", forget, persistent=False)
+        self.register_buffer("forget_bias", forget_bias(dim), persistent=False)
         for w in (self.w_in, self.w_rec, self.w_proj):
             nn.init.xavier_uniform_(w)
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from elmo_pipeline.model.bilm import BiLM
+from elmo_pipeline.model.lstm import forget_bias
 from elmo_pipeline.fsio import local_path, replacing
 from elmo_pipeline.model.options import N_CHAR_ROWS, BiLMOptions, load_options
 
@@ -106,6 +107,11 @@ def _read(f, name: str, where: str) -> np.ndarray:
     return arr
 
 
+class LayoutGap(Exception):
+    """The model holds a parameter or buffer that loading does not set (a model change not followed here): a
+    programming error, never a damaged file."""
+
+
 def _copy(param: torch.Tensor, array: np.ndarray) -> None:
     """param <- array, a view as it comes (a transposed dataset too: torch's strided copy, several times
     numpy's single-threaded ascontiguousarray on the original shape's weights)."""
@@ -158,7 +164,14 @@ MODEL_PREFIXES = ("char_embed", "CNN", "embedding", "RNN_")   # other datasets (
 
 
 def _load(model: BiLM, f: h5py.File, where: str) -> None:
-    """Copy the datasets into `model` (check_weights_match has accepted the file for model.opts)."""
+    """Copy the datasets into `model` (check_weights_match has accepted the file for model.opts): every parameter,
+    so that a model built without initialising them (_unfilled) holds nothing else."""
+    filled: set[int] = set()
+
+    def copy(param: torch.Tensor, array: np.ndarray) -> None:
+        _copy(param, array)
+        filled.add(id(param))
+
     o = model.opts
     enc = model.token_encoder
     if o.char_cnn is not None:
@@ -167,31 +180,34 @@ def _load(model: BiLM, f: h5py.File, where: str) -> None:
         # zero row for padded positions (options say n_characters 262). A 262-row file has it already.
         full = np.zeros((N_CHAR_ROWS, char_embed.shape[1]), np.float32)
         full[N_CHAR_ROWS - char_embed.shape[0]:] = char_embed
-        _copy(enc.char_embed.weight, full)
+        copy(enc.char_embed.weight, full)
         for i, conv in enumerate(enc.convs):
             w = _read(f, f"CNN/W_cnn_{i}", where)
-            _copy(conv.weight, w[0].transpose(2, 1, 0))                # (num, E, width)
-            _copy(conv.bias, _read(f, f"CNN/b_cnn_{i}", where))
+            copy(conv.weight, w[0].transpose(2, 1, 0))                # (num, E, width)
+            copy(conv.bias, _read(f, f"CNN/b_cnn_{i}", where))
         for k, hw in enumerate(enc.highways):
             g = f"CNN_high_{k}"
             w = np.concatenate([_read(f, f"{g}/W_transform", where).T, _read(f, f"{g}/W_carry", where).T])
             b = np.concatenate([_read(f, f"{g}/b_transform", where), _read(f, f"{g}/b_carry", where)])
-            _copy(hw.linear.weight, w)
-            _copy(hw.linear.bias, b)
+            copy(hw.linear.weight, w)
+            copy(hw.linear.bias, b)
         if enc.proj is not None:
-            _copy(enc.proj.weight, _read(f, "CNN_proj/W_proj", where).T)
-            _copy(enc.proj.bias, _read(f, "CNN_proj/b_proj", where))
+            copy(enc.proj.weight, _read(f, "CNN_proj/W_proj", where).T)
+            copy(enc.proj.bias, _read(f, "CNN_proj/b_proj", where))
     else:
-        _copy(enc.embedding.weight, _read(f, "embedding", where))
+        copy(enc.embedding.weight, _read(f, "embedding", where))
     for d, stack in enumerate((model.forward_layers, model.backward_layers)):
         for k, layer in enumerate(stack):
             g = _cell(d, k)
             d_in = layer.w_in.shape[1]
             w0 = _read(f, f"{g}/W_0", where)
-            _copy(layer.w_in, w0[:d_in].T)
-            _copy(layer.w_rec, w0[d_in:].T)
-            _copy(layer.bias, _read(f, f"{g}/B", where))
-            _copy(layer.w_proj, _read(f, f"{g}/W_P_0", where).T)
+            copy(layer.w_in, w0[:d_in].T)
+            copy(layer.w_rec, w0[d_in:].T)
+            copy(layer.bias, _read(f, f"{g}/B", where))
+            copy(layer.w_proj, _read(f, f"{g}/W_P_0", where).T)
+    missed = [name for name, p in model.named_parameters() if id(p) not in filled]
+    if missed:
+        raise LayoutGap(f"{where}: the layout leaves parameters unloaded: {', '.join(missed)}")
 
 
 def check_bilm(options_file: str, weight_file: str, sha256: str | None = None) -> BiLMOptions:
@@ -207,6 +223,21 @@ def check_bilm(options_file: str, weight_file: str, sha256: str | None = None) -
     return opts
 
 
+def _unfilled(opts: BiLMOptions) -> BiLM:
+    """A BiLM whose parameters are allocated on the CPU but not initialised (_load then fills every one) and whose
+    buffers are set: BiLM(opts) would draw random weights only to have them overwritten (about 1 s for the
+    original shape)."""
+    with torch.device("meta"):
+        model = BiLM(opts)
+    model.to_empty(device="cpu")
+    for layer in (*model.forward_layers, *model.backward_layers):
+        layer.forget_bias.copy_(forget_bias(layer.dim))
+    unset = [name for name, _ in model.named_buffers() if not name.endswith(".forget_bias")]
+    if unset:
+        raise LayoutGap(f"buffers not set after building without initialising: {', '.join(unset)}")
+    return model
+
+
 def load_bilm(options_file: str, weight_file: str, device: str | torch.device = "cpu",
               sha256: str | None = None) -> BiLM:
     """A BiLM (eval mode) from options.json + weights.hdf5, each a path or fsspec URL. The options are checked
@@ -216,7 +247,7 @@ def load_bilm(options_file: str, weight_file: str, device: str | torch.device = 
     with _open(weight_file, sha256) as f:
         with _damage_named(where):
             check_weights_match(f, opts, where)
-        model = BiLM(opts)
+        model = _unfilled(opts)
         with _damage_named(where):
             _load(model, f, where)
     return model.to(device).eval()

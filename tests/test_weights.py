@@ -209,3 +209,35 @@ def test_check_bilm_refuses_what_load_bilm_refuses_and_builds_nothing(tiny_model
     (tmp_path / "t.hdf5").write_bytes(open(good, "rb").read()[:1000])
     with pytest.raises(WeightsError, match=r"not a valid HDF5 file"):
         weights.check_bilm(options, str(tmp_path / "t.hdf5"))
+
+
+@pytest.mark.parametrize("shape", ["tiny", "small"])
+def test_a_model_loaded_without_initialising_equals_one_initialised_then_loaded(shape, tmp_path):
+    """load_bilm builds the BiLM without drawing its random weights (model/weights.py _unfilled): every parameter
+    and buffer (the non-persistent forget bias too) is bit for bit what an initialised BiLM holds once loaded."""
+    import torch
+    from elmo_pipeline.model.bilm import BiLM
+    from elmo_pipeline.model.options import load_options
+    from elmo_pipeline.model.weights import load_weights_into
+    options, weights = write_random_bilm(shape, str(tmp_path), seed=3)
+    fast, full = load_bilm(options, weights), load_weights_into(BiLM(load_options(options)), weights).eval()
+    a = {**dict(fast.named_parameters()), **dict(fast.named_buffers())}
+    b = {**dict(full.named_parameters()), **dict(full.named_buffers())}
+    assert a.keys() == b.keys() and any(k.endswith("forget_bias") for k in a)
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_parameter_the_layout_does_not_load_is_an_error(tiny_model_files, monkeypatch):
+    """A parameter the weights layout leaves out (a model change not followed in _load) would hold uninitialised
+    memory: loading refuses instead."""
+    import torch
+    from elmo_pipeline.model import lstm
+    init = lstm.LstmProjection.__init__
+
+    def with_extra(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.extra = torch.nn.Parameter(torch.empty(3))
+    monkeypatch.setattr(lstm.LstmProjection, "__init__", with_extra)
+    from elmo_pipeline.model.weights import LayoutGap
+    with pytest.raises(LayoutGap, match="leaves parameters unloaded: forward_layers.0.extra"):
+        load_bilm(*tiny_model_files)
