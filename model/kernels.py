@@ -78,10 +78,11 @@ def row_rule() -> dict:
 
 def check_row_rule(device: str | torch.device, compute_dtype, *, model=None, opts=None,
                    threads: int | None = None) -> None:
-    """ValueError (one line) when the row rule of --batch-invariant does not hold here: the step GEMMs of `model`'s
-    LSTM loops (or, without one, those a BiLM of `opts` built here runs) give a row other bits at some multiple of
-    ROW_TILE rows, at `threads` torch threads (None: this process's); checked once per process and key
-    (model/row_tile.py row_rule_breaks). A CPU only: other devices are refused by model.device.check_batch_invariant."""
+    """ValueError (one line) when the row rule of --batch-invariant does not hold here: the GEMMs of `model`'s
+    LSTM loops and token encoder (or, without one, those a BiLM of `opts` built here runs) give a row other bits at
+    some multiple of ROW_TILE rows, at `threads` torch threads (None: this process's); checked once per process and
+    key (model/row_tile.py row_rule_breaks). A CPU only: other devices are refused by
+    model.device.check_batch_invariant."""
     dev = torch.device(device)
     if dev.type != "cpu":
         return
@@ -89,9 +90,12 @@ def check_row_rule(device: str | torch.device, compute_dtype, *, model=None, opt
     choice = model.lstm_loop if model is not None else options_from_env()[0]
     layers = list(model.forward_layers) if model is not None else shape_layers(opts)
     o = model.opts if model is not None else opts
-    for loop in sorted({loop_name(dev, dtype, choice, layer) for layer in layers}):
-        breaks = row_tile.row_rule_breaks(dtype, threads or torch.get_num_threads(), row_tile.step_gemms(o, loop), loop)
-        error = row_tile.row_rule_error(breaks, dtype)
+    checks = [(loop, row_tile.step_gemms(o, loop)) for loop in sorted({loop_name(dev, dtype, choice, layer)
+                                                                       for layer in layers})]
+    checks.append(("onednn" if onednn.runs(dev, dtype) else "torch", row_tile.encoder_gemms(o)))
+    for loop, gemms in checks:
+        breaks = row_tile.row_rule_breaks(dtype, threads or torch.get_num_threads(), gemms, loop)
+        error = row_tile.row_rule_error(breaks, dtype, loop)
         if error:
             raise ValueError(error)
 
@@ -230,20 +234,12 @@ def planned_kernel_path(spec, bilm, local: bool) -> dict | None:
                        batch_invariant=spec.batch_invariant, torch_threads=spec.torch_threads or None)
 
 
-# Where the batch-invariant row rule was measured (model/row_tile.py, docs/exactness.md): CPUs whose torch dispatches
-# AVX-512 kernels, no ISA cap set, strict math (an AVX2 or lower-precision kernel blocks rows its own way).
-MEASURED_CAPABILITIES = ("AVX512",)
-
-
 def exact_here(record: dict | None, batch_invariant: bool) -> bool:
     """Whether a sentence's vectors are a function of its tokens down to the bit on this kernel path (what --dedupe's
-    manifest entry claims as `exact`): batch-invariant, on a kernel class the row rule was measured on
-    (MEASURED_CAPABILITIES, no ISA cap) in strict math. record None (a remote runner's: its workers each check
-    their device): batch_invariant."""
+    manifest entry claims as `exact`): batch-invariant on a CPU, where the row rule holds for the run's GEMMs by
+    check (check_row_rule: the launcher of a local run and every batch-invariant worker refuse where it does not),
+    whatever the kind, ISA cap or math mode. record None (a remote runner's: its workers each check their
+    device): batch_invariant."""
     if not batch_invariant or record is None:
         return batch_invariant
-    cpu, math = record.get("cpu") or {}, record.get("math") or {}
-    return (record.get("device") == "cpu" and cpu.get("torch_capability") in MEASURED_CAPABILITIES
-            and not any(cpu.get(k) for k in ("onednn_max_cpu_isa", "mkl_cbwr", "mkl_enable_instructions"))
-            and math.get("onednn_fpmath_mode") == "strict" and math.get("float32_matmul_precision") == "highest"
-            and math.get("onednn_fp32_precision") in (None, "none", "ieee"))
+    return record.get("device") == "cpu"

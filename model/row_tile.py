@@ -37,11 +37,23 @@ def step_gemms(opts, loop: str) -> tuple:
     return ((P, 4 * H, "", ()), (P, 4 * H, "", ()), (H, P, "", ()))
 
 
+def encoder_gemms(opts) -> tuple:
+    """The token encoder's GEMMs (K, N, post-op, scalars) on a batch-invariant path's padded tokens: per filter width
+    w the unfolded character windows (w * E) -> its n filters, the highways F -> 2F, the projection F -> P (when
+    F != P); () for a word encoder (a table lookup)."""
+    if opts.char_cnn is None:
+        return ()
+    E, F = int(opts.char_cnn["embedding"]["dim"]), opts.n_filters
+    convs = tuple(dict.fromkeys((w * E, n, "none", ()) for w, n in opts.filters))
+    highway = ((F, 2 * F, "none", ()),) if opts.char_cnn.get("n_highway") else ()
+    return convs + highway + (((F, opts.projection_dim, "none", ()),) if F != opts.projection_dim else ())
+
+
 @functools.lru_cache(maxsize=None)
 def row_rule_breaks(dtype: torch.dtype, threads: int, gemms: tuple, loop: str = "onednn",
                     max_rows: int = 132) -> tuple:
-    """The (K, N, rows) at which this process's step GEMMs (`gemms`: step_gemms(); `loop`: onednn's linear with
-    its post-op, or bmm over both directions) give the first ROW_TILE rows other bits than at ROW_TILE rows, at
+    """The (K, N, rows) at which this process's GEMMs (`gemms`: step_gemms() or encoder_gemms(); `loop`: onednn's
+    linear with its post-op, bmm over both directions, or torch's linear) give the first ROW_TILE rows other bits than at ROW_TILE rows, at
     `threads` torch threads, for every multiple of ROW_TILE up to max_rows; () when the rule holds, or for onednn
     when this torch has no oneDNN for dtype. Computed once per process per key (random weights, fixed seed)."""
     if loop == "onednn" and (not torch.backends.mkldnn.is_available() or (
@@ -62,23 +74,27 @@ def row_rule_breaks(dtype: torch.dtype, threads: int, gemms: tuple, loop: str = 
 
 
 def _gemm(loop: str, k: int, n: int, attr: str, scalars: list, dtype: torch.dtype, g: torch.Generator):
-    """A (m, K) -> (m, N) step GEMM as `loop` calls it, on random weights."""
+    """A (m, K) -> (m, N) GEMM as `loop` calls it, on random weights."""
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
     b = torch.randn(n, generator=g).to(dtype)
     if loop == "onednn":
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
         return lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, b, attr, scalars, "")
+    if loop == "torch":
+        return lambda rows: torch.nn.functional.linear(rows, w, b)
     both = torch.stack([w.t(), w.t().flip(0)])                       # (2, K, N): the two directions' weights
     return lambda rows: torch.bmm(rows.expand(2, *rows.shape).contiguous(), both)[0]
 
 
-def row_rule_error(breaks: tuple, dtype: torch.dtype) -> str | None:
-    """The one-line refusal for --batch-invariant when row_rule_breaks found breaks; None when it found none."""
+def row_rule_error(breaks: tuple, dtype: torch.dtype, loop: str = "onednn") -> str | None:
+    """The one-line refusal for --batch-invariant when row_rule_breaks found breaks (in `loop`'s GEMMs); None when
+    it found none."""
     if not breaks:
         return None
     k, n, m = breaks[0]
+    library = {"onednn": "oneDNN", "bmm": "batched (bmm)", "torch": "torch"}.get(loop, loop)
     return (f"--batch-invariant cannot keep a row's bits in {str(dtype).removeprefix('torch.')} on this CPU: its "
-            f"oneDNN GEMM K={k} N={n} gives a row other bits at {m} rows than at {ROW_TILE} rows "
+            f"{library} GEMM K={k} N={n} gives a row other bits at {m} rows than at {ROW_TILE} rows "
             f"({len(breaks)} row counts); run without it, or with --compute-dtype float32")
 
 

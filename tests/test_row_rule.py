@@ -62,3 +62,34 @@ def test_this_cpu_passes_the_check_or_refuses(dtype, tiny_model_files):
         else:
             check_row_rule("cpu", dtype, opts=opts)
             ElmoEmbedder(*tiny_model_files, batch_invariant=True, dtype=dtype, lstm_loop=loop)
+
+
+def test_the_encoder_gemms_are_those_the_model_runs(tiny_model_files):
+    """encoder_gemms names each GEMM the char-CNN encoder runs on padded tokens, (K, N) from the model's own weights:
+    a filter width's unfolded windows, the highways, the projection."""
+    from elmo_pipeline.model.row_tile import encoder_gemms
+    from elmo_pipeline.model.weights import load_bilm
+    model = load_bilm(*tiny_model_files)
+    enc = model.token_encoder
+    want = {(c.weight.shape[1] * c.weight.shape[2], c.weight.shape[0]) for c in enc.convs}
+    want |= {tuple(hw.linear.weight.shape[::-1]) for hw in enc.highways}
+    want |= {tuple(enc.proj.weight.shape[::-1])} if enc.proj is not None else set()
+    assert {(k, n) for k, n, _, _ in encoder_gemms(model.opts)} == want
+
+
+def test_a_break_in_an_encoder_gemm_refuses_batch_invariance(tiny_model_files, monkeypatch):
+    """check_row_rule checks the token encoder's GEMMs beside the LSTM's: a row count that moves a row's bits in one
+    of them is a one-line refusal naming it."""
+    from elmo_pipeline.model import kernels, row_tile
+    from elmo_pipeline.model.options import load_options
+    opts = load_options(tiny_model_files[0])
+    encoder = set(row_tile.encoder_gemms(opts))
+    real = row_tile.row_rule_breaks
+
+    def breaks(dtype, threads, gemms, loop="onednn", max_rows=132):
+        found = real(dtype, threads, gemms, loop, max_rows)
+        return found + tuple((k, n, 36) for k, n, *_ in gemms if (k, n, *_) in encoder)
+    monkeypatch.setattr(row_tile, "row_rule_breaks", breaks)
+    k, n, _, _ = row_tile.encoder_gemms(opts)[0]
+    with pytest.raises(ValueError, match=f"GEMM K={k} N={n} gives a row other bits at 36 rows"):
+        kernels.check_row_rule("cpu", torch.float32, opts=opts)
