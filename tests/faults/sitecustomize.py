@@ -26,17 +26,14 @@ def _targets(env: str, kind) -> dict:
 
 
 def _install() -> None:
+    """Patch each class when its module is first imported (a process that never imports it, e.g. a tokenizer child,
+    pays nothing: importing the pipeline here would cost every child process Beam's and torch's import)."""
     import posixpath
     import re
     import signal
     import threading
     import time
     from contextlib import contextmanager
-
-    from elmo_pipeline.output.names import MANIFEST, RECORDS, STAGING
-    from elmo_pipeline.output.sink import Sink
-    from elmo_pipeline.pipeline.plan import Plan
-    from elmo_pipeline.transforms.embed_step import EmbedBatches
 
     crash, delay = _targets(CRASH_ENV, int), _targets(DELAY_ENV, float)
     counts, lock = {}, threading.Lock()
@@ -52,43 +49,80 @@ def _install() -> None:
             if hit:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    finish, open_, put, move, remove, register = (EmbedBatches._finish, Sink.open, Sink.put, Sink.move, Sink.remove,
-                                                  Plan.register)
+    def embed_step(module) -> None:
+        finish = module.EmbedBatches._finish
 
-    def _finish(self, job):
-        point("embed")
-        yield from finish(self, job)
+        def _finish(self, job):
+            point("embed")
+            yield from finish(self, job)
+        module.EmbedBatches._finish = _finish
 
-    @contextmanager
-    def open_file(self, path):
-        with open_(self, path) as f:
-            yield f
-            if staged_file.fullmatch(posixpath.basename(path)):
-                point("stage_shard")
+    def sink(module) -> None:
+        from elmo_pipeline.output.names import MANIFEST, RECORDS, STAGING
+        Sink = module.Sink
+        open_, put, move, remove = Sink.open, Sink.put, Sink.move, Sink.remove
 
-    def put_file(self, path, data):
-        put(self, path, data)
-        if posixpath.basename(posixpath.dirname(path)) == RECORDS:
-            point("commit")
-        elif posixpath.basename(path) == MANIFEST:
-            point("finalize_manifest")
+        @contextmanager
+        def open_file(self, path):
+            with open_(self, path) as f:
+                yield f
+                if staged_file.fullmatch(posixpath.basename(path)):
+                    point("stage_shard")
 
-    def move_file(self, src, dst):
-        move(self, src, dst)
-        point("finalize_move")
+        def put_file(self, path, data):
+            put(self, path, data)
+            if posixpath.basename(posixpath.dirname(path)) == RECORDS:
+                point("commit")
+            elif posixpath.basename(path) == MANIFEST:
+                point("finalize_manifest")
 
-    def remove_paths(self, paths, recursive=False):
-        remove(self, paths, recursive)
-        if recursive and isinstance(paths, str) and posixpath.basename(posixpath.dirname(paths)) == STAGING:
-            point("finalize_cleanup")
+        def move_file(self, src, dst):
+            move(self, src, dst)
+            point("finalize_move")
 
-    def register_output(self, manifest, fence=None):
-        point("register")
-        register(self, manifest, fence)
-        point("registered")
+        def remove_paths(self, paths, recursive=False):
+            remove(self, paths, recursive)
+            if recursive and isinstance(paths, str) and posixpath.basename(posixpath.dirname(paths)) == STAGING:
+                point("finalize_cleanup")
+        Sink.open, Sink.put, Sink.move, Sink.remove = open_file, put_file, move_file, remove_paths
 
-    EmbedBatches._finish, Sink.open, Sink.put, Sink.move, Sink.remove, Plan.register = (
-        _finish, open_file, put_file, move_file, remove_paths, register_output)
+    def plan(module) -> None:
+        register = module.Plan.register
+
+        def register_output(self, manifest, fence=None):
+            point("register")
+            register(self, manifest, fence)
+            point("registered")
+        module.Plan.register = register_output
+
+    _after_import({"elmo_pipeline.transforms.embed_step": embed_step, "elmo_pipeline.output.sink": sink,
+                   "elmo_pipeline.pipeline.plan": plan})
+
+
+def _after_import(patches: dict) -> None:
+    """Run patches[name](module) right after module `name` is first executed in this process."""
+    import importlib.abc
+    import sys
+
+    class PatchAfterImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name not in patches:
+                return None
+            for finder in sys.meta_path:
+                spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+                if spec is not None and spec.loader is not None:
+                    break
+            else:
+                return None
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                patches.pop(name)(module)
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, PatchAfterImport())
 
 
 if os.environ.get(CRASH_ENV) or os.environ.get(DELAY_ENV):
