@@ -15,8 +15,9 @@ each call fits a time limit, and --out names each call's JSON):
                error per layer of the shipped model (--quick: a few sentences, and the next-word probe too)
   levers       benchmarks.gpu_levers: CUDA graphs for the LSTM step against eager launches, pinned and overlapped
                result copies (its JSON beside this report's)
-  pipeline     the Beam pipeline end to end on WikiText-2 lines with 1 and 4 worker processes sharing the device:
-               tokens/s and the GPU's busy share (nvidia-smi), beside the model alone on the same sentences
+  pipeline     the Beam pipeline end to end on WikiText-2 lines with 1 and 4 worker processes sharing the device
+               (--quick: 1 and 2): tokens/s and the GPU's busy share (nvidia-smi), beside the model alone on the
+               same sentences
 Writes benchmarks/results/gpu_check_<device name>.json (or --out) naming the device and the machine.
 """
 from __future__ import annotations
@@ -215,7 +216,7 @@ def run(device: str, quick: bool, out: str | None, steps: list[str] | None = Non
                                                 wikitext_sentences(200 if quick else 2000, split="train")),
         "quality": lambda: step_quality(device, quick),
         "levers": lambda: step_levers(device, quick),
-        "pipeline": lambda: step_pipeline(device, 20 if quick else 1000, [1, 4]),
+        "pipeline": lambda: step_pipeline(device, 20 if quick else 1000, [1, 2] if quick else [1, 4]),
     }
     for name, fn in ((n, calls[n]) for n in (steps or STEPS)):
         t = time.perf_counter()

@@ -6,7 +6,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared")
 FIXTURES = os.path.join(SHARED, "fixtures", "bilm-tf")
 # the fault-injection fixture (tests/faults/sitecustomize.py) in every process the tests start; inert unless a
-# test sets ELMO_PIPELINE_CRASH_AT or ELMO_PIPELINE_DELAY_AT for it
+# test sets ELMO_PIPELINE_CRASH_AT, ELMO_PIPELINE_DELAY_AT or ELMO_PIPELINE_HOLD_AT for it
 FAULTS = os.path.join(REPO, "tests", "faults")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (FAULTS, os.environ.get("PYTHONPATH")) if p)
 

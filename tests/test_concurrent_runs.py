@@ -17,14 +17,13 @@ from tests.resume_helpers import (REPO, SMALL, argv, assert_same_output, corpus,
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
 
-SLOW = "embed:1.0"      # ELMO_PIPELINE_DELAY_AT: each batch takes a second longer (5 batches)
-
-
-def _start(args, delay=None, crash_at=None):
+def _start(args, hold=None, crash_at=None):
+    """The pipeline in a process of its own; hold: a path, the run waits at its first batch until it exists
+    (ELMO_PIPELINE_HOLD_AT, tests/faults)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("ELMO_PIPELINE_CRASH_AT", None)
-    if delay:
-        env["ELMO_PIPELINE_DELAY_AT"] = delay
+    if hold:
+        env["ELMO_PIPELINE_HOLD_AT"] = f"embed:{hold}"
     if crash_at:
         env["ELMO_PIPELINE_CRASH_AT"] = crash_at
     return subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO, env=env,
@@ -59,7 +58,8 @@ def test_second_run_while_the_first_lives_exits_75_naming_it(corpus, tiny_model_
     holder and touches nothing; the first completes."""
     out = str(tmp_path / "out")
     args = argv(tiny_model_files, corpus, out, *SMALL)
-    first = _start(args, delay=SLOW)
+    go = tmp_path / "go"
+    first = _start(args, hold=go)
     try:
         _wait_for(lambda: os.path.exists(os.path.join(out, "_lease.json")), what="the first run's lease")
         holder = _lease(out)
@@ -67,10 +67,11 @@ def test_second_run_while_the_first_lives_exits_75_naming_it(corpus, tiny_model_
         t0 = time.time()
         second = run_subprocess(args)
         took = time.time() - t0
-        assert first.poll() is None, "the first run ended before the second started: make it slower"
+        assert first.poll() is None, "the first run ended before the second had"
         assert second.returncode == 75, second.stderr[-2000:]
         assert f"is held by a live run: pid {first.pid} on host" in second.stderr, second.stderr[-2000:]
         assert _lease(out)["token"] == holder["token"]         # the second run left the lease alone
+        go.touch()
         _, err = first.communicate(timeout=240)
     finally:
         first.kill()
@@ -96,7 +97,9 @@ def test_lease_of_a_killed_run_on_a_lost_machine_is_taken_over_when_stale(corpus
     early = run_subprocess(args)
     assert early.returncode == 75 and "on host a-lost-machine" in early.stderr, early.stderr[-2000:]
     assert "older than 10 s (--lease-stale-seconds)" in early.stderr
-    time.sleep(max(0.0, lease["heartbeat"] + 10.5 - time.time()))
+    lease.update(heartbeat=time.time() - 10.5)     # no heartbeat since: 10.5 s ago, past the stale age
+    with open(os.path.join(out, "_lease.json"), "w") as f:
+        json.dump(lease, f)
     late = run_subprocess(args)
     assert late.returncode == 0, late.stderr[-2000:]
     assert "took over a stale lease: pid" in late.stderr and "a-lost-machine" in late.stderr
@@ -150,7 +153,7 @@ def test_the_same_command_on_a_finished_output_changes_nothing(corpus, tiny_mode
     print(f"full run {full:.1f} s, rerun of the finished command {took:.1f} s (process start included)")
 
 
-def test_on_s3_concurrent_runs_and_finished_reruns(corpus, tiny_model_files, reference):
+def test_on_s3_concurrent_runs_and_finished_reruns(corpus, tiny_model_files, reference, tmp_path):
     """(5) The same on moto's S3 server on loopback: the lease is a conditional PUT (If-None-Match), a second
     run exits 75 naming the holder, the first completes; rerunning it changes no object."""
     with moto_s3("elmo-lease") as (endpoint, fs):
@@ -161,15 +164,17 @@ def test_on_s3_concurrent_runs_and_finished_reruns(corpus, tiny_model_files, ref
         def lease_exists():
             fs.invalidate_cache()
             return fs.exists("elmo-lease/out/_lease.json")
-        first = _start(args, delay=SLOW)
+        go = tmp_path / "go"
+        first = _start(args, hold=go)
         try:
             _wait_for(lease_exists, what="the first run's lease")
             holder = json.loads(fs.cat_file("elmo-lease/out/_lease.json"))
             second = run_subprocess(args)
-            assert first.poll() is None, "the first run ended before the second started: make it slower"
+            assert first.poll() is None, "the first run ended before the second had"
             assert second.returncode == 75 and f"held by a live run: pid {first.pid}" in second.stderr, \
                 second.stderr[-2000:]
             assert json.loads(fs.cat_file("elmo-lease/out/_lease.json"))["token"] == holder["token"]
+            go.touch()
             _, err = first.communicate(timeout=240)
         finally:
             first.kill()
@@ -214,7 +219,8 @@ def test_on_s3_a_killed_runs_lease_is_taken_over_when_stale(corpus, tiny_model_f
         assert "older than 10 s (--lease-stale-seconds)" in early.stderr
         fs.invalidate_cache()
         assert json.loads(fs.cat_file("elmo-stale/out/_lease.json"))["token"] == lease["token"]
-        time.sleep(max(0.0, lease["heartbeat"] + 10.5 - time.time()))
+        lease.update(heartbeat=time.time() - 10.5)     # no heartbeat since: 10.5 s ago, past the stale age
+        fs.pipe_file("elmo-stale/out/_lease.json", json.dumps(lease).encode())
         late = run_subprocess(args)
         assert late.returncode == 0, late.stderr[-2000:]
         assert "took over a stale lease: pid" in late.stderr and "a-lost-machine" in late.stderr

@@ -39,6 +39,6 @@ def test_gpu_check_cpu_report(tmp_path):
     assert [(r["dtype"], r["rows"]) for r in levers["step"]] == [("float32", 4), ("bfloat16", 4)]
     assert all(r["eager_ms_per_step"] > 0 and "graph_ms_per_step" not in r for r in levers["step"])  # graphs: CUDA
     pipe = steps["pipeline"]["result"]
-    assert [(r["workers"], r["returncode"]) for r in pipe["runs"]] == [(1, 0), (4, 0)]
+    assert [(r["workers"], r["returncode"]) for r in pipe["runs"]] == [(1, 0), (2, 0)]
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["gpu_busy_share"] is None for r in pipe["runs"])
     assert pipe["model_alone"]["tokens"] == pipe["runs"][0]["tokens"] and pipe["model_alone"]["tokens_per_s"] > 0

@@ -46,7 +46,7 @@ def env(tmp_path_factory):
     e = dict(os.environ, PATH=f"{d / 'bin'}:{os.environ['PATH']}", PYTHONPATH=os.pathsep.join([FAULTS, REPO]), OMP_NUM_THREADS="1",
              CORPUS=str(d / "corpus"), OUT=str(d / "out"), WAREHOUSE=str(d / "warehouse"),
              METRICS_DIR=str(d / "metrics"))
-    for k in ("ELMO_PIPELINE_CRASH_AT", "ELMO_PIPELINE_DELAY_AT"):
+    for k in ("ELMO_PIPELINE_CRASH_AT", "ELMO_PIPELINE_DELAY_AT", "ELMO_PIPELINE_HOLD_AT"):
         e.pop(k, None)
     return d, e
 
@@ -66,7 +66,8 @@ def test_three_daily_partitions_into_one_table(env):
     assert first.returncode == 0, first.stderr_text[-3000:]
 
     # day 2 started twice at once: the second start finds the lease held and exits 75, touching nothing
-    slow = daily(env, DAYS[1], wait=False, ELMO_PIPELINE_DELAY_AT="embed:20")   # outlasts a start
+    go = d / "go"           # the first start is held at its first batch until the second start has ended
+    slow = daily(env, DAYS[1], wait=False, ELMO_PIPELINE_HOLD_AT=f"embed:{go}")
     lease = d / "out" / f"dt={DAYS[1]}" / "_lease.json"
     t0 = time.time()
     while not lease.exists():
@@ -75,6 +76,8 @@ def test_three_daily_partitions_into_one_table(env):
     twice = daily(env, DAYS[1])
     assert twice.returncode == exits.TEMPFAIL, twice.stderr_text[-3000:]
     assert "is held by a live run" in twice.stderr_text and "Traceback" not in twice.stderr_text
+    assert slow.poll() is None, "the first start ended before the second had"
+    go.touch()
     _, err = slow.communicate(timeout=300)
     assert slow.returncode == 0, err[-3000:]
     again = daily(env, DAYS[1])          # a retried task on the finished partition

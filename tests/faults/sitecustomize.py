@@ -5,6 +5,8 @@ Python process whose PYTHONPATH holds this folder (tests/conftest.py puts it the
 ELMO_PIPELINE_CRASH_AT="embed:3" kills the process (SIGKILL: no cleanup, no finally blocks, exactly like an OOM
 kill or a lost machine) the 3rd time it reaches "embed"; several points may be given, comma-separated.
 ELMO_PIPELINE_DELAY_AT="embed:0.5" sleeps 0.5 s every time a point is reached (a slow run).
+ELMO_PIPELINE_HOLD_AT="embed:/tmp/go" waits at the point until the file /tmp/go exists (at most 10 minutes): a run
+held alive until the test lets it go.
 
 Points: embed (a batch embedded or being embedded, not emitted), stage_shard (a staged shard file written, not
 closed, no commit record), commit (a shard's files and commit record written, before the runner has the shard),
@@ -14,7 +16,7 @@ the table is read and the shards added), registered (added to the table, _SUCCES
 """
 import os
 
-CRASH_ENV, DELAY_ENV = "ELMO_PIPELINE_CRASH_AT", "ELMO_PIPELINE_DELAY_AT"
+CRASH_ENV, DELAY_ENV, HOLD_ENV = "ELMO_PIPELINE_CRASH_AT", "ELMO_PIPELINE_DELAY_AT", "ELMO_PIPELINE_HOLD_AT"
 
 
 def _targets(env: str, kind) -> dict:
@@ -35,13 +37,17 @@ def _install() -> None:
     import time
     from contextlib import contextmanager
 
-    crash, delay = _targets(CRASH_ENV, int), _targets(DELAY_ENV, float)
+    crash, delay, hold = _targets(CRASH_ENV, int), _targets(DELAY_ENV, float), _targets(HOLD_ENV, str)
     counts, lock = {}, threading.Lock()
     staged_file = re.compile(r"[0-9a-f]{32}\.\w+")
 
     def point(name: str) -> None:
         if name in delay:
             time.sleep(delay[name])
+        if name in hold:
+            t0 = time.time()
+            while not os.path.exists(hold[name]) and time.time() - t0 < 600:
+                time.sleep(0.05)
         if name in crash:
             with lock:
                 counts[name] = counts.get(name, 0) + 1
@@ -125,5 +131,5 @@ def _after_import(patches: dict) -> None:
     sys.meta_path.insert(0, PatchAfterImport())
 
 
-if os.environ.get(CRASH_ENV) or os.environ.get(DELAY_ENV):
+if os.environ.get(CRASH_ENV) or os.environ.get(DELAY_ENV) or os.environ.get(HOLD_ENV):
     _install()
