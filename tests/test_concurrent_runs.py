@@ -17,11 +17,13 @@ from tests.resume_helpers import (REPO, SMALL, argv, assert_same_output, corpus,
 
 pytestmark = pytest.mark.slow   # servers, worker processes or killed processes
 
-def _start(args, hold=None, crash_at=None):
+def _start(args, hold=None, crash_at=None, delay=None):
     """The pipeline in a process of its own; hold: a path, the run waits at its first batch until it exists
-    (ELMO_PIPELINE_HOLD_AT, tests/faults)."""
+    (ELMO_PIPELINE_HOLD_AT, tests/faults); delay: ELMO_PIPELINE_DELAY_AT."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("ELMO_PIPELINE_CRASH_AT", None)
+    if delay:
+        env["ELMO_PIPELINE_DELAY_AT"] = delay
     if hold:
         env["ELMO_PIPELINE_HOLD_AT"] = f"embed:{hold}"
     if crash_at:

@@ -1,4 +1,4 @@
-"""Input and output on an S3 API (moto's server on 127.0.0.1) that answers one request in five with
+"""Input and output on an S3 API (moto's server on 127.0.0.1) that answers one request in ten with
 503 SlowDown or 500 InternalError; the run is also SIGKILLed half-way and rerun. The retried requests and
 the resumed run give exactly what a local run gives."""
 import logging
@@ -19,7 +19,7 @@ OPTS = ("--shard-sentences", "8", "--max-tokens-per-batch", "256")
 @pytest.fixture(scope="module")
 def flaky_s3():
     pytest.importorskip("moto.server")
-    s3 = FlakyS3(rate=0.2, seed=5).start()
+    s3 = FlakyS3(rate=0.1, seed=5).start()     # each fault costs a retry's backoff (sleep): ~40 in the first test
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     yield s3
     import s3fs      # moto's backend is global to the process: leave no bucket behind for other tests
