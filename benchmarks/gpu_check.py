@@ -104,7 +104,7 @@ def step_quality(device: str, quick: bool) -> dict:
     from benchmarks import bf16_quality
     tag = "gpu_" + re.sub(r"[^A-Za-z0-9]+", "_", device_name(device)).strip("_") + ("_quick" if quick else "")
     # the issue asks for SST-2; the next-word probe's training (about 4 CPU minutes a dtype) runs in --quick only
-    argv = ["--device", device, "--tag", tag] + (["--seeds", "1", "--limit", "200"] if quick else
+    argv = ["--device", device, "--tag", tag] + (["--seeds", "1", "--limit", "100"] if quick else
                                                  ["--seeds", "2", "--tasks", "sst2"])
     with tempfile.TemporaryDirectory() as tmp:
         rc = bf16_quality.main(argv + (["--work", tmp] if quick else []))

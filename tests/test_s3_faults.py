@@ -114,7 +114,7 @@ def test_model_downloads_take_the_s3_retry_options(flaky_s3, tiny_model_files, t
                      "config_kwargs": {"retries": {"total_max_attempts": attempts, "mode": "standard"}}}}
         return fetch_model_files(urls[0], urls[1], None, so)
     flaky_s3.faults.enabled, rate = True, flaky_s3.faults.rate
-    flaky_s3.faults.rate = 0.5
+    flaky_s3.faults.rate = 0.3                  # faults enough to need retries, few backoffs in a row
     try:
         got = fetch(10, "c10")
         flaky_s3.faults.rng = random.Random(1)  # its first draw (0.13) faults: the first request fails, whatever
