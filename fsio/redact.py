@@ -50,9 +50,9 @@ _URL_FRAGMENT = re.compile(r"(?P<url>\b[a-zA-Z][\w+.-]*://[^\s#'\"<>]*)#(?!\*\*\
 # a header or mapping printed by a library (botocore's DEBUG lines): 'X-Amz-Security-Token': b'...', "authorization": "..."
 _HEADER = re.compile(r"(?P<head>(?P<q>['\"])(?P<name>[\w.-]+)(?P=q)\s*:\s*b?)(?P<v>['\"])(?P<value>[^'\"\n]*)(?P=v)")
 # a header on its own line (an HTTP request's text, AWS4's canonical request): x-amz-security-token:..., Authorization: ...
-# (not a sentence id: a file named like a header, then :line#sentence)
-_HEADER_LINE = re.compile(r"^(?P<head>[ \t]*(?P<name>[A-Za-z][\w-]*):[ \t]*)(?!\*\*\*$|\d+#\d+$)(?P<value>\S[^\n]*)$",
-                          re.M)
+# (not a sentence id: a file named like a header, then :line#sentence with nothing between)
+_HEADER_LINE = re.compile(r"^(?P<head>[ \t]*(?P<name>[A-Za-z][\w-]*):(?!\d+#\d+$)[ \t]*)(?!\*\*\*$)"
+                          r"(?P<value>\S[^\n]*)$", re.M)
 # AWS Signature Version 4 in an Authorization header: Credential=<key id>/<scope>, Signature=<hex>
 _AWS4 = re.compile(r"(?<![\w-])(?P<name>Credential|Signature)=(?!\*\*\*)[^,\s'\"&]+")
 # masked already: a mask, then maybe an id's line number (in.txt?sig=***:1#0) or what ended a quoted value (, ))

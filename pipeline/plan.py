@@ -101,7 +101,7 @@ class Plan:
     fingerprints: dict = field(default_factory=dict)    # file URL -> [size, version] when planned: each read checks it
     spread_buckets: int = 0        # > 0: documents spread by a GroupByKey on a hash of their id into this many
                                    # buckets (runners whose Reshuffle moves nothing), else by a Reshuffle
-    reuse: list[ReuseSource] = field(default_factory=list)   # --reuse sources, checked (transforms/reuse.py)
+    reuse: list[ReuseSource] = field(default_factory=list)   # --reuse sources, checked (pipeline/reuse_sources.py)
 
     def register(self, manifest: dict, fence: Callable[[], None] | None = None) -> None:
         """Finalize's hook (output/register.py): the finished output's shards into the Iceberg table, fenced by

@@ -116,7 +116,9 @@ def test_model_downloads_take_the_s3_retry_options(flaky_s3, tiny_model_files, t
     flaky_s3.faults.enabled, rate = True, flaky_s3.faults.rate
     flaky_s3.faults.rate = 0.3                  # faults enough to need retries, few backoffs in a row
     try:
-        got = fetch(10, "c10")
+        flaky_s3.faults.rng, before = random.Random(1), sum(flaky_s3.faults.injected.values())
+        got = fetch(10, "c10")                  # its first request faults (the first draw, 0.13): retried
+        assert sum(flaky_s3.faults.injected.values()) > before
         flaky_s3.faults.rng = random.Random(1)  # its first draw (0.13) faults: the first request fails, whatever
         with pytest.raises(Exception):        # noqa: B017 - whichever error the first injected fault gives
             fetch(1, "c1")                    # ran before in this module (the injector is shared)

@@ -69,15 +69,17 @@ def test_three_daily_partitions_into_one_table(env):
     go = d / "go"           # the first start is held at its first batch until the second start has ended
     slow = daily(env, DAYS[1], wait=False, ELMO_PIPELINE_HOLD_AT=f"embed:{go}")
     lease = d / "out" / f"dt={DAYS[1]}" / "_lease.json"
-    t0 = time.time()
-    while not lease.exists():
-        assert time.time() - t0 < 120 and slow.poll() is None, "the first start never took its lease"
-        time.sleep(0.1)
-    twice = daily(env, DAYS[1])
-    assert twice.returncode == exits.TEMPFAIL, twice.stderr_text[-3000:]
-    assert "is held by a live run" in twice.stderr_text and "Traceback" not in twice.stderr_text
-    assert slow.poll() is None, "the first start ended before the second had"
-    go.touch()
+    try:
+        t0 = time.time()
+        while not lease.exists():
+            assert time.time() - t0 < 120 and slow.poll() is None, "the first start never took its lease"
+            time.sleep(0.1)
+        twice = daily(env, DAYS[1])
+        assert twice.returncode == exits.TEMPFAIL, twice.stderr_text[-3000:]
+        assert "is held by a live run" in twice.stderr_text and "Traceback" not in twice.stderr_text
+        assert slow.poll() is None, "the first start ended before the second had"
+    finally:
+        go.touch()                      # never a run left held, whatever failed
     _, err = slow.communicate(timeout=300)
     assert slow.returncode == 0, err[-3000:]
     again = daily(env, DAYS[1])          # a retried task on the finished partition

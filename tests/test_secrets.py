@@ -204,6 +204,7 @@ def test_a_sentence_id_of_a_file_named_like_a_header_is_kept():
     line itself still is."""
     assert redact("token:1#0") == "token:1#0" and redact("data/key:12#3") == "data/key:12#3"
     assert redact("token: abc") == "token: ***" and redact("x-amz-security-token:1#0abc") == "x-amz-security-token:***"
+    assert redact("password: 20231231#4711") == "password: ***" and redact("secret:\t42#17") == "secret:\t***"
 
 
 @settings(max_examples=200, deadline=None)

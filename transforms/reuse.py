@@ -59,7 +59,7 @@ class ReuseSource:
 
 def join_key(key: str) -> bytes:
     """The 16 bytes the join groups by: the tokens' hash of a sentence key (its key prefix is the run's, checked
-    once per source: open_source)."""
+    once per source: pipeline/reuse_sources.open_source)."""
     return bytes.fromhex(key[-KEY_HEX:])
 
 
