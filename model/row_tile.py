@@ -53,9 +53,9 @@ def encoder_gemms(opts) -> tuple:
 def row_rule_breaks(dtype: torch.dtype, threads: int, gemms: tuple, loop: str = "onednn",
                     max_rows: int = 132) -> tuple:
     """The (K, N, rows) at which this process's GEMMs (`gemms`: step_gemms() or encoder_gemms(); `loop`: onednn's
-    linear with its post-op, bmm over both directions, or torch's linear) give the first ROW_TILE rows other bits than at ROW_TILE rows, at
-    `threads` torch threads, for every multiple of ROW_TILE up to max_rows; () when the rule holds, or for onednn
-    when this torch has no oneDNN for dtype. Computed once per process per key (random weights, fixed seed)."""
+    linear with its post-op, bmm over both directions, or torch's linear) give the first ROW_TILE rows other bits
+    than at ROW_TILE rows, at `threads` torch threads, for every multiple of ROW_TILE up to max_rows; () when the
+    rule holds, or for onednn when this torch has no oneDNN for dtype. Computed once per process per key (random weights, fixed seed)."""
     if loop == "onednn" and (not torch.backends.mkldnn.is_available() or (
             dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported())):
         return ()

@@ -225,8 +225,8 @@ def check_bilm(options_file: str, weight_file: str, sha256: str | None = None) -
 
 def _unfilled(opts: BiLMOptions) -> BiLM:
     """A BiLM whose parameters are allocated on the CPU but not initialised (_load then fills every one) and whose
-    buffers are set: BiLM(opts) would draw random weights only to have them overwritten (about 1 s for the
-    original shape)."""
+    buffers are set: BiLM(opts) would draw random weights only to have them overwritten (what that costs per shape:
+    python -m benchmarks.model_load)."""
     with torch.device("meta"):
         model = BiLM(opts)
     model.to_empty(device="cpu")
