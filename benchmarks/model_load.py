@@ -5,8 +5,11 @@ per published shape (random weights written once to a temporary folder, read fro
 in one process, alternating:
   built then loaded   BiLM(options) (its random initialisation) + load_weights_into: what load_bilm did before
   loaded              load_bilm: the BiLM built without initialising, every parameter then loaded
-  first batch         ElmoEmbedder on the loaded model, one batch of 8 WikiText-2 sentences (the row-rule check
+  first batch         ElmoEmbedder on the loaded model, one batch of 8 WikiText-2 sentences (the weights' packing
                       and warm-up a fresh worker does first are in it)
+  invariant, checked  the same with batch_invariant=True in a process that has not checked the row rule yet (every
+                      row count's row check, model/row_tile.py RowRule, is in it), and again once checked: the
+                      difference is the row check's cost
 Each load is consumed: every parameter summed (float64), and the two ways' sums must agree. The table gives the
 median seconds; the JSON (default results/model_load_<kind>.json) each repeat's, and names the machine.
 """
@@ -31,6 +34,7 @@ def consumed(model) -> float:
 
 
 def measure(shape: str, repeats: int, sentences: list[list[str]]) -> dict:
+    from elmo_pipeline.model import row_tile
     from elmo_pipeline.model.bilm import BiLM
     from elmo_pipeline.model.embedder import ElmoEmbedder
     from elmo_pipeline.model.options import load_options
@@ -39,7 +43,7 @@ def measure(shape: str, repeats: int, sentences: list[list[str]]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         options, weights = write_random_bilm(shape, tmp)
         load_bilm(options, weights)                         # the files in the page cache, torch's first calls made
-        old, new, first = [], [], []
+        old, new, first, checked, unchecked = [], [], [], [], []
         for _ in range(repeats):
             t = time.perf_counter()
             a = consumed(load_weights_into(BiLM(load_options(options)), weights).eval())
@@ -54,7 +58,15 @@ def measure(shape: str, repeats: int, sentences: list[list[str]]) -> dict:
             for v in embedder.embed_sentences(sentences, max_tokens=4096):
                 float(v.sum())
             first.append(time.perf_counter() - t)
-    return {"shape": shape, "built_then_loaded_s": old, "loaded_s": new, "load_and_first_batch_s": first}
+            row_tile.forget_row_rules()
+            for times in (checked, unchecked):
+                t = time.perf_counter()
+                embedder = ElmoEmbedder(options, weights, batch_invariant=True)
+                for v in embedder.embed_sentences(sentences, max_tokens=4096):
+                    float(v.sum())
+                times.append(time.perf_counter() - t)
+    return {"shape": shape, "built_then_loaded_s": old, "loaded_s": new, "load_and_first_batch_s": first,
+            "invariant_first_batch_checking_s": checked, "invariant_first_batch_checked_s": unchecked}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -67,11 +79,15 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [measure(s, args.repeats, sentences) for s in args.shapes]
     report = {"machine": machine(), "threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows}
     print(f"{machine()}, {torch.get_num_threads()} torch threads; median of {args.repeats}")
-    print(f"{'shape':<10}{'built+loaded s':>16}{'loaded s':>10}{'saved s':>9}{'load+1st batch s':>18}")
+    print(f"{'shape':<10}{'built+loaded s':>16}{'loaded s':>10}{'saved s':>9}{'load+1st batch s':>18}"
+          f"{'invariant: checking s':>23}{'checked s':>11}{'row check s':>13}")
     for r in rows:
         old, new = statistics.median(r["built_then_loaded_s"]), statistics.median(r["loaded_s"])
+        checking, checked = (statistics.median(r[k]) for k in ("invariant_first_batch_checking_s",
+                                                                "invariant_first_batch_checked_s"))
         print(f"{r['shape']:<10}{old:>16.3f}{new:>10.3f}{old - new:>9.3f}"
-              f"{statistics.median(r['load_and_first_batch_s']):>18.3f}")
+              f"{statistics.median(r['load_and_first_batch_s']):>18.3f}{checking:>23.3f}{checked:>11.3f}"
+              f"{checking - checked:>13.3f}")
     out = args.out or os.path.join(RESULTS, f"model_load_{kind_tag()}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

@@ -28,7 +28,7 @@ def run_side_by_side(calls: list[Callable[[], T]]) -> list[T]:
     threads, k = torch.get_num_threads(), len(calls)
     if k < 2 or threads < k:
         return [call() for call in calls]
-    helpers = _helpers(k, threads // k)
+    helpers = _helpers(k, threads_each(k, threads))
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def in_modes(call: Callable[[], T]) -> T:
@@ -38,6 +38,13 @@ def run_side_by_side(calls: list[Callable[[], T]]) -> list[T]:
     futures = [helper.submit(in_modes, call) for helper, call in zip(helpers, calls)]
     concurrent.futures.wait(futures)
     return [f.result() for f in futures]
+
+
+def threads_each(k: int, threads: int | None = None) -> int:
+    """The intra-op threads each of k calls runs on under run_side_by_side at `threads` torch threads (None: this
+    thread's): threads // k in helpers where there are at least k, else all of them, one call after another."""
+    threads = threads or torch.get_num_threads()
+    return threads // k if k >= 2 and threads >= k else threads
 
 
 def _helpers(k: int, each: int) -> list[concurrent.futures.ThreadPoolExecutor]:

@@ -101,9 +101,6 @@ class ElmoEmbedder:
         self.model = (model.to(self.device, self.dtype) if moved else model).eval()
         if lstm_loop is not None:
             self.model.lstm_loop = lstm_loop
-        if self.batch_invariant:                     # the row rule, checked on this process's GEMMs (once)
-            from elmo_pipeline.model.kernels import check_row_rule
-            check_row_rule(self.device, self.dtype, model=self.model)
         warn_if_emulated(self.dtype, self.device)    # once per process: an emulated dtype is slower than float32
         if self.model.opts.char_cnn is not None:   # char-CNN vectors of up to `token_cache` distinct tokens are reused
             self.model.enable_token_cache(token_cache)

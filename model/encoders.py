@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from elmo_pipeline.model import onednn
 from elmo_pipeline.model.options import N_CHAR_ROWS, BiLMOptions
-from elmo_pipeline.model.row_tile import ROW_TILE, round_up
+from elmo_pipeline.model.row_tile import ROW_TILE, in_pieces, round_up, row_rule_of
 
 
 # Tokens per chunk of the char CNN's GEMMs: (512 * 44, 112) @ (112, 1024) for the widest filter of the
@@ -20,6 +20,17 @@ from elmo_pipeline.model.row_tile import ROW_TILE, round_up
 # than chunks of 512 on an AMD EPYC Zen 5); on a GPU, bigger chunks mean fewer launches.
 CNN_CHUNK = 512
 CNN_CHUNK_ONEDNN = 64
+
+
+def invariant_linear(linear: nn.Linear, x: Tensor, packed: Tensor | None) -> Tensor:
+    """linear(x) for the batch-invariant path on a CPU: x (N, in), N a multiple of ROW_TILE, on row counts this process
+    checked for the GEMM (model/row_tile.py); on oneDNN with packed = onednn.pack(linear.weight), else torch's
+    linear. (A GPU keeps its calls whole: batch invariance is refused there, model.device.check_batch_invariant.)"""
+    n_out, n_in = linear.weight.shape
+    if packed is None:
+        return in_pieces(linear, x, row_rule_of("linear", n_in, n_out, x.dtype))
+    return in_pieces(lambda rows: onednn.linear(rows, packed, linear.bias), x,
+                     row_rule_of("onednn", n_in, n_out, x.dtype, "none", "bias"))
 
 
 class Highway(nn.Module):
@@ -36,8 +47,10 @@ class Highway(nn.Module):
         self.linear = nn.Linear(dim, 2 * dim)
 
     def forward(self, x: Tensor, batch_invariant: bool = False, packed: Tensor | None = None) -> Tensor:
-        """(N, d) -> (N, d). packed: self.linear's weight prepacked for oneDNN (onednn.pack), to run the GEMM there."""
-        z = self.linear(x) if packed is None else onednn.linear(x, packed, self.linear.bias)
+        """(N, d) -> (N, d). packed: self.linear's weight prepacked for oneDNN (onednn.pack), to run the GEMM there.
+        batch_invariant: N a multiple of ROW_TILE, the GEMM on checked row counts (invariant_linear)."""
+        z = invariant_linear(self.linear, x, packed) if batch_invariant and x.device.type == "cpu" else \
+            self.linear(x) if packed is None else onednn.linear(x, packed, self.linear.bias)
         transform, carry = z.split(self.dim, dim=-1)
         # batch_invariant: a sigmoid whose result does not depend on where the element falls in the tensor
         # (torch.sigmoid's scalar tail differs from its vector body; exp(-x) + 1 -> reciprocal agrees)
@@ -78,7 +91,7 @@ class CharCNNEncoder(nn.Module):
         pad = round_up(n, ROW_TILE) - n
         if pad:
             char_ids = torch.cat([char_ids, char_ids.new_zeros(pad, *char_ids.shape[1:])])
-        return self._highways(self._filters_in_chunks(char_ids, packed), True, packed)[:n]
+        return self._highways(self._filters_in_chunks(char_ids, packed, True), True, packed)[:n]
 
     def _packed(self) -> dict:
         """The GEMMs' weights prepacked for oneDNN, (out, in) each: 'convs' (n, w * E) per filter width (rows of
@@ -108,6 +121,8 @@ class CharCNNEncoder(nn.Module):
             h = hw(h, batch_invariant, None if packed is None else packed["highways"][k])
         if self.proj is None:
             return h
+        if batch_invariant and h.device.type == "cpu":
+            return invariant_linear(self.proj, h, None if packed is None else packed["proj"])
         return self.proj(h) if packed is None else onednn.linear(h, packed["proj"], self.proj.bias)
 
     def _filters_by_conv(self, char_ids: Tensor) -> Tensor:
@@ -116,18 +131,19 @@ class CharCNNEncoder(nn.Module):
         # bilm-tf max-pools over time, then applies the activation (the same, both monotonic).
         return torch.cat([self.activation(conv(x).amax(dim=-1)) for conv in self.convs], dim=-1)
 
-    def _filters_in_chunks(self, char_ids: Tensor, packed: dict | None) -> Tensor:
+    def _filters_in_chunks(self, char_ids: Tensor, packed: dict | None, batch_invariant: bool = False) -> Tensor:
         """(N, C) ids -> (N, n_filters), _filters_by_gemm over chunks of CNN_CHUNK (packed: CNN_CHUNK_ONEDNN) tokens
         (bounded memory)."""
         chunk = CNN_CHUNK if packed is None else CNN_CHUNK_ONEDNN
-        return torch.cat([self._filters_by_gemm(char_ids[s: s + chunk], packed)
+        return torch.cat([self._filters_by_gemm(char_ids[s: s + chunk], packed, batch_invariant)
                           for s in range(0, char_ids.shape[0], chunk)])
 
-    def _filters_by_gemm(self, char_ids: Tensor, packed: dict | None) -> Tensor:
+    def _filters_by_gemm(self, char_ids: Tensor, packed: dict | None, batch_invariant: bool = False) -> Tensor:
         """The convolutions as GEMMs over unfolded character windows (inference; faster than mkldnn's conv1d here):
         (m, C) ids -> (m, n_filters). Per filter width w: (m * (C-w+1), w * E) @ (w * E, n), max over
         positions, then bias and activation (max(x + b) = max(x) + b exactly; the activation is monotonic).
-        packed: _packed() to run the GEMMs on oneDNN, else None (torch.mm)."""
+        packed: _packed() to run the GEMMs on oneDNN, else None (torch.mm). batch_invariant: m a multiple of
+        ROW_TILE, each GEMM on checked row counts (model/row_tile.py)."""
         x = self.char_embed(char_ids)                                   # (m, C, E)
         m, C, E = x.shape
         out = []
@@ -135,9 +151,19 @@ class CharCNNEncoder(nn.Module):
             n, _, w = conv.weight.shape                                 # Conv1d weight (n, E, w)
             windows = x.unfold(1, w, 1).transpose(2, 3).reshape(m * (C - w + 1), w * E)   # rows (w, E)
             if packed is None:
-                y = torch.mm(windows, conv.weight.permute(2, 1, 0).reshape(w * E, n))
+                weight = conv.weight.permute(2, 1, 0).reshape(w * E, n)
+
+                def gemm(rows, weight=weight):
+                    return torch.mm(rows, weight)
+                op = "mm"
             else:
-                y = onednn.linear(windows, packed["convs"][k])
+                def gemm(rows, weight=packed["convs"][k]):
+                    return onednn.linear(rows, weight)
+                op = "onednn"
+            if batch_invariant and x.device.type == "cpu":
+                y = in_pieces(gemm, windows, row_rule_of(op, w * E, n, x.dtype))
+            else:
+                y = gemm(windows)
             out.append(self.activation(y.view(m, C - w + 1, n).amax(dim=1).add_(conv.bias)))
         return torch.cat(out, dim=-1)
 

@@ -72,32 +72,8 @@ def embedder_kernel_path(embedder, output_dtype: str) -> dict:
 
 
 def row_rule() -> dict:
-    """The batch-invariant path's row rule: every GEMM on a multiple of ROW_TILE rows (model/row_tile.py)."""
+    """The batch-invariant path's row rule: a row has the bits a ROW_TILE-row GEMM call gives it (model/row_tile.py)."""
     return row_tile.row_rule()
-
-
-def check_row_rule(device: str | torch.device, compute_dtype, *, model=None, opts=None,
-                   threads: int | None = None) -> None:
-    """ValueError (one line) when the row rule of --batch-invariant does not hold here: the GEMMs of `model`'s
-    LSTM loops and token encoder (or, without one, those a BiLM of `opts` built here runs) give a row other bits at
-    some multiple of ROW_TILE rows, at `threads` torch threads (None: this process's); checked once per process and
-    key (model/row_tile.py row_rule_breaks). A CPU only: other devices are refused by
-    model.device.check_batch_invariant."""
-    dev = torch.device(device)
-    if dev.type != "cpu":
-        return
-    dtype = getattr(torch, str(compute_dtype).removeprefix("torch."))
-    choice = model.lstm_loop if model is not None else options_from_env()[0]
-    layers = list(model.forward_layers) if model is not None else shape_layers(opts)
-    o = model.opts if model is not None else opts
-    checks = [(loop, row_tile.step_gemms(o, loop)) for loop in sorted({loop_name(dev, dtype, choice, layer)
-                                                                       for layer in layers})]
-    checks.append(("onednn" if onednn.runs(dev, dtype) else "torch", row_tile.encoder_gemms(o)))
-    for loop, gemms in checks:
-        breaks = row_tile.row_rule_breaks(dtype, threads or torch.get_num_threads(), gemms, loop)
-        error = row_tile.row_rule_error(breaks, dtype, loop)
-        if error:
-            raise ValueError(error)
 
 
 def cpu_kind() -> dict:
@@ -236,10 +212,9 @@ def planned_kernel_path(spec, bilm, local: bool) -> dict | None:
 
 def exact_here(record: dict | None, batch_invariant: bool) -> bool:
     """Whether a sentence's vectors are a function of its tokens down to the bit on this kernel path (what --dedupe's
-    manifest entry claims as `exact`): batch-invariant on a CPU, where the row rule holds for the run's GEMMs by
-    check (check_row_rule: the launcher of a local run and every batch-invariant worker refuse where it does not),
-    whatever the kind, ISA cap or math mode. record None (a remote runner's: its workers each check their
-    device): batch_invariant."""
+    manifest entry claims as `exact`): batch-invariant on a CPU, where every GEMM of the run is called only on row
+    counts its per-process check kept (model/row_tile.py RowRule), whatever the kind, ISA cap or math mode. record
+    None (a remote runner's: its workers each check their device): batch_invariant."""
     if not batch_invariant or record is None:
         return batch_invariant
     return record.get("device") == "cpu"

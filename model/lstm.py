@@ -167,6 +167,8 @@ def run_lstm_layers(loop: StepLoop, layers: list[LstmProjection], weights, x: Te
     """
     if not batch_sizes:
         return x.new_empty(len(layers), 0, layers[0].proj_dim), h0, c0
+    invariant = step_rows is not None
     live = h0.shape[1] if step_rows is None else batch_sizes[0]     # unpadded: length-0 rows end before step 0
     step_rows = batch_sizes if step_rows is None else step_rows
-    return loop.run(layers, weights, x, batch_sizes, step_rows, h0, c0, live, NO_RESETS if resets is None else resets)
+    return loop.run(layers, weights, x, batch_sizes, step_rows, h0, c0, live, NO_RESETS if resets is None else resets,
+                    invariant=invariant)

@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from elmo_pipeline.model.direction_threads import run_side_by_side
+from elmo_pipeline.model.direction_threads import run_side_by_side, threads_each
+from elmo_pipeline.model.row_tile import RowRule, in_pieces, row_rule_of, threads_set
 
 # Rows of the input projection computed at once: (G, rows, 4H) floats of about 2**24 elements
 # (64 MB in fp32), so a batch of any size needs bounded memory and each GEMM is still large.
@@ -28,27 +29,55 @@ CHUNK_ELEMENTS = 1 << 24
 Cell = Callable[[Tensor, Tensor, "float | None", Tensor], "tuple[Tensor, Tensor]"]
 
 
-def onednn_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets):
+def onednn_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, invariant=False):
     """Each direction by itself (_onednn_direction), the directions side by side in helper threads where torch has
-    a thread for each (model/direction_threads.py). weights: model.lstm.pack_onednn_weights(layers)."""
+    a thread for each (model/direction_threads.py). weights: model.lstm.pack_onednn_weights(layers). invariant
+    (batch_invariant): each step GEMM called on row counts its row rule checked (model/row_tile.py), at the threads a
+    direction runs on."""
     y = x.new_empty(len(layers), sum(step_rows), layers[0].proj_dim)     # every step's h, written in place
+    rules = _onednn_rules(layers[0], x.dtype, threads_each(len(layers))) if invariant else None
     finals = run_side_by_side([functools.partial(_onednn_direction, layers[g], weights[g], x[g], batch_sizes,
-                                                 step_rows, h0[g], c0[g], live, resets.direction(g), y[g])
+                                                 step_rows, h0[g], c0[g], live, resets.direction(g), y[g], rules)
                                for g in range(len(layers))])
     return y, torch.stack([h for h, _ in finals]), torch.stack([c for _, c in finals])
 
 
-def _onednn_direction(layer, weights, x, batch_sizes, step_rows, h0, c0, live, resets, y):
+def _clip(layer) -> tuple[str, list]:
+    """The projection's fused post-op: hardtanh at the layer's projection clip, or none."""
+    return ("hardtanh", [-layer.proj_clip, layer.proj_clip]) if layer.proj_clip is not None else ("none", [])
+
+
+def _onednn_rules(layer, dtype: torch.dtype, threads: int) -> tuple[RowRule, RowRule, RowRule]:
+    """The row rules (model/row_tile.py) of the oneDNN loop's step GEMMs (gates i, f, o; gate j; the projection),
+    called at `threads` threads (a direction's)."""
+    H, P, D = layer.dim, layer.proj_dim, layer.w_in.shape[1]
+    attr, scalars = _clip(layer)
+    return (row_rule_of("onednn", D + P, 3 * H, dtype, "sigmoid", "bias", threads=threads),
+            row_rule_of("onednn", D + P, H, dtype, "tanh", "bias", threads=threads),
+            row_rule_of("onednn", H, P, dtype, attr, *scalars, threads=threads))
+
+
+def _onednn_direction(layer, weights, x, batch_sizes, step_rows, h0, c0, live, resets, y, rules=None):
     """One direction's time loop, written into y (N, P). Per step, gates = act([x_t, h] @ W.T + b) by oneDNN with
     the activations fused (sigmoid for i, f, o; tanh for j), the cell update in place, then the projection with
     its clip fused (hardtanh). Every GEMM reads the step's rows once; nothing of the size of the gates is written
     twice, and the packed weights stream through once per step. x (N, D) packed, h0 (rows, P), c0 (rows, H),
-    resets: Resets.direction(g). Returns the final h (live, P), c (live, H) in packed row order."""
+    resets: Resets.direction(g); rules: _onednn_rules (batch_invariant: each GEMM on checked row counts), or None.
+    Returns the final h (live, P), c (live, H) in packed row order."""
     linear = torch.ops.mkldnn._linear_pointwise          # onednn.linear's op, called bare in this hot loop
     w_sig, b_sig, w_j, b_j, w_proj = weights
     H, P, D = layer.dim, layer.proj_dim, x.shape[-1]
-    cell_clip, proj_clip = layer.cell_clip, layer.proj_clip
-    clip = ("hardtanh", [-proj_clip, proj_clip]) if proj_clip is not None else ("none", [])
+    cell_clip = layer.cell_clip
+    clip = _clip(layer)
+
+    def gates(rows):
+        return linear(rows, w_sig, b_sig, "sigmoid", [], "")      # (m, 3H): i, f, o
+
+    def gate_j(rows):
+        return linear(rows, w_j, b_j, "tanh", [], "")             # (m, H)
+
+    def project(rows):
+        return linear(rows, w_proj, None, *clip, "")              # (m, P)
     xh = x.new_empty(step_rows[0], D + P)                # [x_t, h_{t-1}] of the step's rows
     out = x.new_empty(step_rows[0], H)                   # sigmoid(o) * tanh(c) of the step's rows
     tmp = x.new_empty(step_rows[0], H) if x.dtype == torch.float32 else None
@@ -63,25 +92,40 @@ def _onednn_direction(layer, weights, x, batch_sizes, step_rows, h0, c0, live, r
         xh[:m, D:] = h[:m]
         if step in resets:
             _reset(xh[:, D:], c, h0, c0, resets.at(step))
-        sig = linear(xh[:m], w_sig, b_sig, "sigmoid", [], "")     # (m, 3H): i, f, o
-        j = linear(xh[:m], w_j, b_j, "tanh", [], "")               # (m, H)
+        if rules is None:
+            sig, j = gates(xh[:m]), gate_j(xh[:m])
+        else:
+            sig, j = in_pieces(gates, xh[:m], rules[0]), in_pieces(gate_j, xh[:m], rules[1])
         i, f, o = sig.split(H, dim=1)
         cg = c[:m].mul_(f).addcmul_(i, j)
         if cell_clip is not None:
             cg.clamp_(-cell_clip, cell_clip)
-        y[offset: offset + m] = linear(_tanh_times(cg, o, out[:m], tmp), w_proj, None, *clip, "")
+        hidden = _tanh_times(cg, o, out[:m], tmp)
+        if rules is None:
+            y[offset: offset + m] = project(hidden)
+        else:
+            in_pieces(project, hidden, rules[2], out=y[offset: offset + m])
         h, offset = y[offset: offset + m], offset + m
     h_final, c_final = _final_state(h[None], c[None], live, done_h, done_c)
     return h_final[0], c_final[0]
 
 
-def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, cell: Cell):
+def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, cell: Cell, invariant=False):
     """One batched GEMM per step for all G layers. The input projection is computed for chunks of consecutive
     steps (about CHUNK_ELEMENTS floats each). weights: model.lstm.stack_weights(layers); cell: cell_eager or
-    compiled_cell() (cell_for)."""
+    compiled_cell() (cell_for); invariant (batch_invariant): on a CPU, each GEMM called on row counts its row rule
+    checked (model/row_tile.py)."""
     first = layers[0]
     G, H, cell_clip, proj_clip = len(layers), first.dim, first.cell_clip, first.proj_clip
     bias, w_in, w_rec, w_proj = weights
+    rules = None
+    if invariant and x.device.type == "cpu":      # a GPU keeps its calls whole (batch invariance is refused there)
+        (D, N4), P = w_in.shape[1:], first.proj_dim
+        rules = [row_rule_of(op, k, n, x.dtype) for op, k, n in
+                 (("bmm", D, N4), ("baddbmm", P, N4), ("bmm", H, P))]
+
+        def recurrent(rows):                       # the recurrent GEMM as a pure function, for its row check
+            return rows[..., :1].expand(-1, -1, N4).contiguous().baddbmm_(rows, w_rec)
     h, c = h0, c0
     done_h, done_c = [], []
     y = x.new_empty(G, sum(step_rows), first.proj_dim)   # every step's h written in place: no cat
@@ -93,7 +137,11 @@ def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, c
     tanh_c = x.new_empty(G * step_rows[0] * H)
     for t0, t1, rows in chunks:
         c = c.clone() if t0 else c          # c is a view into the previous chunk's rows of ws
-        xw = torch.bmm(x[:, offset: offset + rows], w_in, out=ws[: G * rows * 4 * H].view(G, rows, 4 * H))
+        xw = ws[: G * rows * 4 * H].view(G, rows, 4 * H)
+        if rules is None:
+            torch.bmm(x[:, offset: offset + rows], w_in, out=xw)
+        else:
+            in_pieces(lambda part: torch.bmm(part, w_in), x[:, offset: offset + rows], rules[0], out=xw, dim=1)
         xw.add_(bias)                                                   # (G, rows, 4H)
         base, offset = offset, offset + rows
         r = 0
@@ -112,9 +160,18 @@ def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, c
             gates = xw[:, r: r + n]
             r += n
             # everything in xw's own rows: no per-step allocations but h
-            gates.baddbmm_(h, w_rec)
+            if rules is None:
+                gates.baddbmm_(h, w_rec)
+            else:
+                with threads_set(rules[1].threads):
+                    for a, b in rules[1].cuts(n, recurrent, h, dim=1):
+                        gates[:, a:b].baddbmm_(h[:, a:b], w_rec)
             c, out = cell(gates, c, cell_clip, tanh_c[: G * n * H].view(G, n, H))
-            h = torch.bmm(out, w_proj, out=y[:, base + r - n: base + r])
+            if rules is None:
+                h = torch.bmm(out, w_proj, out=y[:, base + r - n: base + r])
+            else:
+                h = in_pieces(lambda part: torch.bmm(part, w_proj), out, rules[2], out=y[:, base + r - n: base + r],
+                              dim=1)
             if proj_clip is not None:
                 h.clamp_(-proj_clip, proj_clip)
     return y, *_final_state(h, c, live, done_h, done_c)

@@ -1,17 +1,32 @@
-"""batch_invariant's row tile: every GEMM of the invariant path gets a multiple of ROW_TILE rows.
+"""batch_invariant's row rule: every GEMM of the invariant path gives a row the bits a ROW_TILE-row call at 1 thread
+gives it.
 
-Measured on torch 2.13's CPU GEMMs (AMD EPYC, AVX-512, 1 and 2 threads): a row's bits are the same for every
-multiple of 4 rows, at any row position; 1-3 rows take another kernel, and at 2 threads 5-7 and 9-11 rows can
-differ too. So the token encoder pads its inputs and the LSTMs pad each step to round_up(n, ROW_TILE) rows
-(docs/exactness.md).
+A CPU GEMM library picks its kernel (blocking, reduction order, the threads' split) by the number of rows M, and a
+row's bits follow that choice: 1-3 rows take another kernel everywhere measured, and on some kinds so do larger
+counts (an Intel Xeon with AMX in bf16 at 1 thread: a (4096 -> 512) projection gives other bits from 36 rows up) or
+another thread count. So the invariant path pads every GEMM's rows to a multiple of ROW_TILE (the token encoder its
+tokens, the LSTMs each step) and calls each GEMM (in_pieces) only with row counts this process has checked for that
+GEMM (RowRule, one per shape, op, dtype and thread count: row_rule_of): the first time a count is used, the GEMM runs
+on random rows at that count and each row is compared with the same row in a ROW_TILE-row call at 1 thread; a count
+that moves a row's bits is cut into smaller checked ones, and a GEMM whose 4-row bits move with the thread count
+runs at 1 thread. A row's bits are then those of a ROW_TILE-row call at 1 thread, on any kind and at any thread
+count, by construction (docs/exactness.md).
 """
 from __future__ import annotations
 
-import functools
+import contextlib
+import logging
+import threading
+from typing import Callable
 
 import torch
+from torch import Tensor
 
 ROW_TILE = 4
+# The most rows of one batch-invariant GEMM call: a call of more is cut into pieces (bounds the row check's inputs)
+MAX_ROWS = 512
+# Rows of the random block a row check repeats (its reference: the block in ROW_TILE-row calls at 1 thread)
+CHECK_BLOCK = 32
 
 
 def round_up(n: int, tile: int = ROW_TILE) -> int:
@@ -19,85 +34,125 @@ def round_up(n: int, tile: int = ROW_TILE) -> int:
     return -(-n // tile) * tile
 
 
-def first_rows_keep_their_bits(gemm, x, tile: int = ROW_TILE) -> list[int]:
-    """The row counts m (multiples of tile, tile <= m <= len(x)) at which gemm(x[:m])[:tile] differs bitwise from
-    gemm(x[:tile]); [] when the row rule holds for this GEMM. gemm: (m, K) tensor -> (m, N) tensor, pure."""
-    ref = gemm(x[:tile])
-    return [m for m in range(tile, x.shape[0] + 1, tile) if not bool((gemm(x[:m])[:tile] == ref).all())]
+def _tiled(block: Tensor, m: int, dim: int) -> Tensor:
+    """block repeated along dim and cut to m rows there."""
+    reps = [1] * block.dim()
+    reps[dim] = -(-m // block.shape[dim])
+    return block.repeat(*reps).narrow(dim, 0, m)
 
 
-def step_gemms(opts, loop: str) -> tuple:
-    """The step GEMMs (K, N, post-op, scalars) of a biLM's LSTM layers (opts: model.options.BiLMOptions) as `loop`
-    runs them: onednn, [x, h] (2P) -> the sigmoid gates (3H) and gate j (H), the projection H -> P with its clip;
-    bmm, x -> 4H, h -> 4H and H -> P, the directions side by side."""
-    P, H, clip = opts.projection_dim, opts.lstm_dim, opts.proj_clip
-    if loop == "onednn":
-        return ((2 * P, 3 * H, "sigmoid", ()), (2 * P, H, "tanh", ()),
-                (H, P, "hardtanh", (-clip, clip)) if clip else (H, P, "none", ()))
-    return ((P, 4 * H, "", ()), (P, 4 * H, "", ()), (H, P, "", ()))
-
-
-def encoder_gemms(opts) -> tuple:
-    """The token encoder's GEMMs (K, N, post-op, scalars) on a batch-invariant path's padded tokens: per filter width
-    w the unfolded character windows (w * E) -> its n filters, the highways F -> 2F, the projection F -> P (when
-    F != P); () for a word encoder (a table lookup)."""
-    if opts.char_cnn is None:
-        return ()
-    E, F = int(opts.char_cnn["embedding"]["dim"]), opts.n_filters
-    convs = tuple(dict.fromkeys((w * E, n, "none", ()) for w, n in opts.filters))
-    highway = ((F, 2 * F, "none", ()),) if opts.char_cnn.get("n_highway") else ()
-    return convs + highway + (((F, opts.projection_dim, "none", ()),) if F != opts.projection_dim else ())
-
-
-@functools.lru_cache(maxsize=None)
-def row_rule_breaks(dtype: torch.dtype, threads: int, gemms: tuple, loop: str = "onednn",
-                    max_rows: int = 132) -> tuple:
-    """The (K, N, rows) at which this process's GEMMs (`gemms`: step_gemms() or encoder_gemms(); `loop`: onednn's
-    linear with its post-op, bmm over both directions, or torch's linear) give the first ROW_TILE rows other bits
-    than at ROW_TILE rows, at `threads` torch threads, for every multiple of ROW_TILE up to max_rows; () when the
-    rule holds, or for onednn when this torch has no oneDNN for dtype. Computed once per process per key (random weights, fixed seed)."""
-    if loop == "onednn" and (not torch.backends.mkldnn.is_available() or (
-            dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported())):
-        return ()
-    g, before = torch.Generator().manual_seed(0), torch.get_num_threads()
-    breaks = []
-    try:
+@contextlib.contextmanager
+def threads_set(threads: int):
+    """Inside: this thread's torch threads at `threads` (put back after)."""
+    before = torch.get_num_threads()
+    if threads != before:
         torch.set_num_threads(threads)
-        with torch.inference_mode():
-            for k, n, attr, scalars in gemms:
-                bad = first_rows_keep_their_bits(_gemm(loop, k, n, attr, list(scalars), dtype, g),
-                                                 torch.randn(max_rows, k, generator=g).to(dtype))
-                breaks += [(k, n, m) for m in bad]
+    try:
+        yield
     finally:
-        torch.set_num_threads(before)
-    return tuple(breaks)
+        if threads != before:
+            torch.set_num_threads(before)
 
 
-def _gemm(loop: str, k: int, n: int, attr: str, scalars: list, dtype: torch.dtype, g: torch.Generator):
-    """A (m, K) -> (m, N) GEMM as `loop` calls it, on random weights."""
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
-    b = torch.randn(n, generator=g).to(dtype)
-    if loop == "onednn":
-        packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        return lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, b, attr, scalars, "")
-    if loop == "torch":
-        return lambda rows: torch.nn.functional.linear(rows, w, b)
-    both = torch.stack([w.t(), w.t().flip(0)])                       # (2, K, N): the two directions' weights
-    return lambda rows: torch.bmm(rows.expand(2, *rows.shape).contiguous(), both)[0]
+class RowRule:
+    """One GEMM shape's row rule in this process (row_rule_of): which row counts give every row the bits a
+    ROW_TILE-row call at 1 thread gives it, each count checked the first time it is used, and the threads the GEMM
+    runs at (those asked, or 1 where the thread count itself moves a 4-row call's bits)."""
+
+    def __init__(self, name: str, threads: int):
+        self.name, self.asked, self.threads = name, threads, threads
+        self.kept: dict[int, bool] = {}
+        self._block: Tensor | None = None
+        self._ref: Tensor | None = None
+        self._lock = threading.Lock()
+
+    def cuts(self, n: int, probe: Callable[[Tensor], Tensor], like: Tensor, dim: int = 0) -> list[tuple[int, int]]:
+        """[start, end) of the calls n rows (a multiple of ROW_TILE) are made in: at most MAX_ROWS each, each of a
+        count that keeps the bits (the largest such, counting down from what is left). probe: the GEMM as a pure
+        function of its rows (along dim), to check a count not seen yet on random rows shaped like `like`."""
+        if n % ROW_TILE:
+            raise ValueError(f"a batch-invariant GEMM call of {n} rows: not a multiple of {ROW_TILE}")
+        out, s = [], 0
+        while s < n:
+            m = min(n - s, MAX_ROWS)
+            while m > ROW_TILE and not self.keeps(m, probe, like, dim):
+                m -= ROW_TILE
+            out.append((s, s + m))
+            s += m
+        return out
+
+    def keeps(self, m: int, probe: Callable[[Tensor], Tensor], like: Tensor, dim: int = 0) -> bool:
+        """Whether m rows give every row its 4-row bits (checked once: probe on CHECK_BLOCK random rows shaped like
+        `like`, repeated to m, against the block in ROW_TILE-row calls at 1 thread)."""
+        kept = self.kept.get(m)
+        if kept is not None:                       # checked: no lock on the hot path
+            return kept
+        with self._lock:
+            if m not in self.kept:
+                if self._ref is None:
+                    self._reference(probe, like, dim)
+                with threads_set(self.threads):
+                    self.kept[m] = torch.equal(probe(_tiled(self._block, m, dim)), _tiled(self._ref, m, dim))
+                if not self.kept[m]:
+                    logging.getLogger(__name__).info(
+                        "batch-invariant: the GEMM %s at %d threads gives a row other bits at %d rows than at %d rows "
+                        "and 1 thread: called in smaller pieces", self.name, self.threads, m, ROW_TILE)
+            return self.kept[m]
+
+    def _reference(self, probe: Callable[[Tensor], Tensor], like: Tensor, dim: int) -> None:
+        shape = list(like.shape)
+        shape[dim] = CHECK_BLOCK
+        g = torch.Generator().manual_seed(0)
+        self._block = torch.randn(shape, generator=g).to(like.dtype).to(like.device)
+        with threads_set(1):
+            self._ref = torch.cat([probe(self._block.narrow(dim, i, ROW_TILE))
+                                   for i in range(0, CHECK_BLOCK, ROW_TILE)], dim)
+        if self.asked > 1:
+            with threads_set(self.asked):
+                moved = not torch.equal(probe(self._block.narrow(dim, 0, ROW_TILE)), self._ref.narrow(dim, 0, ROW_TILE))
+            if moved:          # the thread count itself moves a row's bits: this GEMM runs at 1 thread
+                self.threads = 1
+                logging.getLogger(__name__).info(
+                    "batch-invariant: the GEMM %s gives a row other bits at %d threads than at 1: run at 1 thread",
+                    self.name, self.asked)
+        self.kept[ROW_TILE] = True
 
 
-def row_rule_error(breaks: tuple, dtype: torch.dtype, loop: str = "onednn") -> str | None:
-    """The one-line refusal for --batch-invariant when row_rule_breaks found breaks (in `loop`'s GEMMs); None when
-    it found none."""
-    if not breaks:
-        return None
-    k, n, m = breaks[0]
-    library = {"onednn": "oneDNN", "bmm": "batched (bmm)", "torch": "torch"}.get(loop, loop)
-    return (f"--batch-invariant cannot keep a row's bits in {str(dtype).removeprefix('torch.')} on this CPU: its "
-            f"{library} GEMM K={k} N={n} gives a row other bits at {m} rows than at {ROW_TILE} rows "
-            f"({len(breaks)} row counts); run without it, or with --compute-dtype float32")
+_RULES: dict[tuple, RowRule] = {}
+_RULES_LOCK = threading.Lock()
+
+
+def row_rule_of(*shape, threads: int | None = None) -> RowRule:
+    """The process's RowRule of a GEMM: shape names it (op, K, N, dtype, post-op...: whatever picks its kernel but
+    the row count), threads: the torch threads it is called at (None: this thread's count)."""
+    threads = threads or torch.get_num_threads()
+    key = (*shape, threads)
+    with _RULES_LOCK:
+        if key not in _RULES:
+            _RULES[key] = RowRule(" ".join(map(str, shape)), threads)
+        return _RULES[key]
+
+
+def forget_row_rules() -> None:
+    """Drop every RowRule checked so far (tests, benchmarks: the next call checks again)."""
+    with _RULES_LOCK:
+        _RULES.clear()
+
+
+def in_pieces(gemm: Callable[[Tensor], Tensor], x: Tensor, rule: RowRule, out: Tensor | None = None,
+              dim: int = 0) -> Tensor:
+    """gemm (pure) over x's rows (along dim, a multiple of ROW_TILE) in rule.cuts at rule.threads: gemm(x) itself when
+    that is one call. out: written piece by piece (and returned), else the pieces are concatenated."""
+    cuts = rule.cuts(x.shape[dim], gemm, x, dim)
+    with threads_set(rule.threads):
+        if out is None:
+            return gemm(x) if len(cuts) == 1 else torch.cat([gemm(x.narrow(dim, a, b - a)) for a, b in cuts], dim)
+        for a, b in cuts:
+            out.narrow(dim, a, b - a).copy_(gemm(x.narrow(dim, a, b - a)))
+        return out
 
 
 def row_rule() -> dict:
-    """The batch-invariant path's row rule as a JSON-able record (for the manifest's kernel path)."""
+    """The batch-invariant path's row rule as a JSON-able record (for the manifest's kernel path): a row has the bits
+    of a row_tile-row call at 1 thread."""
     return {"row_tile": ROW_TILE}

@@ -23,7 +23,7 @@ from elmo_pipeline.formats.iceberg.upsert import Upsert, settings_salt
 from elmo_pipeline.formats.parquet import layer_columns, shard_schema
 from elmo_pipeline.fsio import expand, redact, url_fs
 from elmo_pipeline.model.options import load_options, sentences_independent
-from elmo_pipeline.model.kernels import check_row_rule, exact_here, planned_kernel_path
+from elmo_pipeline.model.kernels import exact_here, planned_kernel_path
 from elmo_pipeline.model.resolve import resolve_model
 from elmo_pipeline.pipeline.options import ElmoOptions
 from elmo_pipeline.pipeline.validate import (check_dedupe, check_iceberg, check_input_columns, check_model, check_numbers,
@@ -230,8 +230,6 @@ def plan_model(o: ElmoOptions, so: dict, where: Where) -> Model:
         check_batch_invariant(o.device)
     # a bad model fails here, not in every worker; built only for a worker in this process
     bilm = check_model(local_options, local_weights, build=where.local and where.workers == 1)
-    if o.batch_invariant and where.local:      # the row rule holds for this model here (remote: each worker checks)
-        check_row_rule(resolve_device(o.device), o.compute_dtype, model=bilm, opts=bilm_opts, threads=where.threads)
     spec = dataclasses.replace(spec.pinned(), kernel_path=planned_kernel_path(spec, bilm, where.local))
     return Model(spec, bilm, resolved.name, resolved.tokenization, tokenizer, selection, columns,
                  n_layers, dim)

@@ -16,7 +16,8 @@ Commands (inputs made at run time from ../shared/data, or samples/sample.txt):
             sentences, with the shipped model and a random `model.synthetic small` model (written once
             by the base tree's code; both sides read the same files)
   pipeline  `pipeline.run --format parquet,hdf5 --shard-sentences 60` on 150 lines of WikiText-2 (raw
-            tokenizer), the same with --parquet-layout token --layers 0,2 --dtype float16, and JSONL
+            tokenizer), the same with --parquet-layout token --layers 0,2 --dtype float16, the same with
+            --batch-invariant --max-tokens-per-batch 16384, and JSONL
             (--tokenizer whitespace --id-field id) of 80 + 40 SST-2 sentences plus broken records
   probe     `pipeline.cli probe --epochs 2 --seeds 1 --threads 1` on the two JSONL outputs
   --quick   only elmo --all (shipped model) and the WikiText-2 pipeline run
@@ -95,6 +96,8 @@ def commands(i: dict, synth: Path | None, quick: bool) -> list[tuple[str, list[s
     cmds += [("pipe-text", [*PIPE, "--input", i["wiki"], "--output", "{out}/pipe-text"]),
              ("pipe-token-f16", [*PIPE, "--input", i["wiki"], "--output", "{out}/pipe-token-f16",
                                  "--parquet-layout", "token", "--layers", "0,2", "--dtype", "float16"]),
+             ("pipe-invariant", [*PIPE, "--input", i["wiki"], "--output", "{out}/pipe-invariant", "--batch-invariant",
+                                 "--max-tokens-per-batch", "16384"]),
              ("pipe-jsonl-train", [*PIPE, "--input", i["train"], "--output", "{out}/pipe-jsonl-train", *JSONL,
                                    "--max-sentence-tokens", "100"]),
              ("pipe-jsonl-dev", [*PIPE, "--input", i["dev"], "--output", "{out}/pipe-jsonl-dev", *JSONL]),

@@ -1,95 +1,174 @@
-"""The row-rule check of model/row_tile.py on real pure GEMM callables."""
+"""The row rule of model/row_tile.py: the row counts a batch-invariant GEMM is called with, each checked on first use,
+and the invariant path calling its GEMMs in those pieces."""
 import pytest
 import torch
 
-from elmo_pipeline.model.row_tile import (ROW_TILE, first_rows_keep_their_bits, row_rule, row_rule_breaks,
-                                          row_rule_error)
+from elmo_pipeline.model import row_tile
+from elmo_pipeline.model.row_tile import MAX_ROWS, ROW_TILE, RowRule, forget_row_rules, in_pieces, row_rule, row_rule_of
+from tests.test_batch_invariant import assert_bits_equal, sentences
 
 
 def _x(rows=32, k=64):
     return torch.randn(rows, k, generator=torch.Generator().manual_seed(0))
 
 
-def test_a_row_independent_gemm_passes():
+def _sizes(cuts):
+    return [b - a for a, b in cuts]
+
+
+def _check_cuts(cuts, n):
+    assert cuts[0][0] == 0 and cuts[-1][1] == n and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+    assert all(0 < s <= MAX_ROWS and s % ROW_TILE == 0 for s in _sizes(cuts))
+
+
+def test_a_row_independent_gemm_is_called_whole_up_to_max_rows():
     w = _x(16, 64)
-    assert first_rows_keep_their_bits(lambda x: x @ w.T, _x()) == []
+    rule = RowRule("x @ w.T", 1)
+    for n in (4, 36, 184, MAX_ROWS, MAX_ROWS + 4, 3 * MAX_ROWS + 40):
+        cuts = rule.cuts(n, lambda r: r @ w.T, _x(8))
+        _check_cuts(cuts, n)
+        assert _sizes(cuts) == [MAX_ROWS] * (n // MAX_ROWS) + ([n % MAX_ROWS] if n % MAX_ROWS else [])
+    assert all(rule.kept.values())
 
 
-def test_a_gemm_whose_bits_depend_on_row_count_is_caught():
-    """A reduction whose order changes past 16 rows (as a kernel switch does): the check names those counts."""
+def _breaks_past(limit, w):
+    """A GEMM whose summation order changes past `limit` rows (as a kernel switch does)."""
+    def gemm(x):
+        if x.shape[0] <= limit:
+            return x @ w.T
+        return (x[:, 32:] @ w[:, 32:].T) + (x[:, :32] @ w[:, :32].T)
+    return gemm
+
+
+def test_a_gemm_whose_bits_depend_on_the_row_count_is_cut_below_the_break():
+    """A break past 32 rows (as an Intel Xeon with AMX's bf16 projection from 36 rows up): calls of at most 32 rows,
+    each count checked once."""
+    calls = []
+    gemm = _breaks_past(32, _x(16, 64))
+
+    def probe(x):
+        calls.append(x.shape[0])
+        return gemm(x)
+    rule = RowRule("breaks past 32", 1)
+    for n in (184, 184, 600):
+        cuts = rule.cuts(n, probe, _x(8))
+        _check_cuts(cuts, n)
+        assert max(_sizes(cuts)) == 32
+    assert not rule.kept[36] and rule.kept[32] and all(rule.kept[m] == (m <= 32) for m in rule.kept)
+    checked = calls[8:]                                   # after the reference's 8 four-row calls
+    assert len(checked) == len(set(checked)) == len(rule.kept) - 1
+
+
+def test_a_row_moved_at_any_position_is_caught():
+    """Every row of a count's call is compared, not only the first ones: a kernel whose rows past 36 take another
+    path at 64 rows and more gives calls of at most 60 rows."""
     w = _x(16, 64)
 
     def gemm(x):
-        if x.shape[0] <= 16:
-            return x @ w.T
-        return (x[:, 32:] @ w[:, 32:].T) + (x[:, :32] @ w[:, :32].T)   # another summation order
+        y = x @ w.T
+        if x.shape[0] >= 64:
+            y[36:] = (x[36:, 32:] @ w[:, 32:].T) + (x[36:, :32] @ w[:, :32].T)
+        return y
+    cuts = RowRule("moves rows past 36", 1).cuts(200, gemm, _x(8))
+    _check_cuts(cuts, 200)
+    assert max(_sizes(cuts)) == 60
 
-    bad = first_rows_keep_their_bits(gemm, _x())
-    assert bad and min(bad) > 16 and all(m % ROW_TILE == 0 for m in bad)
+
+def test_a_gemm_whose_bits_depend_on_the_thread_count_runs_at_one_thread():
+    """A library that sums the inner dimension in another order at 2 threads (as MKL did on an Intel Xeon): the
+    invariant path calls that GEMM at 1 thread, so 1 and 2 torch threads give the same bits."""
+    w = _x(16, 64)
+
+    def by_threads(x):
+        if torch.get_num_threads() == 1:
+            return x @ w.T
+        return (x[:, 32:] @ w[:, 32:].T) + (x[:, :32] @ w[:, :32].T)
+    rule = RowRule("by threads", 2)
+    x = _x(40)
+    got = in_pieces(by_threads, x, rule)
+    assert rule.threads == 1 and torch.equal(got, x @ w.T)
+    assert torch.get_num_threads() != 1 or rule.asked == 2
+    steady = RowRule("steady", 2)
+    in_pieces(lambda r: r @ w.T, x, steady)
+    assert steady.threads == 2
+
+
+def test_counts_off_the_tile_are_refused():
+    with pytest.raises(ValueError, match="multiple of"):
+        RowRule("x", 1).cuts(6, lambda r: r, _x(8))
+
+
+def test_in_pieces_gives_the_gemm_of_the_whole_in_order(monkeypatch):
+    monkeypatch.setattr(row_tile, "MAX_ROWS", 24)
+    w = _x(16, 64)
+    x = _x(300, 64)[:296]
+    gemm = lambda rows: rows @ w.T                                       # noqa: E731
+    rule = RowRule("x @ w.T", torch.get_num_threads())
+    assert torch.allclose(in_pieces(gemm, x, rule), x @ w.T)
+    out = torch.empty(296, 16)
+    assert in_pieces(gemm, x, rule, out=out) is out and torch.allclose(out, x @ w.T)
+    both = torch.stack([x, 2 * x])                                       # rows along dim 1, as the bmm loop's
+    assert torch.allclose(in_pieces(lambda r: r @ w.T, both, RowRule("bmm", 1), dim=1), both @ w.T)
+
+
+def test_one_rule_per_gemm_and_thread_count():
+    forget_row_rules()
+    a = row_rule_of("onednn", 64, 16, torch.float32, threads=1)
+    assert row_rule_of("onednn", 64, 16, torch.float32, threads=1) is a
+    assert row_rule_of("onednn", 64, 16, torch.float32, threads=2) is not a
+    assert row_rule_of("onednn", 64, 16, torch.bfloat16, threads=1) is not a
+    forget_row_rules()
+    assert row_rule_of("onednn", 64, 16, torch.float32, threads=1) is not a
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_check_runs_each_gemm_the_path_calls_here(dtype):
+    """The real GEMMs, as the invariant path calls them: oneDNN's linear with a post-op (where this torch has it for
+    the dtype), torch.mm, F.linear, bmm and the recurrent baddbmm_ over both directions."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(40, 96, generator=g) / 10).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype)
+    both = torch.stack([w.t(), w.t().flip(0)])
+    gemms = {"linear": (lambda r: torch.nn.functional.linear(r, w, b), 0),
+             "mm": (lambda r: torch.mm(r, w.t().contiguous()), 0),
+             "bmm": (lambda r: torch.bmm(r, both), 1),
+             "baddbmm": (lambda r: r[..., :1].expand(-1, -1, 40).contiguous().baddbmm_(r, both), 1)}
+    if torch.backends.mkldnn.is_available() and (dtype == torch.float32
+                                                 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        gemms["onednn"] = (lambda r: torch.ops.mkldnn._linear_pointwise(r, packed, b, "sigmoid", [], ""), 0)
+    for name, (gemm, dim) in gemms.items():
+        like = torch.zeros(2, 8, 96, dtype=dtype) if dim else torch.zeros(8, 96, dtype=dtype)
+        for threads in (1, 2):
+            rule = RowRule(name, threads)
+            _check_cuts(rule.cuts(600, gemm, like, dim), 600)
+            assert rule.threads in (1, threads)
 
 
 def test_row_rule_record():
     assert row_rule() == {"row_tile": ROW_TILE}
 
 
-def test_breaks_found_by_the_check_become_a_one_line_refusal():
-    """What check_batch_invariant raises when the check finds a row count with other bits."""
-    w = _x(16, 64)
+@pytest.mark.parametrize("loop", ["onednn", "bmm"])
+def test_the_invariant_path_in_small_pieces_gives_the_same_bits(loop, monkeypatch):
+    """Every GEMM of the batch-invariant path (token encoder, LSTM steps, both loops) cut into calls of at most 8
+    rows gives the same vectors as in this process's own pieces: the pieces are put back in place, and a row's bits
+    do not depend on them."""
+    from elmo_pipeline.model.embedder import ElmoEmbedder
+    from elmo_pipeline.model.synthetic import random_bilm
+    if loop == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    sents = sentences(60, seed=5, max_len=30)
 
-    def gemm(x):
-        return x @ w.T if x.shape[0] <= 16 else (x[:, 32:] @ w[:, 32:].T) + (x[:, :32] @ w[:, :32].T)
-
-    breaks = tuple((64, 16, m) for m in first_rows_keep_their_bits(gemm, _x()))
-    error = row_rule_error(breaks, torch.bfloat16)
-    assert "\n" not in error and "bfloat16" in error and f"at {breaks[0][2]} rows" in error
-    assert row_rule_error((), torch.bfloat16) is None
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_this_cpu_passes_the_check_or_refuses(dtype, tiny_model_files):
-    """The real property here: a model's step GEMMs keep the rule at this process's threads in each loop, or
-    check_row_rule refuses (and so does a batch-invariant embedder)."""
-    from elmo_pipeline.model import ElmoEmbedder
-    from elmo_pipeline.model.kernels import check_row_rule
-    from elmo_pipeline.model.options import load_options
-    from elmo_pipeline.model.row_tile import step_gemms
-    opts = load_options(tiny_model_files[0])
-    breaks = [row_rule_breaks(dtype, torch.get_num_threads(), step_gemms(opts, loop), loop) for loop in ("onednn", "bmm")]
-    for loop, found in zip(("onednn", "bmm"), breaks):
-        if found:
-            with pytest.raises(ValueError, match="cannot keep a row's bits"):
-                ElmoEmbedder(*tiny_model_files, batch_invariant=True, dtype=dtype, lstm_loop=loop)
-        else:
-            check_row_rule("cpu", dtype, opts=opts)
-            ElmoEmbedder(*tiny_model_files, batch_invariant=True, dtype=dtype, lstm_loop=loop)
-
-
-def test_the_encoder_gemms_are_those_the_model_runs(tiny_model_files):
-    """encoder_gemms names each GEMM the char-CNN encoder runs on padded tokens, (K, N) from the model's own weights:
-    a filter width's unfolded windows, the highways, the projection."""
-    from elmo_pipeline.model.row_tile import encoder_gemms
-    from elmo_pipeline.model.weights import load_bilm
-    model = load_bilm(*tiny_model_files)
-    enc = model.token_encoder
-    want = {(c.weight.shape[1] * c.weight.shape[2], c.weight.shape[0]) for c in enc.convs}
-    want |= {tuple(hw.linear.weight.shape[::-1]) for hw in enc.highways}
-    want |= {tuple(enc.proj.weight.shape[::-1])} if enc.proj is not None else set()
-    assert {(k, n) for k, n, _, _ in encoder_gemms(model.opts)} == want
-
-
-def test_a_break_in_an_encoder_gemm_refuses_batch_invariance(tiny_model_files, monkeypatch):
-    """check_row_rule checks the token encoder's GEMMs beside the LSTM's: a row count that moves a row's bits in one
-    of them is a one-line refusal naming it."""
-    from elmo_pipeline.model import kernels, row_tile
-    from elmo_pipeline.model.options import load_options
-    opts = load_options(tiny_model_files[0])
-    encoder = set(row_tile.encoder_gemms(opts))
-    real = row_tile.row_rule_breaks
-
-    def breaks(dtype, threads, gemms, loop="onednn", max_rows=132):
-        found = real(dtype, threads, gemms, loop, max_rows)
-        return found + tuple((k, n, 36) for k, n, *_ in gemms if (k, n, *_) in encoder)
-    monkeypatch.setattr(row_tile, "row_rule_breaks", breaks)
-    k, n, _, _ = row_tile.encoder_gemms(opts)[0]
-    with pytest.raises(ValueError, match=f"GEMM K={k} N={n} gives a row other bits at 36 rows"):
-        kernels.check_row_rule("cpu", torch.float32, opts=opts)
+    def run():
+        e = ElmoEmbedder(model=random_bilm("tiny", seed=2), batch_invariant=True, lstm_loop=loop)
+        return e.embed_batch(sents)
+    ref = run()
+    names = {key[0] for key in row_tile._RULES}
+    assert {"onednn"} <= names if loop == "onednn" else {"bmm", "baddbmm"} <= names
+    monkeypatch.setattr(row_tile, "MAX_ROWS", 8)
+    seen = []
+    real = RowRule.cuts
+    monkeypatch.setattr(RowRule, "cuts", lambda self, *a, **k: seen.append(real(self, *a, **k)) or seen[-1])
+    assert_bits_equal(ref, run(), f"{loop} loop, calls of at most 8 rows vs the process's own")
+    assert seen and max(b - a for cuts in seen for a, b in cuts) == 8

@@ -1,0 +1,103 @@
+"""Do --batch-invariant pipeline outputs hash the same at every budget and thread count here?
+
+    python scripts/invariant_hashes.py [--lines 300] [--budgets 512 4096 16384] [--threads 1 2]
+                                       [--dtypes float32 bfloat16] [--shape small|medium|original] [--out DIR]
+
+Runs `pipeline.run --batch-invariant` (one shard, Parquet and HDF5) on the first --lines lines of WikiText-2 valid
+(../shared/data) for each compute dtype, torch thread count and token budget, with the shipped model or, with
+--shape, random weights of a published shape (model/synthetic.py, written once). Each output's files are first
+checked against its manifest's records (size and SHA-256); then, per dtype, every run's Parquet and HDF5 digests
+must equal the first run's. Prints a table (the machine named); exit status 0 when every dtype's runs hash the same,
+1 when some differ, 2 when a run fails. --out keeps the outputs (default: a temp folder, removed).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.common import machine, wiki_lines  # noqa: E402
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def digests(out: str) -> dict[str, str]:
+    """Each shard file's SHA-256 by format, after checking every file the manifest records against its record."""
+    with open(os.path.join(out, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    for name, rec in manifest["files"].items():
+        path = os.path.join(out, name)
+        if os.path.getsize(path) != rec["bytes"] or sha256(path) != rec["sha256"]:
+            raise SystemExit(f"error: {path} is not the file its manifest records")
+    return {fmt: ",".join(sha256(os.path.join(out, s[fmt])) for s in manifest["shards"])
+            for fmt in ("parquet", "hdf5")}
+
+
+def run(inp: str, out: str, dtype: str, threads: int, budget: int, model: list[str]) -> None:
+    cmd = [sys.executable, "-m", "elmo_pipeline.pipeline.run", "--input", inp, "--output", out, "--batch-invariant",
+           "--compute-dtype", dtype, "--torch-threads", str(threads), "--max-tokens-per-batch", str(budget),
+           "--shard-sentences", "1000000", "--format", "parquet,hdf5", "--progress", "off", *model]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if p.returncode:
+        sys.stderr.write(p.stderr[-2000:])
+        raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lines", type=int, default=300)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[512, 4096, 16384])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--shape", choices=["small", "medium", "original"])
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    tmp = args.out or tempfile.mkdtemp(prefix="invariant-hashes-")
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        inp = os.path.join(tmp, "input.txt")
+        with open(inp, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in wiki_lines("valid", args.lines)))
+        model = []
+        if args.shape:
+            from elmo_pipeline.model.synthetic import write_random_bilm
+            options, weights = write_random_bilm(args.shape, os.path.join(tmp, "model"))
+            model = ["--options-file", options, "--weight-file", weights]
+        print(f"{machine()}; {args.lines} lines of WikiText-2 valid, {args.shape or 'the shipped'} model")
+        print(f"{'dtype':<10}{'threads':>8}{'budget':>8}  {'parquet sha256':<18}{'hdf5 sha256':<18}same")
+        bad = False
+        for dtype in args.dtypes:
+            first = None
+            for threads in args.threads:
+                for budget in args.budgets:
+                    out = os.path.join(tmp, f"{dtype}-{threads}t-{budget}")
+                    run(inp, out, dtype, threads, budget, model)
+                    got = digests(out)
+                    first = first or got
+                    same = got == first
+                    bad |= not same
+                    print(f"{dtype:<10}{threads:>8}{budget:>8}  {got['parquet'][:16]:<18}{got['hdf5'][:16]:<18}"
+                          f"{'yes' if same else 'NO'}", flush=True)
+        print("every dtype's runs hash the same" if not bad else "DIFFERENT hashes within a dtype")
+        return 1 if bad else 0
+    finally:
+        if not args.out:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
