@@ -35,10 +35,13 @@ def onednn_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets
     (batch_invariant): each step GEMM called on row counts its row rule checked (model/row_tile.py), at the threads a
     direction runs on."""
     y = x.new_empty(len(layers), sum(step_rows), layers[0].proj_dim)     # every step's h, written in place
+    threads = torch.get_num_threads()
     rules = _onednn_rules(layers[0], x.dtype, threads_each(len(layers))) if invariant else None
     finals = run_side_by_side([functools.partial(_onednn_direction, layers[g], weights[g], x[g], batch_sizes,
                                                  step_rows, h0[g], c0[g], live, resets.direction(g), y[g], rules)
                                for g in range(len(layers))])
+    if rules is not None:               # a helper's row check may have set torch's process-wide count: the caller's
+        torch.set_num_threads(threads)
     return y, torch.stack([h for h, _ in finals]), torch.stack([c for _, c in finals])
 
 
@@ -125,7 +128,10 @@ def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, c
                  (("bmm", D, N4), ("baddbmm", P, N4), ("bmm", H, P))]
 
         def recurrent(rows):                       # the recurrent GEMM as a pure function, for its row check
-            return rows[..., :1].expand(-1, -1, N4).contiguous().baddbmm_(rows, w_rec)
+            acc = rows[..., :1].expand(-1, -1, N4).contiguous()
+            for g in range(G):
+                acc[g].addmm_(rows[g], w_rec[g])
+            return acc
     h, c = h0, c0
     done_h, done_c = [], []
     y = x.new_empty(G, sum(step_rows), first.proj_dim)   # every step's h written in place: no cat
@@ -141,7 +147,8 @@ def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, c
         if rules is None:
             torch.bmm(x[:, offset: offset + rows], w_in, out=xw)
         else:
-            in_pieces(lambda part: torch.bmm(part, w_in), x[:, offset: offset + rows], rules[0], out=xw, dim=1)
+            in_pieces(lambda part: torch.bmm(part.contiguous(), w_in), x[:, offset: offset + rows], rules[0], out=xw,
+                      dim=1)
         xw.add_(bias)                                                   # (G, rows, 4H)
         base, offset = offset, offset + rows
         r = 0
@@ -163,15 +170,17 @@ def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, c
             if rules is None:
                 gates.baddbmm_(h, w_rec)
             else:
+                cuts = rules[1].cuts(n, recurrent, h, dim=1)         # decides the rule's threads first
                 with threads_set(rules[1].threads):
-                    for a, b in rules[1].cuts(n, recurrent, h, dim=1):
-                        gates[:, a:b].baddbmm_(h[:, a:b], w_rec)
+                    for a, b in cuts:              # each direction a 2-D addmm_, whatever the chunk's layout
+                        for g in range(G):
+                            gates[g, a:b].addmm_(h[g, a:b], w_rec[g])
             c, out = cell(gates, c, cell_clip, tanh_c[: G * n * H].view(G, n, H))
             if rules is None:
                 h = torch.bmm(out, w_proj, out=y[:, base + r - n: base + r])
             else:
-                h = in_pieces(lambda part: torch.bmm(part, w_proj), out, rules[2], out=y[:, base + r - n: base + r],
-                              dim=1)
+                h = in_pieces(lambda part: torch.bmm(part.contiguous(), w_proj), out, rules[2],
+                              out=y[:, base + r - n: base + r], dim=1)
             if proj_clip is not None:
                 h.clamp_(-proj_clip, proj_clip)
     return y, *_final_state(h, c, live, done_h, done_c)

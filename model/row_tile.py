@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from typing import Callable
 
@@ -26,7 +27,7 @@ ROW_TILE = 4
 # The most rows of one batch-invariant GEMM call: a call of more is cut into pieces (bounds the row check's inputs)
 MAX_ROWS = 512
 # Rows of the random block a row check repeats (its reference: the block in ROW_TILE-row calls at 1 thread)
-CHECK_BLOCK = 32
+CHECK_BLOCK = 16
 
 
 def round_up(n: int, tile: int = ROW_TILE) -> int:
@@ -57,21 +58,23 @@ def threads_set(threads: int):
 class RowRule:
     """One GEMM shape's row rule in this process (row_rule_of): which row counts give every row the bits a
     ROW_TILE-row call at 1 thread gives it, each count checked the first time it is used, and the threads the GEMM
-    runs at (those asked, or 1 where the thread count itself moves a 4-row call's bits)."""
+    runs at (those asked, or 1 where the thread count itself moves a 4-row call's bits: decided on first use)."""
 
     def __init__(self, name: str, threads: int):
         self.name, self.asked, self.threads = name, threads, threads
         self.kept: dict[int, bool] = {}
         self._block: Tensor | None = None
-        self._ref: Tensor | None = None
         self._lock = threading.Lock()
 
     def cuts(self, n: int, probe: Callable[[Tensor], Tensor], like: Tensor, dim: int = 0) -> list[tuple[int, int]]:
         """[start, end) of the calls n rows (a multiple of ROW_TILE) are made in: at most MAX_ROWS each, each of a
         count that keeps the bits (the largest such, counting down from what is left). probe: the GEMM as a pure
-        function of its rows (along dim), to check a count not seen yet on random rows shaped like `like`."""
+        function of its rows (along dim, laid out as the real call's), to check a count not seen yet on random rows
+        shaped like `like`. Decides the rule's threads first (run the calls at self.threads after this)."""
         if n % ROW_TILE:
             raise ValueError(f"a batch-invariant GEMM call of {n} rows: not a multiple of {ROW_TILE}")
+        if self._block is None:
+            self._first_use(probe, like, dim)
         out, s = [], 0
         while s < n:
             m = min(n - s, MAX_ROWS)
@@ -82,40 +85,51 @@ class RowRule:
         return out
 
     def keeps(self, m: int, probe: Callable[[Tensor], Tensor], like: Tensor, dim: int = 0) -> bool:
-        """Whether m rows give every row its 4-row bits (checked once: probe on CHECK_BLOCK random rows shaped like
-        `like`, repeated to m, against the block in ROW_TILE-row calls at 1 thread)."""
+        """Whether m rows give every row its 4-row bits (checked once: probe on CHECK_BLOCK random rows repeated to
+        m, at self.threads, against the same probe on the block in ROW_TILE-row calls at 1 thread)."""
         kept = self.kept.get(m)
         if kept is not None:                       # checked: no lock on the hot path
             return kept
+        if self._block is None:
+            self._first_use(probe, like, dim)
         with self._lock:
             if m not in self.kept:
-                if self._ref is None:
-                    self._reference(probe, like, dim)
+                ref = self._reference(probe, dim)
                 with threads_set(self.threads):
-                    self.kept[m] = torch.equal(probe(_tiled(self._block, m, dim)), _tiled(self._ref, m, dim))
+                    self.kept[m] = torch.equal(probe(_tiled(self._block, m, dim)), _tiled(ref, m, dim))
                 if not self.kept[m]:
                     logging.getLogger(__name__).info(
                         "batch-invariant: the GEMM %s at %d threads gives a row other bits at %d rows than at %d rows "
                         "and 1 thread: called in smaller pieces", self.name, self.threads, m, ROW_TILE)
             return self.kept[m]
 
-    def _reference(self, probe: Callable[[Tensor], Tensor], like: Tensor, dim: int) -> None:
-        shape = list(like.shape)
-        shape[dim] = CHECK_BLOCK
-        g = torch.Generator().manual_seed(0)
-        self._block = torch.randn(shape, generator=g).to(like.dtype).to(like.device)
-        with threads_set(1):
-            self._ref = torch.cat([probe(self._block.narrow(dim, i, ROW_TILE))
-                                   for i in range(0, CHECK_BLOCK, ROW_TILE)], dim)
-        if self.asked > 1:
-            with threads_set(self.asked):
-                moved = not torch.equal(probe(self._block.narrow(dim, 0, ROW_TILE)), self._ref.narrow(dim, 0, ROW_TILE))
-            if moved:          # the thread count itself moves a row's bits: this GEMM runs at 1 thread
-                self.threads = 1
-                logging.getLogger(__name__).info(
-                    "batch-invariant: the GEMM %s gives a row other bits at %d threads than at 1: run at 1 thread",
-                    self.name, self.asked)
-        self.kept[ROW_TILE] = True
+    def _reference(self, probe: Callable[[Tensor], Tensor], dim: int) -> Tensor:
+        """probe on the block in ROW_TILE-row calls at 1 thread (each probe's own: its weights may differ)."""
+        return _chunks_of(probe, self._block, dim, 1)
+
+    def _first_use(self, probe: Callable[[Tensor], Tensor], like: Tensor, dim: int) -> None:
+        """The random block, and the threads: 1 where the asked count moves a 4-row call's bits (any of the block's)."""
+        with self._lock:
+            if self._block is not None:
+                return
+            shape = list(like.shape)
+            shape[dim] = CHECK_BLOCK
+            block = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(like.dtype).to(like.device)
+            if self.asked > 1:
+                ref = _chunks_of(probe, block, dim, 1)
+                if not torch.equal(_chunks_of(probe, block, dim, self.asked), ref):
+                    self.threads = 1       # the thread count itself moves a row's bits: this GEMM runs at 1 thread
+                    logging.getLogger(__name__).info(
+                        "batch-invariant: the GEMM %s gives a row other bits at %d threads than at 1: run at 1 thread",
+                        self.name, self.asked)
+            self.kept[ROW_TILE] = True
+            self._block = block
+
+
+def _chunks_of(probe: Callable[[Tensor], Tensor], block: Tensor, dim: int, threads: int) -> Tensor:
+    """probe over block in ROW_TILE-row calls at `threads` torch threads."""
+    with threads_set(threads):
+        return torch.cat([probe(block.narrow(dim, i, ROW_TILE)) for i in range(0, block.shape[dim], ROW_TILE)], dim)
 
 
 _RULES: dict[tuple, RowRule] = {}
@@ -139,10 +153,20 @@ def forget_row_rules() -> None:
         _RULES.clear()
 
 
+def _forget_after_fork() -> None:
+    global _RULES_LOCK
+    _RULES.clear()                     # a forked child has none of the parent's threads: no lock may stay held
+    _RULES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def in_pieces(gemm: Callable[[Tensor], Tensor], x: Tensor, rule: RowRule, out: Tensor | None = None,
               dim: int = 0) -> Tensor:
-    """gemm (pure) over x's rows (along dim, a multiple of ROW_TILE) in rule.cuts at rule.threads: gemm(x) itself when
-    that is one call. out: written piece by piece (and returned), else the pieces are concatenated."""
+    """gemm (pure, reading its rows contiguous) over x's rows (along dim, a multiple of ROW_TILE) in rule.cuts at
+    rule.threads: gemm(x) itself when that is one call. out: written piece by piece (and returned), else the pieces
+    are concatenated."""
     cuts = rule.cuts(x.shape[dim], gemm, x, dim)
     with threads_set(rule.threads):
         if out is None:

@@ -51,7 +51,7 @@ def threads(n: int):
 
 def assert_same_across_threads(one: list[np.ndarray], two: list[np.ndarray], what: str) -> None:
     """1 thread = 2 threads, bit for bit: each GEMM of the invariant path gives a row the bits of a 4-row call at 1
-    thread, running at 1 thread where the thread count itself would move them (model/row_tile.py row_cap)."""
+    thread, running at 1 thread where the thread count itself would move them (model/row_tile.py RowRule)."""
     assert_bits_equal(one, two, what)
 
 

@@ -83,7 +83,7 @@ def test_kernel_difference_names_the_first_field_and_counts_the_others():
 
 def test_exact_wherever_the_row_rule_is_checked():
     """--dedupe's `exact`: batch-invariant on a CPU, whatever its kind, ISA cap or math mode (every GEMM is called
-    only on row counts its per-process check kept: model/row_tile.py row_cap); not without batch invariance, nor on another
+    only on row counts its per-process check kept: model/row_tile.py RowRule); not without batch invariance, nor on another
     device; unknown kernel path (remote: each worker checks): as batch_invariant."""
     a = kernel_path("float32", "cpu", batch_invariant=True)
     assert exact_here(a, True) and not exact_here(a, False)
