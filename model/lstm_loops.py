@@ -50,14 +50,20 @@ def _clip(layer) -> tuple[str, list]:
     return ("hardtanh", [-layer.proj_clip, layer.proj_clip]) if layer.proj_clip is not None else ("none", [])
 
 
-def _onednn_rules(layer, dtype: torch.dtype, threads: int) -> tuple[RowRule, RowRule, RowRule]:
-    """The row rules (model/row_tile.py) of the oneDNN loop's step GEMMs (gates i, f, o; gate j; the projection),
-    called at `threads` threads (a direction's)."""
+def onednn_step_gemms(layer) -> tuple[tuple[str, int, int, str, list, bool], ...]:
+    """The oneDNN loop's step GEMMs of a layer shape, as _onednn_direction calls them: (name, K, N, post-op, its
+    scalars, whether it adds a bias) for the sigmoid gates i, f, o ([x, h] -> 3H), gate j ([x, h] -> H, tanh) and
+    the projection (H -> P, clipped)."""
     H, P, D = layer.dim, layer.proj_dim, layer.w_in.shape[1]
-    attr, scalars = _clip(layer)
-    return (row_rule_of("onednn", D + P, 3 * H, dtype, "sigmoid", "bias", threads=threads),
-            row_rule_of("onednn", D + P, H, dtype, "tanh", "bias", threads=threads),
-            row_rule_of("onednn", H, P, dtype, attr, *scalars, threads=threads))
+    return (("gates", D + P, 3 * H, "sigmoid", [], True), ("gate j", D + P, H, "tanh", [], True),
+            ("projection", H, P, *_clip(layer), False))
+
+
+def _onednn_rules(layer, dtype: torch.dtype, threads: int) -> tuple[RowRule, RowRule, RowRule]:
+    """The row rules (model/row_tile.py) of the oneDNN loop's step GEMMs (onednn_step_gemms), called at `threads`
+    threads (a direction's)."""
+    return tuple(row_rule_of("onednn", k, n, dtype, attr, *scalars, *(("bias",) if bias else ()), threads=threads)
+                 for _, k, n, attr, scalars, bias in onednn_step_gemms(layer))
 
 
 def _onednn_direction(layer, weights, x, batch_sizes, step_rows, h0, c0, live, resets, y, rules=None):

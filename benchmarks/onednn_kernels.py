@@ -1,0 +1,127 @@
+"""Which oneDNN kernel runs each LSTM step GEMM here, does it reorder anything per call, and how fast is it?
+
+`python -m benchmarks.onednn_kernels [--shape original] [--rows 4 40 184 512] [--threads 1] [--dtypes float32 bfloat16]
+[--out F]`: the oneDNN loop's step GEMMs of a published shape (model/lstm_loops.py onednn_step_gemms: the sigmoid
+gates, gate j, the projection), with weights prepacked as the loop packs them (model/onednn.py pack), called as the
+loop calls them, at each row count and `--threads` torch threads (1: what each direction gets on a 2-core machine).
+Per GEMM and row count: the implementation oneDNN ran and its weights' layout (from oneDNN's verbose output of one
+call), the primitives besides the GEMM it executed in that call (a `reorder` there means weights or activations
+converted on every call), and GFLOP/s over calls of at least 0.2 s against the dtype's square-GEMM ceiling measured in
+the same run at the same threads (benchmarks.common). Prints a table; the JSON (default
+results/onednn_kernels_<kind>.json) names the machine. bfloat16 only where oneDNN runs it natively.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from benchmarks.common import RESULTS, gemm_ceiling_gflops, kind_tag, machine
+
+
+def verbose_lines(call) -> list[list[str]]:
+    """oneDNN's verbose `exec` records of one call (fields split at commas), captured from the C-level stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                call()
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        f.seek(0)
+        text = f.read().decode(errors="replace")
+    return [line.split(",") for line in text.splitlines() if ",primitive,exec," in line]
+
+
+def kernel_of(records: list[list[str]]) -> dict:
+    """The GEMM primitive's implementation and weights' layout, and the other primitives executed, of one call."""
+    gemm = [r for r in records if r[5] in ("inner_product", "matmul")]
+    others = [r[5] for r in records if r[5] not in ("inner_product", "matmul")]
+    impl, weights = (gemm[-1][6], next((d.split(":", 1)[1] for d in gemm[-1][8].split() if d.startswith("wei:")),
+                                      None)) if gemm else (None, None)
+    return {"implementation": impl, "weights": weights, "other_primitives": others}
+
+
+def gflops(call, flops: float, seconds: float = 0.2) -> float:
+    """GFLOP/s of call (flops each) over repeated calls lasting at least `seconds`, after two warm-up calls."""
+    call()
+    call()
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds or n < 3:
+        call()
+        n += 1
+    return flops * n / elapsed / 1e9
+
+
+def measure(shape: str, dtype: torch.dtype, rows: list[int], threads: int) -> dict:
+    from elmo_pipeline.model import onednn
+    from elmo_pipeline.model.kernels import shape_layers
+    from elmo_pipeline.model.lstm_loops import onednn_step_gemms
+    from elmo_pipeline.model.options import parse_options
+    from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS
+    layer = shape_layers(parse_options(PUBLISHED_OPTIONS[shape]))[0]
+    ceiling = gemm_ceiling_gflops(threads, dtype=dtype)
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    with torch.inference_mode():
+        for name, k, n, attr, scalars, bias in onednn_step_gemms(layer):
+            w = onednn.pack((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype))
+            b = torch.randn(n, generator=g).to(dtype) if bias else None
+            for m in rows:
+                x = torch.randn(m, k, generator=g).to(dtype)
+
+                def call():
+                    return torch.ops.mkldnn._linear_pointwise(x, w, b, attr, scalars, "")
+                call()                                                     # the primitive made and cached
+                rate = gflops(call, 2.0 * m * k * n)
+                out.append({"gemm": name, "k": k, "n": n, "rows": m, **kernel_of(verbose_lines(call)),
+                            "gflops": rate, "share_of_ceiling": rate / ceiling})
+    return {"dtype": str(dtype).removeprefix("torch."), "ceiling_gflops": ceiling, "gemms": out}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="original", choices=["small", "medium", "original"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[4, 40, 184, 512])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    from elmo_pipeline.model import onednn
+    dtypes = [getattr(torch, d) for d in args.dtypes]
+    skipped = [d for d in dtypes if not onednn.runs(torch.device("cpu"), d)]
+    runs = [measure(args.shape, d, args.rows, args.threads) for d in dtypes if d not in skipped]
+    report = {"machine": machine(), "command": "python -m benchmarks.onednn_kernels " + " ".join(argv or sys.argv[1:]),
+              "shape": args.shape, "threads": args.threads, "runs": runs,
+              "not_native": [str(d).removeprefix("torch.") for d in skipped]}
+    print(f"{machine()}; {args.shape} shape's step GEMMs, {args.threads} torch thread(s)")
+    print(f"{'dtype':<9}{'gemm':<11}{'K x N':>12}{'rows':>6}  {'implementation':<30}{'weights':<30}{'per call':<12}"
+          f"{'GFLOP/s':>9}{'share':>8}")
+    for r in runs:
+        for x in r["gemms"]:
+            print(f"{r['dtype']:<9}{x['gemm']:<11}{x['k']:>6}x{x['n']:<5}{x['rows']:>6}  {x['implementation'] or '?':<30}"
+                  f"{x['weights'] or '?':<30}{','.join(x['other_primitives']) or '-':<12}{x['gflops']:>9.1f}"
+                  f"{100 * x['share_of_ceiling']:>7.1f}%")
+        print(f"{r['dtype']:<9}ceiling {r['ceiling_gflops']:.1f} GFLOP/s (square 2048 GEMM, same threads)")
+    for d in report["not_native"]:
+        print(f"{d}: oneDNN does not run it natively here: not measured")
+    out = args.out or os.path.join(RESULTS, f"onednn_kernels_{kind_tag()}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""benchmarks/onednn_kernels.py: what oneDNN ran for each LSTM step GEMM, read from its verbose records."""
+import json
+
+import pytest
+import torch
+
+from benchmarks.onednn_kernels import kernel_of, main, verbose_lines
+
+
+def test_the_gemm_and_the_other_primitives_of_a_call_are_read():
+    records = [line.split(",") for line in (
+        "onednn_verbose,v1,primitive,exec,cpu,reorder,jit:uni,undef,src:bf16::blocked:ab::f0 dst:bf16::blocked:"
+        "AB16b64a2b::f0,,,512x1024,0.1",
+        "onednn_verbose,v1,primitive,exec,cpu,inner_product,brg_matmul:avx512_core_amx,forward_inference,src:bf16::"
+        "blocked:ab::f0 wei:bf16::blocked:AB16b64a2b::f0 dst:bf16::blocked:ab::f0,,,mb40ic1024oc512,0.2")]
+    assert kernel_of(records) == {"implementation": "brg_matmul:avx512_core_amx", "weights": "bf16::blocked:AB16b64a2b::f0",
+                                  "other_primitives": ["reorder"]}
+    assert kernel_of([]) == {"implementation": None, "weights": None, "other_primitives": []}
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_one_call_is_captured_here():
+    w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 96))
+    x = torch.randn(8, 96)
+    records = verbose_lines(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+    assert kernel_of(records)["implementation"], records
+
+
+@pytest.mark.slow
+def test_the_benchmark_names_each_step_gemm(tmp_path):
+    out = tmp_path / "k.json"
+    main(["--shape", "small", "--rows", "4", "40", "--dtypes", "float32", "--out", str(out)])
+    (run,) = json.loads(out.read_text())["runs"]
+    assert [(g["gemm"], g["rows"]) for g in run["gemms"]] == [(n, r) for n in ("gates", "gate j", "projection")
+                                                               for r in (4, 40)]
+    assert all(g["implementation"] and g["gflops"] > 0 for g in run["gemms"])
