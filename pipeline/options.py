@@ -111,8 +111,9 @@ def _model_flags(g) -> None:
     g("--state", choices=STATE_MODES, default="stateless",
       help="LSTM state mode (default stateless; stateful needs one worker and keeps input order)")
     g("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
-      help="bit-identical vectors for a sentence whatever the batch budget, workers or resume, so shard files "
-      "hash the same (every GEMM on a multiple of 4 rows; docs/exactness.md); --state stateless or warm; "
+      help="bit-identical vectors for a sentence whatever the batch budget, workers, torch threads or resume, so "
+      "one-shard files hash the same (every GEMM on row counts checked to keep a row's bits; docs/exactness.md); "
+      "--state stateless or warm; "
       "costs about 1-6%% of tokens/s (benchmarks/README.md). Default off: equal to float32 round-off only")
 
 

@@ -3,12 +3,15 @@
     python scripts/invariant_hashes.py [--lines 300] [--budgets 512 4096 16384] [--threads 1 2]
                                        [--dtypes float32 bfloat16] [--shape small|medium|original] [--out DIR]
 
-Runs `pipeline.run --batch-invariant` (one shard, Parquet and HDF5) on the first --lines lines of WikiText-2 valid
-(../shared/data) for each compute dtype, torch thread count and token budget, with the shipped model or, with
---shape, random weights of a published shape (model/synthetic.py, written once). Each output's files are first
-checked against its manifest's records (size and SHA-256); then, per dtype, every run's Parquet and HDF5 digests
-must equal the first run's. Prints a table (the machine named); exit status 0 when every dtype's runs hash the same,
-1 when some differ, 2 when a run fails. --out keeps the outputs (default: a temp folder, removed).
+Runs `pipeline.run --batch-invariant` (Parquet and HDF5, one shard unless --shard-bytes ends one: a wide model's)
+on the first --lines lines of WikiText-2 valid (../shared/data) for each compute dtype, torch thread count and token
+budget, with the shipped model or, with --shape, random weights of a published shape (model/synthetic.py, written
+once). Each output's files are first checked against its manifest's records (size and SHA-256). Its vectors' digest
+is the SHA-256 of every Parquet row sorted by id (id, tokens and each layer's values, bit for bit); per dtype, every
+run's must equal the first run's. Whether the shard files themselves hash the same is shown beside it (they do when
+the runs wrote the same shards: a shard cut by bytes holds the sentences in the order they arrived). Prints a table
+(the machine named); exit status 0 when every dtype's runs give the same vectors, 1 when some differ, 2 when a run
+fails. --out keeps the outputs (default: a temp folder, removed).
 """
 from __future__ import annotations
 
@@ -35,16 +38,40 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def column_bytes(col) -> bytes:
+    """A column's values as bytes: each list level's lengths, then the leaf values (strings NUL-joined)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    parts = []
+    while pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or pa.types.is_fixed_size_list(col.type):
+        parts.append(pc.list_value_length(col).to_numpy(zero_copy_only=False).tobytes())
+        col = pc.list_flatten(col)
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        parts.append("\0".join(col.to_pylist()).encode("utf-8"))
+    else:
+        parts.append(col.to_numpy(zero_copy_only=False).tobytes())
+    return b"".join(parts)
+
+
 def digests(out: str) -> dict[str, str]:
-    """Each shard file's SHA-256 by format, after checking every file the manifest records against its record."""
+    """The vectors' digest (every Parquet row sorted by id) and the shard files' SHA-256 by format, after checking
+    every file the manifest records against its record."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     with open(os.path.join(out, "manifest.json"), encoding="utf-8") as f:
         manifest = json.load(f)
     for name, rec in manifest["files"].items():
         path = os.path.join(out, name)
         if os.path.getsize(path) != rec["bytes"] or sha256(path) != rec["sha256"]:
             raise SystemExit(f"error: {path} is not the file its manifest records")
-    return {fmt: ",".join(sha256(os.path.join(out, s[fmt])) for s in manifest["shards"])
-            for fmt in ("parquet", "hdf5")}
+    table = pa.concat_tables([pq.read_table(os.path.join(out, s["parquet"])) for s in manifest["shards"]])
+    table = table.sort_by([("id", "ascending")])
+    h = hashlib.sha256()
+    for name in ["id", "tokens", *sorted(c for c in table.column_names if c.startswith("layer"))]:
+        h.update(name.encode() + b"\0" + column_bytes(table.column(name)))
+    files = {fmt: ",".join(sha256(os.path.join(out, s[fmt])) for s in manifest["shards"]) for fmt in ("parquet", "hdf5")}
+    return {"vectors": h.hexdigest(), "files": hashlib.sha256(json.dumps(files).encode()).hexdigest()}
 
 
 def run(inp: str, out: str, dtype: str, threads: int, budget: int, model: list[str]) -> None:
@@ -78,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             options, weights = write_random_bilm(args.shape, os.path.join(tmp, "model"))
             model = ["--options-file", options, "--weight-file", weights]
         print(f"{machine()}; {args.lines} lines of WikiText-2 valid, {args.shape or 'the shipped'} model")
-        print(f"{'dtype':<10}{'threads':>8}{'budget':>8}  {'parquet sha256':<18}{'hdf5 sha256':<18}same")
+        print(f"{'dtype':<10}{'threads':>8}{'budget':>8}  {'vectors sha256':<18}{'same':<6}{'shard files':<18}same")
         bad = False
         for dtype in args.dtypes:
             first = None
@@ -88,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                     run(inp, out, dtype, threads, budget, model)
                     got = digests(out)
                     first = first or got
-                    same = got == first
+                    same = got["vectors"] == first["vectors"]
                     bad |= not same
-                    print(f"{dtype:<10}{threads:>8}{budget:>8}  {got['parquet'][:16]:<18}{got['hdf5'][:16]:<18}"
-                          f"{'yes' if same else 'NO'}", flush=True)
-        print("every dtype's runs hash the same" if not bad else "DIFFERENT hashes within a dtype")
+                    print(f"{dtype:<10}{threads:>8}{budget:>8}  {got['vectors'][:16]:<18}{'yes' if same else 'NO':<6}"
+                          f"{got['files'][:16]:<18}{'yes' if got['files'] == first['files'] else 'no'}", flush=True)
+        print("every dtype's runs give the same vectors" if not bad else "DIFFERENT vectors within a dtype")
         return 1 if bad else 0
     finally:
         if not args.out:
