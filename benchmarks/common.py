@@ -154,8 +154,11 @@ def run(args: list[str], children: bool = False) -> dict:
 
 
 def kind_tag() -> str:
-    """The machine kind in a result file's name: zen1, zen4, zen5, intel or cpu."""
+    """The machine kind in a result file's name: zen1, zen4, zen5, intel, intel_amx (an Intel CPU with AMX-BF16
+    tiles) or cpu."""
     from elmo_pipeline.model.hardware import cpu_info
     cpu = cpu_info()
     zen = {23: "zen1", 25: "zen4", 26: "zen5"}.get(cpu.get("family")) if "AMD" in (cpu.get("name") or "") else None
-    return zen or ("intel" if "Intel" in (cpu.get("name") or "") else "cpu")
+    if zen or "Intel" not in (cpu.get("name") or ""):
+        return zen or "cpu"
+    return "intel_amx" if "amx_bf16" in (cpu.get("flags") or []) else "intel"
