@@ -1,6 +1,7 @@
 """Shared pieces of the benchmarks: real sentences, FLOP counts, a GEMM ceiling."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -150,6 +151,17 @@ def run(args: list[str], children: bool = False) -> dict:
     if children:
         out["own_peak_rss_mb"] = seen.pop(p.pid, 0) / 2 ** 20
         out["children_peak_rss_mb"] = sorted((v / 2 ** 20 for v in seen.values() if v > 20 << 20), reverse=True)
+    return out
+
+
+def write_result(report: dict, out: str | None, tool: str) -> str:
+    """report as JSON to `out` (None: results/<tool>_<kind>.json, kind_tag()), folders made; prints and returns the
+    path."""
+    out = out or os.path.join(RESULTS, f"{tool}_{kind_tag()}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {out}")
     return out
 
 

@@ -16,15 +16,13 @@ median seconds; the JSON (default results/model_load_<kind>.json) each repeat's,
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import tempfile
 import time
 
 import torch
 
-from benchmarks.common import RESULTS, kind_tag, machine, wikitext_sentences
+from benchmarks.common import machine, wikitext_sentences, write_result
 
 
 def consumed(model) -> float:
@@ -88,11 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['shape']:<10}{old:>16.3f}{new:>10.3f}{old - new:>9.3f}"
               f"{statistics.median(r['load_and_first_batch_s']):>18.3f}{checking:>23.3f}{checked:>11.3f}"
               f"{checking - checked:>13.3f}")
-    out = args.out or os.path.join(RESULTS, f"model_load_{kind_tag()}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {out}")
+    write_result(report, args.out, "model_load")
     return report
 
 

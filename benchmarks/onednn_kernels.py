@@ -13,7 +13,6 @@ results/onednn_kernels_<kind>.json) names the machine. bfloat16 only where oneDN
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, gemm_ceiling_gflops, kind_tag, machine
+from benchmarks.common import gemm_ceiling_gflops, machine, write_result
 
 
 def verbose_lines(call) -> list[list[str]]:
@@ -115,11 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['dtype']:<9}ceiling {r['ceiling_gflops']:.1f} GFLOP/s (square 2048 GEMM, same threads)")
     for d in report["not_native"]:
         print(f"{d}: oneDNN does not run it natively here: not measured")
-    out = args.out or os.path.join(RESULTS, f"onednn_kernels_{kind_tag()}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {out}")
+    write_result(report, args.out, "onednn_kernels")
     return report
 
 

@@ -28,14 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.common import machine, wiki_lines  # noqa: E402
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+from elmo_pipeline.fsio.cache import file_sha256 as sha256  # noqa: E402
 
 
 def column_bytes(col) -> bytes:
