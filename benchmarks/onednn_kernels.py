@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtypes = [getattr(torch, d) for d in args.dtypes]
     skipped = [d for d in dtypes if not onednn.runs(torch.device("cpu"), d)]
     runs = [measure(args.shape, d, args.rows, args.threads) for d in dtypes if d not in skipped]
-    report = {"machine": machine(), "command": "python -m benchmarks.onednn_kernels " + " ".join(argv or sys.argv[1:]),
+    report = {"machine": machine(), "command": "python -m benchmarks.onednn_kernels " + " ".join(sys.argv[1:] if argv is None else argv),
               "shape": args.shape, "threads": args.threads, "runs": runs,
               "not_native": [str(d).removeprefix("torch.") for d in skipped]}
     print(f"{machine()}; {args.shape} shape's step GEMMs, {args.threads} torch thread(s)")

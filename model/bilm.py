@@ -15,11 +15,12 @@ initial state again, so nearly every row runs at every step. Under autograd (tra
 padded path of model/padded_forward.py instead: the same math, faster backward passes.
 
 batch_invariant=True (inference; forward, forward_tokens, encode_tokens): a sentence's vectors are the same
-bits whatever else is in its batch. The CPU GEMM kernels give a row the same bits for every row count that
-is a multiple of ROW_TILE (model/row_tile.py), and other bits for 1-3 rows (and, at 2 threads, for some other
-counts); so every GEMM gets a multiple of ROW_TILE rows: the token encoder's inputs are padded with all-padding
-tokens, and the LSTMs run in a padded packed layout where step t has round_up(n_t, ROW_TILE) rows (the extra
-rows get zero inputs; they are computed and thrown away). Highway's sigmoid is exp(-x) + 1 -> reciprocal, whose
+bits whatever else is in its batch. A CPU GEMM's kernel, and so a row's bits, follow the call's row count (1-3
+rows take another kernel everywhere measured); so every GEMM gets a multiple of ROW_TILE rows, and on a CPU only
+row counts its RowRule checked in this process to give each row the bits of a ROW_TILE-row call at 1 thread
+(model/row_tile.py): the token encoder's inputs are padded with all-padding tokens, and the LSTMs run in a padded
+packed layout where step t has round_up(n_t, ROW_TILE) rows (the extra rows get zero inputs; they are computed
+and thrown away). Highway's sigmoid is exp(-x) + 1 -> reciprocal, whose
 vector and scalar code agree. See docs/exactness.md.
 
 The LSTM loop (BiLM.lstm_loop, one of LSTM_LOOPS; model/lstm.py) and whether a GPU compiles the LSTM cell

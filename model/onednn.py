@@ -1,6 +1,7 @@
 """oneDNN's linear on the CPU: the GEMM library of the LSTM step (model/lstm_loops.py: onednn_loop) and the token
 encoder (model/encoders.py) wherever it runs the dtype natively. On the AMD EPYCs measured it runs 2.2x MKL's fp32
-GEMM (benchmarks/README.md), and a row's bits are the same for every multiple of ROW_TILE rows (docs/exactness.md).
+GEMM (benchmarks/README.md); the batch-invariant path calls it on row counts checked to keep a row's bits
+(model/row_tile.py).
 
 Weights are prepacked once into oneDNN's blocked layout (pack) and cached by their owner, re-packed when a
 parameter changes (params_key); linear(x, packed, bias, act) is x @ W.T + bias with an activation fused.

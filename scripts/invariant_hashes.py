@@ -7,11 +7,12 @@ Runs `pipeline.run --batch-invariant` (Parquet and HDF5, one shard unless --shar
 on the first --lines lines of WikiText-2 valid (../shared/data) for each compute dtype, torch thread count and token
 budget, with the shipped model or, with --shape, random weights of a published shape (model/synthetic.py, written
 once). Each output's files are first checked against its manifest's records (size and SHA-256). Its vectors' digest
-is the SHA-256 of every Parquet row sorted by id (id, tokens and each layer's values, bit for bit); per dtype, every
+is the SHA-256 of every Parquet row sorted by id (every column, each layer's values bit for bit); per dtype, every
 run's must equal the first run's. Whether the shard files themselves hash the same is shown beside it (they do when
 the runs wrote the same shards: a shard cut by bytes holds the sentences in the order they arrived). Prints a table
-(the machine named); exit status 0 when every dtype's runs give the same vectors, 1 when some differ, 2 when a run
-fails. --out keeps the outputs (default: a temp folder, removed).
+(the machine named) and, with --json FILE, the same as JSON; exit status 0 when every dtype's runs give the same
+vectors, 1 when some differ, 2 when a run fails. --out keeps the outputs (default: a temp folder, removed). The
+HDF5 files are compared as files only (the Parquet rows hold the same vectors).
 """
 from __future__ import annotations
 
@@ -32,19 +33,20 @@ from elmo_pipeline.fsio.cache import file_sha256 as sha256  # noqa: E402
 
 
 def column_bytes(col) -> bytes:
-    """A column's values as bytes: each list level's lengths, then the leaf values (strings NUL-joined)."""
+    """A column's values as bytes: its null mask, each list level's lengths, then the leaf values (strings each
+    prefixed with its length)."""
     import pyarrow as pa
     import pyarrow.compute as pc
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    parts = []
+    parts = [pc.is_null(col).to_numpy(zero_copy_only=False).tobytes()]
     while pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or pa.types.is_fixed_size_list(col.type):
         parts.append(pc.list_value_length(col).to_numpy(zero_copy_only=False).tobytes())
         col = pc.list_flatten(col)
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-        parts.append("\0".join(col.to_pylist()).encode("utf-8"))
+        parts += [len(b).to_bytes(8, "little") + b for b in (v.encode("utf-8") for v in col.fill_null("").to_pylist())]
     else:
-        parts.append(col.to_numpy(zero_copy_only=False).tobytes())
-    return b"".join(parts)
+        parts.append(col.fill_null(0).to_numpy(zero_copy_only=False).tobytes())
+    return b"".join(len(p).to_bytes(8, "little") + p for p in parts)
 
 
 def digests(out: str) -> dict[str, str]:
@@ -61,8 +63,8 @@ def digests(out: str) -> dict[str, str]:
     table = pa.concat_tables([pq.read_table(os.path.join(out, s["parquet"])) for s in manifest["shards"]])
     table = table.sort_by([("id", "ascending")])
     h = hashlib.sha256()
-    for name in ["id", "tokens", *sorted(c for c in table.column_names if c.startswith("layer"))]:
-        h.update(name.encode() + b"\0" + column_bytes(table.column(name)))
+    for name in sorted(table.column_names):                  # every column: ids, tokens, offsets, each layer
+        h.update(len(name).to_bytes(8, "little") + name.encode() + column_bytes(table.column(name)))
     files = {fmt: ",".join(sha256(os.path.join(out, s[fmt])) for s in manifest["shards"]) for fmt in ("parquet", "hdf5")}
     return {"vectors": h.hexdigest(), "files": hashlib.sha256(json.dumps(files).encode()).hexdigest()}
 
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--shape", choices=["small", "medium", "original"])
     ap.add_argument("--out")
+    ap.add_argument("--json", help="also write the table here, naming the machine and the command")
     args = ap.parse_args(argv)
     tmp = args.out or tempfile.mkdtemp(prefix="invariant-hashes-")
     try:
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             model = ["--options-file", options, "--weight-file", weights]
         print(f"{machine()}; {args.lines} lines of WikiText-2 valid, {args.shape or 'the shipped'} model")
         print(f"{'dtype':<10}{'threads':>8}{'budget':>8}  {'vectors sha256':<18}{'same':<6}{'shard files':<18}same")
-        bad = False
+        bad, rows = False, []
         for dtype in args.dtypes:
             first = None
             for threads in args.threads:
@@ -110,9 +113,16 @@ def main(argv: list[str] | None = None) -> int:
                     first = first or got
                     same = got["vectors"] == first["vectors"]
                     bad |= not same
+                    rows.append({"dtype": dtype, "threads": threads, "budget": budget, **got, "same_vectors": same,
+                                 "same_files": got["files"] == first["files"]})
                     print(f"{dtype:<10}{threads:>8}{budget:>8}  {got['vectors'][:16]:<18}{'yes' if same else 'NO':<6}"
                           f"{got['files'][:16]:<18}{'yes' if got['files'] == first['files'] else 'no'}", flush=True)
         print("every dtype's runs give the same vectors" if not bad else "DIFFERENT vectors within a dtype")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": machine(), "command": "python scripts/invariant_hashes.py " + " ".join(
+                    sys.argv[1:] if argv is None else argv), "lines": args.lines, "model": args.shape or "shipped",
+                    "rows": rows, "same_vectors": not bad}, f, indent=2)
         return 1 if bad else 0
     finally:
         if not args.out:

@@ -11,6 +11,7 @@ import elmo_pipeline.model.lstm_loops as lstm_loops
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.char_ids import batch_char_ids
 from elmo_pipeline.model.embedder import ElmoEmbedder
+from elmo_pipeline.model.kernels import shape_layers
 from elmo_pipeline.model.lstm import ONEDNN_MIN_GATE_WIDTH, ONEDNN_MIN_INPUT_WIDTH, LstmProjection, step_loop
 from elmo_pipeline.model.row_tile import MAX_ROWS, ROW_TILE, in_pieces, row_rule_of
 from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS, random_bilm
@@ -133,11 +134,11 @@ def test_onednn_step_gemms_in_checked_pieces_give_a_row_its_row_tile_bits(dtype)
     g = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
     rows = MAX_ROWS + 3 * 32 + 3 * ROW_TILE
+    original = shape_layers(parse_options(PUBLISHED_OPTIONS["original"]))[0]
     try:
         for n_threads in sorted({1, threads}):
             torch.set_num_threads(n_threads)
-            for k, n, attr, scalars, bias in ((1024, 12288, "sigmoid", [], True), (1024, 4096, "tanh", [], True),
-                                              (4096, 512, "hardtanh", [-3.0, 3.0], False)):
+            for _, k, n, attr, scalars, bias in lstm_loops.onednn_step_gemms(original):
                 w = reorder((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype))
                 b = torch.randn(n, generator=g).to(dtype) if bias else None
                 x = torch.randn(rows, k, generator=g).to(dtype)

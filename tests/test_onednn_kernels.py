@@ -19,11 +19,12 @@ def test_the_gemm_and_the_other_primitives_of_a_call_are_read():
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
-def test_one_call_is_captured_here():
+def test_one_call_is_captured_here(capfd):
     w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 96))
     x = torch.randn(8, 96)
     records = verbose_lines(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     assert kernel_of(records)["implementation"], records
+    assert "onednn_verbose" not in capfd.readouterr().out           # captured, none of it printed
 
 
 @pytest.mark.slow
