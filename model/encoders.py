@@ -23,9 +23,9 @@ CNN_CHUNK_ONEDNN = 64
 
 
 def invariant_linear(linear: nn.Linear, x: Tensor, packed: Tensor | None) -> Tensor:
-    """linear(x) for the batch-invariant path on a CPU: x (N, in), N a multiple of ROW_TILE, on row counts this process
+    """linear(x) for the batch-invariant path: x (N, in), N a multiple of ROW_TILE, on row counts this process
     checked for the GEMM (model/row_tile.py); on oneDNN with packed = onednn.pack(linear.weight), else torch's
-    linear. (A GPU keeps its calls whole: batch invariance is refused there, model.device.check_batch_invariant.)"""
+    linear."""
     n_out, n_in = linear.weight.shape
     if packed is None:
         return in_pieces(linear, x, row_rule_of("linear", n_in, n_out, x.dtype))
@@ -49,7 +49,7 @@ class Highway(nn.Module):
     def forward(self, x: Tensor, batch_invariant: bool = False, packed: Tensor | None = None) -> Tensor:
         """(N, d) -> (N, d). packed: self.linear's weight prepacked for oneDNN (onednn.pack), to run the GEMM there.
         batch_invariant: N a multiple of ROW_TILE, the GEMM on checked row counts (invariant_linear)."""
-        z = invariant_linear(self.linear, x, packed) if batch_invariant and x.device.type == "cpu" else \
+        z = invariant_linear(self.linear, x, packed) if batch_invariant else \
             self.linear(x) if packed is None else onednn.linear(x, packed, self.linear.bias)
         transform, carry = z.split(self.dim, dim=-1)
         # batch_invariant: a sigmoid whose result does not depend on where the element falls in the tensor
@@ -121,7 +121,7 @@ class CharCNNEncoder(nn.Module):
             h = hw(h, batch_invariant, None if packed is None else packed["highways"][k])
         if self.proj is None:
             return h
-        if batch_invariant and h.device.type == "cpu":
+        if batch_invariant:
             return invariant_linear(self.proj, h, None if packed is None else packed["proj"])
         return self.proj(h) if packed is None else onednn.linear(h, packed["proj"], self.proj.bias)
 
@@ -160,7 +160,7 @@ class CharCNNEncoder(nn.Module):
                 def gemm(rows, weight=packed["convs"][k]):
                     return onednn.linear(rows, weight)
                 op = "onednn"
-            if batch_invariant and x.device.type == "cpu":
+            if batch_invariant:
                 y = in_pieces(gemm, windows, row_rule_of(op, w * E, n, x.dtype))
             else:
                 y = gemm(windows)

@@ -131,7 +131,7 @@ def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, c
     if invariant and x.device.type == "cpu":      # a GPU keeps its calls whole (batch invariance is refused there)
         (D, N4), P = w_in.shape[1:], first.proj_dim
         rules = [row_rule_of(op, k, n, x.dtype) for op, k, n in
-                 (("bmm", D, N4), ("baddbmm", P, N4), ("bmm", H, P))]
+                 (("bmm", D, N4), ("addmm", P, N4), ("bmm", H, P))]
 
         def recurrent(rows):                       # the recurrent GEMM as a pure function, for its row check
             acc = rows[..., :1].expand(-1, -1, N4).contiguous()

@@ -166,7 +166,10 @@ def in_pieces(gemm: Callable[[Tensor], Tensor], x: Tensor, rule: RowRule, out: T
               dim: int = 0) -> Tensor:
     """gemm (pure, reading its rows contiguous) over x's rows (along dim, a multiple of ROW_TILE) in rule.cuts at
     rule.threads: gemm(x) itself when that is one call. out: written piece by piece (and returned), else the pieces
-    are concatenated."""
+    are concatenated. On a device other than the CPU the call stays whole, unchecked (batch invariance is refused
+    there: model.device.check_batch_invariant)."""
+    if x.device.type != "cpu":
+        return gemm(x) if out is None else out.copy_(gemm(x))
     cuts = rule.cuts(x.shape[dim], gemm, x, dim)
     with threads_set(rule.threads):
         if out is None:

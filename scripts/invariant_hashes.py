@@ -25,11 +25,14 @@ import subprocess
 import sys
 import tempfile
 
+import fsspec
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.common import machine, wiki_lines  # noqa: E402
 from elmo_pipeline.fsio.cache import file_sha256 as sha256  # noqa: E402
+from elmo_pipeline.fsio.fs import read_json  # noqa: E402
 
 
 def column_bytes(col) -> bytes:
@@ -54,19 +57,23 @@ def digests(out: str) -> dict[str, str]:
     every file the manifest records against its record."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    with open(os.path.join(out, "manifest.json"), encoding="utf-8") as f:
-        manifest = json.load(f)
+    manifest = read_json(fsspec.filesystem("file"), os.path.join(out, "manifest.json"))
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise SystemExit(f"error: {out}: no readable manifest.json")
     for name, rec in manifest["files"].items():
         path = os.path.join(out, name)
         if os.path.getsize(path) != rec["bytes"] or sha256(path) != rec["sha256"]:
             raise SystemExit(f"error: {path} is not the file its manifest records")
+    shards = [s[fmt] for s in manifest["shards"] for fmt in ("parquet", "hdf5")]
+    if any(name not in manifest["files"] for name in shards):
+        raise SystemExit(f"error: {out}: a shard the manifest names has no file record")
     table = pa.concat_tables([pq.read_table(os.path.join(out, s["parquet"])) for s in manifest["shards"]])
     table = table.sort_by([("id", "ascending")])
     h = hashlib.sha256()
     for name in sorted(table.column_names):                  # every column: ids, tokens, offsets, each layer
         h.update(len(name).to_bytes(8, "little") + name.encode() + column_bytes(table.column(name)))
-    files = {fmt: ",".join(sha256(os.path.join(out, s[fmt])) for s in manifest["shards"]) for fmt in ("parquet", "hdf5")}
-    return {"vectors": h.hexdigest(), "files": hashlib.sha256(json.dumps(files).encode()).hexdigest()}
+    files = ",".join(manifest["files"][name]["sha256"] for name in shards)        # checked above
+    return {"vectors": h.hexdigest(), "files": hashlib.sha256(files.encode()).hexdigest()}
 
 
 def run(inp: str, out: str, dtype: str, threads: int, budget: int, model: list[str]) -> None:
