@@ -26,8 +26,9 @@ Each side's files are first checked against their manifest's records (`files`: s
 is not the one its run recorded is a difference. Per output: bytes (SHA-256) and content. Parquet: schema, every column exactly (nulls, list lengths,
 values bit for bit, max |diff|), and which file metadata differs when only bytes do. HDF5: names,
 shapes, dtypes, attributes, values bit for bit. manifest.json / results.json: equal with each side's
-tree and output folder replaced by <TREE>/<OUT>, timings (and results.json `machine`) dropped; manifest
-Keys only the head has are reported as "keys added (an extension)";
+tree and output folder replaced by <TREE>/<OUT>, timings (and results.json `machine`) dropped, and the manifest's
+records of the files that hold timings (metrics.prom, report.html, ...: TIMED_RECORDS) dropped; manifest
+keys only the head has are reported as "keys added (an extension)";
 `run.key` / `options.*` differences are reported as "differs (expected if flags were added)", not as
 failures. table.md: without its `seconds` column. metrics.prom: without the output and run_key labels
 and the `*_seconds` samples. Dead letters: sorted lines. chart.png and report.html
@@ -56,6 +57,10 @@ PIPE = ["-m", "pipeline.run", "--torch-threads", "1", "--progress", "off", "--fo
         "--shard-sentences", "60"]
 JSONL = ["--input-format", "jsonl", "--tokenizer", "whitespace", "--id-field", "id"]
 TIMING = re.compile(r"(seconds|elapsed|duration|timestamp|_time|^time)$")
+# A manifest's records (size, SHA-256) of the files that hold the run's timings: they differ every run (the files
+# themselves are compared without their timings, below)
+TIMED_RECORDS = tuple(f"files.{name}." for name in ("metrics.prom", "report.html", "results.json", "table.md",
+                                                     "chart.png"))
 BROKEN = ['{"id": "bad-json", "text": \n', '{"id": "no-text"}\n', '{"id": "blank", "text": "  "}\n',
           json.dumps({"id": "too-long", "text": " ".join(["word"] * 120)}) + "\n"]
 
@@ -232,7 +237,8 @@ def cmp_json(a: Path, b: Path, subs_a: list, subs_b: list) -> tuple[bool, float,
         for old, new in subs:
             text = text.replace(json.dumps(old)[1:-1], new)
         norm.append({k: v for k, v in flat(json.loads(text)).items()
-                     if not TIMING.search(k.rsplit(".", 1)[-1]) and k != "meta.machine"})
+                     if not TIMING.search(k.rsplit(".", 1)[-1]) and k != "meta.machine"
+                     and not k.startswith(TIMED_RECORDS)})
     absent = object()
     diff = sorted(k for k in norm[0].keys() | norm[1].keys() if norm[0].get(k, absent) != norm[1].get(k, absent))
     ignored = [k for k in sorted(raw[0].keys() | raw[1].keys())
