@@ -1,6 +1,7 @@
 """Shared pieces of the benchmarks: real sentences, FLOP counts, a GEMM ceiling."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -152,6 +153,22 @@ def run(args: list[str], children: bool = False) -> dict:
         out["own_peak_rss_mb"] = seen.pop(p.pid, 0) / 2 ** 20
         out["children_peak_rss_mb"] = sorted((v / 2 ** 20 for v in seen.values() if v > 20 << 20), reverse=True)
     return out
+
+
+@contextlib.contextmanager
+def trees(baseline: str | None, tmp: str):
+    """{label: source tree}: this tree ("this tree"), and with a baseline revision a git worktree of it under tmp
+    (removed after), to run side by side with PYTHONPATH=<tree>."""
+    out = {"this tree": REPO}
+    base_dir = os.path.join(tmp, "baseline") if baseline else None
+    if base_dir:
+        subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "-q", base_dir, baseline], check=True)
+        out[baseline] = base_dir
+    try:
+        yield out
+    finally:
+        if base_dir:
+            subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", base_dir], check=False)
 
 
 def write_result(report: dict, out: str | None, tool: str) -> str:

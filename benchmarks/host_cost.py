@@ -270,7 +270,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "host_cost.json"))
     args = ap.parse_args()
     sys.path.insert(0, REPO)
-    from benchmarks.common import machine
+    from benchmarks.common import machine, trees
     from elmo_pipeline.model.synthetic import write_random_bilm
     from elmo_pipeline.tokenization import tokenize_document
 
@@ -299,22 +299,13 @@ def main() -> int:
         stages = stage_costs(raw, model, args.max_tokens_per_batch)
         for k, v in stages["us_per_token"].items():
             print(f"  {k:50s} {v:7.2f}")
-        trees = {"this tree": REPO}
-        base_dir = None
-        if args.baseline:
-            base_dir = os.path.join(tmp, "baseline")
-            subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "-q", base_dir, args.baseline], check=True)
-            trees[f"{args.baseline}"] = base_dir
-        try:
+        with trees(args.baseline, tmp) as sides:
             print("End to end (after start-up):", flush=True)
             configs = QUICK if args.quick else tuple(CONFIGS)
             if args.only:
                 configs = tuple(c for c in configs if any(w in c for w in args.only))
-            e2e = end_to_end(trees, {"raw": (raw, first_raw, n, n_raw_head), "ws": (ws, first_ws, n, n_ws_head)}, model,
-                             configs, args.runs)
-        finally:
-            if base_dir:
-                subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", base_dir], check=False)
+            e2e = end_to_end(sides, {"raw": (raw, first_raw, n, n_raw_head), "ws": (ws, first_ws, n, n_ws_head)},
+                             model, configs, args.runs)
     us = stages["us_per_token"]
     floors = us["tokenize raw floor: blingfire + sacremoses alone"] + us["Parquet encode floor: pyarrow's encoder"]
     # What no change to the host path can beat on this machine: the two floors plus the model's own arithmetic,

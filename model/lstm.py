@@ -87,10 +87,20 @@ def pack_onednn_weights(layers: list[LstmProjection]) -> list[tuple[Tensor, Tens
     H = layers[0].dim
     packed = []
     for l in layers:
-        w = torch.cat([l.w_in, l.w_rec], dim=1).detach()             # (4H, D_in + P), TF gate order i, j, f, o
+        w_in, w_rec = l.w_in.detach(), l.w_rec.detach()               # (4H, D_in), (4H, P): TF gate order i, j, f, o
         b = (l.bias + l.forget_bias).detach()
-        sig = torch.cat([torch.arange(0, H), torch.arange(2 * H, 4 * H)]).to(w.device)
-        packed.append((onednn.pack(w[sig]), b[sig].contiguous(), onednn.pack(w[H: 2 * H]), b[H: 2 * H].contiguous(),
+        gates = {"sig": (slice(0, H), slice(2 * H, 4 * H)), "j": (slice(H, 2 * H),)}
+        w = {}
+        for name, rows in gates.items():              # [w_in | w_rec] of the gates' rows, written once, then packed
+            out = w_in.new_empty(sum(r.stop - r.start for r in rows), w_in.shape[1] + w_rec.shape[1])
+            at = 0
+            for r in rows:
+                n = r.stop - r.start
+                torch.cat([w_in[r], w_rec[r]], dim=1, out=out[at: at + n])
+                at += n
+            w[name] = onednn.pack(out)
+            del out
+        packed.append((w["sig"], torch.cat([b[g] for g in gates["sig"]]), w["j"], b[gates["j"][0]].contiguous(),
                        onednn.pack(l.w_proj)))
     return packed
 

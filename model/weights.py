@@ -25,9 +25,9 @@ from contextlib import contextmanager
 import h5py
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.model.lstm import forget_bias
 from elmo_pipeline.fsio import local_path, replacing
 from elmo_pipeline.model.options import N_CHAR_ROWS, BiLMOptions, load_options
 
@@ -223,19 +223,28 @@ def check_bilm(options_file: str, weight_file: str, sha256: str | None = None) -
     return opts
 
 
+class _InitialisersSkipped(TorchFunctionMode):
+    """Inside: torch.nn.init's initialisers and the random fills they make leave their tensor as it is (torch.empty's
+    memory, filled after by _load)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+_RANDOM_FILLS = (torch.Tensor.uniform_, torch.Tensor.normal_)
+
+
 def _unfilled(opts: BiLMOptions) -> BiLM:
-    """A BiLM whose parameters are allocated on the CPU but not initialised (_load then fills every one) and whose
-    buffers are set: BiLM(opts) would draw random weights only to have them overwritten (what that costs per shape:
-    python -m benchmarks.model_load)."""
-    with torch.device("meta"):
-        model = BiLM(opts)
-    model.to_empty(device="cpu")
-    for layer in (*model.forward_layers, *model.backward_layers):
-        layer.forget_bias.copy_(forget_bias(layer.dim))
-    unset = [name for name, _ in model.named_buffers() if not name.endswith(".forget_bias")]
-    if unset:
-        raise LayoutGap(f"buffers not set after building without initialising: {', '.join(unset)}")
-    return model
+    """A BiLM whose parameters are allocated on the CPU but not initialised (_load then fills every one), its
+    buffers set: BiLM(opts) would draw random weights only to have them overwritten (what that costs per shape:
+    python -m benchmarks.model_load). Built on the CPU, not on the meta device: there, torch's Python reference
+    kernels of the initialisers and of to_empty import torch._dynamo and sympy on first use, 1.4 s of a fresh
+    process (benchmarks.model_load, "fresh process")."""
+    with _InitialisersSkipped():
+        return BiLM(opts)
 
 
 def load_bilm(options_file: str, weight_file: str, device: str | torch.device = "cpu",

@@ -227,6 +227,18 @@ def test_a_model_loaded_without_initialising_equals_one_initialised_then_loaded(
     assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
+def test_loading_a_model_imports_neither_dynamo_nor_sympy(tiny_model_files):
+    """A fresh process's load_bilm stays off torch's Python reference kernels (the meta device's initialisers and
+    to_empty imported torch._dynamo and sympy: about 1.4 s of the `elmo` command's fixed cost, benchmarks.model_load)."""
+    import subprocess
+    import sys
+    code = ("import sys; from elmo_pipeline.model.weights import load_bilm; load_bilm(*sys.argv[1:3]); "
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, *tiny_model_files[:2]], capture_output=True, text=True,
+                       timeout=120, check=True)
+    assert r.stdout.split("\n")[-2] == "[]"
+
+
 def test_a_parameter_the_layout_does_not_load_is_an_error(tiny_model_files, monkeypatch):
     """A parameter the weights layout leaves out (a model change not followed in _load) would hold uninitialised
     memory: loading refuses instead."""
