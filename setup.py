@@ -46,5 +46,5 @@ setup(
                  "pyiceberg[sql-sqlite,pyarrow]>=0.12,<0.13",
                  "prometheus_client>=0.20"],   # the reference parser of metrics.prom (tests/test_metrics.py)
     },
-    entry_points={"console_scripts": ["elmo-pipeline=elmo_pipeline.pipeline.cli:main"]},
+    entry_points={"console_scripts": ["elmo-pipeline=elmo_pipeline.pipeline.cli:console"]},
 )

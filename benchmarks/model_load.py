@@ -1,6 +1,7 @@
 """A worker's fixed cost before its first batch: the model loaded, then its first batch embedded.
 
-`python -m benchmarks.model_load [--shapes small medium original] [--repeats 5] [--out results/model_load_X.json]`:
+`python -m benchmarks.model_load [--shapes small medium original] [--repeats 5] [--fresh 3] [--fresh-shapes original]
+[--baseline REV] [--out results/model_load_X.json]`:
 per published shape (random weights written once to a temporary folder, read from the page cache), side by side
 in one process, alternating:
   built then loaded   BiLM(options) (its random initialisation) + load_weights_into: what load_bilm did before
@@ -15,7 +16,9 @@ Each load is consumed: every parameter summed (float64), and the two ways' sums 
 A fresh process (--fresh-shapes, default the original shape; --fresh repeats, each dtype the CPU runs natively; with
 --baseline REV the same in a git worktree of REV, interleaved): what a worker or the `elmo` command pays before its
 vectors, phase by phase, in processes started for it:
-  python + torch      interpreter start and `import torch` (the process's wall time less what it timed inside)
+  python + torch      interpreter start and `import torch`
+  exit                from the process's last line to its end (the interpreter's teardown; this process, as a
+                      library user's would, does not freeze the collector as the command does: cli.console)
   our imports         the embedder and the weight loader
   load                load_bilm (options and weights read, checked, the BiLM built from them)
   first batch extra   the first batch of 8 WikiText-2 sentences less the second (the same batch again): the weights'
@@ -59,7 +62,7 @@ for _ in range(2):
     t = time.perf_counter()
     sums.append(sum(float(v.astype("float64").sum()) for v in embedder.embed_sentences(sentences, 64)))
     batches.append(time.perf_counter() - t)
-print(json.dumps({"inside_s": time.perf_counter() - t0, "torch_s": t1 - t0, "imports_s": t2 - t1, "load_s": t3 - t2,
+print(json.dumps({"end": time.time(), "inside_s": time.perf_counter() - t0, "torch_s": t1 - t0, "imports_s": t2 - t1, "load_s": t3 - t2,
                   "batches_s": batches, "sums": sums}))
 """
 
@@ -112,7 +115,7 @@ def fresh(tree: str, options: str, weights: str, dtype: str, sentences: str, tmp
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", FRESH, options, weights, dtype, sentences], cwd=tree, env=env,
                        capture_output=True, text=True)
-    wall = time.perf_counter() - t
+    wall, ended = time.perf_counter() - t, time.time()
     if p.returncode:
         raise SystemExit(f"error: a fresh process failed: {p.stderr.strip().splitlines()[-1:]}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -126,12 +129,14 @@ def fresh(tree: str, options: str, weights: str, dtype: str, sentences: str, tmp
                    capture_output=True)
     command = time.perf_counter() - t
     os.remove(out)
-    return {"wall_s": wall, "python_and_torch_s": wall - r["inside_s"] + r["torch_s"], "imports_s": r["imports_s"],
+    exit_s = ended - r["end"]
+    return {"wall_s": wall, "python_and_torch_s": wall - r["inside_s"] - exit_s + r["torch_s"], "exit_s": exit_s,
+            "imports_s": r["imports_s"],
             "load_s": r["load_s"], "first_batch_extra_s": first - second, "batch_s": second,
             "fixed_s": wall - 2 * second, "elmo_command_s": command, "sum": r["sums"][0]}
 
 
-FRESH_COLUMNS = ("python_and_torch_s", "imports_s", "load_s", "first_batch_extra_s", "fixed_s", "batch_s",
+FRESH_COLUMNS = ("python_and_torch_s", "exit_s", "imports_s", "load_s", "first_batch_extra_s", "fixed_s", "batch_s",
                  "elmo_command_s")
 
 
@@ -187,9 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{checking - checked:>13.3f}")
     if fresh_rows:
         print(f"fresh processes, median of {args.fresh} (seconds):")
-        print(f"{'shape':<10}{'dtype':<10}{'tree':<11}" + "".join(f"{c[:-2]:>20}" for c in FRESH_COLUMNS))
+        print(f"{'shape':<10}{'dtype':<10}{'tree':<11}" + "".join(f"{c[:-2]:>18}" for c in FRESH_COLUMNS))
         for r in fresh_rows:
-            print(f"{r['shape']:<10}{r['dtype']:<10}{r['tree']:<11}" + "".join(f"{r[c]:>20.2f}" for c in FRESH_COLUMNS))
+            print(f"{r['shape']:<10}{r['dtype']:<10}{r['tree']:<11}" + "".join(f"{r[c]:>18.2f}" for c in FRESH_COLUMNS))
     write_result(report, args.out, "model_load")
     return report
 

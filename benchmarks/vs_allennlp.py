@@ -49,8 +49,8 @@ def run_ours(options: str, weights: str, inp: str, out: str, batch: int, threads
     """Our `elmo` command's tokens/s after the model load (its own closing line) and the whole process's wall
     seconds (Python start, imports, model load, embedding, writing)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "ELMO_THREADS": str(threads)}
-    code = ("import sys, torch; torch.set_num_threads(%d); from pipeline.cli import main; "
-            "sys.exit(main(sys.argv[1:]))" % threads)
+    code = ("import sys, torch; torch.set_num_threads(%d); from pipeline.cli import console; "
+            "console(sys.argv[1:])" % threads)
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", code, "elmo", inp, out, "--all", "--state", state, "--batch-size", str(batch),
                         "--max-tokens-per-batch", str(max_tokens), "--options-file", options, "--weight-file", weights],
