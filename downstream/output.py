@@ -47,7 +47,7 @@ class ElmoOutput:
         self.shards: list[dict] = [shard_entry(f"{where}: shard {i}", s, FORMATS)
                                    for i, s in enumerate(self.manifest.get("shards", []))]
         self.layer_names, self.layer_dims, self.formats, self.parquet_layout = checked_header(where, manifest)
-        self.files: dict[str, dict] | None = checked_files(where, manifest.get("files"))
+        self.files: dict[str, dict] | None = checked_files(where, manifest)
         self.dim = max(self.layer_dims.values())
         self.dtype: str = self.manifest.get("dtype", "float32")
         if self.dtype not in ("float16", "float32"):

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from elmo_pipeline.formats.parquet import META_COLUMNS, TOKEN_META_COLUMNS
 from elmo_pipeline.fsio import is_local_fs, same_digest
-from elmo_pipeline.output.manifest import is_file_record
+from elmo_pipeline.output.manifest import is_file_record, recorded_files
 
 
 class DamagedOutput(ValueError):
@@ -161,13 +161,15 @@ def check_hdf5_shape(where: str, key: str, shape: tuple, dtype, n_layers: int, d
     return int(shape[-2])
 
 
-def checked_files(where: str, files) -> dict[str, dict] | None:
+def checked_files(where: str, manifest: dict) -> dict[str, dict] | None:
     """A manifest's `files` ({name: {"bytes", "sha256"}}, output/sink.file_record) checked whole; None when the
-    manifest has none (an output of a version that recorded none: read as before, not verified)."""
+    manifest has none and is of a version that recorded none (read as before, not verified: recorded_files)."""
+    try:
+        files = recorded_files(manifest)
+    except ValueError as e:
+        raise DamagedOutput(f"{where}: {e}") from None
     if files is None:
         return None
-    if not isinstance(files, dict):
-        raise DamagedOutput(f"{where}: 'files' is not an object")
     for name, rec in files.items():
         inside_path(where, name)
         if not is_file_record(rec):

@@ -225,7 +225,7 @@ def test_a_fifo_at_an_arrow_shard_never_blocks_the_mapped_dataset(two_models, tm
                     read()
             if not recorded:
                 break
-            m.pop("files")
+            m.pop("files"), m.pop("kernel_path")         # an output of a version that recorded no files
             _write_manifest(out, m)
             assert ElmoOutput(out).files is None
 
@@ -250,12 +250,20 @@ def test_a_shard_replaced_by_a_fifo_after_opening_is_refused(two_models, tmp_pat
 
 def test_an_output_without_records_reads_as_before(two_models, tmp_path):
     """An output of a version that recorded no files: read and validated as before (a shard swapped in with the
-    same counts is not detected: nothing records it)."""
+    same counts is not detected: nothing records it). A manifest that lost its records but keeps what the versions
+    recording them write (kernel_path) is refused: edited or damaged, not an earlier version's."""
     from elmo_pipeline.downstream import ElmoOutput
     from elmo_pipeline.downstream.mapped import MappedDataset
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
     out = _copy(two_models["a"], tmp_path / "o")
     m = _manifest(out)
     del m["files"]
+    _write_manifest(out, m)
+    for read in (ElmoOutput, MappedDataset):
+        with pytest.raises(DamagedOutput, match=re.escape("has no file records ('files'), which its version always "
+                                                          "writes: edited or damaged")):
+            read(out)
+    del m["kernel_path"]
     _write_manifest(out, m)
     rel = m["shards"][1]["parquet"]
     shutil.copy(os.path.join(two_models["b"], rel), os.path.join(out, rel))

@@ -1,6 +1,7 @@
 """--reuse trusts a source's files only as its manifest records them (pipeline/reuse_sources.py, transforms/reuse.py, fsio.read_recorded): each
 key index and shard it opens is read at most to its recorded size + 1 bytes, from a regular file, and used only when
-its size and SHA-256 are the recorded ones; a source written before files were recorded is read as before."""
+its size and SHA-256 are the recorded ones; a source written before files were recorded is read as before, and one
+whose manifest lost its records while keeping what the versions recording them write is refused."""
 import json
 import os
 import re
@@ -76,7 +77,12 @@ def test_a_source_file_not_the_recorded_one_is_refused_before_use(small_sources,
     os.remove(os.path.join(src, data))
     shutil.copy(os.path.join(outs["foreign", fmt], data), os.path.join(src, data))
     shutil.copy(os.path.join(outs["ours", fmt], keys), os.path.join(src, keys))
-    del m["files"]
+    del m["files"]                           # gone from a manifest of a version that records files: refused
+    open(os.path.join(src, "manifest.json"), "w").write(json.dumps(m))
+    with pytest.raises(ReuseError, match=re.escape("its manifest has no file records ('files'), which its version "
+                                                   "always writes: edited or damaged")):
+        _opened(src)
+    del m["kernel_path"]                     # as an earlier version wrote it: read as before
     open(os.path.join(src, "manifest.json"), "w").write(json.dumps(m))
     got = read_vectors(_opened(src), 1, [0, 3], columns)              # not verified: another model's vectors
     assert got[0] == good[0] and not all(np.array_equal(a, b) for a, b in zip(got[1], good[1]))
