@@ -33,6 +33,9 @@ TRANSIENT_TYPES = ("LeaseHeld", "RetryLater", "ConnectionError", "EndpointConnec
 DATA_TYPES = ("WeightsError", "OptionsError", "DuplicateIdError", "InputChanged")
 USAGE_TYPES = ("PermissionError", "FileExistsError", "NotADirectoryError", "IsADirectoryError",
                "TableMovedError")   # formats/iceberg/upsert.py: an upsert to run again into a new --output
+# a --reuse/--reuse-table source missing, damaged or foreign (transforms/reuse.py ReuseError and its subclasses):
+# the command's to fix whether planning or a worker's read finds it
+REUSE_TYPES = ("ReuseError", "ForeignSourceError", "KernelPathError")
 PLANNING_USAGE_TYPES = ("ValueError", "RuntimeError")   # while planning: a bad value, a missing GPU; once running: a
 #                                                       bug or a library's complaint
 AFTER_PLAN = "_elmo_pipeline_after_plan"
@@ -44,6 +47,7 @@ TRANSIENT_TEXT = re.compile(
 DATA_TEXT = re.compile(r"WeightsError|OptionsError|sha256 mismatch|differs from its first download|"
                        r"download truncated|download failed after|matches no file|not a valid HDF5 file|"
                        r"changed since the run was planned")
+REUSE_TEXT = re.compile(r"\b(%s): " % "|".join(REUSE_TYPES))
 MEANINGS = {OK: "done", USAGE: "fix the command", DATA: "fix the data", SOFTWARE: "failed",
             TEMPFAIL: "retry later", INTERRUPTED: "interrupted"}
 
@@ -108,7 +112,7 @@ def classify(exc: BaseException) -> Failure:
 
     Order: a transient cause anywhere in the chain wins (a full disk under Beam's wrapping is still a full
     disk), then a data cause, a missing optional package (USAGE; for a URL's storage the message names what to
-    install: fsio.fs.check_protocol), then the messages (text from other
+    install: fsio.fs.check_protocol), a --reuse source's (USAGE, as while planning), then the messages (text from other
     processes), then the outermost type: a ValueError or RuntimeError raised while planning (not marked
     after_plan()), a permission or an output holding another command's run are the command's fault, anything
     else SOFTWARE."""
@@ -119,11 +123,16 @@ def classify(exc: BaseException) -> Failure:
                 return Failure(want, _one_line(e) + _step(excs, e))
     if any(isinstance(e, ImportError) for e in excs):      # an optional package not installed: the setup's fault
         return Failure(USAGE, _one_line(exc))
+    for e in excs:
+        if _names(e) & set(REUSE_TYPES):
+            return Failure(USAGE, _one_line(e) + _step(excs, e))
     text = " ".join(str(e) for e in excs)
     if TRANSIENT_TEXT.search(text):
         return Failure(TEMPFAIL, _one_line(exc))
     if DATA_TEXT.search(text):
         return Failure(DATA, _one_line(exc))
+    if REUSE_TEXT.search(text):
+        return Failure(USAGE, _one_line(exc))
     if _names(exc) & set(USAGE_TYPES) or (_names(exc) & set(PLANNING_USAGE_TYPES) and not getattr(exc, AFTER_PLAN, False)):
         return Failure(USAGE, _one_line(exc))
     return Failure(SOFTWARE, _one_line(exc))

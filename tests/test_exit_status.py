@@ -60,6 +60,8 @@ def test_a_full_disk_under_beams_wrapping_is_retry_later():
      exits.TEMPFAIL),
     (ConnectionResetError(errno.ECONNRESET, "reset"), exits.TEMPFAIL),
     (KeyError("a bug"), exits.SOFTWARE),
+    (RuntimeError("Traceback (most recent call last):\n  File x\nelmo_pipeline.transforms.reuse.ReuseError: --reuse s: "
+                  "p.parquet: not the file its manifest records [while running 'Reuse']"), exits.USAGE),
     (KeyboardInterrupt(), exits.INTERRUPTED),
 ])
 def test_classify(exc, status):
@@ -70,6 +72,22 @@ def test_a_value_error_after_planning_is_no_bad_flag():
     e = ValueError("Unable to create dataset (name already exists)")
     exits.after_plan(e)
     assert exits.classify(e).status == exits.SOFTWARE
+
+
+def test_a_reuse_source_found_damaged_by_a_worker_exits_as_while_planning():
+    """A --reuse source's ReuseError (a shard not the recorded file) raised as a worker reads it, under Beam's
+    wrapping and after planning: USAGE, as the same source found damaged while planning (docs/failure-behaviour.md)."""
+    from elmo_pipeline.transforms.reuse import KernelPathError, ReuseError
+    for error in (ReuseError("--reuse s: part-0.parquet: not the file its manifest records"), KernelPathError("k")):
+        try:
+            try:
+                raise error
+            except ReuseError as inner:
+                raise RuntimeError(f"{inner} [while running 'ReuseVectors']") from inner
+        except RuntimeError as outer:
+            exits.after_plan(outer)
+            f = exits.classify(outer)
+        assert f.status == exits.USAGE and f.message.startswith(str(error)) and "ReuseVectors" in f.message, f
 
 
 # ---------------------------------------------------------------- real processes

@@ -90,7 +90,8 @@ def test_a_source_file_not_the_recorded_one_is_refused_before_use(small_sources,
 
 def test_a_run_reusing_a_swapped_source_shard_fails_with_one_line(small_sources, tiny_model_files, tmp_path, capsys):
     """The run's side of row 1 of the issue (fast): --reuse of a source whose shard is another model's, same counts:
-    the run fails, its last line naming the file, no output finished; the intact source is reused."""
+    the run fails as a worker reads it, exit 2 as for a source found damaged while planning, its last line naming
+    the file, no output finished; the intact source is reused."""
     outs, flags, day2 = small_sources
     src = shutil.copytree(outs["ours", "parquet"], str(tmp_path / "src"))
     assert main(argv(tiny_model_files, day2, str(tmp_path / "ok"), *flags, "--reuse", src)) == 0
@@ -98,7 +99,7 @@ def test_a_run_reusing_a_swapped_source_shard_fails_with_one_line(small_sources,
     rel = json.load(open(os.path.join(src, "manifest.json")))["shards"][1]["parquet"]
     shutil.copy(os.path.join(outs["foreign", "parquet"], rel), os.path.join(src, rel))
     capsys.readouterr()
-    assert main(argv(tiny_model_files, day2, str(tmp_path / "r"), *flags, "--reuse", src)) != 0
+    assert main(argv(tiny_model_files, day2, str(tmp_path / "r"), *flags, "--reuse", src)) == 2     # as if planning
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ") and f"{rel}: not the file its manifest records" in err, err
     assert not os.path.exists(tmp_path / "r" / "manifest.json")
