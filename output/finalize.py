@@ -234,7 +234,8 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
     sink.put(posixpath.join(st, METRICS), text.encode("utf-8"))
     moves.append([posixpath.join(st, METRICS), METRICS])
     m["files"] = manifests.file_records(moves, staged.shards, sink.written)
-    sink.put(posixpath.join(st, PLAN), json.dumps({"moves": moves, "manifest": m}).encode())
+    relative = [[_inside_staging(st, src), rel] for src, rel in moves]        # the folder may move: read_plan
+    sink.put(posixpath.join(st, PLAN), json.dumps({"moves": relative, "manifest": m}).encode())
     complete_finalize(output, staging, storage_options, register, fence)
     return m
 
@@ -252,9 +253,9 @@ def stage_upsert_state(sink: Sink, st: str, upsert, staged: Staged, m: dict) -> 
 
 
 def read_plan(fs, st: str) -> dict | None:
-    """The finalize plan in staging folder `st`; None when there is none, or when it is no whole plan (damaged:
-    not a JSON object, a move that is not [a file in `st`, a final name (output/names.is_final_name)], a manifest
-    of another kind), with a warning: the run then goes on as if its Finalize had not started (prepare_output
+    """The finalize plan in staging folder `st`, each move's staged file as a path under `st` (_staged_path); None
+    when there is none, or when it is no whole plan (damaged: not a JSON object, a move that is not [a file in `st`,
+    a final name (output/names.is_final_name)], a manifest of another kind), with a warning: the run then goes on as if its Finalize had not started (prepare_output
     removes the file with the staging folder's other leftovers)."""
     path = posixpath.join(st, PLAN)
     try:
@@ -262,12 +263,30 @@ def read_plan(fs, st: str) -> dict | None:
     except FileNotFoundError:
         return None
     moves = plan.get("moves") if isinstance(plan, dict) else None
+    if isinstance(moves, list) and all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) for m in moves):
+        moves = [[_staged_path(st, src), rel] for src, rel in moves]
     if not (isinstance(moves, list) and layout.is_manifest(plan.get("manifest"))
-            and all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) and m[0].startswith(st + "/")
-                    and ".." not in m[0].split("/") and is_final_name(m[1]) for m in moves)):
+            and all(isinstance(m, list) and len(m) == 2 and m[0] is not None and is_final_name(m[1]) for m in moves)):
         logger.warning("%s: not a whole finalize plan; the run goes on without it", path)
         return None
-    return plan
+    return {**plan, "moves": moves}
+
+
+def _inside_staging(st: str, path: str) -> str:
+    """A staged file's name relative to the staging folder `st` (ValueError for a path outside it: a bug)."""
+    if not path.startswith(st + "/"):
+        raise ValueError(f"finalize: {path} is not in the staging folder {st}")
+    return path[len(st) + 1:]
+
+
+def _staged_path(st: str, src: str) -> str | None:
+    """A plan's staged file as a path: a name inside `st` relative to it (as finalize writes it: the output folder
+    may have moved since), or a path under `st` (plans of earlier versions); None for anything else."""
+    if not src.startswith(st + "/"):
+        if src.startswith("/") or "://" in src:
+            return None
+        src = posixpath.join(st, src)
+    return src if ".." not in src[len(st) + 1:].split("/") and src != st + "/" else None
 
 
 def plan_consistent(fs, root: str, st: str, plan: dict) -> bool:

@@ -120,7 +120,8 @@ def test_a_finalize_plan_with_a_lost_file_is_healed_by_a_rerun(corpus, tiny_mode
     (key,) = os.listdir(os.path.join(out, "_staging"))
     st = os.path.join(out, "_staging", key)
     plan = json.load(open(os.path.join(st, "finalize.json")))
-    lost = next(src for src, _ in plan["moves"][3:] if src.endswith(".parquet"))
+    lost_name = next(src for src, _ in plan["moves"][3:] if src.endswith(".parquet"))   # named inside st
+    lost = os.path.join(st, lost_name)
     os.remove(lost)
     moved = [os.path.join(out, rel) for _, rel in plan["moves"][:3]]
     assert all(os.path.exists(m) for m in moved)
@@ -130,7 +131,7 @@ def test_a_finalize_plan_with_a_lost_file_is_healed_by_a_rerun(corpus, tiny_mode
     got = read_output(out)
     assert_same_output(got, reference)
     lost_sentences = next(s["sentences"] for s in plan["manifest"]["shards"] if s["parquet"] in
-                          {rel for src, rel in plan["moves"] if src == lost})
+                          {rel for src, rel in plan["moves"] if src == lost_name})
     assert got[0]["run"]["resumed_sentences"] == reference[0]["counts"]["sentences_written"] - lost_sentences
 
 
@@ -245,7 +246,8 @@ def test_on_s3_a_finalize_plan_with_a_lost_object_is_healed_by_a_rerun(corpus, t
         fs.invalidate_cache()
         (st,) = fs.ls("elmo-heal/out/_staging")
         plan = json.loads(fs.cat_file(f"{st}/finalize.json"))
-        lost = next(src for src, _ in plan["moves"][3:] if src.endswith(".parquet"))
+        lost_name = next(src for src, _ in plan["moves"][3:] if src.endswith(".parquet"))   # named inside st
+        lost = f"{st}/{lost_name}"
         fs.rm_file(lost)
         fs.invalidate_cache()
         assert all(fs.exists(f"elmo-heal/out/{rel}") for _, rel in plan["moves"][:3])
@@ -256,7 +258,7 @@ def test_on_s3_a_finalize_plan_with_a_lost_object_is_healed_by_a_rerun(corpus, t
         got = read_output("s3://elmo-heal/out", fs)
         assert_same_output(got, reference)
         lost_sentences = next(s["sentences"] for s in plan["manifest"]["shards"] if s["parquet"] in
-                              {rel for src, rel in plan["moves"] if src == lost})
+                              {rel for src, rel in plan["moves"] if src == lost_name})
         assert got[0]["run"]["resumed_sentences"] == reference[0]["counts"]["sentences_written"] - lost_sentences
         fs.invalidate_cache()
         assert not fs.exists("elmo-heal/out/_lease.json")

@@ -151,6 +151,21 @@ def test_killed_at_the_end_of_finalize(point, corpus, tiny_model_files, referenc
     assert "pass --overwrite" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_an_output_folder_moved_during_an_interrupted_finalize_is_finished_where_it_is(corpus, tiny_model_files,
+                                                                                       reference, tmp_path, capsys):
+    """Killed in Finalize after 3 moves, the output folder then moved (renamed): the same command on the new path
+    finishes the plan there (its staged files are named relative to the staging folder), equal to an uninterrupted
+    run."""
+    out, moved = str(tmp_path / "out"), str(tmp_path / "moved")
+    p = run_subprocess(argv(tiny_model_files, corpus, out, *SMALL), "finalize_move:3")
+    assert p.returncode == -9, p.stderr[-2000:]
+    os.rename(out, moved)
+    assert main(argv(tiny_model_files, corpus, moved, *SMALL)) == 0
+    assert "finished the interrupted finalize" in capsys.readouterr().err
+    assert_same_output(read_output(moved), reference)
+
+
 def test_worker_process_killed_then_rerun(corpus, tiny_model_files, reference, tmp_path):
     """2 worker processes over the Fn API; one is SIGKILLed while embedding. The runner reports the lost
     worker and fails; the same command then resumes from what either worker committed."""
@@ -416,10 +431,10 @@ def test_plan_from_staging_refuses_damaged_staged_files(tmp_path):
     assert plan_from_staging(st, ["d"]).stats == [whole]
 
 
-@pytest.mark.parametrize("damage", ["not json", "escaping move", "no manifest"])
+@pytest.mark.parametrize("damage", ["not json", "escaping move", "no manifest", "source outside", "source above"])
 def test_a_damaged_finalize_plan_is_not_followed(damage, tmp_path):
     """A finalize.json that is no whole plan (not JSON, a move to a name outside the output's final names, no
-    manifest) is never carried out: the run resumes from its commit records (the plan removed with the other
+    manifest, a staged file outside its staging folder) is never carried out: the run resumes from its commit records (the plan removed with the other
     leftovers), and no file is moved anywhere."""
     out = str(tmp_path / "out")
     ing = {"version": 1, "inputs": [], "options": {"layers": "all"}, "model": {}}
@@ -431,7 +446,11 @@ def test_a_damaged_finalize_plan_is_not_followed(damage, tmp_path):
     manifest = {"schema_version": 1, "shards": [], "run": {"key": key}}
     plan = {"not json": "{\"moves\": [", "escaping move": json.dumps({"moves": [[src, "../escaped.parquet"]],
                                                                        "manifest": manifest}),
-            "no manifest": json.dumps({"moves": [[src, "parquet/part-00000-of-00001.parquet"]]})}[damage]
+            "no manifest": json.dumps({"moves": [[src, "parquet/part-00000-of-00001.parquet"]]}),
+            "source outside": json.dumps({"moves": [[str(tmp_path / "x.parquet"), "parquet/part-00000-of-00001.parquet"]],
+                                          "manifest": manifest}),
+            "source above": json.dumps({"moves": [["../../x.parquet", "parquet/part-00000-of-00001.parquet"]],
+                                        "manifest": manifest})}[damage]
     with open(os.path.join(st, PLAN), "w") as f:
         f.write(plan)
     state = resume.prepare_output(out, key, ing, False)
