@@ -45,7 +45,7 @@ def run_allennlp(venv: str, options: str, weights: str, inp: str, out: str, batc
 
 
 def run_ours(options: str, weights: str, inp: str, out: str, batch: int, threads: int, state: str,
-             max_tokens: int = 0) -> tuple[float, float]:
+             max_tokens: int = 0, dtype: str = "float32") -> tuple[float, float]:
     """Our `elmo` command's tokens/s after the model load (its own closing line) and the whole process's wall
     seconds (Python start, imports, model load, embedding, writing)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "ELMO_THREADS": str(threads)}
@@ -53,7 +53,8 @@ def run_ours(options: str, weights: str, inp: str, out: str, batch: int, threads
             "console(sys.argv[1:])" % threads)
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", code, "elmo", inp, out, "--all", "--state", state, "--batch-size", str(batch),
-                        "--max-tokens-per-batch", str(max_tokens), "--options-file", options, "--weight-file", weights],
+                        "--max-tokens-per-batch", str(max_tokens), "--options-file", options, "--weight-file", weights,
+                        "--compute-dtype", dtype],
                        check=True, env=env, capture_output=True, text=True)
     # the command's own figure: read, embed and write after the model load, the span AllenNLP's driver times
     wall = time.perf_counter() - t
@@ -65,6 +66,17 @@ def max_diff(a: str, b: str) -> float:
         return max(float(np.abs(fa[k][...] - fb[k][...]).max(initial=0)) for k in fa if k != "sentence_to_index")
 
 
+def layer_errors(ref: str, low: str) -> list[float]:
+    """Per output layer ||low - ref|| / ||ref|| over every sentence of two `elmo --all` files (bf16_quality's measure)."""
+    from benchmarks.bf16_quality import LayerError
+    err = LayerError()
+    with h5py.File(ref, "r") as fa, h5py.File(low, "r") as fb:
+        for k in fa:
+            if k != "sentence_to_index":
+                err.add(fa[k][...], fb[k][...])
+    return err.result()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+", default=["small", "medium", "original"])
@@ -73,6 +85,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=16384,
                     help="token budget of our third run (stateless, --max-tokens-per-batch); 0 to skip it")
+    ap.add_argument("--bf16", action="store_true",
+                    help="also ours with --compute-dtype bfloat16 (stateless, and budget): against AllenNLP's float32, "
+                    "with bf16's relative error per layer against ours in float32")
     ap.add_argument("--venv", default=os.path.join(SHARED, "..", ".venv-allennlp-ref"))
     ap.add_argument("--tag", default="", help="appended to the results file name")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/vs_allennlp_<threads>t[_TAG].json; "
@@ -104,6 +119,19 @@ def main() -> None:
                 row["ours_budget_whole_process_s"], row["ratio_budget_whole_process"] = wall, a_wall / wall
                 row["max_abs_diff_budget_vs_stateless"] = max_diff(out, os.path.join(tmp, f"{config}-stateless.hdf5"))
             row["max_abs_diff_stateful_vs_allennlp"] = max_diff(ref, os.path.join(tmp, f"{config}-stateful.hdf5"))
+            for variant, budget in (("bf16_stateless", 0), ("bf16_budget", args.max_tokens))[: 1 + bool(args.max_tokens)]:
+                if not args.bf16:
+                    break
+                out = os.path.join(tmp, f"{config}-{variant}.hdf5")
+                rate, wall = run_ours(options, weights, inp, out, args.batch_size, args.threads, "stateless", budget,
+                                      "bfloat16")
+                row.update({f"ours_{variant}_tokens_per_s": rate, f"ratio_{variant}": rate / a,
+                            f"ours_{variant}_whole_process_s": wall, f"ratio_{variant}_whole_process": a_wall / wall,
+                            f"{variant}_relative_error_per_layer": layer_errors(
+                                os.path.join(tmp, f"{config}-{variant.split('_')[1]}.hdf5"), out)})
+                print(f"{config:<9} ours {variant} {rate:8.0f} tok/s ({rate / a:.2f}x) | whole process {wall:.1f} s "
+                      f"({a_wall / wall:.2f}x) | relative error per layer vs float32 "
+                      + " / ".join(f"{e:.2e}" for e in row[f"{variant}_relative_error_per_layer"]), flush=True)
             rows.append(row)
             print(f"{config:<9} AllenNLP {a:8.0f} tok/s | ours stateful {row['ours_stateful_tokens_per_s']:8.0f} "
                   f"({row['ratio_stateful']:.2f}x) stateless {row['ours_stateless_tokens_per_s']:8.0f} "

@@ -255,7 +255,8 @@ def stage_upsert_state(sink: Sink, st: str, upsert, staged: Staged, m: dict) -> 
 def read_plan(fs, st: str) -> dict | None:
     """The finalize plan in staging folder `st`, each move's staged file as a path under `st` (_staged_path); None
     when there is none, or when it is no whole plan (damaged: not a JSON object, a move that is not [a file in `st`,
-    a final name (output/names.is_final_name)], a manifest of another kind), with a warning: the run then goes on as if its Finalize had not started (prepare_output
+    a final name (output/names.is_final_name)], a manifest of another kind or without its file records), with a
+    warning: the run then goes on as if its Finalize had not started (prepare_output
     removes the file with the staging folder's other leftovers)."""
     path = posixpath.join(st, PLAN)
     try:
@@ -265,11 +266,20 @@ def read_plan(fs, st: str) -> dict | None:
     moves = plan.get("moves") if isinstance(plan, dict) else None
     if isinstance(moves, list) and all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) for m in moves):
         moves = [[_staged_path(st, src), rel] for src, rel in moves]
-    if not (isinstance(moves, list) and layout.is_manifest(plan.get("manifest"))
+    if not (isinstance(moves, list) and layout.is_manifest(plan.get("manifest")) and _records_kept(plan["manifest"])
             and all(isinstance(m, list) and len(m) == 2 and m[0] is not None and is_final_name(m[1]) for m in moves)):
         logger.warning("%s: not a whole finalize plan; the run goes on without it", path)
         return None
     return {**plan, "moves": moves}
+
+
+def _records_kept(manifest: dict) -> bool:
+    """Whether a plan's manifest has its file records, or is of a version that wrote none (recorded_files)."""
+    try:
+        manifests.recorded_files(manifest)
+    except ValueError:
+        return False
+    return True
 
 
 def _inside_staging(st: str, path: str) -> str:

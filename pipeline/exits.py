@@ -111,22 +111,24 @@ def classify(exc: BaseException) -> Failure:
     """The exit status and one-line message of a failure (see the module docstring).
 
     Order: a transient cause anywhere in the chain wins (a full disk under Beam's wrapping is still a full
-    disk), then a data cause, a missing optional package (USAGE; for a URL's storage the message names what to
-    install: fsio.fs.check_protocol), a --reuse source's (USAGE, as while planning), then the messages (text from other
-    processes), then the outermost type: a ValueError or RuntimeError raised while planning (not marked
+    disk), then a --reuse source's failure (ReuseError in the chain, planning or not: TEMPFAIL when the chain's
+    text says storage failed, else USAGE; a source's file gone too), then a data cause, a missing optional package
+    (USAGE; for a URL's storage the message names what to install: fsio.fs.check_protocol), then the messages
+    (text from other processes), then the outermost type: a ValueError or RuntimeError raised while planning (not marked
     after_plan()), a permission or an output holding another command's run are the command's fault, anything
     else SOFTWARE."""
     excs = chain(exc)
+    text = " ".join(str(e) for e in excs)
     for want in (INTERRUPTED, TEMPFAIL, DATA):
         for e in excs:
             if _status(e) == want:
                 return Failure(want, _one_line(e) + _step(excs, e))
+        if want == TEMPFAIL:        # a --reuse source's failure: retry later where storage failed, else USAGE
+            reuse = next((e for e in excs if _names(e) & set(REUSE_TYPES)), None)
+            if reuse is not None:
+                return Failure(TEMPFAIL if TRANSIENT_TEXT.search(text) else USAGE, _one_line(reuse) + _step(excs, reuse))
     if any(isinstance(e, ImportError) for e in excs):      # an optional package not installed: the setup's fault
         return Failure(USAGE, _one_line(exc))
-    for e in excs:
-        if _names(e) & set(REUSE_TYPES):
-            return Failure(USAGE, _one_line(e) + _step(excs, e))
-    text = " ".join(str(e) for e in excs)
     if TRANSIENT_TEXT.search(text):
         return Failure(TEMPFAIL, _one_line(exc))
     if DATA_TEXT.search(text):

@@ -431,10 +431,12 @@ def test_plan_from_staging_refuses_damaged_staged_files(tmp_path):
     assert plan_from_staging(st, ["d"]).stats == [whole]
 
 
-@pytest.mark.parametrize("damage", ["not json", "escaping move", "no manifest", "source outside", "source above"])
+@pytest.mark.parametrize("damage", ["not json", "escaping move", "no manifest", "source outside", "source above",
+                                    "records gone"])
 def test_a_damaged_finalize_plan_is_not_followed(damage, tmp_path):
     """A finalize.json that is no whole plan (not JSON, a move to a name outside the output's final names, no
-    manifest, a staged file outside its staging folder) is never carried out: the run resumes from its commit records (the plan removed with the other
+    manifest, a staged file outside its staging folder, a manifest without the file records its version writes) is
+    never carried out: the run resumes from its commit records (the plan removed with the other
     leftovers), and no file is moved anywhere."""
     out = str(tmp_path / "out")
     ing = {"version": 1, "inputs": [], "options": {"layers": "all"}, "model": {}}
@@ -450,7 +452,9 @@ def test_a_damaged_finalize_plan_is_not_followed(damage, tmp_path):
             "source outside": json.dumps({"moves": [[str(tmp_path / "x.parquet"), "parquet/part-00000-of-00001.parquet"]],
                                           "manifest": manifest}),
             "source above": json.dumps({"moves": [["../../x.parquet", "parquet/part-00000-of-00001.parquet"]],
-                                        "manifest": manifest})}[damage]
+                                        "manifest": manifest}),
+            "records gone": json.dumps({"moves": [[src, "parquet/part-00000-of-00001.parquet"]],
+                                        "manifest": {**manifest, "kernel_path": None}})}[damage]
     with open(os.path.join(st, PLAN), "w") as f:
         f.write(plan)
     state = resume.prepare_output(out, key, ing, False)

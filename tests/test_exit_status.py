@@ -76,7 +76,9 @@ def test_a_value_error_after_planning_is_no_bad_flag():
 
 def test_a_reuse_source_found_damaged_by_a_worker_exits_as_while_planning():
     """A --reuse source's ReuseError (a shard not the recorded file) raised as a worker reads it, under Beam's
-    wrapping and after planning: USAGE, as the same source found damaged while planning (docs/failure-behaviour.md)."""
+    wrapping and after planning: USAGE, as the same source found damaged while planning (docs/failure-behaviour.md);
+    one whose cause says storage failed (s3fs's InternalError, an errno no list knows): TEMPFAIL; a source's file
+    gone: USAGE, its --reuse label kept."""
     from elmo_pipeline.transforms.reuse import KernelPathError, ReuseError
     for error in (ReuseError("--reuse s: part-0.parquet: not the file its manifest records"), KernelPathError("k")):
         try:
@@ -88,6 +90,17 @@ def test_a_reuse_source_found_damaged_by_a_worker_exits_as_while_planning():
             exits.after_plan(outer)
             f = exits.classify(outer)
         assert f.status == exits.USAGE and f.message.startswith(str(error)) and "ReuseVectors" in f.message, f
+    internal = "An error occurred (InternalError) when calling the GetObject operation: please try again."
+    for cause, status in ((OSError(121, internal), exits.TEMPFAIL),
+                          (FileNotFoundError(2, "No such file or directory", "s/keys/part-0.parquet"), exits.USAGE)):
+        try:                            # open_source's wrapping while planning: the cause kept as the context
+            try:
+                raise cause
+            except OSError as e:
+                raise ReuseError(f"--reuse s: cannot read it ({type(e).__name__}: {e})") from None
+        except ReuseError as e:
+            f = exits.classify(e)
+        assert f.status == status and f.message.startswith("--reuse s: cannot read it"), f
 
 
 # ---------------------------------------------------------------- real processes

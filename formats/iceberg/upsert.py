@@ -31,6 +31,7 @@ from elmo_pipeline.formats.iceberg.commit import (FILES_PROPERTY, OUTPUT_PROPERT
 from elmo_pipeline.formats.iceberg.table import IcebergTarget, data_file_urls, output_url
 from elmo_pipeline.formats.layout import DOC_HASHES
 from elmo_pipeline.fsio import json_or_none, redact
+from elmo_pipeline.output.manifest import recorded_files
 
 logger = logging.getLogger("elmo-pipeline.iceberg")
 MODES = ("append", "upsert")
@@ -274,7 +275,7 @@ class Upsert:
         files = data_file_urls(output, manifest)
         base, key = output_url(output), str((manifest.get("run") or {}).get("key"))
         state_url = f"{base}/{manifest['upsert']['doc_hashes']}"
-        record = (manifest.get("files") or {}).get(DOC_HASHES)
+        record = (recorded_files(manifest) or {}).get(DOC_HASHES)       # ValueError: a manifest without its records
         catalog = self.target.load_catalog(storage_options)
         table = self.target._table_or_create(catalog, schema)     # noqa: SLF001
         ids = functools.cache(lambda: run_ids(table.io, files))
