@@ -10,7 +10,9 @@ load (AllenNLP's driver prints its figure; ours is the `elmo` command's own clos
 process's wall time of each command (Python start, imports and model load included), what a user waits for.
 
     bash ../shared/tools/allennlp-reference/setup.sh ../.venv-allennlp-ref      # once
-    .venv/bin/python -m benchmarks.vs_allennlp --configs small medium original --sentences 2000 --threads 2
+    .venv/bin/python -m benchmarks.vs_allennlp --configs small medium original --sentences 2000 --threads 2 [--bf16]
+With --bf16 ours also runs with --compute-dtype bfloat16 (stateless, and with the budget) against AllenNLP's float32,
+and bf16's relative error per output layer against ours in float32 is recorded beside it.
 Writes benchmarks/results/vs_allennlp_<threads>t.json.
 """
 from __future__ import annotations
@@ -119,6 +121,7 @@ def main() -> None:
                 row["ours_budget_whole_process_s"], row["ratio_budget_whole_process"] = wall, a_wall / wall
                 row["max_abs_diff_budget_vs_stateless"] = max_diff(out, os.path.join(tmp, f"{config}-stateless.hdf5"))
             row["max_abs_diff_stateful_vs_allennlp"] = max_diff(ref, os.path.join(tmp, f"{config}-stateful.hdf5"))
+            after = []                              # bf16's lines, printed after the row's
             for variant, budget in (("bf16_stateless", 0), ("bf16_budget", args.max_tokens))[: 1 + bool(args.max_tokens)]:
                 if not args.bf16:
                     break
@@ -129,9 +132,9 @@ def main() -> None:
                             f"ours_{variant}_whole_process_s": wall, f"ratio_{variant}_whole_process": a_wall / wall,
                             f"{variant}_relative_error_per_layer": layer_errors(
                                 os.path.join(tmp, f"{config}-{variant.split('_')[1]}.hdf5"), out)})
-                print(f"{config:<9} ours {variant} {rate:8.0f} tok/s ({rate / a:.2f}x) | whole process {wall:.1f} s "
-                      f"({a_wall / wall:.2f}x) | relative error per layer vs float32 "
-                      + " / ".join(f"{e:.2e}" for e in row[f"{variant}_relative_error_per_layer"]), flush=True)
+                after.append(f"{config:<9} ours {variant} {rate:8.0f} tok/s ({rate / a:.2f}x) | whole process {wall:.1f} s "
+                             f"({a_wall / wall:.2f}x) | relative error per layer vs float32 "
+                             + " / ".join(f"{e:.2e}" for e in row[f"{variant}_relative_error_per_layer"]))
             rows.append(row)
             print(f"{config:<9} AllenNLP {a:8.0f} tok/s | ours stateful {row['ours_stateful_tokens_per_s']:8.0f} "
                   f"({row['ratio_stateful']:.2f}x) stateless {row['ours_stateless_tokens_per_s']:8.0f} "
@@ -143,6 +146,8 @@ def main() -> None:
                   + (f", budget {row['ours_budget_whole_process_s']:.1f} s ({row['ratio_budget_whole_process']:.2f}x)"
                      if args.max_tokens else "")
                   + f" | max|diff| {row['max_abs_diff_stateful_vs_allennlp']:.2g}", flush=True)
+            for line in after:
+                print(line, flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     default = os.path.join(RESULTS, f"vs_allennlp_{args.threads}t" + (f"_{args.tag}" if args.tag else "") + ".json")
     with open(args.out or default, "w") as f:
