@@ -16,9 +16,10 @@ from collections.abc import Mapping
 import numpy as np
 import pyarrow as pa
 
+from elmo_pipeline.formats.layout import recorded_files
 from elmo_pipeline.formats.parquet import META_COLUMNS, TOKEN_META_COLUMNS
 from elmo_pipeline.fsio import is_local_fs, same_digest
-from elmo_pipeline.output.manifest import is_file_record, recorded_files
+from elmo_pipeline.output.manifest import is_file_record
 
 
 class DamagedOutput(ValueError):

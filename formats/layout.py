@@ -145,3 +145,23 @@ def read_manifest(fs, root: str) -> dict | None:
     except FileNotFoundError:
         return None
     return m if is_manifest(m) else None
+
+
+# manifest.json keys that only versions recording every file's size and SHA-256 (`files`) write: a manifest with one
+# of them and no `files` was edited or damaged, not written by an earlier version.
+WITH_FILE_RECORDS = ("kernel_path",)
+
+
+def recorded_files(manifest: dict) -> dict | None:
+    """A manifest's `files` ({name: record}, each checked by its reader: output.manifest.is_file_record); None for
+    an output of a version that recorded none (read as before, not verified). ValueError, one phrase, when `files`
+    is not an object or is gone from a manifest of a version that writes it (WITH_FILE_RECORDS)."""
+    files = manifest.get("files")
+    if files is None:
+        if any(k in manifest for k in WITH_FILE_RECORDS):
+            raise ValueError("its manifest has no file records ('files'), which its version always writes: edited "
+                             "or damaged")
+        return None
+    if not isinstance(files, dict):
+        raise ValueError("its manifest's 'files' is not an object")
+    return files

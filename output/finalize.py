@@ -276,7 +276,7 @@ def read_plan(fs, st: str) -> dict | None:
 def _records_kept(manifest: dict) -> bool:
     """Whether a plan's manifest has its file records, or is of a version that wrote none (recorded_files)."""
     try:
-        manifests.recorded_files(manifest)
+        layout.recorded_files(manifest)
     except ValueError:
         return False
     return True

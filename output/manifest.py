@@ -101,26 +101,6 @@ def complete(manifest: dict, shards: list[ShardInfo], dead: list[ShardInfo]) -> 
     return manifest, moves
 
 
-# manifest.json keys that only versions recording every file's size and SHA-256 (`files`) write: a manifest with one
-# of them and no `files` was edited or damaged, not written by an earlier version.
-WITH_FILE_RECORDS = ("kernel_path",)
-
-
-def recorded_files(manifest: dict) -> dict | None:
-    """A manifest's `files` ({name: record}, each checked by its reader: is_file_record); None for an output of a
-    version that recorded none (read as before, not verified). ValueError, one phrase, when `files` is not an object
-    or is gone from a manifest of a version that writes it (WITH_FILE_RECORDS)."""
-    files = manifest.get("files")
-    if files is None:
-        if any(k in manifest for k in WITH_FILE_RECORDS):
-            raise ValueError("its manifest has no file records ('files'), which its version always writes: edited "
-                             "or damaged")
-        return None
-    if not isinstance(files, dict):
-        raise ValueError("its manifest's 'files' is not an object")
-    return files
-
-
 def is_file_record(rec) -> bool:
     """Whether `rec` is a whole file record: {"bytes": a non-negative int, "sha256": 64 lowercase hex digits}."""
     return (isinstance(rec, dict) and type(rec.get("bytes")) is int and rec["bytes"] >= 0

@@ -22,9 +22,8 @@ import logging
 import posixpath
 from dataclasses import dataclass, field
 
-from elmo_pipeline.formats.layout import SUCCESS, ShardInfo, checked_record, read_manifest
+from elmo_pipeline.formats.layout import SUCCESS, ShardInfo, checked_record, read_manifest, recorded_files
 from elmo_pipeline.fsio import read_json, url_fs
-from elmo_pipeline.output import manifest as manifests
 from elmo_pipeline.output.finalize import as_recorded, plan_consistent, read_plan, read_staged, roll_back, select_records
 from elmo_pipeline.output.names import PLAN, RUN_FILE, SHARD_FILES, STAGING, STATS
 from elmo_pipeline.output.ownership import check_no_links, check_ownership, clear_final, plan_names
@@ -158,7 +157,7 @@ def _listed_files_present(fs, root: str, manifest: dict) -> bool:
     rels = [s[f] for s in manifest.get("shards", []) for f in SHARD_FILES if f in s]
     rels += [d["path"] for d in manifest.get("dead_letter_files", [])]
     try:
-        records = manifests.recorded_files(manifest) or {}
+        records = recorded_files(manifest) or {}
     except ValueError as e:
         logger.warning("%s: %s; starting over", root, e)
         return False

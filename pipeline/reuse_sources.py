@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.parquet import KEY_INDEX_SCHEMA
 from elmo_pipeline.fsio import read_recorded, redact, url_fs
-from elmo_pipeline.output.manifest import is_file_record, recorded_files
+from elmo_pipeline.output.manifest import is_file_record
 from elmo_pipeline.output.names import KEYS
 from elmo_pipeline.transforms.reuse import (ROW_BITS, SHARD_BITS, ForeignSourceError, KernelPathError, ReuseError,
                                             ReuseSource, read_source_file)
@@ -75,7 +75,7 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
         raise ReuseError(f"{flag} {label}: vectors are read back from Parquet (--parquet-layout sentence) or Arrow "
                          f"shards; it has {', '.join(formats) or 'none'}")
     try:
-        files = recorded_files(m)
+        files = layout.recorded_files(m)
     except ValueError as e:
         raise ReuseError(f"{flag} {label}: {e}") from None
     shards, records = [], []

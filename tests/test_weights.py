@@ -227,6 +227,7 @@ def test_a_model_loaded_without_initialising_equals_one_initialised_then_loaded(
     assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_loading_a_model_imports_neither_dynamo_nor_sympy(tiny_model_files):
     """A fresh process's load_bilm stays off torch's Python reference kernels (the meta device's initialisers and
     to_empty imported torch._dynamo and sympy: about 1.4 s of the `elmo` command's fixed cost, benchmarks.model_load)."""

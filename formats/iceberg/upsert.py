@@ -29,9 +29,8 @@ from elmo_pipeline.formats.iceberg.commit import (FILES_PROPERTY, OUTPUT_PROPERT
                                                   Registration, _marked, _upsert_producer, check_new_ids, commit,
                                                   data_files, registration_property, run_ids)
 from elmo_pipeline.formats.iceberg.table import IcebergTarget, data_file_urls, output_url
-from elmo_pipeline.formats.layout import DOC_HASHES
+from elmo_pipeline.formats.layout import DOC_HASHES, recorded_files
 from elmo_pipeline.fsio import json_or_none, redact
-from elmo_pipeline.output.manifest import recorded_files
 
 logger = logging.getLogger("elmo-pipeline.iceberg")
 MODES = ("append", "upsert")
