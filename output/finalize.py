@@ -235,7 +235,7 @@ def finalize(output: str, staging: str, staged: Staged, manifest: dict, storage_
     moves.append([posixpath.join(st, METRICS), METRICS])
     m["files"] = manifests.file_records(moves, staged.shards, sink.written)
     relative = [[_inside_staging(st, src), rel] for src, rel in moves]        # the folder may move: read_plan
-    sink.put(posixpath.join(st, PLAN), json.dumps({"moves": relative, "manifest": m}).encode())
+    sink.put(posixpath.join(st, PLAN), json.dumps({"moves": relative, RELATIVE: True, "manifest": m}).encode())
     complete_finalize(output, staging, storage_options, register, fence)
     return m
 
@@ -252,6 +252,9 @@ def stage_upsert_state(sink: Sink, st: str, upsert, staged: Staged, m: dict) -> 
     return [path, DOC_HASHES]
 
 
+RELATIVE = "sources_relative"      # a plan's key: its moves name their staged files relative to the staging folder
+
+
 def read_plan(fs, st: str) -> dict | None:
     """The finalize plan in staging folder `st`, each move's staged file as a path under `st` (_staged_path); None
     when there is none, or when it is no whole plan (damaged: not a JSON object, a move that is not [a file in `st`,
@@ -264,10 +267,12 @@ def read_plan(fs, st: str) -> dict | None:
     except FileNotFoundError:
         return None
     moves = plan.get("moves") if isinstance(plan, dict) else None
-    if isinstance(moves, list) and all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], str) for m in moves):
-        moves = [[_staged_path(st, src), rel] for src, rel in moves]
-    if not (isinstance(moves, list) and layout.is_manifest(plan.get("manifest")) and _records_kept(plan["manifest"])
-            and all(isinstance(m, list) and len(m) == 2 and m[0] is not None and is_final_name(m[1]) for m in moves)):
+    pairs = isinstance(moves, list) and all(isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m)
+                                            for m in moves)
+    if pairs:
+        moves = [[_staged_path(st, src, plan.get(RELATIVE) is True), rel] for src, rel in moves]
+    if not (pairs and layout.is_manifest(plan.get("manifest")) and _records_kept(plan["manifest"])
+            and all(src is not None and is_final_name(rel) for src, rel in moves)):
         logger.warning("%s: not a whole finalize plan; the run goes on without it", path)
         return None
     return {**plan, "moves": moves}
@@ -289,14 +294,18 @@ def _inside_staging(st: str, path: str) -> str:
     return path[len(st) + 1:]
 
 
-def _staged_path(st: str, src: str) -> str | None:
-    """A plan's staged file as a path: a name inside `st` relative to it (as finalize writes it: the output folder
-    may have moved since), or a path under `st` (plans of earlier versions); None for anything else."""
-    if not src.startswith(st + "/"):
-        if src.startswith("/") or "://" in src:
+def _staged_path(st: str, src: str, relative: bool) -> str | None:
+    """A plan's staged file as a path under `st`: `relative` (the plan says RELATIVE, as finalize writes it: the
+    output folder may have moved since), a name inside `st`; else (plans of earlier versions) a path under `st`.
+    None for anything else (outside `st`, '..', empty)."""
+    if relative:
+        if not src or src.startswith("/") or "://" in src:
             return None
         src = posixpath.join(st, src)
-    return src if ".." not in src[len(st) + 1:].split("/") and src != st + "/" else None
+    elif not src.startswith(st + "/"):
+        return None
+    name = src[len(st) + 1:]
+    return src if name and ".." not in name.split("/") else None
 
 
 def plan_consistent(fs, root: str, st: str, plan: dict) -> bool:

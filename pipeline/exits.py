@@ -111,7 +111,7 @@ def classify(exc: BaseException) -> Failure:
     """The exit status and one-line message of a failure (see the module docstring).
 
     Order: a transient cause anywhere in the chain wins (a full disk under Beam's wrapping is still a full
-    disk), then a --reuse source's failure (ReuseError in the chain, planning or not: TEMPFAIL when the chain's
+    disk), then a --reuse source's failure (ReuseError in the chain, planning or not: TEMPFAIL when its causes'
     text says storage failed, else USAGE; a source's file gone too), then a data cause, a missing optional package
     (USAGE; for a URL's storage the message names what to install: fsio.fs.check_protocol), then the messages
     (text from other processes), then the outermost type: a ValueError or RuntimeError raised while planning (not marked
@@ -124,9 +124,11 @@ def classify(exc: BaseException) -> Failure:
             if _status(e) == want:
                 return Failure(want, _one_line(e) + _step(excs, e))
         if want == TEMPFAIL:        # a --reuse source's failure: retry later where storage failed, else USAGE
-            reuse = next((e for e in excs if _names(e) & set(REUSE_TYPES)), None)
-            if reuse is not None:
-                return Failure(TEMPFAIL if TRANSIENT_TEXT.search(text) else USAGE, _one_line(reuse) + _step(excs, reuse))
+            at = next((i for i, e in enumerate(excs) if _names(e) & set(REUSE_TYPES)), None)
+            if at is not None:            # its causes' text only: its own message quotes the source's (untrusted)
+                causes = " ".join(str(e) for e in excs[at + 1:])
+                return Failure(TEMPFAIL if TRANSIENT_TEXT.search(causes) else USAGE,
+                               _one_line(excs[at]) + _step(excs, excs[at]))
     if any(isinstance(e, ImportError) for e in excs):      # an optional package not installed: the setup's fault
         return Failure(USAGE, _one_line(exc))
     if TRANSIENT_TEXT.search(text):

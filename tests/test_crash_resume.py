@@ -432,7 +432,7 @@ def test_plan_from_staging_refuses_damaged_staged_files(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["not json", "escaping move", "no manifest", "source outside", "source above",
-                                    "records gone"])
+                                    "relative source above", "a source not a name", "records gone"])
 def test_a_damaged_finalize_plan_is_not_followed(damage, tmp_path):
     """A finalize.json that is no whole plan (not JSON, a move to a name outside the output's final names, no
     manifest, a staged file outside its staging folder, a manifest without the file records its version writes) is
@@ -453,6 +453,11 @@ def test_a_damaged_finalize_plan_is_not_followed(damage, tmp_path):
                                           "manifest": manifest}),
             "source above": json.dumps({"moves": [["../../x.parquet", "parquet/part-00000-of-00001.parquet"]],
                                         "manifest": manifest}),
+            "relative source above": json.dumps({"moves": [["../../x.parquet", "parquet/part-00000-of-00001.parquet"]],
+                                                 "sources_relative": True, "manifest": manifest}),
+            "a source not a name": json.dumps({"moves": [[str(tmp_path / "x.parquet"), "parquet/part-00000-of-00001.parquet"],
+                                                         [0, "parquet/part-00001-of-00002.parquet"]],
+                                               "manifest": manifest}),
             "records gone": json.dumps({"moves": [[src, "parquet/part-00000-of-00001.parquet"]],
                                         "manifest": {**manifest, "kernel_path": None}})}[damage]
     with open(os.path.join(st, PLAN), "w") as f:

@@ -101,6 +101,24 @@ def test_a_reuse_source_found_damaged_by_a_worker_exits_as_while_planning():
         except ReuseError as e:
             f = exits.classify(e)
         assert f.status == status and f.message.startswith("--reuse s: cannot read it"), f
+    # its own message quotes the source (untrusted: a folder named so) and says nothing of storage
+    assert exits.classify(ReuseError("--reuse /data/Service Unavailable backup: no finished output there")).status \
+        == exits.USAGE
+
+
+def test_a_reuse_source_file_gone_as_a_worker_reads_it_is_a_reuse_error(tmp_path):
+    """transforms/reuse.read_source_file: a source file gone since planning is the source's ReuseError (exit 2 with
+    its label under Beam's wrapping), not a bare FileNotFoundError (65)."""
+    from elmo_pipeline.transforms.reuse import ReuseError, read_source_file
+    gone = str(tmp_path / "keys" / "part-00000-of-00001.parquet")
+    with pytest.raises(ReuseError, match="gone since the run was planned") as info:
+        read_source_file(gone, {"bytes": 3, "sha256": "a" * 64}, None)
+    try:
+        raise RuntimeError(f"{info.value} [while running 'ReuseVectors']") from info.value
+    except RuntimeError as outer:
+        exits.after_plan(outer)
+        f = exits.classify(outer)
+    assert f.status == exits.USAGE and f.message.startswith(f"--reuse: {gone}: gone since"), f
 
 
 # ---------------------------------------------------------------- real processes

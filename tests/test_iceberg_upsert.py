@@ -432,6 +432,23 @@ def test_a_state_file_replaced_by_an_older_one_is_refused(three_days, tmp_path, 
 
 
 @pytest.mark.slow
+def test_a_registered_day_whose_manifest_lost_its_records_stays_complete(three_days, tmp_path, capsys):
+    """A finished, registered day whose manifest.json lost `files` (edited): the same command again is still
+    'already complete' (its registration is found before any record is read), nothing committed."""
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    args = [*upsert_argv(three_days["inputs"][0], str(tmp_path / "day1"), TABLE, catalog(wh)), *COMMON]
+    assert main(args) == 0
+    m = json.load(open(tmp_path / "day1" / "manifest.json"))
+    del m["files"]
+    json.dump(m, open(tmp_path / "day1" / "manifest.json", "w"))
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "already complete" in capsys.readouterr().err
+    assert len(table_of(wh).snapshots()) == 1
+
+
+@pytest.mark.slow
 def test_a_document_with_a_sentence_that_failed_to_embed_is_embedded_again(tmp_path, monkeypatch):
     """A sentence fails to embed (a transient error: a dead letter) on day 1: its document is not recorded as
     current, so day 2 (same input, the failure gone) embeds it again and the table holds every sentence."""

@@ -92,12 +92,14 @@ def by_shard(loc: int, item: Item) -> tuple[tuple[int, int], tuple[int, Item]]:
 
 def read_source_file(path: str, record: dict | None, storage_options: dict | None) -> bytes:
     """A source file's bytes, checked against its manifest's record (fsio.read_recorded): ReuseError if it is not
-    that file (swapped in, rewritten by another run since, grown, not a regular file)."""
+    that file (swapped in, rewritten by another run since, grown, not a regular file) or is gone."""
     fs, p = url_fs(path, storage_options)
     try:
         return read_recorded(fs, p, record)
     except NotTheRecordedFile as e:
         raise ReuseError(f"--reuse: {redact(str(e))}: its vectors are not reused") from None
+    except FileNotFoundError as e:         # gone since the run was planned: the source's, as while planning
+        raise ReuseError(f"--reuse: {redact(path)}: gone since the run was planned ({e.strerror})") from e
 
 
 def index_blobs(source: int, shard: int, path: str, buckets: int, storage_options: dict | None = None,

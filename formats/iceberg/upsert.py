@@ -274,7 +274,6 @@ class Upsert:
         files = data_file_urls(output, manifest)
         base, key = output_url(output), str((manifest.get("run") or {}).get("key"))
         state_url = f"{base}/{manifest['upsert']['doc_hashes']}"
-        record = (recorded_files(manifest) or {}).get(DOC_HASHES)       # ValueError: a manifest without its records
         catalog = self.target.load_catalog(storage_options)
         table = self.target._table_or_create(catalog, schema)     # noqa: SLF001
         ids = functools.cache(lambda: run_ids(table.io, files))
@@ -287,16 +286,21 @@ class Upsert:
                     f"documents with snapshot {manifest['upsert']['base_snapshot']} (now "
                     f"{current.snapshot_id if current else None}); nothing was committed: run that day again into a "
                     "new --output")
+            try:                            # read here: an output registered already needs none of it
+                record = (recorded_files(manifest) or {}).get(DOC_HASHES)
+            except ValueError as e:
+                raise ValueError(f"--iceberg-mode upsert: --output {redact(base)}: {e}; run that day again into a "
+                                 "new --output") from None
             state = read_state_file(table.io, state_url, record, ["doc_id", "change"])
             remove = state.filter(pc.is_in(state.column("change"), value_set=pa.array(["changed", "removed"])))
             remove = remove.column("doc_id").combine_chunks()
             check_new_ids(table, ids(), base, replaced=remove)
             name = registration_property(key, base)[len(REGISTERED_PREFIX):]    # this run's output: its own names
             return current, [write_delete_file(table, f"{name}-{i:05d}-deletes.parquet", path, positions)
-                             for i, (path, positions) in enumerate(live_deletes(table, remove))]
+                             for i, (path, positions) in enumerate(live_deletes(table, remove))], record
 
         def write(tx, prepared):
-            current, deletes = prepared
+            current, deletes, record = prepared
             props = {OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key, FILES_PROPERTY: str(len(files)),
                      STATE_PROPERTY: redact(state_url),
                      **({KERNEL_PATH_PROPERTY: json.dumps(manifest["kernel_path"], sort_keys=True)}
