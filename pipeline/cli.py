@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
 def console(argv: list[str] | None = None) -> NoReturn:
     """The command's process (console script, `python -m elmo_pipeline`): main, then exit with its status. Every
     object alive once the subcommand has returned (its files closed) is frozen out of the collector first: the
-    interpreter's collections at exit walk torch's millions of objects otherwise, about 0.4 s of every process that
-    imported torch (an AMD EPYC Zen 4; benchmarks.model_load, "fresh process")."""
+    interpreter's collections at exit walk torch's millions of objects otherwise: a process that imported torch and
+    does not freeze took 0.46-0.54 s to exit (an AMD EPYC Zen 4; benchmarks.model_load's exit column)."""
     status = main(argv)
     gc.freeze()
     sys.exit(status)

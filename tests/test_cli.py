@@ -45,7 +45,7 @@ def test_the_elmo_command_embeds_without_importing_beam(tmp_path, tiny_model_fil
 def test_the_command_process_exits_with_its_status_its_file_whole_and_the_collector_frozen(tmp_path, tiny_model_files):
     """`python -m elmo_pipeline` (the console script's entry, cli.console): the subcommand's status is the process's,
     its HDF5 file is whole, and the objects alive after it are frozen out of the collector before the interpreter's
-    exit (its collections over torch's objects otherwise cost every process about 0.4 s)."""
+    exit (its collections over torch's objects otherwise cost every process about half a second)."""
     import h5py
     (tmp_path / "in.txt").write_text("The cat sat .\nA dog .\n")
     out = tmp_path / "out.hdf5"

@@ -230,7 +230,7 @@ def test_a_model_loaded_without_initialising_equals_one_initialised_then_loaded(
 @pytest.mark.slow
 def test_loading_a_model_imports_neither_dynamo_nor_sympy(tiny_model_files):
     """A fresh process's load_bilm stays off torch's Python reference kernels (the meta device's initialisers and
-    to_empty imported torch._dynamo and sympy: about 1.4 s of the `elmo` command's fixed cost, benchmarks.model_load)."""
+    to_empty imported torch._dynamo and sympy: about 1.1 s of the `elmo` command's fixed cost, benchmarks.model_load)."""
     import subprocess
     import sys
     code = ("import sys; from elmo_pipeline.model.weights import load_bilm; load_bilm(*sys.argv[1:3]); "
