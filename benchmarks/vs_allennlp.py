@@ -122,9 +122,8 @@ def main() -> None:
                 row["max_abs_diff_budget_vs_stateless"] = max_diff(out, os.path.join(tmp, f"{config}-stateless.hdf5"))
             row["max_abs_diff_stateful_vs_allennlp"] = max_diff(ref, os.path.join(tmp, f"{config}-stateful.hdf5"))
             after = []                              # bf16's lines, printed after the row's
-            for variant, budget in (("bf16_stateless", 0), ("bf16_budget", args.max_tokens))[: 1 + bool(args.max_tokens)]:
-                if not args.bf16:
-                    break
+            bf16 = [("bf16_stateless", 0)] + ([("bf16_budget", args.max_tokens)] if args.max_tokens else [])
+            for variant, budget in bf16 if args.bf16 else []:
                 out = os.path.join(tmp, f"{config}-{variant}.hdf5")
                 rate, wall = run_ours(options, weights, inp, out, args.batch_size, args.threads, "stateless", budget,
                                       "bfloat16")

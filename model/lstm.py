@@ -80,28 +80,28 @@ def stack_weights(layers: list[LstmProjection]) -> tuple[Tensor, Tensor, Tensor,
             torch.stack([l.w_proj.t() for l in layers]))
 
 
+def _side_by_side(a: Tensor, b: Tensor, rows: tuple[slice, ...]) -> Tensor:
+    """[a | b] of the row ranges `rows`, stacked: (their rows, a's width + b's), each row written once."""
+    out = a.new_empty(sum(r.stop - r.start for r in rows), a.shape[1] + b.shape[1])
+    at = 0
+    for r in rows:
+        torch.cat([a[r], b[r]], dim=1, out=out[at: at + r.stop - r.start])
+        at += r.stop - r.start
+    return out
+
+
 def pack_onednn_weights(layers: list[LstmProjection]) -> list[tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]:
     """Per layer, oneDNN-prepacked weights for the oneDNN loop, where one GEMM per gate group reads
     [x_t, h_{t-1}] (D_in + P wide): (w_sig (3H, D_in+P) for gates i, f, o, their bias with TF's forget bias (3H,),
     w_j (H, D_in+P), bias_j (H,), w_proj (P, H)), weights in nn.Linear's (out, in) layout."""
     H = layers[0].dim
+    sig, j = (slice(0, H), slice(2 * H, 4 * H)), (slice(H, 2 * H),)       # TF's gate order: i, j, f, o
     packed = []
     for l in layers:
-        w_in, w_rec = l.w_in.detach(), l.w_rec.detach()               # (4H, D_in), (4H, P): TF gate order i, j, f, o
+        w_in, w_rec = l.w_in.detach(), l.w_rec.detach()
         b = (l.bias + l.forget_bias).detach()
-        gates = {"sig": (slice(0, H), slice(2 * H, 4 * H)), "j": (slice(H, 2 * H),)}
-        w = {}
-        for name, rows in gates.items():              # [w_in | w_rec] of the gates' rows, written once, then packed
-            out = w_in.new_empty(sum(r.stop - r.start for r in rows), w_in.shape[1] + w_rec.shape[1])
-            at = 0
-            for r in rows:
-                n = r.stop - r.start
-                torch.cat([w_in[r], w_rec[r]], dim=1, out=out[at: at + n])
-                at += n
-            w[name] = onednn.pack(out)
-            del out
-        packed.append((w["sig"], torch.cat([b[g] for g in gates["sig"]]), w["j"], b[gates["j"][0]].contiguous(),
-                       onednn.pack(l.w_proj)))
+        packed.append((onednn.pack(_side_by_side(w_in, w_rec, sig)), torch.cat([b[r] for r in sig]),
+                       onednn.pack(_side_by_side(w_in, w_rec, j)), b[j[0]].contiguous(), onednn.pack(l.w_proj)))
     return packed
 
 

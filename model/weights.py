@@ -241,9 +241,9 @@ def _unfilled(opts: BiLMOptions) -> BiLM:
     """A BiLM whose parameters are allocated on the CPU but not initialised (_load then fills every one), its
     buffers set: BiLM(opts) would draw random weights only to have them overwritten (what that costs per shape:
     python -m benchmarks.model_load). Built on the CPU, not on the meta device: there, torch's Python reference
-    kernels of the initialisers and of to_empty import torch._dynamo and sympy on first use: the load
-    took 1.65 s in a fresh process, 0.50 s built here (an AMD EPYC Zen 4, the original shape: benchmarks.model_load,
-    "fresh process")."""
+    kernels of the initialisers and of to_empty import torch._dynamo and sympy on first use: the load took 1.65 s
+    in a fresh process, 0.50 s built here (AMD EPYC Zen 4, family 25, AVX-512 + AVX512_BF16, the original shape:
+    benchmarks.model_load, "fresh process")."""
     with _InitialisersSkipped():
         return BiLM(opts)
 

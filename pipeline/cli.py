@@ -54,7 +54,8 @@ def console(argv: list[str] | None = None) -> NoReturn:
     """The command's process (console script, `python -m elmo_pipeline`): main, then exit with its status. Every
     object alive once the subcommand has returned (its files closed) is frozen out of the collector first: the
     interpreter's collections at exit walk torch's millions of objects otherwise: a process that imported torch and
-    does not freeze took 0.46-0.54 s to exit (an AMD EPYC Zen 4; benchmarks.model_load's exit column)."""
+    does not freeze took 0.46-0.54 s to exit (AMD EPYC Zen 4, family 25, AVX-512 + AVX512_BF16;
+    benchmarks.model_load's exit column)."""
     status = main(argv)
     gc.freeze()
     sys.exit(status)
