@@ -242,7 +242,7 @@ def markdown(stages: dict, e2e: dict, baseline: str) -> str:
     """The two tables of benchmarks/README.md, as printed."""
     rows = ["| stage | CPU us per token |", "| --- | --- |"]
     rows += [f"| {k} | {v:.2f} |" for k, v in stages["us_per_token"].items()]
-    rows += ["", f"| output (end to end, after start-up) | tokens/s | CPU us per token | CPU/wall |"
+    rows += ["", "| output (end to end, after start-up) | tokens/s | CPU us per token | CPU/wall |"
              + (f" tokens/s at {baseline} | CPU us per token at {baseline} | ratio |" if baseline else ""),
              "| --- | --- | --- | --- |" + (" --- | --- | --- |" if baseline else "")]
     for name, by_tree in e2e.items():

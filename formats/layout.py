@@ -87,6 +87,8 @@ class ShardInfo:
             rec["reused"] = self.extra["reused"]
         if self.extra.get("digests"):           # {format: {"bytes", "sha256"}} of each file, taken as written
             rec["digests"] = self.extra["digests"]
+        if "kernel_paths" in self.extra:        # what computed its embedded sentences (model/kernels.py records)
+            rec["kernel_paths"] = self.extra["kernel_paths"]
         if lengths is not None:
             rec["lengths"] = {str(k): v for k, v in sorted(lengths.items())}
         return rec
@@ -95,8 +97,11 @@ class ShardInfo:
     def from_record(cls, record: dict, staging_root: str) -> "ShardInfo":
         """The ShardInfo of a commit record."""
         files = {fmt: posixpath.join(staging_root, name) for fmt, name in record["files"].items()}
+        kernels = record.get("kernel_paths")     # a damaged list: not recorded
         return cls(files, record["sentences"], record["tokens"], record["first_id"],
-                   {k: record[k] for k in ("deduplicated", "reused", "digests") if record.get(k)})
+                   {**{k: record[k] for k in ("deduplicated", "reused", "digests") if record.get(k)},
+                    **({"kernel_paths": kernels} if isinstance(kernels, list)
+                       and all(isinstance(k, dict) for k in kernels) else {})})
 
 
 def pack_ids(ids: list[str]) -> str:
@@ -165,3 +170,14 @@ def recorded_files(manifest: dict) -> dict | None:
     if not isinstance(files, dict):
         raise ValueError("its manifest's 'files' is not an object")
     return files
+
+
+def recorded_kernel_paths(manifest: dict):
+    """The kernel paths that computed an output's vectors, as its manifest records them: [its `kernel_path`], or its
+    `worker_kernel_paths` when its workers computed on several (output.manifest.with_kernel_paths); None when it
+    records none (an earlier version's output). A damaged value is returned as it is, for the caller to refuse."""
+    several = manifest.get("worker_kernel_paths")
+    if several is not None:
+        return several
+    one = manifest.get("kernel_path")
+    return None if one is None else [one]

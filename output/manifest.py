@@ -2,10 +2,10 @@
 
 Its sections come from their owners: the plan gives what a run knows before it starts (planned(): the model,
 layers, options, inputs, the run key, and the sections of the features a run uses), the launcher the run's
-account (run_section()), Finalize the shards, dead letters, counts and file records (complete()), the upsert its
-state's counts and entry (with_upsert()), a registration the tables the output was registered in
-(with_table()). write() is the one function that writes the file: a finalize's moves done (output/finalize.py),
-or a registration recording its table (output/register.py).
+account (run_section()), Finalize the shards, dead letters, counts, the kernel paths the workers computed on
+(with_kernel_paths()) and file records (complete()), the upsert its state's counts and entry (with_upsert()), a
+registration the tables the output was registered in (with_table()). write() is the one function that writes the
+file: a finalize's moves done (output/finalize.py), or a registration recording its table (output/register.py).
 """
 from __future__ import annotations
 
@@ -97,8 +97,34 @@ def complete(manifest: dict, shards: list[ShardInfo], dead: list[ShardInfo]) -> 
             counts["sentences_reused_by_source"] = reused
         counts["sentences_embedded"] = (counts["sentences_written"] - counts["sentences_deduplicated"]
                                         - counts.get("sentences_reused", 0))
+    with_kernel_paths(manifest, shards)
     manifest.update(schema_version=SCHEMA_VERSION, shards=listing, dead_letter_files=dead_files)
     return manifest, moves
+
+
+def with_kernel_paths(manifest: dict, shards: list[ShardInfo]) -> None:
+    """The manifest's `kernel_path` from what computed the vectors: the kernel paths the shards' commit records name
+    (each worker's own, output/staging.py), a shard of an earlier version counted as on the planned path. One path:
+    `kernel_path` is it (a remote run's too, planned as null); several: `kernel_path` is null and
+    `worker_kernel_paths` lists them, and `dedupe.exact` is false (a copy may have other bits than its own worker's
+    run would give); a shard of an earlier version on a remote run: as planned (not recorded). No embedded sentence:
+    as planned."""
+    planned, found, unknown = manifest.get("kernel_path"), {}, False
+    for s in shards:
+        recorded = s.extra.get("kernel_paths")
+        if recorded is None and planned is None:
+            unknown = True
+        for record in [planned] if recorded is None else recorded:
+            found[json.dumps(record, sort_keys=True)] = record
+    if unknown or not found:
+        return
+    paths = [found[k] for k in sorted(found)]
+    manifest["kernel_path"] = paths[0] if len(paths) == 1 else None
+    if len(paths) > 1:
+        manifest["worker_kernel_paths"] = paths
+    if isinstance(manifest.get("dedupe"), dict):
+        from elmo_pipeline.model.kernels import exact_here
+        manifest["dedupe"]["exact"] = len(paths) == 1 and exact_here(paths[0], manifest["dedupe"].get("exact", False))
 
 
 def is_file_record(rec) -> bool:

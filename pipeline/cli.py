@@ -51,12 +51,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console(argv: list[str] | None = None) -> NoReturn:
-    """The command's process (console script, `python -m elmo_pipeline`): main, then exit with its status. Every
-    object alive once the subcommand has returned (its files closed) is frozen out of the collector first: the
-    interpreter's collections at exit walk torch's millions of objects otherwise: a process that imported torch and
-    does not freeze took 0.46-0.54 s to exit (AMD EPYC Zen 4, family 25, AVX-512 + AVX512_BF16;
-    benchmarks.model_load's exit column)."""
-    status = main(argv)
+    """The command's process (console script, `python -m elmo_pipeline`): main, then exit with its status
+    (exit_with)."""
+    exit_with(main(argv))
+
+
+def exit_with(status: int) -> NoReturn:
+    """End a command's process (`elmo-pipeline`, `python -m elmo_pipeline.pipeline.run`) with `status` once its work
+    has returned (its files closed). Every object alive is frozen out of the collector first: the interpreter's
+    collections at exit walk torch's millions of objects otherwise: a process that imported torch and does not freeze
+    took 0.46-0.54 s to exit (AMD EPYC Zen 4, family 25, AVX-512 + AVX512_BF16; benchmarks.model_load's exit
+    column)."""
     gc.freeze()
     sys.exit(status)
 

@@ -67,7 +67,7 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
     if m.get("layer_dims") != dict(columns) or m.get("dtype") != dtype:
         raise ForeignSourceError(f"{flag} {label}: its layers {m.get('layer_dims')} ({m.get('dtype')}) are not this "
                          f"run's {dict(columns)} ({dtype})")
-    note = kernel_note(m.get("kernel_path"), label, flag, kernels)
+    note = kernel_note(layout.recorded_kernel_paths(m), label, flag, kernels)
     formats = [f for f in m.get("formats") or [] if isinstance(f, str)]
     fmt = "parquet" if "parquet" in formats and m.get("parquet_layout") == "sentence" else \
         "arrow" if "arrow" in formats else None
@@ -104,10 +104,11 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
     return ReuseSource(url, label, fmt, tuple(shards), tuple(records), note)
 
 
-def kernel_note(source: dict | None, label: str, flag: str, kernels: Kernels | None) -> str:
-    """How a source's kernel path (its manifest's `kernel_path`) compares with this run's: 'same'; 'not recorded'
-    (an output of an earlier version: reused, with a warning); 'not compared' (this run's is not known while
-    planning); 'differs: <phrase>' where ACROSS_KERNELS accepts the difference; KernelPathError otherwise."""
+def kernel_note(source, label: str, flag: str, kernels: Kernels | None) -> str:
+    """How the kernel paths a source was computed on (formats.layout.recorded_kernel_paths: a list, or one record)
+    compare with this run's: 'same'; 'not recorded' (None: an output of an earlier version: reused, with a warning);
+    'not compared' (this run's is not known while planning); 'differs: <phrase>' where ACROSS_KERNELS accepts the
+    difference (one of several paths differing is a difference); KernelPathError otherwise."""
     from elmo_pipeline.model.kernels import kernel_difference
     if kernels is None or kernels.here is None:
         return "not compared"
@@ -115,7 +116,13 @@ def kernel_note(source: dict | None, label: str, flag: str, kernels: Kernels | N
         logger.warning("%s %s: its manifest records no kernel path (an output of an earlier version): its vectors are "
                        "reused as if computed on this run's (docs/reuse.md#kernel-paths)", flag, label)
         return "not recorded"
-    differ = kernel_difference(source, kernels.here) if isinstance(source, dict) else "a damaged kernel_path record"
+    paths = [source] if isinstance(source, dict) else source
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, dict) for p in paths):
+        differ = "a damaged kernel_path record"
+    else:
+        differ = next((d for p in paths if (d := kernel_difference(p, kernels.here)) is not None), None)
+        if differ is not None and len(paths) > 1:
+            differ = f"its workers computed on {len(paths)} kernel paths; {differ}"
     if differ is None:
         return "same"
     if not kernels.across:

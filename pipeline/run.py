@@ -182,4 +182,5 @@ def _try_metrics_file(path: str, output: str | None, status: int, text=lambda: "
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from elmo_pipeline.pipeline.cli import exit_with
+    exit_with(main())

@@ -45,7 +45,8 @@ def test_the_elmo_command_embeds_without_importing_beam(tmp_path, tiny_model_fil
 def test_the_command_process_exits_with_its_status_its_file_whole_and_the_collector_frozen(tmp_path, tiny_model_files):
     """`python -m elmo_pipeline` (the console script's entry, cli.console): the subcommand's status is the process's,
     its HDF5 file is whole, and the objects alive after it are frozen out of the collector before the interpreter's
-    exit (its collections over torch's objects otherwise cost every process about half a second)."""
+    exit (its collections over torch's objects otherwise cost every process about half a second); so is
+    `python -m elmo_pipeline.pipeline.run`'s (cli.exit_with)."""
     import h5py
     (tmp_path / "in.txt").write_text("The cat sat .\nA dog .\n")
     out = tmp_path / "out.hdf5"
@@ -62,6 +63,12 @@ def test_the_command_process_exits_with_its_status_its_file_whole_and_the_collec
     r = subprocess.run([sys.executable, "-m", "elmo_pipeline", *args[:3], "--top", "--batch-size", "0"],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == "error: --batch-size must be >= 1", r.stderr
+    code = code.replace("'elmo_pipeline'", "'elmo_pipeline.pipeline.run'")    # the pipeline's own entry too
+    run = ["--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "run"), "--options-file",
+           tiny_model_files[0], "--weight-file", tiny_model_files[1], "--torch-threads", "1", "--progress", "off"]
+    r = subprocess.run([sys.executable, "-c", code, *run], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "frozen True", (r.stdout, r.stderr)
+    assert os.path.exists(tmp_path / "run" / "_SUCCESS")
 
 
 @pytest.mark.slow

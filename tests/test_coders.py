@@ -52,6 +52,9 @@ def test_embedded_batch_vectors_bit_for_bit():
     some = EmbeddedBatch(batch.items, vectors[[0, 2]], batch.offsets, (0, 2))      # only layers 0 and 2
     got = coder.decode(coder.encode(some))
     assert got.layers == (0, 2) and got.vectors.tobytes() == vectors[[0, 2]].tobytes()
+    assert got.kernel is None
+    kernel = '{"device": "cpu", "lstm_loop": ["onednn"]}'          # the kernel path that embedded them
+    assert coder.decode(coder.encode(dataclasses.replace(batch, kernel=kernel))).kernel == kernel
 
 
 @pytest.fixture

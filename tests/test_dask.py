@@ -1,6 +1,7 @@
 """The pipeline on Beam's DaskRunner against a dask.distributed LocalCluster (2 worker processes on
 127.0.0.1, started and stopped here): the same output as FnApiRunner, and a worker process SIGKILLed
 mid-run, then the same command rerun, gives what an uninterrupted run gives."""
+import contextlib
 import glob
 import os
 import signal
@@ -75,6 +76,9 @@ def test_dask_equals_fnapi(cluster, corpus, tiny_model_files, reference, tmp_pat
     got = read_output(out)
     assert_same_output(got, reference)
     assert got[0]["run"]["key"] == reference[0]["run"]["key"]
+    from elmo_pipeline.model.kernels import kernel_difference     # planned as null: the workers recorded theirs
+    assert isinstance(got[0]["kernel_path"], dict) and "worker_kernel_paths" not in got[0]
+    assert kernel_difference(got[0]["kernel_path"], reference[0]["kernel_path"]) is None
     assert "dead letters" in p.stderr and "batches" not in p.stderr.splitlines()[-1]   # no metrics on Dask
 
 
@@ -110,9 +114,10 @@ def test_dask_worker_killed_then_rerun(cluster, corpus, tiny_model_files, refere
     print(f"first run: rc {run.returncode}; rerun: {rerun.stderr.strip().splitlines()[-1]}")
 
 
-def test_dask_cli_cluster_commands(corpus, tiny_model_files, reference, tmp_path):
-    """README "A Dask cluster": `dask scheduler` and `dask worker --nworkers 2` on 127.0.0.1, then
-    `python -m elmo_pipeline.pipeline.run --runner ...DaskRunner --dask_client_address ...`."""
+@contextlib.contextmanager
+def cli_cluster(tmp_path, *worker_envs: dict, nworkers: int = 1):
+    """`dask scheduler` and one `dask worker --nworkers N` process per env in worker_envs (added to this one's, with
+    OMP_NUM_THREADS=1), all on 127.0.0.1; yields the scheduler's address once every worker has joined; stopped after."""
     import json
     dask = os.path.join(os.path.dirname(sys.executable), "dask")
     info = str(tmp_path / "scheduler.json")
@@ -125,18 +130,16 @@ def test_dask_cli_cluster_commands(corpus, tiny_model_files, reference, tmp_path
         while not os.path.exists(info):
             assert time.time() - t0 < 30, "the scheduler did not start"
             time.sleep(0.1)
-        procs.append(subprocess.Popen([dask, "worker", "--scheduler-file", info, "--nworkers", "2", "--nthreads", "1",
-                                       "--host", "127.0.0.1", "--no-dashboard"], env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, start_new_session=True))
+        for extra in worker_envs:
+            procs.append(subprocess.Popen([dask, "worker", "--scheduler-file", info, "--nworkers", str(nworkers),
+                                           "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+                                          env={**env, **extra}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True))
         from distributed import Client
         address = json.load(open(info))["address"]
         with Client(address) as client:
-            client.wait_for_workers(2, timeout=60)
-        out = str(tmp_path / "out")
-        p = run_subprocess(argv(tiny_model_files, corpus, out, *EXTRA, "--runner", DASK, "--dask_client_address",
-                                address, "--dask_npartitions", "4"), timeout=120)
-        assert p.returncode == 0, p.stderr[-3000:]
-        assert_same_output(read_output(out), reference)
+            client.wait_for_workers(nworkers * len(worker_envs), timeout=60)
+        yield address
     finally:
         for proc in reversed(procs):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -145,6 +148,42 @@ def test_dask_cli_cluster_commands(corpus, tiny_model_files, reference, tmp_path
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_dask_cli_cluster_commands(corpus, tiny_model_files, reference, tmp_path):
+    """README "A Dask cluster": `dask scheduler` and `dask worker --nworkers 2` on 127.0.0.1, then
+    `python -m elmo_pipeline.pipeline.run --runner ...DaskRunner --dask_client_address ...`."""
+    with cli_cluster(tmp_path, {}, nworkers=2) as address:
+        out = str(tmp_path / "out")
+        p = run_subprocess(argv(tiny_model_files, corpus, out, *EXTRA, "--runner", DASK, "--dask_client_address",
+                                address, "--dask_npartitions", "4"), timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert_same_output(read_output(out), reference)
+
+
+def test_dask_workers_on_two_kernel_paths_are_both_recorded_and_not_claimed_exact(tiny_model_files, tmp_path):
+    """Two `dask worker` processes, one with ELMO_LSTM_GEMM=onednn (another LSTM loop: other bits), a
+    --batch-invariant run (--dedupe on, planned exact): a run that embedded on both records no one `kernel_path` but
+    both paths in `worker_kernel_paths`, and --dedupe not exact; one that embedded on one worker names its path.
+    Of up to three runs, one must embed on both."""
+    from elmo_pipeline.model.kernels import kernel_difference
+    path = write_corpus(str(tmp_path / "one.txt"), n_docs=300, seed=5)
+    delay = {"ELMO_PIPELINE_DELAY_AT": "embed:0.3"}
+    with cli_cluster(tmp_path, delay, {**delay, "ELMO_LSTM_GEMM": "onednn"}) as address:
+        for attempt in range(3):
+            out = str(tmp_path / f"out{attempt}")
+            p = run_subprocess(argv(tiny_model_files, path, out, *EXTRA, "--batch-invariant", "--split-bytes", "2500",
+                                    "--runner", DASK, "--dask_client_address", address), timeout=180)
+            assert p.returncode == 0, p.stderr[-3000:]
+            m = read_output(out)[0]
+            if m["kernel_path"] is not None:
+                assert "worker_kernel_paths" not in m and m["dedupe"]["exact"] is True
+                continue
+            loops = sorted(k["lstm_loop"][0] for k in m["worker_kernel_paths"])
+            assert loops == ["bmm", "onednn"] and m["dedupe"]["exact"] is False
+            assert kernel_difference(*m["worker_kernel_paths"]).startswith("LSTM loop")
+            return
+    pytest.fail("no run embedded on both workers")
 
 
 def test_dask_one_file_spreads_over_both_workers(tiny_model_files, tmp_path):

@@ -164,6 +164,79 @@ def test_a_source_record_against_this_runs(caplog):
         "differs: LSTM loop bmm/bmm vs ") and "(--reuse-across-kernels)" in \
         kernel_note(other, "src", "--reuse", Kernels(here, across=True))
 
+    assert kernel_note([copy.deepcopy(here)], "src", "--reuse", Kernels(here)) == "same"   # a manifest's one path
+    with pytest.raises(KernelPathError, match=r"\(its workers computed on 2 kernel paths; LSTM loop bmm/bmm vs "):
+        kernel_note([here, other], "src", "--reuse", Kernels(here))
+    for damaged in ([], [here, "bmm"]):
+        with pytest.raises(ForeignSourceError, match=r"\(a damaged kernel_path record, source vs this run\)"):
+            kernel_note(damaged, "src", "--reuse", Kernels(here))
+
+
+def test_the_manifest_names_the_kernel_paths_its_shards_were_computed_on():
+    """output/manifest.py with_kernel_paths, from the shards' commit records: the workers' one path (a remote run's,
+    planned as null, too); several: null, the list, and --dedupe not exact; a shard of an earlier version counts as
+    planned (null on a remote run: not recorded); nothing embedded: as planned; exact is never raised."""
+    from elmo_pipeline.formats.layout import ShardInfo, recorded_kernel_paths
+    from elmo_pipeline.output.manifest import with_kernel_paths
+    here = kernel_path("float32", "cpu", batch_invariant=True)
+    other = dict(copy.deepcopy(here), lstm_loop=["bmm", "bmm"])
+    gpu = dict(copy.deepcopy(here), device="cuda")
+
+    def shard(*kernels):                # shard(None): a commit record of an earlier version (no kernel_paths)
+        return ShardInfo({}, 1, 1, "a", {} if kernels == (None,) else {"kernel_paths": list(kernels)})
+
+    def completed(planned, *shards, exact=True):
+        m = {"kernel_path": planned, "dedupe": {"scope": "run", "exact": exact}}
+        with_kernel_paths(m, list(shards))
+        return m
+    m = completed(None, shard(here), shard(copy.deepcopy(here)))
+    assert m["kernel_path"] == here and "worker_kernel_paths" not in m and m["dedupe"]["exact"] is True
+    assert recorded_kernel_paths(m) == [here]
+    m = completed(None, shard(here), shard(other))
+    assert m["kernel_path"] is None and m["dedupe"]["exact"] is False
+    assert sorted(p["lstm_loop"][0] for p in m["worker_kernel_paths"]) == ["bmm", here["lstm_loop"][0]]
+    assert recorded_kernel_paths(m) == m["worker_kernel_paths"]
+    assert completed(here, shard(None), shard(here))["kernel_path"] == here
+    assert completed(here, shard(None), shard(other))["kernel_path"] is None
+    m = completed(None, shard(None), shard(here))
+    assert m["kernel_path"] is None and "worker_kernel_paths" not in m and recorded_kernel_paths(m) is None
+    assert completed(here, shard())["kernel_path"] == here and completed(None)["kernel_path"] is None
+    assert completed(here, shard(other))["kernel_path"] == other          # what the workers computed on wins
+    assert completed(None, shard(gpu))["dedupe"]["exact"] is False
+    assert completed(None, shard(here), exact=False)["dedupe"]["exact"] is False
+
+
+def test_a_commit_record_keeps_the_kernel_paths_of_its_embedded_sentences(tmp_path):
+    """output/staging.py Staging.shard: the distinct kernel paths of the shard's embedded batches in its commit record,
+    read back by ShardInfo.from_record; [] when every sentence was reused; left out when a batch names none; a
+    damaged list is read as not recorded."""
+    import numpy as np
+
+    from elmo_pipeline.formats.layout import ShardInfo
+    from elmo_pipeline.output.staging import ShardSpec, Staging
+    from elmo_pipeline.transforms.records import EmbeddedBatch, Item
+    here = kernel_path("float32", "cpu")
+    spec = ShardSpec(("parquet",), "sentence", (("layer_0", 2),), (0,), False, "float32", 1 << 20, 1, 4)
+
+    def staged(*batches):
+        st = str(tmp_path / f"st{len(os.listdir(tmp_path))}")
+        info = Staging(st).shard([(b, 0) for b in batches], spec)
+        name = os.path.basename(info.files["parquet"]).split(".")[0]
+        record = json.load(open(os.path.join(st, "committed", name + ".json")))
+        assert ShardInfo.from_record(record, st).extra.get("kernel_paths") == record.get("kernel_paths")
+        return record
+
+    def batch(i, **kw):
+        return EmbeddedBatch([Item(f"d:{i}#0", f"d:{i}", 0, ("a",), ((0, 1),))], np.ones((1, 1, 4), np.float32),
+                             np.array([0, 1]), **kw)
+    kernel = json.dumps(here, sort_keys=True)
+    assert staged(batch(1, kernel=kernel), batch(2, kernel=kernel))["kernel_paths"] == [here]
+    assert staged(batch(1, kernel=kernel), batch(2, source="s3://b/day1"))["kernel_paths"] == [here]
+    assert staged(batch(1, source="s3://b/day1"))["kernel_paths"] == []
+    assert "kernel_paths" not in staged(batch(1, kernel=kernel), batch(2))
+    damaged = {"files": {}, "sentences": 0, "tokens": 0, "first_id": "", "kernel_paths": ["onednn"]}
+    assert "kernel_paths" not in ShardInfo.from_record(damaged, str(tmp_path)).extra
+
 
 # -- whole runs --------------------------------------------------------------------------------------------------
 

@@ -71,19 +71,20 @@ class ItemCoder(_TupleBacked):
 
 class EmbeddedBatchCoder(_TupleBacked):
     """Items, then the vectors' shape and raw little-endian float32 bytes (exact), then the offsets, then the
-    layers they hold ([] for all), then how many items are copies, then the --reuse source ("": embedded)."""
+    layers they hold ([] for all), then how many items are copies, then the --reuse source ("": embedded), then the
+    kernel path that embedded them ("": not recorded)."""
     components = (coders.ListCoder(ItemCoder()), coders.ListCoder(_INT), _BYTES, _BYTES, coders.ListCoder(_INT), _INT,
-                  _STR)
+                  _STR, _STR)
 
     def to_tuple(self, b: EmbeddedBatch):
         v = np.ascontiguousarray(b.vectors, dtype="<f4")
         return (list(b.items), list(v.shape), v.tobytes(), np.asarray(b.offsets, dtype="<i8").tobytes(),
-                list(b.layers or ()), b.copies, b.source or "")
+                list(b.layers or ()), b.copies, b.source or "", b.kernel or "")
 
     def from_tuple(self, t) -> EmbeddedBatch:
         vectors = np.frombuffer(t[2], dtype="<f4").reshape(t[1]).astype(np.float32)   # a writable copy
         return EmbeddedBatch(t[0], vectors, np.frombuffer(t[3], dtype="<i8").astype(np.int64), tuple(t[4]) or None,
-                             t[5], t[6] or None)
+                             t[5], t[6] or None, t[7] or None)
 
 
 class DeadLetterCoder(_TupleBacked):

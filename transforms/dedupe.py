@@ -32,8 +32,8 @@ def with_copies(batch: EmbeddedBatch) -> EmbeddedBatch:
     lengths = np.diff(batch.offsets)
     offsets = np.concatenate([batch.offsets, batch.offsets[-1] + np.cumsum([lengths[b] for b, _ in extra])])
     items = [dataclasses.replace(i, copies=()) if i.copies else i for i in batch.items]
-    return EmbeddedBatch(items + [c for _, c in extra], batch.vectors[:, rows], offsets.astype(np.int64),
-                         batch.layers, batch.copies + len(extra))
+    return dataclasses.replace(batch, items=items + [c for _, c in extra], vectors=batch.vectors[:, rows],
+                               offsets=offsets.astype(np.int64), copies=batch.copies + len(extra))
 
 
 def occurrences(item: Item) -> list[Item]:

@@ -7,6 +7,7 @@ Selections: "all" | "top" | "average" | "0,1,2" (layer indices).
 """
 from __future__ import annotations
 
+import json
 import threading
 
 from elmo_pipeline.model.resolve import ModelSpec
@@ -77,7 +78,7 @@ class LoadedModel:
     already loaded, else from the files); held through Beam's Shared, which needs a weak-referenceable object."""
 
     def __init__(self, spec: ModelSpec, model=None):
-        self.spec, self._model, self._embedder = spec, model, None
+        self.spec, self._model, self._embedder, self._kernel = spec, model, None, None
         self._lock = threading.Lock()
 
     @property
@@ -86,6 +87,17 @@ class LoadedModel:
             if self._embedder is None:
                 self._embedder, self._model = load_embedder(self.spec, self._model), None
             return self._embedder
+
+    @property
+    def kernel(self) -> str:
+        """The kernel path this process's embedder computes on (model/kernels.py embedder_kernel_path, at this
+        thread's torch threads), as canonical JSON: what each shard's commit record says computed its vectors."""
+        embedder = self.embedder
+        with self._lock:
+            if self._kernel is None:
+                from elmo_pipeline.model.kernels import embedder_kernel_path
+                self._kernel = json.dumps(embedder_kernel_path(embedder, self.spec.dtype), sort_keys=True)
+            return self._kernel
 
 
 def shared_model(models, spec: ModelSpec, model=None) -> LoadedModel:

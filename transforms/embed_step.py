@@ -1,6 +1,7 @@
 """The embedding step's Beam shells: SortAndBatch (model.batching) and EmbedBatches (transforms.embed_items)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -83,7 +84,8 @@ class EmbedBatches(beam.DoFn):
     thread of this DoFn's own with the Beam thread's torch thread count; the Beam thread prepares each batch's
     token vectors in arrival order (ElmoEmbedder.prepare_packed) and emits the batches in that order, so the
     vectors and their order are those of threads=1. The biLM's GEMMs release the GIL: two batches on a
-    1-torch-thread worker use two cores (benchmarks/host_cost.py)."""
+    1-torch-thread worker use two cores (benchmarks/host_cost.py). Each batch names the kernel path that embedded
+    it (EmbeddedBatch.kernel), which the shard's commit record keeps."""
 
     def __init__(self, spec: ModelSpec, progress: ProgressSpec | None = None, window: int = 0, overlap: int = 0,
                  max_tokens: int = 0, layers: tuple[int, ...] | None = None, threads: int = 1,
@@ -99,7 +101,8 @@ class EmbedBatches(beam.DoFn):
         self.run_stats = RunStats()
 
     def setup(self):
-        self.embedder = shared_model(self._shared, self.spec).embedder
+        loaded = shared_model(self._shared, self.spec)
+        self.embedder, self.kernel = loaded.embedder, loaded.kernel
         self.pool = None
         if self.threads > 1 and self.embedder.state_mode != "stateful":
             import torch
@@ -172,6 +175,6 @@ class EmbedBatches(beam.DoFn):
         if self.progress:       # failed sentences' bytes too: their input is done with
             advance(self.progress, sum(c.nbytes for i in job.batch for c in occurrences(i)), tokens)
         for out in outs:
-            out = with_copies(out)
+            out = with_copies(dataclasses.replace(out, kernel=self.kernel))
             self.deduplicated.inc(out.copies)
             yield out

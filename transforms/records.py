@@ -56,13 +56,16 @@ class EmbeddedBatch:
     per sentence. vectors float32 (L+1, N, 2P) (layer 0 duplicated [x, x]), or (len(layers), N, 2P) when only
     `layers` (ascending) were copied out of the model; sentence b of `items` is vectors[:, offsets[b]:offsets[b+1]];
     offsets (B+1,) int64. The last `copies` items are copies (--dedupe): written with another item's vectors.
-    `source`: the vectors were read from this --reuse source (its redacted URL: transforms/reuse.py), not embedded."""
+    `source`: the vectors were read from this --reuse source (its redacted URL: transforms/reuse.py), not embedded.
+    `kernel`: the kernel path of the process that embedded them (model/kernels.py kernel_path, as canonical JSON:
+    transforms.embed.LoadedModel.kernel); None when read from a source, or not recorded."""
     items: list[Item]
     vectors: np.ndarray
     offsets: np.ndarray
     layers: tuple[int, ...] | None = None
     copies: int = 0
     source: str | None = None
+    kernel: str | None = None
 
     def tokens(self, b: int) -> int:
         return int(self.offsets[b + 1] - self.offsets[b])

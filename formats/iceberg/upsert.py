@@ -29,14 +29,15 @@ from elmo_pipeline.formats.iceberg.commit import (FILES_PROPERTY, OUTPUT_PROPERT
                                                   Registration, _marked, _upsert_producer, check_new_ids, commit,
                                                   data_files, registration_property, run_ids)
 from elmo_pipeline.formats.iceberg.table import IcebergTarget, data_file_urls, output_url
-from elmo_pipeline.formats.layout import DOC_HASHES, recorded_files
+from elmo_pipeline.formats.layout import DOC_HASHES, recorded_files, recorded_kernel_paths
 from elmo_pipeline.fsio import json_or_none, redact
 
 logger = logging.getLogger("elmo-pipeline.iceberg")
 MODES = ("append", "upsert")
 STATE_PROPERTY = "elmo-pipeline.doc-hashes"    # snapshot summary: the URL of its DOC_HASHES (formats/layout.py)
 STATE_RECORD_PROPERTY = "elmo-pipeline.doc-hashes-record"   # ... and that file's {"bytes", "sha256"} (JSON)
-KERNEL_PATH_PROPERTY = "elmo-pipeline.kernel-path"  # ... and what computed the rows it added (model/kernels.py, JSON)
+KERNEL_PATH_PROPERTY = "elmo-pipeline.kernel-path"  # ... and what computed the rows it added (model/kernels.py, JSON;
+#                                                   a list when the workers computed on several)
 EMBED_FAILED = "embedding failed:"   # the dead-letter reason of a sentence whose batch failed (transforms/embed_items.py)
 INCOMPLETE = "incomplete"       # the doc_hash of a document one of whose sentences failed to embed: never current
 ROW_DOC = "doc_id"                             # the shards' column naming each row's document
@@ -222,7 +223,8 @@ class Upsert:
     state: dict[str, str] = field(repr=False)
     salt: str = ""
     delete_missing: bool = False
-    kernel_path: dict | None = None    # what computed the table's rows (its current snapshot's record), if recorded
+    kernel_path: dict | list | None = None    # what computed the table's rows (its current snapshot's record: one
+                                              # kernel path, or a list when its workers computed on several)
     kernel_note: str = "not compared"  # that against this run's (pipeline.reuse_sources.kernel_note): unchanged rows stay
 
     @classmethod
@@ -301,10 +303,11 @@ class Upsert:
 
         def write(tx, prepared):
             current, deletes, record = prepared
+            kernels = recorded_kernel_paths(manifest)
             props = {OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key, FILES_PROPERTY: str(len(files)),
                      STATE_PROPERTY: redact(state_url),
-                     **({KERNEL_PATH_PROPERTY: json.dumps(manifest["kernel_path"], sort_keys=True)}
-                        if manifest.get("kernel_path") else {}),
+                     **({KERNEL_PATH_PROPERTY: json.dumps(kernels[0] if len(kernels) == 1 else kernels,
+                                                          sort_keys=True)} if kernels else {}),
                      **({STATE_RECORD_PROPERTY: json.dumps(record, sort_keys=True)} if record else {})}
             if tx.table_metadata.name_mapping() is None:     # as add_files: our shards have no field ids
                 tx.set_properties({TableProperties.DEFAULT_NAME_MAPPING:
