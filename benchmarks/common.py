@@ -183,13 +183,14 @@ def write_result(report: dict, out: str | None, tool: str) -> str:
 
 
 def kind_tag() -> str:
-    """The machine kind in a result file's name: zen1, zen2, zen3, zen4, zen5 (AMD: family 23 is Zen 1 below model
-    0x30, Zen 2 from it; family 25 is Zen 4 with AVX-512, Zen 3 without), intel, intel_amx (an Intel CPU with
-    AMX-BF16 tiles) or cpu."""
+    """The machine kind in a result file's name: zen1, zen2, zen3, zen4, zen5 (AMD, by the core's family and model:
+    family 23 is Zen 1 below model 0x30, Zen 2 from it; family 25 is Zen 4 at models 0x10-0x1f, 0x60-0x7f and
+    0xa0-0xaf, Zen 3 at the others; family 26 is Zen 5), intel, intel_amx (an Intel CPU with AMX-BF16 tiles) or
+    cpu."""
     from elmo_pipeline.model.hardware import cpu_info
     cpu = cpu_info()
-    family, model, flags = cpu.get("family"), cpu.get("model") or 0, cpu.get("flags") or []
-    zen = {23: "zen1" if model < 0x30 else "zen2", 25: "zen4" if "avx512f" in flags else "zen3",
+    family, model = cpu.get("family"), cpu.get("model") or 0
+    zen = {23: "zen1" if model < 0x30 else "zen2", 25: "zen4" if model >> 4 in (0x1, 0x6, 0x7, 0xa) else "zen3",
            26: "zen5"}.get(family) if "AMD" in (cpu.get("name") or "") else None
     if zen or "Intel" not in (cpu.get("name") or ""):
         return zen or "cpu"

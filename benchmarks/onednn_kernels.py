@@ -1,9 +1,10 @@
 """Which oneDNN kernel runs each LSTM step GEMM here, does it reorder anything per call, and how fast is it?
 
 `python -m benchmarks.onednn_kernels [--shape original] [--rows 4 40 184 512] [--threads 1] [--dtypes float32 bfloat16]
-[--out F]`: the oneDNN loop's step GEMMs of a published shape (model/lstm_loops.py onednn_step_gemms: the sigmoid
-gates, gate j, the projection), with weights prepacked as the loop packs them (model/onednn.py pack), called as the
-loop calls them, at each row count and `--threads` torch threads (1: what each direction gets on a 2-core machine).
+[--pack-for-rows] [--out F]`: the oneDNN loop's step GEMMs of a published shape (model/lstm_loops.py
+onednn_step_gemms: the sigmoid gates, gate j, the projection), with weights prepacked as the loop packs them
+(model/onednn.py pack: for oneDNN's default of 128 rows; with --pack-for-rows also for each call's row count, in case
+the layout oneDNN wants depends on it), called as the loop calls them, at each row count and `--threads` torch threads (1: what each direction gets on a 2-core machine).
 Per GEMM and row count: the implementation oneDNN ran and its weights' layout (from oneDNN's verbose output of one
 call), the primitives besides the GEMM it executed in that call (a `reorder` there means weights or activations
 converted on every call), and GFLOP/s over calls of at least 0.2 s against the dtype's square-GEMM ceiling measured in
@@ -61,7 +62,9 @@ def gflops(call, flops: float, seconds: float = 0.2) -> float:
     return flops * n / elapsed / 1e9
 
 
-def measure(shape: str, dtype: torch.dtype, rows: list[int], threads: int) -> dict:
+def measure(shape: str, dtype: torch.dtype, rows: list[int], threads: int, pack_for_rows: bool = False) -> dict:
+    """The step GEMMs of `shape` in `dtype` at each row count: weights packed as the loop packs them (packed_for
+    None: oneDNN's default batch of 128 rows) and, with pack_for_rows, also packed for the call's row count."""
     from elmo_pipeline.model import onednn
     from elmo_pipeline.model.kernels import shape_layers
     from elmo_pipeline.model.lstm_loops import onednn_step_gemms
@@ -74,17 +77,20 @@ def measure(shape: str, dtype: torch.dtype, rows: list[int], threads: int) -> di
     out = []
     with torch.inference_mode():
         for name, k, n, attr, scalars, bias in onednn_step_gemms(layer):
-            w = onednn.pack((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype))
+            plain = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+            w = onednn.pack(plain)
             b = torch.randn(n, generator=g).to(dtype) if bias else None
             for m in rows:
                 x = torch.randn(m, k, generator=g).to(dtype)
+                for packed_for in (None, m) if pack_for_rows else (None,):
+                    weights = w if packed_for is None else torch.ops.mkldnn._reorder_linear_weight(plain, m)
 
-                def call():
-                    return torch.ops.mkldnn._linear_pointwise(x, w, b, attr, scalars, "")
-                call()                                                     # the primitive made and cached
-                rate = gflops(call, 2.0 * m * k * n)
-                out.append({"gemm": name, "k": k, "n": n, "rows": m, **kernel_of(verbose_lines(call)),
-                            "gflops": rate, "share_of_ceiling": rate / ceiling})
+                    def call():
+                        return torch.ops.mkldnn._linear_pointwise(x, weights, b, attr, scalars, "")
+                    call()                                                 # the primitive made and cached
+                    rate = gflops(call, 2.0 * m * k * n)
+                    out.append({"gemm": name, "k": k, "n": n, "rows": m, "packed_for": packed_for,
+                                **kernel_of(verbose_lines(call)), "gflops": rate, "share_of_ceiling": rate / ceiling})
     return {"dtype": str(dtype).removeprefix("torch."), "ceiling_gflops": ceiling, "gemms": out}
 
 
@@ -94,21 +100,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rows", type=int, nargs="+", default=[4, 40, 184, 512])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--pack-for-rows", action="store_true",
+                    help="also call each GEMM with its weights packed for the call's row count (oneDNN's weights "
+                    "layout may depend on it; the loop packs for oneDNN's default of 128 rows)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     from elmo_pipeline.model import onednn
     dtypes = [getattr(torch, d) for d in args.dtypes]
     skipped = [d for d in dtypes if not onednn.runs(torch.device("cpu"), d)]
-    runs = [measure(args.shape, d, args.rows, args.threads) for d in dtypes if d not in skipped]
+    runs = [measure(args.shape, d, args.rows, args.threads, args.pack_for_rows) for d in dtypes if d not in skipped]
     report = {"machine": machine(), "command": "python -m benchmarks.onednn_kernels " + " ".join(sys.argv[1:] if argv is None else argv),
               "shape": args.shape, "threads": args.threads, "runs": runs,
               "not_native": [str(d).removeprefix("torch.") for d in skipped]}
     print(f"{machine()}; {args.shape} shape's step GEMMs, {args.threads} torch thread(s)")
-    print(f"{'dtype':<9}{'gemm':<11}{'K x N':>12}{'rows':>6}  {'implementation':<30}{'weights':<30}{'per call':<12}"
-          f"{'GFLOP/s':>9}{'share':>8}")
+    print(f"{'dtype':<9}{'gemm':<11}{'K x N':>12}{'rows':>6}{'packed for':>11}  {'implementation':<30}{'weights':<30}"
+          f"{'per call':<12}{'GFLOP/s':>9}{'share':>8}")
     for r in runs:
         for x in r["gemms"]:
-            print(f"{r['dtype']:<9}{x['gemm']:<11}{x['k']:>6}x{x['n']:<5}{x['rows']:>6}  {x['implementation'] or '?':<30}"
+            print(f"{r['dtype']:<9}{x['gemm']:<11}{x['k']:>6}x{x['n']:<5}{x['rows']:>6}{x['packed_for'] or 128:>11}  "
+                  f"{x['implementation'] or '?':<30}"
                   f"{x['weights'] or '?':<30}{','.join(x['other_primitives']) or '-':<12}{x['gflops']:>9.1f}"
                   f"{100 * x['share_of_ceiling']:>7.1f}%")
         print(f"{r['dtype']:<9}ceiling {r['ceiling_gflops']:.1f} GFLOP/s (square 2048 GEMM, same threads)")

@@ -125,7 +125,7 @@ def checked_record(raw: bytes) -> tuple[dict, list[str]] | None:
         if not isinstance(rec, dict):
             return None
         ids = record_ids(rec)
-    except (KeyError, ValueError, TypeError, zlib.error):
+    except (KeyError, ValueError, TypeError, RecursionError, zlib.error):     # nested too deep: damaged too
         return None
     files = rec.get("files")
     ok = (type(rec.get("sentences")) is int and type(rec.get("tokens")) is int and rec["tokens"] >= 0
@@ -172,10 +172,33 @@ def recorded_files(manifest: dict) -> dict | None:
     return files
 
 
+# A kernel path record read back (a commit record's, a manifest's, a table's) is refused as damaged beyond these:
+# model/kernels.py kernel_path() nests 3 levels deep and holds about a hundred values.
+KERNEL_RECORD_DEPTH, KERNEL_RECORD_VALUES = 6, 10_000
+
+
+def well_formed_kernel(record) -> bool:
+    """Whether `record`, read back, can be a kernel path record: a JSON object nested at most KERNEL_RECORD_DEPTH
+    levels deep with at most KERNEL_RECORD_VALUES values (walked without recursion: a hostile record never exhausts
+    the stack)."""
+    if not isinstance(record, dict):
+        return False
+    stack, seen = [(record, 0)], 0
+    while stack:
+        value, depth = stack.pop()
+        seen += 1
+        if isinstance(value, (dict, list)):
+            if depth >= KERNEL_RECORD_DEPTH or seen > KERNEL_RECORD_VALUES:
+                return False
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return True
+
+
 def recorded_kernel_paths(manifest: dict):
     """The kernel paths that computed an output's vectors, as its manifest records them: [its `kernel_path`], or its
     `worker_kernel_paths` when its workers computed on several (output.manifest.with_kernel_paths); None when it
-    records none (an earlier version's output). A damaged value is returned as it is, for the caller to refuse."""
+    records none (an earlier version's output). A damaged value comes back as it is, for the caller to refuse
+    (pipeline.reuse_sources.kernel_note: a list of records, each well_formed_kernel)."""
     several = manifest.get("worker_kernel_paths")
     if several is not None:
         return several

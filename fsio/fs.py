@@ -259,11 +259,11 @@ MAX_JSON_BYTES = 256 << 20      # a small file read back as JSON (manifest, fina
 
 
 def json_or_none(data: bytes):
-    """The JSON value of `data`, None when it is not JSON."""
+    """The JSON value of `data`, None when it is not JSON (or nested deeper than the parser's recursion allows)."""
     import json
     try:
         return json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

@@ -11,7 +11,9 @@ against the planned one (model.resolve.ModelSpec.check_kernel_path); --reuse com
 """
 from __future__ import annotations
 
+import copy
 import functools
+import json
 import os
 import re
 
@@ -147,6 +149,17 @@ def _env(*names: str, unset: tuple[str, ...] = ()) -> str | None:
         if value:
             return None if value in unset else value
     return None
+
+
+def kernel_key(record: dict) -> str:
+    """What names the path of a record (formats.layout.well_formed_kernel): canonical JSON without its INFORMATIONAL
+    fields (records of one key are one path: kernel_difference finds no difference)."""
+    record = copy.deepcopy(record)
+    for *parents, leaf in INFORMATIONAL:
+        at = _at(record, tuple(parents))
+        if isinstance(at, dict):
+            at.pop(leaf, None)
+    return json.dumps(record, sort_keys=True)
 
 
 def kernel_difference(a: dict, b: dict) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import posixpath
 
-from elmo_pipeline.formats.layout import ARROW_LAYOUT, MANIFEST, SCHEMA_VERSION, ShardInfo
+from elmo_pipeline.formats.layout import ARROW_LAYOUT, MANIFEST, SCHEMA_VERSION, ShardInfo, well_formed_kernel
 from elmo_pipeline.fsio import redact
 from elmo_pipeline.output.names import DEAD_LETTERS, KEYS, part_name
 
@@ -104,27 +104,31 @@ def complete(manifest: dict, shards: list[ShardInfo], dead: list[ShardInfo]) -> 
 
 def with_kernel_paths(manifest: dict, shards: list[ShardInfo]) -> None:
     """The manifest's `kernel_path` from what computed the vectors: the kernel paths the shards' commit records name
-    (each worker's own, output/staging.py), a shard of an earlier version counted as on the planned path. One path:
-    `kernel_path` is it (a remote run's too, planned as null); several: `kernel_path` is null and
-    `worker_kernel_paths` lists them, and `dedupe.exact` is false (a copy may have other bits than its own worker's
-    run would give); a shard of an earlier version on a remote run: as planned (not recorded). No embedded sentence:
+    (each worker's own, output/staging.py; records of one path, model.kernels.kernel_key, counted once). A shard of an
+    earlier version, or whose record is damaged, counts as on the planned path (on a remote run, planned as null:
+    unknown). One path: `kernel_path` is it (a remote run's too); several: `kernel_path` is null and
+    `worker_kernel_paths` lists them; with a shard unknown: null, none listed. `dedupe.exact` is false once two paths
+    are known (a copy may have other bits than its own worker's run would give), never raised. No embedded sentence:
     as planned."""
+    from elmo_pipeline.model.kernels import exact_here, kernel_key
     planned, found, unknown = manifest.get("kernel_path"), {}, False
     for s in shards:
         recorded = s.extra.get("kernel_paths")
-        if recorded is None and planned is None:
-            unknown = True
-        for record in [planned] if recorded is None else recorded:
-            found[json.dumps(record, sort_keys=True)] = record
-    if unknown or not found:
-        return
+        if recorded is None or not all(well_formed_kernel(r) for r in recorded):
+            if planned is None:
+                unknown = True
+                continue
+            recorded = [planned]
+        for record in recorded:
+            found.setdefault(kernel_key(record), record)
     paths = [found[k] for k in sorted(found)]
-    manifest["kernel_path"] = paths[0] if len(paths) == 1 else None
-    if len(paths) > 1:
-        manifest["worker_kernel_paths"] = paths
-    if isinstance(manifest.get("dedupe"), dict):
-        from elmo_pipeline.model.kernels import exact_here
-        manifest["dedupe"]["exact"] = len(paths) == 1 and exact_here(paths[0], manifest["dedupe"].get("exact", False))
+    dedupe = manifest.get("dedupe")
+    if isinstance(dedupe, dict) and paths:
+        dedupe["exact"] = len(paths) == 1 and exact_here(paths[0], dedupe.get("exact", False))
+    if paths and not unknown:
+        manifest["kernel_path"] = paths[0] if len(paths) == 1 else None
+        if len(paths) > 1:
+            manifest["worker_kernel_paths"] = paths
 
 
 def is_file_record(rec) -> bool:

@@ -104,11 +104,12 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
     return ReuseSource(url, label, fmt, tuple(shards), tuple(records), note)
 
 
-def kernel_note(source, label: str, flag: str, kernels: Kernels | None) -> str:
-    """How the kernel paths a source was computed on (formats.layout.recorded_kernel_paths: a list, or one record)
-    compare with this run's: 'same'; 'not recorded' (None: an output of an earlier version: reused, with a warning);
-    'not compared' (this run's is not known while planning); 'differs: <phrase>' where ACROSS_KERNELS accepts the
-    difference (one of several paths differing is a difference); KernelPathError otherwise."""
+def kernel_note(source: list | None, label: str, flag: str, kernels: Kernels | None) -> str:
+    """How the kernel paths a source was computed on (formats.layout.recorded_kernel_paths) compare with this run's:
+    'same'; 'not recorded' (None: an output of an earlier version: reused, with a warning); 'not compared' (this
+    run's is not known while planning); 'differs: <phrase>' where ACROSS_KERNELS accepts the difference (one of
+    several paths differing is a difference; a damaged one, formats.layout.well_formed_kernel, too);
+    KernelPathError otherwise."""
     from elmo_pipeline.model.kernels import kernel_difference
     if kernels is None or kernels.here is None:
         return "not compared"
@@ -116,13 +117,12 @@ def kernel_note(source, label: str, flag: str, kernels: Kernels | None) -> str:
         logger.warning("%s %s: its manifest records no kernel path (an output of an earlier version): its vectors are "
                        "reused as if computed on this run's (docs/reuse.md#kernel-paths)", flag, label)
         return "not recorded"
-    paths = [source] if isinstance(source, dict) else source
-    if not isinstance(paths, list) or not paths or not all(isinstance(p, dict) for p in paths):
+    if not isinstance(source, list) or not source or not all(layout.well_formed_kernel(p) for p in source):
         differ = "a damaged kernel_path record"
     else:
-        differ = next((d for p in paths if (d := kernel_difference(p, kernels.here)) is not None), None)
-        if differ is not None and len(paths) > 1:
-            differ = f"its workers computed on {len(paths)} kernel paths; {differ}"
+        differ = next((d for p in source if (d := kernel_difference(p, kernels.here)) is not None), None)
+        if differ is not None and len(source) > 1:
+            differ = f"its workers computed on {len(source)} kernel paths; {differ}"
     if differ is None:
         return "same"
     if not kernels.across:

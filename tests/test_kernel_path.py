@@ -151,23 +151,24 @@ def test_a_source_record_against_this_runs(caplog):
     from elmo_pipeline.transforms.reuse import ForeignSourceError, KernelPathError
     here = kernel_path("float32", "cpu")
     other = dict(copy.deepcopy(here), lstm_loop=["bmm", "bmm"])
-    assert kernel_note(copy.deepcopy(here), "src", "--reuse", Kernels(here)) == "same"
-    assert kernel_note(other, "src", "--reuse", Kernels(None)) == "not compared"
-    assert kernel_note(other, "src", "--reuse", None) == "not compared"
+    assert kernel_note([copy.deepcopy(here)], "src", "--reuse", Kernels(here)) == "same"
+    assert kernel_note([other], "src", "--reuse", Kernels(None)) == "not compared"
+    assert kernel_note([other], "src", "--reuse", None) == "not compared"
     assert kernel_note(None, "src", "--reuse", Kernels(here)) == "not recorded"
     assert "--reuse src: its manifest records no kernel path" in caplog.text
     with pytest.raises(KernelPathError, match=r"^--reuse src: computed on another kernel path \(LSTM loop bmm/bmm vs "):
-        kernel_note(other, "src", "--reuse", Kernels(here))
+        kernel_note([other], "src", "--reuse", Kernels(here))
     with pytest.raises(ForeignSourceError, match=r"\(a damaged kernel_path record, source vs this run\)"):
         kernel_note("bmm", "src", "--reuse", Kernels(here))
-    assert kernel_note(other, "src", "--reuse", Kernels(here, across=True)).startswith(
+    assert kernel_note([other], "src", "--reuse", Kernels(here, across=True)).startswith(
         "differs: LSTM loop bmm/bmm vs ") and "(--reuse-across-kernels)" in \
-        kernel_note(other, "src", "--reuse", Kernels(here, across=True))
-
-    assert kernel_note([copy.deepcopy(here)], "src", "--reuse", Kernels(here)) == "same"   # a manifest's one path
+        kernel_note([other], "src", "--reuse", Kernels(here, across=True))
     with pytest.raises(KernelPathError, match=r"\(its workers computed on 2 kernel paths; LSTM loop bmm/bmm vs "):
         kernel_note([here, other], "src", "--reuse", Kernels(here))
-    for damaged in ([], [here, "bmm"]):
+    deep = {}
+    for _ in range(900):                                  # nested past the recursion limit of a comparison
+        deep = {"cpu": deep}
+    for damaged in ([], [here, "bmm"], here, [deep], [dict(here, cpu=deep)]):
         with pytest.raises(ForeignSourceError, match=r"\(a damaged kernel_path record, source vs this run\)"):
             kernel_note(damaged, "src", "--reuse", Kernels(here))
 
@@ -204,6 +205,51 @@ def test_the_manifest_names_the_kernel_paths_its_shards_were_computed_on():
     assert completed(here, shard(other))["kernel_path"] == other          # what the workers computed on wins
     assert completed(None, shard(gpu))["dedupe"]["exact"] is False
     assert completed(None, shard(here), exact=False)["dedupe"]["exact"] is False
+    sku = copy.deepcopy(here)
+    sku["cpu"]["name"] = "another SKU of the same core"   # recorded, not compared: one path
+    m = completed(None, shard(here), shard(sku))
+    assert kernel_difference(here, sku) is None and m["kernel_path"] in (here, sku) and m["dedupe"]["exact"] is True
+    m = completed(None, shard(None), shard(here), shard(other))   # two paths known, a shard unknown
+    assert m["kernel_path"] is None and "worker_kernel_paths" not in m and m["dedupe"]["exact"] is False
+    deep = {}
+    for _ in range(900):
+        deep = {"x": deep}
+    m = completed(None, shard(deep), shard(here))                 # a damaged record: that shard's path unknown
+    assert m["kernel_path"] is None and "worker_kernel_paths" not in m
+    assert completed(here, shard(dict(here, cpu=deep)))["kernel_path"] == here    # local: counted as planned
+
+
+def test_an_upsert_records_the_paths_of_the_rows_it_keeps():
+    """formats/iceberg/upsert.py Upsert.kernel_paths_after: this run's paths where it keeps no row of another run's
+    or keeps rows of its own path; else the kept rows' paths as well, each once; none when theirs are not recorded
+    or damaged (a remote run, 'not compared', never passes the table's older rows off as its own path's)."""
+    from elmo_pipeline.formats.iceberg.upsert import Upsert
+    here = kernel_path("float32", "cpu")
+    other = dict(copy.deepcopy(here), lstm_loop=["bmm", "bmm"])
+    manifest = {"kernel_path": here}
+
+    def after(state, note, table):
+        return Upsert(None, 1 if state else None, state, kernel_path=table, kernel_note=note).kernel_paths_after(
+            manifest)
+    assert after({}, "not compared", None) == [here]                              # the first day
+    assert after({"d": "h"}, "same", [here]) == [here]
+    both = after({"d": "h"}, "not compared", [other])                             # a remote day
+    assert len(both) == 2 and {json.dumps(k, sort_keys=True) for k in both} == {
+        json.dumps(k, sort_keys=True) for k in (here, other)}
+    assert len(after({"d": "h"}, "differs: LSTM loop (--reuse-across-kernels)", [other, here])) == 2
+    assert after({"d": "h"}, "not recorded", None) is None
+    assert after({"d": "h"}, "differs: a damaged kernel_path record", ["bmm"]) is None
+    assert after({"d": "h"}, "not compared", [here]) == [here]
+
+
+def test_json_nested_past_the_parser_is_damaged_not_a_crash():
+    """fsio json_or_none and formats.layout.checked_record (staged records, manifests, table properties): a JSON
+    value nested deeper than the parser recurses reads as not JSON / no whole record."""
+    from elmo_pipeline.formats.layout import checked_record
+    from elmo_pipeline.fsio import json_or_none
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert json_or_none(deep) is None and checked_record(deep) is None
+    assert checked_record(b'{"files": {}, "sentences": 0, "tokens": 0, "first_id": "", "x": ' + deep + b"}") is None
 
 
 def test_a_commit_record_keeps_the_kernel_paths_of_its_embedded_sentences(tmp_path):

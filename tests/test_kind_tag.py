@@ -10,6 +10,7 @@ from elmo_pipeline.model import hardware
     ("AMD EPYC 7R32", 23, 49, ["avx2"], "zen2"),
     ("AMD EPYC 7R13 Processor", 25, 1, ["avx2"], "zen3"),
     ("AMD EPYC 9R14", 25, 17, ["avx2", "avx512f", "avx512_bf16"], "zen4"),
+    ("AMD EPYC 9R14", 25, 17, ["avx2"], "zen4"),               # a guest that hides AVX-512: still the Zen 4 core
     ("AMD EPYC 9R45", 26, 2, ["avx2", "avx512f", "avx512_bf16"], "zen5"),
     ("Intel(R) Xeon(R) Platinum 8259CL CPU", 6, 85, ["avx2", "avx512f"], "intel"),
     ("Intel(R) Xeon(R) Platinum 8488C", 6, 143, ["avx2", "avx512f", "avx512_bf16", "amx_bf16"], "intel_amx"),

@@ -30,8 +30,8 @@ def test_one_call_is_captured_here(capfd):
 @pytest.mark.slow
 def test_the_benchmark_names_each_step_gemm(tmp_path):
     out = tmp_path / "k.json"
-    main(["--shape", "small", "--rows", "4", "40", "--dtypes", "float32", "--out", str(out)])
+    main(["--shape", "small", "--rows", "4", "40", "--dtypes", "float32", "--pack-for-rows", "--out", str(out)])
     (run,) = json.loads(out.read_text())["runs"]
-    assert [(g["gemm"], g["rows"]) for g in run["gemms"]] == [(n, r) for n in ("gates", "gate j", "projection")
-                                                               for r in (4, 40)]
+    assert [(g["gemm"], g["rows"], g["packed_for"]) for g in run["gemms"]] == [
+        (n, r, p) for n in ("gates", "gate j", "projection") for r in (4, 40) for p in (None, r)]
     assert all(g["implementation"] and g["gflops"] > 0 for g in run["gemms"])

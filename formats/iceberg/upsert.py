@@ -29,7 +29,7 @@ from elmo_pipeline.formats.iceberg.commit import (FILES_PROPERTY, OUTPUT_PROPERT
                                                   Registration, _marked, _upsert_producer, check_new_ids, commit,
                                                   data_files, registration_property, run_ids)
 from elmo_pipeline.formats.iceberg.table import IcebergTarget, data_file_urls, output_url
-from elmo_pipeline.formats.layout import DOC_HASHES, recorded_files, recorded_kernel_paths
+from elmo_pipeline.formats.layout import DOC_HASHES, recorded_files, recorded_kernel_paths, well_formed_kernel
 from elmo_pipeline.fsio import json_or_none, redact
 
 logger = logging.getLogger("elmo-pipeline.iceberg")
@@ -117,8 +117,8 @@ def read_state_file(io, url: str, record: dict | None, columns: list[str]) -> pa
     return pq.ParquetFile(pa.BufferReader(data)).read(columns=columns)
 
 
-def read_state(table) -> tuple[int | None, dict[str, str], dict | None]:
-    """(current snapshot id, {doc_id: doc_hash}, the kernel path its rows were computed on: None when not recorded)
+def read_state(table) -> tuple[int | None, dict[str, str], list | None]:
+    """(current snapshot id, {doc_id: doc_hash}, the kernel paths its rows were computed on: None when not recorded)
     of a table for an upsert: {} for a table without snapshots; ValueError when its current snapshot was not made by
     an upsert (no state to compare with)."""
     snapshot = table.current_snapshot()
@@ -134,6 +134,8 @@ def read_state(table) -> tuple[int | None, dict[str, str], dict | None]:
     state = read_state_file(table.io, url, record, ["doc_id", "doc_hash", "change"])
     state = state.filter(pc.not_equal(state.column("change"), "removed"))
     kernels = json_or_none(props[KERNEL_PATH_PROPERTY]) if KERNEL_PATH_PROPERTY in props else None
+    if isinstance(kernels, dict):     # one path; a list when the workers computed on several
+        kernels = [kernels]
     return (snapshot.snapshot_id, dict(zip(state.column("doc_id").to_pylist(), state.column("doc_hash").to_pylist())),
             kernels)
 
@@ -223,8 +225,7 @@ class Upsert:
     state: dict[str, str] = field(repr=False)
     salt: str = ""
     delete_missing: bool = False
-    kernel_path: dict | list | None = None    # what computed the table's rows (its current snapshot's record: one
-                                              # kernel path, or a list when its workers computed on several)
+    kernel_path: list | None = None    # the kernel paths that computed the table's rows (its current snapshot's record)
     kernel_note: str = "not compared"  # that against this run's (pipeline.reuse_sources.kernel_note): unchanged rows stay
 
     @classmethod
@@ -260,6 +261,20 @@ class Upsert:
         return out.getvalue().to_pybytes()
 
     change_counts = staticmethod(change_counts)
+
+    def kernel_paths_after(self, manifest: dict) -> list | None:
+        """The kernel paths that computed the table's rows once this run's are committed (KERNEL_PATH_PROPERTY): this
+        run's (formats.layout.recorded_kernel_paths of its manifest) where it keeps no row of another run's, or
+        keeps rows of its own path ('same'); else those of the rows it keeps as well, each once (None, not recorded,
+        when theirs are not: a remote run, or one with --reuse-across-kernels, never passes their path off as its
+        own)."""
+        ours = recorded_kernel_paths(manifest)
+        if not self.state or self.kernel_note == "same" or ours is None:
+            return ours
+        if not (isinstance(self.kernel_path, list) and all(well_formed_kernel(k) for k in self.kernel_path)):
+            return None
+        both = {json.dumps(k, sort_keys=True): k for k in [*self.kernel_path, *ours]}
+        return [both[k] for k in sorted(both)]
 
     def section(self) -> dict:
         """The manifest's `upsert` entry."""
@@ -303,7 +318,7 @@ class Upsert:
 
         def write(tx, prepared):
             current, deletes, record = prepared
-            kernels = recorded_kernel_paths(manifest)
+            kernels = self.kernel_paths_after(manifest)
             props = {OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key, FILES_PROPERTY: str(len(files)),
                      STATE_PROPERTY: redact(state_url),
                      **({KERNEL_PATH_PROPERTY: json.dumps(kernels[0] if len(kernels) == 1 else kernels,
