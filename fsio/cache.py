@@ -13,7 +13,8 @@ from pathlib import Path
 
 import fsspec
 
-from elmo_pipeline.fsio.fs import check_protocol, json_or_none, options_for, protocol, replacing
+from elmo_pipeline.fsio.fs import (check_protocol, http_status, json_or_none, options_for, protocol, replacing,
+                                  transient_http, url_fs)
 from elmo_pipeline.fsio.fs import is_local_url as is_local
 from elmo_pipeline.fsio.redact import redact
 
@@ -44,13 +45,29 @@ def local_path(url: str, sha256: str | None = None, storage_options: dict | None
         if not os.path.exists(path):
             raise FileNotFoundError(f"no such file: {path}")
     else:       # fsspec.open: one file, never a glob (a presigned URL's ?X-Amz-Signature=... is no wildcard)
-        with open_url(url, storage_options=storage_options) as f:
-            path = f.name
+        try:
+            with open_url(url, storage_options=storage_options) as f:
+                path = f.name
+        except FileNotFoundError:
+            _raise_if_failing(url, storage_options)
+            raise FileNotFoundError(f"no such file: {url}") from None     # fsspec's own text speaks of globs
     if sha256 is not None:
         found = file_sha256(path)
         if found != sha256.lower():
             raise ValueError(f"{url}: sha256 mismatch (expected {sha256}, found {found})")
     return path
+
+
+def _raise_if_failing(url: str, storage_options: dict | None) -> None:
+    """fsspec's file cache takes any failure of the store (unreachable, a 5xx) for 'no such file': ask the store
+    itself, and raise its own error when it fails rather than lacks the file (fsio.fs.http_status)."""
+    fs, path = url_fs(url, storage_options)
+    try:
+        fs.info(path)
+    except FileNotFoundError as e:
+        if transient_http(http_status(e)):
+            raise
+    # anything else the store raises (unreachable, refused) is the cause, raised as it is
 
 
 def file_sha256(path: str) -> str:

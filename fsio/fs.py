@@ -112,11 +112,38 @@ def _matches(pattern: str, storage_options: dict | None) -> list[str]:
 
 
 def _is_file(fs, path: str) -> bool:
-    """fs.isfile(), except that a store that cannot be reached raises (isfile() says False: 'matches no file')."""
+    """fs.isfile(), except that a store that cannot be reached or that fails raises (isfile() says False: 'matches
+    no file'; fsspec's HTTP store says FileNotFoundError for a 5xx too: its cause tells, http_status)."""
     try:
         return fs.info(path).get("type") == "file"
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if transient_http(http_status(e)):
+            raise
         return False
+
+
+def storage_error(e: BaseException) -> bool:
+    """Whether `e` is a failure of the storage or the network under a file, never of its content: an OSError, or an
+    HTTP client's error (aiohttp's ClientError: a refused, expired or missing URL, a 5xx, a dropped connection;
+    known by class, aiohttp being optional)."""
+    return isinstance(e, OSError) or any(c.__name__ == "ClientError" and c.__module__.startswith("aiohttp")
+                                         for c in type(e).__mro__)
+
+
+def http_status(e: BaseException) -> int | None:
+    """The HTTP status of the first response error (aiohttp's ClientResponseError) in e's chain of causes, if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ == "ClientResponseError" and type(getattr(e, "status", None)) is int:
+            return e.status
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def transient_http(status: int | None) -> bool:
+    """Whether an HTTP status says to retry later: a server error (5xx) or too many requests (429)."""
+    return status is not None and (status >= 500 or status == 429)
 
 
 def is_local_fs(fs) -> bool:

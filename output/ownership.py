@@ -112,6 +112,8 @@ def foreign_files(fs, root: str) -> Foreign:
         elif entry["type"] == "directory" and name in SHARD_FOLDERS:
             found.in_the_way += sorted(n for n in (posixpath.relpath(p, root) for p in fs.find(entry["name"]))
                                        if n not in owned)
+        elif entry["type"] == "directory" and name in TOP_FILES:      # where Finalize puts a file
+            found.in_the_way.append(name + "/")
         elif entry["type"] == "directory":
             found.elsewhere.append(name + "/")
         elif name in owned or is_scratch_name(name):

@@ -40,14 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from elmo_pipeline.fsio import redact_logs
+    from elmo_pipeline.fsio import redact, redact_logs
     redact_logs()          # every subcommand's log lines without secrets
     argv = sys.argv[1:] if argv is None else argv
     # `run` forwards everything to the Beam pipeline's own parser (Beam options included).
     if argv and argv[0] in FORWARDED:
         return importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(FORWARDED[argv[0]] + list(argv[1:]))
     args = build_parser().parse_args(argv)
-    return importlib.import_module(args._module).run(args)
+    try:
+        return importlib.import_module(args._module).run(args)
+    except SystemExit as e:     # a subcommand's `error: ...` line: one line, its URLs' secrets redacted
+        if not isinstance(e.code, str):
+            raise
+        print(redact(" ".join(e.code.split()) if e.code.startswith("error:") else e.code), file=sys.stderr)
+        return 1
 
 
 def console(argv: list[str] | None = None) -> NoReturn:

@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: --batch-size must be >= 1")
     if args.max_tokens_per_batch < 0:
         raise SystemExit("error: --max-tokens-per-batch must be >= 0")
+    from elmo_pipeline.fsio import storage_error
     from elmo_pipeline.pipeline.validate import check_state, check_windows
     try:
         args.batch_invariant = check_state(args.state, budget_batches=args.max_tokens_per_batch > 0,
@@ -94,7 +95,12 @@ def run(args: argparse.Namespace) -> int:
             args.window_overlap = check_windows(args.window_tokens, args.window_overlap, args.window_tokens + 2)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    lines = read_lines(args.input_file)
+    try:
+        lines = read_lines(args.input_file)
+    except Exception as e:  # noqa: BLE001 - a storage or network failure: one line (cli.main redacts it)
+        if not storage_error(e):
+            raise
+        raise SystemExit(f"error: INPUT_FILE {args.input_file}: {type(e).__name__}: {e}") from None
     if args.use_sentence_keys:
         bad = [s for s in lines if "/" in s or "\0" in s or s in ("", ".", "sentence_to_index")]
         if bad or len(set(lines)) != len(lines):       # HDF5 names: "/" nests, NUL ends one, "." is the file

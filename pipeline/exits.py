@@ -12,7 +12,7 @@ import errno
 import re
 from dataclasses import dataclass
 
-from elmo_pipeline.fsio import redact
+from elmo_pipeline.fsio import http_status, redact, transient_http
 
 OK = 0            # done, or already complete (nothing to do)
 USAGE = 2         # bad flag or value, conflicting options, an output that needs --overwrite: fix the command
@@ -43,10 +43,11 @@ AFTER_PLAN = "_elmo_pipeline_after_plan"
 TRANSIENT_TEXT = re.compile(
     r"No space left on device|Disk quota exceeded|\[Errno (28|122|11|16|110|111|104|103|113|101|100)\]|"
     r"is held by a live run|Could not connect to the endpoint|Connection (refused|reset)|"
-    r"SlowDown|Service Unavailable|InternalError|Read timeout|Connect timeout|ServiceUnavailable")
+    r"SlowDown|Service Unavailable|InternalError|Read timeout|Connect timeout|ServiceUnavailable|"
+    r"ClientResponseError: (5\d\d|429)\b")
 DATA_TEXT = re.compile(r"WeightsError|OptionsError|sha256 mismatch|differs from its first download|"
                        r"download truncated|download failed after|matches no file|not a valid HDF5 file|"
-                       r"changed since the run was planned")
+                       r"changed since the run was planned|\bFileNotFoundError\b|ClientResponseError: 4\d\d\b")
 REUSE_TEXT = re.compile(r"\b(%s): " % "|".join(REUSE_TYPES))
 MEANINGS = {OK: "done", USAGE: "fix the command", DATA: "fix the data", SOFTWARE: "failed",
             TEMPFAIL: "retry later", INTERRUPTED: "interrupted"}
@@ -100,9 +101,11 @@ def _status(exc: BaseException) -> int | None:
     names = _names(exc)
     if isinstance(exc, KeyboardInterrupt):
         return INTERRUPTED
-    if names & set(TRANSIENT_TYPES) or (isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS):
+    status = http_status(exc) if "ClientResponseError" in names else None     # an HTTP store's answer
+    if names & set(TRANSIENT_TYPES) or (isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS) or \
+            transient_http(status):
         return TEMPFAIL
-    if names & set(DATA_TYPES) or isinstance(exc, FileNotFoundError):
+    if names & set(DATA_TYPES) or isinstance(exc, FileNotFoundError) or status is not None:
         return DATA
     return None
 

@@ -26,6 +26,7 @@ def table(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from elmo_pipeline.fsio import redact
     from elmo_pipeline.model.pretrained import MODELS, base_url, cache_folder, describe, model_files
     try:
         for name in args.download:
@@ -37,5 +38,5 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(json.dumps(r) for r in rows))
     else:
         print(table(rows))
-        print(f"\npublished models: {base_url()} -> {cache_folder('NAME')} (first use downloads them)")
+        print(f"\npublished models: {redact(base_url())} -> {cache_folder('NAME')} (first use downloads them)")
     return 0

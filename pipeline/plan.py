@@ -26,9 +26,9 @@ from elmo_pipeline.model.options import load_options, sentences_independent
 from elmo_pipeline.model.kernels import exact_here, planned_kernel_path
 from elmo_pipeline.model.resolve import resolve_model
 from elmo_pipeline.pipeline.options import ElmoOptions
-from elmo_pipeline.pipeline.validate import (check_dedupe, check_iceberg, check_input_columns, check_model, check_numbers,
-                                             check_output_writable, check_reuse, check_state, check_upsert,
-                                             inputs_outside_output, own_files)
+from elmo_pipeline.pipeline.validate import (check_dedupe, check_iceberg, check_input_columns, check_model,
+                                             check_numbers, check_output_writable, check_reuse, check_runner,
+                                             check_state, check_upsert, inputs_outside_output, own_files)
 from elmo_pipeline.pipeline.workers import (BUCKET_BYTES, Where, dask_partitions, embed_threads, layout_of,
                                             spread_by_key, tokenizer_processes)
 from elmo_pipeline.model.resolve import ModelSpec
@@ -164,6 +164,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, o.formats(), o.dtype)
     check_upsert(o, iceberg)
     so = storage_options(opts)
+    check_runner(opts)
     where = layout_of(opts, o)
     inputs = plan_inputs(o, so, iceberg)
     model = plan_model(o, so, where)

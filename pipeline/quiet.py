@@ -1,4 +1,5 @@
-"""Keep Apache Beam's import notices and INFO chatter off the terminal; its warnings and errors still show.
+"""Keep Apache Beam's import notices and INFO chatter off the terminal; its warnings and errors still show (its
+failure tracebacks: transforms/logs.py).
 
 Importing Beam without its GCP extras logs "apitools not found ..." on the root logger (a module-level
 logging.warning), and a run logs INFO lines (type-hint conversions, BigQuery storage, state cache size)
@@ -27,22 +28,3 @@ def quiet_beam() -> None:
     logging.getLogger().addFilter(_FILTER)
     logging.getLogger("apache_beam.runners.dask.transform_evaluator").addFilter(_FILTER)
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
-
-
-class _DropBeamTracebacks(logging.Filter):
-    """Beam logs a failing DoFn's exception with its traceback (and again as the bundle fails); the command
-    prints one line `error: ...` instead (pipeline/exits.py), the traceback only with --verbose."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and record.name.startswith("apache_beam"))
-
-
-_FAILURES = _DropBeamTracebacks()
-
-
-def quiet_failures() -> None:
-    """Idempotent: Beam's error logs (tracebacks of the failure the command reports in one line) dropped."""
-    for name in ("apache_beam", ""):
-        logging.getLogger(name).addFilter(_FAILURES)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_FAILURES)

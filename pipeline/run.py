@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 
-from elmo_pipeline.pipeline.quiet import quiet_beam, quiet_failures
+from elmo_pipeline.pipeline.quiet import quiet_beam
 
 quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
 import apache_beam as beam
@@ -23,6 +23,7 @@ from elmo_pipeline.fsio import atomic_write, redact, redact_logs, url_fs
 from elmo_pipeline.pipeline.execute import AlreadyComplete, FinalizeOnly, run_planned
 from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
 from elmo_pipeline.pipeline.plan import pipeline_options, plan, storage_options
+from elmo_pipeline.transforms.logs import quiet_failures
 from elmo_pipeline.transforms import progress
 
 

@@ -51,6 +51,21 @@ def check_flags(argv: list[str]) -> None:
         raise ValueError(f"unexpected argument(s): {' '.join(unknown)} (flags take the form --name value)")
 
 
+def check_runner(opts) -> None:
+    """ValueError, one line, for a --runner Beam cannot make (a name it does not know) or a negative
+    --direct_num_workers (opts: Beam's PipelineOptions), before the output is touched."""
+    from apache_beam.options.pipeline_options import DirectOptions, StandardOptions
+    from apache_beam.runners.runner import create_runner
+    name = opts.view_as(StandardOptions).runner or "FnApiRunner"
+    try:
+        create_runner(name)
+    except (ValueError, ImportError, AttributeError) as e:
+        raise ValueError(f"--runner {name}: {' '.join(str(e).split())}") from None
+    workers = opts.view_as(DirectOptions).direct_num_workers
+    if workers is not None and workers < 0:
+        raise ValueError(f"--direct_num_workers must be >= 0 (0: one a core), got {workers}")
+
+
 POSITIVE = ("max_sentence_tokens", "max_tokens_per_batch", "sort_buffer", "row_group_bytes", "shard_sentences",
             "shard_bytes", "window_tokens", "lease_stale_seconds", "max_record_bytes", "max_document_tokens")
 

@@ -7,18 +7,27 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class ModelServer:
-    """files: URL path -> bytes. truncate: paths whose body stops halfway (Content-Length announces all of it)."""
+    """files: URL path -> bytes. truncate: paths whose body stops halfway (Content-Length announces all of it).
+    status: URL path (its query string left out) -> the HTTP status every request gets (an error); get_status: the
+    same for GET only (HEAD answers as for a file: an expired presigned URL, a server failing mid-read)."""
 
     def __init__(self):
         self.files: dict[str, bytes] = {}
         self.truncate: set[str] = set()
+        self.status: dict[str, int] = {}
+        self.get_status: dict[str, int] = {}
         self.requests: list[tuple[str, str]] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def _serve(self, body: bool):
                 server.requests.append((self.command, self.path))
-                data = server.files.get(self.path)
+                path = self.path.split("?", 1)[0]
+                failing = server.status.get(path) or (server.get_status.get(path) if body else None)
+                if failing:
+                    self.send_error(failing)
+                    return
+                data = server.files.get(self.path, server.files.get(path))
                 if data is None:
                     self.send_error(404)
                     return

@@ -11,6 +11,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from elmo_pipeline.output.stats import merge_stats
 from elmo_pipeline.output.staging import Staging
+from elmo_pipeline.transforms.logs import worker_logs
 
 NS = "elmo"         # the Beam metrics namespace of every step
 DEAD = "dead"       # the tag of a rejected element's DeadLetter
@@ -37,6 +38,7 @@ class Chain(beam.DoFn):
         self.staging, self.dofns = staging, dofns
 
     def setup(self):
+        worker_logs()           # a worker process's log lines redacted, as the launcher's
         for d in self.dofns:
             d.setup()
 

@@ -12,7 +12,7 @@ from typing import Iterator
 import fsspec.utils
 
 from elmo_pipeline.formats.layout import EXCERPT_CHARS
-from elmo_pipeline.fsio import open_file
+from elmo_pipeline.fsio import open_file, redact
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def lines_until_corrupt(f, max_bytes: int | None = None) -> Iterator[bytes | Too
         if not (isinstance(e, CORRUPT) or (type(e) is OSError and "Invalid data stream" in str(e))):   # bz2
             raise
         yield Corrupt(f"unreadable file: compressed data truncated or corrupted after line {n}, the rest of the "
-                       f"file is lost: {type(e).__name__}: {' '.join(str(e).split())}")
+                       f"file is lost: {type(e).__name__}: {redact(' '.join(str(e).split()))}")
 
 
 OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"),

@@ -8,7 +8,7 @@ import json
 from typing import Iterator
 
 from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter
-from elmo_pipeline.fsio import open_file
+from elmo_pipeline.fsio import open_file, redact, storage_error
 from elmo_pipeline.transforms.ids import JSON_TYPES, BadId, document_id, printable_label
 from elmo_pipeline.transforms.lines import (CORRUPT, Corrupt, Meter, TooLong, lines_until_corrupt, open_decompressed,
                                             utf8_lines)
@@ -41,8 +41,9 @@ def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_
     and so is a UTF-8 byte-order mark at the start of the file. A file that is not UTF-8 text with LF or CRLF
     line ends (transforms.lines.not_utf8_lines) is one record dead letter "unreadable file", never read. A
     record over `max_record_bytes` is a dead letter "too long", read in blocks and never held whole. A failure
-    that is not an I/O error (those propagate: the runner retries the file) ends the file with one record dead
-    letter "unreadable file" for the rest of it (of the part, for a split); the records before it stand."""
+    that is not a storage error (those propagate, fsio.storage_error: the runner retries the file) ends the file
+    with one record dead letter "unreadable file" for the rest of it (of the part, for a split); the records
+    before it stand (its reason redacted: an exception's text may quote the URL)."""
     if fmt not in INPUT_FORMATS:
         raise ValueError(f"input format must be one of {INPUT_FORMATS}, got {fmt!r}")
     label = printable_label(label)
@@ -52,12 +53,12 @@ def read_documents(url: str, fmt: str, label: str, text_field: str = "text", id_
         for rec in _file_records(url, fmt, label, text_field, id_field, storage_options, max_record_bytes, part):
             n += 1
             yield rec
-    except Exception as e:  # noqa: BLE001 - one file must not fail the run; I/O errors are re-raised
-        if isinstance(e, OSError) and not isinstance(e, CORRUPT):
+    except Exception as e:  # noqa: BLE001 - one file must not fail the run; storage errors are re-raised
+        if storage_error(e) and not isinstance(e, CORRUPT):
             raise
         rest = f"the rest of part {part.part + 1} of {part.parts} of the file" if part else "the rest of the file"
         yield DeadLetter(f"{label}:{n + 1}", f"unreadable file: after record {n}, {rest} is lost: "
-                         f"{type(e).__name__}: {' '.join(str(e).split())}"[:500], "", level="record")
+                         f"{type(e).__name__}: {redact(' '.join(str(e).split()))}"[:500], "", level="record")
 
 
 def _file_records(url, fmt, label, text_field, id_field, storage_options, max_record_bytes, part: Split | None):

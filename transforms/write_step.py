@@ -9,6 +9,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from elmo_pipeline.transforms.chain import NS, in_global_window
+from elmo_pipeline.transforms.logs import worker_logs
 from elmo_pipeline.transforms.progress import ProgressSpec, advance
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
 from elmo_pipeline.output.staging import ShardSpec, Staging
@@ -90,6 +91,7 @@ class SkipCommitted(beam.DoFn):
         self.skipped = Metrics.counter(NS, "sentences_resumed")
 
     def setup(self):
+        worker_logs()
         self.done = load_done_ids(self.record_paths, self.so)
 
     def process(self, item: Item):

@@ -1,0 +1,139 @@
+"""An HTTP store that refuses or fails (a local server on 127.0.0.1, tests/model_server.py): the run ends with one
+`error:` line and the documented status, never exit 0 with the file lost, and the URL's secret is nowhere (stderr,
+the output, worker processes' logs); `elmo-pipeline elmo` and `models` print no secret either; a bad runner option
+and a folder at a name Finalize writes are refused before the output is touched."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from elmo_pipeline.pipeline.run import main
+from tests.model_server import ModelServer
+from tests.resume_helpers import REPO, run_subprocess
+
+SECRET = "s3cr3tSig"
+TEXT = b"Seagulls argued over the last chip on the pier.\nThe keeper lit the lamp at dusk.\n"
+
+
+def run_args(tiny_model_files, out, inp, *extra, options=None):
+    return ["--input", inp, "--output", str(out), "--options-file", options or tiny_model_files[0],
+            "--weight-file", tiny_model_files[1], "--torch-threads", "1", "--progress", "off", *extra]
+
+
+def everything_under(folder) -> str:
+    """The names and bytes of every file under `folder` (none: '')."""
+    out = []
+    for d, _, files in os.walk(folder):
+        for n in files:
+            out.append(os.path.join(d, n) + open(os.path.join(d, n), "rb").read().decode("utf-8", "replace"))
+    return "".join(out)
+
+
+@pytest.mark.parametrize("status, exit_status", [(403, 65), (404, 65), (503, 75)])
+def test_an_input_url_that_fails_as_it_is_read_fails_the_run_redacted(tiny_model_files, tmp_path, capsys, status,
+                                                                        exit_status):
+    """HEAD answers as for the file, GET fails (an expired presigned URL, a server failing): before, the file was a
+    dead letter quoting the URL with its signature, and the run exited 0."""
+    with ModelServer() as server:
+        server.files["/in/docs.txt"] = TEXT
+        server.get_status["/in/docs.txt"] = status
+        out = tmp_path / "out"
+        assert main(run_args(tiny_model_files, out, f"{server.url}/in/docs.txt?sig={SECRET}")) == exit_status
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and f"(exit {exit_status}:" in lines[0] and str(status) in lines[0], err
+    assert SECRET not in err and SECRET not in everything_under(out)
+    assert not os.path.exists(out / "_SUCCESS")
+
+
+def test_a_failing_server_is_retry_later_when_listing_inputs_or_fetching_the_model(tiny_model_files, tmp_path,
+                                                                                    capsys, monkeypatch):
+    """fsspec's HTTP store says FileNotFoundError for a 503 too: its cause says retry later (75), not 'matches no
+    file' (65); a 404 stays 65."""
+    monkeypatch.setenv("ELMO_PIPELINE_CACHE", str(tmp_path / "cache"))
+    with ModelServer() as server:
+        server.files["/in/docs.txt"] = TEXT
+        server.files["/m/options.json"] = open(tiny_model_files[0], "rb").read()
+        server.status["/in/docs.txt"] = 503
+        assert main(run_args(tiny_model_files, tmp_path / "a", f"{server.url}/in/docs.txt?sig={SECRET}")) == 75
+        del server.status["/in/docs.txt"]
+        server.status["/m/options.json"] = 503
+        local = tmp_path / "in.txt"
+        local.write_bytes(TEXT)
+        assert main(run_args(tiny_model_files, tmp_path / "b", str(local),
+                             options=f"{server.url}/m/options.json?sig={SECRET}")) == 75
+        assert main(run_args(tiny_model_files, tmp_path / "c", f"{server.url}/in/gone.txt?sig={SECRET}")) == 65
+    err = capsys.readouterr().err
+    assert [line.rsplit("(exit ", 1)[1] for line in err.splitlines() if line.startswith("error:")] == \
+        ["75: retry later)", "75: retry later)", "65: fix the data)"], err
+    assert SECRET not in err
+
+
+@pytest.mark.slow
+def test_worker_processes_print_no_secret(tiny_model_files, tmp_path):
+    """--direct_running_mode multi_processing: the workers' own log lines and what Beam's SDK worker prints on stderr
+    (a failing bundle's traceback) are redacted (transforms/logs.py); the launcher prints one line, the status of
+    the cause (before: 70, from the worker's text)."""
+    with ModelServer() as server:
+        server.files["/in/docs.txt"] = TEXT
+        server.get_status["/in/docs.txt"] = 404
+        p = run_subprocess(run_args(tiny_model_files, tmp_path / "out", f"{server.url}/in/docs.txt?sig={SECRET}",
+                                    "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"))
+    assert p.returncode == 65, p.stderr[-3000:]
+    assert SECRET not in p.stderr and "sig=***" in p.stderr, p.stderr[-3000:]
+    assert len([line for line in p.stderr.splitlines() if line.startswith("error:")]) == 1, p.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_elmo_and_models_commands_print_no_secret(tiny_model_files, tmp_path):
+    """`elmo-pipeline elmo` with a model file or an input at a URL that fails, `models` with a mirror URL holding a
+    password: one `error:` line (exit 1) or the listing, the password and signature masked."""
+    with ModelServer() as server:
+        server.files["/in.txt"] = TEXT
+        server.get_status["/gone.txt"] = 404
+        url = server.url.replace("http://", f"http://alice:{SECRET}@")
+        runs = [["elmo", str(tmp_path / "x.txt"), str(tmp_path / "a.hdf5"), "--all", "--options-file",
+                 f"{url}/m/gone.json?sig={SECRET}", "--weight-file", tiny_model_files[1]],
+                ["elmo", f"{url}/gone.txt?sig={SECRET}", str(tmp_path / "b.hdf5"), "--all", "--options-file",
+                 tiny_model_files[0], "--weight-file", tiny_model_files[1]]]
+        (tmp_path / "x.txt").write_bytes(TEXT)
+        env = dict(os.environ, ELMO_PIPELINE_CACHE=str(tmp_path / "cache"))
+        for args in runs:
+            r = subprocess.run([sys.executable, "-m", "elmo_pipeline", *args], capture_output=True, text=True,
+                               cwd=REPO, env=env, timeout=300)
+            assert r.returncode == 1 and SECRET not in r.stderr + r.stdout, r.stderr
+            assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "elmo_pipeline", "models"], capture_output=True, text=True, cwd=REPO,
+                       env=dict(env, ELMO_PIPELINE_MODELS_URL=f"https://alice:{SECRET}@mirror.example/elmo"),
+                       timeout=300)
+    assert r.returncode == 0 and "published models: https://***@mirror.example/elmo" in r.stdout, r.stdout
+    assert SECRET not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name", ["report.html", "_SUCCESS", "manifest.json", "metrics.prom"])
+def test_a_folder_at_a_name_finalize_writes_is_refused_before_anything_runs(tiny_model_files, tmp_path, capsys,
+                                                                            name):
+    """Before: the run embedded everything, then moved its report into the user's folder (report.html/report.html)
+    or failed at the end leaving final-named files (_SUCCESS/)."""
+    inp = tmp_path / "in.txt"
+    inp.write_bytes(TEXT)
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)
+    (out / name / "keep.txt").write_text("mine")
+    assert main(run_args(tiny_model_files, out, str(inp), "--overwrite")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and f"{name}/" in err[-1], err
+    assert sorted(os.listdir(out)) == [name] and os.listdir(out / name) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("flag, value, says", [("--runner", "Nope", "--runner Nope: Unexpected pipeline runner"),
+                                               ("--direct_num_workers", "-1", "--direct_num_workers must be >= 0")])
+def test_a_bad_runner_option_is_refused_before_the_output_is_touched(tiny_model_files, tmp_path, capsys, flag,
+                                                                     value, says):
+    inp = tmp_path / "in.txt"
+    inp.write_bytes(TEXT)
+    assert main(run_args(tiny_model_files, tmp_path / "out", str(inp), flag, value)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {says}"), err
+    assert not os.path.exists(tmp_path / "out")

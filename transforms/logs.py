@@ -1,0 +1,55 @@
+"""The log lines of a process that runs the pipeline's steps, a worker's as the launcher's: secrets redacted
+(fsio.redact_logs) and Beam's error records of a failing bundle dropped (their tracebacks; the launcher reports the
+failure in one line, pipeline/exits.py, with the whole chain under --verbose). No Beam import.
+
+A multi-process or cluster worker configures its own logging, which the launcher's filters never reach: each step
+sets this up when a worker sets the step up (transforms/chain.py Chain, transforms/write_step.py SkipCommitted).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from elmo_pipeline.fsio import redact, redact_logs
+
+
+class _DropBeamTracebacks(logging.Filter):
+    """Beam logs a failing DoFn's exception with its traceback (and again as the bundle fails)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.name.startswith("apache_beam"))
+
+
+BEAM_FAILURES = _DropBeamTracebacks()
+
+
+def quiet_failures() -> None:
+    """Idempotent: Beam's error records (tracebacks of the failure the command reports in one line) dropped."""
+    for name in ("apache_beam", ""):
+        logging.getLogger(name).addFilter(BEAM_FAILURES)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(BEAM_FAILURES)
+
+
+class _RedactingStream:
+    """A text stream that writes what it is given redacted (fsio.redact) to the stream it wraps."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(redact(text) if isinstance(text, str) else text)
+        return len(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def worker_logs() -> None:
+    """Idempotent: this process's log lines redacted and without Beam's failure tracebacks, and what it prints on
+    stderr redacted (Beam's SDK worker prints a failing bundle's traceback there, the exception's text quoting a
+    URL with its secret) (a worker's setup)."""
+    redact_logs()
+    quiet_failures()
+    if not isinstance(sys.stderr, _RedactingStream):
+        sys.stderr = _RedactingStream(sys.stderr)
