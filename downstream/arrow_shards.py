@@ -41,7 +41,7 @@ def map_arrow_shard(path: str, fields: Sequence[str] | None = None,
                 included_fields=[names.index(f) for f in fields]))
         batch = reader.get_batch(0) if reader.num_record_batches else \
             pa.RecordBatch.from_pylist([], schema=reader.schema)
-    except pa.ArrowException as e:
+    except (pa.ArrowException, OSError) as e:     # pyarrow's IO errors (a footer that fails verification) are OSErrors
         raise DamagedOutput(f"{path}: not a readable Arrow IPC file ({e})") from None
     if read_around:
         set_read_around(whole.address, size, True)
@@ -69,7 +69,7 @@ def read_arrow_shard(fs, path: str) -> pa.RecordBatch:
         if reader.num_record_batches == 0:
             return pa.RecordBatch.from_pylist([], schema=reader.schema)
         return reader.get_batch(0)
-    except pa.ArrowException as e:
+    except (pa.ArrowException, OSError) as e:     # pyarrow's IO errors (a footer that fails verification) are OSErrors
         raise DamagedOutput(f"{path}: not a readable Arrow IPC file ({e})") from None
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from elmo_pipeline.downstream.batching import stack
-from elmo_pipeline.downstream.shard_checks import (DamagedOutput, check_arrow_batch, check_file, check_parquet_schema,
+from elmo_pipeline.downstream.shard_checks import (DamagedOutput, check_arrow_batch, check_file, check_parquet_counts,
+                                                   check_parquet_schema,
                                                    check_size, checked_files, checked_header, shard_entry)
 from elmo_pipeline.downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
                                       parquet_token_records)
@@ -83,9 +84,16 @@ class ElmoOutput:
         s = self.shards[i]
         check_arrow_batch(batch, where, int(s["tokens"]), int(s["sentences"]), self.dtype, self.layer_dims, full)
 
-    def _parquet_check(self, where: str):
-        """check(schema) of a Parquet shard (read from `where`) against the manifest (check_parquet_schema)."""
-        return lambda schema: check_parquet_schema(schema, where, self.layer_dims, self.dtype, self.parquet_layout)
+    def parquet_check(self, i: int, where: str):
+        """check(pf) of shard i's Parquet file (pyarrow ParquetFile, read from `where`) against the manifest, before a
+        page is read: its schema (check_parquet_schema) and its footer's counts (check_parquet_counts)."""
+        s = self.shards[i]
+
+        def check(pf) -> None:
+            check_parquet_schema(pf.schema_arrow, where, self.layer_dims, self.dtype, self.parquet_layout)
+            check_parquet_counts(pf.metadata, where, int(s["sentences"]), int(s["tokens"]), self.layer_dims,
+                                 self.parquet_layout)
+        return check
 
     def hdf5_expect(self, i: int) -> dict:
         """What shard i's HDF5 file must hold: sentences, tokens, layers per dataset, width, dtype."""
@@ -152,7 +160,7 @@ class ElmoOutput:
         path = self.shard_path(i, fmt, check=True)
         if fmt == "parquet":
             read = parquet_token_records if self.parquet_layout == "token" else parquet_records
-            it = read(self.fs, path, names, self._parquet_check(path))
+            it = read(self.fs, path, names, self.parquet_check(i, path))
         elif fmt == "arrow":
             it = arrow_records(self.fs, path, names, lambda batch: self.check_arrow(i, batch, path))
         else:
@@ -167,7 +175,7 @@ class ElmoOutput:
         """Doc ids, sentence indices and tokens of shard i's sentences from its Parquet twin ({} without one)."""
         if "parquet" in self.shards[i] and self.parquet_layout == "sentence":
             path = self.shard_path(i, "parquet", check=True)
-            return parquet_meta(self.fs, path, self._parquet_check(path))
+            return parquet_meta(self.fs, path, self.parquet_check(i, path))
         return {}
 
     def sentences(self, fmt: str | None = None, layers: Sequence[str] | None = None) -> Iterator[dict]:

@@ -86,6 +86,33 @@ def check_parquet_schema(schema: pa.Schema, where: str, layer_dims: Mapping[str,
             raise DamagedOutput(f"{where}: column {name} is {t}, the manifest says {shape}")
 
 
+def check_parquet_counts(meta, where: str, sentences: int, tokens: int, layer_dims: Mapping[str, int],
+                         layout: str) -> None:
+    """Raise DamagedOutput unless a Parquet shard's footer (pyarrow FileMetaData) counts what its manifest entry
+    says: a row a sentence (a token in the token layout), and each layer's `tokens x width` values (the sentence
+    layout's `tokens` column: `tokens` words; an empty list may count one more). Checked before any page is read:
+    a shard with fewer sentences is refused, not read short, and no read decodes more values than the manifest
+    counts (a page holding more than its footer says fails as it decodes)."""
+    rows = sentences if layout == "sentence" else tokens
+    if meta.num_rows != rows:
+        raise DamagedOutput(f"{where}: {meta.num_rows} rows, the manifest says {rows} "
+                            f"{'sentences' if layout == 'sentence' else 'tokens'}")
+    counts: dict[str, int] = {}
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for j in range(group.num_columns):
+            column = group.column(j)
+            top = column.path_in_schema.split(".", 1)[0]
+            counts[top] = counts.get(top, 0) + column.num_values
+    want = {name: tokens * width for name, width in layer_dims.items()}
+    if layout == "sentence":
+        want["tokens"] = tokens
+    for name, n in want.items():
+        if name in counts and not n <= counts[name] <= n + sentences:
+            raise DamagedOutput(f"{where}: column {name} holds {counts[name]} values, the manifest's {tokens} tokens "
+                                f"make {n}")
+
+
 def shard_entry(where: str, entry, formats) -> dict:
     """A manifest's shard entry, checked: a dict with int sentences and tokens, each format's file name a
     relative path inside the output (inside_path)."""

@@ -34,12 +34,12 @@ HDF5_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
 
 
 def parquet_records(fs, path: str, names: list[str], check) -> Iterator[dict]:
-    """Records of a Parquet shard with a row per sentence, read 1024 rows at a time; check(schema) raises unless
-    the shard's schema matches its manifest."""
+    """Records of a Parquet shard with a row per sentence, read 1024 rows at a time; check(pf), given the opened
+    pyarrow ParquetFile before a page is read, raises unless its schema and footer match its manifest."""
     import pyarrow.parquet as pq
     with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
         pf = pq.ParquetFile(f)
-        check(pf.schema_arrow)
+        check(pf)
         for batch in pf.iter_batches(batch_size=1024, columns=[*META_COLUMNS, *names]):
             yield from _batch_records(batch, names)
 
@@ -70,7 +70,7 @@ def parquet_token_records(fs, path: str, names: list[str], check) -> Iterator[di
     import pyarrow.parquet as pq
     with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
         pf = pq.ParquetFile(f)
-        check(pf.schema_arrow)
+        check(pf)
         t = pf.read(columns=[*TOKEN_META_COLUMNS, *names])
     ids = t.column("id").to_pylist()
     mats = [t.column(n).combine_chunks().flatten().to_numpy(zero_copy_only=False)
@@ -96,7 +96,7 @@ def parquet_meta(fs, path: str, check) -> dict[str, tuple]:
     import pyarrow.parquet as pq
     with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
         pf = pq.ParquetFile(f)
-        check(pf.schema_arrow)
+        check(pf)
         t = pf.read(columns=list(META_COLUMNS))
     return {sid: (did, k, toks) for sid, did, k, toks in zip(*(t.column(c).to_pylist() for c in META_COLUMNS))}
 
@@ -119,8 +119,9 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect:
     """Records of an HDF5 shard (AllenNLP layout: (layers, T, 2P) or (T, 2P) per sentence), layers `pick`
     (indices); doc ids, sentence indices and tokens from `meta` (parquet_meta of the Parquet twin), else
     from the id and None. expect (ElmoOutput.hdf5_expect): each dataset's declared shape and dtype is
-    checked before it is read, so no read allocates more than the manifest's tokens. A shard HDF5 cannot
-    read (damaged metadata: its signature, groups, names, datatypes) is refused with DamagedOutput naming it."""
+    checked before it is read, so no read allocates more than the manifest's tokens; a dataset is read only when it
+    is the file's own (no link, no external or virtual storage). A shard HDF5 cannot read (damaged metadata: its
+    signature, groups, names, datatypes) is refused with DamagedOutput naming it."""
     import h5py
     with fs.open(path, "rb") as f, unreadable(path, "HDF5", HDF5_ERRORS), h5py.File(f, "r") as h:
         keys = list(h.keys())
@@ -132,9 +133,13 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect:
         left = expect["tokens"]
         for key in keys:
             sid = hdf5_unkey(key)
+            if not isinstance(h.get(key, getlink=True), h5py.HardLink):     # a link may name another file
+                raise DamagedOutput(f"{path}: {key!r} is a link, not a dataset of the file")
             d = h.get(key)
             if not isinstance(d, h5py.Dataset):
                 raise DamagedOutput(f"{path}: {key!r} is not a dataset")
+            if d.external or d.is_virtual:      # its bytes elsewhere (a FIFO would block, another file is not ours)
+                raise DamagedOutput(f"{path}: {key!r} keeps its data outside the file")
             left -= check_hdf5_shape(path, key, d.shape, d.dtype, expect["n_layers"], expect["dim"],
                                      expect["dtype"], left)
             arr = d[...]

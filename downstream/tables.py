@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from elmo_pipeline.downstream.output import ElmoOutput, open_output
+from elmo_pipeline.downstream.shard_readers import PARQUET_ERRORS, unreadable
 
 
 def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = None, fmt: str | None = None,
@@ -24,8 +25,11 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
     if fmt == "parquet":
         tables = []
         for i in range(len(out.shards)):
-            with out.fs.open(out.shard_path(i, "parquet", check=True), "rb") as f:
-                tables.append(pq.read_table(f, columns=list(columns) if columns else None))
+            path = out.shard_path(i, "parquet", check=True)
+            with out.fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
+                pf = pq.ParquetFile(f)
+                out.parquet_check(i, path)(pf)      # schema and counts, before a page is read
+                tables.append(pf.read(columns=list(columns) if columns else None))
         if not tables:
             raise ValueError(f"{out.path}: no shards")
         return pa.concat_tables(tables)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from elmo_pipeline.formats.layout import SUCCESS, ShardInfo, checked_record, read_manifest, recorded_files
 from elmo_pipeline.fsio import read_json, url_fs
 from elmo_pipeline.output.finalize import as_recorded, plan_consistent, read_plan, read_staged, roll_back, select_records
-from elmo_pipeline.output.names import PLAN, RUN_FILE, SHARD_FILES, STAGING, STATS
+from elmo_pipeline.output.names import PLAN, RUN_FILE, SHARD_FILES, STAGING, STATS, is_final_name
 from elmo_pipeline.output.ownership import check_no_links, check_ownership, clear_final, plan_names
 from elmo_pipeline.output.sink import Sink
 
@@ -153,16 +153,31 @@ def finalize_started(output: str, key: str, storage_options: dict | None = None)
 
 
 def _listed_files_present(fs, root: str, manifest: dict) -> bool:
-    """Whether the shard and dead-letter files a manifest lists are there, each the file it records (if any)."""
-    rels = [s[f] for s in manifest.get("shards", []) for f in SHARD_FILES if f in s]
-    rels += [d["path"] for d in manifest.get("dead_letter_files", [])]
+    """Whether the shard and dead-letter files a manifest lists are there, each named as Finalize names them
+    (output/names.py is_final_name: inside the output) and the file it records, every one recorded where the
+    manifest records files. False, with a warning, for anything else (an edited or damaged manifest): starting
+    over."""
+    rels = _listed(manifest)
     try:
-        records = recorded_files(manifest) or {}
+        records = recorded_files(manifest)
     except ValueError as e:
         logger.warning("%s: %s; starting over", root, e)
         return False
-    return all(fs.exists(posixpath.join(root, r)) and as_recorded(fs, posixpath.join(root, r), records.get(r),
+    if rels is None or not all(is_final_name(r) for r in rels) or \
+            records is not None and not all(r in records for r in rels):
+        logger.warning("%s: its manifest lists files that are not this pipeline's output, or that it records no "
+                       "size and SHA-256 for; starting over", root)
+        return False
+    return all(fs.exists(posixpath.join(root, r)) and as_recorded(fs, posixpath.join(root, r), (records or {}).get(r),
                                                                    "starting over") for r in rels)
+
+
+def _listed(manifest: dict) -> list | None:
+    """The shard and dead-letter file names a manifest lists, as they are; None when its lists are damaged."""
+    shards, dead = manifest.get("shards"), manifest.get("dead_letter_files", [])
+    if not (isinstance(shards, list) and isinstance(dead, list) and all(isinstance(e, dict) for e in shards + dead)):
+        return None
+    return [e[f] for e in shards for f in SHARD_FILES if f in e] + [e.get("path") for e in dead]
 
 
 def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, storage_options: dict | None = None,

@@ -290,3 +290,129 @@ def test_hdf5_shard_with_damaged_metadata_refused(copy, damage):
 def test_full_validation_of_a_sound_output(written):
     for name in ("fp32", "fp16"):
         ElmoOutput(written[name]).validate()
+
+
+def _as_earlier_version(out: str) -> None:
+    """The manifest without its file records (an output of a version that recorded none: read, sizes unchecked),
+    so a same-size or resized shard reaches the readers' own checks."""
+    m = _manifest(out)
+    m.pop("files"), m.pop("kernel_path")
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(m, f)
+
+
+def test_an_arrow_shard_whose_footer_fails_verification_is_damaged_not_an_oserror(copy):
+    """pyarrow raises OSError, not an ArrowException, for a footer that fails its flatbuffer verification."""
+    out = copy("fp32")
+    shard = _arrow_shard(out)
+    data = bytearray(open(shard, "rb").read())
+    data[-12] ^= 0xFF                                   # inside the footer; the same size
+    open(shard, "wb").write(bytes(data))
+    for read in (lambda: list(ElmoOutput(out).sentences("arrow")), lambda: MappedDataset(out)[0]):
+        with pytest.raises(DamagedOutput, match="not a readable Arrow IPC file"):
+            read()
+
+
+@pytest.mark.parametrize("where", ["external file", "external link"])
+def test_an_hdf5_dataset_whose_data_is_outside_its_file_is_refused(copy, tmp_path, where):
+    """A dataset stored in another file (external storage: a FIFO there would block every reader) or an external
+    link to another HDF5 file: refused, never read as the sentence's vectors."""
+    out = copy("fp32")
+    _as_earlier_version(out)
+    shard = os.path.join(out, _manifest(out)["shards"][0]["hdf5"])
+    elsewhere = str(tmp_path / "elsewhere.bin")
+
+    def swap(h):
+        k = sorted(h.keys())[0]
+        shape, dtype = h[k].shape, h[k].dtype
+        del h[k]
+        if where == "external file":
+            open(elsewhere, "wb").write(np.full(shape, 7, dtype).tobytes())
+            h.create_dataset(k, shape, dtype, external=[(elsewhere, 0, int(np.prod(shape)) * dtype.itemsize)])
+        else:
+            with h5py.File(elsewhere, "w") as other:
+                other.create_dataset("v", data=np.full(shape, 7, dtype))
+            h[k] = h5py.ExternalLink(elsewhere, "v")
+    _rewrite_hdf5(shard, swap)
+    with pytest.raises(DamagedOutput, match="outside the file|is a link"):
+        list(ElmoOutput(out).sentences("hdf5"))
+
+
+def test_a_parquet_shard_with_fewer_sentences_or_more_values_than_its_manifest_is_refused(copy):
+    """Checked from the footer before a page is read: a shard short of a sentence was read short, without an error,
+    and one whose rows hold more vectors than the manifest's tokens was decoded whole."""
+    import pyarrow.parquet as pq
+    from elmo_pipeline.downstream.shard_checks import check_parquet_counts
+    from elmo_pipeline.downstream.tables import to_arrow_table
+    out = copy("fp32")
+    _as_earlier_version(out)
+    shard = os.path.join(out, _manifest(out)["shards"][0]["parquet"])
+    t = pq.read_table(shard)
+    pq.write_table(t.slice(1), shard)
+    for read in (lambda: list(ElmoOutput(out).sentences("parquet")), lambda: list(ElmoOutput(out).sentences("hdf5")),
+                 lambda: to_arrow_table(out)):
+        with pytest.raises(DamagedOutput, match=r"rows, the manifest says \d+ sentences"):
+            read()
+    n, tokens = t.num_rows, sum(len(x) for x in t.column("tokens").to_pylist())
+    doubled = t.set_column(t.schema.get_field_index("tokens"), "tokens",
+                           pa.array([x + x for x in t.column("tokens").to_pylist()]))
+    pq.write_table(doubled, shard)
+    dims = {"layer_0": t.column("layer_0").type.value_type.list_size}
+    with pytest.raises(DamagedOutput, match="column tokens holds"):
+        check_parquet_counts(pq.ParquetFile(shard).metadata, shard, n, tokens, dims, "sentence")
+
+
+@pytest.mark.parametrize("edit", ["outside", "unrecorded", "not an entry"])
+def test_a_resumed_finalize_follows_no_manifest_listing_files_it_did_not_write(copy, tiny_model_files, edit):
+    """A finished output with _SUCCESS gone and its manifest edited: a shard path outside the output, a listed file
+    the manifest records nothing for, a dead-letter entry that is no entry. The rerun starts over (before: it
+    'finished the interrupted finalize' of a manifest readers refuse, or exited 70) and the output reads back."""
+    out = copy("fp32")
+    os.remove(os.path.join(out, "_SUCCESS"))
+    m = _manifest(out)
+    if edit == "outside":
+        m["shards"].append({**m["shards"][0], "parquet": "../fp32/" + m["shards"][0]["parquet"]})
+    elif edit == "unrecorded":
+        m["files"].pop(m["shards"][0]["parquet"])
+    else:
+        m["dead_letter_files"] = [5]
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(m, f)
+    run_pipeline(tiny_model_files, _source(out), out, *COMMON, "--format", "parquet,hdf5,arrow")
+    ElmoOutput(out).validate()
+    assert len(list(ElmoOutput(out).sentences("parquet"))) == len(TEXT)
+
+
+def _source(out: str) -> str:
+    return _manifest(out)["inputs"][0]
+
+
+def test_a_cached_copy_of_a_remote_shard_is_the_file_its_manifest_records(written, tmp_path):
+    """A remote (memory://) output read through local copies, then a shard rewritten with its record (as a rerun
+    with --overwrite writes it, under the same run key): the next reader copies it again and reads the new bytes
+    (before: the cached copy of the same size was served); a copy that is not the recorded file is refused."""
+    import hashlib
+
+    import fsspec
+    fs, src = fsspec.filesystem("memory"), written["fp32"]
+    for d, _, names in os.walk(src):
+        for name in names:
+            fs.pipe(f"/cached/{os.path.relpath(os.path.join(d, name), src)}", open(os.path.join(d, name), "rb").read())
+    cache = str(tmp_path / "cache")
+    before = MappedDataset("memory://cached", cache_dir=cache)[0]["layers"]
+    m = json.loads(fs.cat_file("/cached/manifest.json"))
+    rel = m["shards"][0]["arrow"]
+    local = str(tmp_path / "shard.arrow")
+    open(local, "wb").write(fs.cat_file(f"/cached/{rel}"))
+    _poke(local, _file_offset(local, lambda b: b.column("layer_2").flatten().buffers()[1]), 0x41)
+    data = open(local, "rb").read()
+    fs.pipe(f"/cached/{rel}", data)
+    m["files"][rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    fs.pipe("/cached/manifest.json", json.dumps(m).encode())
+    after = MappedDataset("memory://cached", cache_dir=cache)[0]["layers"]
+    assert not np.array_equal(before, after)
+    m["files"][rel]["sha256"] = "0" * 64                              # a record the file does not match
+    fs.pipe("/cached/manifest.json", json.dumps(m).encode())
+    with pytest.raises(DamagedOutput, match="not the file the manifest records"):
+        MappedDataset("memory://cached", cache_dir=str(tmp_path / "other"))[0]
+    fs.rm("/cached", recursive=True)
