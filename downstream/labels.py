@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
 from collections.abc import Iterable
 
@@ -27,6 +29,12 @@ CONLLU_COLUMNS = ("id", "form", "lemma", "upos", "xpos", "feats", "head", "depre
 
 
 def _lines(path: str, storage_options: dict | None = None) -> Iterable[str]:
+    """The lines of a label file; ValueError for a local path that is no regular file (a FIFO's open would block,
+    a device's read may never end)."""
+    if "://" not in path or path.startswith("file://"):
+        local = path.removeprefix("file://")
+        if os.path.exists(local) and not stat.S_ISREG(os.stat(local).st_mode):
+            raise ValueError(f"{path}: not a regular file")
     with open_file(path, "rt", keyed(path, storage_options), encoding="utf-8", newline="\n", compression="infer") as f:
         for line in f:
             yield line.rstrip("\n").rstrip("\r")
@@ -41,8 +49,11 @@ def load_sentence_labels(path: str, id_field: str = "id", label_field: str = "la
         if not line.strip():
             continue
         if is_json:
-            rec = json.loads(line)
-            if id_field not in rec or label_field not in rec:
+            try:
+                rec = json.loads(line)
+            except (ValueError, RecursionError):
+                raise ValueError(f"{path}:{n}: not a JSON object") from None
+            if not isinstance(rec, dict) or id_field not in rec or label_field not in rec:
                 raise ValueError(f"{path}:{n}: needs fields {id_field!r} and {label_field!r}")
             key, label = str(rec[id_field]), rec[label_field]
         elif "\t" in line:

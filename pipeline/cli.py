@@ -7,6 +7,7 @@ import gc
 import importlib
 import logging
 import sys
+import traceback
 from typing import NoReturn
 
 # subcommand -> (module, help). Modules are imported only when their subcommand runs, except that
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name not in FORWARDED:
             importlib.import_module(module).add_arguments(p)
+            p.add_argument("--verbose", action="store_true", help="on failure, the traceback too (default: one "
+                           "line `error: ...`)")
         p.set_defaults(_module=module)
     return parser
 
@@ -53,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e.code, str):
             raise
         print(redact(" ".join(e.code.split()) if e.code.startswith("error:") else e.code), file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - any other failure: one line, redacted (the traceback with --verbose)
+        from elmo_pipeline.pipeline.exits import classify
+        if args.verbose:
+            print(redact("".join(traceback.format_exception(e))), end="", file=sys.stderr)
+        print(f"error: {classify(e).message}", file=sys.stderr)
         return 1
 
 

@@ -45,11 +45,28 @@ def read_meta(path: str) -> dict:
         return json.loads(f.attrs["meta"])
 
 
-def _tensors(group: h5py.Group) -> dict[str, torch.Tensor]:
-    out = {}
-    group.visititems(lambda name, obj: out.__setitem__(name, torch.from_numpy(np.asarray(obj[()])))
-                     if isinstance(obj, h5py.Dataset) else None)
+def _tensors(group: h5py.Group, expected: dict[str, tuple] | None = None, limit: int = 0) -> dict[str, torch.Tensor]:
+    """Each dataset of `group` as a tensor, read only once it is what the caller expects: its name and shape in
+    `expected` (a module's state_dict), else (None) at most `limit` elements; ValueError naming it otherwise, and
+    for data kept outside the file. A damaged or foreign checkpoint never allocates beyond the model's size."""
+    out, where = {}, f"{group.file.filename}:{group.name}"
+
+    def take(name: str, obj) -> None:
+        if not isinstance(obj, h5py.Dataset):
+            return
+        shape = tuple(obj.shape or ())
+        if expected is not None and expected.get(name) != shape or expected is None and np.prod(shape) > limit:
+            raise ValueError(f"{where}/{name}: a dataset of shape {shape}, not the model's "
+                             f"{expected.get(name) if expected is not None else f'(at most {limit} values)'}")
+        if obj.external or obj.is_virtual:
+            raise ValueError(f"{where}/{name}: keeps its data outside the file")
+        out[name] = torch.from_numpy(np.asarray(obj[()]))
+    group.visititems(take)
     return out
+
+
+def _shapes(module: torch.nn.Module) -> dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
 
 
 def load_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
@@ -57,12 +74,13 @@ def load_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
     """Restore everything saved by save_checkpoint into the given objects; returns the meta dict."""
     with h5py.File(path, "r") as f:
         meta = json.loads(f.attrs["meta"])
-        model.load_state_dict(_tensors(f["model"]))
-        softmax.load_state_dict(_tensors(f["softmax"]))
+        model.load_state_dict(_tensors(f["model"], _shapes(model)))
+        softmax.load_state_dict(_tensors(f["softmax"], _shapes(softmax)))
         if optimizer is not None:
             state: dict[int, dict] = {}
-            if "optimizer/state" in f:
-                for name, t in _tensors(f["optimizer/state"]).items():
+            if "optimizer/state" in f:           # each a parameter's moments (or a step count): no larger
+                largest = max((p.numel() for m in (model, softmax) for p in m.parameters()), default=1)
+                for name, t in _tensors(f["optimizer/state"], limit=largest).items():
                     idx, key = name.split("/")
                     state.setdefault(int(idx), {})[key] = t
             optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
