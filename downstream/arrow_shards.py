@@ -64,8 +64,9 @@ def read_arrow_shard(fs, path: str) -> pa.RecordBatch:
     """The record batch of the shard at fs:path: memory-mapped when local, else read whole into memory."""
     if is_local_fs(fs):
         return open_arrow_shard(path)
+    data = fs.cat_file(path)        # a storage error is the storage's, not a damaged shard
     try:
-        reader = pa.ipc.open_file(pa.BufferReader(fs.cat_file(path)))
+        reader = pa.ipc.open_file(pa.BufferReader(data))
         if reader.num_record_batches == 0:
             return pa.RecordBatch.from_pylist([], schema=reader.schema)
         return reader.get_batch(0)

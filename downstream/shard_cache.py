@@ -69,7 +69,7 @@ class ShardCache:
         local, fetching = self.local_path(out, path), self._in_flight()
         if local in fetching or os.path.exists(local):
             return
-        t = threading.Thread(target=download, args=(out.fs, path, local, _record(out, path)), daemon=True)
+        t = threading.Thread(target=_quietly, args=(download, out.fs, path, local, _record(out, path)), daemon=True)
         t.start()
         fetching[local] = t
 
@@ -77,3 +77,11 @@ class ShardCache:
 def _record(out, path: str) -> dict | None:
     """The manifest's record ({"bytes", "sha256"}) of out's file `path`; None where it records none."""
     return (out.files or {}).get(posixpath.relpath(path, out.root))
+
+
+def _quietly(fn, *args) -> None:
+    """fn(*args) in a background thread, its failure dropped: local() copies the file again and raises it there."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        pass

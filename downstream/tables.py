@@ -29,6 +29,9 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
             with out.fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
                 pf = pq.ParquetFile(f)
                 out.parquet_check(i, path)(pf)      # schema and counts, before a page is read
+                unknown = [c for c in columns or () if c not in pf.schema_arrow.names]
+                if unknown:
+                    raise ValueError(f"{out.path}: no column(s) {unknown} (has {pf.schema_arrow.names})")
                 tables.append(pf.read(columns=list(columns) if columns else None))
         if not tables:
             raise ValueError(f"{out.path}: no shards")

@@ -142,8 +142,9 @@ def http_status(e: BaseException) -> int | None:
 
 
 def transient_http(status: int | None) -> bool:
-    """Whether an HTTP status says to retry later: a server error (5xx) or too many requests (429)."""
-    return status is not None and (status >= 500 or status == 429)
+    """Whether an HTTP status says to retry later: a server error (5xx), a request timeout (408) or too many
+    requests (429)."""
+    return status is not None and (status >= 500 or status in (408, 429))
 
 
 def is_local_fs(fs) -> bool:

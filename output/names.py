@@ -45,7 +45,7 @@ KEYS = "keys"                 # <out>/keys/: each shard's sentence ids and sente
 SUFFIX = {**{fmt: fmt for fmt in FORMATS}, DEAD_LETTERS: "jsonl", KEYS: "parquet"}    # folder -> its files' suffix
 SHARD_FILES = (*FORMATS, KEYS)                   # the files of a shard, by its manifest entry's keys
 SHARD_FOLDERS = (*SHARD_FILES, DEAD_LETTERS)     # readers glob these: only listed files may be there
-TOP_FILES = (MANIFEST, REPORT, METRICS, SUCCESS, DOC_HASHES)  # Finalize's files at the top of the output
+TOP_FILES = (MANIFEST, REPORT, METRICS, SUCCESS)  # Finalize's files at the top of the output
 FINAL_NAMES = (*SHARD_FOLDERS, *TOP_FILES)
 ATOMIC_TOP = (MANIFEST, SUCCESS, LEASE)          # top files written with fsio.atomic_write (temporary names)
 

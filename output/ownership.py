@@ -15,7 +15,7 @@ import posixpath
 import uuid
 from dataclasses import dataclass
 
-from elmo_pipeline.formats.layout import MANIFEST, SUCCESS, read_manifest
+from elmo_pipeline.formats.layout import DOC_HASHES, MANIFEST, SUCCESS, read_manifest
 from elmo_pipeline.fsio import is_local_fs, remove_temp_files
 from elmo_pipeline.output.finalize import read_plan
 from elmo_pipeline.output.names import (FINAL_NAMES, METRICS, PROBE, REPORT, SHARD_FOLDERS, STAGING, TOP_FILES,
@@ -112,7 +112,7 @@ def foreign_files(fs, root: str) -> Foreign:
         elif entry["type"] == "directory" and name in SHARD_FOLDERS:
             found.in_the_way += sorted(n for n in (posixpath.relpath(p, root) for p in fs.find(entry["name"]))
                                        if n not in owned)
-        elif entry["type"] == "directory" and name in TOP_FILES:      # where Finalize puts a file
+        elif entry["type"] == "directory" and name in (*TOP_FILES, DOC_HASHES):    # where Finalize puts a file
             found.in_the_way.append(name + "/")
         elif entry["type"] == "directory":
             found.elsewhere.append(name + "/")

@@ -29,6 +29,7 @@ TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EBUSY, errno
 TRANSIENT_TYPES = ("LeaseHeld", "RetryLater", "ConnectionError", "EndpointConnectionError",
                    "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError", "ClientConnectorError",
                    "ServerDisconnectedError", "ClientOSError", "ProxyConnectionError", "TimeoutError",
+                   "ClientPayloadError",
                    "CommitFailedException")
 DATA_TYPES = ("WeightsError", "OptionsError", "DuplicateIdError", "InputChanged")
 USAGE_TYPES = ("PermissionError", "FileExistsError", "NotADirectoryError", "IsADirectoryError",
@@ -44,7 +45,7 @@ TRANSIENT_TEXT = re.compile(
     r"No space left on device|Disk quota exceeded|\[Errno (28|122|11|16|110|111|104|103|113|101|100)\]|"
     r"is held by a live run|Could not connect to the endpoint|Connection (refused|reset)|"
     r"SlowDown|Service Unavailable|InternalError|Read timeout|Connect timeout|ServiceUnavailable|"
-    r"ClientResponseError: (5\d\d|429)\b")
+    r"ClientResponseError: (5\d\d|408|429)\b")
 DATA_TEXT = re.compile(r"WeightsError|OptionsError|sha256 mismatch|differs from its first download|"
                        r"download truncated|download failed after|matches no file|not a valid HDF5 file|"
                        r"changed since the run was planned|\bFileNotFoundError\b|ClientResponseError: 4\d\d\b")
@@ -136,10 +137,10 @@ def classify(exc: BaseException) -> Failure:
         return Failure(USAGE, _one_line(exc))
     if TRANSIENT_TEXT.search(text):
         return Failure(TEMPFAIL, _one_line(exc))
+    if REUSE_TEXT.search(text):         # before the data text, as the types are looked at in process
+        return Failure(USAGE, _one_line(exc))
     if DATA_TEXT.search(text):
         return Failure(DATA, _one_line(exc))
-    if REUSE_TEXT.search(text):
-        return Failure(USAGE, _one_line(exc))
     if _names(exc) & set(USAGE_TYPES) or (_names(exc) & set(PLANNING_USAGE_TYPES) and not getattr(exc, AFTER_PLAN, False)):
         return Failure(USAGE, _one_line(exc))
     return Failure(SOFTWARE, _one_line(exc))

@@ -416,3 +416,24 @@ def test_a_cached_copy_of_a_remote_shard_is_the_file_its_manifest_records(writte
     with pytest.raises(DamagedOutput, match="not the file the manifest records"):
         MappedDataset("memory://cached", cache_dir=str(tmp_path / "other"))[0]
     fs.rm("/cached", recursive=True)
+
+
+def test_a_storage_error_reading_a_remote_arrow_shard_is_not_a_damaged_output():
+    """downstream/arrow_shards.py read_arrow_shard: the store's failure propagates as itself (a status to retry),
+    only bytes that do not parse are a DamagedOutput."""
+    from elmo_pipeline.downstream.arrow_shards import read_arrow_shard
+
+    class Failing:
+        protocol = "memory"
+
+        def cat_file(self, path):
+            raise ConnectionResetError(104, "Connection reset by peer")
+    with pytest.raises(ConnectionResetError):
+        read_arrow_shard(Failing(), "/o/arrow/part-00000-of-00001.arrow")
+
+
+def test_to_arrow_table_refuses_a_column_it_does_not_have(written):
+    from elmo_pipeline.downstream.tables import to_arrow_table
+    assert to_arrow_table(written["fp32"], columns=["id"]).column_names == ["id"]
+    with pytest.raises(ValueError, match=r"no column\(s\) \['nope'\]"):
+        to_arrow_table(written["fp32"], columns=["id", "nope"])

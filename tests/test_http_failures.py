@@ -137,3 +137,56 @@ def test_a_bad_runner_option_is_refused_before_the_output_is_touched(tiny_model_
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: {says}"), err
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_statuses_read_from_types_and_from_a_workers_text():
+    """pipeline/exits.py: an HTTP answer's status (4xx 65; 5xx, 408, 429 75), a body cut short (ClientPayloadError)
+    75; a --reuse source's error in a worker's text stays 2 although it mentions a FileNotFoundError."""
+    from elmo_pipeline.pipeline.exits import classify
+
+    class ClientResponseError(Exception):
+        def __init__(self, status):
+            super().__init__(f"{status}, message='x', url='http://h/f?sig={SECRET}'")
+            self.status = status
+
+    class ClientPayloadError(Exception):
+        pass
+    for status, want in ((403, 65), (404, 65), (408, 75), (429, 75), (503, 75)):
+        got = classify(ClientResponseError(status))
+        assert got.status == want and SECRET not in got.message, (status, got)
+    assert classify(ClientPayloadError("Response payload is not completed")).status == 75
+    worker = RuntimeError("Traceback (most recent call last):\n...\nFileNotFoundError: [Errno 2] gone\n\nDuring handling"
+                          "...\nelmo_pipeline.transforms.reuse.ReuseError: --reuse out/day1: its shard is gone")
+    assert classify(worker).status == 2
+
+
+def test_the_stderr_of_a_worker_is_redacted_whatever_writes_to_it(monkeypatch):
+    """transforms/logs.py: write and writelines redacted; a closed stderr (None) left as it is."""
+    import io
+
+    from elmo_pipeline.transforms import logs
+    buf = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", buf)
+    logs.worker_logs()
+    logs.worker_logs()                                  # idempotent: wrapped once
+    sys.stderr.write(f"http://alice:{SECRET}@h/f\n")
+    sys.stderr.writelines([f"x?sig={SECRET}\n"])
+    assert SECRET not in buf.getvalue() and buf.getvalue().count("***") == 2
+    monkeypatch.setattr(sys, "stderr", None)
+    logs.worker_logs()
+    assert sys.stderr is None
+
+
+def test_an_unlisted_doc_hashes_file_is_left_alone_with_overwrite(tiny_model_files, tmp_path, capsys):
+    """An earlier upsert's state file at the top (an Iceberg snapshot still names it; --overwrite leaves it) does not
+    block the folder: only a folder at that name is in the way."""
+    inp = tmp_path / "in.txt"
+    inp.write_bytes(TEXT)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "doc_hashes.parquet").write_bytes(b"an earlier day's state")
+    assert main(run_args(tiny_model_files, out, str(inp), "--overwrite")) == 0
+    assert (out / "doc_hashes.parquet").read_bytes() == b"an earlier day's state"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "doc_hashes.parquet").mkdir()
+    assert main(run_args(tiny_model_files, tmp_path / "other", str(inp), "--overwrite")) == 2

@@ -41,6 +41,16 @@ class _RedactingStream:
         self.stream.write(redact(text) if isinstance(text, str) else text)
         return len(text)
 
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stream.__exit__(*exc)
+
     def __getattr__(self, name: str):
         return getattr(self.stream, name)
 
@@ -51,5 +61,5 @@ def worker_logs() -> None:
     URL with its secret) (a worker's setup)."""
     redact_logs()
     quiet_failures()
-    if not isinstance(sys.stderr, _RedactingStream):
+    if sys.stderr is not None and not isinstance(sys.stderr, _RedactingStream):     # None: stderr closed
         sys.stderr = _RedactingStream(sys.stderr)
