@@ -52,11 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return importlib.import_module(args._module).run(args)
-    except SystemExit as e:     # a subcommand's `error: ...` line: one line, its URLs' secrets redacted
+    except SystemExit as e:     # a subcommand's `error: ...` line (printed by the interpreter): one line, redacted
         if not isinstance(e.code, str):
             raise
-        print(redact(" ".join(e.code.split()) if e.code.startswith("error:") else e.code), file=sys.stderr)
-        return 1
+        raise SystemExit(redact(" ".join(e.code.split()) if e.code.startswith("error:") else e.code)) from None
     except Exception as e:  # noqa: BLE001 - any other failure: one line, redacted (the traceback with --verbose)
         from elmo_pipeline.pipeline.exits import classify
         if args.verbose:

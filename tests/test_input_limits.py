@@ -225,14 +225,14 @@ ELMO_INPUTS = {   # (input bytes, flags, the error line's start)
 
 
 @pytest.mark.parametrize("case", list(ELMO_INPUTS))
-def test_elmo_command_refuses_bad_input_before_embedding(tmp_path, tiny_model_files, case, capsys):
+def test_elmo_command_refuses_bad_input_before_embedding(tmp_path, tiny_model_files, case):
     data, flags, error = ELMO_INPUTS[case]
     (tmp_path / "in.txt").write_bytes(data)
     out = tmp_path / "out.hdf5"
-    assert cli(["elmo", str(tmp_path / "in.txt"), str(out), "--top", *flags, "--options-file", tiny_model_files[0],
-                "--weight-file", tiny_model_files[1]]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(error), err
+    with pytest.raises(SystemExit) as e:
+        cli(["elmo", str(tmp_path / "in.txt"), str(out), "--top", *flags, "--options-file", tiny_model_files[0],
+             "--weight-file", tiny_model_files[1]])
+    assert str(e.value.code).startswith(error) and "\n" not in str(e.value.code), e.value.code
     assert not out.exists()
 
 
