@@ -130,21 +130,28 @@ def storage_error(e: BaseException) -> bool:
                                          for c in type(e).__mro__)
 
 
+def exception_chain(exc: BaseException | None) -> list[BaseException]:
+    """The exception and its causes/contexts, outermost first (no loops)."""
+    out, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
 def http_status(e: BaseException) -> int | None:
     """The HTTP status of the first response error (aiohttp's ClientResponseError) in e's chain of causes, if any."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if type(e).__name__ == "ClientResponseError" and type(getattr(e, "status", None)) is int:
-            return e.status
-        e = e.__cause__ or e.__context__
-    return None
+    return next((c.status for c in exception_chain(e)
+                 if type(c).__name__ == "ClientResponseError" and type(getattr(c, "status", None)) is int), None)
+
+
+TRANSIENT_HTTP = (408, 429)     # besides a server error (5xx): a request timeout, too many requests
 
 
 def transient_http(status: int | None) -> bool:
-    """Whether an HTTP status says to retry later: a server error (5xx), a request timeout (408) or too many
-    requests (429)."""
-    return status is not None and (status >= 500 or status in (408, 429))
+    """Whether an HTTP status says to retry later: a server error (5xx) or one of TRANSIENT_HTTP."""
+    return status is not None and (status >= 500 or status in TRANSIENT_HTTP)
 
 
 def is_local_fs(fs) -> bool:

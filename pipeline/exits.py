@@ -12,7 +12,7 @@ import errno
 import re
 from dataclasses import dataclass
 
-from elmo_pipeline.fsio import http_status, redact, transient_http
+from elmo_pipeline.fsio import TRANSIENT_HTTP, exception_chain, http_status, redact, transient_http
 
 OK = 0            # done, or already complete (nothing to do)
 USAGE = 2         # bad flag or value, conflicting options, an output that needs --overwrite: fix the command
@@ -45,7 +45,7 @@ TRANSIENT_TEXT = re.compile(
     r"No space left on device|Disk quota exceeded|\[Errno (28|122|11|16|110|111|104|103|113|101|100)\]|"
     r"is held by a live run|Could not connect to the endpoint|Connection (refused|reset)|"
     r"SlowDown|Service Unavailable|InternalError|Read timeout|Connect timeout|ServiceUnavailable|"
-    r"ClientResponseError: (5\d\d|408|429)\b")
+    r"ClientResponseError: (5\d\d|%s)\b" % "|".join(map(str, TRANSIENT_HTTP)))
 DATA_TEXT = re.compile(r"WeightsError|OptionsError|sha256 mismatch|differs from its first download|"
                        r"download truncated|download failed after|matches no file|not a valid HDF5 file|"
                        r"changed since the run was planned|\bFileNotFoundError\b|ClientResponseError: 4\d\d\b")
@@ -70,16 +70,6 @@ def after_plan(exc: BaseException) -> None:
         setattr(exc, AFTER_PLAN, True)
     except AttributeError:      # an exception type without a __dict__
         pass
-
-
-def chain(exc: BaseException) -> list[BaseException]:
-    """The exception and its causes/contexts, outermost first (no loops)."""
-    out, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        out.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return out
 
 
 def _names(exc: BaseException) -> set[str]:
@@ -121,7 +111,7 @@ def classify(exc: BaseException) -> Failure:
     (text from other processes), then the outermost type: a ValueError or RuntimeError raised while planning (not marked
     after_plan()), a permission or an output holding another command's run are the command's fault, anything
     else SOFTWARE."""
-    excs = chain(exc)
+    excs = exception_chain(exc)
     text = " ".join(str(e) for e in excs)
     for want in (INTERRUPTED, TEMPFAIL, DATA):
         for e in excs:
