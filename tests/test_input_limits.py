@@ -244,3 +244,82 @@ def test_elmo_command_keys_are_the_lines_without_bom_and_crlf(tmp_path, tiny_mod
     with h5py.File(out, "r") as f:
         assert sorted(f.keys()) == ["A dog ran .", "The cat .", "sentence_to_index"]
         assert json.loads(f["sentence_to_index"][0]) == {"The cat .": "0", "A dog ran .": "1"}
+
+
+def _varint(n: int, width: int = 0) -> bytes:
+    """n as a Thrift compact varint, padded with continuation bytes to `width` bytes (readers accept them)."""
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+        if not n and len(out) >= width:
+            break
+    out[-1] &= 0x7F
+    return bytes(out)
+
+
+def _lie_about_uncompressed_sizes(path) -> None:
+    """Rewrite the footer of the Parquet file at `path` in place so that every column chunk claims 1 byte
+    uncompressed (ColumnMetaData field 6, each value re-encoded in its own width: the footer's length holds)."""
+    md = pq.ParquetFile(path).metadata
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    start = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    for g in range(md.num_row_groups):
+        for c in range(md.num_columns):
+            honest = _varint(md.row_group(g).column(c).total_uncompressed_size * 2)     # zigzag
+            at = data.find(b"\x16" + honest, start)
+            assert at > 0
+            data[at + 1:at + 1 + len(honest)] = _varint(2, len(honest))
+            start = at + 1 + len(honest)
+    with open(path, "wb") as f:
+        f.write(data)
+    assert {pq.ParquetFile(path).metadata.row_group(g).column(c).total_uncompressed_size
+            for g in range(md.num_row_groups) for c in range(md.num_columns)} == {1}
+
+
+def test_a_footer_that_understates_a_page_does_not_get_it_decoded(tmp_path):
+    """The page guard reads the pages' own headers (the sizes pyarrow decompresses), not the footer's totals: a
+    footer claiming 1 byte a column chunk still gets the row group with a 5,000-byte page left unread."""
+    texts = [f"Row {i} here." for i in range(6)]
+    texts[4] = "x" * 5000
+    path = tmp_path / "lie.parquet"
+    pq.write_table(pa.table({"text": texts}), path, use_dictionary=False, compression="zstd", row_group_size=3)
+    _lie_about_uncompressed_sizes(path)
+    recs = list(read_documents(str(path), "parquet", "lie.parquet", max_record_bytes=1000))
+    assert [r.text for r in recs[:3]] == texts[:3]
+    assert [r.id for r in recs[3:]] == ["lie.parquet:4", "lie.parquet:5", "lie.parquet:6"]
+    [reason] = {r.reason for r in recs[3:]}
+    assert re.match(r"too long: Parquet page of 50\d\d bytes > 4x --max-record-bytes 1000 \(column 'text', row group 1\)",
+                    reason), reason
+
+
+def test_a_text_column_of_lists_is_held_to_the_page_guard(tmp_path):
+    """A text column of lists of strings (not text: each row a dead letter) is one leaf deeper than its name; its
+    pages are held to the same guard, never decoded when over it."""
+    path = tmp_path / "lists.parquet"
+    pq.write_table(pa.table({"text": [["a"], ["x" * 5000], ["b"]]}), path, use_dictionary=False)
+    recs = list(read_documents(str(path), "parquet", "lists.parquet", max_record_bytes=1000))
+    assert len(recs) == 3
+    [reason] = {r.reason for r in recs}
+    assert re.match(r"too long: Parquet page of 50\d\d bytes > 4x --max-record-bytes 1000 "
+                    r"\(column 'text.list.element', row group 0\)", reason), reason
+
+
+def test_a_batch_of_rows_holds_about_batch_bytes_at_the_densest_page(tmp_path, monkeypatch):
+    """Rows per batch follow the densest page of a row group, not its average: 100 values of 100 KB among 10,000
+    short rows (average about 1 KB a row) never come out more than one page over BATCH_BYTES (1 MiB here) in
+    one batch."""
+    import elmo_pipeline.transforms.read as read
+    texts = [f"Row {i}." for i in range(10_000)]
+    for i in range(100):
+        texts[5_000 + i] = "y" * 100_000
+    path = tmp_path / "skew.parquet"
+    pq.write_table(pa.table({"text": texts}), path, use_dictionary=False, data_page_size=1 << 12, write_batch_size=1,
+                   row_group_size=10_000)
+    monkeypatch.setattr(read, "BATCH_BYTES", 1 << 20)
+    seen, texts_within = [], read._texts_within
+    monkeypatch.setattr(read, "_texts_within", lambda column, cap: (seen.append(column.nbytes), texts_within(column, cap))[1])
+    recs = list(read_documents(str(path), "parquet", "skew.parquet", max_record_bytes=200_000))
+    assert [r.text for r in recs] == texts
+    assert max(seen) <= (1 << 20) + 100_000 + 16 * 4096, max(seen)

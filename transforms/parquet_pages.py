@@ -12,6 +12,7 @@ class Page(NamedTuple):
     uncompressed: int           # uncompressed_page_size: what decoding the page decompresses
     compressed: int             # compressed_page_size: the bytes after the header
     header: int                 # the header's own bytes
+    count: int                  # num_values of a v1 data page or a dictionary page, num_rows of a v2 data page; 0
 
 
 class _Compact:
@@ -80,8 +81,9 @@ class _Compact:
         else:
             raise ValueError(f"bad Parquet page header: compact type {t}")
 
-    def struct(self, depth: int = 0, wanted: tuple = ()) -> dict[int, int]:
-        """Read a struct to its stop field; the values of the i32 fields in `wanted` by field id."""
+    def struct(self, depth: int = 0, wanted: tuple = (), inner: dict | None = None) -> dict[int, int]:
+        """Read a struct to its stop field; the values of the i32 fields in `wanted` by field id, and of the
+        struct fields in `inner` ({field id: its wanted i32 fields}) the i32 fields it names, as {field id: value}."""
         found, last = {}, 0
         while True:
             head = self.byte()
@@ -91,6 +93,8 @@ class _Compact:
             last = last + (head >> 4) if head >> 4 else self.zigzag()
             if last in wanted and t == 5:
                 found[last] = self.zigzag()
+            elif inner and last in inner and t == 12:
+                found[last] = self.struct(depth + 1, inner[last])
             else:
                 self.skip(t, depth)
 
@@ -100,10 +104,13 @@ def column_pages(f, start: int, length: int) -> Iterator[Page]:
     pos, end = start, start + length
     while pos < end:
         r = _Compact(f, pos)
-        fields = r.struct(wanted=(1, 2, 3))
+        # PageHeader: 1 type, 2 uncompressed_page_size, 3 compressed_page_size; 5 DataPageHeader (1 num_values),
+        # 7 DictionaryPageHeader (1 num_values), 8 DataPageHeaderV2 (3 num_rows)
+        fields = r.struct(wanted=(1, 2, 3), inner={5: (1,), 7: (1,), 8: (3,)})
         if not {1, 2, 3} <= fields.keys() or fields[2] < 0 or fields[3] < 0:
             raise ValueError(f"bad Parquet page header at byte {pos}: {fields}")
-        yield Page(fields[1], fields[2], fields[3], r.pos - pos)
+        count = max(fields.get(5, {}).get(1, 0), fields.get(7, {}).get(1, 0), fields.get(8, {}).get(3, 0))
+        yield Page(fields[1], fields[2], fields[3], r.pos - pos, count)
         pos = r.pos + fields[3]
 
 

@@ -12,6 +12,7 @@ from elmo_pipeline.fsio import open_file, redact, storage_error
 from elmo_pipeline.transforms.ids import JSON_TYPES, BadId, document_id, printable_label
 from elmo_pipeline.transforms.lines import (CORRUPT, Corrupt, Meter, TooLong, lines_until_corrupt, open_decompressed,
                                             utf8_lines)
+from elmo_pipeline.transforms.parquet_pages import chunk_span, column_pages
 from elmo_pipeline.transforms.records import Blank, Document
 from elmo_pipeline.transforms.splits import Range, Split
 
@@ -151,17 +152,6 @@ def parquet_columns(url: str, storage_options: dict | None = None) -> list[str]:
         return pq.ParquetFile(f).schema_arrow.names
 
 
-def _batch_rows(pf, column: int) -> int:
-    """Rows per batch so that a batch holds about BATCH_BYTES of the column (by the row groups' uncompressed
-    sizes in the footer), 1 to 4096."""
-    md, per_row = pf.metadata, 0.0
-    for g in range(md.num_row_groups):
-        rg = md.row_group(g)
-        if rg.num_rows:
-            per_row = max(per_row, rg.column(column).total_uncompressed_size / rg.num_rows)
-    return int(max(1, min(4096, BATCH_BYTES // max(per_row, 1.0))))
-
-
 def _read_parquet(url, label, text_field, id_field, storage_options, max_record_bytes: int = MAX_RECORD_BYTES,
                   part: Split | None = None) -> Iterator[Document | DeadLetter | Blank]:
     """The rows of a Parquet file (of row groups [part.start, part.end) only, numbered as in the file); a text
@@ -182,15 +172,13 @@ def _read_parquet(url, label, text_field, id_field, storage_options, max_record_
         missing = [c for c in columns if c not in names]
         if missing:
             raise ValueError(f"no column(s) {missing} (has {names})")
-        leaf = pf.schema_arrow.get_field_index(text_field)
         dictionary = [c for c in columns if pf.metadata.num_columns == len(names) and
                       _dictionary_pages(pf, pf.schema_arrow.get_field_index(c))]
         if dictionary:
             f.seek(0)       # read as dictionary: one copy of each distinct value, never one per row
             pf = pq.ParquetFile(f, read_dictionary=dictionary)
-        batch_rows = _batch_rows(pf, leaf) if pf.metadata.num_columns == len(names) else 4096
         mine = range(part.start, part.end) if part else range(pf.metadata.num_row_groups)
-        for groups, reason in _row_group_runs(pf, f, columns, max_record_bytes, mine):
+        for groups, reason, batch_rows in _row_group_runs(pf, f, columns, set(dictionary), max_record_bytes, mine):
             if reason:          # a page too big to decode: the row group's rows are dead letters, never read
                 for _ in range(pf.metadata.row_group(groups[0]).num_rows):
                     n += 1
@@ -213,29 +201,64 @@ def _read_parquet(url, label, text_field, id_field, storage_options, max_record_
 PAGE_RECORDS = 4    # a Parquet page over this many --max-record-bytes is never decoded (the memory bound)
 
 
-def _row_group_runs(pf, f, columns: list[str], max_record_bytes: int,
-                    groups: range) -> Iterator[tuple[list[int], str | None]]:
-    """The row groups `groups` of the file in order, lazily: (runs of groups to read, None), or ([group], the reason) for a group
-    with a page of the columns over PAGE_RECORDS * max_record_bytes uncompressed. Only a column chunk over that
-    size in the footer has its page headers read (transforms.parquet_pages), and only when its group is next."""
-    from elmo_pipeline.transforms.parquet_pages import chunk_span, column_pages
-    md, limit, run = pf.metadata, PAGE_RECORDS * max_record_bytes, []
-    leaves = [i for i in range(md.num_columns) if pf.schema.column(i).path in columns]
+def _row_group_runs(pf, f, columns: list[str], dictionary: set[str], max_record_bytes: int,
+                    groups: range) -> Iterator[tuple[list[int], str | None, int]]:
+    """The row groups `groups` of the file in order, lazily: (a run of groups to read, None, rows per batch), or
+    ([group], the reason, 0) for a group with a page of the columns over PAGE_RECORDS * max_record_bytes
+    uncompressed. Every page header of the columns' leaves is read, a group when it is next
+    (transforms.parquet_pages): the sizes pyarrow decompresses, whatever the footer says. Rows per batch keep a
+    batch's values within about BATCH_BYTES at the group's densest pages (_bytes_a_row); a run ends at about
+    BATCH_BYTES or 4096 rows, so a reader looks ahead no further."""
+    md, limit = pf.metadata, PAGE_RECORDS * max_record_bytes
+    leaves = [(i, pf.schema.column(i)) for i in range(md.num_columns)
+              if any(pf.schema.column(i).path == c or pf.schema.column(i).path.startswith(c + ".") for c in columns)]
+    run, run_rows, run_bytes, run_count = [], 4096, 0, 0
     for g in groups:
-        big = [i for i in leaves if md.row_group(g).column(i).total_uncompressed_size > limit]
-        if not big:
-            run.append(g)
+        over, per_row, nbytes = None, 0.0, 0
+        for i, leaf in leaves:
+            chunk = md.row_group(g).column(i)
+            pages = column_pages(f, *chunk_span(chunk))
+            over, row, size = _bytes_a_row(pages, limit, leaf.max_repetition_level > 0,
+                                           leaf.path.split(".")[0] in dictionary)
+            if over:
+                over = (f"too long: Parquet page of {over} bytes > {PAGE_RECORDS}x --max-record-bytes "
+                        f"{max_record_bytes} (column {leaf.path!r}, row group {g}); the row group is not read (a "
+                        "larger --max-record-bytes reads it)")
+                break
+            per_row, nbytes = per_row + row, nbytes + size
+        if over:
+            if run:
+                yield run, None, run_rows
+                run, run_rows, run_bytes, run_count = [], 4096, 0, 0
+            yield [g], over, 0
             continue
-        if run:
-            yield run, None
-            run = []
-        over = next(((i, p) for i in big for p in column_pages(f, *chunk_span(md.row_group(g).column(i)))
-                     if p.uncompressed > limit), None)
-        yield [g], over and (f"too long: Parquet page of {over[1].uncompressed} bytes > {PAGE_RECORDS}x "
-                             f"--max-record-bytes {max_record_bytes} (column {pf.schema.column(over[0]).path!r}, "
-                             f"row group {g}); the row group is not read (a larger --max-record-bytes reads it)")
+        run.append(g)
+        run_rows = min(run_rows, int(max(1, min(4096, BATCH_BYTES // max(per_row, 1.0)))))
+        run_bytes, run_count = run_bytes + nbytes, run_count + md.row_group(g).num_rows
+        if run_bytes >= BATCH_BYTES or run_count >= 4096:
+            yield run, None, run_rows
+            run, run_rows, run_bytes, run_count = [], 4096, 0, 0
     if run:
-        yield run, None
+        yield run, None, run_rows
+
+
+def _bytes_a_row(pages, limit: int, repeated: bool, as_dictionary: bool) -> tuple[int, float, int]:
+    """(the uncompressed bytes of the chunk's first page over `limit`, else 0; the most bytes a row of its pages
+    decodes to; the pages' uncompressed bytes), from the chunk's page headers. A data page's bytes a row are its
+    bytes over its rows (a v2 page's num_rows; a v1 page's num_values where the leaf is not repeated; else 1 row);
+    a dictionary page's bytes are added to each row unless the column is read as a dictionary (a row may then
+    decode to its largest value)."""
+    most, dictionary, total = 0.0, 0, 0
+    for p in pages:
+        if p.uncompressed > limit:
+            return p.uncompressed, 0.0, 0
+        total += p.uncompressed
+        if p.kind == 2:
+            dictionary = max(dictionary, p.uncompressed)
+        elif p.kind != 1:               # an index page decodes to no row
+            rows = p.count if p.kind == 3 or not repeated else 1
+            most = max(most, p.uncompressed / max(rows, 1))
+    return 0, most + (0 if as_dictionary else dictionary), total
 
 
 def _dictionary_pages(pf, column: int) -> bool:
