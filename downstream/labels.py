@@ -28,15 +28,20 @@ from elmo_pipeline.fsio import keyed, open_file
 CONLLU_COLUMNS = ("id", "form", "lemma", "upos", "xpos", "feats", "head", "deprel", "deps", "misc")
 
 
+MAX_LINE_CHARS = 1 << 20     # a label file's line is at most this long (labels and word lines are short)
+
+
 def _lines(path: str, storage_options: dict | None = None) -> Iterable[str]:
     """The lines of a label file; ValueError for a local path that is no regular file (a FIFO's open would block,
-    a device's read may never end)."""
+    a device's read may never end) and at a line over MAX_LINE_CHARS (never read whole)."""
     if "://" not in path or path.startswith("file://"):
         local = path.removeprefix("file://")
         if os.path.exists(local) and not stat.S_ISREG(os.stat(local).st_mode):
             raise ValueError(f"{path}: not a regular file")
     with open_file(path, "rt", keyed(path, storage_options), encoding="utf-8", newline="\n", compression="infer") as f:
-        for line in f:
+        for n, line in enumerate(iter(lambda: f.readline(MAX_LINE_CHARS + 1), ""), 1):
+            if len(line) > MAX_LINE_CHARS:
+                raise ValueError(f"{path}:{n}: a line over {MAX_LINE_CHARS} characters")
             yield line.rstrip("\n").rstrip("\r")
 
 

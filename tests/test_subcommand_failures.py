@@ -3,6 +3,7 @@
 bounds: a label file that is no regular file or holds no JSON objects, a checkpoint whose datasets are not the
 model's (never allocated)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -71,3 +72,18 @@ def test_probe_with_a_fifo_for_labels_ends_in_one_line(tmp_path):
                        cwd=REPO, timeout=120)
     assert r.returncode in (1, 2) and r.stderr.strip().splitlines()[-1].startswith("error: "), r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name", ["labels.tsv", "tags.conllu"])
+def test_a_label_file_line_over_the_limit_is_refused_unread(tmp_path, monkeypatch, name):
+    """downstream/labels.py: a line over MAX_LINE_CHARS (here 1,000) is a ValueError naming it, read no further
+    than the limit; lines up to it read as before."""
+    import elmo_pipeline.downstream.labels as labels
+    monkeypatch.setattr(labels, "MAX_LINE_CHARS", 1000)
+    path = tmp_path / name
+    path.write_text("# a\tpos\n" + "b\t" + "x" * 1200 + "\n")
+    read = labels.read_conllu if name.endswith(".conllu") else labels.load_sentence_labels
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: a line over 1000 characters")):
+        read(str(path))
+    path.write_text("# a\tpos\n" + "b\t" + "x" * 997 + "\n")
+    assert labels.load_sentence_labels(str(path))["b"] == "x" * 997
