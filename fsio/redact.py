@@ -10,6 +10,8 @@ In text (a URL, a DSN, an exception message holding URLs):
 - a URL's fragment, whatever it holds: https://host/a.txt#access_token=X -> https://host/a.txt#***;
 - a URL query's values, quoted ("X", 'X') or not, except those of PLAIN_PARAMETERS: ?jwt=X&versionId=3 ->
   ?jwt=***&versionId=3; a parameter with a credential-like name is masked after an & outside a query too.
+An unquoted value (a password, a query value, a fragment, a header's) holding a quote or an angle bracket is
+masked past it: one ends the value only where it closes it (an end, a space or punctuation follows).
 In a dict (storage options, flags): the string values of credential-like keys (key, secret, token, password,
 aws_secret_access_key, ...) -> ***, and everything else redacted in turn. A name is credential-like when one of
 its words (split at _ - . and camelCase, any case) is in SECRET_WORDS, or it holds one of SECRET_PARTS.
@@ -35,26 +37,40 @@ SECRET_PARTS = ("password", "passwd", "secret", "signature", "credential", "apik
 PLAIN_PARAMETERS = frozenset({"versionid", "generation", "alt", "format", "page"})
 
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+# quotes and angle brackets end a value only where they close it (what follows them is an end, a space or
+# punctuation): ?sig=ab"cd and ?sig=a<'b are masked whole, 'https://h/x?sig=ab' keeps its closing quote
+_CLOSING = r"['\"<>]{1,8}(?=[\s,;:.)\]}&]|$)"      # (a run of at most 8: linear time)
+
+
+def _until_closing(excluded: str) -> str:
+    """A run of characters other than `excluded` (regex class text) and closing quotes (_CLOSING)."""
+    return rf"(?:[^{excluded}'\"<>]|(?!{_CLOSING})['\"<>])"
+
+
+_PASSWORD, _VALUE, _FRAGMENT, _QUOTED, _AWS4_VALUE = (_until_closing(c)
+                                                      for c in (r"\s?#", r"&#\s", r"\s", r"\n", r",\s&"))
 # scheme://userinfo@ : to the authority's last @ (an unescaped @ inside it too); a password holding a / (taken
 # unescaped by SQLAlchemy) only when what follows the colon is no port (digits then /?#)
 _URL_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://)"
-                           r"(?:[^\s/?#]+|[^\s:/?#@'\"<>]*:(?!\d*[/?#])[^\s?#'\"<>]+)@")
+                           rf"(?:[^\s/?#]+|[^\s:/?#@'\"<>]*:(?!\d*[/?#]){_PASSWORD}+)@")
 # user:password@host with no scheme, where a value starts (text's start, after a space, a quote, ( = , ;): not a
 # path's part, and not a port
 _BARE_USERINFO = re.compile(r"(?<![^\s'\"(=,;])[\w.+-]+:(?!\d*[/?#])[^\s@/][^\s@]*@(?=[\w\[])")
 # ?name=value or &name=value, the value quoted or not; a lone ?name or &name keeps a query going
 _PARAMETER = re.compile(r"(?P<sep>[?&])(?P<name>[^=&#\s?'\"<>]*)"
-                        r"(?:=(?P<value>\"[^\"\n]*\"|'[^'\n]*'|[^&#\s'\"<>]*))?")
+                        rf"(?:=(?P<value>\"[^\"\n]*\"|'[^'\n]*'|{_VALUE}*))?")
 # a URL's fragment (#access_token=..., as OAuth's implicit flow hands tokens): never sent to a server, masked whole
-_URL_FRAGMENT = re.compile(r"(?P<url>\b[a-zA-Z][\w+.-]*://[^\s#'\"<>]*)#(?!\*\*\*)[^\s'\"<>]+")
+_URL_FRAGMENT = re.compile(r"(?P<url>\b[a-zA-Z][\w+.-]*://[^\s#'\"<>]*)#(?!\*\*\*)"
+                           rf"{_FRAGMENT}+")
 # a header or mapping printed by a library (botocore's DEBUG lines): 'X-Amz-Security-Token': b'...', "authorization": "..."
-_HEADER = re.compile(r"(?P<head>(?P<q>['\"])(?P<name>[\w.-]+)(?P=q)\s*:\s*b?)(?P<v>['\"])(?P<value>[^'\"\n]*)(?P=v)")
+_HEADER = re.compile(r"(?P<head>(?P<q>['\"])(?P<name>[\w.-]+)(?P=q)\s*:\s*b?)(?P<v>['\"])"
+                     rf"(?P<value>{_QUOTED}*)(?P=v)")
 # a header on its own line (an HTTP request's text, AWS4's canonical request): x-amz-security-token:..., Authorization: ...
 # (not a sentence id: a file named like a header, then :line#sentence with nothing between)
 _HEADER_LINE = re.compile(r"^(?P<head>[ \t]*(?P<name>[A-Za-z][\w-]*):(?!\d+#\d+$)[ \t]*)(?!\*\*\*$)"
                           r"(?P<value>\S[^\n]*)$", re.M)
 # AWS Signature Version 4 in an Authorization header: Credential=<key id>/<scope>, Signature=<hex>
-_AWS4 = re.compile(r"(?<![\w-])(?P<name>Credential|Signature)=(?!\*\*\*)[^,\s'\"&]+")
+_AWS4 = re.compile(rf"(?<![\w-])(?P<name>Credential|Signature)=(?!\*\*\*){_AWS4_VALUE}+")
 # masked already: a mask, then maybe an id's line number (in.txt?sig=***:1#0) or what ended a quoted value (, ))
 _MASKED = re.compile(r"\*\*\*(:\d+)?\W*")
 
