@@ -122,10 +122,15 @@ class Sink:
         self.written[path] = file_record(len(data), hashlib.sha256(data).hexdigest())
 
     def move(self, src: str, dst: str) -> None:
+        """`src` renamed to `dst` (a file's final name); IsADirectoryError when a local folder is at `dst` (a rename
+        would put the file inside it, into a folder this pipeline did not make)."""
         self.fence()
         self.check_inside(src, dst)
         makedirs(self.fs, posixpath.dirname(dst))
         self.check_inside(dst)
+        if self.local and os.path.isdir(dst):
+            raise IsADirectoryError(f"{dst}: a folder where this pipeline writes a file (made while it ran?); nothing "
+                                    "is moved into it. Remove it, then rerun")
         move(self.fs, src, dst)
         if src in self.written:
             self.written[dst] = self.written.pop(src)

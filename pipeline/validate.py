@@ -170,8 +170,11 @@ def check_output_writable(output: str, storage_options: dict | None = None) -> N
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"--output {output} is a file, not a folder")
         parent = path
-        while not os.path.exists(parent):
+        while not os.path.lexists(parent):
             parent = os.path.dirname(parent)
+        if not os.path.exists(parent):          # a symbolic link to nothing: no folder can be made through it
+            raise ValueError(f"--output {output}: {parent} is a symbolic link to {os.readlink(parent)}, which does "
+                             "not exist")
         if not os.path.isdir(parent):
             raise ValueError(f"--output {output}: {parent} is a file, so the folder cannot be created")
         if not os.access(parent, os.W_OK | os.X_OK):

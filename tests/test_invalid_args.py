@@ -59,6 +59,19 @@ def test_unwritable_output(capsys, tmp_path, corpus, tiny_model_files):
                     "--weight-file", tiny_model_files[1]], out, "is a file, so the folder cannot be created")
 
 
+@pytest.mark.parametrize("below", [False, True])
+def test_output_at_or_under_a_link_to_nothing(capsys, tmp_path, corpus, tiny_model_files, below):
+    """A symbolic link to nothing at --output (or above it) is refused naming it, nothing created (not "[Errno 17]
+    File exists" from the lease's folder)."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    out = str(link / "out" if below else link)
+    _fails(capsys, ["--input", corpus, "--output", out, "--options-file", tiny_model_files[0],
+                    "--weight-file", tiny_model_files[1]], str(tmp_path / "nowhere"),
+           f"{link} is a symbolic link to {tmp_path / 'nowhere'}, which does not exist")
+    assert os.path.islink(link)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a read-only folder")
 def test_read_only_output_parent(capsys, tmp_path, corpus, tiny_model_files):
     ro = tmp_path / "ro"

@@ -314,3 +314,18 @@ def test_plan_and_dry_run_leave_an_existing_output_as_it_was(state, tiny_model_f
         assert main([*args, *extra, "--dry-run"]) == 0
         assert f"--output {out} " in capsys.readouterr().out
         assert _listing(out) == before
+
+
+def test_a_folder_at_a_files_final_name_is_refused_and_left_as_it_was(tmp_path):
+    """output/sink.py Sink.move: a folder made at a final name while a run works is not moved into (a local rename
+    onto a folder puts the file inside it); the staged file stays where it was."""
+    from elmo_pipeline.output.sink import Sink
+    sink, root = Sink.at(str(tmp_path / "out"))
+    sink.put(f"{root}/_staging/a.parquet", b"staged")
+    os.makedirs(f"{root}/part-00000.parquet")
+    with open(f"{root}/part-00000.parquet/mine.txt", "w") as f:
+        f.write("the user's")
+    with pytest.raises(IsADirectoryError, match="a folder where this pipeline writes a file"):
+        sink.move(f"{root}/_staging/a.parquet", f"{root}/part-00000.parquet")
+    assert os.listdir(f"{root}/part-00000.parquet") == ["mine.txt"]
+    assert open(f"{root}/_staging/a.parquet", "rb").read() == b"staged"
