@@ -301,10 +301,25 @@ def not_as_recorded(folder: Path) -> list[str]:
     SHA-256, as the run wrote them): a comparison reads what each side's run wrote, not a file swapped in."""
     bad = []
     for manifest in sorted(folder.rglob("manifest.json")):
-        for name, rec in (json.loads(manifest.read_text("utf-8")).get("files") or {}).items():
+        try:
+            files = json.loads(manifest.read_text("utf-8")).get("files")
+        except (ValueError, RecursionError, AttributeError):
+            files = None
+        if not isinstance(files, dict):
+            bad.append(f"{manifest.relative_to(folder)} (no files record)")
+            continue
+        for name, rec in files.items():
             f = manifest.parent / name
-            data = f.read_bytes() if f.is_file() else b""
-            if len(data) != rec.get("bytes") or hashlib.sha256(data).hexdigest() != rec.get("sha256"):
+            inside = not Path(name).is_absolute() and ".." not in Path(name).parts
+            if not (inside and isinstance(rec, dict) and f.is_file() and not f.is_symlink()
+                    and f.stat().st_size == rec.get("bytes")):
+                bad.append(f"{manifest.parent.relative_to(folder)}/{name}")
+                continue
+            digest = hashlib.sha256()
+            with open(f, "rb") as stream:
+                for block in iter(lambda: stream.read(1 << 20), b""):
+                    digest.update(block)
+            if digest.hexdigest() != rec.get("sha256"):
                 bad.append(str(f.relative_to(folder)))
     return bad
 
