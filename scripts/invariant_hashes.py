@@ -7,12 +7,12 @@ Runs `pipeline.run --batch-invariant` (Parquet and HDF5, one shard unless --shar
 on the first --lines lines of WikiText-2 valid (../shared/data) for each compute dtype, torch thread count and token
 budget, with the shipped model or, with --shape, random weights of a published shape (model/synthetic.py, written
 once). Each output's files are first checked against its manifest's records (size and SHA-256). Its vectors' digest
-is the SHA-256 of every Parquet row sorted by id (every column, each layer's values bit for bit); per dtype, every
-run's must equal the first run's. Whether the shard files themselves hash the same is shown beside it (they do when
+is the SHA-256 of every Parquet row sorted by id (every column, each layer's values bit for bit) and of every HDF5
+dataset sorted by name (its name, dtype, shape and values bit for bit); per dtype, every run's must equal the first
+run's. Whether the shard files themselves hash the same is shown beside it (they do when
 the runs wrote the same shards: a shard cut by bytes holds the sentences in the order they arrived). Prints a table
 (the machine named) and, with --json FILE, the same as JSON; exit status 0 when every dtype's runs give the same
-vectors, 1 when some differ, 2 when a run fails. --out keeps the outputs (default: a temp folder, removed). The
-HDF5 files are compared as files only (the Parquet rows hold the same vectors).
+vectors, 1 when some differ, 2 when a run fails. --out keeps the outputs (default: a temp folder, removed).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import sys
 import tempfile
 
 import fsspec
+import h5py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -53,8 +54,8 @@ def column_bytes(col) -> bytes:
 
 
 def digests(out: str) -> dict[str, str]:
-    """The vectors' digest (every Parquet row sorted by id) and the shard files' SHA-256 by format, after checking
-    every file the manifest records against its record."""
+    """The vectors' digest (every Parquet row sorted by id, every HDF5 dataset by name) and the shard files'
+    SHA-256, after checking every file the manifest records against its record."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     manifest = read_json(fsspec.filesystem("file"), os.path.join(out, "manifest.json"))
@@ -72,6 +73,16 @@ def digests(out: str) -> dict[str, str]:
     h = hashlib.sha256()
     for name in sorted(table.column_names):                  # every column: ids, tokens, offsets, each layer
         h.update(len(name).to_bytes(8, "little") + name.encode() + column_bytes(table.column(name)))
+    datasets = {}                                               # HDF5: every dataset of every shard, by name
+    for s in manifest["shards"]:
+        with h5py.File(os.path.join(out, s["hdf5"]), "r") as f:
+            for name, ds in f.items():
+                if name in datasets or not isinstance(ds, h5py.Dataset):
+                    raise SystemExit(f"error: {out}: HDF5 {name!r} twice or not a dataset")
+                head = f"{name}|{ds.dtype.str}|{ds.shape}|".encode()
+                datasets[name] = hashlib.sha256(head + ds[()].tobytes()).digest()
+    for name in sorted(datasets):
+        h.update(datasets[name])
     files = ",".join(manifest["files"][name]["sha256"] for name in shards)        # checked above
     return {"vectors": h.hexdigest(), "files": hashlib.sha256(files.encode()).hexdigest()}
 
