@@ -144,13 +144,18 @@ def run(args: argparse.Namespace) -> int:
     from elmo_pipeline.downstream.report import summarize, write_report
     if args.threads:
         torch.set_num_threads(args.threads)
-    log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    from elmo_pipeline.fsio import redact
+
+    def say(m: str) -> None:            # the folders it names may be URLs with credentials: redacted
+        print(redact(m), file=sys.stderr, flush=True)
+
+    log = (lambda m: None) if args.quiet else say
     t0 = time.perf_counter()
     try:
-        splits, classes, n_layers, dim = load_splits(args, lambda m: print(m, file=sys.stderr, flush=True))
+        splits, classes, n_layers, dim = load_splits(args, say)
         settings = expand_settings(args.settings.split(","), [c.strip() for c in args.combine.split(",") if c.strip()], n_layers)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        say("error: " + " ".join(str(e).split("\n")))
         return 2
     load_s = time.perf_counter() - t0
     print(f"loaded in {load_s:.1f} s: {n_layers} layers of width {dim}, {len(classes)} classes; settings {settings}",
@@ -171,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
     rows = summarize(runs)
     meta = {"task": args.task, "classifier": args.classifier if args.task == "sentence" else "linear",
-            "classes": classes, "train": args.train, "dev": args.dev, "test": args.test,
+            "classes": classes, "train": redact(args.train), "dev": redact(args.dev), "test": redact(args.test),
             "sizes": {k: {"sentences": len(s.records), "targets": int(len(s.targets))} for k, s in splits.items()},
             "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "hidden": args.hidden,
             "dropout": args.dropout, "optimizer": args.optimizer, "l2": args.l2, "standardize": args.standardize, "seeds": list(range(args.seed, args.seed + args.seeds)),
@@ -180,8 +185,7 @@ def run(args: argparse.Namespace) -> int:
     write_report(args.out, rows, runs, meta, majority_baseline(train, [dev, test]))
     with open(f"{args.out}/table.md") as f:
         print(f.read())
-    print(f"probe: {len(settings)} settings x {args.seeds} seeds in {meta['total_seconds']:.1f} s -> {args.out}",
-          file=sys.stderr)
+    say(f"probe: {len(settings)} settings x {args.seeds} seeds in {meta['total_seconds']:.1f} s -> {args.out}")
     return 0
 
 

@@ -441,3 +441,30 @@ def test_debug_logs_of_s3_requests_hold_no_credential():
     for s in (secret, token):
         assert s not in log, log[max(0, log.find(s) - 300):][:600]
     assert f"Credential={key_id}" not in log
+
+
+@pytest.mark.slow
+def test_probe_over_http_with_a_password_records_and_prints_it_nowhere(tiny_model_files, tmp_path, capfd):
+    """`probe --train/--dev` URLs with a password: its progress lines and results.json do not hold it; when the
+    store is gone, its error line holds neither it nor a signature."""
+    from elmo_pipeline.pipeline.cli import main as cli
+    from tests.pipeline_helpers import run_pipeline
+    (tmp_path / "s.txt").write_text("good fine\nbad poor\ngreat nice\nawful dull\n")
+    out = tmp_path / "out"
+    run_pipeline(tiny_model_files, str(tmp_path / "s.txt"), str(out), "--input-format", "lines", "--tokenizer",
+                 "whitespace", "--format", "parquet")
+    (tmp_path / "labels.tsv").write_text("1\tpos\n2\tneg\n3\tpos\n4\tneg\n")
+    with ModelServer() as server:
+        for f in out.rglob("*"):
+            if f.is_file():
+                server.files[f"/po/{f.relative_to(out)}"] = f.read_bytes()
+        url = f"http://u:ZPASSWORDZ@{server.url.removeprefix('http://')}/po"
+        assert cli(["probe", "--train", url, "--dev", url, "--labels", str(tmp_path / "labels.tsv"), "--epochs", "1",
+                    "--seeds", "1", "--threads", "1", "--settings", "layer0", "--out", str(tmp_path / "probe")]) == 0
+    gone = cli(["probe", "--train", url + "?sig=ZSIGZ", "--labels", str(tmp_path / "labels.tsv"), "--out", str(tmp_path / "p2")])
+    printed = capfd.readouterr()
+    results = (tmp_path / "probe" / "results.json").read_text()
+    assert gone == 2 and printed.err.strip().splitlines()[-1].startswith("error: ")
+    assert "http://***@" in results and "labelled sentences from http://***@" in printed.err
+    for text in (printed.out, printed.err, results):
+        assert "ZPASSWORDZ" not in text and "ZSIGZ" not in text
