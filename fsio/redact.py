@@ -9,8 +9,11 @@ In text (a URL, a DSN, an exception message holding URLs):
   `"Authorization": "..."`), and AWS Signature Version 4's `Credential=` and `Signature=` values;
 - a URL's fragment, whatever it holds: https://host/a.txt#access_token=X -> https://host/a.txt#***;
 - a URL query's values, quoted ("X", 'X') or not, except those of PLAIN_PARAMETERS: ?jwt=X&versionId=3 ->
-  ?jwt=***&versionId=3; a parameter with a credential-like name is masked after an & outside a query too.
-An unquoted value (a password, a query value, a fragment, a header's) holding a quote or an angle bracket is
+  ?jwt=***&versionId=3; a parameter with a credential-like name is masked after an & or a ; outside a query too
+  (https://h/x.txt;sig=X -> ;sig=***).
+A text that is one URL with a space in it (it starts with its scheme, on one line: an input or a folder as the user
+gave it) has its user info, query values and fragment masked to their ends, spaces included: a password or a token
+may hold one. An unquoted value (a password, a query value, a fragment, a header's) holding a quote or an angle bracket is
 masked past it: one ends the value only where it closes it (an end, a space or punctuation follows).
 In a dict (storage options, flags): the string values of credential-like keys (key, secret, token, password,
 aws_secret_access_key, ...) -> ***, and everything else redacted in turn. A name is credential-like when one of
@@ -37,9 +40,9 @@ SECRET_PARTS = ("password", "passwd", "secret", "signature", "credential", "apik
 PLAIN_PARAMETERS = frozenset({"versionid", "generation", "alt", "format", "page"})
 
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
-# quotes and angle brackets end a value only where they close it (what follows them is an end, a space or
-# punctuation): ?sig=ab"cd and ?sig=a<'b are masked whole, 'https://h/x?sig=ab' keeps its closing quote
-_CLOSING = r"['\"<>]{1,8}(?=[\s,;:.)\]}&]|$)"      # (a run of at most 8: linear time)
+# quotes and angle brackets end a value only where they close it (what follows them is an end or a space, maybe
+# after punctuation): ?sig=ab"cd and ?sig=a<.b are masked whole, 'https://h/x?sig=ab': keeps its closing quote
+_CLOSING = r"['\"<>]{1,8}(?=[,;:.!)\]}]{0,8}(?:\s|$))"      # (runs of at most 8: linear time)
 
 
 def _until_closing(excluded: str) -> str:
@@ -57,7 +60,7 @@ _URL_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://)"
 # path's part, and not a port
 _BARE_USERINFO = re.compile(r"(?<![^\s'\"(=,;])[\w.+-]+:(?!\d*[/?#])[^\s@/][^\s@]*@(?=[\w\[])")
 # ?name=value or &name=value, the value quoted or not; a lone ?name or &name keeps a query going
-_PARAMETER = re.compile(r"(?P<sep>[?&])(?P<name>[^=&#\s?'\"<>]*)"
+_PARAMETER = re.compile(r"(?P<sep>[?&;])(?P<name>[^=&#\s?'\"<>]*)"
                         rf"(?:=(?P<value>\"[^\"\n]*\"|'[^'\n]*'|{_VALUE}*))?")
 # a URL's fragment (#access_token=..., as OAuth's implicit flow hands tokens): never sent to a server, masked whole
 _URL_FRAGMENT = re.compile(r"(?P<url>\b[a-zA-Z][\w+.-]*://[^\s#'\"<>]*)#(?!\*\*\*)"
@@ -95,7 +98,38 @@ def redact(value):
     return value
 
 
+_SCHEME = re.compile(r"[a-zA-Z][\w+.-]*://")
+# a query's parameters to its end, spaces included: name=value (the value quoted or not) then & or the end
+_ONE_QUERY = re.compile(r"(?P<name>[^=&]*)(?:=(?P<value>(?:\"[^\"]*\"|'[^']*')?[^&]*))?(?P<sep>&|$)")
+
+
+def _one_url(text: str) -> str:
+    """A text that is one URL holding whitespace (see the module docstring), its parts masked to their ends."""
+    head = _SCHEME.match(text)
+    if not head or "\n" in text or not re.search(r"\s", text):
+        return text                         # no whitespace: the rules below find every end
+    start = head.end()
+    end = min([i for i in (text.find(c, start) for c in "/?#") if i >= 0] or [len(text)])
+    at = text.rfind("@", start, end)
+    if at >= 0:
+        text = f"{text[:start]}{MASK}{text[at:]}"
+        end = start + len(MASK) + (end - at)
+    hash_at = text.find("#", end)
+    if hash_at >= 0 and text[hash_at + 1:] != MASK:
+        text = f"{text[:hash_at]}#{MASK}"
+    query_at = text.find("?", end)
+    if query_at >= 0:
+        query_end = text.find("#", query_at) if "#" in text[query_at:] else len(text)
+        def mask(m: re.Match) -> str:
+            plain = m["name"].lower() in PLAIN_PARAMETERS and not secret_name(m["name"])
+            return f"{m['name']}={MASK}{m['sep']}" if m["value"] and not plain else m[0]
+
+        text = f"{text[:query_at + 1]}{_ONE_QUERY.sub(mask, text[query_at + 1:query_end])}{text[query_end:]}"
+    return text
+
+
 def _redact_text(text: str) -> str:
+    text = _one_url(text)
     if "@" in text:
         text = _URL_USERINFO.sub(lambda m: f"{m['head']}{MASK}@", text)
         text = _BARE_USERINFO.sub(f"{MASK}@", text)
@@ -115,7 +149,7 @@ def _redact_text(text: str) -> str:
 
 def _redact_query(text: str) -> str:
     """Query values masked: those after a ? and the &s that follow it, but for PLAIN_PARAMETERS; credential-like
-    names after any &."""
+    names after any & or ;."""
     query_end = -1
 
     def mask(m: re.Match) -> str:

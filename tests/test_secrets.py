@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from elmo_pipeline.fsio import redact
@@ -51,7 +51,12 @@ EXAMPLES = [
     ("s3://b/a&x=1?token=Zt0k&code=Zc0de", "s3://b/a&x=1?token=***&code=***"),
     ("https://h/x?versionId=3?sig=Zs1g&page=2", "https://h/x?versionId=3?sig=***&page=2"),
     # a credential-like name after an & outside a query (an Azure SAS in a connection string)
-    ("AccountName=a;SharedAccessSignature=sv=2022&sig=Zm9v", "AccountName=a;SharedAccessSignature=sv=2022&sig=***"),
+    ("AccountName=a;SharedAccessSignature=sv=2022&sig=Zm9v", "AccountName=a;SharedAccessSignature=***&sig=***"),
+    ("https://host/x.txt;sig=Zs1g", "https://host/x.txt;sig=***"),
+    # a text that is one URL: a space or a tab does not end a password, a query value or a fragment
+    ("http://bob:PW Z1@127.0.0.1:81/x.txt#frag\"Z2 x", "http://***@127.0.0.1:81/x.txt#***"),
+    ("http://u:PW\tZ@h/x.txt?sig=A B Z&page=2 3", "http://***@h/x.txt?sig=***&page=2 3"),
+    ("s3://b/k.txt?versionId=3 [while running 'Read']", "s3://b/k.txt?versionId=3 [while running 'Read']"),
     # an exception message holding URLs
     ("FileNotFoundError: http://alice:pw1@h:81/o.json?sig=s1 (and 'https://bob:pw2@g/x')",
      "FileNotFoundError: http://***@h:81/o.json?sig=*** (and 'https://***@g/x')"),
@@ -184,6 +189,18 @@ def test_a_planted_secret_never_survives(url_secret, message):
         assert secret not in str(out)                   # nor either end of it (a name's Zs are no secret's)
         assert str(out).count("Z") <= str(value).replace(secret, "").count("Z"), out
         assert redact(out) == out                       # redacting twice changes nothing more
+
+
+@settings(max_examples=300, deadline=None)
+@given(secret_url(), st.sampled_from([" ", "\t", "  "]))
+def test_a_planted_secret_with_a_space_in_a_text_that_is_one_url_never_survives(url_secret, space):
+    """A URL given as a value (an --input, a folder) whose password, query value or fragment holds whitespace."""
+    url, secret = url_secret
+    assume("://" in url)                                # (user:password@host without a scheme: not one URL)
+    spaced = secret[:2] + space + secret[2:]
+    out = redact(url.replace(secret, spaced))
+    assert spaced not in out and out.count("Z") <= url.replace(secret, "").count("Z"), out
+    assert redact(out) == out
 
 
 @settings(max_examples=300, deadline=None)
