@@ -51,6 +51,9 @@ def _user() -> str:
         return ""
 
 
+GUARD_WAIT_SECONDS = 10.0      # the longest a local lease waits for the folder's flock (held for a read and a write)
+
+
 class LeaseHeld(RuntimeError):
     """The lease is held by a live process (the message names it)."""
 
@@ -263,10 +266,21 @@ class Lease:
                 yield
                 return
             import fcntl
-            makedirs(self.fs, os.path.dirname(self.path))
-            fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
+            folder = os.path.dirname(self.path)
+            makedirs(self.fs, folder)
+            fd = os.open(folder, os.O_RDONLY)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                deadline = time.monotonic() + GUARD_WAIT_SECONDS
+                while True:             # never blocks for good: a process holding the flock may be stopped
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise LeaseHeld(f"{folder} is locked (flock) by another process for over "
+                                            f"{GUARD_WAIT_SECONDS:.0f} s (a paused run, or a tool such as `flock "
+                                            f"{folder} ...` wrapping this command: lock another path)") from None
+                        time.sleep(0.05)
                 yield
             finally:
                 os.close(fd)
@@ -374,10 +388,13 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        with self._guard():
-            found = self._read()
-            if found is not None and found.token == self.me["token"]:
-                self.fs.rm_file(self.path)
+        try:
+            with self._guard():
+                found = self._read()
+                if found is not None and found.token == self.me["token"]:
+                    self.fs.rm_file(self.path)
+        except LeaseHeld as e:      # left in place: stale after --lease-stale-seconds, then taken over
+            logger.warning("lease not removed: %s", e)
 
     def __enter__(self) -> "Lease":
         return self.acquire()

@@ -158,3 +158,28 @@ def test_a_fifo_or_device_at_the_lease_is_no_lease_and_never_blocks(tmp_path):
     os.symlink("/dev/zero", zero)
     for path in (fifo, zero):
         assert read_lease(fs, path, False).holder == NOT_JSON
+
+
+def test_a_folder_locked_by_another_process_is_waited_on_a_while_never_for_good(tmp_path, monkeypatch):
+    """output/lease.py _guard: `flock OUT run ...` (a cron idiom) or a stopped run holding the folder's flock makes
+    acquire() raise LeaseHeld (75) after GUARD_WAIT_SECONDS instead of hanging; the lock is held by an open file
+    description of this process (flock locks are per description), and a release while it is held leaves the lease
+    in place."""
+    import fcntl
+    from elmo_pipeline.output import lease as lease_module
+    monkeypatch.setattr(lease_module, "GUARD_WAIT_SECONDS", 0.5)
+    url = str(tmp_path / "out" / "_lease.json")
+    mine = Lease(url, stale_seconds=30).acquire()
+    fd = os.open(tmp_path / "out", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LeaseHeld, match=r"is locked \(flock\) by another process for over 0 s"):
+            Lease(url, stale_seconds=30).acquire()
+        assert time.monotonic() - t0 < 5
+        mine.release()
+        assert os.path.exists(url)
+    finally:
+        os.close(fd)
+    mine.release()
+    assert not os.path.exists(url)
