@@ -109,11 +109,21 @@ def pack_ids(ids: list[str]) -> str:
     return base64.b64encode(zlib.compress(json.dumps(sorted(ids), ensure_ascii=False).encode(), 6)).decode("ascii")
 
 
+MAX_IDS_BYTES = 256 << 20      # a commit record's ids decompress to at most this (the record file's own bound)
+
+
 def record_ids(record: dict) -> list[str]:
-    """The sentence ids of a commit record (compact "ids_zlib", or the "ids" list of earlier versions)."""
+    """The sentence ids of a commit record (compact "ids_zlib", or the "ids" list of earlier versions); ValueError
+    when "ids_zlib" inflates past MAX_IDS_BYTES (never inflated further)."""
     if "ids" in record:
         return record["ids"]
-    return json.loads(zlib.decompress(base64.b64decode(record["ids_zlib"])))
+    inflate = zlib.decompressobj()
+    data = inflate.decompress(base64.b64decode(record["ids_zlib"]), MAX_IDS_BYTES + 1)
+    if len(data) > MAX_IDS_BYTES or inflate.unconsumed_tail:
+        raise ValueError(f"ids_zlib inflates past {MAX_IDS_BYTES} bytes")
+    if not inflate.eof:
+        raise ValueError("ids_zlib is cut short")
+    return json.loads(data)
 
 
 def checked_record(raw: bytes) -> tuple[dict, list[str]] | None:

@@ -350,3 +350,25 @@ def test_a_source_manifest_with_another_or_no_record(corpus, tiny_model_files, t
     assert run(tiny_model_files, corpus, old, "--reuse", src) == 0
     assert "its manifest records no kernel path (an output of an earlier version)" in caplog.text
     assert read_output(old)[0]["reuse"]["kernel_paths"] == ["not recorded"]
+
+
+def test_a_commit_records_ids_that_inflate_past_the_bound_or_are_cut_short_are_damaged(monkeypatch):
+    """formats/layout.py record_ids: "ids_zlib" inflates to at most MAX_IDS_BYTES (here 1,000) and never further
+    (a zlib bomb of 64 MiB in a record of a few hundred bytes), and a stream cut short is no whole record."""
+    import base64
+    import json as json_
+    import zlib
+
+    from elmo_pipeline.formats import layout
+    from elmo_pipeline.formats.layout import checked_record
+    monkeypatch.setattr(layout, "MAX_IDS_BYTES", 1000)
+
+    def record(ids_zlib: bytes) -> bytes:
+        return json_.dumps({"files": {}, "sentences": 2, "tokens": 4, "first_id": "a",
+                            "ids_zlib": base64.b64encode(ids_zlib).decode()}).encode()
+
+    whole = zlib.compress(json_.dumps(["a", "b"]).encode())
+    assert checked_record(record(whole))[1] == ["a", "b"]
+    assert checked_record(record(whole[:-3])) is None
+    bomb = zlib.compress(b'["' + b"a" * (64 << 20) + b'", "b"]', 9)
+    assert len(bomb) < 100_000 and checked_record(record(bomb)) is None
