@@ -119,8 +119,8 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect:
     """Records of an HDF5 shard (AllenNLP layout: (layers, T, 2P) or (T, 2P) per sentence), layers `pick`
     (indices); doc ids, sentence indices and tokens from `meta` (parquet_meta of the Parquet twin), else
     from the id and None. expect (ElmoOutput.hdf5_expect): each dataset's declared shape and dtype is
-    checked before it is read, so no read allocates more than the manifest's tokens; a dataset is read only when it
-    is the file's own (no link, no external or virtual storage). A shard HDF5 cannot read (damaged metadata: its
+    checked before it is read, so no read allocates more than the manifest's tokens (nor a chunk larger than its
+    dataset: a read inflates whole chunks); a dataset is read only when it is the file's own (no link, no external or virtual storage). A shard HDF5 cannot read (damaged metadata: its
     signature, groups, names, datatypes) is refused with DamagedOutput naming it."""
     import h5py
     with fs.open(path, "rb") as f, unreadable(path, "HDF5", HDF5_ERRORS), h5py.File(f, "r") as h:
@@ -142,6 +142,8 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect:
                 raise DamagedOutput(f"{path}: {key!r} keeps its data outside the file")
             left -= check_hdf5_shape(path, key, d.shape, d.dtype, expect["n_layers"], expect["dim"],
                                      expect["dtype"], left)
+            if d.chunks and any(c > max(n, 1) for c, n in zip(d.chunks, d.shape)):    # a read inflates whole chunks
+                raise DamagedOutput(f"{path}: {key!r} is stored in chunks {d.chunks}, larger than its shape {d.shape}")
             arr = d[...]
             if arr.ndim == 2:
                 arr = arr[None]

@@ -338,6 +338,25 @@ def test_an_hdf5_dataset_whose_data_is_outside_its_file_is_refused(copy, tmp_pat
         list(ElmoOutput(out).sentences("hdf5"))
 
 
+def test_an_hdf5_dataset_stored_in_chunks_larger_than_itself_is_refused_unread(copy):
+    """A dataset of its declared shape whose chunks are far larger (maxshape lets HDF5 take chunks up to 4 GiB; a
+    read inflates whole chunks): refused before it is read; the writer's own datasets pass."""
+    out = copy("fp32")
+    _as_earlier_version(out)
+    shard = os.path.join(out, _manifest(out)["shards"][0]["hdf5"])
+
+    def swap(h):
+        k = sorted(h.keys())[0]
+        data = h[k][...]
+        del h[k]
+        h.create_dataset(k, data=data, maxshape=(data.shape[0], None, data.shape[2]),
+                         chunks=(data.shape[0], 200_000, data.shape[2]), compression="gzip")
+    assert len(list(ElmoOutput(out).sentences("hdf5"))) > 0
+    _rewrite_hdf5(shard, swap)
+    with pytest.raises(DamagedOutput, match=r"is stored in chunks \(\d+, 200000, \d+\), larger than its shape"):
+        list(ElmoOutput(out).sentences("hdf5"))
+
+
 def test_a_parquet_shard_with_fewer_sentences_or_more_values_than_its_manifest_is_refused(copy):
     """Checked from the footer before a page is read: a shard short of a sentence was read short, without an error,
     and one whose rows hold more vectors than the manifest's tokens was decoded whole."""
