@@ -89,6 +89,8 @@ class ShardInfo:
             rec["digests"] = self.extra["digests"]
         if "kernel_paths" in self.extra:        # what computed its embedded sentences (model/kernels.py records)
             rec["kernel_paths"] = self.extra["kernel_paths"]
+        if self.extra.get("run"):               # the run key of the staging folder it was written into
+            rec["run"] = self.extra["run"]
         if lengths is not None:
             rec["lengths"] = {str(k): v for k, v in sorted(lengths.items())}
         return rec

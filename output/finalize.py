@@ -100,13 +100,18 @@ def select_records(fs, st: str, present: set[str], whole: Callable[[dict], bool]
     """The commit records of <st>/committed/ (Selected): a pairwise-disjoint set of records whose files are all
     present (and, with `whole`, for which whole(record) holds), first come first kept in name order (a retried
     bundle's record overlapping one already kept is left out); a record file that is no whole record
-    (formats.layout.checked_record) is left out too, its path listed."""
-    rec_dir = posixpath.join(st, RECORDS)
+    (formats.layout.checked_record) or names another run key than the folder's (earlier versions name none) is
+    left out too, its path listed."""
+    rec_dir, key = posixpath.join(st, RECORDS), posixpath.basename(st.rstrip("/"))
     names = sorted(p for p in present if p.startswith(rec_dir + "/") and p.endswith(".json"))
     contents = read_staged(fs, names)
     records, paths, done, named, damaged = [], [], set(), set(), []
     for path in names:
         got = layout.checked_record(contents[path]) if path in contents else None
+        if got is not None and got[0].get("run", key) != key:       # copied from another run's staging folder
+            logger.warning("%s: a commit record of another run (run key %s), not this one's (%s)", path,
+                           repr(got[0]["run"])[:80], key)
+            got = None
         if got is None:
             damaged.append(path)
             continue

@@ -124,8 +124,8 @@ class Staging:
 
     def shard(self, sentences: list[tuple], spec: ShardSpec) -> ShardInfo:
         """Write one shard of (EmbeddedBatch, sentence index) pairs, sorted by sentence id (uuid names, one file
-        per format, and its key index with spec.key_prefix), then its commit record (committed/<name>.json: file names,
-        counts, sentence ids, digests, and the kernel paths its embedded sentences were computed on: `kernel_paths`,
+        per format, and its key index with spec.key_prefix), then its commit record (committed/<name>.json: the run
+        key, file names, counts, sentence ids, digests, and the kernel paths its embedded sentences were computed on: `kernel_paths`,
         [] when all were reused, left out when a batch did not say)."""
         sentences = sorted(sentences, key=lambda p: p[0].items[p[1]].id)
         ids = [b.items[i].id for b, i in sentences]
@@ -154,7 +154,8 @@ class Staging:
             if b.source is not None:
                 reused[b.source] = reused.get(b.source, 0) + 1
         kernels = {b.kernel for b, _ in sentences if b.source is None}      # what embedded them (None: not recorded)
-        extra = {**({"deduplicated": copies} if copies else {}), **({"reused": reused} if reused else {}),
+        extra = {"run": posixpath.basename(self.root.rstrip("/")),      # its staging folder's run key
+                 **({"deduplicated": copies} if copies else {}), **({"reused": reused} if reused else {}),
                  "digests": {fmt: self.sink.written[path] for fmt, path in files.items()},
                  **({} if None in kernels else {"kernel_paths": [json.loads(k) for k in sorted(kernels)]})}
         info = ShardInfo(files, len(sentences), int(lengths.sum()), ids[0], extra)

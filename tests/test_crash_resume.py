@@ -339,6 +339,21 @@ def test_a_damaged_commit_record_is_embedded_again(damage, corpus, tiny_model_fi
     _resumed_as_uninterrupted(args, out, reference, caplog, "not a whole commit record; its sentences are embedded again")
 
 
+def test_a_commit_record_of_another_run_is_embedded_again(corpus, tiny_model_files, reference, tmp_path, caplog):
+    """Each commit record names the run key of the staging folder it was written into; one naming another (copied
+    in from another command's staging folder with its shard: its vectors are that command's) is never published
+    by a resume: its sentences are embedded again, and the output equals the uninterrupted run's."""
+    out = str(tmp_path / "out")
+    args, st = _killed_after_two_commits(tiny_model_files, corpus, out)
+    assert {r["run"] for r in _records(st)} == {os.path.basename(st)}
+    path = sorted(glob.glob(os.path.join(st, "committed", "*.json")))[0]
+    rec = json.load(open(path))
+    with open(path, "w") as f:
+        json.dump(dict(rec, run="0" * 16), f)
+    _resumed_as_uninterrupted(args, out, reference, caplog, "a commit record of another run (run key '0000000000000000')")
+    assert "run" not in json.dumps(read_output(out)[0]["shards"])       # the manifest is as before
+
+
 def _killed_after_two_commits(tiny_model_files, corpus, out):
     """(argv, staging folder) of a run killed (SIGKILL) just after its 2nd commit."""
     args = argv(tiny_model_files, corpus, out, *SMALL)
