@@ -152,24 +152,42 @@ def finalize_started(output: str, key: str, storage_options: dict | None = None)
     return fs.exists(posixpath.join(root, STAGING, key, PLAN))
 
 
-def _listed_files_present(fs, root: str, manifest: dict) -> bool:
+def keeps_final_files(output: str, key: str, storage_options: dict | None = None) -> bool:
+    """Whether a run of `key` without --overwrite leaves the final files `output` holds where they are: it holds
+    that run finished, or only its Finalize is left with every file it lists there as recorded (prepare_output's
+    'complete' and 'finalize'); any other rerun starts over or rolls a plan back, moving or removing them. Reads
+    only."""
+    fs, root = url_fs(output, storage_options)
+    fs.invalidate_cache()
+    manifest = read_manifest(fs, root)
+    mine = ((manifest or {}).get("run") or {}).get("key") == key
+    if fs.exists(posixpath.join(root, SUCCESS)):
+        return mine
+    st = posixpath.join(root, STAGING, key)
+    plan = read_plan(fs, st)
+    if plan is None:
+        return mine and _listed_files_present(fs, root, manifest, "a rerun would start over")
+    return (manifest is None or mine) and plan_consistent(fs, root, st, plan)
+
+
+def _listed_files_present(fs, root: str, manifest: dict, then: str = "starting over") -> bool:
     """Whether the shard and dead-letter files a manifest lists are there, each named as Finalize names them
     (output/names.py is_final_name: inside the output) and the file it records, every one recorded where the
-    manifest records files. False, with a warning, for anything else (an edited or damaged manifest): starting
-    over."""
+    manifest records files. False, with a warning (saying what happens `then`), for anything else (an edited or
+    damaged manifest)."""
     rels = _listed(manifest)
     try:
         records = recorded_files(manifest)
     except ValueError as e:
-        logger.warning("%s: %s; starting over", root, e)
+        logger.warning("%s: %s; %s", root, e, then)
         return False
     if rels is None or not all(is_final_name(r) for r in rels) or \
             records is not None and not all(r in records for r in rels):
         logger.warning("%s: its manifest lists files that are not this pipeline's output, or that it records no "
-                       "size and SHA-256 for; starting over", root)
+                       "size and SHA-256 for; %s", root, then)
         return False
     return all(fs.exists(posixpath.join(root, r)) and as_recorded(fs, posixpath.join(root, r), (records or {}).get(r),
-                                                                   "starting over") for r in rels)
+                                                                   then) for r in rels)
 
 
 def _listed(manifest: dict) -> list | None:

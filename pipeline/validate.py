@@ -285,14 +285,15 @@ def check_upsert(o: ElmoOptions, iceberg: IcebergTarget | None) -> None:
 def check_iceberg(iceberg: IcebergTarget, schema, output: str, key: str, overwrite: bool, so: dict) -> None:
     """Before a run with --iceberg-table: the catalog answers, an existing table takes this run's shards, and
     the table points at no files under --output that this run would replace (--overwrite, or an output that
-    no longer holds the finished run registered from it): refused, since the table would then point at
+    no longer holds the finished run registered from it whole: output.state.keeps_final_files): refused, since the table would then point at
     replaced files; so are a catalog or warehouse inside --output, and a partitioned table. Reads only."""
-    from elmo_pipeline.output.state import finalize_started
+    from elmo_pipeline.output.state import keeps_final_files
     iceberg.check_outside(output)
     held = iceberg.check(schema, output, so)
-    if held and (overwrite or not finalize_started(output, key, so)):
+    if held and (overwrite or not keeps_final_files(output, key, so)):
         why = ("--overwrite would replace them" if overwrite else
-               "it no longer holds the finished run of this command registered from it")
+               "it no longer holds the finished run of this command registered from it whole (a file it lists is "
+               "gone or changed, or it is another command's), so this run would start over")
         raise ValueError(f"--iceberg-table {iceberg.table} already references Parquet files under {output} "
                          f"(snapshot {held[-1]}), and {why}: the table would point at replaced files. Write to a "
                          "new --output, or remove those files from the table first")

@@ -4,6 +4,7 @@ Read back through pyiceberg, the table holds exactly the Parquet files' rows (id
 output is one append snapshot, added once: a rerun of a finished output, or of a Finalize killed just before
 or just after the files were added (a real SIGKILL), leaves one snapshot and no row twice. Runs without the
 flag are unchanged (same run key, same bytes); bad combinations fail before any work with one line."""
+import glob
 import hashlib
 import json
 import os
@@ -254,6 +255,28 @@ def test_finalize_killed_around_the_registration_then_rerun_registers_once(point
     p = run_subprocess(args)                              # and the same command once more: nothing to do
     assert p.returncode == 0 and "already complete" in p.stderr and "already registered" in p.stderr
     assert len(table_of(wh).snapshots()) == 1
+
+
+@pytest.mark.slow
+def test_a_registered_output_whose_finalize_would_start_over_is_refused_and_left_alone(tiny_model_files, tmp_path,
+                                                                                      capsys):
+    """Killed just after its files were added to the table (before _SUCCESS), then a listed file changed: a rerun
+    would start over and remove the files the table references. It is refused (2), every file left in place."""
+    corpus = write_corpus(str(tmp_path / "docs.txt"), n_docs=8, seed=3)
+    out, wh = str(tmp_path / "out"), tmp_path / "wh"
+    wh.mkdir()
+    args = argv(tiny_model_files, corpus, out, *SMALL, *ice(wh))
+    p = run_subprocess(args, "registered:1")
+    assert p.returncode == -9, p.stderr[-2000:]
+    listed = sorted(glob.glob(os.path.join(out, "parquet", "*.parquet")))
+    with open(listed[0], "ab") as f:
+        f.write(b"x")
+    before = {f: sha(f) for f in listed}
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no longer holds the finished run of this command registered from it whole" in err, err
+    assert {f: sha(f) for f in sorted(glob.glob(os.path.join(out, "parquet", "*.parquet")))} == before
+    assert not os.path.exists(os.path.join(out, "_SUCCESS")) and len(table_of(wh).snapshots()) == 1
 
 
 @pytest.mark.parametrize("name", ["emb#1", "emb?x=1"])
