@@ -97,8 +97,10 @@ class Foreign:
     ours: bool                 # the folder holds a run of the pipeline (its manifest.json or _staging/)
 
 
-def foreign_files(fs, root: str) -> Foreign:
-    """Sort the top of `root` and its shard folders into owned and foreign (see Foreign). Reads only."""
+def foreign_files(fs, root: str, writes_state: bool = False) -> Foreign:
+    """Sort the top of `root` and its shard folders into owned and foreign (see Foreign). `writes_state`: the run
+    writes DOC_HASHES (an upsert), so a file there that no manifest or plan of the output lists is in its way (a
+    user's, or an earlier upsert's state an older snapshot names), else elsewhere. Reads only."""
     owned = owned_final_names(fs, root)
     try:
         top = fs.ls(root, detail=True)
@@ -118,7 +120,7 @@ def foreign_files(fs, root: str) -> Foreign:
             found.elsewhere.append(name + "/")
         elif name in owned or is_scratch_name(name):
             continue
-        elif name in FINAL_NAMES or name == STAGING:
+        elif name in FINAL_NAMES or name == STAGING or (writes_state and name == DOC_HASHES):
             found.in_the_way.append(name)
         else:
             found.elsewhere.append(name)
@@ -132,11 +134,12 @@ def _some(names: list[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def check_ownership(output: str, fs, root: str, overwrite: bool) -> None:
+def check_ownership(output: str, fs, root: str, overwrite: bool, writes_state: bool = False) -> None:
     """FileExistsError (one line naming a few of them) when `output` holds files the pipeline did not write
-    in the way of its output (even with --overwrite), or, on a folder that holds no run of the pipeline,
-    any file or folder at all (unless --overwrite, which writes beside them and leaves them alone)."""
-    found = foreign_files(fs, root)
+    in the way of its output (even with --overwrite; `writes_state`: see foreign_files), or, on a folder that
+    holds no run of the pipeline, any file or folder at all (unless --overwrite, which writes beside them and
+    leaves them alone)."""
+    found = foreign_files(fs, root, writes_state)
     if found.in_the_way:
         raise FileExistsError(
             f"{output} holds {len(found.in_the_way)} file(s) this pipeline did not write where its output goes: "

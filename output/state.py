@@ -199,7 +199,7 @@ def _listed(manifest: dict) -> list | None:
 
 
 def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, storage_options: dict | None = None,
-                   resumable: bool = True, kernel_path: dict | None = None) -> OutputState:
+                   resumable: bool = True, kernel_path: dict | None = None, writes_state: bool = False) -> OutputState:
     """Decide what a run with run key `key` does with `output`, and make the folder ready for it. The caller
     holds the output's lease. Nothing is removed before every refusal has been decided; only what the
     pipeline wrote is ever removed (check_no_links and check_ownership first, then output/finalize.clear_final).
@@ -222,7 +222,7 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
     fs = sink.fs
     fs.invalidate_cache()
     check_no_links(output, fs, root)      # first: a link is named as one, not as the files it leads to
-    check_ownership(output, fs, root, overwrite)
+    check_ownership(output, fs, root, overwrite, writes_state)
     scheme = _scheme(output)
     parent = posixpath.join(root, STAGING)
     st = posixpath.join(parent, key)

@@ -113,6 +113,22 @@ def test_a_file_at_a_final_name_that_no_manifest_of_ours_lists_is_in_the_way(tmp
     assert open(os.path.join(out, name)).read() == content
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_doc_hashes_file_no_manifest_lists_is_in_an_upserts_way_only(tmp_path, overwrite):
+    """output/ownership.py foreign_files(writes_state): a doc_hashes.parquet that no manifest or plan of the output
+    lists (a user's file, or an earlier upsert's state an older snapshot names) is refused by an upsert run, which
+    would move its own state onto it, with --overwrite too; another run leaves it alone beside its output."""
+    out = str(tmp_path / "out")
+    _plant(out, ["doc_hashes.parquet", "notes.txt"])
+    before = _contents(out)
+    ing, key = _ingredients()
+    with pytest.raises(FileExistsError, match="did not write where its output goes: doc_hashes.parquet"):
+        resume.prepare_output(out, key, ing, overwrite, writes_state=True)
+    assert _contents(out) == before
+    assert resume.prepare_output(out, key, ing, True).action == "fresh"
+    assert {k: v for k, v in _contents(out).items() if not k.startswith("_staging")} == before
+
+
 def test_a_finalize_cut_short_by_a_lost_lease_is_cleared_through_its_plan(tmp_path):
     """A fence that fails once 3 files are moved: Finalize stops at once (RetryLater), nothing more is
     moved, no manifest or _SUCCESS. Another command refuses that output without --overwrite; with it, the moved
