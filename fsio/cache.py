@@ -13,8 +13,8 @@ from pathlib import Path
 
 import fsspec
 
-from elmo_pipeline.fsio.fs import (check_protocol, http_status, json_or_none, options_for, protocol, replacing,
-                                  transient_http, url_fs)
+from elmo_pipeline.fsio.fs import (check_protocol, json_or_none, options_for, protocol, replacing, store_failing,
+                                  url_fs)
 from elmo_pipeline.fsio.fs import is_local_url as is_local
 from elmo_pipeline.fsio.redact import redact
 
@@ -60,14 +60,14 @@ def local_path(url: str, sha256: str | None = None, storage_options: dict | None
 
 def _raise_if_failing(url: str, storage_options: dict | None) -> None:
     """fsspec's file cache takes any failure of the store (unreachable, a 5xx) for 'no such file': ask the store
-    itself, and raise its own error when it fails rather than lacks the file (fsio.fs.http_status)."""
+    itself, and raise its own error when it fails rather than lacks the file (fsio.fs.store_failing)."""
     fs, path = url_fs(url, storage_options)
     try:
         fs.info(path)
     except FileNotFoundError as e:
-        if transient_http(http_status(e)):
+        if store_failing(e):        # unreachable, refused, a 5xx: fsspec's text says "not found"
             raise
-    # anything else the store raises (unreachable, refused) is the cause, raised as it is
+    # anything else the store raises is the cause, raised as it is
 
 
 def file_sha256(path: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import socket
 import uuid
 from contextlib import contextmanager
 
@@ -117,9 +118,19 @@ def _is_file(fs, path: str) -> bool:
     try:
         return fs.info(path).get("type") == "file"
     except FileNotFoundError as e:
-        if transient_http(http_status(e)):
+        if store_failing(e):
             raise
         return False
+
+
+def store_failing(e: FileNotFoundError) -> bool:
+    """Whether an fsspec store's FileNotFoundError is the store failing, not the file missing (fsspec's HTTP store
+    raises it for both; its cause tells): a 5xx, 408 or 429 answer, or a connection refused, reset or timed out, or
+    a host name that does not resolve (aiohttp's ClientConnectionError, socket errors)."""
+    def unreachable(c: BaseException) -> bool:
+        return isinstance(c, (ConnectionError, TimeoutError, socket.gaierror)) or any(
+            k.__name__ == "ClientConnectionError" and k.__module__.startswith("aiohttp") for k in type(c).__mro__)
+    return transient_http(http_status(e)) or any(unreachable(c) for c in exception_chain(e)[1:])
 
 
 def storage_error(e: BaseException) -> bool:

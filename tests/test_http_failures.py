@@ -70,6 +70,25 @@ def test_a_failing_server_is_retry_later_when_listing_inputs_or_fetching_the_mod
     assert SECRET not in err
 
 
+def test_an_unreachable_store_is_retry_later_when_listing_inputs_or_fetching_the_model(tiny_model_files, tmp_path,
+                                                                                         capsys, monkeypatch):
+    """Nothing listening at the port (connection refused), or a host name that does not resolve: fsspec says
+    FileNotFoundError; the cause is the store's, so 75 (retry later), not 'matches no file' / 'no such file' (65)."""
+    import socket
+    monkeypatch.setenv("ELMO_PIPELINE_CACHE", str(tmp_path / "cache"))
+    with socket.socket() as s:                  # a free port, closed again: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    local = tmp_path / "in.txt"
+    local.write_bytes(TEXT)
+    for i, (inp, options) in enumerate([(f"http://127.0.0.1:{port}/in/docs.txt?sig={SECRET}", None),
+                                        (str(local), f"http://u:{SECRET}@127.0.0.1:{port}/m/options.json"),
+                                        (f"http://no-such-host.invalid/in/docs.txt?sig={SECRET}", None)]):
+        assert main(run_args(tiny_model_files, tmp_path / f"o{i}", inp, options=options)) == 75
+    err = capsys.readouterr().err
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 3 and SECRET not in err, err
+
+
 @pytest.mark.slow
 def test_worker_processes_print_no_secret(tiny_model_files, tmp_path):
     """--direct_running_mode multi_processing: the workers' own log lines and what Beam's SDK worker prints on stderr
