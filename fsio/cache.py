@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from functools import lru_cache
 from pathlib import Path
 
@@ -35,7 +36,8 @@ def open_url(url: str, mode: str = "rb", storage_options: dict | None = None, **
 
 
 def local_path(url: str, sha256: str | None = None, storage_options: dict | None = None) -> str:
-    """A local file path holding `url`'s bytes (downloaded into the cache if remote).
+    """A local file path holding `url`'s bytes (downloaded into the cache if remote); a local path must be a
+    regular file (FileNotFoundError otherwise).
 
     If `sha256` is given the file is verified and a mismatch raises ValueError.
     """
@@ -44,6 +46,8 @@ def local_path(url: str, sha256: str | None = None, storage_options: dict | None
         path = url[len("file://"):] if url.startswith("file://") else url
         if not os.path.exists(path):
             raise FileNotFoundError(f"no such file: {path}")
+        if not stat.S_ISREG(os.stat(path).st_mode):     # a FIFO's open blocks, a device's read never ends
+            raise FileNotFoundError(f"{path}: not a regular file (a FIFO, a device or a folder)")
     else:       # fsspec.open: one file, never a glob (a presigned URL's ?X-Amz-Signature=... is no wildcard)
         try:
             with open_url(url, storage_options=storage_options) as f:

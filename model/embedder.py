@@ -114,7 +114,7 @@ class ElmoEmbedder:
             if vocab_file is None:
                 raise ValueError("a word-encoder biLM needs its vocabulary: pass vocab_file")
             from elmo_pipeline.model.vocab import Vocabulary
-            self.vocab = Vocabulary.load(vocab_file)
+            self.vocab = Vocabulary.load(vocab_file, self.model.opts.n_tokens_vocab)
         self.model_name: str | None = None      # set by from_name()
         self.tokenization: str | None = None    # the model's training-text tokenization (from_name())
         self._carried: tuple[torch.Tensor, torch.Tensor] | None = None   # stateful: per-row state

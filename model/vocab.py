@@ -6,6 +6,7 @@ from typing import Iterable, Sequence
 from elmo_pipeline.fsio import open_url
 
 SPECIALS = ("<S>", "</S>", "<UNK>")
+MAX_TOKEN_CHARS = 1 << 16     # a vocabulary line (one token) is at most this long
 
 
 class Vocabulary:
@@ -24,9 +25,20 @@ class Vocabulary:
         return [self.index.get(t, self.unk) for t in tokens]
 
     @classmethod
-    def load(cls, url: str) -> "Vocabulary":
+    def load(cls, url: str, size: int | None = None) -> "Vocabulary":
+        """The vocabulary file at `url`: ValueError at a line over MAX_TOKEN_CHARS (never read whole) or, with
+        `size` (the model's n_tokens_vocab), more tokens than the model's embedding has rows."""
+        tokens = []
         with open_url(url, "rt", encoding="utf-8") as f:
-            return cls([line.rstrip("\n") for line in f if line.rstrip("\n")])
+            for n, line in enumerate(iter(lambda: f.readline(MAX_TOKEN_CHARS + 2), ""), 1):
+                token = line.rstrip("\n")
+                if len(token) > MAX_TOKEN_CHARS:
+                    raise ValueError(f"{url}:{n}: a vocabulary line over {MAX_TOKEN_CHARS} characters")
+                if token:
+                    tokens.append(token)
+                if size is not None and len(tokens) > size:
+                    raise ValueError(f"{url}: more than the model's n_tokens_vocab {size} tokens")
+        return cls(tokens)
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:

@@ -109,3 +109,26 @@ def test_a_worker_loads_only_the_model_files_its_run_was_planned_with(tmp_path, 
     json.dump(raw, open(options, "w"))
     with pytest.raises(ValueError, match="not the options the run was planned with"):
         load_embedder(spec)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "device"])
+def test_a_model_file_that_is_no_regular_file_is_refused_unopened(tmp_path, kind):
+    """fsio/cache.py local_path: a FIFO (its open would block), a folder or a device (/dev/zero: a read that
+    never ends) given as a model file is a FileNotFoundError naming it."""
+    from elmo_pipeline.fsio.cache import local_path
+    path = {"fifo": str(tmp_path / "options.json"), "folder": str(tmp_path), "device": "/dev/zero"}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    with pytest.raises(FileNotFoundError, match="not a regular file"):
+        local_path(path)
+
+
+def test_a_vocabulary_line_over_the_limit_is_refused_unread(tmp_path, monkeypatch):
+    from elmo_pipeline.model import vocab
+    monkeypatch.setattr(vocab, "MAX_TOKEN_CHARS", 100)
+    path = tmp_path / "vocab.txt"
+    path.write_text("<S>\n</S>\n<UNK>\n" + "x" * 101 + "\n")
+    with pytest.raises(ValueError, match=":4: a vocabulary line over 100 characters"):
+        vocab.Vocabulary.load(str(path))
+    path.write_text("<S>\n</S>\n<UNK>\n" + "x" * 100 + "\n")
+    assert len(vocab.Vocabulary.load(str(path), size=4)) == 4

@@ -173,6 +173,11 @@ def test_word_encoder_trains_and_embeds(texts, tmp_path):
     assert "char_cnn" not in json.loads((m / "options.json").read_text())
     e = ElmoEmbedder(str(m / "options.json"), str(m / "weights.hdf5"), vocab_file=str(m / "vocab.txt"))
     assert e.embed_sentence(["The", "game", "began", "."]).shape == (3, 4, 64)
+    more = tmp_path / "more.txt"      # more tokens than the embedding has rows: refused, not IndexErrors per batch
+    more.write_text((m / "vocab.txt").read_text() + "".join(f"extra{i}\n" for i in range(5)))
+    n = json.loads((m / "options.json").read_text())["n_tokens_vocab"]
+    with pytest.raises(ValueError, match=f"more than the model's n_tokens_vocab {n} tokens"):
+        ElmoEmbedder(str(m / "options.json"), str(m / "weights.hdf5"), vocab_file=str(more))
 
 
 def test_evaluate_and_export_commands(trained, texts, tmp_path):
