@@ -105,8 +105,8 @@ def join_reused(p: beam.Pipeline, items, pl: Plan):
     the runner, transforms/reuse.py) with every row of the --reuse sources' key indexes, read one element per
     key-index file and packed per bucket."""
     so = pl.storage_options
-    files = [(s, k, keys, src.records[k][0] if src.records else None) for s, src in enumerate(pl.reuse)
-             for k, (keys, _, _) in enumerate(src.shards)]
+    files = [(s, k, keys, src.records[k][0] if src.records else None, n) for s, src in enumerate(pl.reuse)
+             for k, (keys, _, n) in enumerate(src.shards)]
     buckets = join_buckets(sum(n for src in pl.reuse for _, _, n in src.shards))
 
     def keyed(i: Item):
@@ -114,7 +114,8 @@ def join_reused(p: beam.Pipeline, items, pl: Plan):
         return bucket_of(k, buckets), (k, i)
     items = items | "KeyForReuse" >> beam.Map(keyed).with_output_types(tuple[int, tuple[bytes, Item]])
     found_at = (p | "ListKeyIndexes" >> beam.Create(files) | "SpreadKeyIndexes" >> beam.Reshuffle()
-                | "ReadKeyIndexes" >> beam.FlatMapTuple(lambda s, k, keys, rec: index_blobs(s, k, keys, buckets, so, rec)
+                | "ReadKeyIndexes" >> beam.FlatMapTuple(lambda s, k, keys, rec, n: index_blobs(s, k, keys, buckets, so,
+                                                                                               rec, n)
                                                         ).with_output_types(tuple[int, bytes]))
     matched = ({"items": items, "found": found_at} | "JoinReused" >> beam.CoGroupByKey()
                | "MatchReused" >> beam.FlatMapTuple(lambda _, g: match(g["items"], g["found"])

@@ -343,3 +343,28 @@ def test_a_source_shard_of_another_model_is_never_copied(fmt, days, tiny_days, t
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and "not the file its manifest records" in err[-1], err[-1]
     assert not os.path.exists(tmp_path / "r" / "manifest.json")
+
+
+def test_a_key_index_whose_pages_hide_more_than_its_keys_is_refused_undecoded(tmp_path, monkeypatch):
+    """transforms/reuse.py _check_key_pages: a key index of the right schema and row count whose keys are 1 MiB
+    each (zstd: a file of a few KB; a crafted source's 40 MiB keys took 4 GB) is refused by its page headers before
+    pyarrow decodes it; so is one whose footer holds other than the manifest's rows; a real one reads as before."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from elmo_pipeline.formats.parquet import write_key_index
+    from elmo_pipeline.model.resolve import sentence_key
+    from elmo_pipeline.transforms import reuse
+    good, bomb = str(tmp_path / "good.parquet"), str(tmp_path / "bomb.parquet")
+    with open(good, "wb") as f:
+        write_key_index([f"x#{i}" for i in range(4)], [sentence_key("0123456789abcdef", [w]) for w in "abcd"], f)
+    schema = pq.read_schema(good)
+    pq.write_table(pa.table({"id": [f"x#{i}" for i in range(4)], "key": ["a" * (1 << 20)] * 4}, schema=schema), bomb,
+                   compression="zstd", use_dictionary=False)
+    assert os.path.getsize(bomb) < 20_000
+    assert len(list(index_blobs(0, 0, good, 3, rows=4))) > 0
+    with pytest.raises(ReuseError, match="no sentence keys"):
+        list(index_blobs(0, 0, good, 3, rows=5))
+    monkeypatch.setattr(reuse.pq, "read_table", lambda *a, **k: pytest.fail("decoded"))
+    with pytest.raises(ReuseError, match="no sentence keys"):
+        list(index_blobs(0, 0, bomb, 3, rows=4))

@@ -102,20 +102,25 @@ def read_source_file(path: str, record: dict | None, storage_options: dict | Non
         raise ReuseError(f"--reuse: {redact(path)}: gone since the run was planned ({e.strerror})") from e
 
 
+KEY_WIDTH = 16 + KEY_HEX    # a key index's key: its 16-character prefix, then the hash
+
+
 def index_blobs(source: int, shard: int, path: str, buckets: int, storage_options: dict | None = None,
-                record: dict | None = None) -> Iterator[tuple[int, bytes]]:
+                record: dict | None = None, rows: int | None = None) -> Iterator[tuple[int, bytes]]:
     """(bucket, its rows of one key-index file packed as ENTRY records) for every bucket that file has rows in;
-    read as Arrow buffers, no Python object per row, from the bytes checked against `record` (its manifest's).
-    ReuseError when a key is not a key (a damaged file) or the file is not the one recorded."""
-    col = pq.read_table(pa.BufferReader(read_source_file(path, record, storage_options)),
-                        columns=["key"]).column("key").combine_chunks()
+    read as Arrow buffers, no Python object per row, from the bytes checked against `record` (its manifest's),
+    its key column decoded only when its pages hold at most `rows` (the manifest's sentences) keys' bytes
+    (_check_key_pages). ReuseError when a key is not a key (a damaged file) or the file is not the one recorded."""
+    data = read_source_file(path, record, storage_options)
+    damaged = ReuseError(f"reuse source: its key index {redact(path)} holds values that are no sentence keys")
+    _check_key_pages(data, rows, damaged)
+    col = pq.read_table(pa.BufferReader(data), columns=["key"]).column("key").combine_chunks()
     n = len(col)
     if n == 0:
         return
     offsets = np.frombuffer(col.buffers()[1], np.int32, n + 1, col.offset * 4)
     width = offsets[1] - offsets[0]
-    damaged = ReuseError(f"reuse source: its key index {redact(path)} holds values that are no sentence keys")
-    if col.null_count or width != 16 + KEY_HEX or (np.diff(offsets) != width).any():
+    if col.null_count or width != KEY_WIDTH or (np.diff(offsets) != width).any():
         raise damaged
     text = np.frombuffer(col.buffers()[2], np.uint8, n * width, offsets[0]).reshape(n, width)[:, width - KEY_HEX:]
     try:
@@ -131,6 +136,31 @@ def index_blobs(source: int, shard: int, path: str, buckets: int, storage_option
     cuts = np.flatnonzero(np.diff(of)) + 1
     for part, b in zip(np.split(entries, cuts), of[np.concatenate([[0], cuts])]):
         yield int(b), part.tobytes()
+
+
+def _check_key_pages(data: bytes, rows: int | None, damaged: ReuseError) -> None:
+    """Raise `damaged` unless the key index in `data` holds `rows` rows (when known) in its footer and its key
+    column's pages, by their own headers (transforms/parquet_pages.py), hold no more values than that and decode
+    to no more than their values' keys (4 length bytes and KEY_WIDTH a value, 1 KiB a page of levels and
+    headers): so reading it allocates no more than its rows' keys, whatever a crafted file's compression hides."""
+    import io
+
+    from elmo_pipeline.transforms.parquet_pages import chunk_span, column_pages
+    f = io.BytesIO(data)
+    try:
+        pf = pq.ParquetFile(f)
+        md = pf.metadata
+        leaves = [i for i in range(md.num_columns) if pf.schema.column(i).path == "key"]
+        if len(leaves) != 1 or rows is not None and md.num_rows != rows:
+            raise damaged
+        values = 0
+        for g in range(md.num_row_groups):
+            for p in column_pages(f, *chunk_span(md.row_group(g).column(leaves[0]))):
+                values += p.count
+                if p.uncompressed > max(p.count, 1) * (4 + KEY_WIDTH) + 1024 or values > 2 * md.num_rows + 1:
+                    raise damaged
+    except (ValueError, EOFError, OSError, pa.ArrowException):
+        raise damaged from None
 
 
 def match(items: Iterable[tuple[bytes, Item]], blobs: Iterable[bytes]) -> list[tuple[int, Item]]:
