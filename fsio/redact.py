@@ -10,7 +10,8 @@ In text (a URL, a DSN, an exception message holding URLs):
 - a URL's fragment, whatever it holds: https://host/a.txt#access_token=X -> https://host/a.txt#***;
 - a URL query's values, quoted ("X", 'X') or not, except those of PLAIN_PARAMETERS: ?jwt=X&versionId=3 ->
   ?jwt=***&versionId=3; a parameter with a credential-like name is masked after an & or a ; outside a query too
-  (https://h/x.txt;sig=X -> ;sig=***).
+  (https://h/x.txt;sig=X -> ;sig=***; a path's ;name=value to its segment's end); a quoted value ("X", 'X') is
+  one only where its closing quote ends it (?sig="a"b is masked whole).
 A text that is one URL with a space in it (it starts with its scheme, on one line: an input or a folder as the user
 gave it) has its user info, query values and fragment masked to their ends, spaces included: a password or a token
 may hold one. An unquoted value (a password, a query value, a fragment, a header's) holding a quote or an angle bracket is
@@ -50,6 +51,7 @@ def _until_closing(excluded: str) -> str:
     return rf"(?:[^{excluded}'\"<>]|(?!{_CLOSING})['\"<>])"
 
 
+_ENDS = r"[\s&#,;:.)\]}'\"<>]|$"     # what may follow a quoted value's closing quote
 _PASSWORD, _VALUE, _FRAGMENT, _QUOTED, _AWS4_VALUE = (_until_closing(c)
                                                       for c in (r"\s?#", r"&#\s", r"\s", r"\n", r",\s&"))
 # scheme://userinfo@ : to the authority's last @ (an unescaped @ inside it too); a password holding a / (taken
@@ -61,7 +63,7 @@ _URL_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://)"
 _BARE_USERINFO = re.compile(r"(?<![^\s'\"(=,;])[\w.+-]+:(?!\d*[/?#])[^\s@/][^\s@]*@(?=[\w\[])")
 # ?name=value or &name=value, the value quoted or not; a lone ?name or &name keeps a query going
 _PARAMETER = re.compile(r"(?P<sep>[?&;])(?P<name>[^=&#\s?'\"<>]*)"
-                        rf"(?:=(?P<value>\"[^\"\n]*\"|'[^'\n]*'|{_VALUE}*))?")
+                        rf"(?:=(?P<value>\"[^\"\n]*\"(?={_ENDS})|'[^'\n]*'(?={_ENDS})|{_VALUE}*))?")
 # a URL's fragment (#access_token=..., as OAuth's implicit flow hands tokens): never sent to a server, masked whole
 _URL_FRAGMENT = re.compile(r"(?P<url>\b[a-zA-Z][\w+.-]*://[^\s#'\"<>]*)#(?!\*\*\*)"
                            rf"{_FRAGMENT}+")
@@ -100,31 +102,46 @@ def redact(value):
 
 _SCHEME = re.compile(r"[a-zA-Z][\w+.-]*://")
 # a query's parameters to its end, spaces included: name=value (the value quoted or not) then & or the end
+# ;name=value in a path, its value to the next / ? # & or the end, spaces included
+_ONE_PARAMETER = re.compile(r";(?P<name>[^=;/?#&\s]+)=(?P<value>[^/?#&]*)")
 _ONE_QUERY = re.compile(r"(?P<name>[^=&]*)(?:=(?P<value>(?:\"[^\"]*\"|'[^']*')?[^&]*))?(?P<sep>&|$)")
 
 
 def _one_url(text: str) -> str:
-    """A text that is one URL holding whitespace (see the module docstring), its parts masked to their ends."""
+    """A text that is one URL holding whitespace (see the module docstring), its parts masked to their ends: user
+    info in the user:password form to the last @ before another URL (a password may hold / ? # and spaces), else to the
+    authority's last @; a query or fragment that starts before the first space to its end; a ;name=value with a
+    credential-like name to the next / ? # & or the end."""
     head = _SCHEME.match(text)
     if not head or "\n" in text or not re.search(r"\s", text):
         return text                         # no whitespace: the rules below find every end
     start = head.end()
-    end = min([i for i in (text.find(c, start) for c in "/?#") if i >= 0] or [len(text)])
-    at = text.rfind("@", start, end)
+    colon = text.find(":", start)
+    stop = next((m.start() for m in re.finditer(r"\s[a-zA-Z][\w+.-]*://", text)), len(text))   # another URL
+    if colon >= 0 and not re.search(r"[/?#@\s]", text[start:colon]) and text.rfind("@", 0, stop) > colon:
+        at = text.rfind("@", 0, stop)
+    else:
+        end = min([i for i in (text.find(c, start) for c in "/?#") if i >= 0] or [len(text)])
+        at = text.rfind("@", start, end)
     if at >= 0:
         text = f"{text[:start]}{MASK}{text[at:]}"
-        end = start + len(MASK) + (end - at)
-    hash_at = text.find("#", end)
-    if hash_at >= 0 and text[hash_at + 1:] != MASK:
-        text = f"{text[:hash_at]}#{MASK}"
-    query_at = text.find("?", end)
+        start += len(MASK) + 1
+    space = next((m.start() for m in re.finditer(r"\s", text)), len(text))
+    text = _ONE_PARAMETER.sub(lambda m: f";{m['name']}={MASK}" if secret_name(m["name"]) else m[0], text)
+    query_at, hash_at = text.find("?", start, space), text.find("#", start, space)
+    if 0 <= hash_at and (query_at < 0 or hash_at < query_at):
+        return text if text[hash_at + 1:] == MASK else f"{text[:hash_at]}#{MASK}"
     if query_at >= 0:
         query_end = text.find("#", query_at) if "#" in text[query_at:] else len(text)
+
         def mask(m: re.Match) -> str:
             plain = m["name"].lower() in PLAIN_PARAMETERS and not secret_name(m["name"])
             return f"{m['name']}={MASK}{m['sep']}" if m["value"] and not plain else m[0]
 
         text = f"{text[:query_at + 1]}{_ONE_QUERY.sub(mask, text[query_at + 1:query_end])}{text[query_end:]}"
+        hash_at = text.find("#", query_at)
+        if hash_at >= 0 and text[hash_at + 1:] != MASK:
+            text = f"{text[:hash_at]}#{MASK}"
     return text
 
 
@@ -165,6 +182,8 @@ def _redact_query(text: str) -> str:
                 query_end = m.end()
                 return f"{m['sep']}{name}={kept}{_redact_query('?' + rest)}"
             return m[0]
+        if m["sep"] == ";" and "/" in value and not in_query:       # a path's ;name=value ends at its segment's end
+            return f";{name}={MASK}/{_redact_query(value.partition('/')[2])}"
         return f"{m['sep']}{name}={MASK}"
 
     return _PARAMETER.sub(mask, text)

@@ -57,6 +57,12 @@ EXAMPLES = [
     ("http://bob:PW Z1@127.0.0.1:81/x.txt#frag\"Z2 x", "http://***@127.0.0.1:81/x.txt#***"),
     ("http://u:PW\tZ@h/x.txt?sig=A B Z&page=2 3", "http://***@h/x.txt?sig=***&page=2 3"),
     ("s3://b/k.txt?versionId=3 [while running 'Read']", "s3://b/k.txt?versionId=3 [while running 'Read']"),
+    ("https://user:p/ss Z@host/x", "https://***@host/x"), ("postgresql://u:p w/Z@h/db", "postgresql://***@h/db"),
+    ("https://user:pa?s Z@host/x", "https://***@host/x"), ("https://h/x;token=a Z", "https://h/x;token=***"),
+    ("s3://bkt/x.txt gone since the run was planned (#5)", "s3://bkt/x.txt gone since the run was planned (#5)"),
+    # a quoted value is one only where its quote closes it; a path's ;name=value ends at its segment's end
+    ('https://h/x?sig="ab"Z&token=\'x\'Z', "https://h/x?sig=***&token=***"),
+    ("gs://bkt/dir;sig=Zabc/x.parquet", "gs://bkt/dir;sig=***/x.parquet"),
     # an exception message holding URLs
     ("FileNotFoundError: http://alice:pw1@h:81/o.json?sig=s1 (and 'https://bob:pw2@g/x')",
      "FileNotFoundError: http://***@h:81/o.json?sig=*** (and 'https://***@g/x')"),
