@@ -323,3 +323,51 @@ def test_a_batch_of_rows_holds_about_batch_bytes_at_the_densest_page(tmp_path, m
     recs = list(read_documents(str(path), "parquet", "skew.parquet", max_record_bytes=200_000))
     assert [r.text for r in recs] == texts
     assert max(seen) <= (1 << 20) + 100_000 + 16 * 4096, max(seen)
+
+
+def test_row_groups_of_no_rows_are_read_as_nothing(tmp_path):
+    """pyarrow writes a row group of no rows (an empty write, an empty partition) with page offsets 0 and 4: it is
+    passed over, never walked for page headers; the file's other rows read, and a file of one empty group is no
+    record."""
+    t = pa.table({"text": ["The cat sat.", "A dog ran."]})
+    with pq.ParquetWriter(tmp_path / "mid.parquet", t.schema) as w:
+        w.write_table(t)
+        w.write_table(t.slice(0, 0))
+        w.write_table(t)
+    assert pq.ParquetFile(tmp_path / "mid.parquet").metadata.row_group(1).num_rows == 0
+    recs = list(read_documents(str(tmp_path / "mid.parquet"), "parquet", "mid.parquet"))
+    assert [(type(r).__name__, r.text) for r in recs] == [("Document", s) for s in t.column("text").to_pylist() * 2]
+    pq.write_table(t.slice(0, 0), tmp_path / "empty.parquet")
+    assert list(read_documents(str(tmp_path / "empty.parquet"), "parquet", "empty.parquet")) == []
+
+
+def test_a_v2_page_header_that_overstates_its_rows_does_not_grow_the_batch(tmp_path, monkeypatch):
+    """A v2 data page's num_rows is not checked by readers (its num_values is): rows per batch follow num_values,
+    so a header claiming 63 rows for a page of one 100 KB value leaves batches within BATCH_BYTES (1 MiB here)."""
+    import elmo_pipeline.transforms.read as read
+    texts = ["z" * 100_000 for _ in range(60)]
+    path = tmp_path / "v2.parquet"
+    pq.write_table(pa.table({"text": texts}), path, use_dictionary=False, data_page_version="2.0",
+                   data_page_size=1 << 10, write_batch_size=1, compression="none")
+    data = bytearray(path.read_bytes())
+    # PageHeader field 8 (DataPageHeaderV2, a struct: 0x5c after field 3) opens with num_values, num_nulls,
+    # num_rows: 1, 0, 1 (zigzag varints)
+    marker = b"\x5c\x15\x02\x15\x00\x15\x02"
+    assert data.count(marker) == 60
+    data = data.replace(marker, b"\x5c\x15\x02\x15\x00\x15\x7e")        # num_rows 63
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(read, "BATCH_BYTES", 1 << 20)
+    seen, texts_within = [], read._texts_within
+    monkeypatch.setattr(read, "_texts_within", lambda column, cap: (seen.append(column.nbytes), texts_within(column, cap))[1])
+    recs = list(read_documents(str(path), "parquet", "v2.parquet", max_record_bytes=200_000))
+    assert [r.text for r in recs] == texts
+    assert max(seen) <= (1 << 20) + 100_000 + 16 * 4096, max(seen)
+
+
+def test_a_sibling_column_named_like_a_nested_leaf_is_not_held_to_the_guard(tmp_path):
+    """Only the leaves of the text and id fields are walked: a top-level column named 'text.big' (another field,
+    never read) with pages over the limit leaves the text rows documents."""
+    t = pa.table({"text": [f"Row {i}." for i in range(3)], "text.big": ["x" * 5000] * 3})
+    pq.write_table(t, tmp_path / "sib.parquet", use_dictionary=False)
+    recs = list(read_documents(str(tmp_path / "sib.parquet"), "parquet", "sib.parquet", max_record_bytes=1000))
+    assert [r.text for r in recs] == t.column("text").to_pylist()

@@ -85,5 +85,5 @@ def test_a_label_file_line_over_the_limit_is_refused_unread(tmp_path, monkeypatc
     read = labels.read_conllu if name.endswith(".conllu") else labels.load_sentence_labels
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: a line over 1000 characters")):
         read(str(path))
-    path.write_text("# a\tpos\n" + "b\t" + "x" * 997 + "\n")
-    assert labels.load_sentence_labels(str(path))["b"] == "x" * 997
+    path.write_text("# a\tpos\n" + "b\t" + "x" * 998 + "\r\n")          # exactly the limit, CRLF
+    assert labels.load_sentence_labels(str(path))["b"] == "x" * 998

@@ -12,7 +12,7 @@ class Page(NamedTuple):
     uncompressed: int           # uncompressed_page_size: what decoding the page decompresses
     compressed: int             # compressed_page_size: the bytes after the header
     header: int                 # the header's own bytes
-    count: int                  # num_values of a v1 data page or a dictionary page, num_rows of a v2 data page; 0
+    count: int                  # num_values of a data page (v1 or v2: what decoding reads) or a dictionary page; 0
 
 
 class _Compact:
@@ -104,12 +104,13 @@ def column_pages(f, start: int, length: int) -> Iterator[Page]:
     pos, end = start, start + length
     while pos < end:
         r = _Compact(f, pos)
-        # PageHeader: 1 type, 2 uncompressed_page_size, 3 compressed_page_size; 5 DataPageHeader (1 num_values),
-        # 7 DictionaryPageHeader (1 num_values), 8 DataPageHeaderV2 (3 num_rows)
-        fields = r.struct(wanted=(1, 2, 3), inner={5: (1,), 7: (1,), 8: (3,)})
+        # PageHeader: 1 type, 2 uncompressed_page_size, 3 compressed_page_size; 5 DataPageHeader, 7
+        # DictionaryPageHeader, 8 DataPageHeaderV2: each with 1 num_values (a v2 page's num_rows is not checked by
+        # readers, its num_values is)
+        fields = r.struct(wanted=(1, 2, 3), inner={5: (1,), 7: (1,), 8: (1,)})
         if not {1, 2, 3} <= fields.keys() or fields[2] < 0 or fields[3] < 0:
             raise ValueError(f"bad Parquet page header at byte {pos}: {fields}")
-        count = max(fields.get(5, {}).get(1, 0), fields.get(7, {}).get(1, 0), fields.get(8, {}).get(3, 0))
+        count = max(fields.get(5, {}).get(1, 0), fields.get(7, {}).get(1, 0), fields.get(8, {}).get(1, 0))
         yield Page(fields[1], fields[2], fields[3], r.pos - pos, count)
         pos = r.pos + fields[3]
 

@@ -210,10 +210,11 @@ def _row_group_runs(pf, f, columns: list[str], dictionary: set[str], max_record_
     batch's values within about BATCH_BYTES at the group's densest pages (_bytes_a_row); a run ends at about
     BATCH_BYTES or 4096 rows, so a reader looks ahead no further."""
     md, limit = pf.metadata, PAGE_RECORDS * max_record_bytes
-    leaves = [(i, pf.schema.column(i)) for i in range(md.num_columns)
-              if any(pf.schema.column(i).path == c or pf.schema.column(i).path.startswith(c + ".") for c in columns)]
+    leaves = [(i, pf.schema.column(i)) for i in _leaves(pf, columns)]
     run, run_rows, run_bytes, run_count = [], 4096, 0, 0
     for g in groups:
+        if md.row_group(g).num_rows == 0:       # no rows, no pages to read (its offsets are pyarrow's 0 and 4)
+            continue
         over, per_row, nbytes = None, 0.0, 0
         for i, leaf in leaves:
             chunk = md.row_group(g).column(i)
@@ -242,10 +243,33 @@ def _row_group_runs(pf, f, columns: list[str], dictionary: set[str], max_record_
         yield run, None, run_rows
 
 
+def _leaves(pf, columns: list[str]) -> list[int]:
+    """The Parquet leaf columns of the top-level fields named `columns` (a nested field has several, in
+    depth-first order: leaves are numbered field by field); by name prefix where the Arrow schema's leaves do not
+    add up to the file's (every leaf that may be one of theirs: never fewer)."""
+    import pyarrow as pa
+
+    def count(t) -> int:
+        if pa.types.is_struct(t):
+            return sum(count(t.field(i).type) for i in range(t.num_fields))
+        if pa.types.is_map(t):
+            return count(t.key_type) + count(t.item_type)
+        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+            return count(t.value_type)
+        return 1
+    schema, n = pf.schema_arrow, pf.metadata.num_columns
+    sizes = [count(f.type) for f in schema]
+    if sum(sizes) != n:
+        return [i for i in range(n) if any(pf.schema.column(i).path == c or pf.schema.column(i).path.startswith(c + ".")
+                                           for c in columns)]
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    return sorted(i for k, f in enumerate(schema) if f.name in columns for i in range(starts[k], starts[k] + sizes[k]))
+
+
 def _bytes_a_row(pages, limit: int, repeated: bool, as_dictionary: bool) -> tuple[int, float, int]:
     """(the uncompressed bytes of the chunk's first page over `limit`, else 0; the most bytes a row of its pages
     decodes to; the pages' uncompressed bytes), from the chunk's page headers. A data page's bytes a row are its
-    bytes over its rows (a v2 page's num_rows; a v1 page's num_values where the leaf is not repeated; else 1 row);
+    bytes over its rows (its num_values where the leaf is not repeated; else 1 row);
     a dictionary page's bytes are added to each row unless the column is read as a dictionary (a row may then
     decode to its largest value)."""
     most, dictionary, total = 0.0, 0, 0
@@ -256,7 +280,7 @@ def _bytes_a_row(pages, limit: int, repeated: bool, as_dictionary: bool) -> tupl
         if p.kind == 2:
             dictionary = max(dictionary, p.uncompressed)
         elif p.kind != 1:               # an index page decodes to no row
-            rows = p.count if p.kind == 3 or not repeated else 1
+            rows = 1 if repeated else p.count
             most = max(most, p.uncompressed / max(rows, 1))
     return 0, most + (0 if as_dictionary else dictionary), total
 
