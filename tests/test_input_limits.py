@@ -371,3 +371,13 @@ def test_a_sibling_column_named_like_a_nested_leaf_is_not_held_to_the_guard(tmp_
     pq.write_table(t, tmp_path / "sib.parquet", use_dictionary=False)
     recs = list(read_documents(str(tmp_path / "sib.parquet"), "parquet", "sib.parquet", max_record_bytes=1000))
     assert [r.text for r in recs] == t.column("text").to_pylist()
+
+
+def test_a_text_column_of_lists_is_a_dead_letter_per_row_not_an_unreadable_file(tmp_path):
+    """A dictionary-encoded list<string> text column (pyarrow cannot read a nested field as a dictionary): each row
+    is a record dead letter "not a string" with its value, not one "unreadable file: KeyError" for the file."""
+    pq.write_table(pa.table({"text": [["a b"], ["c"]]}), tmp_path / "ls.parquet")
+    recs = list(read_documents(str(tmp_path / "ls.parquet"), "parquet", "ls.parquet"))
+    assert [(r.id, r.reason, r.excerpt) for r in recs] == [
+        ("ls.parquet:1", "unreadable record: 'text' is null or not a string", "['a b']"),
+        ("ls.parquet:2", "unreadable record: 'text' is null or not a string", "['c']")]

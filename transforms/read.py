@@ -172,8 +172,7 @@ def _read_parquet(url, label, text_field, id_field, storage_options, max_record_
         missing = [c for c in columns if c not in names]
         if missing:
             raise ValueError(f"no column(s) {missing} (has {names})")
-        dictionary = [c for c in columns if pf.metadata.num_columns == len(names) and
-                      _dictionary_pages(pf, pf.schema_arrow.get_field_index(c))]
+        dictionary = [c for c in columns if _dictionary_pages(pf, c)]
         if dictionary:
             f.seek(0)       # read as dictionary: one copy of each distinct value, never one per row
             pf = pq.ParquetFile(f, read_dictionary=dictionary)
@@ -285,10 +284,13 @@ def _bytes_a_row(pages, limit: int, repeated: bool, as_dictionary: bool) -> tupl
     return 0, most + (0 if as_dictionary else dictionary), total
 
 
-def _dictionary_pages(pf, column: int) -> bool:
-    """Whether any row group stores the column dictionary-encoded (from the footer)."""
-    md = pf.metadata
-    return any(md.row_group(g).column(column).has_dictionary_page for g in range(md.num_row_groups))
+def _dictionary_pages(pf, name: str) -> bool:
+    """Whether any row group stores the flat column `name` dictionary-encoded (from the footer); False for a
+    nested field (a list of strings: no text, each row a dead letter), which pyarrow cannot read as a dictionary."""
+    md, leaves = pf.metadata, _leaves(pf, [name])
+    if len(leaves) != 1 or pf.schema.column(leaves[0]).path != name:
+        return False
+    return any(md.row_group(g).column(leaves[0]).has_dictionary_page for g in range(md.num_row_groups))
 
 
 def _is_text(t) -> bool:
