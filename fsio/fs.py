@@ -75,7 +75,8 @@ def expand(patterns: list[str], storage_options: dict | None = None) -> list[str
     """Sorted files matching paths, URLs or globs, each file once however it is spelled (x.txt, ./x.txt,
     dir//x.txt; /abs/x.txt and file:///abs/x.txt); a pattern matching no file is an error. Remote matches keep
     their scheme (s3://bucket/key); local ones are plain paths. A URL with a query string (a presigned URL:
-    ?X-Amz-Signature=...) is one file, never a pattern."""
+    ?X-Amz-Signature=...) is one file, never a pattern. Folders a glob matches are passed over; a local match that
+    is neither a folder nor a regular file is a FileNotFoundError naming it."""
     found: dict[str, str] = {}          # the file (a path, or a URL) -> its spelling first in sort order
     for pattern in patterns:
         for url in _matches(pattern, storage_options):
@@ -107,6 +108,12 @@ def _matches(pattern: str, storage_options: dict | None) -> list[str]:
         check_protocol(url)
         fs, _, paths = fsspec.get_fs_token_paths(url, storage_options=options_for(url, storage_options))
         found = [fs.unstrip_protocol(p) if "://" in url else p for p in paths if _is_file(fs, p)]
+        if is_local_fs(fs):         # a FIFO, a device, a socket or a link to nothing: never dropped unsaid
+            odd = [p for p in paths if os.path.lexists(p) and not os.path.isdir(p) and not os.path.isfile(p)]
+            if odd:
+                raise FileNotFoundError(f"input {pattern!r} matches {odd[0]}, which is no regular file (a FIFO, a "
+                                        "device, a socket or a symbolic link to nothing): nothing is read from it; "
+                                        "move it away or narrow the pattern")
     if not found:
         raise FileNotFoundError(f"input {pattern!r} matches no file")
     return found

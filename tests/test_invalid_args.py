@@ -52,6 +52,27 @@ def test_input_matching_no_file(capsys, tmp_path, tiny_model_files):
                     "--weight-file", tiny_model_files[1]], out, "matches no file", status=65)
 
 
+@pytest.mark.parametrize("odd", ["fifo", "link to nothing"])
+def test_a_glob_matching_a_file_that_is_no_regular_file_is_refused_naming_it(capsys, tmp_path, tiny_model_files, odd):
+    """fsio/fs.py expand: a FIFO or a symbolic link to nothing (an unmounted volume) a glob matches was dropped
+    without a word; now 65 naming it. A folder the glob matches is still passed over, a link to a file read."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("A cat sat.\n")
+    (tmp_path / "in" / "dir.txt").mkdir()
+    odd_path = tmp_path / "in" / "b.txt"
+    if odd == "fifo":
+        os.mkfifo(odd_path)
+    else:
+        odd_path.symlink_to(tmp_path / "unmounted" / "b.txt")
+    out = str(tmp_path / "out")
+    model = ["--options-file", tiny_model_files[0], "--weight-file", tiny_model_files[1]]
+    _fails(capsys, ["--input", str(tmp_path / "in" / "*.txt"), "--output", out, *model], out,
+           f"matches {odd_path}, which is no regular file", status=65)
+    odd_path.unlink()
+    odd_path.symlink_to(tmp_path / "in" / "a.txt")
+    assert main(["--input", str(tmp_path / "in" / "*.txt"), "--output", out, *model, "--progress", "off"]) == 0
+
+
 def test_unwritable_output(capsys, tmp_path, corpus, tiny_model_files):
     (tmp_path / "afile").write_text("x")
     out = str(tmp_path / "afile" / "out")
