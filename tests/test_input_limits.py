@@ -310,19 +310,13 @@ def test_a_batch_of_rows_holds_about_batch_bytes_at_the_densest_page(tmp_path, m
     """Rows per batch follow the densest page of a row group, not its average: 100 values of 100 KB among 10,000
     short rows (average about 1 KB a row) never come out more than one page over BATCH_BYTES (1 MiB here) in
     one batch."""
-    import elmo_pipeline.transforms.read as read
     texts = [f"Row {i}." for i in range(10_000)]
     for i in range(100):
         texts[5_000 + i] = "y" * 100_000
     path = tmp_path / "skew.parquet"
     pq.write_table(pa.table({"text": texts}), path, use_dictionary=False, data_page_size=1 << 12, write_batch_size=1,
                    row_group_size=10_000)
-    monkeypatch.setattr(read, "BATCH_BYTES", 1 << 20)
-    seen, texts_within = [], read._texts_within
-    monkeypatch.setattr(read, "_texts_within", lambda column, cap: (seen.append(column.nbytes), texts_within(column, cap))[1])
-    recs = list(read_documents(str(path), "parquet", "skew.parquet", max_record_bytes=200_000))
-    assert [r.text for r in recs] == texts
-    assert max(seen) <= (1 << 20) + 100_000 + 16 * 4096, max(seen)
+    _read_within_a_mib(path, texts, monkeypatch)
 
 
 def test_row_groups_of_no_rows_are_read_as_nothing(tmp_path):
@@ -344,7 +338,6 @@ def test_row_groups_of_no_rows_are_read_as_nothing(tmp_path):
 def test_a_v2_page_header_that_overstates_its_rows_does_not_grow_the_batch(tmp_path, monkeypatch):
     """A v2 data page's num_rows is not checked by readers (its num_values is): rows per batch follow num_values,
     so a header claiming 63 rows for a page of one 100 KB value leaves batches within BATCH_BYTES (1 MiB here)."""
-    import elmo_pipeline.transforms.read as read
     texts = ["z" * 100_000 for _ in range(60)]
     path = tmp_path / "v2.parquet"
     pq.write_table(pa.table({"text": texts}), path, use_dictionary=False, data_page_version="2.0",
@@ -356,10 +349,17 @@ def test_a_v2_page_header_that_overstates_its_rows_does_not_grow_the_batch(tmp_p
     assert data.count(marker) == 60
     data = data.replace(marker, b"\x5c\x15\x02\x15\x00\x15\x7e")        # num_rows 63
     path.write_bytes(bytes(data))
+    _read_within_a_mib(path, texts, monkeypatch)
+
+
+def _read_within_a_mib(path, texts: list[str], monkeypatch) -> None:
+    """Read `path` with BATCH_BYTES 1 MiB: its rows are `texts`, and no batch of the text column decoded is more
+    than that, one 100 KB value and the offsets over it."""
+    import elmo_pipeline.transforms.read as read
     monkeypatch.setattr(read, "BATCH_BYTES", 1 << 20)
     seen, texts_within = [], read._texts_within
     monkeypatch.setattr(read, "_texts_within", lambda column, cap: (seen.append(column.nbytes), texts_within(column, cap))[1])
-    recs = list(read_documents(str(path), "parquet", "v2.parquet", max_record_bytes=200_000))
+    recs = list(read_documents(str(path), "parquet", path.name, max_record_bytes=200_000))
     assert [r.text for r in recs] == texts
     assert max(seen) <= (1 << 20) + 100_000 + 16 * 4096, max(seen)
 
