@@ -10,7 +10,7 @@ In text (a URL, a DSN, an exception message holding URLs):
 - a URL's fragment, whatever it holds: https://host/a.txt#access_token=X -> https://host/a.txt#***;
 - a URL query's values, quoted ("X", 'X') or not, except those of PLAIN_PARAMETERS: ?jwt=X&versionId=3 ->
   ?jwt=***&versionId=3; a parameter with a credential-like name is masked after an & or a ; outside a query too
-  (https://h/x.txt;sig=X -> ;sig=***; a path's ;name=value to its segment's end); a quoted value ("X", 'X') is
+  (https://h/x.txt;sig=X -> ;sig=***, to the next ; ? # & or space, / included); a quoted value ("X", 'X') is
   one only where its closing quote ends it (?sig="a"b is masked whole).
 A text that is one URL with a space in it (it starts with its scheme, on one line: an input or a folder as the user
 gave it) has its user info, query values and fragment masked to their ends, spaces included: a password or a token
@@ -62,8 +62,10 @@ _URL_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://)"
 # path's part, and not a port
 _BARE_USERINFO = re.compile(r"(?<![^\s'\"(=,;])[\w.+-]+:(?!\d*[/?#])[^\s@/][^\s@]*@(?=[\w\[])")
 # ?name=value or &name=value, the value quoted or not; a lone ?name or &name keeps a query going
-_PARAMETER = re.compile(r"(?P<sep>[?&;])(?P<name>[^=&#\s?'\"<>]*)"
+_PARAMETER = re.compile(r"(?P<sep>[?&])(?P<name>[^=&#\s?'\"<>]*)"
                         rf"(?:=(?P<value>\"[^\"\n]*\"(?={_ENDS})|'[^'\n]*'(?={_ENDS})|{_VALUE}*))?")
+# ;name=value in a path (a matrix parameter): its value to the next ; ? # & or space, / included
+_PATH_PARAMETER = re.compile(rf";(?P<name>[^=;/?#&\s'\"<>]+)=(?!\*\*\*)(?P<value>(?:(?![;?#&]){_VALUE})*)")
 # a URL's fragment (#access_token=..., as OAuth's implicit flow hands tokens): never sent to a server, masked whole
 _URL_FRAGMENT = re.compile(r"(?P<url>\b[a-zA-Z][\w+.-]*://[^\s#'\"<>]*)#(?!\*\*\*)"
                            rf"{_FRAGMENT}+")
@@ -103,22 +105,24 @@ def redact(value):
 _SCHEME = re.compile(r"[a-zA-Z][\w+.-]*://")
 # a query's parameters to its end, spaces included: name=value (the value quoted or not) then & or the end
 # ;name=value in a path, its value to the next / ? # & or the end, spaces included
-_ONE_PARAMETER = re.compile(r";(?P<name>[^=;/?#&\s]+)=(?P<value>[^/?#&]*)")
+_ONE_PARAMETER = re.compile(r";(?P<name>[^=;/?#&\s]+)=(?P<value>[^;?#&]*)")
 _ONE_QUERY = re.compile(r"(?P<name>[^=&]*)(?:=(?P<value>(?:\"[^\"]*\"|'[^']*')?[^&]*))?(?P<sep>&|$)")
 
 
 def _one_url(text: str) -> str:
     """A text that is one URL holding whitespace (see the module docstring), its parts masked to their ends: user
-    info in the user:password form to the last @ before another URL (a password may hold / ? # and spaces), else to the
-    authority's last @; a query or fragment that starts before the first space to its end; a ;name=value with a
-    credential-like name to the next / ? # & or the end."""
+    info in the user:password form (not host:port) to the last @ before another URL (a password may hold / ? # and
+    spaces), else to the authority's last @; its query or fragment to the end; a ;name=value with a credential-like
+    name to the next ; ? # & or the end."""
     head = _SCHEME.match(text)
     if not head or "\n" in text or not re.search(r"\s", text):
         return text                         # no whitespace: the rules below find every end
     start = head.end()
     colon = text.find(":", start)
     stop = next((m.start() for m in re.finditer(r"\s[a-zA-Z][\w+.-]*://", text)), len(text))   # another URL
-    if colon >= 0 and not re.search(r"[/?#@\s]", text[start:colon]) and text.rfind("@", 0, stop) > colon:
+    if colon >= 0 and not re.search(r"[/?#\s]", text[start:colon]) and not re.match(r"\d*(?:[/?#\s]|$)",
+                                                                                   text[colon + 1:]) \
+            and text.rfind("@", 0, stop) > colon:
         at = text.rfind("@", 0, stop)
     else:
         end = min([i for i in (text.find(c, start) for c in "/?#") if i >= 0] or [len(text)])
@@ -126,9 +130,8 @@ def _one_url(text: str) -> str:
     if at >= 0:
         text = f"{text[:start]}{MASK}{text[at:]}"
         start += len(MASK) + 1
-    space = next((m.start() for m in re.finditer(r"\s", text)), len(text))
     text = _ONE_PARAMETER.sub(lambda m: f";{m['name']}={MASK}" if secret_name(m["name"]) else m[0], text)
-    query_at, hash_at = text.find("?", start, space), text.find("#", start, space)
+    query_at, hash_at = text.find("?", start), text.find("#", start)
     if 0 <= hash_at and (query_at < 0 or hash_at < query_at):
         return text if text[hash_at + 1:] == MASK else f"{text[:hash_at]}#{MASK}"
     if query_at >= 0:
@@ -152,6 +155,9 @@ def _redact_text(text: str) -> str:
         text = _BARE_USERINFO.sub(f"{MASK}@", text)
     if "=" in text:
         text = _redact_query(text)
+        if ";" in text:
+            text = _PATH_PARAMETER.sub(lambda m: f";{m['name']}={MASK}" if secret_name(m["name"]) and m["value"]
+                                       else m[0], text)
     if "#" in text:
         text = _URL_FRAGMENT.sub(lambda m: f"{m['url']}#{MASK}", text)
     if ":" in text and ("'" in text or '"' in text):
@@ -166,7 +172,7 @@ def _redact_text(text: str) -> str:
 
 def _redact_query(text: str) -> str:
     """Query values masked: those after a ? and the &s that follow it, but for PLAIN_PARAMETERS; credential-like
-    names after any & or ;."""
+    names after any &."""
     query_end = -1
 
     def mask(m: re.Match) -> str:
@@ -182,8 +188,6 @@ def _redact_query(text: str) -> str:
                 query_end = m.end()
                 return f"{m['sep']}{name}={kept}{_redact_query('?' + rest)}"
             return m[0]
-        if m["sep"] == ";" and "/" in value and not in_query:       # a path's ;name=value ends at its segment's end
-            return f";{name}={MASK}/{_redact_query(value.partition('/')[2])}"
         return f"{m['sep']}{name}={MASK}"
 
     return _PARAMETER.sub(mask, text)

@@ -381,3 +381,16 @@ def test_a_text_column_of_lists_is_a_dead_letter_per_row_not_an_unreadable_file(
     assert [(r.id, r.reason, r.excerpt) for r in recs] == [
         ("ls.parquet:1", "unreadable record: 'text' is null or not a string", "['a b']"),
         ("ls.parquet:2", "unreadable record: 'text' is null or not a string", "['c']")]
+
+
+def test_a_struct_whose_child_path_clashes_with_the_text_column_is_held_to_the_guard(tmp_path):
+    """pyarrow reads `--text-field text.x` as the flat column text.x and a struct text's child x alike: the guard
+    walks every leaf it decodes, so a 24 MB page in the struct's child (a file of a few KB) is never decoded."""
+    t = pa.table({"text": pa.array([{"x": f"{i:02d}" * 1_500_000} for i in range(8)]),
+                  "text.x": [f"short {i}" for i in range(8)]})
+    pq.write_table(t, tmp_path / "clash.parquet", use_dictionary=False, data_page_size=1 << 30, compression="zstd")
+    assert os.path.getsize(tmp_path / "clash.parquet") < 20_000
+    recs = list(read_documents(str(tmp_path / "clash.parquet"), "parquet", "clash.parquet", "text.x",
+                               max_record_bytes=1_000_000))
+    assert len(recs) == 8 and {r.reason.split(" (")[0] for r in recs} == {
+        "too long: Parquet page of 24000038 bytes > 4x --max-record-bytes 1000000"}

@@ -70,6 +70,7 @@ def test_a_glob_matching_a_file_that_is_no_regular_file_is_refused_naming_it(cap
            f"matches {odd_path}, which is no regular file", status=65)
     odd_path.unlink()
     odd_path.symlink_to(tmp_path / "in" / "a.txt")
+    (tmp_path / "in" / ".#a.txt").symlink_to("user@host.1234:1700000000")       # an editor's lock: passed over
     assert main(["--input", str(tmp_path / "in" / "*.txt"), "--output", out, *model, "--progress", "off"]) == 0
 
 

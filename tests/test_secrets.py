@@ -59,10 +59,15 @@ EXAMPLES = [
     ("s3://b/k.txt?versionId=3 [while running 'Read']", "s3://b/k.txt?versionId=3 [while running 'Read']"),
     ("https://user:p/ss Z@host/x", "https://***@host/x"), ("postgresql://u:p w/Z@h/db", "postgresql://***@h/db"),
     ("https://user:pa?s Z@host/x", "https://***@host/x"), ("https://h/x;token=a Z", "https://h/x;token=***"),
-    ("s3://bkt/x.txt gone since the run was planned (#5)", "s3://bkt/x.txt gone since the run was planned (#5)"),
-    # a quoted value is one only where its quote closes it; a path's ;name=value ends at its segment's end
+    ("https://host/my docs/a.txt#access_token=Z", "https://host/my docs/a.txt#***"),
+    ("https://h/my dir/a.txt?sig=ab Z", "https://h/my dir/a.txt?sig=***"),
+    ("https://me@x.com:pa/ss Z@host/a.txt", "https://***@host/a.txt"),
+    # host:port is no user:password: a later @ stays where it is
+    ("http://host:8080/docs/my file@2x.txt", "http://host:8080/docs/my file@2x.txt"),
+    # a quoted value is one only where its quote closes it; a path's ;name=value runs to the next ; ? # & or space
     ('https://h/x?sig="ab"Z&token=\'x\'Z', "https://h/x?sig=***&token=***"),
-    ("gs://bkt/dir;sig=Zabc/x.parquet", "gs://bkt/dir;sig=***/x.parquet"),
+    ("gs://bkt/dir;sig=Zab/c/x.parquet", "gs://bkt/dir;sig=***"), ("https://h/a.txt;q=1;sig=Z", "https://h/a.txt;q=1;sig=***"),
+    ("/data/x" + ";key=a/" * 400, "/data/x" + ";key=***" * 400),
     # an exception message holding URLs
     ("FileNotFoundError: http://alice:pw1@h:81/o.json?sig=s1 (and 'https://bob:pw2@g/x')",
      "FileNotFoundError: http://***@h:81/o.json?sig=*** (and 'https://***@g/x')"),

@@ -243,26 +243,12 @@ def _row_group_runs(pf, f, columns: list[str], dictionary: set[str], max_record_
 
 
 def _leaves(pf, columns: list[str]) -> list[int]:
-    """The Parquet leaf columns of the top-level fields named `columns` (a nested field has several, in
-    depth-first order: leaves are numbered field by field); by name prefix where the Arrow schema's leaves do not
-    add up to the file's (every leaf that may be one of theirs: never fewer)."""
-    import pyarrow as pa
-
-    def count(t) -> int:
-        if pa.types.is_struct(t):
-            return sum(count(t.field(i).type) for i in range(t.num_fields))
-        if pa.types.is_map(t):
-            return count(t.key_type) + count(t.item_type)
-        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-            return count(t.value_type)
-        return 1
-    schema, n = pf.schema_arrow, pf.metadata.num_columns
-    sizes = [count(f.type) for f in schema]
-    if sum(sizes) != n:
-        return [i for i in range(n) if any(pf.schema.column(i).path == c or pf.schema.column(i).path.startswith(c + ".")
-                                           for c in columns)]
-    starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    return sorted(i for k, f in enumerate(schema) if f.name in columns for i in range(starts[k], starts[k] + sizes[k]))
+    """The Parquet leaf columns pyarrow decodes to read the fields `columns`: as ParquetFile.iter_batches selects
+    them, every leaf one of whose path's dotted prefixes is a requested name (a field's own leaves, nested ones
+    included, and a struct `text`'s child `x` when `text.x` is asked for)."""
+    wanted = set(columns)
+    return [i for i, path in enumerate(pf.reader.column_paths)
+            if any(".".join(path[:k]) in wanted for k in range(1, len(path) + 1))]
 
 
 def _bytes_a_row(pages, limit: int, repeated: bool, as_dictionary: bool) -> tuple[int, float, int]:
