@@ -14,8 +14,8 @@ In text (a URL, a DSN, an exception message holding URLs):
   one only where its closing quote ends it (?sig="a"b is masked whole).
 A text that is one URL with a space in it (it starts with its scheme, on one line: an input or a folder as the user
 gave it) has its user info, query values and fragment masked to their ends, spaces included: a password or a token
-may hold one. An unquoted value (a password, a query value, a fragment, a header's) holding a quote or an angle bracket is
-masked past it: one ends the value only where it closes it (an end, a space or punctuation follows).
+may hold one. An unquoted value (a password, a query value, a fragment, a header's) holding a quote or an angle
+bracket is masked past it: one ends the value only where it closes it (an end, a space or punctuation follows).
 In a dict (storage options, flags): the string values of credential-like keys (key, secret, token, password,
 aws_secret_access_key, ...) -> ***, and everything else redacted in turn. A name is credential-like when one of
 its words (split at _ - . and camelCase, any case) is in SECRET_WORDS, or it holds one of SECRET_PARTS.
