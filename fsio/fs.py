@@ -76,8 +76,8 @@ def expand(patterns: list[str], storage_options: dict | None = None) -> list[str
     dir//x.txt; /abs/x.txt and file:///abs/x.txt); a pattern matching no file is an error. Remote matches keep
     their scheme (s3://bucket/key); local ones are plain paths. A URL with a query string (a presigned URL:
     ?X-Amz-Signature=...) is one file, never a pattern. Folders a glob matches are passed over; a local match that
-    is neither a folder nor a regular file is a FileNotFoundError naming it, unless hidden (an editor's lock link,
-    .#name, is a link to nothing: passed over, as hidden folders are)."""
+    is neither a folder nor a regular file is a FileNotFoundError naming it, but for an editor's lock link (.#name:
+    a link to nothing), passed over."""
     found: dict[str, str] = {}          # the file (a path, or a URL) -> its spelling first in sort order
     for pattern in patterns:
         for url in _matches(pattern, storage_options):
@@ -111,7 +111,7 @@ def _matches(pattern: str, storage_options: dict | None) -> list[str]:
         found = [fs.unstrip_protocol(p) if "://" in url else p for p in paths if _is_file(fs, p)]
         if is_local_fs(fs):         # a FIFO, a device, a socket or a link to nothing: never dropped unsaid
             odd = [p for p in paths if os.path.lexists(p) and not os.path.isdir(p) and not os.path.isfile(p)
-                   and not os.path.basename(p).startswith(".")]      # hidden: an editor's lock link (.#name)
+                   and not os.path.basename(p).startswith(".#")]     # an editor's lock link (Emacs: .#name)
             if odd:
                 raise FileNotFoundError(f"input {pattern!r} matches {odd[0]}, which is no regular file (a FIFO, a "
                                         "device, a socket or a symbolic link to nothing): nothing is read from it; "

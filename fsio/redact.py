@@ -52,6 +52,8 @@ def _until_closing(excluded: str) -> str:
 
 
 _ENDS = r"[\s&#,;:.)\]}'\"<>]|$"     # what may follow a quoted value's closing quote
+# a quoted value ("X", 'X', or as a repr escapes it: \'X\'), one only where its closing quote ends it
+_QUOTED_VALUE = rf"\\?\"[^\"\n]*\"(?={_ENDS})|\\?'[^'\n]*'(?={_ENDS})"
 _PASSWORD, _VALUE, _FRAGMENT, _QUOTED, _AWS4_VALUE = (_until_closing(c)
                                                       for c in (r"\s?#", r"&#\s", r"\s", r"\n", r",\s&"))
 # scheme://userinfo@ : to the authority's last @ (an unescaped @ inside it too); a password holding a / (taken
@@ -63,9 +65,10 @@ _URL_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://)"
 _BARE_USERINFO = re.compile(r"(?<![^\s'\"(=,;])[\w.+-]+:(?!\d*[/?#])[^\s@/][^\s@]*@(?=[\w\[])")
 # ?name=value or &name=value, the value quoted or not; a lone ?name or &name keeps a query going
 _PARAMETER = re.compile(r"(?P<sep>[?&])(?P<name>[^=&#\s?'\"<>]*)"
-                        rf"(?:=(?P<value>\"[^\"\n]*\"(?={_ENDS})|'[^'\n]*'(?={_ENDS})|{_VALUE}*))?")
+                        rf"(?:=(?P<value>{_QUOTED_VALUE}|{_VALUE}*))?")
 # ;name=value in a path (a matrix parameter): its value to the next ; ? # & or space, / included
-_PATH_PARAMETER = re.compile(rf";(?P<name>[^=;/?#&\s'\"<>]+)=(?!\*\*\*)(?P<value>(?:(?![;?#&]){_VALUE})*)")
+_PATH_PARAMETER = re.compile(rf";(?P<name>[^=;/?#&\s'\"<>]+)=(?!\*\*\*)(?P<value>{_QUOTED_VALUE}|"
+                             rf"(?:(?![;?#&]){_VALUE})*)")
 # a URL's fragment (#access_token=..., as OAuth's implicit flow hands tokens): never sent to a server, masked whole
 _URL_FRAGMENT = re.compile(r"(?P<url>\b[a-zA-Z][\w+.-]*://[^\s#'\"<>]*)#(?!\*\*\*)"
                            rf"{_FRAGMENT}+")
@@ -120,7 +123,7 @@ def _one_url(text: str) -> str:
     start = head.end()
     colon = text.find(":", start)
     stop = next((m.start() for m in re.finditer(r"\s[a-zA-Z][\w+.-]*://", text)), len(text))   # another URL
-    if colon >= 0 and not re.search(r"[/?#\s]", text[start:colon]) and not re.match(r"\d*(?:[/?#\s]|$)",
+    if colon >= 0 and not re.search(r"[/?#\s]", text[start:colon]) and not re.match(r"\d*(?:[/?#]|$)",
                                                                                    text[colon + 1:]) \
             and text.rfind("@", 0, stop) > colon:
         at = text.rfind("@", 0, stop)

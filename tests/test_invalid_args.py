@@ -72,6 +72,10 @@ def test_a_glob_matching_a_file_that_is_no_regular_file_is_refused_naming_it(cap
     odd_path.symlink_to(tmp_path / "in" / "a.txt")
     (tmp_path / "in" / ".#a.txt").symlink_to("user@host.1234:1700000000")       # an editor's lock: passed over
     assert main(["--input", str(tmp_path / "in" / "*.txt"), "--output", out, *model, "--progress", "off"]) == 0
+    (tmp_path / "in" / ".c.txt").symlink_to(tmp_path / "unmounted" / "c.txt")     # hidden data is data
+    capsys.readouterr()
+    _fails(capsys, ["--input", str(tmp_path / "in" / "*.txt"), "--output", str(tmp_path / "out2"), *model],
+           str(tmp_path / "out2"), "matches " + str(tmp_path / "in" / ".c.txt") + ", which is no regular file", status=65)
 
 
 def test_unwritable_output(capsys, tmp_path, corpus, tiny_model_files):

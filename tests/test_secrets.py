@@ -64,6 +64,9 @@ EXAMPLES = [
     ("https://me@x.com:pa/ss Z@host/a.txt", "https://***@host/a.txt"),
     # host:port is no user:password: a later @ stays where it is
     ("http://host:8080/docs/my file@2x.txt", "http://host:8080/docs/my file@2x.txt"),
+    ("https://user:2024 pass/Z@host/x", "https://***@host/x"), ("https://user:12 ab#Z@host/x", "https://***@host/x"),
+    ('error: cannot open https://h/x;sig="ab Z": 403', "error: cannot open https://h/x;sig=***: 403"),
+    ("{'input': 's3://b/k;token=\\'ab Z\\''}", "{'input': 's3://b/k;token=***'}"),
     # a quoted value is one only where its quote closes it; a path's ;name=value runs to the next ; ? # & or space
     ('https://h/x?sig="ab"Z&token=\'x\'Z', "https://h/x?sig=***&token=***"),
     ("gs://bkt/dir;sig=Zab/c/x.parquet", "gs://bkt/dir;sig=***"), ("https://h/a.txt;q=1;sig=Z", "https://h/a.txt;q=1;sig=***"),
