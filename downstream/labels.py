@@ -23,7 +23,7 @@ import stat
 import sys
 from collections.abc import Iterable
 
-from elmo_pipeline.fsio import keyed, open_file
+from elmo_pipeline.fsio import bounded_lines, keyed, open_file
 
 CONLLU_COLUMNS = ("id", "form", "lemma", "upos", "xpos", "feats", "head", "deprel", "deps", "misc")
 
@@ -39,11 +39,7 @@ def _lines(path: str, storage_options: dict | None = None) -> Iterable[str]:
         if os.path.exists(local) and not stat.S_ISREG(os.stat(local).st_mode):
             raise ValueError(f"{path}: not a regular file")
     with open_file(path, "rt", keyed(path, storage_options), encoding="utf-8", newline="\n", compression="infer") as f:
-        for n, line in enumerate(iter(lambda: f.readline(MAX_LINE_CHARS + 2), ""), 1):
-            line = line.rstrip("\n").rstrip("\r")
-            if len(line) > MAX_LINE_CHARS:
-                raise ValueError(f"{path}:{n}: a line over {MAX_LINE_CHARS} characters")
-            yield line
+        yield from bounded_lines(f, MAX_LINE_CHARS, path)
 
 
 def load_sentence_labels(path: str, id_field: str = "id", label_field: str = "label",

@@ -120,7 +120,8 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect:
     (indices); doc ids, sentence indices and tokens from `meta` (parquet_meta of the Parquet twin), else
     from the id and None. expect (ElmoOutput.hdf5_expect): each dataset's declared shape and dtype is
     checked before it is read, so no read allocates more than the manifest's tokens (nor a chunk larger than its
-    dataset: a read inflates whole chunks); a dataset is read only when it is the file's own (no link, no external or virtual storage). A shard HDF5 cannot read (damaged metadata: its
+    dataset: a read inflates whole chunks); a dataset is read only when it is the file's own (no link, no
+    external or virtual storage). A shard HDF5 cannot read (damaged metadata: its
     signature, groups, names, datatypes) is refused with DamagedOutput naming it."""
     import h5py
     with fs.open(path, "rb") as f, unreadable(path, "HDF5", HDF5_ERRORS), h5py.File(f, "r") as h:

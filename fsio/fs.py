@@ -132,6 +132,16 @@ def _is_file(fs, path: str) -> bool:
         return False
 
 
+def bounded_lines(f, max_chars: int, where: str):
+    """The lines of text stream `f` without their line ends (LF or CRLF), each read at most max_chars + 2
+    characters at a time: ValueError naming `where` and the line number at a longer one, never read whole."""
+    for n, line in enumerate(iter(lambda: f.readline(max_chars + 2), ""), 1):
+        line = line.rstrip("\n").rstrip("\r")
+        if len(line) > max_chars:
+            raise ValueError(f"{where}:{n}: a line over {max_chars} characters")
+        yield line
+
+
 def store_failing(e: FileNotFoundError) -> bool:
     """Whether an fsspec store's FileNotFoundError is the store failing, not the file missing (fsspec's HTTP store
     raises it for both; its cause tells): a 5xx, 408 or 429 answer, or a connection refused, reset or timed out, or

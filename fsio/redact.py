@@ -106,9 +106,9 @@ def redact(value):
 
 
 _SCHEME = re.compile(r"[a-zA-Z][\w+.-]*://")
-# a query's parameters to its end, spaces included: name=value (the value quoted or not) then & or the end
-# ;name=value in a path, its value to the next / ? # & or the end, spaces included
+# ;name=value in a path, its value to the next ; ? # & or the end, spaces included
 _ONE_PARAMETER = re.compile(r";(?P<name>[^=;/?#&\s]+)=(?P<value>[^;?#&]*)")
+# a query's parameters to its end, spaces included: name=value (the value quoted or not) then & or the end
 _ONE_QUERY = re.compile(r"(?P<name>[^=&]*)(?:=(?P<value>(?:\"[^\"]*\"|'[^']*')?[^&]*))?(?P<sep>&|$)")
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from elmo_pipeline.fsio import open_url
+from elmo_pipeline.fsio import bounded_lines, open_url
 
 SPECIALS = ("<S>", "</S>", "<UNK>")
 MAX_TOKEN_CHARS = 1 << 16     # a vocabulary line (one token) is at most this long
@@ -30,10 +30,7 @@ class Vocabulary:
         `size` (the model's n_tokens_vocab), more tokens than the model's embedding has rows."""
         tokens = []
         with open_url(url, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(iter(lambda: f.readline(MAX_TOKEN_CHARS + 2), ""), 1):
-                token = line.rstrip("\n")
-                if len(token) > MAX_TOKEN_CHARS:
-                    raise ValueError(f"{url}:{n}: a vocabulary line over {MAX_TOKEN_CHARS} characters")
+            for token in bounded_lines(f, MAX_TOKEN_CHARS, url):
                 if token:
                     tokens.append(token)
                 if size is not None and len(tokens) > size:

@@ -125,8 +125,8 @@ class Staging:
     def shard(self, sentences: list[tuple], spec: ShardSpec) -> ShardInfo:
         """Write one shard of (EmbeddedBatch, sentence index) pairs, sorted by sentence id (uuid names, one file
         per format, and its key index with spec.key_prefix), then its commit record (committed/<name>.json: the run
-        key, file names, counts, sentence ids, digests, and the kernel paths its embedded sentences were computed on: `kernel_paths`,
-        [] when all were reused, left out when a batch did not say)."""
+        key, file names, counts, sentence ids, digests, and the kernel paths its embedded sentences were computed
+        on: `kernel_paths`, [] when all were reused, left out when a batch did not say)."""
         sentences = sorted(sentences, key=lambda p: p[0].items[p[1]].id)
         ids = [b.items[i].id for b, i in sentences]
         name = uuid.uuid4().hex

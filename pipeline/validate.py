@@ -285,8 +285,9 @@ def check_upsert(o: ElmoOptions, iceberg: IcebergTarget | None) -> None:
 def check_iceberg(iceberg: IcebergTarget, schema, output: str, key: str, overwrite: bool, so: dict) -> None:
     """Before a run with --iceberg-table: the catalog answers, an existing table takes this run's shards, and
     the table points at no files under --output that this run would replace (--overwrite, or an output that
-    no longer holds the finished run registered from it whole: output.state.keeps_final_files): refused, since the table would then point at
-    replaced files; so are a catalog or warehouse inside --output, and a partitioned table. Reads only."""
+    no longer holds the finished run registered from it whole: output.state.keeps_final_files): refused, since
+    the table would then point at replaced files; so are a catalog or warehouse inside --output, and a
+    partitioned table. Reads only."""
     from elmo_pipeline.output.state import keeps_final_files
     iceberg.check_outside(output)
     held = iceberg.check(schema, output, so)

@@ -128,7 +128,7 @@ def test_a_vocabulary_line_over_the_limit_is_refused_unread(tmp_path, monkeypatc
     monkeypatch.setattr(vocab, "MAX_TOKEN_CHARS", 100)
     path = tmp_path / "vocab.txt"
     path.write_text("<S>\n</S>\n<UNK>\n" + "x" * 101 + "\n")
-    with pytest.raises(ValueError, match=":4: a vocabulary line over 100 characters"):
+    with pytest.raises(ValueError, match=":4: a line over 100 characters"):
         vocab.Vocabulary.load(str(path))
     path.write_text("<S>\n</S>\n<UNK>\n" + "x" * 100 + "\n")
     assert len(vocab.Vocabulary.load(str(path), size=4)) == 4

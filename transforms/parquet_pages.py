@@ -117,7 +117,10 @@ def column_pages(f, start: int, length: int) -> Iterator[Page]:
 
 def chunk_span(column) -> tuple[int, int]:
     """(first byte, length) of a column chunk from its footer metadata (pyarrow ColumnChunkMetaData): it starts
-    at its dictionary page when it has one, else at its first data page."""
+    at its dictionary page when it has one, else at its first data page; (0, 0) for a chunk of no values (pyarrow
+    writes an empty row group's offsets as 0 and 4: no page to walk)."""
+    if column.num_values == 0:
+        return 0, 0
     start = column.data_page_offset
     if column.has_dictionary_page and 0 < column.dictionary_page_offset < start:
         start = column.dictionary_page_offset

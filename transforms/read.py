@@ -212,14 +212,12 @@ def _row_group_runs(pf, f, columns: list[str], dictionary: set[str], max_record_
     leaves = [(i, pf.schema.column(i)) for i in _leaves(pf, columns)]
     run, run_rows, run_bytes, run_count = [], 4096, 0, 0
     for g in groups:
-        if md.row_group(g).num_rows == 0:       # no rows, no pages to read (its offsets are pyarrow's 0 and 4)
-            continue
         over, per_row, nbytes = None, 0.0, 0
         for i, leaf in leaves:
             chunk = md.row_group(g).column(i)
             pages = column_pages(f, *chunk_span(chunk))
             over, row, size = _bytes_a_row(pages, limit, leaf.max_repetition_level > 0,
-                                           leaf.path.split(".")[0] in dictionary)
+                                           leaf.path in dictionary)
             if over:
                 over = (f"too long: Parquet page of {over} bytes > {PAGE_RECORDS}x --max-record-bytes "
                         f"{max_record_bytes} (column {leaf.path!r}, row group {g}); the row group is not read (a "

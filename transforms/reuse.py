@@ -154,7 +154,7 @@ def _check_key_pages(data: bytes, rows: int | None, damaged: ReuseError) -> None
         if len(leaves) != 1 or rows is not None and md.num_rows != rows:
             raise damaged
         values = 0
-        for g in (g for g in range(md.num_row_groups) if md.row_group(g).num_rows):
+        for g in range(md.num_row_groups):
             for p in column_pages(f, *chunk_span(md.row_group(g).column(leaves[0]))):
                 values += p.count
                 if p.uncompressed > max(p.count, 1) * (4 + KEY_WIDTH) + 1024 or values > 2 * md.num_rows + 1:
