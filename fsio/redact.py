@@ -22,9 +22,13 @@ its words (split at _ - . and camelCase, any case) is in SECRET_WORDS, or it hol
 
 Text without user info or query values (local paths, plain URLs) comes back unchanged (the same string), so what
 is hashed or compared from redacted values (run keys) does not move for ordinary inputs.
+
+Linear in the text's length whatever it holds (an error quoting a crafted record never stalls a worker): the rules
+that scan from many starts find their ends by position (_Positions), and a URL's scheme is at most 64 characters.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import re
 
@@ -56,13 +60,20 @@ _ENDS = r"[\s&#,;:.)\]}'\"<>]|$"     # what may follow a quoted value's closing 
 _QUOTED_VALUE = rf"\\?\"[^\"\n]*\"(?={_ENDS})|\\?'[^'\n]*'(?={_ENDS})"
 _PASSWORD, _VALUE, _FRAGMENT, _QUOTED, _AWS4_VALUE = (_until_closing(c)
                                                       for c in (r"\s?#", r"&#\s", r"\s", r"\n", r",\s&"))
-# scheme://userinfo@ : to the authority's last @ (an unescaped @ inside it too); a password holding a / (taken
-# unescaped by SQLAlchemy) only when what follows the colon is no port (digits then /?#)
-_URL_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][\w+.-]*://)"
-                           rf"(?:[^\s/?#]+|[^\s:/?#@'\"<>]*:(?!\d*[/?#]){_PASSWORD}+)@")
+# a URL's scheme (at most 64 characters: every registered one is shorter) and ://, where a word starts
+_SCHEME_HEAD = re.compile(r"\b[a-zA-Z][\w+.-]{0,63}://")
+# scheme://userinfo@ (_mask_userinfo): to the authority's last @ (an unescaped @ inside it too); a password holding
+# a / (taken unescaped by SQLAlchemy) only when what follows the colon is no port (digits then /?#)
+_AT = re.compile("@")
+_AUTHORITY_END = re.compile(r"[\s/?#]")
+_USER_END = re.compile(r"[\s:/?#@'\"<>]")
+_PASSWORD_END = re.compile(rf"(?=[\s?#]|{_CLOSING})")
+_PORT = re.compile(r"\d*[/?#]")
 # user:password@host with no scheme, where a value starts (text's start, after a space, a quote, ( = , ;): not a
-# path's part, and not a port
-_BARE_USERINFO = re.compile(r"(?<![^\s'\"(=,;])[\w.+-]+:(?!\d*[/?#])[^\s@/][^\s@]*@(?=[\w\[])")
+# path's part, and not a port; the password to the next @ or space (_mask_userinfo)
+_BARE_HEAD = re.compile(r"(?<![^\s'\"(=,;])[\w.+-]+:(?!\d*[/?#])[^\s@/]")
+_BARE_END = re.compile(r"[\s@]")
+_HOST_START = re.compile(r"[\w\[]")
 # ?name=value or &name=value, the value quoted or not; a lone ?name or &name keeps a query going
 _PARAMETER = re.compile(r"(?P<sep>[?&])(?P<name>[^=&#\s?'\"<>]*)"
                         rf"(?:=(?P<value>{_QUOTED_VALUE}|{_VALUE}*))?")
@@ -70,8 +81,9 @@ _PARAMETER = re.compile(r"(?P<sep>[?&])(?P<name>[^=&#\s?'\"<>]*)"
 _PATH_PARAMETER = re.compile(rf";(?P<name>[^=;/?#&\s'\"<>]+)=(?!\*\*\*)(?P<value>{_QUOTED_VALUE}|"
                              rf"(?:(?![;?#&]){_VALUE})*)")
 # a URL's fragment (#access_token=..., as OAuth's implicit flow hands tokens): never sent to a server, masked whole
-_URL_FRAGMENT = re.compile(r"(?P<url>\b[a-zA-Z][\w+.-]*://[^\s#'\"<>]*)#(?!\*\*\*)"
-                           rf"{_FRAGMENT}+")
+# (_mask_fragments: a # that ends a run of characters holding a URL's scheme)
+_FRAGMENT_RUN = re.compile(r"(?<![^\s#'\"<>])[^\s#'\"<>]*+#")
+_FRAGMENT_VALUE = re.compile(rf"(?!\*\*\*){_FRAGMENT}+")
 # a header or mapping printed by a library (botocore's DEBUG lines): 'X-Amz-Security-Token': b'...', "authorization": "..."
 _HEADER = re.compile(r"(?P<head>(?P<q>['\"])(?P<name>[\w.-]+)(?P=q)\s*:\s*b?)(?P<v>['\"])"
                      rf"(?P<value>{_QUOTED}*)(?P=v)")
@@ -154,15 +166,15 @@ def _one_url(text: str) -> str:
 def _redact_text(text: str) -> str:
     text = _one_url(text)
     if "@" in text:
-        text = _URL_USERINFO.sub(lambda m: f"{m['head']}{MASK}@", text)
-        text = _BARE_USERINFO.sub(f"{MASK}@", text)
+        text = _mask_userinfo(_mask_userinfo(text, _SCHEME_HEAD, _url_userinfo_end, keep_head=True),
+                              _BARE_HEAD, _bare_userinfo_end, keep_head=False)
     if "=" in text:
         text = _redact_query(text)
         if ";" in text:
             text = _PATH_PARAMETER.sub(lambda m: f";{m['name']}={MASK}" if secret_name(m["name"]) and m["value"]
                                        else m[0], text)
     if "#" in text:
-        text = _URL_FRAGMENT.sub(lambda m: f"{m['url']}#{MASK}", text)
+        text = _mask_fragments(text)
     if ":" in text and ("'" in text or '"' in text):
         text = _HEADER.sub(lambda m: f"{m['head']}{m['v']}{MASK}{m['v']}" if secret_name(m["name"]) and m["value"]
                            and m["value"] != MASK else m[0], text)
@@ -171,6 +183,80 @@ def _redact_text(text: str) -> str:
     if "Credential=" in text or "Signature=" in text:
         text = _AWS4.sub(lambda m: f"{m['name']}={MASK}", text)
     return text
+
+
+class _Positions:
+    """Where a pattern matches in a text (computed once, on first use): the first such position at or after p in
+    O(log n), so that rules scanning from many starts stay linear in the text, whatever it holds."""
+
+    def __init__(self, pattern: re.Pattern, text: str):
+        self.pattern, self.text, self.at = pattern, text, None
+
+    def first(self, p: int) -> int:
+        """The first match's start at or after p; len(text) when none."""
+        if self.at is None:
+            self.at = [m.start() for m in self.pattern.finditer(self.text)]
+        i = bisect.bisect_left(self.at, p)
+        return self.at[i] if i < len(self.at) else len(self.text)
+
+    def last(self, lo: int, hi: int) -> int:
+        """The last match's start in [lo, hi); -1 when none."""
+        if self.at is None:
+            self.at = [m.start() for m in self.pattern.finditer(self.text)]
+        i = bisect.bisect_left(self.at, hi) - 1
+        return self.at[i] if i >= 0 and self.at[i] >= lo else -1
+
+
+def _mask_userinfo(text: str, head: re.Pattern, end_of, keep_head: bool) -> str:
+    """Every user info that starts where `head` matches and that end_of(text, match, positions) ends (the index of
+    its @, or -1: none) replaced by *** (after the head when keep_head), left to right, none inside another."""
+    out, done, positions = [], 0, {}
+    for m in head.finditer(text):
+        if m.start() < done:
+            continue
+        at = end_of(text, m, positions)
+        if at >= 0:
+            out += [text[done:m.start()], m[0] if keep_head else "", MASK, "@"]
+            done = at + 1
+    return "".join(out) + text[done:] if out else text
+
+
+def _found(positions: dict, pattern: re.Pattern, text: str) -> _Positions:
+    return positions.setdefault(pattern, _Positions(pattern, text))
+
+
+def _url_userinfo_end(text: str, m: re.Match, positions: dict) -> int:
+    """The @ that ends scheme://userinfo@ after the head `m`: the authority's last (at least one character before
+    it), else, for user:password (the colon followed by no port), the last before the password's end (a space,
+    ? or #, a closing quote)."""
+    h, ats = m.end(), _found(positions, _AT, text)
+    at = ats.last(h + 1, _found(positions, _AUTHORITY_END, text).first(h))
+    if at >= 0:
+        return at
+    colon = _found(positions, _USER_END, text).first(h)
+    if colon < len(text) and text[colon] == ":" and not _PORT.match(text, colon + 1):
+        return ats.last(colon + 2, _found(positions, _PASSWORD_END, text).first(colon + 1))
+    return -1
+
+
+def _bare_userinfo_end(text: str, m: re.Match, positions: dict) -> int:
+    """The @ that ends user:password@ after the head `m` (the user, its colon, the password's first character):
+    the next @ or space, when an @ followed by a host."""
+    at = _found(positions, _BARE_END, text).first(m.end())
+    return at if at < len(text) and text[at] == "@" and _HOST_START.match(text, at + 1) else -1
+
+
+def _mask_fragments(text: str) -> str:
+    """Every URL's fragment replaced by ***: a # (not followed by *** already) ending a run of characters that
+    holds a scheme://, the fragment to its end (a space or a closing quote)."""
+    out, done = [], 0
+    for m in _FRAGMENT_RUN.finditer(text):
+        if m.start() < done:
+            continue
+        if _SCHEME_HEAD.search(text, m.start(), m.end() - 1) and (value := _FRAGMENT_VALUE.match(text, m.end())):
+            out += [text[done:m.end()], MASK]
+            done = value.end()
+    return "".join(out) + text[done:] if out else text
 
 
 def _redact_query(text: str) -> str:

@@ -499,3 +499,19 @@ def test_probe_over_http_with_a_password_records_and_prints_it_nowhere(tiny_mode
     assert "http://***@" in results and "labelled sentences from http://***@" in printed.err
     for text in (printed.out, printed.err, results):
         assert "ZPASSWORDZ" not in text and "ZSIGZ" not in text
+
+
+# texts of one unit repeated that kept the rules scanning from every start to the end (seconds at 16 KB before)
+CRAFTED = [("@ ", "a://x:y.", ""), ("@ ", "://x:y", ""), ("@ ", ";a://x:y<", "="), ("", "=a:b", "@"),
+           ("", ";a:b", "@"), ("?", "#", ""), ("=", "#\"", "@"), ("", "a://b", "#"), ("'k': '", "a://:", ""),
+           ("a://", "1:'", "@"), ("#", "a://", "@")]
+
+
+@pytest.mark.parametrize("head,unit,tail", CRAFTED)
+def test_redact_takes_time_linear_in_the_text_whatever_it_holds(head, unit, tail):
+    """A hang guard, not a speed target: 1 MB of a crafted unit is redacted in well under the 10 s allowed (hours
+    when a rule's cost grew with the square of the text)."""
+    import time
+    start = time.perf_counter()
+    redact(head + unit * (1_000_000 // len(unit)) + tail)
+    assert time.perf_counter() - start < 10
