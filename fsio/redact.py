@@ -259,9 +259,14 @@ def _mask_fragments(text: str) -> str:
     return "".join(out) + text[done:] if out else text
 
 
-def _redact_query(text: str) -> str:
+MAX_NESTED_QUERIES = 16     # a kept value holding a query holding one ...: past this depth, the rest is masked
+
+
+def _redact_query(text: str, depth: int = 0) -> str:
     """Query values masked: those after a ? and the &s that follow it, but for PLAIN_PARAMETERS; credential-like
-    names after any &."""
+    names after any &. A kept value holding a ? is redacted as a query in turn, MAX_NESTED_QUERIES deep at most
+    (the rest of the value masked past it: no recursion as deep as a crafted text's ?s, no time growing with
+    their square)."""
     query_end = -1
 
     def mask(m: re.Match) -> str:
@@ -275,7 +280,8 @@ def _redact_query(text: str) -> str:
             if value and "?" in value and value[0] not in "'\"":   # a kept value holding a query: redacted as one
                 kept, _, rest = value.partition("?")               # (s3://b/&=?sig=X: "&=" is the object's name)
                 query_end = m.end()
-                return f"{m['sep']}{name}={kept}{_redact_query('?' + rest)}"
+                nested = _redact_query("?" + rest, depth + 1) if depth < MAX_NESTED_QUERIES else f"?{MASK}"
+                return f"{m['sep']}{name}={kept}{nested}"
             return m[0]
         return f"{m['sep']}{name}={MASK}"
 

@@ -515,3 +515,12 @@ def test_redact_takes_time_linear_in_the_text_whatever_it_holds(head, unit, tail
     start = time.perf_counter()
     redact(head + unit * (1_000_000 // len(unit)) + tail)
     assert time.perf_counter() - start < 10
+
+
+def test_a_query_nested_in_kept_values_thousands_deep_is_redacted_without_recursion_error():
+    """?page=1?page=1?... (a kept value holding a query, 2,000 deep: a crafted column name): no RecursionError,
+    the values past the nesting bound masked, a secret among them never kept."""
+    text = "?page=1" * 2000 + "?sig=SECRET"
+    out = redact(text)
+    assert "SECRET" not in out and out.startswith("?page=1?page=1") and "***" in out
+    assert redact("s3://b/x?page=1?page=2&sig=X") == "s3://b/x?page=1?page=2&sig=***"
