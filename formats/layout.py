@@ -106,6 +106,11 @@ class ShardInfo:
                        and all(isinstance(k, dict) for k in kernels) else {})})
 
 
+# commit record keys that only versions recording each file's size and SHA-256 ("digests") write: a record with
+# one of them and no whole digest for a file was edited or damaged, not written by an earlier version.
+RECORD_KEYS_WITH_DIGESTS = ("digests", "kernel_paths", "run")
+
+
 def pack_ids(ids: list[str]) -> str:
     """Sentence ids, compact: a sorted JSON list, zlib-compressed, base64 (sorted ids share long prefixes)."""
     return base64.b64encode(zlib.compress(json.dumps(sorted(ids), ensure_ascii=False).encode(), 6)).decode("ascii")

@@ -22,9 +22,11 @@ import logging
 import posixpath
 from dataclasses import dataclass, field
 
-from elmo_pipeline.formats.layout import SUCCESS, ShardInfo, checked_record, read_manifest, recorded_files
+from elmo_pipeline.formats.layout import (RECORD_KEYS_WITH_DIGESTS, SUCCESS, ShardInfo, checked_record, read_manifest,
+                                           recorded_files)
 from elmo_pipeline.fsio import read_json, url_fs
 from elmo_pipeline.output.finalize import as_recorded, plan_consistent, read_plan, read_staged, roll_back, select_records
+from elmo_pipeline.output.manifest import is_file_record
 from elmo_pipeline.output.names import PLAN, RUN_FILE, SHARD_FILES, STAGING, STATS, is_final_name
 from elmo_pipeline.output.ownership import check_no_links, check_ownership, clear_final, plan_names
 from elmo_pipeline.output.sink import Sink
@@ -326,9 +328,15 @@ def _other_kernel_path(fs, st: str, kernel_path: dict | None) -> bool:
 
 def _as_recorded(fs, st: str, rec: dict) -> bool:
     """Whether each of a commit record's files is the one its worker recorded (size and SHA-256, streamed:
-    fsio.check_recorded); a shard of a version that recorded none is taken as it is. False, with a warning: its
+    fsio.check_recorded); a shard of a version that recorded none is taken as it is, a record of a version that
+    records them (RECORD_KEYS_WITH_DIGESTS) without a whole one for each file is not. False, with a warning: its
     sentences are embedded again."""
     digests = rec.get("digests") if isinstance(rec.get("digests"), dict) else {}
+    if any(k in rec for k in RECORD_KEYS_WITH_DIGESTS) and not all(is_file_record(digests.get(fmt))
+                                                                   for fmt in rec["files"]):
+        logger.warning("%s: a commit record without the size and SHA-256 of each of its files, which its version "
+                       "always records (edited or damaged); its shard's sentences are embedded again", st)
+        return False
     return all(as_recorded(fs, posixpath.join(st, name), digests.get(fmt), "its shard's sentences are embedded again")
                for fmt, name in rec["files"].items())
 

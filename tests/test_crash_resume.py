@@ -371,21 +371,31 @@ def _resumed_as_uninterrupted(args, out, reference, caplog, says):
     assert got[0]["run"]["resumed_sentences"] < reference[0]["counts"]["sentences"]
 
 
-@pytest.mark.parametrize("damage", ["byte", "other shard", "cut"])
+@pytest.mark.parametrize("damage", ["byte", "other shard", "cut", "byte, digests gone", "byte, one digest gone"])
 def test_a_committed_shard_changed_since_is_embedded_again(damage, corpus, tiny_model_files, reference, tmp_path,
                                                            caplog):
     """A committed shard whose file is not the one its commit record's digests describe (a byte changed, another
-    shard's file copied over it, cut short) is never published by a resume: the rerun drops its record and
-    embeds its sentences again, and the output equals the uninterrupted run's."""
+    shard's file copied over it, cut short), or whose record of this version lost its digests (all, or one file's:
+    nothing to check it against), is never published by a resume: the rerun drops its record and embeds its
+    sentences again, and the output equals the uninterrupted run's."""
     out = str(tmp_path / "out")
     args, st = _killed_after_two_commits(tiny_model_files, corpus, out)
     first, second = _records(st)[:2]
     path = os.path.join(st, first["files"]["parquet"])
     data = open(path, "rb").read()
     data = {"byte": data[:100] + bytes([data[100] ^ 1]) + data[101:], "cut": data[:-1],
-            "other shard": open(os.path.join(st, second["files"]["parquet"]), "rb").read()}[damage]
+            "other shard": open(os.path.join(st, second["files"]["parquet"]), "rb").read()}[damage.split(",")[0]]
     with open(path, "wb") as f:
         f.write(data)
+    if "gone" in damage:
+        rec_path = next(p for p in glob.glob(os.path.join(st, "committed", "*.json"))
+                        if json.load(open(p))["files"] == first["files"])
+        rec = json.load(open(rec_path))
+        rec["digests"] = {k: v for k, v in rec["digests"].items() if k != "parquet"} if "one" in damage else None
+        rec = {k: v for k, v in rec.items() if v is not None}
+        assert "kernel_paths" in rec and "run" in rec
+        with open(rec_path, "w") as f:
+            json.dump(rec, f)
     _resumed_as_uninterrupted(args, out, reference, caplog, "its shard's sentences are embedded again")
 
 
