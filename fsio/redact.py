@@ -13,8 +13,9 @@ In text (a URL, a DSN, an exception message holding URLs):
   (https://h/x.txt;sig=X -> ;sig=***, to the next ; ? # & or space, / included); a quoted value ("X", 'X') is
   one only where its closing quote ends it (?sig="a"b is masked whole).
 A text that is one URL with a space in it (it starts with its scheme, on one line: an input or a folder as the user
-gave it) has its user info, query values and fragment masked to their ends, spaces included: a password or a token
-may hold one. An unquoted value (a password, a query value, a fragment, a header's) holding a quote or an angle
+gave it), or such a URL quoted whole in a message (error: input 'scheme://...' matches no file), has its user info,
+query values and fragment masked to their ends (the closing quote's), spaces included: a password or a token may
+hold one. An unquoted value (a password, a query value, a fragment, a header's) holding a quote or an angle
 bracket is masked past it: one ends the value only where it closes it (an end, a space or punctuation follows).
 In a dict (storage options, flags): the string values of credential-like keys (key, secret, token, password,
 aws_secret_access_key, ...) -> ***, and everything else redacted in turn. A name is credential-like when one of
@@ -163,8 +164,43 @@ def _one_url(text: str) -> str:
     return text
 
 
+# a quote opening a URL ('scheme://..., as repr() quotes an argument); the next such quote closes it when an end
+# follows it (_ENDS)
+_QUOTED_URL_START = re.compile(r"(?P<q>['\"])(?=[a-zA-Z][\w+.-]{0,63}://)")
+_QUOTE = {q: re.compile(q) for q in "'\""}
+_NEWLINE = re.compile("\n")
+_END = re.compile(_ENDS)
+
+
+def _mask_quoted_urls(text: str) -> str:
+    """Each URL quoted whole and holding whitespace (on one line) masked as a text that is one URL (_one_url)."""
+    out, done, newlines = [], 0, _Positions(_NEWLINE, text)
+    quotes = {q: _Positions(pattern, text) for q, pattern in _QUOTE.items()}
+    for m in _QUOTED_URL_START.finditer(text):
+        if m.start() < done:
+            continue
+        end = quotes[m["q"]].first(m.end())
+        if end < len(text) and end < newlines.first(m.end()) and _END.match(text, end + 1):
+            inner = text[m.end():end]
+            masked = _one_url(inner)
+            if masked != inner:
+                out += [text[done:m.end()], masked]
+                done = end
+    return "".join(out) + text[done:] if out else text
+
+
+def redact_url_part(part: str) -> str:
+    """A URL's part after its host (a path with its query: an id's file label), redacted as that whole URL would
+    be: its query values masked to the end, spaces included."""
+    head = "x://host/"
+    whole = redact(head + part)
+    return whole[len(head):] if whole.startswith(head) else MASK
+
+
 def _redact_text(text: str) -> str:
     text = _one_url(text)
+    if "://" in text and ("'" in text or '"' in text):
+        text = _mask_quoted_urls(text)
     if "@" in text:
         text = _mask_userinfo(_mask_userinfo(text, _SCHEME_HEAD, _url_userinfo_end, keep_head=True),
                               _BARE_HEAD, _bare_userinfo_end, keep_head=False)

@@ -218,6 +218,30 @@ def test_a_planted_secret_with_a_space_in_a_text_that_is_one_url_never_survives(
 
 
 @settings(max_examples=300, deadline=None)
+@given(secret_url(), st.sampled_from([" ", "\t"]),
+       st.sampled_from(["error: input {!r} matches no file", "input {!r}: 404 Not Found, retried",
+                        "cannot open {!r}; another s3://b/k"]))
+def test_a_planted_secret_with_a_space_in_a_url_quoted_in_a_message_never_survives(url_secret, space, message):
+    """A URL quoted whole in an error line (repr() of an --input) whose password, query value or fragment holds
+    whitespace: masked to the closing quote."""
+    url, secret = url_secret
+    assume("://" in url and "'" not in secret and '"' not in secret and "\\" not in secret)
+    spaced = secret[:2] + space + secret[2:]
+    text = message.format(url.replace(secret, spaced))
+    out = redact(text)
+    assert spaced not in out and out.count("Z") <= message.format(url.replace(secret, "")).count("Z"), out
+    assert redact(out) == out
+
+
+def test_a_file_label_holds_no_part_of_a_query_value_with_a_space():
+    """An id's file label (the URL's path and query) is redacted as its whole URL: a signature holding a space is
+    masked whole, in every id of the output."""
+    from elmo_pipeline.transforms.ids import file_labels
+    labels = file_labels(["http://127.0.0.1:9/a.txt?X-Amz-Signature=SECRET PART2"])
+    assert list(labels.values()) == ["a.txt?X-Amz-Signature=***"]
+
+
+@settings(max_examples=300, deadline=None)
 @given(plain_url())
 def test_a_url_without_secrets_is_returned_unchanged(url):
     assert redact(url) == url

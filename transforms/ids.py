@@ -15,7 +15,7 @@ from typing import Iterator
 from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter
 from elmo_pipeline.fsio import redact
 from elmo_pipeline.fsio.fs import normalise
-from elmo_pipeline.fsio.redact import secret_name
+from elmo_pipeline.fsio.redact import redact_url_part, secret_name
 from elmo_pipeline.transforms.records import Document
 
 JSON_TYPES = {type(None): "null", bool: "a boolean", float: "a number", list: "an array", dict: "an object"}
@@ -39,9 +39,10 @@ def file_labels(files: list[str], root: str | None = None, full: bool = False) -
         labels = {f: public_url(f) for f in files}
     else:
         labels = _relative_labels(files)
-    # a remote URL's label is redacted (a presigned URL's signature is in no id); a local name is the file's own
-    # name, whatever it holds ("page?id=3.html" has no query)
-    return _distinct({f: escape_label(redact(label) if _place(f)[0] else label) for f, label in labels.items()})
+    # a remote URL's label is redacted as its URL would be (a presigned URL's signature is in no id, a space in it
+    # included); a local name is the file's own name, whatever it holds ("page?id=3.html" has no query)
+    hide = redact if full else redact_url_part
+    return _distinct({f: escape_label(hide(label) if _place(f)[0] else label) for f, label in labels.items()})
 
 
 def _relative_labels(files: list[str]) -> dict[str, str]:
