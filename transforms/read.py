@@ -158,7 +158,9 @@ def _read_parquet(url, label, text_field, id_field, storage_options, max_record_
     over max_record_bytes (UTF-8) is a dead letter "too long" (left out of the batch before it becomes a Python
     string) and an --id-field cell follows document_id(). A row group with a text or id page over
     PAGE_RECORDS * max_record_bytes is never decoded (pyarrow decompresses a whole page to read any value of it):
-    each of its rows is a dead letter "too long: Parquet page ..."."""
+    each of its rows is a dead letter "too long: Parquet page ...". Only a flat text (or id: text or integer)
+    column is ever decoded, its own leaf alone (_value_leaf): any other field's rows are dead letters by its type,
+    whatever its values."""
     import pyarrow.parquet as pq
     with open_file(url, "rb", storage_options) as f:
         size = f.seek(0, 2)         # row n's share of the file's bytes: size * n // rows - size * (n - 1) // rows
@@ -172,26 +174,35 @@ def _read_parquet(url, label, text_field, id_field, storage_options, max_record_
         missing = [c for c in columns if c not in names]
         if missing:
             raise ValueError(f"no column(s) {missing} (has {names})")
-        dictionary = [c for c in columns if _dictionary_pages(pf, c)]
+        text_leaf = _value_leaf(pf, text_field)
+        id_leaf = _value_leaf(pf, id_field, integers=True) if id_field else None
+        no_text = f"unreadable record: {text_field!r} is null" if text_leaf is not None else \
+            f"unreadable record: {text_field!r} is {_type_name(pf, text_field)}, not a string"
+        no_id = id_field and id_leaf is None and \
+            f"bad id: {id_field!r} is {_type_name(pf, id_field)}, not a string or an integer"
+        read = {} if no_id else {c: i for c, i in ((text_field, text_leaf), (id_field, id_leaf)) if i is not None}
+        dictionary = [c for c, i in read.items() if _dictionary_pages(pf, i)]
         if dictionary:
             f.seek(0)       # read as dictionary: one copy of each distinct value, never one per row
             pf = pq.ParquetFile(f, read_dictionary=dictionary)
         mine = range(part.start, part.end) if part else range(pf.metadata.num_row_groups)
-        for groups, reason, batch_rows in _row_group_runs(pf, f, columns, set(dictionary), max_record_bytes, mine):
-            if reason:          # a page too big to decode: the row group's rows are dead letters, never read
-                for _ in range(pf.metadata.row_group(groups[0]).num_rows):
+        indices = sorted(set(read.values()))
+        for groups, reason, batch_rows in _row_group_runs(pf, f, indices, set(dictionary), max_record_bytes, mine):
+            if reason or not indices:   # a page too big to decode, or no column to decode: no value is read
+                for _ in range(sum(pf.metadata.row_group(g).num_rows for g in groups)):
                     n += 1
-                    yield DeadLetter(f"{label}:{n}", reason, "", level="record")
+                    yield DeadLetter(f"{label}:{n}", reason or no_id or no_text, "", level="record")
                 continue
-            for batch in pf.iter_batches(row_groups=groups, columns=columns, batch_size=batch_rows):
-                texts, lengths = _texts_within(batch.column(0), max_record_bytes)
-                ids, id_lengths = _texts_within(batch.column(1), max_record_bytes) if id_field else \
-                    ([None] * len(texts),) * 2
+            for batch in pf.reader.iter_batches(batch_rows, row_groups=groups, column_indices=indices):
+                none = ([None] * batch.num_rows,) * 2
+                texts, lengths = _texts_within(batch.column(text_field), max_record_bytes) \
+                    if text_leaf is not None else none
+                ids, id_lengths = _texts_within(batch.column(id_field), max_record_bytes) if id_field else none
                 for text, raw_id, nbytes, id_nbytes in zip(texts, ids, lengths, id_lengths):
                     n += 1
                     upto = size * n // rows
                     record = _parquet_record(text, raw_id, nbytes, f"{label}:{n}", text_field, id_field,
-                                             max_record_bytes, upto - done, id_nbytes)
+                                             max_record_bytes, upto - done, id_nbytes, no_text)
                     if isinstance(record, Document):
                         done = upto
                     yield record
@@ -200,27 +211,25 @@ def _read_parquet(url, label, text_field, id_field, storage_options, max_record_
 PAGE_RECORDS = 4    # a Parquet page over this many --max-record-bytes is never decoded (the memory bound)
 
 
-def _row_group_runs(pf, f, columns: list[str], dictionary: set[str], max_record_bytes: int,
+def _row_group_runs(pf, f, leaves: list[int], dictionary: set[str], max_record_bytes: int,
                     groups: range) -> Iterator[tuple[list[int], str | None, int]]:
     """The row groups `groups` of the file in order, lazily: (a run of groups to read, None, rows per batch), or
-    ([group], the reason, 0) for a group with a page of the columns over PAGE_RECORDS * max_record_bytes
-    uncompressed. Every page header of the columns' leaves is read, a group when it is next
-    (transforms.parquet_pages): the sizes pyarrow decompresses, whatever the footer says. Rows per batch keep a
-    batch's values within about BATCH_BYTES at the group's densest pages (_bytes_a_row); a run ends at about
+    ([group], the reason, 0) for a group with a page of the flat leaf columns `leaves` over
+    PAGE_RECORDS * max_record_bytes uncompressed. Every page header of those leaves is read, a group when it is
+    next (transforms.parquet_pages): the sizes pyarrow decompresses, whatever the footer says. Rows per batch keep
+    a batch's values within about BATCH_BYTES at the group's densest pages (_bytes_a_row); a run ends at about
     BATCH_BYTES or 4096 rows, so a reader looks ahead no further."""
     md, limit = pf.metadata, PAGE_RECORDS * max_record_bytes
-    leaves = [(i, pf.schema.column(i)) for i in _leaves(pf, columns)]
     run, run_rows, run_bytes, run_count = [], 4096, 0, 0
     for g in groups:
         over, per_row, nbytes = None, 0.0, 0
-        for i, leaf in leaves:
-            chunk = md.row_group(g).column(i)
-            pages = column_pages(f, *chunk_span(chunk))
-            over, row, size = _bytes_a_row(pages, limit, leaf.max_repetition_level > 0,
-                                           leaf.path in dictionary)
+        for i in leaves:
+            path = pf.schema.column(i).path
+            over, row, size = _bytes_a_row(column_pages(f, *chunk_span(md.row_group(g).column(i))), limit,
+                                           path in dictionary)
             if over:
                 over = (f"too long: Parquet page of {over} bytes > {PAGE_RECORDS}x --max-record-bytes "
-                        f"{max_record_bytes} (column {leaf.path!r}, row group {g}); the row group is not read (a "
+                        f"{max_record_bytes} (column {path!r}, row group {g}); the row group is not read (a "
                         "larger --max-record-bytes reads it)")
                 break
             per_row, nbytes = per_row + row, nbytes + size
@@ -240,21 +249,32 @@ def _row_group_runs(pf, f, columns: list[str], dictionary: set[str], max_record_
         yield run, None, run_rows
 
 
-def _leaves(pf, columns: list[str]) -> list[int]:
-    """The Parquet leaf columns pyarrow decodes to read the fields `columns`: as ParquetFile.iter_batches selects
-    them, every leaf one of whose path's dotted prefixes is a requested name (a field's own leaves, nested ones
-    included, and a struct `text`'s child `x` when `text.x` is asked for)."""
-    wanted = set(columns)
-    return [i for i, path in enumerate(pf.reader.column_paths)
-            if any(".".join(path[:k]) in wanted for k in range(1, len(path) + 1))]
+def _value_leaf(pf, name: str, integers: bool = False) -> int | None:
+    """The index of the Parquet leaf column that is the field `name` itself when it is flat (one value a row) and
+    text, or with `integers` (an id) integers too; else None: a nested or other field, whose values are never
+    decoded (its rows are dead letters whatever they hold, by its type: _type_name). Read by index, the leaf alone
+    (by name pyarrow would also decode a struct `text`'s child `x` for a flat column `text.x`)."""
+    import pyarrow as pa
+    fields = [fld for fld in pf.schema_arrow if fld.name == name]
+    leaves = [i for i, path in enumerate(pf.reader.column_paths) if path == [name]]
+    if len(fields) != 1 or len(leaves) != 1:
+        return None
+    t = fields[0].type.value_type if pa.types.is_dictionary(fields[0].type) else fields[0].type
+    return leaves[0] if _is_text(t) or integers and pa.types.is_integer(t) else None
 
 
-def _bytes_a_row(pages, limit: int, repeated: bool, as_dictionary: bool) -> tuple[int, float, int]:
+def _type_name(pf, name: str) -> str:
+    """The Arrow type of the field `name` for a dead letter's reason, at most 100 characters."""
+    types = [str(fld.type) for fld in pf.schema_arrow if fld.name == name]
+    text = types[0] if len(types) == 1 else f"{len(types)} columns"
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _bytes_a_row(pages, limit: int, as_dictionary: bool) -> tuple[int, float, int]:
     """(the uncompressed bytes of the chunk's first page over `limit`, else 0; the most bytes a row of its pages
-    decodes to; the pages' uncompressed bytes), from the chunk's page headers. A data page's bytes a row are its
-    bytes over its rows (its num_values where the leaf is not repeated; else 1 row);
-    a dictionary page's bytes are added to each row unless the column is read as a dictionary (a row may then
-    decode to its largest value)."""
+    decodes to; the pages' uncompressed bytes), from the page headers of a flat column's chunk. A data page's
+    bytes a row are its bytes over its num_values (one a row); a dictionary page's bytes are added to each row
+    unless the column is read as a dictionary (a row may then decode to its largest value)."""
     most, dictionary, total = 0.0, 0, 0
     for p in pages:
         if p.uncompressed > limit:
@@ -263,23 +283,19 @@ def _bytes_a_row(pages, limit: int, repeated: bool, as_dictionary: bool) -> tupl
         if p.kind == 2:
             dictionary = max(dictionary, p.uncompressed)
         elif p.kind != 1:               # an index page decodes to no row
-            rows = 1 if repeated else p.count
-            most = max(most, p.uncompressed / max(rows, 1))
+            most = max(most, p.uncompressed / max(p.count, 1))
     return 0, most + (0 if as_dictionary else dictionary), total
 
 
-def _dictionary_pages(pf, name: str) -> bool:
-    """Whether any row group stores the flat column `name` dictionary-encoded (from the footer); False for a
-    nested field (a list of strings: no text, each row a dead letter), which pyarrow cannot read as a dictionary."""
-    md, leaves = pf.metadata, _leaves(pf, [name])
-    if len(leaves) != 1 or pf.schema.column(leaves[0]).path != name:
-        return False
-    return any(md.row_group(g).column(leaves[0]).has_dictionary_page for g in range(md.num_row_groups))
+def _dictionary_pages(pf, leaf: int) -> bool:
+    """Whether any row group stores the flat leaf column `leaf` dictionary-encoded (from the footer)."""
+    md = pf.metadata
+    return any(md.row_group(g).column(leaf).has_dictionary_page for g in range(md.num_row_groups))
 
 
 def _is_text(t) -> bool:
     import pyarrow as pa
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
 def _texts_within(column, max_record_bytes: int) -> tuple[list, list]:
@@ -289,6 +305,8 @@ def _texts_within(column, max_record_bytes: int) -> tuple[list, list]:
     import pyarrow as pa
     import pyarrow.compute as pc
     if pa.types.is_dictionary(column.type) and _is_text(column.type.value_type):
+        if pa.types.is_string_view(column.type.value_type):
+            column = column.cast(pa.dictionary(column.type.index_type, pa.large_string()))
         sizes = pc.binary_length(column.dictionary).to_pylist()
         values: dict[int, str] = {}
         texts, lengths = [], []
@@ -302,8 +320,10 @@ def _texts_within(column, max_record_bytes: int) -> tuple[list, list]:
             texts.append(values.get(i))
             lengths.append(sizes[i])
         return texts, lengths
-    if not _is_text(column.type):
+    if not _is_text(column.type):       # an integer id
         return column.to_pylist(), [None] * len(column)
+    if pa.types.is_string_view(column.type):
+        column = column.cast(pa.large_string())
     lengths = pc.binary_length(column)
     over = pc.greater(lengths, max_record_bytes)
     if pc.any(over).as_py():
@@ -312,10 +332,11 @@ def _texts_within(column, max_record_bytes: int) -> tuple[list, list]:
 
 
 def _parquet_record(text, raw_id, nbytes: int | None, default_id: str, text_field: str, id_field: str | None,
-                    max_record_bytes: int, share: int, id_nbytes: int | None = None) -> Document | DeadLetter | Blank:
-    """One Parquet row's record: text None when it is null or was left out for being over max_record_bytes
-    (nbytes: its UTF-8 bytes, None for a column that is not text); share: its bytes of the file (progress);
-    raw_id None and id_nbytes over max_record_bytes when the id cell was left out for the same reason."""
+                    max_record_bytes: int, share: int, id_nbytes: int | None = None,
+                    no_text: str = "") -> Document | DeadLetter | Blank:
+    """One Parquet row's record: text None when it is null, was left out for being over max_record_bytes (nbytes:
+    its UTF-8 bytes) or its column is no text column (no_text: the reason then); share: its bytes of the file
+    (progress); raw_id None and id_nbytes over max_record_bytes when the id cell was left out for the same reason."""
     if id_nbytes is not None and id_nbytes > max_record_bytes:
         return DeadLetter(default_id, too_long(id_nbytes, max_record_bytes, f"id {id_field!r}"), "", level="record")
     try:
@@ -325,9 +346,8 @@ def _parquet_record(text, raw_id, nbytes: int | None, default_id: str, text_fiel
                           level="record")
     if nbytes is not None and nbytes > max_record_bytes:
         return DeadLetter(doc_id, too_long(nbytes, max_record_bytes), "", level="record")
-    if text is None or not isinstance(text, str):
-        return DeadLetter(doc_id, f"unreadable record: {text_field!r} is null or not a string",
-                          repr(text)[:EXCERPT_CHARS], level="record")
+    if not isinstance(text, str):
+        return DeadLetter(doc_id, no_text or f"unreadable record: {text_field!r} is null", "", level="record")
     if not text.strip():
         return Blank(doc_id)
     return Document(doc_id, text, source=default_id if id_field else "", nbytes=share)
