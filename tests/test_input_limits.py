@@ -426,3 +426,48 @@ def test_a_struct_whose_child_path_clashes_with_the_text_column_is_never_decoded
         recs = list(read_documents(str(tmp_path / "clash.parquet"), "parquet", "clash.parquet", "text.x",
                                    max_record_bytes=1_000_000))
         assert [r.text for r in recs] == t.column("text.x").to_pylist() and max(seen) < 1000
+
+
+def _xz_declaring(data: bytes, dict_prop: int) -> bytes:
+    """`data` as one .xz stream whose LZMA2 filter declares dictionary size property `dict_prop` (38: 2 GiB, 29:
+    96 MiB; the data is compressed with a 64 KiB one), its block header's CRC32 fixed up."""
+    import lzma
+    import struct
+    import zlib
+    xz = bytearray(lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32,
+                                 filters=[{"id": lzma.FILTER_LZMA2, "preset": 0, "dict_size": 1 << 16}]))
+    size = (xz[12] + 1) * 4                   # the block header, after the 12-byte stream header
+    assert xz[14] == 0x21 and xz[15] == 1     # one filter, LZMA2, its one property byte
+    xz[16] = dict_prop
+    xz[12 + size - 4:12 + size] = struct.pack("<I", zlib.crc32(bytes(xz[12:12 + size - 4])))
+    return bytes(xz)
+
+
+def test_an_xz_file_needing_more_than_128_mib_to_decode_is_refused_unread(tmp_path):
+    """An .xz stream declaring a 2 GiB dictionary (liblzma allocates what it declares, and decoding writes through
+    it) is one "unreadable file" dead letter before anything is allocated, also as a second stream; 96 MiB and
+    xz -9 (64 MiB) read, and so do concatenated streams (what follows them that is no stream ignored, as
+    lzma.LZMAFile reads them)."""
+    import lzma
+    reason = ("unreadable file: compressed data needs more than 128 MiB of memory to decode (an .xz dictionary or "
+              ".zst window) after line {}, the rest of the file is lost: LZMAError: Memory usage limit exceeded")
+    good = lzma.compress(b"One.\nTwo.\n", preset=9)
+    cases = {"big.txt.xz": (_xz_declaring(b"One.\n", 38), [reason.format(0)]),
+             "second.txt.xz": (good + _xz_declaring(b"Three.\n", 38), ["One.", "Two.", reason.format(2)]),
+             "ok.txt.xz": (_xz_declaring(b"One.\n", 29) + good + b"not a stream", ["One.", "One.", "Two."]),
+             "ok.txt.lzma": (lzma.compress(b"One.\n", format=lzma.FORMAT_ALONE), ["One."])}
+    for name, (data, want) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        recs = list(read_documents(str(tmp_path / name), "lines", name))
+        assert [getattr(r, "text", None) or r.reason for r in recs] == want, name
+
+
+def test_a_zstd_frame_needing_more_than_128_mib_to_decode_is_refused_unread(tmp_path):
+    """A .zst frame whose window is over 128 MiB (zstd --long=28) is refused by the same limit, saying so."""
+    import zstandard
+    params = zstandard.ZstdCompressionParameters(window_log=28, write_content_size=False)
+    with open(tmp_path / "big.txt.zst", "wb") as f, zstandard.ZstdCompressor(compression_params=params).stream_writer(f) as w:
+        w.write(b"One.\n")
+    [rec] = read_documents(str(tmp_path / "big.txt.zst"), "lines", "big.txt.zst")
+    assert rec.reason.startswith("unreadable file: compressed data needs more than 128 MiB of memory to decode "
+                                 "(an .xz dictionary or .zst window) after line 0"), rec.reason

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import lzma
+import re
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,16 +72,60 @@ except ImportError:  # pragma: no cover - zstandard comes with the package's dep
     zstandard = None
 
 
+DECODE_MEMORY = 128 << 20     # the most a decompressor may allocate: an .xz dictionary, a .zst window
+
+
+class _XzReader:
+    """read() over .xz/.lzma data of one or more streams, as lzma.LZMAFile reads it (data after the last stream
+    that is no stream is ignored), but decoded within liblzma's memory limit DECODE_MEMORY: a stream declaring a
+    larger dictionary raises LZMAError before any of it is allocated (xz -9 needs 65 MiB). Each read(n) returns
+    at most n bytes."""
+
+    def __init__(self, raw, block: int = 1 << 16):
+        self.raw, self.block, self.d, self.done = raw, block, self._decompressor(), False
+
+    @staticmethod
+    def _decompressor():
+        return lzma.LZMADecompressor(lzma.FORMAT_AUTO, memlimit=DECODE_MEMORY)
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0:
+            return b"".join(iter(lambda: self.read(1 << 16), b""))
+        while n and not self.done:
+            if self.d.eof:                          # the next stream, if any
+                data = self.d.unused_data or self.raw.read(self.block)
+                if not data:
+                    self.done = True
+                    break
+                self.d = self._decompressor()
+                try:
+                    out = self.d.decompress(data, n)
+                except lzma.LZMAError as e:
+                    if "Memory usage limit" in str(e):     # a stream after the first is held to the limit too
+                        raise
+                    self.done = True
+                    break
+            else:
+                data = self.raw.read(self.block) if self.d.needs_input else b""
+                if self.d.needs_input and not data:
+                    raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+                out = self.d.decompress(data, n)
+            if out:
+                return out
+        return b""
+
+
 class _ZstdReader:
     """read() over a .zst stream of one or more frames that raises EOFError when the data ends inside a
     frame (the reader fsspec uses returns a silently truncated text instead). Each read() decompresses at most
     STEP bytes of the file, so it returns at most STEP * 32768 bytes (zstd's largest ratio: a 4-byte RLE block
-    of 128 KiB), 32 MiB, however far the data expands."""
+    of 128 KiB), 32 MiB, however far the data expands. A frame whose window is over DECODE_MEMORY raises
+    ZstdError (zstd --ultra -22 needs 128 MiB)."""
 
     STEP = 1 << 10
 
     def __init__(self, raw, block: int = 1 << 16):
-        self.raw, self.block, self.z = raw, block, zstandard.ZstdDecompressor()
+        self.raw, self.block, self.z = raw, block, zstandard.ZstdDecompressor(max_window_size=DECODE_MEMORY)
         self.d, self.in_frame = self.z.decompressobj(), False
         self.pending, self.at = b"", 0      # compressed bytes read from the file, and how far they are fed
 
@@ -112,8 +157,9 @@ class Corrupt:
 
 
 def lines_until_corrupt(f, max_bytes: int | None = None) -> Iterator[bytes | TooLong | Corrupt]:
-    """split_lines(f, max_bytes=max_bytes); a decompression error (truncated or corrupted .gz/.bz2/.xz) ends it
-    with a Corrupt (the lines of the 64 KiB block that failed are lost with the rest of the file).
+    """split_lines(f, max_bytes=max_bytes); a decompression error (truncated or corrupted .gz/.bz2/.xz, or data
+    that needs more than DECODE_MEMORY to decode) ends it with a Corrupt (the lines of the 64 KiB block that
+    failed are lost with the rest of the file).
 
     Only errors of the compressed data itself: I/O errors (network, permissions) propagate, so that the
     runner retries the file."""
@@ -125,8 +171,13 @@ def lines_until_corrupt(f, max_bytes: int | None = None) -> Iterator[bytes | Too
     except Exception as e:  # noqa: BLE001 - filtered just below
         if not (isinstance(e, CORRUPT) or (type(e) is OSError and "Invalid data stream" in str(e))):   # bz2
             raise
-        yield Corrupt(f"unreadable file: compressed data truncated or corrupted after line {n}, the rest of the "
-                       f"file is lost: {type(e).__name__}: {redact(' '.join(str(e).split()))}")
+        what = f"compressed data needs more than {DECODE_MEMORY >> 20} MiB of memory to decode (an .xz " \
+            "dictionary or .zst window)" if _OVER_MEMORY.search(str(e)) else "compressed data truncated or corrupted"
+        yield Corrupt(f"unreadable file: {what} after line {n}, the rest of the file is lost: {type(e).__name__}: "
+                      f"{redact(' '.join(str(e).split()))}")
+
+
+_OVER_MEMORY = re.compile(r"Memory usage limit|requires too much memory")    # liblzma's and zstd's words
 
 
 OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"),
@@ -191,8 +242,8 @@ def open_decompressed(url: str, storage_options: dict | None = None):
     metered = zstd or compression in METERED     # decompressed here, over a byte count of the file on disk
     with open_file(url, "rb", storage_options, compression=None if metered else compression) as raw:
         meter = Meter(raw)
-        f = _ZstdReader(meter) if zstd else fsspec.compression.compr[compression](meter, mode="rb") \
-            if compression and metered else meter
+        f = _ZstdReader(meter) if zstd else _XzReader(meter) if compression in ("lzma", "xz") else \
+            fsspec.compression.compr[compression](meter, mode="rb") if compression and metered else meter
         try:
             yield f, meter
         finally:
