@@ -71,9 +71,9 @@ def weight_shapes(opts: BiLMOptions) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def check_weights_match(f: h5py.File, opts: BiLMOptions, where: str) -> None:
-    """WeightsError unless the file holds every dataset the options use, in the shape they imply, and no other
-    model dataset (MODEL_PREFIXES). Reads the HDF5 metadata only, so it runs before any tensor is built: options
-    that do not match the weights never allocate what they ask for."""
+    """WeightsError unless the file holds every dataset the options use, in the shape they imply, of plain floats
+    (_check_floats), and no other model dataset (MODEL_PREFIXES). Reads the HDF5 metadata only, so it runs before
+    any tensor is built: options that do not match the weights never allocate what they ask for."""
     used = weight_shapes(opts)
     for name, (shape, keys) in used.items():
         if name not in f:
@@ -85,6 +85,7 @@ def check_weights_match(f: h5py.File, opts: BiLMOptions, where: str) -> None:
         if found != shape and not (name == "char_embed" and found == (N_CHAR_ROWS, shape[1])):
             raise WeightsError(f"{where}: dataset '{name}' has shape {found}, expected {shape} "
                                f"(options.json: {keys})")
+        _check_floats(ds, name, where)
     names: list[str] = []
     f.visit(names.append)
     unused = sorted(n for n in names if n.startswith(MODEL_PREFIXES) and n not in used
@@ -92,6 +93,20 @@ def check_weights_match(f: h5py.File, opts: BiLMOptions, where: str) -> None:
     if unused:
         raise WeightsError(f"{where}: {len(unused)} dataset(s) the options do not use, e.g. '{unused[0]}' "
                            f"(options.json does not match the weights: lstm.n_layers, char_cnn or filters?)")
+
+
+def _check_floats(ds: h5py.Dataset, name: str, where: str) -> None:
+    """WeightsError unless the dataset's elements are plain floats of at most 8 bytes: an HDF5 array (subarray)
+    element of K floats passes the shape check (the dataspace's) yet reads as K times the values."""
+    try:
+        dtype = ds.dtype
+    except Exception as e:  # noqa: BLE001 - an HDF5 type numpy has no dtype for
+        raise WeightsError(f"{where}: dataset '{name}' has an element type that cannot be read "
+                           f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    if dtype.kind != "f" or dtype.itemsize > 8:
+        what = " ".join(str(dtype).split())
+        raise WeightsError(f"{where}: dataset '{name}' has elements of type {what[:100]}, expected floats "
+                           "(float16, float32 or float64)")
 
 
 def _read(f, name: str, where: str) -> np.ndarray:

@@ -254,3 +254,27 @@ def test_a_parameter_the_layout_does_not_load_is_an_error(tiny_model_files, monk
     from elmo_pipeline.model.weights import LayoutGap
     with pytest.raises(LayoutGap, match="leaves parameters unloaded: forward_layers.0.extra"):
         load_bilm(*tiny_model_files)
+
+
+@pytest.mark.parametrize("dtype,shown", [(np.dtype(("<f8", (512,))), r"\('<f8', \(512,\)\)"), (np.int32, "int32"),
+                                         (np.dtype([("a", "<f4")]), r"\[\('a', '<f4'\)\]"), (np.longdouble, "float128")])
+def test_a_dataset_of_other_elements_than_plain_floats_is_refused_unread(tiny_model_files, tmp_path, monkeypatch,
+                                                                        dtype, shown):
+    """A dataset of the right shape whose elements are HDF5 arrays of 512 floats (read, 512x the weights), integers,
+    records or long doubles is one WeightsError naming its type, before any dataset is read."""
+    import elmo_pipeline.model.weights as weights
+    from elmo_pipeline.model.weights import check_bilm
+    if np.dtype(dtype).itemsize <= 8 and np.dtype(dtype).kind == "f":
+        pytest.skip("long double is float64 here")
+    options, src = tiny_model_files
+    broken = str(tmp_path / "w.hdf5")
+    shutil.copy(src, broken)
+    with h5py.File(broken, "a") as f:
+        shape = f["CNN_proj/W_proj"].shape
+        del f["CNN_proj/W_proj"]
+        f.create_dataset("CNN_proj/W_proj", shape=shape, dtype=dtype)
+    monkeypatch.setattr(weights, "_read", lambda *a: pytest.fail("a dataset was read"))
+    for load in (load_bilm, check_bilm):
+        with pytest.raises(WeightsError, match=rf"dataset 'CNN_proj/W_proj' has elements of type {shown}, expected "
+                                               r"floats \(float16, float32 or float64\)$"):
+            load(options, broken)
