@@ -61,7 +61,7 @@ def storage_options(opts: PipelineOptions) -> dict:
     if s3.s3_region_name:
         so["client_kwargs"] = {"region_name": s3.s3_region_name}
     attempts = opts.view_as(ElmoOptions).s3_max_attempts
-    so["config_kwargs"] = {"retries": {"total_max_attempts": max(1, attempts), "mode": "standard"}}
+    so["config_kwargs"] = {"retries": {"total_max_attempts": attempts, "mode": "standard"}}
     return {"s3": so}
 
 

@@ -2,6 +2,7 @@
 problem (pipeline.run.main prints it and exits 2, or 65 for bad model files: pipeline/exits.py), before Beam starts and before --output is touched."""
 from __future__ import annotations
 
+import math
 import os
 import posixpath
 from typing import TYPE_CHECKING, Callable
@@ -64,19 +65,34 @@ def check_runner(opts) -> None:
     workers = opts.view_as(DirectOptions).direct_num_workers
     if workers is not None and workers < 0:
         raise ValueError(f"--direct_num_workers must be >= 0 (0: one a core), got {workers}")
+    if workers is not None and workers > MAX_THREADS:
+        raise ValueError(f"--direct_num_workers must be at most {MAX_THREADS} (worker processes), got {workers}")
 
 
 POSITIVE = ("max_sentence_tokens", "max_tokens_per_batch", "sort_buffer", "row_group_bytes", "shard_sentences",
-            "shard_bytes", "window_tokens", "lease_stale_seconds", "max_record_bytes", "max_document_tokens")
+            "shard_bytes", "window_tokens", "lease_stale_seconds", "max_record_bytes", "max_document_tokens",
+            "s3_max_attempts")
+MAX_THREADS = 1024      # threads or worker processes of one kind: more than any machine's cores
+MAXIMA = {"lease_stale_seconds": (7 * 24 * 3600, "a week"), "torch_threads": (MAX_THREADS, "threads"),
+          "embed_threads": (MAX_THREADS, "threads")}
+# a float flag is in POSITIVE or MAXIMA (or both): it must also be a finite number
 
 
 def check_numbers(o) -> None:
-    """ValueError for a non-positive budget or size, a negative thread count, or a window that cannot advance.
-    Fills in the default --window-overlap."""
+    """ValueError for a non-positive budget or size, a float flag that is not a finite number, a value over its
+    MAXIMA, a negative thread count, or a window that cannot advance. Fills in the default --window-overlap."""
+    for name in (*POSITIVE, *MAXIMA):
+        v = getattr(o, name, None)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {v}")
     for name in POSITIVE:
         v = getattr(o, name, None)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    for name, (most, what) in MAXIMA.items():
+        v = getattr(o, name, None)
+        if v is not None and v > most:
+            raise ValueError(f"--{name.replace('_', '-')} must be at most {most} ({what}), got {v}")
     if o.embed_threads is not None and o.embed_threads < 0:
         raise ValueError(f"--embed-threads must be >= 0 (0: automatic), got {o.embed_threads}")
     if (o.embed_threads or 0) > 1 and o.state == "stateful":
