@@ -323,6 +323,13 @@ def read_recorded(fs, path: str, record: dict | None) -> bytes:
 MAX_JSON_BYTES = 256 << 20      # a small file read back as JSON (manifest, finalize plan, lease, record): at most this
 
 
+def json_lines(data: bytes) -> list[str]:
+    """The non-empty lines of a JSON Lines file's bytes (UTF-8, damaged bytes replaced), split at \n only:
+    str.splitlines() also splits at U+0085, U+2028, U+2029, \x1c-\x1e, which a JSON string written with
+    ensure_ascii=False holds as they are."""
+    return [line for line in data.decode("utf-8", "replace").split("\n") if line]
+
+
 def json_or_none(data: bytes):
     """The JSON value of `data`, None when it is not JSON (or nested deeper than the parser's recursion allows)."""
     import json

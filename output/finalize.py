@@ -40,7 +40,7 @@ from typing import Callable, NamedTuple
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.layout import DOC_HASHES, MANIFEST, SUCCESS, DeadLetter, ShardInfo
 from elmo_pipeline.formats.metrics import metrics_text
-from elmo_pipeline.fsio import (NotTheRecordedFile, check_recorded, is_local_fs, json_or_none, read_json,
+from elmo_pipeline.fsio import (NotTheRecordedFile, check_recorded, is_local_fs, json_lines, json_or_none, read_json,
                                 remove_temp_files, url_fs)
 from elmo_pipeline.fsio.fs import MAX_JSON_BYTES
 from elmo_pipeline.output.lease import RetryLater
@@ -155,8 +155,7 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     dead_data = read_staged(fs, dead_files)
     if set(dead_files) - set(dead_data):
         raise Incomplete(f"{sorted(set(dead_files) - set(dead_data))[0]}: a damaged staged file")
-    letters = {_dead_letter(path, line) for path, data in dead_data.items()
-               for line in data.decode("utf-8", "replace").splitlines() if line}
+    letters = {_dead_letter(path, line) for path, data in dead_data.items() for line in json_lines(data)}
     # a sentence both written and dead-lettered (an embedding failure that a retry did not repeat): written wins
     letters = sorted((d for d in letters if d.level != "sentence" or d.id not in covered),
                      key=lambda d: (d.id, d.level, d.reason, d.excerpt))

@@ -181,6 +181,19 @@ def test_stage_and_finalize(tmp_path):
     assert json.load(open(os.path.join(out, "manifest.json")))["schema_version"] == 1
 
 
+def test_dead_letters_holding_line_separators_are_read_back_whole(tmp_path):
+    """A dead letter whose id, reason or excerpt holds U+0085, U+2028/2029 or \x1c-\x1e (valid text, written as
+    is in its JSON line) is one dead letter at Finalize, not a damaged staged file that fails every round."""
+    from elmo_pipeline.formats.layout import DeadLetter
+    staging = str(tmp_path / "out" / "_staging" / "run1")
+    Staging(staging).shard([(_batch(), 0)], SPEC)
+    Staging(staging).counts("x", {"input_records": 2, "blank_records": 0})
+    odd = [DeadLetter("d/x:2#0", "too long: 5 tokens", "word\x85word\u2028word\u2029\x1cend"),
+           DeadLetter("d/x:3\u2028", "unreadable record: x", "", level="record")]
+    Staging(staging).dead_letters(odd)
+    assert sorted(plan_from_staging(staging, ["x"]).dead, key=str) == sorted(odd, key=str)
+
+
 def test_layer_sources_follow_the_selection():
     v = _batch().vectors
     for sel, h5 in [((2,), v[2]), ("average", v.mean(0)), ((0, 2), v[[0, 2]]), ((0, 1, 2), v)]:

@@ -30,7 +30,7 @@ from elmo_pipeline.formats.iceberg.commit import (FILES_PROPERTY, OUTPUT_PROPERT
                                                   data_files, registration_property, run_ids)
 from elmo_pipeline.formats.iceberg.table import IcebergTarget, data_file_urls, output_url
 from elmo_pipeline.formats.layout import DOC_HASHES, recorded_files, recorded_kernel_paths, well_formed_kernel
-from elmo_pipeline.fsio import json_or_none, redact
+from elmo_pipeline.fsio import json_lines, json_or_none, redact
 
 logger = logging.getLogger("elmo-pipeline.iceberg")
 MODES = ("append", "upsert")
@@ -247,10 +247,9 @@ class Upsert:
         failed = {d.id.rpartition("#")[0] for d in dead if d.level == "sentence" and d.reason.startswith(EMBED_FAILED)}
         seen: dict[str, tuple[str, str]] = {}
         for data in doc_files:
-            for line in data.decode("utf-8").splitlines():
-                if line:
-                    d, h, c = json.loads(line)
-                    seen[d] = (INCOMPLETE if d in failed else h, c)
+            for line in json_lines(data):
+                d, h, c = json.loads(line)
+                seen[d] = (INCOMPLETE if d in failed else h, c)
         return new_state(self.state, seen, self.delete_missing)
 
     @staticmethod
