@@ -25,9 +25,9 @@ from elmo_pipeline.fsio import expand, redact, url_fs
 from elmo_pipeline.model.options import load_options, sentences_independent
 from elmo_pipeline.model.kernels import exact_here, planned_kernel_path
 from elmo_pipeline.model.resolve import resolve_model
-from elmo_pipeline.pipeline.options import ElmoOptions
+from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
 from elmo_pipeline.pipeline.validate import (check_dedupe, check_iceberg, check_input_columns, check_model,
-                                             check_numbers, check_output_writable, check_reuse, check_runner,
+                                             check_metrics_file, check_numbers, check_output_writable, check_reuse, check_runner,
                                              check_state, check_upsert, inputs_outside_output, own_files)
 from elmo_pipeline.pipeline.workers import (BUCKET_BYTES, Where, dask_partitions, embed_threads, layout_of,
                                             spread_by_key, tokenizer_processes)
@@ -161,6 +161,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     if not o.input or not o.output:
         raise ValueError("--input and --output are required")
     check_numbers(o)
+    check_metrics_file(opts.view_as(JobOptions).metrics_file, o.output)
     iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, o.formats(), o.dtype)
     check_upsert(o, iceberg)
     so = storage_options(opts)

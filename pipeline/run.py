@@ -22,6 +22,7 @@ from elmo_pipeline.output.names import METRICS
 from elmo_pipeline.fsio import atomic_write, redact, redact_logs, url_fs
 from elmo_pipeline.pipeline.execute import AlreadyComplete, FinalizeOnly, run_planned
 from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
+from elmo_pipeline.pipeline.validate import check_metrics_file
 from elmo_pipeline.pipeline.plan import pipeline_options, plan, storage_options
 from elmo_pipeline.transforms.logs import quiet_failures
 from elmo_pipeline.transforms import progress
@@ -175,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _try_metrics_file(path: str, output: str | None, status: int, text=lambda: "") -> None:
     """--metrics-file with the exit status (and text(): the output's metrics, read back); a failure here is one
-    warning line: the run's result and exit status stand, the collector file is an extra."""
+    warning line: the run's result and exit status stand, the collector file is an extra. Never inside the output
+    (check_metrics_file: the run was refused)."""
     try:
+        if output:
+            check_metrics_file(path, output)
         write_metrics_file(path, output, status, text())
     except Exception as e:  # noqa: BLE001
         print(redact(f"warning: --metrics-file {path}: {e}"), file=sys.stderr)

@@ -277,6 +277,14 @@ def check_inputs_outside_output(files: list[str], output: str) -> None:
                          "what it reads there. Write to another --output, or move the input out first")
 
 
+def check_metrics_file(path: str | None, output: str) -> None:
+    """ValueError when --metrics-file lies inside --output: written after Finalize, it would replace the output's
+    own files (its manifest.json, metrics.prom) or add one its manifest does not record."""
+    if path and _inside([path], output):
+        raise ValueError(f"--metrics-file {path} lies inside --output {output}: it would replace or add to the "
+                         "output's own files; write it elsewhere (e.g. node_exporter's textfile collector folder)")
+
+
 def check_upsert(o: ElmoOptions, iceberg: IcebergTarget | None) -> None:
     """ValueError for --iceberg-mode upsert / --delete-missing / --reuse-table flags that cannot work: upsert (and
     --reuse-table) needs a table; upsert needs ids stable across runs (--id-field: default ids number lines, which

@@ -76,6 +76,19 @@ def test_an_already_complete_rerun_rewrites_the_collector_file_with_the_same_cou
     assert value(fams, "elmo_pipeline_exit_status", output=out) == 0
 
 
+@pytest.mark.parametrize("name", ["manifest.json", "metrics.prom", "extra.prom"])
+def test_a_metrics_file_inside_the_output_is_refused_before_any_work(name, tiny_model_files, tmp_path, capsys):
+    """--metrics-file inside --output (a finished output's manifest.json or metrics.prom, or a file its manifest
+    would not record): exit 2, one line, before any work; nothing written there, on the failure path either."""
+    out = tmp_path / "out"
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("A line here.\n")
+    args = argv(tiny_model_files, str(tmp_path / "corpus" / "*.txt"), str(out), "--metrics-file", str(out / name))
+    assert main(args) == 2
+    assert "--metrics-file" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not out.exists()
+
+
 def run_input(out) -> str:
     return os.path.join(os.path.dirname(out), "corpus", "*.txt")
 
