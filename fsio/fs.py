@@ -198,8 +198,24 @@ def makedirs(fs, path: str) -> None:
         fs.makedirs(path, exist_ok=True)
 
 
-def move(fs, src: str, dst: str) -> None:
-    """A local rename (atomic), or an object store's server-side copy then delete (the copy appears whole)."""
+def move(fs, src: str, dst: str, replace: bool = True) -> None:
+    """A local rename (atomic), or an object store's server-side copy then delete (the copy appears whole).
+    replace=False: FileExistsError when something is at `dst`, never replaced: locally a hard link then the
+    unlink of `src` (atomic: a file placed there at any moment stays), else a check just before the rename or
+    copy."""
+    if not replace:
+        if is_local_fs(fs):
+            try:
+                os.link(src, dst, follow_symlinks=False)
+            except FileExistsError:
+                raise FileExistsError(dst) from None
+            except OSError:             # no hard links there (another device, a FUSE store): check, then rename
+                pass
+            else:
+                os.remove(src)
+                return
+        if fs.lexists(dst) if is_local_fs(fs) else fs.exists(dst):
+            raise FileExistsError(dst)
     if is_local_fs(fs):
         fs.mv(src, dst)
     else:

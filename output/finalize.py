@@ -41,7 +41,7 @@ from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.layout import DOC_HASHES, MANIFEST, SUCCESS, DeadLetter, ShardInfo
 from elmo_pipeline.formats.metrics import metrics_text
 from elmo_pipeline.fsio import (NotTheRecordedFile, check_recorded, is_local_fs, json_lines, json_or_none, read_json,
-                                remove_temp_files, url_fs)
+                                remove_temp_files, same_digest, url_fs)
 from elmo_pipeline.fsio.fs import MAX_JSON_BYTES
 from elmo_pipeline.output.lease import RetryLater
 from elmo_pipeline.output import manifest as manifests
@@ -326,6 +326,22 @@ def plan_consistent(fs, root: str, st: str, plan: dict) -> bool:
     return True
 
 
+def _check_manifest_ours(fs, root: str, manifest: dict) -> None:
+    """FileExistsError unless the output's manifest.json is absent or this run's (its run key: one an earlier try of
+    this finalize wrote, maybe registered since): a file placed there while the run went on is never replaced."""
+    path = posixpath.join(root, MANIFEST)
+    if not fs.exists(path):
+        return
+    try:
+        there = layout.read_manifest(fs, root)
+    except (OSError, ValueError):
+        there = None
+    run = (there or {}).get("run")
+    if not (isinstance(run, dict) and run.get("key") == manifest.get("run", {}).get("key")):
+        raise FileExistsError(f"{path}: a file this pipeline did not write is there (placed while it ran?); nothing "
+                              "is overwritten. Move it away, then rerun the same command")
+
+
 def as_recorded(fs, path: str, record, then: str = "the interrupted finalize is rolled back") -> bool:
     """Whether `path` is the file `record` describes (no whole record: nothing to check); False with a warning
     saying what happens `then`."""
@@ -371,13 +387,19 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
     staged = set(fs.find(st)) if fs.exists(st) else set()     # one listing instead of a request per file
     plan = read_plan(fs, st) if posixpath.join(st, PLAN) in staged else None
     if plan is not None:
+        records = plan["manifest"].get("files") or {}
         for src, rel in plan["moves"]:
             dst = posixpath.join(root, rel)
             if src in staged:                # not moved yet (or copied but not deleted, on an object store)
-                sink.move(src, dst)
+                if fs.exists(dst) and manifests.is_file_record(records.get(rel)) and \
+                        same_digest(fs, dst, records[rel]):
+                    sink.remove(src)         # copied whole already: the move's delete is left
+                else:
+                    sink.move(src, dst)      # never over a file placed there while the run went on
             elif not fs.exists(dst):
                 raise RetryLater(f"finalize: staged file {src} is gone and {dst} was never written; "
                                         "rerun the same command: it re-embeds that shard")
+        _check_manifest_ours(fs, root, plan["manifest"])
         manifests.write(sink, root, plan["manifest"])
     if fs.exists(st):
         sink.remove(st, recursive=True)

@@ -122,8 +122,9 @@ class Sink:
         self.written[path] = file_record(len(data), hashlib.sha256(data).hexdigest())
 
     def move(self, src: str, dst: str) -> None:
-        """`src` renamed to `dst` (a file's final name); IsADirectoryError when a local folder is at `dst` (a rename
-        would put the file inside it, into a folder this pipeline did not make)."""
+        """`src` renamed to `dst` (a file's final name), never over anything there: IsADirectoryError for a local
+        folder (a rename would put the file inside it, into a folder this pipeline did not make), FileExistsError
+        for a file (placed there while the run went on: fsio.move with replace=False)."""
         self.fence()
         self.check_inside(src, dst)
         makedirs(self.fs, posixpath.dirname(dst))
@@ -131,7 +132,11 @@ class Sink:
         if self.local and os.path.isdir(dst):
             raise IsADirectoryError(f"{dst}: a folder where this pipeline writes a file (made while it ran?); nothing "
                                     "is moved into it. Remove it, then rerun")
-        move(self.fs, src, dst)
+        try:
+            move(self.fs, src, dst, replace=False)
+        except FileExistsError:
+            raise FileExistsError(f"{dst}: a file this pipeline did not write is there (placed while it ran?); "
+                                  "nothing is overwritten. Move it away, then rerun the same command") from None
         if src in self.written:
             self.written[dst] = self.written.pop(src)
 

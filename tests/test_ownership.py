@@ -416,3 +416,38 @@ def test_a_link_planted_while_a_run_embeds_takes_no_write_out_of_the_output(tmp_
     again = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert json.load(open(out / "manifest.json"))["counts"]["sentences_written"] == 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["parquet/part-00000-of-00001.parquet", "report.html", "metrics.prom",
+                                  "manifest.json"])
+def test_a_file_placed_in_the_output_while_a_run_embeds_is_never_overwritten(name, tmp_path, tiny_model_files):
+    """A file placed at one of the output's final names after the run's start-up checks (the run held at its
+    first commit): Finalize moves nothing over it (one error line, exit 2, the file as it was); with it moved away,
+    the same command finishes."""
+    import subprocess
+    import sys
+    import time
+    inp, out, go = tmp_path / "in.txt", tmp_path / "out", tmp_path / "go"
+    inp.write_text("".join(f"line {i} of the corpus .\n" for i in range(40)), encoding="utf-8")
+    options, weights = tiny_model_files
+    cmd = [sys.executable, "-m", "elmo_pipeline.pipeline.run", "--input", str(inp), "--output", str(out),
+           "--options-file", options, "--weight-file", weights, "--torch-threads", "1", "--progress", "off",
+           "--tokenizer", "whitespace"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", ELMO_PIPELINE_HOLD_AT=f"commit:{go}")
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not list(out.glob("_staging/*/committed/*.json")):
+        assert time.time() - t0 < 120 and p.poll() is None, "the run never committed"
+        time.sleep(0.05)
+    (out / name).parent.mkdir(exist_ok=True)
+    (out / name).write_bytes(b"theirs")
+    go.touch()
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 2 and err.strip().splitlines()[-1].startswith("error: "), err
+    assert "did not write" in err.strip().splitlines()[-1]
+    assert (out / name).read_bytes() == b"theirs"
+    os.rename(out / name, tmp_path / "kept")
+    again = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert json.load(open(out / "manifest.json"))["counts"]["sentences_written"] == 40
