@@ -113,6 +113,27 @@ def check_parquet_counts(meta, where: str, sentences: int, tokens: int, layer_di
                                 f"make {n}")
 
 
+def list_lengths(column) -> np.ndarray:
+    """Each row's list length of a list column (pyarrow Array or ChunkedArray); -1 for a null row."""
+    import pyarrow.compute as pc
+    return pc.list_value_length(column).fill_null(-1).to_numpy(zero_copy_only=False)
+
+
+def check_row_lengths(rows, where: str, names, first_row: int = 0) -> np.ndarray:
+    """Each row's token count of `rows` (a sentence-layout RecordBatch or Table, rows numbered from first_row),
+    DamagedOutput unless each row of each layer column in `names` holds as many vectors as its `tokens`: list
+    offsets shifted between rows keep the footer's totals but move sentence boundaries."""
+    tokens = list_lengths(rows.column("tokens"))
+    for name in names:
+        vectors = list_lengths(rows.column(name))
+        bad = np.flatnonzero(vectors != tokens)
+        if len(bad):
+            r = int(bad[0])
+            raise DamagedOutput(f"{where}: row {first_row + r} holds {int(vectors[r])} vectors in column {name} for "
+                                f"its {int(tokens[r])} tokens")
+    return tokens
+
+
 def shard_entry(where: str, entry, formats) -> dict:
     """A manifest's shard entry, checked: a dict with int sentences and tokens, each format's file name a
     relative path inside the output (inside_path)."""

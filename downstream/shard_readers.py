@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from elmo_pipeline.downstream.arrow_shards import flat_vectors, read_arrow_shard, sentence_index
-from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_hdf5_shape
+from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_hdf5_shape, check_row_lengths
 from elmo_pipeline.formats.hdf5 import hdf5_unkey
 from elmo_pipeline.formats.parquet import META_COLUMNS, TOKEN_META_COLUMNS
 
@@ -40,21 +40,23 @@ def parquet_records(fs, path: str, names: list[str], check) -> Iterator[dict]:
     with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
         pf = pq.ParquetFile(f)
         check(pf)
+        row = 0
         for batch in pf.iter_batches(batch_size=1024, columns=[*META_COLUMNS, *names]):
-            yield from _batch_records(batch, names)
+            yield from _batch_records(batch, names, path, row)
+            row += batch.num_rows
 
 
-def _batch_records(batch, names: list[str]) -> Iterator[dict]:
+def _batch_records(batch, names: list[str], path: str, first_row: int) -> Iterator[dict]:
+    """The records of a batch of rows (the first numbered first_row), each layer's list as long as its tokens."""
     ids = batch.column("id").to_pylist()
     doc_ids = batch.column("doc_id").to_pylist()
     indices = batch.column("sentence_index").to_pylist()
     tokens = batch.column("tokens").to_pylist()
-    mats, starts = [], None
+    lens = check_row_lengths(batch, path, names, first_row)
+    starts = np.concatenate([[0], np.cumsum(np.maximum(lens, 0))])
+    mats = []
     for name in names:
         col = batch.column(name)
-        if starts is None:
-            lens = col.value_lengths().to_numpy(zero_copy_only=False)
-            starts = np.concatenate([[0], np.cumsum(lens)])
         vecs = col.flatten()                       # fixed_size_list<float, D>, one per token
         d = vecs.type.list_size
         mats.append(vecs.flatten().to_numpy(zero_copy_only=False).reshape(-1, d))
@@ -118,11 +120,12 @@ def arrow_records(fs, path: str, names: list[str], check) -> Iterator[dict]:
 def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect: dict) -> Iterator[dict]:
     """Records of an HDF5 shard (AllenNLP layout: (layers, T, 2P) or (T, 2P) per sentence), layers `pick`
     (indices); doc ids, sentence indices and tokens from `meta` (parquet_meta of the Parquet twin), else
-    from the id and None. expect (ElmoOutput.hdf5_expect): each dataset's declared shape and dtype is
-    checked before it is read, so no read allocates more than the manifest's tokens (nor a chunk larger than its
-    dataset: a read inflates whole chunks); a dataset is read only when it is the file's own (no link, no
-    external or virtual storage). A shard HDF5 cannot read (damaged metadata: its
-    signature, groups, names, datatypes) is refused with DamagedOutput naming it."""
+    from the id and None (with a twin's tokens, a dataset's T must be their count). expect
+    (ElmoOutput.hdf5_expect): each dataset's declared shape and dtype is checked before it is read, so no read
+    allocates more than the manifest's tokens (nor a chunk larger than its dataset: a read inflates whole chunks);
+    a dataset is read only when it is the file's own (no link, no external or virtual storage). A shard HDF5
+    cannot read (damaged metadata: its signature, groups, names, datatypes) is refused with DamagedOutput naming
+    it."""
     import h5py
     with fs.open(path, "rb") as f, unreadable(path, "HDF5", HDF5_ERRORS), h5py.File(f, "r") as h:
         keys = list(h.keys())
@@ -145,10 +148,13 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect:
                                      expect["dtype"], left)
             if d.chunks and any(c > max(n, 1) for c, n in zip(d.chunks, d.shape)):    # a read inflates whole chunks
                 raise DamagedOutput(f"{path}: {key!r} is stored in chunks {d.chunks}, larger than its shape {d.shape}")
+            did, k, toks = meta.get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)
+            if toks is not None and d.shape[-2] != len(toks):
+                raise DamagedOutput(f"{path}: dataset {key!r} holds {d.shape[-2]} vectors for the {len(toks)} tokens "
+                                    "of its Parquet twin")
             arr = d[...]
             if arr.ndim == 2:
                 arr = arr[None]
-            did, k, toks = meta.get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)
             yield {"id": sid, "doc_id": did, "sentence_index": k, "tokens": toks,
                    "stored": [arr[j] for j in pick]}
 

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from elmo_pipeline.downstream.output import ElmoOutput, open_output
+from elmo_pipeline.downstream.shard_checks import check_row_lengths
 from elmo_pipeline.downstream.shard_readers import PARQUET_ERRORS, unreadable
 
 
@@ -32,7 +33,7 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
                 unknown = [c for c in columns or () if c not in pf.schema_arrow.names]
                 if unknown:
                     raise ValueError(f"{out.path}: no column(s) {unknown} (has {pf.schema_arrow.names})")
-                tables.append(pf.read(columns=list(columns) if columns else None))
+                tables.append(_read_checked(pf, path, out, list(columns) if columns else None))
         if not tables:
             raise ValueError(f"{out.path}: no shards")
         return pa.concat_tables(tables)
@@ -48,6 +49,17 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
         data[name] = pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(pa.array(flat), out.dim))
     table = pa.table(data)
     return table.select(list(columns)) if columns else table
+
+
+def _read_checked(pf, path: str, out: ElmoOutput, columns: list[str] | None):
+    """The `columns` (None: all) of an opened Parquet shard; in the sentence layout each layer row read checked to
+    hold a vector per token (its `tokens` read for that when not asked for)."""
+    layers = [n for n in out.layer_names if columns is None or n in columns]
+    if out.parquet_layout != "sentence" or not layers:
+        return pf.read(columns=columns)
+    t = pf.read(columns=columns if columns is None or "tokens" in columns else [*columns, "tokens"])
+    check_row_lengths(t, path, layers)
+    return t if columns is None else t.select(columns)
 
 
 def to_hf_dataset(source: "str | ElmoOutput", columns: Sequence[str] | None = None, fmt: str | None = None,

@@ -456,3 +456,54 @@ def test_to_arrow_table_refuses_a_column_it_does_not_have(written):
     assert to_arrow_table(written["fp32"], columns=["id"]).column_names == ["id"]
     with pytest.raises(ValueError, match=r"no column\(s\) \['nope'\]"):
         to_arrow_table(written["fp32"], columns=["id", "nope"])
+
+
+def _shift_first_row(shard: str) -> None:
+    """Each layer list of row 0 one vector longer and of row 1 one shorter: the footer's totals unchanged."""
+    import pyarrow.parquet as pq
+    t = pq.read_table(shard)
+    cols = {}
+    for name in t.column_names:
+        col = t.column(name).combine_chunks()
+        if name.startswith("layer_"):
+            offsets = col.offsets.to_numpy().copy()
+            offsets[1] += 1
+            col = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), col.values)
+        cols[name] = col
+    pq.write_table(pa.table(cols, schema=t.schema), shard)
+
+
+def test_a_parquet_row_whose_vectors_are_not_its_tokens_is_refused(copy):
+    """Row 0's layer lists a vector longer, row 1's one shorter (the same totals): every reader returned sentence 0
+    with a vector too many and sentence 1 starting with sentence 0's last, and validate() passed."""
+    from elmo_pipeline.downstream.tables import to_arrow_table
+    out = copy("fp32")
+    _as_earlier_version(out)
+    shard = os.path.join(out, _manifest(out)["shards"][0]["parquet"])
+    _shift_first_row(shard)
+    for read in (lambda: list(ElmoOutput(out).sentences("parquet")), lambda: ElmoOutput(out).validate(),
+                 lambda: to_arrow_table(out), lambda: to_arrow_table(out, columns=["id", "layer_2"])):
+        with pytest.raises(DamagedOutput, match=r"row 0 holds \d+ vectors in column layer_\d for its \d+ tokens") as e:
+            read()
+        assert shard in str(e.value)
+    assert to_arrow_table(out, columns=["id", "tokens"]).num_rows == len(TEXT)    # no layer asked: nothing paired
+
+
+def test_an_hdf5_dataset_whose_rows_are_not_its_parquet_twins_tokens_is_refused(copy):
+    """Sentence 0's dataset a row longer, sentence 1's a row shorter (the manifest's tokens unchanged): its vectors
+    were paired with its Parquet twin's tokens as they came."""
+    out = copy("fp32")
+    _as_earlier_version(out)
+    shard = os.path.join(out, _manifest(out)["shards"][0]["hdf5"])
+
+    def shift(h):
+        a, b = sorted(h.keys())[:2]
+        x, y = h[a][...], h[b][...]
+        del h[a], h[b]
+        h.create_dataset(a, data=np.concatenate([x, y[:, :1]], axis=1))
+        h.create_dataset(b, data=y[:, 1:])
+    _rewrite_hdf5(shard, shift)
+    for read in (lambda: list(ElmoOutput(out).sentences("hdf5")), lambda: ElmoOutput(out).validate()):
+        with pytest.raises(DamagedOutput, match=r"holds \d+ vectors for the \d+ tokens of its Parquet twin") as e:
+            read()
+        assert shard in str(e.value)
