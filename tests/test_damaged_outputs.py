@@ -507,3 +507,64 @@ def test_an_hdf5_dataset_whose_rows_are_not_its_parquet_twins_tokens_is_refused(
         with pytest.raises(DamagedOutput, match=r"holds \d+ vectors for the \d+ tokens of its Parquet twin") as e:
             read()
         assert shard in str(e.value)
+
+
+def _in_memory(src: str, name: str) -> str:
+    """A copy of the output `src` on fsspec's memory:// (a remote store to MappedDataset: shards go to its cache)."""
+    import fsspec
+    fs = fsspec.filesystem("memory")
+    for d, _, names in os.walk(src):
+        for n in names:
+            fs.pipe(f"/{name}/{os.path.relpath(os.path.join(d, n), src)}", open(os.path.join(d, n), "rb").read())
+    return f"memory://{name}"
+
+
+def test_a_copy_found_in_the_shard_cache_is_used_only_as_the_recorded_file(written, tmp_path):
+    """A file already at a shard's cache path (its name follows from the manifest), of the recorded size but other
+    bytes, was served as the shard (wrong vectors, no error); prefetch took it as copied. Now it is checked against
+    the manifest's SHA-256: refused naming it and left as it is; the recorded bytes found there are used."""
+    from elmo_pipeline.downstream.output import ElmoOutput as Out
+    from elmo_pipeline.downstream.shard_cache import ShardCache
+    url = _in_memory(written["fp32"], "planted")
+    out, cache = Out(url), str(tmp_path / "cache")
+    path = out.shard_path(0, "arrow")
+    local = ShardCache(cache).local_path(out, path)
+    os.makedirs(os.path.dirname(local))
+    shutil.copyfile(_arrow_shard(written["fp32"]), local)
+    _poke(local, _file_offset(local, lambda b: b.column("layer_2").flatten().buffers()[1]), 0x41)
+    planted = open(local, "rb").read()
+    c = ShardCache(cache)
+    c.prefetch(out, path)
+    assert local in c._in_flight()                         # checked in the background, not taken as done
+    for read in (lambda: c.local(out, path), lambda: MappedDataset(url, cache_dir=cache)[0]):
+        with pytest.raises(DamagedOutput, match="in the shard cache but not .* as its manifest records it") as e:
+            read()
+        assert str(e.value).startswith(local)
+    assert open(local, "rb").read() == planted
+    shutil.copyfile(_arrow_shard(written["fp32"]), local)    # the recorded bytes (another process's copy): used
+    assert np.array_equal(MappedDataset(url, cache_dir=cache)[0]["layers"], MappedDataset(written["fp32"])[0]["layers"])
+    out.fs.rm("/planted", recursive=True)
+
+
+def test_the_default_shard_cache_is_a_folder_only_this_user_writes(written, tmp_path, monkeypatch):
+    """The default cache was <tmp>/elmo-mapped, shared by every user of /tmp: now <tmp>/elmo-mapped-<uid>, made
+    0o700, refused when it is a link or others may write it."""
+    import tempfile
+
+    from elmo_pipeline.downstream.output import ElmoOutput as Out
+    from elmo_pipeline.downstream.shard_cache import ShardCache
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    url = _in_memory(written["fp32"], "private")
+    out = Out(url)
+    root = str(tmp_path / f"elmo-mapped-{os.getuid()}")
+    assert ShardCache().local_path(out, out.shard_path(0, "arrow")).startswith(root + "/")
+    assert os.stat(root).st_mode & 0o777 == 0o700
+    os.chmod(root, 0o777)
+    with pytest.raises(PermissionError, match="not a folder of this user's"):
+        ShardCache().local_path(out, out.shard_path(0, "arrow"))
+    os.rmdir(root)
+    os.makedirs(tmp_path / "elsewhere", mode=0o700)
+    os.symlink(tmp_path / "elsewhere", root)
+    with pytest.raises(PermissionError, match="not a folder of this user's"):
+        ShardCache().local_path(out, out.shard_path(0, "arrow"))
+    out.fs.rm("/private", recursive=True)
