@@ -122,7 +122,8 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect:
     (indices); doc ids, sentence indices and tokens from `meta` (parquet_meta of the Parquet twin), else
     from the id and None (with a twin's tokens, a dataset's T must be their count). expect
     (ElmoOutput.hdf5_expect): each dataset's declared shape and dtype is checked before it is read, so no read
-    allocates more than the manifest's tokens (nor a chunk larger than its dataset: a read inflates whole chunks);
+    allocates more than the manifest's tokens (nor a chunk larger than its dataset: a read inflates whole chunks;
+    nor a filter's output: a dataset with filters, which the writer never uses, is refused unread);
     a dataset is read only when it is the file's own (no link, no external or virtual storage). A shard HDF5
     cannot read (damaged metadata: its signature, groups, names, datatypes) is refused with DamagedOutput naming
     it."""
@@ -148,6 +149,8 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect:
                                      expect["dtype"], left)
             if d.chunks and any(c > max(n, 1) for c, n in zip(d.chunks, d.shape)):    # a read inflates whole chunks
                 raise DamagedOutput(f"{path}: {key!r} is stored in chunks {d.chunks}, larger than its shape {d.shape}")
+            if d.id.get_create_plist().get_nfilters():      # deflate may inflate a chunk past its shape, unbounded
+                raise DamagedOutput(f"{path}: {key!r} is stored through filters (compression), the writer uses none")
             did, k, toks = meta.get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)
             if toks is not None and d.shape[-2] != len(toks):
                 raise DamagedOutput(f"{path}: dataset {key!r} holds {d.shape[-2]} vectors for the {len(toks)} tokens "

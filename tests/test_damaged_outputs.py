@@ -568,3 +568,30 @@ def test_the_default_shard_cache_is_a_folder_only_this_user_writes(written, tmp_
     with pytest.raises(PermissionError, match="not a folder of this user's"):
         ShardCache().local_path(out, out.shard_path(0, "arrow"))
     out.fs.rm("/private", recursive=True)
+
+
+def test_an_hdf5_dataset_stored_through_a_filter_is_refused_unread(copy):
+    """A chunk of its dataset's shape whose deflate stream (deflate applied twice) inflates far past it: HDF5 grows
+    the filter's buffer until the stream ends, so reading it allocated what the stream held. The writer uses no
+    filter: any is refused before the dataset is read."""
+    import zlib
+    out = copy("fp32")
+    _as_earlier_version(out)
+    shard = os.path.join(out, _manifest(out)["shards"][0]["hdf5"])
+
+    def swap(h):
+        k = sorted(h.keys())[0]
+        shape = h[k].shape
+        del h[k]
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_chunk(shape)
+        dcpl.set_deflate(9)
+        dcpl.set_filter(h5py.h5z.FILTER_DEFLATE, h5py.h5z.FLAG_OPTIONAL, (9,))
+        d = h5py.h5d.create(h.id, k.encode(), h5py.h5t.IEEE_F32LE, h5py.h5s.create_simple(shape), dcpl=dcpl)
+        d.write_direct_chunk((0,) * len(shape), zlib.compress(zlib.compress(b"\0" * (64 << 20), 9), 9), 0)
+    _rewrite_hdf5(shard, swap)
+    assert os.path.getsize(shard) < 1 << 20
+    for read in (lambda: list(ElmoOutput(out).sentences("hdf5")), lambda: ElmoOutput(out).validate()):
+        with pytest.raises(DamagedOutput, match=r"is stored through filters \(compression\)") as e:
+            read()
+        assert shard in str(e.value)
