@@ -1,4 +1,4 @@
-"""Parquet page headers read from the file (transforms.parquet_pages) against files pyarrow writes: every page
+"""Parquet page headers read from the file (formats.parquet_pages) against files pyarrow writes: every page
 of a chunk walked, the sizes adding up to the footer's, whatever the codec, page version or encoding."""
 import io
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elmo_pipeline.transforms.parquet_pages import chunk_span, column_pages
+from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages
 
 CODECS = ["none", "snappy", "gzip", "zstd", "brotli", "lz4"]
 

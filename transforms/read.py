@@ -12,7 +12,7 @@ from elmo_pipeline.fsio import open_file, redact, storage_error
 from elmo_pipeline.transforms.ids import JSON_TYPES, BadId, document_id, printable_label
 from elmo_pipeline.transforms.lines import (CORRUPT, Corrupt, Meter, TooLong, lines_until_corrupt, open_decompressed,
                                             utf8_lines)
-from elmo_pipeline.transforms.parquet_pages import chunk_span, column_pages
+from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages
 from elmo_pipeline.transforms.records import Blank, Document
 from elmo_pipeline.transforms.splits import Range, Split
 
@@ -216,7 +216,7 @@ def _row_group_runs(pf, f, leaves: list[int], dictionary: set[str], max_record_b
     """The row groups `groups` of the file in order, lazily: (a run of groups to read, None, rows per batch), or
     ([group], the reason, 0) for a group with a page of the flat leaf columns `leaves` over
     PAGE_RECORDS * max_record_bytes uncompressed. Every page header of those leaves is read, a group when it is
-    next (transforms.parquet_pages): the sizes pyarrow decompresses, whatever the footer says. Rows per batch keep
+    next (formats.parquet_pages): the sizes pyarrow decompresses, whatever the footer says. Rows per batch keep
     a batch's values within about BATCH_BYTES at the group's densest pages (_bytes_a_row); a run ends at about
     BATCH_BYTES or 4096 rows, so a reader looks ahead no further."""
     md, limit = pf.metadata, PAGE_RECORDS * max_record_bytes

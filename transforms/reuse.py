@@ -140,12 +140,12 @@ def index_blobs(source: int, shard: int, path: str, buckets: int, storage_option
 
 def _check_key_pages(data: bytes, rows: int | None, damaged: ReuseError) -> None:
     """Raise `damaged` unless the key index in `data` holds `rows` rows (when known) in its footer and its key
-    column's pages, by their own headers (transforms/parquet_pages.py), hold no more values than that and decode
+    column's pages, by their own headers (formats/parquet_pages.py), hold no more values than that and decode
     to no more than their values' keys (4 length bytes and KEY_WIDTH a value, 1 KiB a page of levels and
     headers): so reading it allocates no more than its rows' keys, whatever a crafted file's compression hides."""
     import io
 
-    from elmo_pipeline.transforms.parquet_pages import chunk_span, column_pages
+    from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages
     f = io.BytesIO(data)
     try:
         pf = pq.ParquetFile(f)
