@@ -15,7 +15,7 @@ import numpy as np
 
 from elmo_pipeline.downstream.batching import stack
 from elmo_pipeline.downstream.shard_checks import (DamagedOutput, check_arrow_batch, check_file, check_parquet_counts,
-                                                   check_parquet_schema,
+                                                   check_parquet_pages, check_parquet_schema,
                                                    check_size, checked_files, checked_header, shard_entry)
 from elmo_pipeline.downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
                                       parquet_token_records)
@@ -85,14 +85,19 @@ class ElmoOutput:
         check_arrow_batch(batch, where, int(s["tokens"]), int(s["sentences"]), self.dtype, self.layer_dims, full)
 
     def parquet_check(self, i: int, where: str):
-        """check(pf) of shard i's Parquet file (pyarrow ParquetFile, read from `where`) against the manifest, before a
-        page is read: its schema (check_parquet_schema) and its footer's counts (check_parquet_counts)."""
+        """check(pf, f, columns) of shard i's Parquet file (pyarrow ParquetFile of file f, read from `where`) against
+        the manifest, before a page is read: its schema (check_parquet_schema), its footer's counts
+        (check_parquet_counts) and the page headers of the columns to read (check_parquet_pages; None: all)."""
         s = self.shards[i]
+        options = self.manifest.get("options")
+        cap = options.get("max_record_bytes") if isinstance(options, dict) else None
 
-        def check(pf) -> None:
+        def check(pf, f, columns) -> None:
             check_parquet_schema(pf.schema_arrow, where, self.layer_dims, self.dtype, self.parquet_layout)
             check_parquet_counts(pf.metadata, where, int(s["sentences"]), int(s["tokens"]), self.layer_dims,
                                  self.parquet_layout)
+            check_parquet_pages(pf, f, where, columns, int(s["sentences"]), int(s["tokens"]), self.layer_dims,
+                                cap if type(cap) is int and cap > 0 else None)
         return check
 
     def hdf5_expect(self, i: int) -> dict:

@@ -34,12 +34,13 @@ HDF5_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
 
 
 def parquet_records(fs, path: str, names: list[str], check) -> Iterator[dict]:
-    """Records of a Parquet shard with a row per sentence, read 1024 rows at a time; check(pf), given the opened
-    pyarrow ParquetFile before a page is read, raises unless its schema and footer match its manifest."""
+    """Records of a Parquet shard with a row per sentence, read 1024 rows at a time; check(pf, f, columns), given
+    the opened pyarrow ParquetFile before a page is read, raises unless its schema, footer and the page headers of
+    the columns read match its manifest."""
     import pyarrow.parquet as pq
     with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
         pf = pq.ParquetFile(f)
-        check(pf)
+        check(pf, f, [*META_COLUMNS, *names])
         row = 0
         for batch in pf.iter_batches(batch_size=1024, columns=[*META_COLUMNS, *names]):
             yield from _batch_records(batch, names, path, row)
@@ -72,7 +73,7 @@ def parquet_token_records(fs, path: str, names: list[str], check) -> Iterator[di
     import pyarrow.parquet as pq
     with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
         pf = pq.ParquetFile(f)
-        check(pf)
+        check(pf, f, [*TOKEN_META_COLUMNS, *names])
         t = pf.read(columns=[*TOKEN_META_COLUMNS, *names])
     ids = t.column("id").to_pylist()
     mats = [t.column(n).combine_chunks().flatten().to_numpy(zero_copy_only=False)
@@ -98,7 +99,7 @@ def parquet_meta(fs, path: str, check) -> dict[str, tuple]:
     import pyarrow.parquet as pq
     with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
         pf = pq.ParquetFile(f)
-        check(pf)
+        check(pf, f, META_COLUMNS)
         t = pf.read(columns=list(META_COLUMNS))
     return {sid: (did, k, toks) for sid, did, k, toks in zip(*(t.column(c).to_pylist() for c in META_COLUMNS))}
 

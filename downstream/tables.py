@@ -29,11 +29,10 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
             path = out.shard_path(i, "parquet", check=True)
             with out.fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
                 pf = pq.ParquetFile(f)
-                out.parquet_check(i, path)(pf)      # schema and counts, before a page is read
                 unknown = [c for c in columns or () if c not in pf.schema_arrow.names]
                 if unknown:
                     raise ValueError(f"{out.path}: no column(s) {unknown} (has {pf.schema_arrow.names})")
-                tables.append(_read_checked(pf, path, out, list(columns) if columns else None))
+                tables.append(_read_checked(pf, f, path, out, i, list(columns) if columns else None))
         if not tables:
             raise ValueError(f"{out.path}: no shards")
         return pa.concat_tables(tables)
@@ -51,13 +50,17 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
     return table.select(list(columns)) if columns else table
 
 
-def _read_checked(pf, path: str, out: ElmoOutput, columns: list[str] | None):
-    """The `columns` (None: all) of an opened Parquet shard; in the sentence layout each layer row read checked to
-    hold a vector per token (its `tokens` read for that when not asked for)."""
+def _read_checked(pf, f, path: str, out: ElmoOutput, i: int, columns: list[str] | None):
+    """The `columns` (None: all) of shard i's opened Parquet file, checked against the manifest before a page is
+    read (ElmoOutput.parquet_check); in the sentence layout each layer row read checked to hold a vector per token
+    (its `tokens` read for that when not asked for)."""
     layers = [n for n in out.layer_names if columns is None or n in columns]
     if out.parquet_layout != "sentence" or not layers:
+        out.parquet_check(i, path)(pf, f, columns)
         return pf.read(columns=columns)
-    t = pf.read(columns=columns if columns is None or "tokens" in columns else [*columns, "tokens"])
+    read = columns if columns is None or "tokens" in columns else [*columns, "tokens"]
+    out.parquet_check(i, path)(pf, f, read)
+    t = pf.read(columns=read)
     check_row_lengths(t, path, layers)
     return t if columns is None else t.select(columns)
 

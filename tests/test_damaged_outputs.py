@@ -595,3 +595,77 @@ def test_an_hdf5_dataset_stored_through_a_filter_is_refused_unread(copy):
         with pytest.raises(DamagedOutput, match=r"is stored through filters \(compression\)") as e:
             read()
         assert shard in str(e.value)
+
+
+def _parquet_with(shard: str, change) -> None:
+    """The Parquet shard written anew (zstd) with change(name, column) for each column."""
+    import pyarrow.parquet as pq
+    t = pq.read_table(shard)
+    cols = {n: change(n, t.column(n).combine_chunks()) for n in t.column_names}
+    pq.write_table(pa.table(cols, schema=t.schema), shard, compression="zstd", compression_level=19)
+
+
+def test_a_parquet_text_page_inflating_past_the_manifests_records_is_refused_unread(copy):
+    """A token of 16 MiB in a shard of a few KB (zstd), the counts as the manifest says: each reader decompressed
+    it whole. Its pages' headers are checked first: 3 sentences of --max-record-bytes 1 MiB hold no more text."""
+    from elmo_pipeline.downstream.tables import to_arrow_table
+    out = copy("fp32")
+    _as_earlier_version(out)
+    m = _manifest(out)
+    m["options"]["max_record_bytes"] = 1 << 20                  # as a run with --max-record-bytes 1048576
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(m, f)
+    shard = os.path.join(out, _manifest(out)["shards"][0]["parquet"])
+
+    def bomb(name, col):
+        if name != "tokens":
+            return col
+        tokens = col.to_pylist()
+        tokens[0][0] = "a" * (16 << 20)
+        return pa.array(tokens, col.type)
+    _parquet_with(shard, bomb)
+    assert os.path.getsize(shard) < 1 << 20
+    for read in (lambda: list(ElmoOutput(out).sentences("parquet")), lambda: list(ElmoOutput(out).sentences("hdf5")),
+                 lambda: ElmoOutput(out).validate(), lambda: to_arrow_table(out, columns=["layer_1"])):
+        with pytest.raises(DamagedOutput, match=r"column tokens\.list\.element's pages decompress to \d+ bytes of "
+                                                r"text, more than 3 sentences of --max-record-bytes 1048576") as e:
+            read()
+        assert shard in str(e.value)
+    assert to_arrow_table(out, columns=["id"]).num_rows == len(TEXT)      # a column not read is not checked
+
+
+def test_a_parquet_vector_page_declaring_more_bytes_than_its_values_is_refused_unread(copy):
+    """A layer page's header declaring more bytes uncompressed than its floats hold (the allocation a decompressing
+    reader makes): refused from the header, before the page is read."""
+    import pyarrow.parquet as pq
+    from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages
+    out = copy("fp32")
+    _as_earlier_version(out)
+    shard = os.path.join(out, _manifest(out)["shards"][0]["parquet"])
+    md = pq.ParquetFile(shard).metadata
+    leaf = next(i for i in range(md.num_columns) if md.row_group(0).column(i).path_in_schema.startswith("layer_1."))
+    start, length = chunk_span(md.row_group(0).column(leaf))
+    with open(shard, "r+b") as f:
+        [page] = column_pages(f, start, length)
+        f.seek(start)
+        head = f.read(page.header)
+        old = _zigzag_varint(page.uncompressed)
+        at = head.index(old)
+        big = (1 << (7 * len(old) - 1)) - 1                 # the most the header's bytes can say
+        new = _zigzag_varint(big)
+        assert len(new) == len(old) and big > page.count * 12 + 1024
+        f.seek(start + at)
+        f.write(new)
+    for read in (lambda: list(ElmoOutput(out).sentences("parquet")), lambda: ElmoOutput(out).validate()):
+        with pytest.raises(DamagedOutput, match=r"a page of column layer_1\.list\.element\.list\.element decompresses "
+                                                rf"to {big} bytes, more than its \d+ values hold") as e:
+            read()
+        assert shard in str(e.value)
+
+
+def _zigzag_varint(n: int) -> bytes:
+    n, out = n << 1, b""
+    while True:
+        if n < 0x80:
+            return out + bytes([n])
+        out, n = out + bytes([n & 0x7F | 0x80]), n >> 7
