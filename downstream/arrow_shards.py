@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ def map_arrow_shard(path: str, fields: Sequence[str] | None = None,
     set_read_around(whole.address, size, False)
     try:
         reader = pa.ipc.open_file(pa.BufferReader(whole))
+        check_uncompressed(whole, path)
         if fields is not None:
             names = reader.schema.names
             reader = pa.ipc.open_file(pa.BufferReader(whole), options=pa.ipc.IpcReadOptions(
@@ -64,14 +66,71 @@ def read_arrow_shard(fs, path: str) -> pa.RecordBatch:
     """The record batch of the shard at fs:path: memory-mapped when local, else read whole into memory."""
     if is_local_fs(fs):
         return open_arrow_shard(path)
-    data = fs.cat_file(path)        # a storage error is the storage's, not a damaged shard
+    data = pa.py_buffer(fs.cat_file(path))       # a storage error is the storage's, not a damaged shard
     try:
         reader = pa.ipc.open_file(pa.BufferReader(data))
+        check_uncompressed(data, path)
         if reader.num_record_batches == 0:
             return pa.RecordBatch.from_pylist([], schema=reader.schema)
         return reader.get_batch(0)
     except (pa.ArrowException, OSError) as e:     # pyarrow's IO errors (a footer that fails verification) are OSErrors
         raise DamagedOutput(f"{path}: not a readable Arrow IPC file ({e})") from None
+
+
+def check_uncompressed(data: pa.Buffer, path: str) -> None:
+    """DamagedOutput unless no record or dictionary batch of the Arrow IPC file `data` (its footer verified by
+    pa.ipc.open_file) declares body compression: formats/arrow.py writes none, and pyarrow decompresses a batch's
+    buffers whole as it reads it (a same-size file may hold a bomb). Read from the footer's blocks and each message's
+    metadata (flatbuffers: Footer, Message, RecordBatch.compression), never a body."""
+    b = memoryview(data)
+    try:
+        end = len(b) - 10                                   # the footer, its int32 length, "ARROW1"
+        footer = _at(b, end - struct.unpack_from("<i", b, end)[0])
+        for vector in (_field(b, footer, 2), _field(b, footer, 3)):     # Footer.dictionaries, Footer.recordBatches
+            if vector is None:
+                continue
+            vector = _at(b, vector)
+            for j in range(struct.unpack_from("<I", b, vector)[0]):      # Block: offset, metaDataLength, bodyLength
+                offset = struct.unpack_from("<q", b, vector + 4 + 24 * j)[0]
+                if not 0 <= offset < len(b):
+                    raise ValueError(f"a block at byte {offset}")
+                if _compressed(pa.ipc.read_message(pa.BufferReader(data.slice(offset))).metadata):
+                    raise DamagedOutput(f"{path}: its batches are compressed (IPC body compression); the writer "
+                                        "compresses none")
+    except (struct.error, ValueError, IndexError) as e:
+        if isinstance(e, DamagedOutput):
+            raise
+        raise DamagedOutput(f"{path}: not a readable Arrow IPC file (footer: {e})") from None
+
+
+def _compressed(metadata: pa.Buffer) -> bool:
+    """Whether a Message's RecordBatch (a DictionaryBatch's data) has its `compression` field."""
+    b = memoryview(metadata)
+    message = _at(b, 0)
+    kind, header = _field(b, message, 1), _field(b, message, 2)     # Message.header_type, Message.header
+    kind = b[kind] if kind is not None else 0
+    if header is None or kind not in (2, 3):                         # 2 DictionaryBatch, 3 RecordBatch
+        return False
+    batch = _at(b, header)
+    if kind == 2:
+        data = _field(b, batch, 1)                                   # DictionaryBatch.data
+        if data is None:
+            return False
+        batch = _at(b, data)
+    return _field(b, batch, 3) is not None                           # RecordBatch.compression
+
+
+def _at(b: memoryview, p: int) -> int:
+    """The position a flatbuffer offset at p points to."""
+    return p + struct.unpack_from("<I", b, p)[0]
+
+
+def _field(b: memoryview, table: int, i: int) -> int | None:
+    """The position of field i of the flatbuffer table at `table`; None when absent."""
+    vtable = table - struct.unpack_from("<i", b, table)[0]
+    size = struct.unpack_from("<H", b, vtable)[0]
+    offset = struct.unpack_from("<H", b, vtable + 4 + 2 * i)[0] if 6 + 2 * i <= size else 0
+    return table + offset if offset else None
 
 
 def flat_vectors(batch: pa.RecordBatch, name: str) -> np.ndarray:

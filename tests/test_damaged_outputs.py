@@ -669,3 +669,26 @@ def _zigzag_varint(n: int) -> bytes:
         if n < 0x80:
             return out + bytes([n])
         out, n = out + bytes([n & 0x7F | 0x80]), n >> 7
+
+
+def test_an_arrow_shard_with_compressed_batches_is_refused_before_they_are_decompressed(copy):
+    """An Arrow shard written with IPC body compression (zstd), its `token` column holding a 16 MiB string, in a
+    file of a few KB: pyarrow decompressed every buffer on open. The writer compresses none: a batch or dictionary
+    declaring compression is refused from its metadata, local (mapped) or remote (read whole)."""
+    out = copy("fp32")
+    _as_earlier_version(out)
+    shard = _arrow_shard(out)
+    b = pa.ipc.open_file(shard).get_batch(0)
+    tokens = b.column("token").to_pylist()
+    tokens[0] = "a" * (16 << 20)
+    b = b.set_column(b.schema.get_field_index("token"), "token", pa.array(tokens, pa.string()))
+    with pa.ipc.new_file(shard, b.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_batch(b)
+    assert os.path.getsize(shard) < 1 << 20
+    url = _in_memory(out, "compressed")
+    for read in (lambda: list(ElmoOutput(out).sentences("arrow")), lambda: MappedDataset(out),
+                 lambda: ElmoOutput(out).validate(), lambda: list(ElmoOutput(url).sentences("arrow"))):
+        with pytest.raises(DamagedOutput, match=r"its batches are compressed \(IPC body compression\)") as e:
+            read()
+        assert str(e.value).endswith("the writer compresses none")
+    ElmoOutput(url).fs.rm("/compressed", recursive=True)
