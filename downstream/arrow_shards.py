@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from elmo_pipeline.downstream.shard_checks import DamagedOutput
+from elmo_pipeline.downstream.shard_checks import DamagedOutput, field_names
 from elmo_pipeline.fsio import is_local_fs
 
 
@@ -37,8 +37,8 @@ def map_arrow_shard(path: str, fields: Sequence[str] | None = None,
     try:
         reader = pa.ipc.open_file(pa.BufferReader(whole))
         check_uncompressed(whole, path)
+        names = field_names(reader.schema, path)
         if fields is not None:
-            names = reader.schema.names
             reader = pa.ipc.open_file(pa.BufferReader(whole), options=pa.ipc.IpcReadOptions(
                 included_fields=[names.index(f) for f in fields]))
         batch = reader.get_batch(0) if reader.num_record_batches else \
@@ -70,6 +70,7 @@ def read_arrow_shard(fs, path: str) -> pa.RecordBatch:
     try:
         reader = pa.ipc.open_file(pa.BufferReader(data))
         check_uncompressed(data, path)
+        field_names(reader.schema, path)
         if reader.num_record_batches == 0:
             return pa.RecordBatch.from_pylist([], schema=reader.schema)
         return reader.get_batch(0)

@@ -198,7 +198,7 @@ def check_arrow_batch(batch: pa.RecordBatch, where: str, tokens: int, sentences:
     enough for their lengths (full: pyarrow's full validation of every column too)."""
     def fail(what: str):
         raise DamagedOutput(f"{where}: {what}")
-    names = batch.schema.names
+    names = field_names(batch.schema, where)
     for col in ("id", "doc_id", "sentence_index", *layer_dims):
         if col not in names:
             fail(f"no column {col!r}")
@@ -234,6 +234,14 @@ def check_arrow_batch(batch: pa.RecordBatch, where: str, tokens: int, sentences:
     dcodes = docs.indices.to_numpy(zero_copy_only=False)
     if len(dcodes) and (int(dcodes.min()) < 0 or int(dcodes.max()) >= len(docs.dictionary)):
         fail("doc id codes out of range")
+
+
+def field_names(schema: pa.Schema, where: str) -> list[str]:
+    """The top-level field names of an Arrow schema read from `where`; DamagedOutput when one is not UTF-8 text."""
+    try:
+        return schema.names
+    except UnicodeDecodeError:
+        raise DamagedOutput(f"{where}: a field name is not UTF-8 text") from None
 
 
 def _not_steps(codes: np.ndarray) -> bool:

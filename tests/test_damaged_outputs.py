@@ -692,3 +692,20 @@ def test_an_arrow_shard_with_compressed_batches_is_refused_before_they_are_decom
             read()
         assert str(e.value).endswith("the writer compresses none")
     ElmoOutput(url).fs.rm("/compressed", recursive=True)
+
+
+def test_an_arrow_field_name_that_is_not_utf8_is_a_damaged_output(copy):
+    """A byte of a field name in the IPC metadata flipped to 0xFF: each reader raised a bare UnicodeDecodeError
+    naming neither the file nor the output."""
+    out = copy("fp32")
+    _as_earlier_version(out)
+    shard = _arrow_shard(out)
+    data = open(shard, "rb").read().replace(b"sentence_index", b"\xffentence_index")
+    open(shard, "wb").write(data)
+    url = _in_memory(out, "badname")
+    for read in (lambda: list(ElmoOutput(out).sentences("arrow")), lambda: MappedDataset(out),
+                 lambda: ElmoOutput(out).validate(), lambda: list(ElmoOutput(url).sentences("arrow"))):
+        with pytest.raises(DamagedOutput, match="a field name is not UTF-8 text") as e:
+            read()
+        assert str(e.value).endswith(f"{os.path.relpath(shard, out)}: a field name is not UTF-8 text")
+    ElmoOutput(url).fs.rm("/badname", recursive=True)
