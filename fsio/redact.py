@@ -25,13 +25,14 @@ Text without user info or query values (local paths, plain URLs) comes back unch
 is hashed or compared from redacted values (run keys) does not move for ordinary inputs.
 
 Linear in the text's length whatever it holds (an error quoting a crafted record never stalls a worker): the rules
-that scan from many starts find their ends by position (_Positions), and a URL's scheme is at most 64 characters.
+that scan from many starts find their ends by position (_Positions), schemes by runs (_scheme_heads).
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import re
+from collections.abc import Iterable, Iterator
 
 MASK = "***"
 SECRET_WORDS = frozenset({
@@ -61,8 +62,10 @@ _ENDS = r"[\s&#,;:.)\]}'\"<>]|$"     # what may follow a quoted value's closing 
 _QUOTED_VALUE = rf"\\?\"[^\"\n]*\"(?={_ENDS})|\\?'[^'\n]*'(?={_ENDS})"
 _PASSWORD, _VALUE, _FRAGMENT, _QUOTED, _AWS4_VALUE = (_until_closing(c)
                                                       for c in (r"\s?#", r"&#\s", r"\s", r"\n", r",\s&"))
-# a URL's scheme (at most 64 characters: every registered one is shorter) and ://, where a word starts
-_SCHEME_HEAD = re.compile(r"\b[a-zA-Z][\w+.-]{0,63}://")
+# a URL's scheme and :// (_scheme_heads): found from a whole run of scheme characters then ://, its start the
+# run's first letter that starts a word (as \b[a-zA-Z][\w+.-]*:// would find it, without a scan from every letter)
+_SCHEME_RUN = re.compile(r"(?<![\w+.-])[\w+.-]+://")
+_SCHEME_START = re.compile(r"\b[a-zA-Z]")
 # scheme://userinfo@ (_mask_userinfo): to the authority's last @ (an unescaped @ inside it too); a password holding
 # a / (taken unescaped by SQLAlchemy) only when what follows the colon is no port (digits then /?#)
 _AT = re.compile("@")
@@ -83,7 +86,7 @@ _PATH_PARAMETER = re.compile(rf";(?P<name>[^=;/?#&\s'\"<>]+)=(?!\*\*\*)(?P<value
                              rf"(?:(?![;?#&]){_VALUE})*)")
 # a URL's fragment (#access_token=..., as OAuth's implicit flow hands tokens): never sent to a server, masked whole
 # (_mask_fragments: a # that ends a run of characters holding a URL's scheme)
-_FRAGMENT_RUN = re.compile(r"(?<![^\s#'\"<>])[^\s#'\"<>]*+#")
+_FRAGMENT_RUN = re.compile(r"(?<![^\s#'\"<>])[^\s#'\"<>]*#")
 _FRAGMENT_VALUE = re.compile(rf"(?!\*\*\*){_FRAGMENT}+")
 # a header or mapping printed by a library (botocore's DEBUG lines): 'X-Amz-Security-Token': b'...', "authorization": "..."
 _HEADER = re.compile(r"(?P<head>(?P<q>['\"])(?P<name>[\w.-]+)(?P=q)\s*:\s*b?)(?P<v>['\"])"
@@ -105,11 +108,18 @@ def secret_name(name: str) -> bool:
     return any(w.lower() in SECRET_WORDS for w in _WORDS.findall(name)) or any(p in joined for p in SECRET_PARTS)
 
 
+REDACT_PASSES = 3      # a mask can close a quote that a secret's own quote kept open: the rules again, at most this
+
+
 def redact(value):
     """`value` with its secrets replaced by *** (see the module docstring): str, dict, list and tuple (in turn);
     anything else as it is."""
     if isinstance(value, str):
-        return _redact_text(value)
+        for _ in range(REDACT_PASSES):     # until nothing more is masked: redact(redact(x)) == redact(x)
+            value, before = _redact_text(value), value
+            if value == before:
+                break
+        return value
     if isinstance(value, dict):
         return {redact(k): MASK if isinstance(k, str) and secret_name(k) and isinstance(v, str) and v else redact(v)
                 for k, v in value.items()}
@@ -125,6 +135,9 @@ _ONE_PARAMETER = re.compile(r";(?P<name>[^=;/?#&\s]+)=(?P<value>[^;?#&]*)")
 _ONE_QUERY = re.compile(r"(?P<name>[^=&]*)(?:=(?P<value>(?:\"[^\"]*\"|'[^']*')?[^&]*))?(?P<sep>&|$)")
 
 
+_IPV6_HOST = re.compile(r"\[[0-9A-Fa-f:.]*\]")     # http://[::1]/...: its colons are no user:password's
+
+
 def _one_url(text: str) -> str:
     """A text that is one URL holding whitespace (see the module docstring), its parts masked to their ends: user
     info in the user:password form (not host:port) to the last @ before another URL (a password may hold / ? # and
@@ -136,7 +149,7 @@ def _one_url(text: str) -> str:
     start = head.end()
     colon = text.find(":", start)
     stop = next((m.start() for m in re.finditer(r"\s[a-zA-Z][\w+.-]*://", text)), len(text))   # another URL
-    if colon >= 0 and not re.search(r"[/?#\s]", text[start:colon]) and not re.match(r"\d*(?:[/?#]|$)",
+    if colon >= 0 and not _IPV6_HOST.match(text, start) and not re.search(r"[/?#\s]", text[start:colon]) and not re.match(r"\d*(?:[/?#]|$)",
                                                                                    text[colon + 1:]) \
             and text.rfind("@", 0, stop) > colon:
         at = text.rfind("@", 0, stop)
@@ -153,34 +166,49 @@ def _one_url(text: str) -> str:
     if query_at >= 0:
         query_end = text.find("#", query_at) if "#" in text[query_at:] else len(text)
 
-        def mask(m: re.Match) -> str:
-            plain = m["name"].lower() in PLAIN_PARAMETERS and not secret_name(m["name"])
-            return f"{m['name']}={MASK}{m['sep']}" if m["value"] and not plain else m[0]
-
-        text = f"{text[:query_at + 1]}{_ONE_QUERY.sub(mask, text[query_at + 1:query_end])}{text[query_end:]}"
+        text = f"{text[:query_at + 1]}{_one_query(text[query_at + 1:query_end])}{text[query_end:]}"
         hash_at = text.find("#", query_at)
         if hash_at >= 0 and text[hash_at + 1:] != MASK:
             text = f"{text[:hash_at]}#{MASK}"
     return text
 
 
+def _one_query(query: str, depth: int = 0) -> str:
+    """The query of a text that is one URL (after its ?), each value masked to its & or end but for
+    PLAIN_PARAMETERS'; a kept value holding a ? is a query in turn (?page=1?sig=X), MAX_NESTED_QUERIES deep."""
+    def mask(m: re.Match) -> str:
+        name, value = m["name"], m["value"]
+        if value and not (name.lower() in PLAIN_PARAMETERS and not secret_name(name)):
+            return f"{name}={MASK}{m['sep']}"
+        if value and "?" in value and value[0] not in "'\"":
+            kept, _, rest = value.partition("?")
+            nested = _one_query(rest, depth + 1) if depth < MAX_NESTED_QUERIES else MASK
+            return f"{name}={kept}?{nested}{m['sep']}"
+        return m[0]
+    return _ONE_QUERY.sub(mask, query)
+
+
 # a quote opening a URL ('scheme://..., as repr() quotes an argument); the next such quote closes it when an end
 # follows it (_ENDS)
-_QUOTED_URL_START = re.compile(r"(?P<q>['\"])(?=[a-zA-Z][\w+.-]{0,63}://)")
-_QUOTE = {q: re.compile(q) for q in "'\""}
+_QUOTED_URL_START = re.compile(r"(?P<q>['\"])(?=[a-zA-Z][\w+.-]*://)")
+_QUOTE = {q: re.compile(rf"(?<!\\){q}(?={_ENDS})") for q in "'\""}    # unescaped, then an end
 _NEWLINE = re.compile("\n")
-_END = re.compile(_ENDS)
+
+
+QUOTED_URLS_A_QUOTE = 8     # URLs tried against one closing quote at most (each is read to it: linear time)
 
 
 def _mask_quoted_urls(text: str) -> str:
-    """Each URL quoted whole and holding whitespace (on one line) masked as a text that is one URL (_one_url)."""
-    out, done, newlines = [], 0, _Positions(_NEWLINE, text)
+    """Each URL quoted whole and holding whitespace (on one line) masked as a text that is one URL (_one_url); past
+    QUOTED_URLS_A_QUOTE opening quotes before one closing quote, the others are left to the other rules."""
+    out, done, newlines, tried = [], 0, _Positions(_NEWLINE, text), {}
     quotes = {q: _Positions(pattern, text) for q, pattern in _QUOTE.items()}
     for m in _QUOTED_URL_START.finditer(text):
         if m.start() < done:
             continue
         end = quotes[m["q"]].first(m.end())
-        if end < len(text) and end < newlines.first(m.end()) and _END.match(text, end + 1):
+        tried[end] = tried.get(end, 0) + 1
+        if end < len(text) and end < newlines.first(m.end()) and tried[end] <= QUOTED_URLS_A_QUOTE:
             inner = text[m.end():end]
             masked = _one_url(inner)
             if masked != inner:
@@ -202,8 +230,9 @@ def _redact_text(text: str) -> str:
     if "://" in text and ("'" in text or '"' in text):
         text = _mask_quoted_urls(text)
     if "@" in text:
-        text = _mask_userinfo(_mask_userinfo(text, _SCHEME_HEAD, _url_userinfo_end, keep_head=True),
-                              _BARE_HEAD, _bare_userinfo_end, keep_head=False)
+        text = _mask_userinfo(text, _scheme_heads(text), _url_userinfo_end, keep_head=True)
+        text = _mask_userinfo(text, ((m.start(), m.end()) for m in _BARE_HEAD.finditer(text)), _bare_userinfo_end,
+                              keep_head=False)
     if "=" in text:
         text = _redact_query(text)
         if ";" in text:
@@ -243,16 +272,24 @@ class _Positions:
         return self.at[i] if i >= 0 and self.at[i] >= lo else -1
 
 
-def _mask_userinfo(text: str, head: re.Pattern, end_of, keep_head: bool) -> str:
-    """Every user info that starts where `head` matches and that end_of(text, match, positions) ends (the index of
-    its @, or -1: none) replaced by *** (after the head when keep_head), left to right, none inside another."""
+def _scheme_heads(text: str, start: int = 0, end: int | None = None) -> Iterator[tuple[int, int]]:
+    """(start, end) of each URL scheme with its :// in text[start:end], left to right."""
+    for m in _SCHEME_RUN.finditer(text, start, len(text) if end is None else end):
+        if first := _SCHEME_START.search(text, m.start(), m.end() - 3):
+            yield first.start(), m.end()
+
+
+def _mask_userinfo(text: str, heads: Iterable[tuple[int, int]], end_of, keep_head: bool) -> str:
+    """Every user info that starts after a head ((start, end) in text, left to right) and that end_of(text, head's
+    end, positions) ends (the index of its @, or -1: none) replaced by *** (after the head when keep_head), left to
+    right, none inside another."""
     out, done, positions = [], 0, {}
-    for m in head.finditer(text):
-        if m.start() < done:
+    for start, end in heads:
+        if start < done:
             continue
-        at = end_of(text, m, positions)
+        at = end_of(text, end, positions)
         if at >= 0:
-            out += [text[done:m.start()], m[0] if keep_head else "", MASK, "@"]
+            out += [text[done:start], text[start:end] if keep_head else "", MASK, "@"]
             done = at + 1
     return "".join(out) + text[done:] if out else text
 
@@ -261,11 +298,11 @@ def _found(positions: dict, pattern: re.Pattern, text: str) -> _Positions:
     return positions.setdefault(pattern, _Positions(pattern, text))
 
 
-def _url_userinfo_end(text: str, m: re.Match, positions: dict) -> int:
-    """The @ that ends scheme://userinfo@ after the head `m`: the authority's last (at least one character before
-    it), else, for user:password (the colon followed by no port), the last before the password's end (a space,
-    ? or #, a closing quote)."""
-    h, ats = m.end(), _found(positions, _AT, text)
+def _url_userinfo_end(text: str, h: int, positions: dict) -> int:
+    """The @ that ends scheme://userinfo@ after the head ending at h: the authority's last (at least one character
+    before it), else, for user:password (the colon followed by no port), the last before the password's end (a
+    space, ? or #, a closing quote)."""
+    ats = _found(positions, _AT, text)
     at = ats.last(h + 1, _found(positions, _AUTHORITY_END, text).first(h))
     if at >= 0:
         return at
@@ -275,10 +312,10 @@ def _url_userinfo_end(text: str, m: re.Match, positions: dict) -> int:
     return -1
 
 
-def _bare_userinfo_end(text: str, m: re.Match, positions: dict) -> int:
-    """The @ that ends user:password@ after the head `m` (the user, its colon, the password's first character):
-    the next @ or space, when an @ followed by a host."""
-    at = _found(positions, _BARE_END, text).first(m.end())
+def _bare_userinfo_end(text: str, h: int, positions: dict) -> int:
+    """The @ that ends user:password@ after the head ending at h (the user, its colon, the password's first
+    character): the next @ or space, when an @ followed by a host."""
+    at = _found(positions, _BARE_END, text).first(h)
     return at if at < len(text) and text[at] == "@" and _HOST_START.match(text, at + 1) else -1
 
 
@@ -289,13 +326,14 @@ def _mask_fragments(text: str) -> str:
     for m in _FRAGMENT_RUN.finditer(text):
         if m.start() < done:
             continue
-        if _SCHEME_HEAD.search(text, m.start(), m.end() - 1) and (value := _FRAGMENT_VALUE.match(text, m.end())):
+        if next(_scheme_heads(text, m.start(), m.end() - 1), None) and \
+                (value := _FRAGMENT_VALUE.match(text, m.end())):
             out += [text[done:m.end()], MASK]
             done = value.end()
     return "".join(out) + text[done:] if out else text
 
 
-MAX_NESTED_QUERIES = 16     # a kept value holding a query holding one ...: past this depth, the rest is masked
+MAX_NESTED_QUERIES = 4     # a kept value holding a query holding one ...: past this depth, the rest is masked
 
 
 def _redact_query(text: str, depth: int = 0) -> str:
