@@ -8,7 +8,7 @@ import importlib
 import logging
 import sys
 import traceback
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 # subcommand -> (module, help). Modules are imported only when their subcommand runs, except that
 # building the parser imports each one for its add_arguments (no Beam import there).
@@ -65,9 +65,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console(argv: list[str] | None = None) -> NoReturn:
-    """The command's process (console script, `python -m elmo_pipeline`): main, then exit with its status
-    (exit_with)."""
-    exit_with(main(argv))
+    """The command's process (console script, `python -m elmo_pipeline`): main under process()."""
+    process(lambda: main(argv))
+
+
+def process(main_: Callable[[], int]) -> NoReturn:
+    """A command's process: its standard streams guarded first (pipeline/streams.py: what it prints is dropped
+    when nobody reads it, its status unchanged), then main_(), then exit with its status (exit_with). Ctrl-C
+    before main_ handles it (while the command's modules are still imported, seconds) is one line `error: ...`
+    and 130, as once it runs (pipeline/exits.py)."""
+    from elmo_pipeline.pipeline.streams import guard, say
+    guard()
+    try:
+        status = main_()
+    except KeyboardInterrupt as e:
+        from elmo_pipeline.pipeline.exits import classify
+        failure = classify(e)
+        say(failure.line())
+        status = failure.status
+    exit_with(status)
 
 
 def exit_with(status: int) -> NoReturn:

@@ -25,6 +25,8 @@ INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell's 128 + 2
 TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNREFUSED,
                     errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
                     errno.EPIPE}
+# EPIPE here is a storage connection's (a peer gone mid-request): transient. The command's own stdout and stderr never
+# raise it: a reader gone is theirs to drop where the write is made (pipeline/streams.py), never a failure of the run
 # exception classes by name (botocore, aiohttp, urllib3, requests, pyiceberg: none imported here)
 TRANSIENT_TYPES = ("LeaseHeld", "RetryLater", "ConnectionError", "EndpointConnectionError",
                    "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError", "ClientConnectorError",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -26,8 +25,10 @@ from elmo_pipeline.model.options import load_options, sentences_independent
 from elmo_pipeline.model.kernels import exact_here, planned_kernel_path
 from elmo_pipeline.model.resolve import resolve_model
 from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
+from elmo_pipeline.pipeline.streams import stderr_is_terminal
 from elmo_pipeline.pipeline.validate import (check_dedupe, check_iceberg, check_input_columns, check_model,
-                                             check_metrics_file, check_numbers, check_output_writable, check_reuse, check_runner,
+                                             check_metrics_file, check_numbers, check_output_writable, check_reuse,
+                                             check_runner,
                                              check_state, check_upsert, inputs_outside_output, own_files)
 from elmo_pipeline.pipeline.workers import (BUCKET_BYTES, Where, dask_partitions, embed_threads, layout_of,
                                             spread_by_key, tokenizer_processes)
@@ -319,7 +320,7 @@ def assemble(opts: PipelineOptions, o: ElmoOptions, so: dict, where: Where, inpu
                       o.row_group_bytes, model.n_layers, model.dim, o.vector_compression,
                       model.spec.key_prefix if sentences_independent(o.state) else None)
     children = tokenizer_processes(o.tokenizer_process, model.tokenizer, where.local, where.runner, where.workers)
-    bar = o.progress == "on" or (o.progress == "auto" and where.local and sys.stderr.isatty())
+    bar = o.progress == "on" or (o.progress == "auto" and where.local and stderr_is_terminal())
     return Plan(o, so, inputs.files, inputs.labels, o.formats(), model.spec, shard,
                 spread_documents=spread,
                 unique_ids=bool(o.id_field) and not stateful, sort=sentences_independent(o.state),

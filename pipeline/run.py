@@ -8,6 +8,10 @@ The local default runner is FnApiRunner (never Prism, which Beam would try to do
 """
 from __future__ import annotations
 
+if __name__ == "__main__":    # the command's process: this module imported (seconds) and run under cli.process()
+    from elmo_pipeline.pipeline.cli import process
+    process(lambda: __import__("elmo_pipeline.pipeline.run", fromlist=["main"]).main())
+
 import logging
 import sys
 import time
@@ -24,6 +28,7 @@ from elmo_pipeline.pipeline.execute import AlreadyComplete, FinalizeOnly, run_pl
 from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
 from elmo_pipeline.pipeline.validate import check_metrics_file
 from elmo_pipeline.pipeline.plan import pipeline_options, plan, storage_options
+from elmo_pipeline.pipeline.streams import say, stderr_is_terminal
 from elmo_pipeline.transforms.logs import quiet_failures
 from elmo_pipeline.transforms import progress
 
@@ -155,22 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if job.dry_run:
             from elmo_pipeline.pipeline.dry_run import dry_run
-            print(redact(dry_run(argv)))
-            return exits.OK
-        result = run(argv)
+            text = redact(dry_run(argv))
+        else:
+            result = run(argv)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every failure ends in one line and a status
         failure = exits.classify(e)
+        if job.metrics_file and not job.dry_run:       # the result first: what is printed may reach nobody
+            _try_metrics_file(job.metrics_file, job.output, failure.status)
         if job.verbose:
             import traceback
-            print(redact("".join(traceback.format_exception(e))), end="", file=sys.stderr)
-        print(failure.line(), file=sys.stderr)
-        if job.metrics_file and not job.dry_run:
-            _try_metrics_file(job.metrics_file, job.output, failure.status)
+            say(redact("".join(traceback.format_exception(e))).rstrip("\n"))
+        say(failure.line())
         return failure.status
-    print(("\n" if sys.stderr.isatty() else "") + redact(summary(result, job.output)), file=sys.stderr)
+    if job.dry_run:
+        say(text, sys.stdout)
+        return exits.OK
     if job.metrics_file:
         _try_metrics_file(job.metrics_file, job.output, exits.OK,
                           lambda: _output_metrics(job.output, storage_options(PipelineOptions(argv))))
+    say(("\n" if stderr_is_terminal() else "") + redact(summary(result, job.output)))
     return exits.OK
 
 
@@ -183,9 +191,4 @@ def _try_metrics_file(path: str, output: str | None, status: int, text=lambda: "
             check_metrics_file(path, output)
         write_metrics_file(path, output, status, text())
     except Exception as e:  # noqa: BLE001
-        print(redact(f"warning: --metrics-file {path}: {e}"), file=sys.stderr)
-
-
-if __name__ == "__main__":
-    from elmo_pipeline.pipeline.cli import exit_with
-    exit_with(main())
+        say(redact(f"warning: --metrics-file {path}: {e}"))

@@ -1,0 +1,118 @@
+"""The command's standard streams: what it prints is for whoever reads it, and its result never depends on that.
+
+A scheduler may start a command with stdout or stderr closed (`2>&-`) or piped into a reader that exits early
+(`plan | head -1`, `2>&1 | true`). What the command prints is then dropped, and nothing else changes: the run
+goes on, writes its output and its --metrics-file, and exits with the status of its work (0 for a run that
+finished, 2 for a bad flag, ...; docs/scheduling.md#logs-nobody-reads), every subcommand alike.
+
+guard(), first thing in a command's process (pipeline/cli.py process()):
+- a closed descriptor 0, 1 or 2 is opened on os.devnull (otherwise the next file the process opens takes its
+  number, and what is written to "stderr", by this process or a child, lands in that file), and sys.stdin,
+  sys.stdout or sys.stderr, None then, is opened on it;
+- sys.stdout and sys.stderr write through Unread: a write or flush that finds its reader gone (EPIPE) or its
+  descriptor closed (EBADF) points the descriptor at os.devnull and drops the text; later writes, the
+  interpreter's last flush and children started afterwards go there too.
+Only these streams' own writes are caught here: an EPIPE of a storage connection stays what it is (a transient
+failure: pipeline/exits.py, 75). say() prints a line where the streams may be unguarded (main() called in a
+process of someone else's, a test's).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import sys
+
+GONE = (errno.EPIPE, errno.EBADF)   # the reader of a stream exited, or its descriptor was closed
+
+
+def reader_gone(e: BaseException) -> bool:
+    """Whether `e`, raised by a write to a standard stream, says nobody reads it any more."""
+    return isinstance(e, OSError) and e.errno in GONE
+
+
+def _to_devnull(fd: int) -> None:
+    null = os.open(os.devnull, os.O_RDWR)
+    if null != fd:
+        os.dup2(null, fd)
+        os.close(null)
+
+
+class Unread:
+    """A standard stream whose writes and flushes are dropped once nobody reads it (see the module docstring)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def _gone(self) -> None:
+        try:
+            _to_devnull(self.stream.fileno())
+            self.stream.flush()         # what it still buffered, into os.devnull
+        except (OSError, ValueError):
+            pass
+
+    def write(self, text) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as e:
+            if not reader_gone(e):
+                raise
+            self._gone()
+            return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as e:
+            if not reader_gone(e):
+                raise
+            self._gone()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def guard() -> None:
+    """Idempotent: the process's standard streams as the module docstring says."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            _to_devnull(fd)
+    if sys.stdin is None:
+        sys.stdin = open(0, "r", closefd=False)
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        if stream is None:
+            stream = open(fd, "w", buffering=1, errors="backslashreplace", closefd=False)
+        if not isinstance(stream, Unread):
+            setattr(sys, name, Unread(stream))
+
+
+def say(text: str, file=None) -> None:
+    """print(text) to `file` (default sys.stderr); nothing when that stream is closed or nobody reads it."""
+    file = sys.stderr if file is None else file
+    if file is None:
+        return
+    try:
+        print(text, file=file, flush=True)
+    except OSError as e:
+        if not reader_gone(e):
+            raise
+
+
+def stderr_is_terminal() -> bool:
+    """Whether sys.stderr is a terminal (False when it is closed: None)."""
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -1,0 +1,122 @@
+"""A command's result never depends on whether anyone reads its logs (pipeline/streams.py,
+docs/scheduling.md#logs-nobody-reads): with stdout or stderr a pipe nobody reads any more, or closed, a run exits
+with its work's status and writes its output and --metrics-file; what it prints is dropped. Ctrl-C while the
+command is still importing is one `error:` line and 130."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from elmo_pipeline.pipeline import exits
+from elmo_pipeline.pipeline.streams import Unread, say
+from tests.resume_helpers import REPO, argv, write_corpus
+
+
+def _unread_pipe():
+    """The write end of a pipe whose read end is closed: every write to it fails with EPIPE."""
+    r, w = os.pipe()
+    os.close(r)
+    return w
+
+
+def test_a_stream_nobody_reads_drops_what_is_written():
+    w = _unread_pipe()
+    stream = Unread(open(w, "w", buffering=1))
+    stream.write("a line nobody reads\n")
+    stream.flush()
+    print("and another", file=stream)
+    say("said to nobody", stream)
+    stream.stream.close()        # what it still buffered went to os.devnull: no error at close either
+
+
+def test_say_on_an_unguarded_stream_nobody_reads():
+    raw = open(_unread_pipe(), "w")
+    say("dropped", raw)
+    say("nothing at all", None)
+
+
+def test_a_broken_connection_to_storage_is_still_retry_later():
+    """EPIPE raised by storage (a connection) stays transient: only the command's own streams drop theirs."""
+    assert exits.classify(BrokenPipeError(32, "Broken pipe")).status == exits.TEMPFAIL
+
+
+# ---------------------------------------------------------------- processes
+def _run(args, module="elmo_pipeline", stdout=None, stderr=None, shell_suffix=""):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", module, *args]
+    if shell_suffix:
+        cmd = ["bash", "-c", " ".join(f"'{a}'" for a in cmd) + " " + shell_suffix]
+    return subprocess.run(cmd, cwd=REPO, env=env, stdout=stdout, stderr=stderr, timeout=300)
+
+
+def _status(path):
+    return [line for line in open(path) if line.startswith("elmo_pipeline_exit_status")]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(str(tmp_path_factory.mktemp("corpus") / "docs.txt"), n_docs=4, seed=3)
+
+
+@pytest.mark.slow
+def test_run_rerun_and_bad_flag_with_nobody_reading(corpus, tiny_model_files, tmp_path):
+    out, metrics = str(tmp_path / "out"), tmp_path / "m.prom"
+    args = ["run", *argv(tiny_model_files, corpus, out), "--metrics-file", str(metrics)]
+    for attempt in ("run", "already complete"):
+        metrics.unlink(missing_ok=True)
+        w = _unread_pipe()
+        p = _run(args, stdout=w, stderr=w)
+        os.close(w)
+        assert p.returncode == 0, attempt
+        assert os.path.exists(os.path.join(out, "_SUCCESS")) and _status(metrics) and \
+            _status(metrics)[0].split()[-1] == "0", attempt
+    w = _unread_pipe()
+    p = _run(["run", *argv(tiny_model_files, corpus, str(tmp_path / "o2")), "--bogus", "--metrics-file",
+              str(metrics)], stdout=w, stderr=w)
+    os.close(w)
+    assert p.returncode == 2 and _status(metrics)[0].split()[-1] == "2"
+
+
+@pytest.mark.slow
+def test_plan_and_models_into_a_reader_gone_exit_0(corpus, tiny_model_files, tmp_path):
+    for module, args in (("elmo_pipeline", ["plan", *argv(tiny_model_files, corpus, str(tmp_path / "o"))]),
+                         ("elmo_pipeline.pipeline.run", ["--dry-run", *argv(tiny_model_files, corpus, str(tmp_path / "o"))]),
+                         ("elmo_pipeline", ["models"])):
+        w = _unread_pipe()
+        p = _run(args, module, stdout=w, stderr=subprocess.PIPE)
+        os.close(w)
+        assert p.returncode == 0, (module, args[0], p.stderr[-2000:])
+        assert b"Traceback" not in p.stderr and b"Broken pipe" not in p.stderr, p.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "o")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["elmo_pipeline", "elmo_pipeline.pipeline.run"])
+def test_run_with_stderr_closed_exits_0(module, corpus, tiny_model_files, tmp_path):
+    out = str(tmp_path / "out")
+    args = (["run"] if module == "elmo_pipeline" else []) + [
+        a for a in argv(tiny_model_files, corpus, out) if a not in ("--progress", "off")]    # progress auto: isatty
+    p = _run(args, module, stdout=subprocess.PIPE, shell_suffix="2>&-")
+    assert p.returncode == 0 and os.path.exists(os.path.join(out, "_SUCCESS")), p.stdout[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["elmo_pipeline", "elmo_pipeline.pipeline.run"])
+def test_ctrl_c_while_importing_is_one_line_and_130(module, tmp_path):
+    """KeyboardInterrupt raised as the command imports Beam (where a Ctrl-C in its first seconds lands)."""
+    code = ("import builtins, sys\n"
+            "real = builtins.__import__\n"
+            "def imp(name, *a, **k):\n"
+            "    if name == 'apache_beam':\n"
+            "        raise KeyboardInterrupt\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = imp\n"
+            f"sys.argv = ['x', *sys.argv[1:]]\n"
+            f"import runpy; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+    args = (["run"] if module == "elmo_pipeline" else []) + ["--input", "x.txt", "--output", str(tmp_path / "o")]
+    p = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == exits.INTERRUPTED, (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert [line for line in p.stderr.splitlines() if line.startswith("error:")] == \
+        ["error: KeyboardInterrupt (exit 130: interrupted)"], p.stderr
