@@ -1,8 +1,10 @@
 """A command's result never depends on whether anyone reads its logs (pipeline/streams.py,
 docs/scheduling.md#logs-nobody-reads): with stdout or stderr a pipe nobody reads any more, or closed, a run exits
 with its work's status and writes its output and --metrics-file; what it prints is dropped. Ctrl-C while the
-command is still importing is one `error:` line and 130."""
+command is still importing is one `error:` line and 130; a tokenizer child whose reader is gone exits quietly."""
+import io
 import os
+import pickle
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 
 from elmo_pipeline.pipeline import exits
 from elmo_pipeline.pipeline.streams import Unread, say
+from elmo_pipeline.tokenization.process import serve
 from tests.resume_helpers import REPO, argv, write_corpus
 
 
@@ -39,6 +42,13 @@ def test_say_on_an_unguarded_stream_nobody_reads():
 def test_a_broken_connection_to_storage_is_still_retry_later():
     """EPIPE raised by storage (a connection) stays transient: only the command's own streams drop theirs."""
     assert exits.classify(BrokenPipeError(32, "Broken pipe")).status == exits.TEMPFAIL
+
+
+def test_a_tokenizer_child_whose_reader_is_gone_returns_quietly():
+    chunk = io.BytesIO(pickle.dumps([("One sentence. Two.", True)], protocol=5))
+    out = open(_unread_pipe(), "wb")
+    serve("wikitext", chunk, out)          # raised BrokenPipeError
+    out.close()
 
 
 # ---------------------------------------------------------------- processes
@@ -120,3 +130,14 @@ def test_ctrl_c_while_importing_is_one_line_and_130(module, tmp_path):
     assert "Traceback" not in p.stderr, p.stderr[-2000:]
     assert [line for line in p.stderr.splitlines() if line.startswith("error:")] == \
         ["error: KeyboardInterrupt (exit 130: interrupted)"], p.stderr
+
+
+@pytest.mark.slow
+def test_a_tokenizer_child_whose_parent_is_gone_prints_no_traceback():
+    child = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.tokenization.process", "wikitext"], cwd=REPO,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()                    # its reader, the parent's thread, gone
+    pickle.dump([("One sentence. Two.", True)] * 50, child.stdin, protocol=5)
+    child.stdin.close()
+    err = child.stderr.read()
+    assert child.wait(timeout=60) == 0 and not err, err

@@ -146,7 +146,8 @@ def tokenize_or_reason(text: str, mode: str, split_sentences: bool) -> list[Sent
 
 
 def serve(mode: str, stdin=None, stdout=None) -> None:
-    """The child: read chunks until the input ends, reply to each."""
+    """The child: read chunks until the input ends, reply to each. It returns, quietly, when its reader is gone
+    (the caller exited or was killed: its replies would reach nobody)."""
     stdin, stdout = stdin or sys.stdin.buffer, stdout or sys.stdout.buffer
     while True:
         try:
@@ -157,8 +158,24 @@ def serve(mode: str, stdin=None, stdout=None) -> None:
         for text, split in chunk:
             res = tokenize_or_reason(text, mode, split)
             out.append(res if isinstance(res, str) else [(s.tokens, s.offsets) for s in res])
-        pickle.dump(out, stdout, protocol=5)
+        try:
+            pickle.dump(out, stdout, protocol=5)
+            stdout.flush()
+        except BrokenPipeError:
+            _drop_unread(stdout)
+            return
+
+
+def _drop_unread(stdout) -> None:
+    """Point the stream nobody reads at os.devnull, so that the interpreter's last flush of what it still buffers
+    raises nothing."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stdout.fileno())
+        os.close(null)
         stdout.flush()
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":
