@@ -207,6 +207,24 @@ def read_lease(fs, path: str, s3: bool) -> LeaseObject | None:
     return LeaseObject(holder, info.get("ETag") if s3 else None, _modified(info))
 
 
+def _refuse_live(url: str, found: LeaseObject, stale_seconds: float) -> None:
+    """LeaseHeld when the lease object `found` is not stale (its holder may still run)."""
+    if not found.stale(stale_seconds):
+        raise LeaseHeld(f"{url} is held by a live run: {found.describe()}; it is taken over only when its heartbeat "
+                        "(without a usable one: the lease object itself) is older than "
+                        f"{stale_seconds:.0f} s (--lease-stale-seconds)")
+
+
+def check_free(url: str, stale_seconds: float, storage_options: dict | None = None) -> None:
+    """LeaseHeld, as Lease.acquire() would raise it now, when the lease at `url` is held by a live run (dated as
+    acquire() dates it: a lease object without a usable heartbeat by its own modification time). Reads only
+    (--dry-run)."""
+    fs, path = url_fs(url, storage_options)
+    found = read_lease(fs, path, protocol(url) == "s3")
+    if found is not None:
+        _refuse_live(url, found, stale_seconds)
+
+
 @dataclass
 class Fence:
     """The workers' check that their run still holds the output's lease, before each write (output/sink.py):
@@ -310,10 +328,7 @@ class Lease:
         with self._guard():
             found = self._read()
             if found is not None and found.token != self.me["token"]:
-                if not found.stale(self.stale):
-                    raise LeaseHeld(f"{self.url} is held by a live run: {found.describe()}; it is taken over only "
-                                    "when its heartbeat (without a usable one: the lease object itself) is "
-                                    f"older than {self.stale:.0f} s (--lease-stale-seconds)")
+                _refuse_live(self.url, found, self.stale)
                 self.taken_over, replaced = found.holder, found.describe()
             try:
                 self._write(self._body(), create=found is None, etag=found and found.etag)

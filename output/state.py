@@ -222,25 +222,13 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
     """
     sink, root = Sink.at(output, storage_options)
     fs = sink.fs
-    fs.invalidate_cache()
-    check_no_links(output, fs, root)      # first: a link is named as one, not as the files it leads to
-    check_ownership(output, fs, root, overwrite, writes_state)
-    scheme = _scheme(output)
-    parent = posixpath.join(root, STAGING)
-    st = posixpath.join(parent, key)
-    state = OutputState("fresh", scheme + st, key)
-    manifest = read_manifest(fs, root)
-    mine = ((manifest or {}).get("run") or {}).get("key") == key
-    finished = fs.exists(posixpath.join(root, SUCCESS))
-    others = [d for d in _dirs(fs, parent) if d != key]
-    plan = read_plan(fs, st)
-    if finished and mine and not overwrite:
-        state.action = "complete"
+    found = survey(output, key, ingredients, overwrite, storage_options, writes_state, fs, root)
+    parent, st = found.parent, found.staging
+    manifest, mine, finished, others, plan = found.manifest, found.mine, found.finished, found.others, found.plan
+    state = OutputState("fresh", _scheme(output) + st, key)
+    if found.action in ("complete", "finalize"):
+        state.action = found.action
         return state
-    if not finished and mine and plan is None and _listed_files_present(fs, root, manifest):
-        state.action = "finalize"
-        return state
-    _refuse_another_command(output, fs, parent, manifest, mine, finished, others, ingredients, overwrite)
     if finished:                    # --overwrite: start over
         clear_final(sink, root)
         if fs.exists(parent):
@@ -272,6 +260,49 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
         sink.put(posixpath.join(st, RUN_FILE), json.dumps({**ingredients, "kernel_path": kernel_path},
                                                           default=str).encode())
     return state
+
+
+@dataclass
+class Survey:
+    """What survey() found in an output folder (paths within its filesystem): `action` 'complete' (a finished run
+    of this key, without --overwrite), 'finalize' (only the finalize of this key is left and no plan of it was
+    written) or '' (prepare_output decides, changing the folder)."""
+    action: str
+    parent: str                     # <root>/_staging
+    staging: str                    # <root>/_staging/<key>
+    manifest: dict | None
+    mine: bool                      # the manifest is this key's
+    finished: bool                  # _SUCCESS is there
+    others: list[str]               # other keys' staging folders
+    plan: dict | None               # this key's finalize plan
+
+
+def survey(output: str, key: str, ingredients: dict, overwrite: bool, storage_options: dict | None = None,
+           writes_state: bool = False, fs=None, root: str | None = None) -> Survey:
+    """What a run of `key` finds in `output` once it holds the lease, and the refusals it meets there before it
+    changes anything (FileExistsError: check_no_links, check_ownership, _refuse_another_command). Reads only:
+    prepare_output() acts on it, and --dry-run (pipeline/dry_run.py) reports it, the same refusals in the same
+    words."""
+    if fs is None:
+        fs, root = url_fs(output, storage_options)
+    fs.invalidate_cache()
+    check_no_links(output, fs, root)      # first: a link is named as one, not as the files it leads to
+    check_ownership(output, fs, root, overwrite, writes_state)
+    parent = posixpath.join(root, STAGING)
+    st = posixpath.join(parent, key)
+    manifest = read_manifest(fs, root)
+    mine = ((manifest or {}).get("run") or {}).get("key") == key
+    finished = fs.exists(posixpath.join(root, SUCCESS))
+    others = [d for d in _dirs(fs, parent) if d != key]
+    plan = read_plan(fs, st)
+    found = Survey("", parent, st, manifest, mine, finished, others, plan)
+    if finished and mine and not overwrite:
+        found.action = "complete"
+    elif not finished and mine and plan is None and _listed_files_present(fs, root, manifest):
+        found.action = "finalize"
+    else:
+        _refuse_another_command(output, fs, parent, manifest, mine, finished, others, ingredients, overwrite)
+    return found
 
 
 def _refuse_another_command(output: str, fs, parent: str, manifest: dict | None, mine: bool, finished: bool,

@@ -11,7 +11,8 @@ estimate(): the run's plan (pipeline.plan.plan, without the object-store write p
   rest. Tokenizing and encoding are timed on the same sample;
 - output bytes: the sample's vectors encoded by the formats' own writers (formats/estimate.py), per token,
   times the tokens estimated; per layer and dtype from the widths;
-- what --output holds now (already complete, a live run's lease), read only;
+- what --output holds now (already complete, a live run's lease, an interrupted finalize), read only, checked first:
+  what the run would refuse there is refused with the run's status and message (output_state);
 - --iceberg-mode upsert: the sample's documents compared with the table's state (read once at plan time,
   read only): documents unchanged, changed and added; sentences, tokens, output and time of the changed and
   added ones only, as the run embeds;
@@ -22,7 +23,6 @@ Nothing is created or written under --output (not even the folder or a lease).
 from __future__ import annotations
 
 import math
-import posixpath
 import random
 import time
 
@@ -90,22 +90,25 @@ def _threads() -> int:
 
 
 def output_state(pl) -> str:
-    """What --output holds now, as the run would find it (read only)."""
-    from elmo_pipeline.output.names import LEASE
-    from elmo_pipeline.fsio import read_json, url_fs
-    from elmo_pipeline.output.lease import describe, is_stale
-    from elmo_pipeline.output.state import finalize_started, is_complete
+    """What --output holds now, as the run would find it, in the order it looks (output/lifecycle.py run): the
+    finished run of this command, a live run's lease (dated as Lease.acquire dates it: output/lease.py
+    check_free), then what prepare_output() meets under the lease (output/state.py survey): its refusals raised
+    here as the run raises them (the same exit status and message: links, files in the way, a folder that holds
+    no run, another command's run), an interrupted finalize. Reads only."""
+    from elmo_pipeline.output.lease import LeaseHeld, check_free
+    from elmo_pipeline.output.lifecycle import lease_url
+    from elmo_pipeline.output.state import is_complete, survey
     o, so = pl.options, pl.storage_options
     if not o.overwrite and is_complete(o.output, pl.key, so):
         return "holds the finished run of this same command: `run` would exit 0 at once and change nothing"
-    fs, root = url_fs(o.output, so)
     try:
-        holder = read_json(fs, posixpath.join(root, LEASE))
-    except FileNotFoundError:
-        holder = None
-    if holder and not is_stale(holder, o.lease_stale_seconds):
-        return f"is held by a live run ({describe(holder)}): `run` would exit 75 (retry later) now"
-    if finalize_started(o.output, pl.key, so):
+        check_free(lease_url(o.output), o.lease_stale_seconds, so)
+    except LeaseHeld as e:
+        return f"has its lease held: {e}; `run` would exit 75 (retry later) now"
+    found = survey(o.output, pl.key, pl.ingredients, o.overwrite, so, writes_state=pl.upsert is not None)
+    if found.action == "complete":
+        return "holds the finished run of this same command: `run` would exit 0 at once and change nothing"
+    if found.action == "finalize" or (found.plan is not None and not found.finished):
         return "holds an interrupted finalize of this command: `run` would finish it"
     return "a run would start (or resume from shards this command committed there before)"
 
@@ -118,6 +121,7 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     t_start = time.perf_counter()
     opts = pipeline_options(argv)
     pl = plan(opts, probe_output=False)
+    state = output_state(pl)        # first: what the run would refuse, refused before the sample is read
     sizes = {url: int(size or 0) for url, (_, size, _) in zip(pl.files, pl.ingredients["inputs"])}  # plan() stat'ed them
     try:
         s = sample_inputs(pl, sizes, sample_bytes)
@@ -141,7 +145,7 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
     seconds = {"embed": embedded / rate if rate else None, "tokenize": tokens / tok_rate if tok_rate else None,
                "encode": tokens / enc_rate if enc_rate else None}
     return {
-        "output": pl.options.output, "run_key": pl.key, "output_state": output_state(pl),
+        "output": pl.options.output, "run_key": pl.key, "output_state": state,
         "inputs": [{"url": u, "bytes": sizes[u]} for u in pl.files], "input_bytes": sum(sizes.values()),
         "sample": {"bytes": s["sample_bytes"], "files": s["files_sampled"], **s["sampled"]},
         "estimated": est, "dedupe": dedupe, "reuse": reuse, **({"upsert": upsert} if upsert else {}),

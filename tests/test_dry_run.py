@@ -72,3 +72,41 @@ def test_plan_exits_0_and_touches_no_output(wikitext, tiny_model_files, tmp_path
                            text=True, timeout=300)
     assert again.returncode == 0 and "holds the finished run of this same command" in again.stdout, again.stderr
     assert snapshot(out) == before
+
+
+def _error_line(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.slow
+def test_plan_refuses_what_the_run_refuses_in_its_words_and_writes_nothing(tiny_model_files, tmp_path, capsys):
+    """An output the run refuses (exit 2) is refused by the plan, with the run's status and `error:` line: a folder
+    that holds no run, a foreign file where the output goes (even with --overwrite), a finished run of another
+    command, a symbolic link in _staging/; a damaged lease object written just now, which the run dates by the
+    object's own age (75), the plan says so. The plan writes nothing in any of them."""
+    from tests.resume_helpers import write_corpus
+    corpus = write_corpus(str(tmp_path / "docs.txt"), n_docs=3, seed=5)
+    (tmp_path / "notempty").mkdir()
+    (tmp_path / "notempty" / "notes.txt").write_text("hi")
+    (tmp_path / "foreign" / "parquet").mkdir(parents=True)
+    (tmp_path / "foreign" / "parquet" / "x.parquet").write_text("hi")
+    assert main(argv(tiny_model_files, corpus, str(tmp_path / "other"))) == 0
+    (tmp_path / "link" / "_staging").mkdir(parents=True)
+    os.symlink(str(tmp_path / "notempty"), str(tmp_path / "link" / "_staging" / "abc"))
+    (tmp_path / "lease").mkdir()
+    (tmp_path / "lease" / "_lease.json").write_text('{"token": "x", "heartbeat": 1e300, "pid": 1}')
+    capsys.readouterr()
+    for name, extra, status in (("notempty", [], 2), ("foreign", ["--overwrite"], 2), ("other", ["--layers", "2"], 2),
+                                ("link", [], 2), ("lease", [], 75)):
+        args = argv(tiny_model_files, corpus, str(tmp_path / name), *extra)
+        before = snapshot(tmp_path / name)
+        planned = main(["--dry-run", *args])
+        plan_out = capsys.readouterr()
+        assert snapshot(tmp_path / name) == before, name
+        ran = main(args)
+        run_err = _error_line(capsys.readouterr().err)
+        assert ran == status, (name, run_err)
+        if status == 75:         # a moment's state, not the command's: the plan says it and exits 0
+            assert planned == 0 and "`run` would exit 75" in plan_out.out and "is held by a live run" in plan_out.out
+        else:
+            assert (planned, _error_line(plan_out.err)) == (ran, run_err), name
