@@ -26,10 +26,10 @@ from elmo_pipeline.model.kernels import exact_here, planned_kernel_path
 from elmo_pipeline.model.resolve import resolve_model
 from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
 from elmo_pipeline.pipeline.streams import stderr_is_terminal
-from elmo_pipeline.pipeline.validate import (check_dedupe, check_iceberg, check_input_columns, check_model,
-                                             check_metrics_file, check_numbers, check_output_writable, check_reuse,
-                                             check_runner,
-                                             check_state, check_upsert, inputs_outside_output, own_files)
+from elmo_pipeline.pipeline.validate import (check_dedupe, check_iceberg, check_input_columns, check_metrics_file,
+                                             check_model, check_numbers, check_output_writable, check_reuse,
+                                             check_runner, check_state, check_upsert, inputs_outside_output,
+                                             own_files)
 from elmo_pipeline.pipeline.workers import (BUCKET_BYTES, Where, dask_partitions, embed_threads, layout_of,
                                             spread_by_key, tokenizer_processes)
 from elmo_pipeline.model.resolve import ModelSpec
