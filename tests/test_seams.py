@@ -295,9 +295,9 @@ def _listing(folder):
 @pytest.mark.slow   # a killed process
 @pytest.mark.parametrize("state", ["finished", "interrupted"])
 def test_plan_and_dry_run_leave_an_existing_output_as_it_was(state, tiny_model_files, tmp_path, capsys):
-    """`elmo-pipeline plan` and `run --dry-run` (the same command, with --overwrite, another command) on a
-    finished output and on one a killed run left (staged shards, its lease): not one file or folder added,
-    changed or removed, mtimes included. (A missing output staying missing: tests/test_iceberg_commit.py.)"""
+    """`elmo-pipeline plan` and `run --dry-run` (the same command, with --overwrite, another command: refused as
+    the run refuses it) on a finished output and on one a killed run left (staged shards, its lease): not one file
+    or folder added, changed or removed, mtimes included. (A missing output staying missing: tests/test_iceberg_commit.py.)"""
     corpus_file = write_corpus(str(tmp_path / "docs.txt"), n_docs=8)
     out = str(tmp_path / "out")
     args = argv(tiny_model_files, corpus_file, out, *SMALL)
@@ -310,9 +310,14 @@ def test_plan_and_dry_run_leave_an_existing_output_as_it_was(state, tiny_model_f
     before = _listing(out)
     time.sleep(0.05)        # a rewrite with the same bytes would show in the mtimes
     for extra in ((), ("--overwrite",), ("--layers", "top")):      # the same command, a redo, another command
-        assert cli_main(["plan", *args, *extra]) == 0
-        assert main([*args, *extra, "--dry-run"]) == 0
-        assert f"--output {out} " in capsys.readouterr().out
+        refused = extra == ("--layers", "top")      # as the run would refuse it: exit 2, the same line
+        assert cli_main(["plan", *args, *extra]) == (2 if refused else 0)
+        assert main([*args, *extra, "--dry-run"]) == (2 if refused else 0)
+        captured = capsys.readouterr()
+        if refused:
+            assert captured.err.strip().splitlines()[-1].startswith("error: ") and "different command" in captured.err
+        else:
+            assert f"--output {out} " in captured.out
         assert _listing(out) == before
 
 
