@@ -78,6 +78,9 @@ def read_arrow_shard(fs, path: str) -> pa.RecordBatch:
         raise DamagedOutput(f"{path}: not a readable Arrow IPC file ({e})") from None
 
 
+MAX_DICTIONARY_BATCHES = 16    # the writer's dictionary columns (id, doc_id) each write one
+
+
 def check_uncompressed(data: pa.Buffer, path: str) -> None:
     """DamagedOutput unless no record or dictionary batch of the Arrow IPC file `data` (its footer verified by
     pa.ipc.open_file) declares body compression: formats/arrow.py writes none, and pyarrow decompresses a batch's
@@ -87,21 +90,25 @@ def check_uncompressed(data: pa.Buffer, path: str) -> None:
     try:
         end = len(b) - 10                                   # the footer, its int32 length, "ARROW1"
         footer = _at(b, end - struct.unpack_from("<i", b, end)[0])
-        for vector in (_field(b, footer, 2), _field(b, footer, 3)):     # Footer.dictionaries, Footer.recordBatches
-            if vector is None:
+        for vector, most in ((_field(b, footer, 2), MAX_DICTIONARY_BATCHES), (_field(b, footer, 3), 1)):
+            if vector is None:                  # Footer.dictionaries, Footer.recordBatches (the writer's one)
                 continue
             vector = _at(b, vector)
-            for j in range(struct.unpack_from("<I", b, vector)[0]):      # Block: offset, metaDataLength, bodyLength
+            blocks = struct.unpack_from("<I", b, vector)[0]
+            if blocks > most:
+                raise DamagedOutput(f"{path}: its footer lists {blocks} batches of a kind the writer writes at most "
+                                    f"{most} of")
+            for j in range(blocks):                                     # Block: offset, metaDataLength, bodyLength
                 offset = struct.unpack_from("<q", b, vector + 4 + 24 * j)[0]
                 if not 0 <= offset < len(b):
                     raise ValueError(f"a block at byte {offset}")
                 if _compressed(pa.ipc.read_message(pa.BufferReader(data.slice(offset))).metadata):
                     raise DamagedOutput(f"{path}: its batches are compressed (IPC body compression); the writer "
                                         "compresses none")
-    except (struct.error, ValueError, IndexError) as e:
+    except (struct.error, ValueError, IndexError, EOFError, pa.ArrowException) as e:
         if isinstance(e, DamagedOutput):
             raise
-        raise DamagedOutput(f"{path}: not a readable Arrow IPC file (footer: {e})") from None
+        raise DamagedOutput(f"{path}: not a readable Arrow IPC file (footer: {type(e).__name__}: {e})") from None
 
 
 def _compressed(metadata: pa.Buffer) -> bool:

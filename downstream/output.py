@@ -176,12 +176,12 @@ class ElmoOutput:
                 r["layers"] = self.stack(r.pop("stored"))
             yield r
 
-    def _hdf5_meta(self, i: int) -> dict[str, tuple]:
-        """Doc ids, sentence indices and tokens of shard i's sentences from its Parquet twin ({} without one)."""
+    def _hdf5_meta(self, i: int) -> dict[str, tuple] | None:
+        """Doc ids, sentence indices and tokens of shard i's sentences from its Parquet twin (None without one)."""
         if "parquet" in self.shards[i] and self.parquet_layout == "sentence":
             path = self.shard_path(i, "parquet", check=True)
             return parquet_meta(self.fs, path, self.parquet_check(i, path))
-        return {}
+        return None
 
     def sentences(self, fmt: str | None = None, layers: Sequence[str] | None = None) -> Iterator[dict]:
         """All records, shard after shard (manifest order), each shard sorted by id."""

@@ -126,8 +126,9 @@ def check_parquet_pages(pf, f, where: str, columns, sentences: int, tokens: int,
     read (a same-size shard's page may hold a compression bomb): each leaf's values at most what the manifest's
     counts allow (a layer tokens x width, another list column 2 x tokens, a plain column a value a row; one more a
     sentence); a fixed-width leaf's page at most its values' bytes and VALUE_SLACK a value; a text leaf's pages
-    beyond that at most TEXT_GROWTH x max_record_bytes a sentence in all (every text or id of a record within
-    --max-record-bytes; not checked when the manifest does not record it)."""
+    beyond that at most TEXT_GROWTH x max_record_bytes a row in all (a row's text or id comes from one record within
+    --max-record-bytes: a sentence's tokens, or in the token layout a token and its sentence's id repeated; not
+    checked when the manifest does not record it)."""
     from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages
     md, rows = pf.metadata, pf.metadata.num_rows
     for i in range(md.num_columns):
@@ -155,9 +156,9 @@ def check_parquet_pages(pf, f, where: str, columns, sentences: int, tokens: int,
             if isinstance(e, DamagedOutput):
                 raise
             raise DamagedOutput(f"{where}: not a readable Parquet shard ({e})") from None
-        if max_record_bytes is not None and text > sentences * TEXT_GROWTH * max_record_bytes:
+        if max_record_bytes is not None and text > rows * TEXT_GROWTH * max_record_bytes:
             raise DamagedOutput(f"{where}: column {leaf.path}'s pages decompress to {text} bytes of text, more than "
-                                f"{sentences} sentences of --max-record-bytes {max_record_bytes} make")
+                                f"{rows} rows of --max-record-bytes {max_record_bytes} make")
 
 
 def list_lengths(column) -> np.ndarray:
@@ -199,7 +200,7 @@ def check_arrow_batch(batch: pa.RecordBatch, where: str, tokens: int, sentences:
     def fail(what: str):
         raise DamagedOutput(f"{where}: {what}")
     names = field_names(batch.schema, where)
-    for col in ("id", "doc_id", "sentence_index", *layer_dims):
+    for col in ("id", "doc_id", "sentence_index", "token", *layer_dims):
         if col not in names:
             fail(f"no column {col!r}")
     if batch.num_rows != tokens:
@@ -217,8 +218,7 @@ def check_arrow_batch(batch: pa.RecordBatch, where: str, tokens: int, sentences:
                     and pa.types.is_integer(col.type.index_type)):
                 fail(f"column {name} is {col.type}, not a dictionary of strings")
             col.dictionary.validate(full=True)
-        if "token" in names:
-            batch.column("token").validate(full=True)
+        batch.column("token").validate(full=True)
         if full:
             batch.validate(full=True)
     except pa.ArrowException as e:

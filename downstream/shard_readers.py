@@ -16,6 +16,7 @@ from elmo_pipeline.downstream.arrow_shards import flat_vectors, read_arrow_shard
 from elmo_pipeline.downstream.shard_checks import DamagedOutput, check_hdf5_shape, check_row_lengths
 from elmo_pipeline.formats.hdf5 import hdf5_unkey
 from elmo_pipeline.formats.parquet import META_COLUMNS, TOKEN_META_COLUMNS
+from elmo_pipeline.formats.parquet_pages import open_checked
 
 
 @contextmanager
@@ -37,9 +38,8 @@ def parquet_records(fs, path: str, names: list[str], check) -> Iterator[dict]:
     """Records of a Parquet shard with a row per sentence, read 1024 rows at a time; check(pf, f, columns), given
     the opened pyarrow ParquetFile before a page is read, raises unless its schema, footer and the page headers of
     the columns read match its manifest."""
-    import pyarrow.parquet as pq
     with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
-        pf = pq.ParquetFile(f)
+        pf = open_checked(f)
         check(pf, f, [*META_COLUMNS, *names])
         row = 0
         for batch in pf.iter_batches(batch_size=1024, columns=[*META_COLUMNS, *names]):
@@ -70,9 +70,8 @@ def _batch_records(batch, names: list[str], path: str, first_row: int) -> Iterat
 def parquet_token_records(fs, path: str, names: list[str], check) -> Iterator[dict]:
     """Records of a Parquet shard with a row per token (rows sorted by sentence id, then token index); check as
     parquet_records."""
-    import pyarrow.parquet as pq
     with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
-        pf = pq.ParquetFile(f)
+        pf = open_checked(f)
         check(pf, f, [*TOKEN_META_COLUMNS, *names])
         t = pf.read(columns=[*TOKEN_META_COLUMNS, *names])
     ids = t.column("id").to_pylist()
@@ -96,9 +95,8 @@ def parquet_token_records(fs, path: str, names: list[str], check) -> Iterator[di
 def parquet_meta(fs, path: str, check) -> dict[str, tuple]:
     """{sentence id: (doc_id, sentence_index, tokens)} of a Parquet shard with a row per sentence; check as
     parquet_records."""
-    import pyarrow.parquet as pq
     with fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
-        pf = pq.ParquetFile(f)
+        pf = open_checked(f)
         check(pf, f, META_COLUMNS)
         t = pf.read(columns=list(META_COLUMNS))
     return {sid: (did, k, toks) for sid, did, k, toks in zip(*(t.column(c).to_pylist() for c in META_COLUMNS))}
@@ -118,10 +116,10 @@ def arrow_records(fs, path: str, names: list[str], check) -> Iterator[dict]:
                "tokens": tokens.slice(a, e - a).to_pylist(), "stored": [m[a:e] for m in mats]}
 
 
-def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect: dict) -> Iterator[dict]:
+def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple] | None, expect: dict) -> Iterator[dict]:
     """Records of an HDF5 shard (AllenNLP layout: (layers, T, 2P) or (T, 2P) per sentence), layers `pick`
-    (indices); doc ids, sentence indices and tokens from `meta` (parquet_meta of the Parquet twin), else
-    from the id and None (with a twin's tokens, a dataset's T must be their count). expect
+    (indices); doc ids, sentence indices and tokens from `meta` (parquet_meta of the Parquet twin: each dataset
+    must name one of its sentences, its T their tokens' count), else (None: no twin) from the id and None. expect
     (ElmoOutput.hdf5_expect): each dataset's declared shape and dtype is checked before it is read, so no read
     allocates more than the manifest's tokens (nor a chunk larger than its dataset: a read inflates whole chunks;
     nor a filter's output: a dataset with filters, which the writer never uses, is refused unread);
@@ -152,7 +150,9 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple], expect:
                 raise DamagedOutput(f"{path}: {key!r} is stored in chunks {d.chunks}, larger than its shape {d.shape}")
             if d.id.get_create_plist().get_nfilters():      # deflate may inflate a chunk past its shape, unbounded
                 raise DamagedOutput(f"{path}: {key!r} is stored through filters (compression), the writer uses none")
-            did, k, toks = meta.get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)
+            if meta is not None and sid not in meta:
+                raise DamagedOutput(f"{path}: dataset {key!r} names a sentence its Parquet twin does not hold")
+            did, k, toks = (meta or {}).get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)
             if toks is not None and d.shape[-2] != len(toks):
                 raise DamagedOutput(f"{path}: dataset {key!r} holds {d.shape[-2]} vectors for the {len(toks)} tokens "
                                     "of its Parquet twin")

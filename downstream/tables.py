@@ -9,6 +9,7 @@ import numpy as np
 from elmo_pipeline.downstream.output import ElmoOutput, open_output
 from elmo_pipeline.downstream.shard_checks import check_row_lengths
 from elmo_pipeline.downstream.shard_readers import PARQUET_ERRORS, unreadable
+from elmo_pipeline.formats.parquet_pages import open_checked
 
 
 def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = None, fmt: str | None = None,
@@ -20,7 +21,6 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
     one list<fixed_size_list<float32, 2P>> column per layer (layer 0 duplicated, as stored in HDF5).
     """
     import pyarrow as pa
-    import pyarrow.parquet as pq
     out = open_output(source, storage_options)
     fmt = fmt or out.default_format()
     if fmt == "parquet":
@@ -28,7 +28,7 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
         for i in range(len(out.shards)):
             path = out.shard_path(i, "parquet", check=True)
             with out.fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
-                pf = pq.ParquetFile(f)
+                pf = open_checked(f)
                 unknown = [c for c in columns or () if c not in pf.schema_arrow.names]
                 if unknown:
                     raise ValueError(f"{out.path}: no column(s) {unknown} (has {pf.schema_arrow.names})")

@@ -16,13 +16,16 @@ class Page(NamedTuple):
 
 
 class _Compact:
-    """Thrift compact protocol, the part a PageHeader needs: read from file f at byte `pos`, 4 KiB at a time;
-    a long binary (statistics) is skipped over, never read."""
+    """Thrift compact protocol, the part a PageHeader needs: read from file f at byte `pos`, 4 KiB at a time, never
+    past `end` (its column chunk's); a long binary (statistics) is skipped over, never read, and a container holds
+    no more elements than the bytes left (a crafted count never spins)."""
 
-    def __init__(self, f, pos: int):
-        self.f, self.pos, self.at, self.buf = f, pos, pos, b""
+    def __init__(self, f, pos: int, end: int):
+        self.f, self.pos, self.at, self.buf, self.end = f, pos, pos, b"", end
 
     def byte(self) -> int:
+        if self.pos >= self.end:
+            raise ValueError(f"bad Parquet page header: past its column chunk's end at byte {self.end}")
         i = self.pos - self.at
         if not 0 <= i < len(self.buf):
             self.f.seek(self.pos)
@@ -58,28 +61,41 @@ class _Compact:
         elif t in (4, 5, 6):
             self.varint()
         elif t == 7:
-            self.pos += 8
+            self.over(8)
         elif t == 8:
-            n = self.varint()
-            self.pos += n
+            self.over(self.varint())
         elif t in (9, 10):                      # list, set: size and element type in one byte
             head = self.byte()
             size, et = head >> 4, head & 0x0F
-            if size == 15:
-                size = self.varint()
-            for _ in range(size):
-                self.byte() if et in (1, 2) else self.skip(et, depth + 1)
+            for _ in range(self.elements(self.varint() if size == 15 else size)):
+                self.element(et, depth)
         elif t == 11:                           # map
-            size = self.varint()
+            size = self.elements(self.varint())
             if size:
                 kv = self.byte()
                 for _ in range(size):
-                    self.skip(kv >> 4, depth + 1)
-                    self.skip(kv & 0x0F, depth + 1)
+                    self.element(kv >> 4, depth)
+                    self.element(kv & 0x0F, depth)
         elif t == 12:
             self.struct(depth + 1)
         else:
             raise ValueError(f"bad Parquet page header: compact type {t}")
+
+    def over(self, n: int) -> None:
+        """Pass over n bytes (a double, a binary) without reading them: within the chunk, or ValueError."""
+        if self.pos + n > self.end:
+            raise ValueError(f"bad Parquet page header: {n} bytes past its column chunk's end")
+        self.pos += n
+
+    def elements(self, n: int) -> int:
+        """A container's element count n, when the chunk's bytes left can hold it (each element takes one at least)."""
+        if n > self.end - self.pos:
+            raise ValueError(f"bad Parquet page header: {n} elements in {self.end - self.pos} bytes")
+        return n
+
+    def element(self, t: int, depth: int) -> None:
+        """Pass over one element of compact type t in a list, set or map (a bool there takes a byte)."""
+        self.byte() if t in (1, 2) else self.skip(t, depth + 1)
 
     def struct(self, depth: int = 0, wanted: tuple = (), inner: dict | None = None) -> dict[int, int]:
         """Read a struct to its stop field; the values of the i32 fields in `wanted` by field id, and of the
@@ -99,11 +115,91 @@ class _Compact:
                 self.skip(t, depth)
 
 
+def _fields(r: _Compact) -> Iterator[tuple[int, int]]:
+    """(field id, compact type) of each field of the struct at r, the caller reading or skipping its value."""
+    last = 0
+    while True:
+        head = r.byte()
+        if head & 0x0F == 0:
+            return
+        last = last + (head >> 4) if head >> 4 else r.zigzag()
+        yield last, head & 0x0F
+
+
+def _list(r: _Compact) -> tuple[int, int]:
+    """(element count, element type) of the list header at r."""
+    head = r.byte()
+    return r.elements(r.varint() if head >> 4 == 15 else head >> 4), head & 0x0F
+
+
+def _struct_list(r: _Compact, t: int) -> Iterator[int]:
+    """Each index of the list of structs at r (its element read by the caller), or none when it is not one."""
+    n, et = _list(r) if t == 9 else (0, 12)
+    if et != 12:
+        for _ in range(n):
+            r.element(et, 0)
+        return
+    yield from range(n)
+
+
+def _histogram_lengths(r: _Compact) -> Iterator[tuple[int, int, int]]:
+    """(column index, repetition and definition level histograms' lengths) of each column chunk in the footer
+    (FileMetaData) at r: row_groups (4) -> columns (1) -> meta_data (3) -> size_statistics (16) -> 2, 3."""
+    for fid, t in _fields(r):
+        if fid != 4 or t != 9:
+            r.skip(t)
+            continue
+        for _ in _struct_list(r, t):
+            for gid, gt in _fields(r):
+                if gid != 1 or gt != 9:
+                    r.skip(gt)
+                    continue
+                for c in _struct_list(r, gt):
+                    lengths = {2: 0, 3: 0}
+                    for cid, ct in _fields(r):
+                        if cid != 3 or ct != 12:
+                            r.skip(ct)
+                            continue
+                        for mid, mt in _fields(r):
+                            if mid != 16 or mt != 12:
+                                r.skip(mt)
+                                continue
+                            for sid, st in _fields(r):
+                                if sid in lengths and st == 9:
+                                    lengths[sid], et = _list(r)
+                                    for _ in range(lengths[sid]):
+                                        r.element(et, 0)
+                                else:
+                                    r.skip(st)
+                    yield c, lengths[2], lengths[3]
+
+
+def open_checked(f, **options):
+    """pyarrow's ParquetFile of the untrusted file f, its footer checked first where pyarrow would abort the process
+    reading it (a column chunk's level histogram of another length than its levels: a C++ exception pyarrow does
+    not catch, std::terminate): ValueError instead."""
+    import pyarrow.parquet as pq
+    pf = pq.ParquetFile(f, **options)
+    f.seek(0, 2)
+    size = f.tell()
+    f.seek(size - 8)
+    tail = f.read(8)
+    footer = int.from_bytes(tail[:4], "little")
+    if tail[4:] != b"PAR1" or not 0 < footer <= size - 12:
+        raise ValueError("not a Parquet footer")
+    levels = [(pf.schema.column(i).max_repetition_level, pf.schema.column(i).max_definition_level)
+              for i in range(pf.metadata.num_columns)]
+    for c, rep, dfn in _histogram_lengths(_Compact(f, size - 8 - footer, size - 8)):
+        if c >= len(levels) or rep not in (0, levels[c][0] + 1) or dfn not in (0, levels[c][1] + 1):
+            raise ValueError(f"a column chunk's level histograms ({rep}, {dfn} values) do not fit its column")
+    return pf
+
+
 def column_pages(f, start: int, length: int) -> Iterator[Page]:
     """The pages of the column chunk stored at bytes [start, start + length) of file f, headers only."""
     pos, end = start, start + length
     while pos < end:
-        r = _Compact(f, pos)
+        r = _Compact(f, pos, end)
         # PageHeader: 1 type, 2 uncompressed_page_size, 3 compressed_page_size; 5 DataPageHeader, 7
         # DictionaryPageHeader, 8 DataPageHeaderV2: each with 1 num_values (a v2 page's num_rows is not checked by
         # readers, its num_values is)

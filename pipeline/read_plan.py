@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fsspec.utils
 
+from elmo_pipeline.formats.parquet_pages import open_checked
 from elmo_pipeline.fsio import open_file
 from elmo_pipeline.transforms.splits import Split
 
@@ -86,9 +87,8 @@ def _newlines(block: bytes, a: int, b: int) -> int:
 def parquet_cuts(url: str, size: int, storage_options: dict | None = None) -> list[tuple[int, int, int]]:
     """[(first row group, end row group, first row number)] of a Parquet file: consecutive row groups of about
     `size` compressed bytes in all (by the footer)."""
-    import pyarrow.parquet as pq
     with open_file(url, "rb", storage_options) as f:
-        md = pq.ParquetFile(f).metadata
+        md = open_checked(f).metadata
     cuts, start, first, rows, got = [], 0, 1, 0, 0
     for g in range(md.num_row_groups):
         rg = md.row_group(g)

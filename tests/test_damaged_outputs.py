@@ -628,7 +628,7 @@ def test_a_parquet_text_page_inflating_past_the_manifests_records_is_refused_unr
     for read in (lambda: list(ElmoOutput(out).sentences("parquet")), lambda: list(ElmoOutput(out).sentences("hdf5")),
                  lambda: ElmoOutput(out).validate(), lambda: to_arrow_table(out, columns=["layer_1"])):
         with pytest.raises(DamagedOutput, match=r"column tokens\.list\.element's pages decompress to \d+ bytes of "
-                                                r"text, more than 3 sentences of --max-record-bytes 1048576") as e:
+                                                r"text, more than 3 rows of --max-record-bytes 1048576") as e:
             read()
         assert shard in str(e.value)
     assert to_arrow_table(out, columns=["id"]).num_rows == len(TEXT)      # a column not read is not checked
@@ -709,3 +709,61 @@ def test_an_arrow_field_name_that_is_not_utf8_is_a_damaged_output(copy):
             read()
         assert str(e.value).endswith(f"{os.path.relpath(shard, out)}: a field name is not UTF-8 text")
     ElmoOutput(url).fs.rm("/badname", recursive=True)
+
+
+def test_an_hdf5_dataset_naming_a_sentence_its_parquet_twin_lacks_is_refused(copy):
+    """A dataset renamed to another id (`#0` -> `#7`, the same length): it was read as that sentence, without tokens
+    and with another sentence's vectors; each dataset must name one of its Parquet twin's sentences."""
+    out = copy("fp32")
+    _as_earlier_version(out)
+    shard = os.path.join(out, _manifest(out)["shards"][0]["hdf5"])
+
+    def rename(h):
+        a = sorted(h.keys())[0]
+        h.move(a, a[:-1] + "7")
+    _rewrite_hdf5(shard, rename)
+    for read in (lambda: list(ElmoOutput(out).sentences("hdf5")), lambda: ElmoOutput(out).validate()):
+        with pytest.raises(DamagedOutput, match="names a sentence its Parquet twin does not hold"):
+            read()
+
+
+@pytest.mark.parametrize("damage", ["token renamed", "block at the end"])
+def test_an_arrow_shard_with_a_damaged_schema_or_footer_is_a_damaged_output(copy, damage):
+    """The `token` field renamed (validate() passed, readers raised KeyError), the record batch's block pointing at
+    the end-of-stream marker (a bare EOFError): DamagedOutput naming the shard, on every read path."""
+    import struct
+    out = copy("fp32")
+    _as_earlier_version(out)
+    shard = _arrow_shard(out)
+    data = bytearray(open(shard, "rb").read())
+    if damage == "token renamed":
+        data = bytearray(bytes(data).replace(b"\x05\x00\x00\x00token", b"\x05\x00\x00\x00tokeN"))   # schema, footer
+    else:                               # the footer's record batch blocks (a vector: count, then 24-byte blocks)
+        from elmo_pipeline.downstream.arrow_shards import _at, _field
+        b = memoryview(data)
+        end = len(data) - 10
+        footer = end - struct.unpack_from("<i", data, end)[0]
+        blocks = _at(b, _field(b, _at(b, footer), 3))
+        assert struct.unpack_from("<I", data, blocks)[0] == 1 and data[footer - 8:footer] == b"\xff" * 4 + bytes(4)
+        struct.pack_into("<q", data, blocks + 4, footer - 8)     # the end-of-stream marker before the footer
+        del b
+    open(shard, "wb").write(bytes(data))
+    for read in (lambda: list(ElmoOutput(out).sentences("arrow")), lambda: MappedDataset(out),
+                 lambda: ElmoOutput(out).validate()):
+        with pytest.raises(DamagedOutput) as e:
+            read()
+        assert os.path.relpath(shard, out) in str(e.value)
+
+
+def test_a_token_layout_output_of_long_sentences_under_a_small_max_record_bytes_reads_back(tmp_path, tiny_model_files):
+    """The token layout repeats a sentence's id on each of its token rows: 2,000 tokens of one sentence hold more id
+    text than 3 x --max-record-bytes 4096, which the page check allowed a sentence (it refused the run's own
+    output); a row's text is bounded instead."""
+    inp, out = tmp_path / "corpus_2024.txt", str(tmp_path / "out")
+    inp.write_text(" ".join(["a"] * 2000) + "\n")
+    run_pipeline(tiny_model_files, str(inp), out, *COMMON, "--format", "parquet", "--parquet-layout", "token",
+                 "--max-record-bytes", "4096")
+    o = ElmoOutput(out)
+    o.validate()
+    [record] = list(o.sentences())
+    assert len(record["tokens"]) == 2000

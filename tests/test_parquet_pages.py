@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages
+from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages, open_checked
 
 CODECS = ["none", "snappy", "gzip", "zstd", "brotli", "lz4"]
 
@@ -26,7 +26,7 @@ def test_page_headers_add_up_to_the_chunk(values, codec, dictionary, version, pa
                    write_batch_size=batch, write_statistics=statistics, write_page_index=page_index,
                    write_page_checksum=checksum, row_group_size=group)
     f = io.BytesIO(buf.getvalue())
-    md = pq.ParquetFile(f).metadata
+    md = open_checked(f).metadata           # what pyarrow writes passes the footer check
     for g in range(md.num_row_groups):
         for c in range(md.num_columns):
             chunk = md.row_group(g).column(c)
@@ -54,3 +54,58 @@ def test_a_long_statistics_value_is_passed_over_and_a_cut_header_is_an_error():
     start, _ = chunk_span(chunk)
     with pytest.raises((ValueError, EOFError)):
         list(column_pages(io.BytesIO(data[:start + 10]), start, 100))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+@pytest.mark.parametrize("field", [bytes([0x19, 0xF7]) + _varint(1 << 62),          # list<double> of 2^62
+                                   bytes([0x1B]) + _varint(1 << 62) + bytes([0x11]),  # map<bool, bool> of 2^62
+                                   bytes([0x18]) + _varint(1 << 40)])                 # a binary of 1 TiB
+def test_a_header_declaring_more_than_its_chunk_holds_is_an_error_at_once(field):
+    """An unknown field of a page header (passed over unread) declaring more elements or bytes than the column chunk
+    has left: a ValueError at once, never a walk of 2^62 elements that reads nothing (a hang)."""
+    header = field + bytes(200)
+    with pytest.raises(ValueError, match="bad Parquet page header"):
+        list(column_pages(io.BytesIO(header), 0, len(header)))
+
+
+def _required_with_histograms(tmp_path) -> str:
+    """A Parquet file whose column `text` is made REQUIRED in the footer's schema after pyarrow wrote it OPTIONAL:
+    its chunk keeps a definition level histogram of 2 values where its (now 0) levels take 1."""
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": pa.array(["A line here .", None, "Another one ."])}), buf)
+    data = buf.getvalue()
+    assert data.count(b"\x25\x02\x18\x04text") == 1           # SchemaElement: repetition_type OPTIONAL, name
+    path = tmp_path / "bad.parquet"
+    path.write_bytes(data.replace(b"\x25\x02\x18\x04text", b"\x25\x00\x18\x04text"))
+    return str(path)
+
+
+def test_a_footer_whose_level_histograms_do_not_fit_their_columns_is_refused(tmp_path):
+    """pyarrow aborts the whole process (std::terminate) reading such a chunk's metadata; open_checked refuses the
+    file first, and a pipeline input holding it is one unreadable-file dead letter."""
+    from elmo_pipeline.transforms.read import read_documents
+    path = _required_with_histograms(tmp_path)
+    with pytest.raises(ValueError, match="level histograms"):
+        open_checked(open(path, "rb"))
+    [letter] = list(read_documents(path, "parquet", "bad.parquet"))
+    assert letter.reason.startswith("unreadable file") and "level histograms" in letter.reason
+
+
+@pytest.mark.slow       # a process of its own: pyarrow's abort would end this one
+def test_pyarrow_itself_aborts_on_such_a_footer(tmp_path):
+    """Why open_checked reads the footer first: the file above ends a process reading its chunk metadata with
+    SIGABRT (pyarrow 25), no Python exception to catch."""
+    import subprocess
+    import sys
+    path = _required_with_histograms(tmp_path)
+    p = subprocess.run([sys.executable, "-c", f"import pyarrow.parquet as pq; pq.ParquetFile({path!r}).metadata"
+                        ".row_group(0).column(0)"], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "histogram" in p.stderr

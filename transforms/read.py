@@ -12,7 +12,7 @@ from elmo_pipeline.fsio import open_file, redact, storage_error
 from elmo_pipeline.transforms.ids import JSON_TYPES, BadId, document_id, printable_label
 from elmo_pipeline.transforms.lines import (CORRUPT, Corrupt, Meter, TooLong, lines_until_corrupt, open_decompressed,
                                             utf8_lines)
-from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages
+from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages, open_checked
 from elmo_pipeline.transforms.records import Blank, Document
 from elmo_pipeline.transforms.splits import Range, Split
 
@@ -161,11 +161,10 @@ def _read_parquet(url, label, text_field, id_field, storage_options, max_record_
     each of its rows is a dead letter "too long: Parquet page ...". Only a flat text (or id: text or integer)
     column is ever decoded, its own leaf alone (_value_leaf): any other field's rows are dead letters by its type,
     whatever its values."""
-    import pyarrow.parquet as pq
     with open_file(url, "rb", storage_options) as f:
         size = f.seek(0, 2)         # row n's share of the file's bytes: size * n // rows - size * (n - 1) // rows
         f.seek(0)
-        pf = pq.ParquetFile(f)
+        pf = open_checked(f)
         rows = max(1, pf.metadata.num_rows)
         n = part.first - 1 if part else 0
         done = size * n // rows
@@ -184,7 +183,7 @@ def _read_parquet(url, label, text_field, id_field, storage_options, max_record_
         dictionary = [c for c, i in read.items() if _dictionary_pages(pf, i)]
         if dictionary:
             f.seek(0)       # read as dictionary: one copy of each distinct value, never one per row
-            pf = pq.ParquetFile(f, read_dictionary=dictionary)
+            pf = open_checked(f, read_dictionary=dictionary)
         mine = range(part.start, part.end) if part else range(pf.metadata.num_row_groups)
         indices = sorted(set(read.values()))
         for groups, reason, batch_rows in _row_group_runs(pf, f, indices, set(dictionary), max_record_bytes, mine):

@@ -145,10 +145,10 @@ def _check_key_pages(data: bytes, rows: int | None, damaged: ReuseError) -> None
     headers): so reading it allocates no more than its rows' keys, whatever a crafted file's compression hides."""
     import io
 
-    from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages
+    from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages, open_checked
     f = io.BytesIO(data)
     try:
-        pf = pq.ParquetFile(f)
+        pf = open_checked(f)
         md = pf.metadata
         leaves = [i for i in range(md.num_columns) if pf.schema.column(i).path == "key"]
         if len(leaves) != 1 or rows is not None and md.num_rows != rows:
