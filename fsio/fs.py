@@ -306,6 +306,18 @@ def check_recorded(fs, path: str, record: dict, digest: bool = True) -> None:
         raise NotTheRecordedFile(f"{path}: not the file its writer recorded (another SHA-256)")
 
 
+def digest_of(fs, path: str) -> dict:
+    """{"bytes", "sha256"} of the file at `path`, read in 8 MiB blocks (a file this process chose to trust: its own
+    staged file)."""
+    import hashlib
+    h, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+            size += len(block)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
 def same_digest(fs, path: str, record: dict) -> bool:
     """Whether `path` holds record["bytes"] bytes of SHA-256 record["sha256"], read in 8 MiB blocks: at most that
     + 1 bytes read (a file grown since, or /dev/zero, is never read whole)."""

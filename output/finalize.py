@@ -41,7 +41,7 @@ from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.layout import DOC_HASHES, MANIFEST, SUCCESS, DeadLetter, ShardInfo
 from elmo_pipeline.formats.metrics import metrics_text
 from elmo_pipeline.fsio import (NotTheRecordedFile, check_recorded, is_local_fs, json_lines, json_or_none, read_json,
-                                remove_temp_files, same_digest, url_fs)
+                                digest_of, remove_temp_files, same_digest, url_fs)
 from elmo_pipeline.fsio.fs import MAX_JSON_BYTES
 from elmo_pipeline.output.lease import RetryLater
 from elmo_pipeline.output import manifest as manifests
@@ -326,18 +326,25 @@ def plan_consistent(fs, root: str, st: str, plan: dict) -> bool:
     return True
 
 
-def _check_manifest_ours(fs, root: str, manifest: dict) -> None:
-    """FileExistsError unless the output's manifest.json is absent or this run's (its run key: one an earlier try of
-    this finalize wrote, maybe registered since): a file placed there while the run went on is never replaced."""
+def _manifest_ours(fs, root: str, manifest: dict) -> bool:
+    """Whether the output's manifest.json is there and this run's (its run key: one an earlier try of this finalize
+    wrote, maybe registered since)."""
     path = posixpath.join(root, MANIFEST)
     if not fs.exists(path):
-        return
+        return False
     try:
-        there = layout.read_manifest(fs, root)
+        there = layout.read_manifest(fs, root) if fs.isfile(path) else None
     except (OSError, ValueError):
         there = None
     run = (there or {}).get("run")
-    if not (isinstance(run, dict) and run.get("key") == manifest.get("run", {}).get("key")):
+    return isinstance(run, dict) and run.get("key") == manifest.get("run", {}).get("key")
+
+
+def _check_manifest_ours(fs, root: str, manifest: dict) -> None:
+    """FileExistsError unless the output's manifest.json is absent or this run's: a file placed there while the run
+    went on is never replaced."""
+    path = posixpath.join(root, MANIFEST)
+    if fs.exists(path) and not _manifest_ours(fs, root, manifest):
         raise FileExistsError(f"{path}: a file this pipeline did not write is there (placed while it ran?); nothing "
                               "is overwritten. Move it away, then rerun the same command")
 
@@ -355,22 +362,52 @@ def as_recorded(fs, path: str, record, then: str = "the interrupted finalize is 
     return True
 
 
+def moved_there(fs, src: str, dst: str, record, staged: bool) -> bool:
+    """Whether the file at `dst` is the one the plan's move src -> dst put there (`record`: the plan's
+    {"bytes", "sha256"} of it, or None; `staged`: src is still in the staging folder): a regular file that the move
+    put there (src gone: moved, whatever happened to the file since), or with src still staged the same file (a
+    local hard link made, its unlink not) or a whole copy of it (an object store's copy made, its delete not). A
+    file placed there by anyone else while src waited (a FIFO, a folder, other bytes) is not."""
+    import stat
+    try:
+        if is_local_fs(fs):
+            st = os.lstat(dst)
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            if not staged or os.path.samestat(st, os.stat(src)):
+                return True
+            size = st.st_size
+        else:
+            info = fs.info(dst)
+            if info.get("type") != "file":
+                return False
+            if not staged:
+                return True
+            size = info.get("size")
+        record = record or digest_of(fs, src)
+        return size == record["bytes"] and same_digest(fs, dst, record)
+    except FileNotFoundError:
+        return False
+
 def roll_back(sink: Sink, root: str, st: str, plan: dict) -> None:
     """Undo a plan that cannot be completed: files already moved go back to their staged names (a copy left
-    at the final name by an object-store move cut short is removed), the plan and manifest.json are removed
-    (their shards' commit records then decide what is kept)."""
+    at the final name by a move cut short is removed), the plan and manifest.json (this run's) are removed
+    (their shards' commit records then decide what is kept). A file at a final name that no move put there
+    stays."""
     fs = sink.fs
     staged = set(fs.find(st))
+    records = plan["manifest"].get("files") or {}
     for src, rel in plan["moves"]:
         dst = posixpath.join(root, rel)
-        if fs.exists(dst):
+        if fs.exists(dst) and moved_there(fs, src, dst, records.get(rel), src in staged):
             if src in staged:
                 sink.remove(dst)
             else:
                 sink.move(dst, src)
-    for p in (posixpath.join(root, MANIFEST), posixpath.join(st, PLAN)):
-        if fs.exists(p):
-            sink.remove(p)
+    if _manifest_ours(fs, root, plan["manifest"]):
+        sink.remove(posixpath.join(root, MANIFEST))
+    if fs.exists(posixpath.join(st, PLAN)):
+        sink.remove(posixpath.join(st, PLAN))
 
 
 def complete_finalize(output: str, staging: str, storage_options: dict | None = None,
@@ -390,10 +427,9 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
         records = plan["manifest"].get("files") or {}
         for src, rel in plan["moves"]:
             dst = posixpath.join(root, rel)
-            if src in staged:                # not moved yet (or copied but not deleted, on an object store)
-                if fs.exists(dst) and manifests.is_file_record(records.get(rel)) and \
-                        same_digest(fs, dst, records[rel]):
-                    sink.remove(src)         # copied whole already: the move's delete is left
+            if src in staged:                # not moved yet (or linked or copied but not unlinked or deleted)
+                if fs.exists(dst) and moved_there(fs, src, dst, records.get(rel), True):
+                    sink.remove(src)         # the move's unlink or delete is left
                 else:
                     sink.move(src, dst)      # never over a file placed there while the run went on
             elif not fs.exists(dst):

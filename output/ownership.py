@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from elmo_pipeline.formats.layout import DOC_HASHES, MANIFEST, SUCCESS, read_manifest
 from elmo_pipeline.fsio import is_local_fs, remove_temp_files
-from elmo_pipeline.output.finalize import read_plan
+from elmo_pipeline.output.finalize import moved_there, read_plan
 from elmo_pipeline.output.names import (FINAL_NAMES, METRICS, PROBE, REPORT, SHARD_FOLDERS, STAGING, TOP_FILES,
                                         is_scratch_name, listed_names)
 from elmo_pipeline.output.sink import Sink
@@ -46,14 +46,17 @@ def plan_names(plan: dict) -> set[str]:
 
 def owned_final_names(fs, root: str) -> set[str]:
     """Names (relative to `root`) of final-name files the pipeline can show it wrote there: what its
-    manifest.json lists, with manifest.json and _SUCCESS, and what the finalize plans under _staging/ move
-    there (output/names.py, ownership)."""
+    manifest.json lists, with manifest.json and _SUCCESS, and what the finalize plans under _staging/ moved
+    there (output/names.py, ownership; a file at a plan's final name that its move did not put there, placed
+    while the run went on, is not: finalize.moved_there)."""
     names = set()
     manifest = read_manifest(fs, root)
     if manifest is not None:
         names |= listed_names(manifest) | {MANIFEST, SUCCESS}
-    for plan in staged_plans(fs, root).values():
-        names |= plan_names(plan)
+    for st, plan in staged_plans(fs, root).items():
+        staged, records = set(fs.find(st)), plan["manifest"].get("files") or {}
+        names |= {rel for src, rel in plan["moves"] if rel in names or moved_there(
+            fs, src, posixpath.join(root, rel), records.get(rel), src in staged)}
     return names
 
 

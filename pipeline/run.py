@@ -173,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         say(failure.line())
         return failure.status
     if job.dry_run:
-        say(text, sys.stdout)
+        try:
+            say(text, sys.stdout)
+        except OSError as e:            # the plan is this command's product: a full disk is its failure
+            failure = exits.classify(e)
+            say(failure.line())
+            return failure.status
         return exits.OK
     if job.metrics_file:
         _try_metrics_file(job.metrics_file, job.output, exits.OK,

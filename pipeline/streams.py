@@ -10,8 +10,10 @@ guard(), first thing in a command's process (pipeline/cli.py process()):
   number, and what is written to "stderr", by this process or a child, lands in that file), and sys.stdin,
   sys.stdout or sys.stderr, None then, is opened on it;
 - sys.stdout and sys.stderr write through Unread: a write or flush that finds its reader gone (EPIPE) or its
-  descriptor closed (EBADF) points the descriptor at os.devnull and drops the text; later writes, the
-  interpreter's last flush and children started afterwards go there too.
+  descriptor closed (EBADF), or on stderr (logs only) any failure of the stream (a full disk: ENOSPC, EIO), points
+  the descriptor at os.devnull and drops the text; later writes, the interpreter's last flush and children started
+  afterwards go there too. What a command prints as its product (`plan`'s text on stdout) failing otherwise is
+  that command's failure (pipeline/exits.py: ENOSPC is 75).
 Only these streams' own writes are caught here: an EPIPE of a storage connection stays what it is (a transient
 failure: pipeline/exits.py, 75). say() prints a line where the streams may be unguarded (main() called in a
 process of someone else's, a test's).
@@ -38,10 +40,14 @@ def _to_devnull(fd: int) -> None:
 
 
 class Unread:
-    """A standard stream whose writes and flushes are dropped once nobody reads it (see the module docstring)."""
+    """A standard stream whose writes and flushes are dropped once nobody reads it, or for `logs` (stderr) once it
+    fails in any way (see the module docstring)."""
 
-    def __init__(self, stream):
-        self.stream = stream
+    def __init__(self, stream, logs: bool = False):
+        self.stream, self.logs = stream, logs
+
+    def _dropped(self, e: OSError) -> bool:
+        return self.logs or reader_gone(e)
 
     def _gone(self) -> None:
         try:
@@ -54,7 +60,7 @@ class Unread:
         try:
             return self.stream.write(text)
         except OSError as e:
-            if not reader_gone(e):
+            if not self._dropped(e):
                 raise
             self._gone()
             return len(text)
@@ -67,7 +73,7 @@ class Unread:
         try:
             self.stream.flush()
         except OSError as e:
-            if not reader_gone(e):
+            if not self._dropped(e):
                 raise
             self._gone()
 
@@ -95,18 +101,20 @@ def guard() -> None:
         if stream is None:
             stream = open(fd, "w", buffering=1, errors="backslashreplace", closefd=False)
         if not isinstance(stream, Unread):
-            setattr(sys, name, Unread(stream))
+            setattr(sys, name, Unread(stream, logs=name == "stderr"))
 
 
 def say(text: str, file=None) -> None:
-    """print(text) to `file` (default sys.stderr); nothing when that stream is closed or nobody reads it."""
+    """print(text) to `file` (default sys.stderr: logs); nothing when that stream is closed or nobody reads it, or
+    when the logs' stream fails in any way; stdout's other failures are raised (the command's product)."""
+    logs = file is None or file is sys.stderr
     file = sys.stderr if file is None else file
     if file is None:
         return
     try:
         print(text, file=file, flush=True)
     except OSError as e:
-        if not reader_gone(e):
+        if not (logs or reader_gone(e)):
             raise
 
 

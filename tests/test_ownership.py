@@ -420,14 +420,16 @@ def test_a_link_planted_while_a_run_embeds_takes_no_write_out_of_the_output(tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["parquet/part-00000-of-00001.parquet", "report.html", "metrics.prom",
-                                  "manifest.json"])
+                                  "manifest.json", "report.html:fifo"])
 def test_a_file_placed_in_the_output_while_a_run_embeds_is_never_overwritten(name, tmp_path, tiny_model_files):
-    """A file placed at one of the output's final names after the run's start-up checks (the run held at its
-    first commit): Finalize moves nothing over it (one error line, exit 2, the file as it was); with it moved away,
-    the same command finishes."""
+    """A file (or a FIFO) placed at one of the output's final names after the run's start-up checks (the run held
+    at its first commit): Finalize moves nothing over it (one error line, exit 2, the file as it was; no hang on
+    the FIFO), and neither `plan` nor another command with --overwrite takes it for the pipeline's (exit 2, still
+    there); with it moved away, the same command finishes."""
     import subprocess
     import sys
     import time
+    name, fifo = name.split(":")[0], name.endswith(":fifo")
     inp, out, go = tmp_path / "in.txt", tmp_path / "out", tmp_path / "go"
     inp.write_text("".join(f"line {i} of the corpus .\n" for i in range(40)), encoding="utf-8")
     options, weights = tiny_model_files
@@ -441,13 +443,24 @@ def test_a_file_placed_in_the_output_while_a_run_embeds_is_never_overwritten(nam
         assert time.time() - t0 < 120 and p.poll() is None, "the run never committed"
         time.sleep(0.05)
     (out / name).parent.mkdir(exist_ok=True)
-    (out / name).write_bytes(b"theirs")
+    if fifo:
+        os.mkfifo(out / name)
+    else:
+        (out / name).write_bytes(b"theirs")
     go.touch()
     _, err = p.communicate(timeout=300)
     assert p.returncode == 2 and err.strip().splitlines()[-1].startswith("error: "), err
-    assert "did not write" in err.strip().splitlines()[-1]
-    assert (out / name).read_bytes() == b"theirs"
+    assert name in err.strip().splitlines()[-1]
+
+    def still_theirs():
+        return (out / name).is_fifo() if fifo else (out / name).read_bytes() == b"theirs"
+    assert still_theirs()
+    plain = dict(os.environ, OMP_NUM_THREADS="1")
+    for extra in (["--layers", "top", "--overwrite"], ["--dry-run"]):
+        again = subprocess.run(cmd + extra, env=plain, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 2, again.stderr
+        assert still_theirs()
     os.rename(out / name, tmp_path / "kept")
-    again = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(cmd, env=plain, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert json.load(open(out / "manifest.json"))["counts"]["sentences_written"] == 40

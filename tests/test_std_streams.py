@@ -112,6 +112,23 @@ def test_run_with_stderr_closed_exits_0(module, corpus, tiny_model_files, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device every write to fails ENOSPC)")
+def test_logs_on_a_full_disk_are_dropped_and_a_plan_that_cannot_be_written_is_75(corpus, tiny_model_files, tmp_path):
+    """stderr on a full disk (/dev/full): the run's logs are dropped, its status its work's (0) and its
+    --metrics-file written; `plan` whose stdout (its product) is on a full disk: one error line, 75 (retry later),
+    never a traceback."""
+    out, metrics = str(tmp_path / "out"), tmp_path / "m.prom"
+    with open("/dev/full", "w") as full:
+        p = _run(["run", *argv(tiny_model_files, corpus, out), "--metrics-file", str(metrics)], stderr=full)
+    assert p.returncode == 0 and os.path.exists(os.path.join(out, "_SUCCESS")) and \
+        _status(metrics)[0].split()[-1] == "0"
+    with open("/dev/full", "w") as full:
+        p = _run(["plan", *argv(tiny_model_files, corpus, str(tmp_path / "o"))], stdout=full, stderr=subprocess.PIPE)
+    lines = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 75 and lines[-1].startswith("error: ") and "Traceback" not in p.stderr.decode(), lines
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["elmo_pipeline", "elmo_pipeline.pipeline.run"])
 def test_ctrl_c_while_importing_is_one_line_and_130(module, tmp_path):
     """KeyboardInterrupt raised as the command imports Beam (where a Ctrl-C in its first seconds lands)."""
