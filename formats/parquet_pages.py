@@ -142,10 +142,14 @@ def _struct_list(r: _Compact, t: int) -> Iterator[int]:
     yield from range(n)
 
 
-def _histogram_lengths(r: _Compact) -> Iterator[tuple[int, int, int]]:
-    """(column index, repetition and definition level histograms' lengths) of each column chunk in the footer
-    (FileMetaData) at r: row_groups (4) -> columns (1) -> meta_data (3) -> size_statistics (16) -> 2, 3."""
+def _chunk_facts(r: _Compact) -> Iterator[tuple[int, dict]]:
+    """(column index, facts) of each column chunk in the footer (FileMetaData) at r, and (-1, {"encrypted": True})
+    for a file whose footer names an encryption algorithm (8): a chunk's crypto metadata (ColumnChunk 8, 9:
+    "encrypted"), and from meta_data (3) -> size_statistics (16) its unencoded byte count (1: "bytes") and level
+    histograms' lengths (2, 3: "rep", "def")."""
     for fid, t in _fields(r):
+        if fid == 8:
+            yield -1, {"encrypted": True}
         if fid != 4 or t != 9:
             r.skip(t)
             continue
@@ -155,8 +159,9 @@ def _histogram_lengths(r: _Compact) -> Iterator[tuple[int, int, int]]:
                     r.skip(gt)
                     continue
                 for c in _struct_list(r, gt):
-                    lengths = {2: 0, 3: 0}
+                    facts = {"encrypted": False, "bytes": False, "rep": 0, "def": 0}
                     for cid, ct in _fields(r):
+                        facts["encrypted"] |= cid in (8, 9)
                         if cid != 3 or ct != 12:
                             r.skip(ct)
                             continue
@@ -165,19 +170,22 @@ def _histogram_lengths(r: _Compact) -> Iterator[tuple[int, int, int]]:
                                 r.skip(mt)
                                 continue
                             for sid, st in _fields(r):
-                                if sid in lengths and st == 9:
-                                    lengths[sid], et = _list(r)
-                                    for _ in range(lengths[sid]):
+                                facts["bytes"] |= sid == 1
+                                if sid in (2, 3) and st == 9:
+                                    n, et = _list(r)
+                                    facts["rep" if sid == 2 else "def"] = n
+                                    for _ in range(n):
                                         r.element(et, 0)
                                 else:
                                     r.skip(st)
-                    yield c, lengths[2], lengths[3]
+                    yield c, facts
 
 
 def open_checked(f, **options):
-    """pyarrow's ParquetFile of the untrusted file f, its footer checked first where pyarrow would abort the process
-    reading it (a column chunk's level histogram of another length than its levels: a C++ exception pyarrow does
-    not catch, std::terminate): ValueError instead."""
+    """pyarrow's ParquetFile of the untrusted file f, its footer checked first for what makes pyarrow (25) abort the
+    process as it reads a column chunk's metadata (a C++ exception it does not catch: std::terminate): level
+    histograms of another length than their column's levels, an unencoded byte count on a column of no byte
+    arrays, encrypted columns or footers (never read: no keys). ValueError instead."""
     import pyarrow.parquet as pq
     pf = pq.ParquetFile(f, **options)
     f.seek(0, 2)
@@ -186,14 +194,19 @@ def open_checked(f, **options):
     tail = f.read(8)
     footer = int.from_bytes(tail[:4], "little")
     if tail[4:] != b"PAR1" or not 0 < footer <= size - 12:
-        raise ValueError("not a Parquet footer")
-    levels = [(pf.schema.column(i).max_repetition_level, pf.schema.column(i).max_definition_level)
-              for i in range(pf.metadata.num_columns)]
-    for c, rep, dfn in _histogram_lengths(_Compact(f, size - 8 - footer, size - 8)):
-        if c >= len(levels) or rep not in (0, levels[c][0] + 1) or dfn not in (0, levels[c][1] + 1):
-            raise ValueError(f"a column chunk's level histograms ({rep}, {dfn} values) do not fit its column")
+        raise ValueError("not a Parquet footer (an encrypted one is not read)")
+    columns = [pf.schema.column(i) for i in range(pf.metadata.num_columns)]
+    for c, facts in _chunk_facts(_Compact(f, size - 8 - footer, size - 8)):
+        if facts["encrypted"]:
+            raise ValueError("encrypted Parquet columns are not read (no keys)")
+        col = columns[c] if c < len(columns) else None
+        if col is None or facts["rep"] not in (0, col.max_repetition_level + 1) or \
+                facts["def"] not in (0, col.max_definition_level + 1):
+            raise ValueError(f"a column chunk's level histograms ({facts['rep']}, {facts['def']} values) do not fit "
+                             "its column")
+        if facts["bytes"] and col.physical_type != "BYTE_ARRAY":
+            raise ValueError(f"a column chunk of {col.physical_type} values counts byte-array bytes")
     return pf
-
 
 def column_pages(f, start: int, length: int) -> Iterator[Page]:
     """The pages of the column chunk stored at bytes [start, start + length) of file f, headers only."""

@@ -364,27 +364,28 @@ def as_recorded(fs, path: str, record, then: str = "the interrupted finalize is 
 
 def moved_there(fs, src: str, dst: str, record, staged: bool) -> bool:
     """Whether the file at `dst` is the one the plan's move src -> dst put there (`record`: the plan's
-    {"bytes", "sha256"} of it, or None; `staged`: src is still in the staging folder): a regular file that the move
-    put there (src gone: moved, whatever happened to the file since), or with src still staged the same file (a
-    local hard link made, its unlink not) or a whole copy of it (an object store's copy made, its delete not). A
-    file placed there by anyone else while src waited (a FIFO, a folder, other bytes) is not."""
+    {"bytes", "sha256"} of it, or None; `staged`: src is still in the staging folder): a regular file, the recorded
+    one (with src still staged: the same file, a local hard link made and its unlink not, or a whole copy of it, an
+    object store's copy made and its delete not). A file placed there by anyone else (a FIFO, a folder, other bytes,
+    a changed copy) is not: no command deletes or moves it."""
     import stat
     try:
         if is_local_fs(fs):
             st = os.lstat(dst)
             if not stat.S_ISREG(st.st_mode):
                 return False
-            if not staged or os.path.samestat(st, os.stat(src)):
+            if staged and os.path.samestat(st, os.stat(src)):
                 return True
             size = st.st_size
         else:
             info = fs.info(dst)
             if info.get("type") != "file":
                 return False
-            if not staged:
-                return True
             size = info.get("size")
-        record = record or digest_of(fs, src)
+        if not manifests.is_file_record(record):
+            if not staged:
+                return True             # an earlier version's plan records no file: taken by its name
+            record = digest_of(fs, src)
         return size == record["bytes"] and same_digest(fs, dst, record)
     except FileNotFoundError:
         return False

@@ -88,6 +88,52 @@ def _required_with_histograms(tmp_path) -> str:
     return str(path)
 
 
+def _int64_with_byte_counts(tmp_path) -> str:
+    """A binary column `id` made INT64 in the footer's schema: its chunk keeps the byte count of its byte arrays."""
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"id": pa.array([b"a", b"bb", None], pa.binary())}), buf)
+    data = buf.getvalue()
+    assert data.count(b"\x15\x0c\x25\x02\x18\x02id") == 1       # SchemaElement: type BYTE_ARRAY, ..., name
+    path = tmp_path / "u64.parquet"
+    path.write_bytes(data.replace(b"\x15\x0c\x25\x02\x18\x02id", b"\x15\x04\x25\x02\x18\x02id"))
+    return str(path)
+
+
+def _encrypted_columns(tmp_path) -> str:
+    """A file pyarrow writes with a column encrypted and its footer in the clear (plaintext-footer mode)."""
+    import base64
+    from datetime import timedelta
+
+    import pyarrow.parquet.encryption as pe
+
+    class Kms(pe.KmsClient):
+        def __init__(self, config):
+            super().__init__()
+
+        def wrap_key(self, key, master):
+            return base64.b64encode(key)
+
+        def unwrap_key(self, wrapped, master):
+            return base64.b64decode(wrapped)
+    config = pe.EncryptionConfiguration(footer_key="kf", column_keys={"kc": ["text"]}, plaintext_footer=True,
+                                        double_wrapping=False, cache_lifetime=timedelta(minutes=1))
+    props = pe.CryptoFactory(Kms).file_encryption_properties(pe.KmsConnectionConfig(), config)
+    t = pa.table({"text": ["A line here .", "Another one ."], "n": [1, 2]})
+    path = str(tmp_path / "enc.parquet")
+    with pq.ParquetWriter(path, t.schema, encryption_properties=props) as w:
+        w.write_table(t)
+    return path
+
+
+@pytest.mark.parametrize("make,says", [(_int64_with_byte_counts, "counts byte-array bytes"),
+                                       (_encrypted_columns, "encrypted")])
+def test_other_footers_pyarrow_aborts_on_are_refused(make, says, tmp_path):
+    """A byte count of byte arrays on an INT64 column, encrypted columns (no keys): pyarrow (25) aborts the process
+    reading their chunk metadata; open_checked refuses them first."""
+    with pytest.raises(ValueError, match=says):
+        open_checked(open(make(tmp_path), "rb"))
+
+
 def test_a_footer_whose_level_histograms_do_not_fit_their_columns_is_refused(tmp_path):
     """pyarrow aborts the whole process (std::terminate) reading such a chunk's metadata; open_checked refuses the
     file first, and a pipeline input holding it is one unreadable-file dead letter."""
