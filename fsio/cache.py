@@ -14,7 +14,7 @@ from pathlib import Path
 
 import fsspec
 
-from elmo_pipeline.fsio.fs import (check_protocol, json_or_none, options_for, protocol, replacing, store_failing,
+from elmo_pipeline.fsio.fs import (check_protocol, digest_of, json_or_none, options_for, protocol, replacing, store_failing,
                                   url_fs)
 from elmo_pipeline.fsio.fs import is_local_url as is_local
 from elmo_pipeline.fsio.redact import redact
@@ -75,11 +75,8 @@ def _raise_if_failing(url: str, storage_options: dict | None) -> None:
 
 
 def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """The SHA-256 of the local file `path` (fsio.fs.digest_of)."""
+    return digest_of(fsspec.filesystem("file"), path)["sha256"]
 
 
 RECORD_SUFFIX = ".sha256.json"   # beside a pinned download: {"url", "sha256", "size"} of its first download

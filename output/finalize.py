@@ -47,7 +47,7 @@ from elmo_pipeline.output.lease import RetryLater
 from elmo_pipeline.output import manifest as manifests
 from elmo_pipeline.output.names import COUNTS, DEAD, DEAD_LETTERS, DOCS, METRICS, PLAN, RECORDS, REPORT, STAGING, STATS, is_final_name
 from elmo_pipeline.output.report import build_report
-from elmo_pipeline.output.sink import Sink
+from elmo_pipeline.output.sink import Sink, placed_there
 from elmo_pipeline.output.stats import STAGES, is_stats, merge_stats
 
 logger = logging.getLogger("elmo-pipeline.finalize")
@@ -340,15 +340,6 @@ def _manifest_ours(fs, root: str, manifest: dict) -> bool:
     return isinstance(run, dict) and run.get("key") == manifest.get("run", {}).get("key")
 
 
-def _check_manifest_ours(fs, root: str, manifest: dict) -> None:
-    """FileExistsError unless the output's manifest.json is absent or this run's: a file placed there while the run
-    went on is never replaced."""
-    path = posixpath.join(root, MANIFEST)
-    if fs.exists(path) and not _manifest_ours(fs, root, manifest):
-        raise FileExistsError(f"{path}: a file this pipeline did not write is there (placed while it ran?); nothing "
-                              "is overwritten. Move it away, then rerun the same command")
-
-
 def as_recorded(fs, path: str, record, then: str = "the interrupted finalize is rolled back") -> bool:
     """Whether `path` is the file `record` describes (no whole record: nothing to check); False with a warning
     saying what happens `then`."""
@@ -389,6 +380,7 @@ def moved_there(fs, src: str, dst: str, record, staged: bool) -> bool:
         return size == record["bytes"] and same_digest(fs, dst, record)
     except FileNotFoundError:
         return False
+
 
 def roll_back(sink: Sink, root: str, st: str, plan: dict) -> None:
     """Undo a plan that cannot be completed: files already moved go back to their staged names (a copy left
@@ -436,7 +428,8 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
             elif not fs.exists(dst):
                 raise RetryLater(f"finalize: staged file {src} is gone and {dst} was never written; "
                                         "rerun the same command: it re-embeds that shard")
-        _check_manifest_ours(fs, root, plan["manifest"])
+        if fs.exists(posixpath.join(root, MANIFEST)) and not _manifest_ours(fs, root, plan["manifest"]):
+            raise placed_there(posixpath.join(root, MANIFEST))      # never replaced
         manifests.write(sink, root, plan["manifest"])
     if fs.exists(st):
         sink.remove(st, recursive=True)

@@ -17,6 +17,13 @@ import pyarrow as pa
 from elmo_pipeline.fsio import atomic_write, is_local_fs, makedirs, move, release_written, url_fs
 
 
+def placed_there(path: str) -> FileExistsError:
+    """The error for a file at one of the output's final names that this pipeline did not write (placed there while a
+    run went on): nothing is written over it."""
+    return FileExistsError(f"{path}: a file this pipeline did not write is there (placed while it ran?); nothing is "
+                           "overwritten. Move it away, then rerun the same command")
+
+
 def unfenced() -> None:
     """No lease to check (writes outside a run: tests, tools)."""
 
@@ -135,8 +142,7 @@ class Sink:
         try:
             move(self.fs, src, dst, replace=False)
         except FileExistsError:
-            raise FileExistsError(f"{dst}: a file this pipeline did not write is there (placed while it ran?); "
-                                  "nothing is overwritten. Move it away, then rerun the same command") from None
+            raise placed_there(dst) from None
         if src in self.written:
             self.written[dst] = self.written.pop(src)
 
