@@ -47,7 +47,7 @@ from elmo_pipeline.output.lease import RetryLater
 from elmo_pipeline.output import manifest as manifests
 from elmo_pipeline.output.names import COUNTS, DEAD, DEAD_LETTERS, DOCS, METRICS, PLAN, RECORDS, REPORT, STAGING, STATS, is_final_name
 from elmo_pipeline.output.report import build_report
-from elmo_pipeline.output.sink import Sink, placed_there
+from elmo_pipeline.output.sink import Sink, placed_there, success_marker
 from elmo_pipeline.output.stats import STAGES, is_stats, merge_stats
 
 logger = logging.getLogger("elmo-pipeline.finalize")
@@ -441,7 +441,11 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
         sink.fence()
         register(manifest, fence)
     remove_temp_files(fs, root, (MANIFEST, SUCCESS))
-    sink.put(posixpath.join(root, SUCCESS), b"")
+    marker = success_marker(fs, root)
+    if marker is False:
+        raise placed_there(posixpath.join(root, SUCCESS))        # never replaced
+    if marker is None:
+        sink.put(posixpath.join(root, SUCCESS), b"")
     return manifest
 
 

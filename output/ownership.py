@@ -20,7 +20,7 @@ from elmo_pipeline.fsio import is_local_fs, remove_temp_files
 from elmo_pipeline.output.finalize import moved_there, read_plan
 from elmo_pipeline.output.names import (FINAL_NAMES, METRICS, PROBE, REPORT, SHARD_FOLDERS, STAGING, TOP_FILES,
                                         is_scratch_name, listed_names)
-from elmo_pipeline.output.sink import Sink
+from elmo_pipeline.output.sink import Sink, success_marker
 
 
 def staged_plans(fs, root: str) -> dict[str, dict]:
@@ -52,7 +52,7 @@ def owned_final_names(fs, root: str) -> set[str]:
     names = set()
     manifest = read_manifest(fs, root)
     if manifest is not None:
-        names |= listed_names(manifest) | {MANIFEST, SUCCESS}
+        names |= listed_names(manifest) | {MANIFEST} | ({SUCCESS} if success_marker(fs, root) else set())
     for st, plan in staged_plans(fs, root).items():
         staged, records = set(fs.find(st)), plan["manifest"].get("files") or {}
         names |= {rel for src, rel in plan["moves"] if rel in names or moved_there(

@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+import stat
 from contextlib import contextmanager
 from typing import Callable
 
 import pyarrow as pa
 
+from elmo_pipeline.formats.layout import SUCCESS
 from elmo_pipeline.fsio import atomic_write, is_local_fs, makedirs, move, release_written, url_fs
 
 
@@ -22,6 +24,21 @@ def placed_there(path: str) -> FileExistsError:
     run went on): nothing is written over it."""
     return FileExistsError(f"{path}: a file this pipeline did not write is there (placed while it ran?); nothing is "
                            "overwritten. Move it away, then rerun the same command")
+
+
+def success_marker(fs, root: str) -> bool | None:
+    """What is at `root`/_SUCCESS: None when nothing; True for an empty regular file (the marker this pipeline
+    writes, or one that says the same); False for anything else (bytes in it, a link, a FIFO, a folder): placed
+    there by someone else, so no finished run is read from it and nothing is written over it."""
+    path = posixpath.join(root, SUCCESS)
+    try:
+        if is_local_fs(fs):
+            st = os.lstat(path)
+            return stat.S_ISREG(st.st_mode) and st.st_size == 0
+        info = fs.info(path)
+    except FileNotFoundError:
+        return None
+    return info.get("type") == "file" and info.get("size") == 0
 
 
 def unfenced() -> None:

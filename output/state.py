@@ -22,14 +22,14 @@ import logging
 import posixpath
 from dataclasses import dataclass, field
 
-from elmo_pipeline.formats.layout import (RECORD_KEYS_WITH_DIGESTS, SUCCESS, ShardInfo, checked_record, read_manifest,
+from elmo_pipeline.formats.layout import (RECORD_KEYS_WITH_DIGESTS, ShardInfo, checked_record, read_manifest,
                                            recorded_files)
 from elmo_pipeline.fsio import read_json, url_fs
 from elmo_pipeline.output.finalize import as_recorded, plan_consistent, read_plan, read_staged, roll_back, select_records
 from elmo_pipeline.output.manifest import is_file_record
 from elmo_pipeline.output.names import PLAN, RUN_FILE, SHARD_FILES, STAGING, STATS, is_final_name
 from elmo_pipeline.output.ownership import check_no_links, check_ownership, clear_final, plan_names
-from elmo_pipeline.output.sink import Sink
+from elmo_pipeline.output.sink import Sink, success_marker
 
 logger = logging.getLogger("elmo-pipeline.resume")
 
@@ -139,7 +139,7 @@ def is_complete(output: str, key: str, storage_options: dict | None = None) -> b
     """True when `output` holds a finished run (_SUCCESS) whose manifest has run key `key`. Reads only."""
     fs, root = url_fs(output, storage_options)
     fs.invalidate_cache()
-    if not fs.exists(posixpath.join(root, SUCCESS)):
+    if not success_marker(fs, root):
         return False
     return ((read_manifest(fs, root) or {}).get("run") or {}).get("key") == key
 
@@ -163,7 +163,7 @@ def keeps_final_files(output: str, key: str, storage_options: dict | None = None
     fs.invalidate_cache()
     manifest = read_manifest(fs, root)
     mine = ((manifest or {}).get("run") or {}).get("key") == key
-    if fs.exists(posixpath.join(root, SUCCESS)):
+    if success_marker(fs, root):
         return mine
     st = posixpath.join(root, STAGING, key)
     plan = read_plan(fs, st)
@@ -292,7 +292,7 @@ def survey(output: str, key: str, ingredients: dict, overwrite: bool, storage_op
     st = posixpath.join(parent, key)
     manifest = read_manifest(fs, root)
     mine = ((manifest or {}).get("run") or {}).get("key") == key
-    finished = fs.exists(posixpath.join(root, SUCCESS))
+    finished = bool(success_marker(fs, root))
     others = [d for d in _dirs(fs, parent) if d != key]
     plan = read_plan(fs, st)
     found = Survey("", parent, st, manifest, mine, finished, others, plan)

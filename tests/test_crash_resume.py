@@ -252,6 +252,42 @@ def test_finalize_twice_is_a_no_op(tmp_path):
     assert m1["counts"]["documents"] == 2 and m1["counts"]["sentences"] == 3
 
 
+@pytest.mark.parametrize("placed", ["theirs", "fifo", "link"])
+def test_a_success_marker_placed_before_the_last_step_is_never_replaced(placed, tmp_path):
+    """_SUCCESS placed while Finalize ran (bytes in it, a FIFO, a link to a user's file): complete_finalize writes
+    nothing over it (the error a placed file gets), the output is not taken for finished, and no --overwrite takes
+    the file for the pipeline's; an empty regular _SUCCESS says what the pipeline's says and is left as it is."""
+    from elmo_pipeline.output.finalize import complete_finalize, finalize, plan_from_staging
+    from elmo_pipeline.output.ownership import owned_final_names
+    from elmo_pipeline.output.staging import Staging
+    from elmo_pipeline.output.state import is_complete
+    import fsspec
+    out = str(tmp_path / "out")
+    st = os.path.join(out, "_staging", "k")
+    _stage(st, ["d:1#0"])
+    Staging(st).counts("d", {"input_records": 1, "blank_records": 0})
+    success, users = os.path.join(out, "_SUCCESS"), tmp_path / "users.txt"
+    users.write_bytes(b"")
+    os.makedirs(out, exist_ok=True)
+    if placed == "theirs":
+        open(success, "wb").write(b"theirs")
+    elif placed == "fifo":
+        os.mkfifo(success)
+    else:
+        os.symlink(users, success)
+    with pytest.raises(FileExistsError, match="_SUCCESS: a file this pipeline did not write is there"):
+        finalize(out, st, plan_from_staging(st, ["d"]), {"run": {"key": "k"}})
+    assert os.path.lexists(success) and (placed != "theirs" or open(success, "rb").read() == b"theirs")
+    assert os.path.islink(success) == (placed == "link")
+    fs = fsspec.filesystem("file")
+    assert json.load(open(os.path.join(out, "manifest.json")))["run"]["key"] == "k" and not is_complete(out, "k")
+    assert "_SUCCESS" not in owned_final_names(fs, out) and "manifest.json" in owned_final_names(fs, out)
+    os.remove(success)
+    open(success, "wb").close()                                # an empty one: the same as the pipeline's
+    ino = os.stat(success).st_ino
+    assert complete_finalize(out, st) is not None and os.stat(success).st_ino == ino
+
+
 def test_prepare_output_other_command_refused_or_overwritten(tmp_path):
     out = str(tmp_path / "out")
     old = {"version": 1, "inputs": [["a.txt", 10, "1.0"]], "options": {"layers": "all"}, "model": {}}

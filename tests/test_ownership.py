@@ -420,7 +420,7 @@ def test_a_link_planted_while_a_run_embeds_takes_no_write_out_of_the_output(tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["parquet/part-00000-of-00001.parquet", "report.html", "metrics.prom",
-                                  "manifest.json", "report.html:fifo"])
+                                  "manifest.json", "_SUCCESS", "report.html:fifo", "_SUCCESS:fifo"])
 def test_a_file_placed_in_the_output_while_a_run_embeds_is_never_overwritten(name, tmp_path, tiny_model_files):
     """A file (or a FIFO) placed at one of the output's final names after the run's start-up checks (the run held
     at its first commit): Finalize moves nothing over it (one error line, exit 2, the file as it was; no hang on
