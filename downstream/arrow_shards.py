@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import struct
 from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from elmo_pipeline.downstream.shard_checks import DamagedOutput, field_names
+from elmo_pipeline.formats import arrow as arrow_format
 from elmo_pipeline.fsio import is_local_fs
 
 
@@ -78,67 +78,13 @@ def read_arrow_shard(fs, path: str) -> pa.RecordBatch:
         raise DamagedOutput(f"{path}: not a readable Arrow IPC file ({e})") from None
 
 
-MAX_DICTIONARY_BATCHES = 16    # the writer's dictionary columns (id, doc_id) each write one
-
-
 def check_uncompressed(data: pa.Buffer, path: str) -> None:
-    """DamagedOutput unless no record or dictionary batch of the Arrow IPC file `data` (its footer verified by
-    pa.ipc.open_file) declares body compression: formats/arrow.py writes none, and pyarrow decompresses a batch's
-    buffers whole as it reads it (a same-size file may hold a bomb). Read from the footer's blocks and each message's
-    metadata (flatbuffers: Footer, Message, RecordBatch.compression), never a body."""
-    b = memoryview(data)
+    """DamagedOutput unless no batch of the Arrow IPC file `data` declares body compression, read from its footer and
+    metadata (formats.arrow.check_uncompressed)."""
     try:
-        end = len(b) - 10                                   # the footer, its int32 length, "ARROW1"
-        footer = _at(b, end - struct.unpack_from("<i", b, end)[0])
-        for vector, most in ((_field(b, footer, 2), MAX_DICTIONARY_BATCHES), (_field(b, footer, 3), 1)):
-            if vector is None:                  # Footer.dictionaries, Footer.recordBatches (the writer's one)
-                continue
-            vector = _at(b, vector)
-            blocks = struct.unpack_from("<I", b, vector)[0]
-            if blocks > most:
-                raise DamagedOutput(f"{path}: its footer lists {blocks} batches of a kind the writer writes at most "
-                                    f"{most} of")
-            for j in range(blocks):                                     # Block: offset, metaDataLength, bodyLength
-                offset = struct.unpack_from("<q", b, vector + 4 + 24 * j)[0]
-                if not 0 <= offset < len(b):
-                    raise ValueError(f"a block at byte {offset}")
-                if _compressed(pa.ipc.read_message(pa.BufferReader(data.slice(offset))).metadata):
-                    raise DamagedOutput(f"{path}: its batches are compressed (IPC body compression); the writer "
-                                        "compresses none")
-    except (struct.error, ValueError, IndexError, EOFError, pa.ArrowException) as e:
-        if isinstance(e, DamagedOutput):
-            raise
-        raise DamagedOutput(f"{path}: not a readable Arrow IPC file (footer: {type(e).__name__}: {e})") from None
-
-
-def _compressed(metadata: pa.Buffer) -> bool:
-    """Whether a Message's RecordBatch (a DictionaryBatch's data) has its `compression` field."""
-    b = memoryview(metadata)
-    message = _at(b, 0)
-    kind, header = _field(b, message, 1), _field(b, message, 2)     # Message.header_type, Message.header
-    kind = b[kind] if kind is not None else 0
-    if header is None or kind not in (2, 3):                         # 2 DictionaryBatch, 3 RecordBatch
-        return False
-    batch = _at(b, header)
-    if kind == 2:
-        data = _field(b, batch, 1)                                   # DictionaryBatch.data
-        if data is None:
-            return False
-        batch = _at(b, data)
-    return _field(b, batch, 3) is not None                           # RecordBatch.compression
-
-
-def _at(b: memoryview, p: int) -> int:
-    """The position a flatbuffer offset at p points to."""
-    return p + struct.unpack_from("<I", b, p)[0]
-
-
-def _field(b: memoryview, table: int, i: int) -> int | None:
-    """The position of field i of the flatbuffer table at `table`; None when absent."""
-    vtable = table - struct.unpack_from("<i", b, table)[0]
-    size = struct.unpack_from("<H", b, vtable)[0]
-    offset = struct.unpack_from("<H", b, vtable + 4 + 2 * i)[0] if 6 + 2 * i <= size else 0
-    return table + offset if offset else None
+        arrow_format.check_uncompressed(data)
+    except ValueError as e:
+        raise DamagedOutput(f"{path}: {e}") from None
 
 
 def flat_vectors(batch: pa.RecordBatch, name: str) -> np.ndarray:

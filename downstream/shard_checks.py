@@ -113,52 +113,17 @@ def check_parquet_counts(meta, where: str, sentences: int, tokens: int, layer_di
                                 f"make {n}")
 
 
-VALUE_SLACK = 8         # bytes a value's page may hold beyond its own: levels, dictionary codes (RLE at worst)
-PAGE_SLACK = 1024       # a page's own: level stream lengths, a bit width
-TEXT_GROWTH = 3         # a token's bytes at most this many times its text's (Moses: "@-@" for "-")
-_WIDTHS = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96": 12}
-
-
 def check_parquet_pages(pf, f, where: str, columns, sentences: int, tokens: int, layer_dims: Mapping[str, int],
                         max_record_bytes: int | None) -> None:
-    """Raise DamagedOutput unless the pages of the leaves read for `columns` (top-level names; None: all), by their
-    own headers (formats/parquet_pages.py, file f), decompress to no more than their values hold, before a page is
-    read (a same-size shard's page may hold a compression bomb): each leaf's values at most what the manifest's
-    counts allow (a layer tokens x width, another list column 2 x tokens, a plain column a value a row; one more a
-    sentence); a fixed-width leaf's page at most its values' bytes and VALUE_SLACK a value; a text leaf's pages
-    beyond that at most TEXT_GROWTH x max_record_bytes a row in all (a row's text or id comes from one record within
-    --max-record-bytes: a sentence's tokens, or in the token layout a token and its sentence's id repeated; not
-    checked when the manifest does not record it)."""
-    from elmo_pipeline.formats.parquet_pages import chunk_span, column_pages
-    md, rows = pf.metadata, pf.metadata.num_rows
-    for i in range(md.num_columns):
-        leaf = pf.schema.column(i)
-        top = leaf.path.split(".", 1)[0]
-        if columns is not None and top not in columns:
-            continue
-        limit = tokens * layer_dims[top] + sentences if top in layer_dims else \
-            2 * tokens + sentences if leaf.max_repetition_level else rows
-        width = leaf.length if leaf.physical_type == "FIXED_LEN_BYTE_ARRAY" else _WIDTHS.get(leaf.physical_type)
-        values, text = 0, 0
-        try:
-            for g in range(md.num_row_groups):
-                for p in column_pages(f, *chunk_span(md.row_group(g).column(i))):
-                    values += p.count if p.kind in (0, 3) else 0
-                    if values > limit or p.count > limit:
-                        raise DamagedOutput(f"{where}: column {leaf.path}'s pages hold more than the {limit} values "
-                                            "its manifest entry allows")
-                    spare = p.uncompressed - p.count * ((width or 4) + VALUE_SLACK) - PAGE_SLACK
-                    if width is not None and spare > 0:
-                        raise DamagedOutput(f"{where}: a page of column {leaf.path} decompresses to {p.uncompressed} "
-                                            f"bytes, more than its {p.count} values hold")
-                    text += max(spare, 0)
-        except (ValueError, EOFError) as e:
-            if isinstance(e, DamagedOutput):
-                raise
-            raise DamagedOutput(f"{where}: not a readable Parquet shard ({e})") from None
-        if max_record_bytes is not None and text > rows * TEXT_GROWTH * max_record_bytes:
-            raise DamagedOutput(f"{where}: column {leaf.path}'s pages decompress to {text} bytes of text, more than "
-                                f"{rows} rows of --max-record-bytes {max_record_bytes} make")
+    """Raise DamagedOutput unless the pages of the leaves read for `columns` decompress to no more than the
+    manifest's counts allow, by their own headers, before a page is read (formats.parquet_pages.check_page_sizes)."""
+    from elmo_pipeline.formats.parquet_pages import PagesExceed, check_page_sizes
+    try:
+        check_page_sizes(pf, f, columns, sentences, tokens, layer_dims, max_record_bytes)
+    except PagesExceed as e:
+        raise DamagedOutput(f"{where}: {e}") from None
+    except (ValueError, EOFError) as e:
+        raise DamagedOutput(f"{where}: not a readable Parquet shard ({e})") from None
 
 
 def list_lengths(column) -> np.ndarray:

@@ -4,6 +4,7 @@ Page headers are Thrift compact-protocol structs (parquet.thrift PageHeader) tha
 chunk; pyarrow does not expose them, so this reads them: a few small reads per page, never a page's data."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Iterator, NamedTuple
 
 
@@ -234,3 +235,50 @@ def chunk_span(column) -> tuple[int, int]:
     if column.has_dictionary_page and 0 < column.dictionary_page_offset < start:
         start = column.dictionary_page_offset
     return start, column.total_compressed_size
+
+
+VALUE_SLACK = 8         # bytes a value's page may hold beyond its own: levels, dictionary codes (RLE at worst)
+PAGE_SLACK = 1024       # a page's own: level stream lengths, a bit width
+TEXT_GROWTH = 3         # a token's bytes at most this many times its text's (Moses: "@-@" for "-")
+_WIDTHS = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96": 12}
+
+
+class PagesExceed(ValueError):
+    """A column's pages, by their own headers, hold or decompress to more than the counts they were written for."""
+
+
+def check_page_sizes(pf, f, columns, sentences: int, tokens: int, layer_dims: Mapping[str, int],
+                     max_record_bytes: int | None) -> None:
+    """PagesExceed unless the pages of the leaves read for `columns` (top-level names; None: all) of a shard
+    (pyarrow ParquetFile `pf` of file f, of `sentences` rows and `tokens` tokens as its manifest says) decompress to
+    no more than their values hold, before a page is read (a same-size shard's page may hold a compression bomb):
+    each leaf's values at most what the counts allow (a layer tokens x width, another list column 2 x tokens, a
+    plain column a value a row; one more a sentence); a fixed-width leaf's page at most its values' bytes and
+    VALUE_SLACK a value; a text leaf's pages beyond that at most TEXT_GROWTH x max_record_bytes a row in all (a
+    row's text or id comes from one record within --max-record-bytes: a sentence's tokens, or in the token layout a
+    token and its sentence's id repeated; not checked when None). ValueError or EOFError: a page header that is
+    none."""
+    md, rows = pf.metadata, pf.metadata.num_rows
+    for i in range(md.num_columns):
+        leaf = pf.schema.column(i)
+        top = leaf.path.split(".", 1)[0]
+        if columns is not None and top not in columns:
+            continue
+        limit = tokens * layer_dims[top] + sentences if top in layer_dims else \
+            2 * tokens + sentences if leaf.max_repetition_level else rows
+        width = leaf.length if leaf.physical_type == "FIXED_LEN_BYTE_ARRAY" else _WIDTHS.get(leaf.physical_type)
+        values, text = 0, 0
+        for g in range(md.num_row_groups):
+            for p in column_pages(f, *chunk_span(md.row_group(g).column(i))):
+                values += p.count if p.kind in (0, 3) else 0
+                if values > limit or p.count > limit:
+                    raise PagesExceed(f"column {leaf.path}'s pages hold more than the {limit} values its manifest "
+                                      "entry allows")
+                spare = p.uncompressed - p.count * ((width or 4) + VALUE_SLACK) - PAGE_SLACK
+                if width is not None and spare > 0:
+                    raise PagesExceed(f"a page of column {leaf.path} decompresses to {p.uncompressed} bytes, more "
+                                      f"than its {p.count} values hold")
+                text += max(spare, 0)
+        if max_record_bytes is not None and text > rows * TEXT_GROWTH * max_record_bytes:
+            raise PagesExceed(f"column {leaf.path}'s pages decompress to {text} bytes of text, more than {rows} rows "
+                              f"of --max-record-bytes {max_record_bytes} make")

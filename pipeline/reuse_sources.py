@@ -13,15 +13,15 @@ import posixpath
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from elmo_pipeline.formats import layout
 from elmo_pipeline.formats.parquet import KEY_INDEX_SCHEMA
+from elmo_pipeline.formats.parquet_pages import open_checked
 from elmo_pipeline.fsio import read_recorded, redact, url_fs
 from elmo_pipeline.output.manifest import is_file_record
 from elmo_pipeline.output.names import KEYS
 from elmo_pipeline.transforms.reuse import (ROW_BITS, SHARD_BITS, ForeignSourceError, KernelPathError, ReuseError,
-                                            ReuseSource, read_source_file)
+                                            ReuseSource, key_column)
 
 logger = logging.getLogger("elmo-pipeline.reuse")
 ACROSS_KERNELS = "--reuse-across-kernels"     # reuse a source computed on another kernel path (kernel_note)
@@ -78,12 +78,14 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
         files = layout.recorded_files(m)
     except ValueError as e:
         raise ReuseError(f"{flag} {label}: {e}") from None
-    shards, records = [], []
+    shards, records, tokens = [], [], []
     if len(m["shards"]) >= 1 << SHARD_BITS:
         raise ReuseError(f"{flag} {label}: more than {1 << SHARD_BITS} shards")
     for i, s in enumerate(m["shards"]):
-        keys, data, n = (s.get(KEYS), s.get(fmt), s.get("sentences")) if isinstance(s, dict) else (None, None, None)
-        if not (_inside(keys) and _inside(data) and isinstance(n, int) and 0 <= n < 1 << ROW_BITS):
+        keys, data, n, t = (s.get(KEYS), s.get(fmt), s.get("sentences"), s.get("tokens")) if isinstance(s, dict) \
+            else (None, None, None, None)
+        if not (_inside(keys) and _inside(data) and isinstance(n, int) and 0 <= n < 1 << ROW_BITS and
+                type(t) is int and t >= 0):
             raise ReuseError(f"{flag} {label}: its manifest's shard {i} is damaged ({redact(str(s))[:200]})")
         path = posixpath.join(root, keys)
         rec = (files.get(keys), files.get(data)) if files is not None else (None, None)
@@ -91,7 +93,7 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
             raise ReuseError(f"{flag} {label}: its manifest records no size and SHA-256 for shard {i}'s files "
                              f"({keys}, {data})")
         try:
-            meta = pq.read_metadata(pa.BufferReader(read_recorded(fs, path, rec[0])))
+            meta = open_checked(pa.BufferReader(read_recorded(fs, path, rec[0]))).metadata
             ok = meta.num_rows == n and meta.schema.to_arrow_schema().remove_metadata().equals(KEY_INDEX_SCHEMA)
         except Exception as e:  # noqa: BLE001
             raise ReuseError(f"{flag} {label}: its key index {keys} cannot be read ({type(e).__name__}: "
@@ -101,7 +103,8 @@ def open_source(url: str, key_prefix: str, columns: list[tuple[str, int]], dtype
                              "shard")
         shards.append((_url(url, keys), _url(url, data), n))
         records.append(rec)
-    return ReuseSource(url, label, fmt, tuple(shards), tuple(records), note)
+        tokens.append(t)
+    return ReuseSource(url, label, fmt, tuple(shards), tuple(records), note, tuple(tokens))
 
 
 def kernel_note(source: list | None, label: str, flag: str, kernels: Kernels | None) -> str:
@@ -161,8 +164,9 @@ def found_keys(sources: list[ReuseSource], keys: set[str], storage_options: dict
     import pyarrow.compute as pc
     wanted, found = pa.array(sorted(keys), pa.string()), set()
     for src in sources:
-        for k, (path, _, _) in enumerate(src.shards):
+        for k, (path, _, rows) in enumerate(src.shards):
             record = src.records[k][0] if src.records else None
-            col = pq.read_table(pa.BufferReader(read_source_file(path, record, storage_options)), columns=["key"]).column("key")
+            col = key_column(path, record, rows, storage_options, ReuseError(
+                f"--reuse {src.label}: its key index {redact(path)} holds values that are no sentence keys"))
             found.update(col.filter(pc.is_in(col, value_set=wanted)).to_pylist())
     return found

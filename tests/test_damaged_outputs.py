@@ -739,7 +739,7 @@ def test_an_arrow_shard_with_a_damaged_schema_or_footer_is_a_damaged_output(copy
     if damage == "token renamed":
         data = bytearray(bytes(data).replace(b"\x05\x00\x00\x00token", b"\x05\x00\x00\x00tokeN"))   # schema, footer
     else:                               # the footer's record batch blocks (a vector: count, then 24-byte blocks)
-        from elmo_pipeline.downstream.arrow_shards import _at, _field
+        from elmo_pipeline.formats.arrow import _at, _field
         b = memoryview(data)
         end = len(data) - 10
         footer = end - struct.unpack_from("<i", data, end)[0]

@@ -5,6 +5,7 @@ earlier outputs are refused with one line."""
 import json
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -368,3 +369,40 @@ def test_a_key_index_whose_pages_hide_more_than_its_keys_is_refused_undecoded(tm
     monkeypatch.setattr(reuse.pq, "read_table", lambda *a, **k: pytest.fail("decoded"))
     with pytest.raises(ReuseError, match="no sentence keys"):
         list(index_blobs(0, 0, bomb, 3, rows=4))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_a_source_shard_that_decodes_to_more_than_its_counts_is_refused_undecoded(fmt, tmp_path, monkeypatch):
+    """A source's data shard of the right schema whose pages (zstd) or compressed Arrow batches decode to far more
+    than its manifest's sentences and tokens (a file of a few KB holding 64 MiB of floats; its manifest edited to
+    record it): ReuseError naming it, refused by its page headers or batch metadata before anything is decoded; the
+    plan's key lookup (found_keys) reads a key index under the same check."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from elmo_pipeline.pipeline.reuse_sources import found_keys
+    from elmo_pipeline.transforms import reuse
+    from elmo_pipeline.transforms.reuse import ReuseSource, read_vectors
+    n, width = 2, 1 << 23
+    row = pa.array([np.zeros(width, np.float32)] * n, pa.list_(pa.float32()))
+    path = str(tmp_path / f"bomb.{fmt}")
+    if fmt == "parquet":
+        layer = pa.ListArray.from_arrays(pa.array([0, 1, 2], pa.int32()), row.cast(pa.list_(pa.float32(), width)))
+        pq.write_table(pa.table({"tokens": [["a"], ["b"]], "layer_0": layer}), path, compression="zstd",
+                       use_dictionary=False)
+    else:
+        table = pa.table({"id": pa.array(["d#0", "d#1"]).dictionary_encode(), "token": ["a", "b"],
+                          "layer_0": row.cast(pa.list_(pa.float32(), width))})
+        with pa.ipc.new_file(path, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+            w.write_table(table)
+    assert os.path.getsize(path) < 100_000
+    source = ReuseSource("src", "src", fmt, (("keys.parquet", path, n),), tokens=(n,))
+    monkeypatch.setattr(reuse.pq, "read_table", lambda *a, **k: pytest.fail("decoded"))
+    monkeypatch.setattr(pa.ipc, "open_file", lambda *a, **k: pytest.fail("decoded"))
+    with pytest.raises(ReuseError, match=f"^--reuse src: its shard {re.escape(path)} cannot be read back"):
+        read_vectors(source, 0, [0, 1], [("layer_0", 4)])
+    bomb = str(tmp_path / "keys.parquet")
+    pq.write_table(pa.table({"id": ["x#0", "x#1"], "key": ["a" * (1 << 20)] * 2}), bomb, compression="zstd",
+                   use_dictionary=False)
+    with pytest.raises(ReuseError, match="no sentence keys"):
+        found_keys([ReuseSource("src", "src", "parquet", ((bomb, path, 2),), tokens=(2,))], {"k"})

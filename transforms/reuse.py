@@ -55,6 +55,7 @@ class ReuseSource:
     shards: tuple[tuple[str, str, int], ...]
     records: tuple[tuple[dict | None, dict | None], ...] = ()    # per shard, (key index, data) as its manifest records
     kernel_path: str = "not compared"     # its kernel path against this run's (pipeline/reuse_sources.py)
+    tokens: tuple[int, ...] = ()          # per shard, its tokens as its manifest records (bounds what is decoded)
 
 
 def join_key(key: str) -> bytes:
@@ -111,10 +112,8 @@ def index_blobs(source: int, shard: int, path: str, buckets: int, storage_option
     read as Arrow buffers, no Python object per row, from the bytes checked against `record` (its manifest's),
     its key column decoded only when its pages hold at most `rows` (the manifest's sentences) keys' bytes
     (_check_key_pages). ReuseError when a key is not a key (a damaged file) or the file is not the one recorded."""
-    data = read_source_file(path, record, storage_options)
     damaged = ReuseError(f"reuse source: its key index {redact(path)} holds values that are no sentence keys")
-    _check_key_pages(data, rows, damaged)
-    col = pq.read_table(pa.BufferReader(data), columns=["key"]).column("key").combine_chunks()
+    col = key_column(path, record, rows, storage_options, damaged)
     n = len(col)
     if n == 0:
         return
@@ -136,6 +135,15 @@ def index_blobs(source: int, shard: int, path: str, buckets: int, storage_option
     cuts = np.flatnonzero(np.diff(of)) + 1
     for part, b in zip(np.split(entries, cuts), of[np.concatenate([[0], cuts])]):
         yield int(b), part.tobytes()
+
+
+def key_column(path: str, record: dict | None, rows: int | None, storage_options: dict | None,
+               damaged: ReuseError) -> pa.Array:
+    """The `key` column of a source's key-index file, read from the bytes checked against `record` and decoded only
+    when its pages hold at most `rows` keys (_check_key_pages): `damaged` otherwise."""
+    data = read_source_file(path, record, storage_options)
+    _check_key_pages(data, rows, damaged)
+    return pq.read_table(pa.BufferReader(data), columns=["key"]).column("key").combine_chunks()
 
 
 def _check_key_pages(data: bytes, rows: int | None, damaged: ReuseError) -> None:
@@ -184,17 +192,32 @@ def match(items: Iterable[tuple[bytes, Item]], blobs: Iterable[bytes]) -> list[t
 def read_vectors(source: ReuseSource, shard: int, rows: list[int], columns: list[tuple[str, int]],
                  storage_options: dict | None = None) -> tuple[list[list[str]], list[np.ndarray], np.ndarray]:
     """Rows `rows` of a source's shard: their tokens, per layer column the stored vectors (T, D_k) of those rows
-    in order (the stored dtype, bit for bit), and their token counts (len(rows),)."""
-    _, path, _ = source.shards[shard]
+    in order (the stored dtype, bit for bit), and their token counts (len(rows),). The file is the recorded one
+    (read_source_file) and decodes to no more than its manifest's counts make: a Parquet shard's footer
+    (formats.parquet_pages.open_checked) and page headers (check_page_sizes) are checked before a page is read, an
+    Arrow shard's batches must be uncompressed (formats.arrow.check_uncompressed). ReuseError naming the shard
+    otherwise."""
+    from elmo_pipeline.formats.arrow import check_uncompressed
+    from elmo_pipeline.formats.parquet_pages import check_page_sizes, open_checked
+    _, path, sentences = source.shards[shard]
     names = [n for n, _ in columns]
-    with pa.BufferReader(read_source_file(path, source.records[shard][1] if source.records else None, storage_options)) as f:
+    data = pa.py_buffer(read_source_file(path, source.records[shard][1] if source.records else None,
+                                         storage_options))
+    try:
         if source.format == "parquet":
-            t = pq.read_table(f, columns=["tokens", *names]).take(pa.array(rows, pa.int64()))
+            f = pa.BufferReader(data)
+            pf = open_checked(f)
+            if pf.metadata.num_rows != sentences:
+                raise ValueError(f"{pf.metadata.num_rows} rows, its manifest says {sentences} sentences")
+            if source.tokens:
+                check_page_sizes(pf, f, ["tokens", *names], sentences, source.tokens[shard], dict(columns), None)
+            t = pf.read(columns=["tokens", *names]).take(pa.array(rows, pa.int64()))
             tokens = t.column("tokens").to_pylist()
             lengths = np.array([len(x) for x in tokens], dtype=np.int64)
             cols = [t.column(n).combine_chunks().flatten() for n in names]
         else:           # token rows; the id dictionary holds the sentences in shard order (formats/arrow.py)
-            t = pa.ipc.open_file(pa.BufferReader(f.read())).read_all().combine_chunks()
+            check_uncompressed(data)
+            t = pa.ipc.open_file(pa.BufferReader(data)).read_all().combine_chunks()
             sentence_of = t.column("id").chunk(0).indices.to_numpy()
             starts = np.searchsorted(sentence_of, np.arange(len(t.column("id").chunk(0).dictionary) + 1))
             take = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in rows] or [np.zeros(0, np.int64)])
@@ -204,6 +227,9 @@ def read_vectors(source: ReuseSource, shard: int, rows: list[int], columns: list
             bounds = np.concatenate([[0], np.cumsum(lengths)])
             tokens = [flat[bounds[k]: bounds[k + 1]] for k in range(len(rows))]
             cols = [sel.column(n).combine_chunks() for n in names]
+    except (ValueError, EOFError, OSError, KeyError, IndexError, pa.ArrowException) as e:
+        raise ReuseError(f"--reuse {source.label}: its shard {redact(path)} cannot be read back "
+                         f"({type(e).__name__}: {redact(str(e))[:300]}): its vectors are not reused") from None
     vectors = [c.flatten().to_numpy(zero_copy_only=False).reshape(-1, d) for c, (_, d) in zip(cols, columns)]
     return tokens, vectors, lengths
 
