@@ -9,7 +9,7 @@ guard(), first thing in a command's process (pipeline/cli.py process()):
 - a closed descriptor 0, 1 or 2 is opened on os.devnull (otherwise the next file the process opens takes its
   number, and what is written to "stderr", by this process or a child, lands in that file), and sys.stdin,
   sys.stdout or sys.stderr, None then, is opened on it;
-- sys.stdout and sys.stderr write through Unread: a write or flush that finds its reader gone (EPIPE) or its
+- sys.stdout and sys.stderr write through Unread (fsio/streams.py): a write or flush that finds its reader gone (EPIPE) or its
   descriptor closed (EBADF), or on stderr (logs only) any failure of the stream (a full disk: ENOSPC, EIO), points
   the descriptor at os.devnull and drops the text; later writes, the interpreter's last flush and children started
   afterwards go there too. What a command prints as its product (`plan`'s text on stdout) failing otherwise is
@@ -20,72 +20,10 @@ process of someone else's, a test's).
 """
 from __future__ import annotations
 
-import errno
 import os
 import sys
 
-GONE = (errno.EPIPE, errno.EBADF)   # the reader of a stream exited, or its descriptor was closed
-
-
-def reader_gone(e: BaseException) -> bool:
-    """Whether `e`, raised by a write to a standard stream, says nobody reads it any more."""
-    return isinstance(e, OSError) and e.errno in GONE
-
-
-def _to_devnull(fd: int) -> None:
-    null = os.open(os.devnull, os.O_RDWR)
-    if null != fd:
-        os.dup2(null, fd)
-        os.close(null)
-
-
-class Unread:
-    """A standard stream whose writes and flushes are dropped once nobody reads it, or for `logs` (stderr) once it
-    fails in any way (see the module docstring)."""
-
-    def __init__(self, stream, logs: bool = False):
-        self.stream, self.logs = stream, logs
-
-    def _dropped(self, e: OSError) -> bool:
-        return self.logs or reader_gone(e)
-
-    def _gone(self) -> None:
-        try:
-            _to_devnull(self.stream.fileno())
-            self.stream.flush()         # what it still buffered, into os.devnull
-        except (OSError, ValueError):
-            pass
-
-    def write(self, text) -> int:
-        try:
-            return self.stream.write(text)
-        except OSError as e:
-            if not self._dropped(e):
-                raise
-            self._gone()
-            return len(text)
-
-    def writelines(self, lines) -> None:
-        for line in lines:
-            self.write(line)
-
-    def flush(self) -> None:
-        try:
-            self.stream.flush()
-        except OSError as e:
-            if not self._dropped(e):
-                raise
-            self._gone()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def __getattr__(self, name: str):
-        return getattr(self.stream, name)
-
+from elmo_pipeline.fsio.streams import Unread, reader_gone, to_devnull
 
 def guard() -> None:
     """Idempotent: the process's standard streams as the module docstring says."""
@@ -93,7 +31,7 @@ def guard() -> None:
         try:
             os.fstat(fd)
         except OSError:
-            _to_devnull(fd)
+            to_devnull(fd)
     if sys.stdin is None:
         sys.stdin = open(0, "r", closefd=False)
     for name, fd in (("stdout", 1), ("stderr", 2)):

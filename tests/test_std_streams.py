@@ -3,6 +3,7 @@ docs/scheduling.md#logs-nobody-reads): with stdout or stderr a pipe nobody reads
 with its work's status and writes its output and --metrics-file; what it prints is dropped. Ctrl-C while the
 command is still importing is one `error:` line and 130; a tokenizer child whose reader is gone exits quietly."""
 import io
+import json
 import os
 import pickle
 import subprocess
@@ -158,3 +159,35 @@ def test_a_tokenizer_child_whose_parent_is_gone_prints_no_traceback():
     child.stdin.close()
     err = child.stderr.read()
     assert child.wait(timeout=60) == 0 and not err, err
+
+
+@pytest.mark.slow
+def test_worker_processes_whose_log_reader_goes_away_finish_the_run(tiny_model_files, tmp_path):
+    """--progress on with local worker processes (multi_processing): each worker writes its bar to the stderr it
+    inherited. The reader of that pipe exits once the bars have started (`2>&1 | head -c 200`): the workers' bars
+    are dropped (fsio/streams.py Unread), the run finishes and exits 0 (a worker's bar raising EPIPE held the run
+    forever)."""
+    import random
+    import time
+    rng = random.Random(0)
+    words = "the a of harbour boats stayed home new page another cat dog ran".split()
+    inp, out = tmp_path / "in.txt", tmp_path / "out"
+    inp.write_text("".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 20))) + " .\n"
+                           for _ in range(3000)), encoding="utf-8")
+    options, weights = tiny_model_files
+    cmd = [sys.executable, "-m", "elmo_pipeline.pipeline.run", "--input", str(inp), "--output", str(out),
+           "--options-file", options, "--weight-file", weights, "--torch-threads", "1", "--progress", "on",
+           "--tokenizer", "whitespace", "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
+    p = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    seen, t0 = b"", time.time()
+    while b"embedding, pid" not in seen:
+        chunk = os.read(p.stderr.fileno(), 4096)
+        assert chunk and time.time() - t0 < 120, seen[-2000:]
+        seen += chunk
+    p.stderr.close()                                # the reader is gone while the workers' bars are being written
+    try:
+        assert p.wait(timeout=120) == 0
+    finally:
+        p.kill()
+    assert json.load(open(out / "manifest.json"))["counts"]["sentences_written"] == 3000

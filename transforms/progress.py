@@ -6,14 +6,17 @@ bar advances when a batch is embedded by the bytes of its sentences, and when in
 unreadable records, dead-lettered sentences, sentences committed by an interrupted run). So it costs a few
 integer additions per sentence and one update per batch, nothing per token.
 
-One bar per worker process (tqdm on its stderr): with several local worker processes each one sees its own
+One bar per worker process (tqdm on its stderr, dropped once that fails: fsio/streams.py Unread): with several local worker processes each one sees its own
 part of the input only, which its description says.
 """
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
+
+from elmo_pipeline.fsio.streams import Unread
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class ByteProgress:
 
     def __init__(self, total_bytes: int | None, desc: str, file=None, mininterval: float = 1.0):
         from tqdm import tqdm
+        if file is None:            # this process's stderr, never failing the work (a worker process's inherited
+            file = sys.stderr       # pipe whose reader is gone: the bar is dropped, fsio/streams.py)
+            file = file if isinstance(file, Unread) or file is None else Unread(file, logs=True)
         self.bar = tqdm(total=total_bytes or None, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                         file=file, mininterval=mininterval, dynamic_ncols=True, smoothing=0.1)
         self.tokens, self.t0 = 0, time.perf_counter()
