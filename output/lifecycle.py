@@ -36,7 +36,7 @@ class Job:
     overwrite: bool = False
     resumable: bool = True          # False: --state stateful keeps no commit record of an interrupted run
     lease_stale_seconds: float = 0
-    register: Callable | None = None    # register(manifest, fence): --iceberg-table (output/register.py)
+    register: Callable | None = None    # register(manifest, fence, verify=False): --iceberg-table (output/register.py)
     upsert: object = None           # formats.iceberg.upsert.Upsert: its state file staged by Finalize
     kernel_path: dict | None = None  # what the workers compute on (model/kernels.py; None: a remote runner's)
 
@@ -66,7 +66,7 @@ def run(job: Job, run_graph: Callable[[OutputState, Lease], object]) -> Outcome:
             with Lease(lease_url(job.output), job.lease_stale_seconds, so) as lease:   # lease (no run replacing it)
                 if not is_complete(job.output, job.key, so):
                     raise RetryLater(f"{job.output} changed while this run waited for its lease; rerun")
-                job.register(outcome.manifest, lease.check_held)
+                job.register(outcome.manifest, lease.check_held, verify=True)    # its files checked first
         return outcome
     with Lease(lease_url(job.output), job.lease_stale_seconds, so) as lease:
         return rounds(job, lambda state: run_graph(state, lease), lease.check_held)
@@ -84,7 +84,7 @@ def rounds(job: Job, run_graph: Callable[[OutputState], object], fence: Callable
         if state.action == "complete":         # finished by another run meanwhile
             done = Outcome("complete", _manifest(job))
             if job.register is not None:
-                job.register(done.manifest, fence)
+                job.register(done.manifest, fence, verify=True)
             return done
         if state.action == "finalize":
             return Outcome("finalize", complete_finalize(job.output, state.staging, so, job.register, fence))

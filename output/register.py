@@ -13,20 +13,28 @@ from typing import Callable
 
 from elmo_pipeline.output import manifest as manifests
 from elmo_pipeline.output.sink import Sink
+from elmo_pipeline.output.state import check_unchanged
 
 logger = logging.getLogger("elmo-pipeline.run")
 
 
 def register(output: str, manifest: dict, how, schema=None, storage_options: dict | None = None,
-             fence: Callable[[], None] | None = None):
+             fence: Callable[[], None] | None = None, verify: bool = False):
     """Register the finished `output` (its `manifest`) with `how` (formats.iceberg.IcebergTarget, or
-    formats.iceberg.upsert.Upsert); returns its Registration, logged."""
+    formats.iceberg.upsert.Upsert); returns its Registration, logged. `verify`: an output this process did not just
+    finalize (a finished one found 'complete'): its listed files are checked against their records once the table is
+    found not to hold it, before any is read (output.state.check_unchanged: a file changed or swapped since is never
+    added; FileExistsError, exit 2)."""
     target = getattr(how, "target", how)
+
+    def check_files():
+        check_unchanged(output, manifest, storage_options, f"; nothing was added to Iceberg table {target.table}")
 
     def record():
         if manifests.with_table(manifest, target.table, target.catalog):
             sink, root = Sink.at(output, storage_options, fence)
             manifests.write(sink, root, manifest)
-    registration = how.register(output, manifest, schema, storage_options, record)
+    registration = how.register(output, manifest, schema, storage_options, record,
+                                check_files=check_files if verify else None)
     logger.info("%s", registration.describe())
     return registration

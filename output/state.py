@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from elmo_pipeline.formats.layout import (RECORD_KEYS_WITH_DIGESTS, ShardInfo, checked_record, read_manifest,
                                            recorded_files)
-from elmo_pipeline.fsio import read_json, url_fs
+from elmo_pipeline.fsio import NotTheRecordedFile, check_recorded, read_json, url_fs
 from elmo_pipeline.output.finalize import as_recorded, plan_consistent, read_plan, read_staged, roll_back, select_records
 from elmo_pipeline.output.manifest import is_file_record
 from elmo_pipeline.output.names import PLAN, RUN_FILE, SHARD_FILES, STAGING, STATS, is_final_name
@@ -177,19 +177,47 @@ def _listed_files_present(fs, root: str, manifest: dict, then: str = "starting o
     (output/names.py is_final_name: inside the output) and the file it records, every one recorded where the
     manifest records files. False, with a warning (saying what happens `then`), for anything else (an edited or
     damaged manifest)."""
+    problem = listed_files_problem(fs, root, manifest)
+    if problem is not None:
+        logger.warning("%s: %s; %s", root, problem, then)
+    return problem is None
+
+
+def listed_files_problem(fs, root: str, manifest: dict) -> str | None:
+    """What keeps a manifest's listed shard and dead-letter files from being the ones it records (_listed_files_present),
+    in one phrase naming the first such file; None when they all are."""
     rels = _listed(manifest)
     try:
         records = recorded_files(manifest)
     except ValueError as e:
-        logger.warning("%s: %s; %s", root, e, then)
-        return False
+        return str(e)
     if rels is None or not all(is_final_name(r) for r in rels) or \
             records is not None and not all(r in records for r in rels):
-        logger.warning("%s: its manifest lists files that are not this pipeline's output, or that it records no "
-                       "size and SHA-256 for; %s", root, then)
-        return False
-    return all(fs.exists(posixpath.join(root, r)) and as_recorded(fs, posixpath.join(root, r), (records or {}).get(r),
-                                                                   then) for r in rels)
+        return ("its manifest lists files that are not this pipeline's output, or that it records no size and "
+                "SHA-256 for")
+    for r in rels:
+        path = posixpath.join(root, r)
+        if not fs.exists(path):
+            return f"{path}: gone"
+        record = (records or {}).get(r)
+        if is_file_record(record):
+            try:
+                check_recorded(fs, path, record)
+            except NotTheRecordedFile as e:
+                return str(e)
+    return None
+
+
+def check_unchanged(output: str, manifest: dict, storage_options: dict | None = None, what: str = "") -> None:
+    """FileExistsError (exit 2), one line naming the file, unless the finished `output` still holds every shard and
+    dead-letter file its `manifest` lists as recorded (size and SHA-256, streamed): a file changed, swapped or gone
+    since the run finished is no longer the pipeline's output, and nothing is done `what` (e.g. registering it)."""
+    fs, root = url_fs(output, storage_options)
+    fs.invalidate_cache()
+    problem = listed_files_problem(fs, root, manifest)
+    if problem is not None:
+        raise FileExistsError(f"{output} no longer holds the finished run its manifest lists ({problem}){what}: "
+                              "rerun with --overwrite to write it again, or write to a new --output")
 
 
 def _listed(manifest: dict) -> list | None:

@@ -33,7 +33,8 @@ TRANSIENT_TYPES = ("LeaseHeld", "RetryLater", "ConnectionError", "EndpointConnec
                    "ServerDisconnectedError", "ClientOSError", "ProxyConnectionError", "TimeoutError",
                    "ClientPayloadError",
                    "CommitFailedException")
-DATA_TYPES = ("WeightsError", "OptionsError", "DuplicateIdError", "InputChanged")
+DATA_TYPES = ("WeightsError", "OptionsError", "DuplicateIdError", "InputChanged",
+              "TableFileChanged")   # formats/iceberg/commit.py: a file the table references changed since it was added
 USAGE_TYPES = ("PermissionError", "FileExistsError", "NotADirectoryError", "IsADirectoryError",
                "TableMovedError")   # formats/iceberg/upsert.py: an upsert to run again into a new --output
 # a --reuse/--reuse-table source missing, damaged or foreign (transforms/reuse.py ReuseError and its subclasses):

@@ -104,11 +104,11 @@ class Plan:
                                    # buckets (runners whose Reshuffle moves nothing), else by a Reshuffle
     reuse: list[ReuseSource] = field(default_factory=list)   # --reuse sources, checked (pipeline/reuse_sources.py)
 
-    def register(self, manifest: dict, fence: Callable[[], None] | None = None) -> None:
+    def register(self, manifest: dict, fence: Callable[[], None] | None = None, verify: bool = False) -> None:
         """Finalize's hook (output/register.py): the finished output's shards into the Iceberg table, fenced by
-        `fence` (the run's lease)."""
+        `fence` (the run's lease); `verify`: checked against their records first (a finished output found)."""
         self.registration = register(self.options.output, manifest, self.upsert if self.upsert is not None
-                                     else self.iceberg, self.schema, self.storage_options, fence)
+                                     else self.iceberg, self.schema, self.storage_options, fence, verify)
 
     @property
     def registrar(self):

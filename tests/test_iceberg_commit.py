@@ -153,3 +153,112 @@ def test_plan_and_dry_run_create_no_catalog_and_write_nothing(tiny_model_files, 
     assert cli_main(["plan", *args]) == 0
     assert main([*args, "--dry-run"]) == 0
     assert listing(out, str(wh)) == before
+
+
+def test_a_finished_output_changed_since_is_never_registered(tiny_model_files, tmp_path, capsys):
+    """A finished output registered later (--iceberg-table newly given): a shard changed in place at its size since
+    the run finished (another run's file copied over it, an edit) is not the output its manifest records: one line,
+    exit 2, nothing added to the table and the manifest left as it was; put back, the same command registers it."""
+    corpus, out, wh = write_corpus(str(tmp_path / "a.txt"), n_docs=5, seed=3), str(tmp_path / "out"), tmp_path / "wh"
+    wh.mkdir()
+    assert main(argv(tiny_model_files, corpus, out, *SMALL)) == 0
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    shard = data_file_urls(out, m)[0][len("file://"):]
+    original = open(shard, "rb").read()
+    chunk = pq.ParquetFile(shard).metadata.row_group(0).column(pq.read_schema(shard).get_field_index("layer_2"))
+    at = chunk.data_page_offset + chunk.total_compressed_size // 2        # inside a vector page: the footer reads
+    changed = bytearray(original)
+    changed[at] ^= 0xFF
+    open(shard, "wb").write(bytes(changed))
+    args = argv(tiny_model_files, corpus, out, *SMALL, *ice(wh), "--id-root", str(tmp_path))
+    manifest_before = open(os.path.join(out, "manifest.json"), "rb").read()
+    capsys.readouterr()
+    assert main(args) == 2
+    err = one_error(capsys)
+    assert f"{shard}: not the file its writer recorded" in err and f"nothing was added to Iceberg table {TABLE}" in err
+    assert "(exit 2" in err
+    assert catalog_of(wh).load_table(TABLE).current_snapshot() is None
+    assert open(os.path.join(out, "manifest.json"), "rb").read() == manifest_before
+    open(shard, "wb").write(original)
+    assert main(args) == 0
+    table = catalog_of(wh).load_table(TABLE)
+    assert len(table.snapshots()) == 1 and table_rows(table) == parquet_rows(out)
+
+
+def test_racing_appends_of_the_same_ids_never_both_commit(tmp_path):
+    """Two outputs holding the same ids registered at once: each checks the table's ids against the head it read,
+    so the later commit must not be rebased by pyiceberg onto the head the other moved (it would add every id a
+    second time): it rereads the table and is refused (DuplicateIdError), and the table holds each id once."""
+    import pyarrow as pa
+    from elmo_pipeline.formats.iceberg import DuplicateIdError, IcebergTarget
+    outs = []
+    for name in ("x", "y"):
+        os.makedirs(tmp_path / name / "parquet")
+        pq.write_table(pa.table({"id": ["d0#0", "d1#0"], "doc_id": ["d0", "d1"], "layer_0": [[1.0], [2.0]]}),
+                       tmp_path / name / "parquet" / "part-00000-of-00001.parquet")
+        outs.append((str(tmp_path / name), {"shards": [{"parquet": "parquet/part-00000-of-00001.parquet"}],
+                                            "run": {"key": f"key-{name}"}}))
+    target = IcebergTarget(TABLE, f"sqlite:///{tmp_path}/catalog.db")
+
+    def the_other_first():
+        target.register(*outs[1])
+    with pytest.raises(DuplicateIdError, match="already holds 2 of the 2 ids"):
+        target.register(*outs[0], before_commit=the_other_first)
+    ids = catalog_of(tmp_path).load_table(TABLE).scan(selected_fields=("id",)).to_arrow().column("id").to_pylist()
+    assert sorted(ids) == ["d0#0", "d1#0"]
+
+
+def crafted_output(folder, ids):
+    """A finished output of one Parquet shard holding `ids` (sentence ids; doc_id their document), as register()
+    takes it: (folder, manifest)."""
+    import pyarrow as pa
+    os.makedirs(folder / "parquet", exist_ok=True)
+    pq.write_table(pa.table({"id": ids, "doc_id": [i.rpartition("#")[0] for i in ids],
+                             "layer_0": [[float(k)] for k in range(len(ids))]}),
+                   folder / "parquet" / "part-00000-of-00001.parquet")
+    return str(folder), {"shards": [{"parquet": "parquet/part-00000-of-00001.parquet"}],
+                         "run": {"key": f"key-{folder.name}"}}
+
+
+@pytest.mark.parametrize("swap", ["fifo", "other size"])
+def test_a_table_file_changed_since_it_was_added_is_never_read(tmp_path, swap):
+    """A data file the table references, replaced since it was added by a FIFO (a read would block for good) or by
+    a file of another size: the duplicate-id check of the next registration and an upsert's row positions
+    (live_deletes) refuse it (TableFileChanged, exit 65) before opening it; nothing is committed."""
+    import threading
+    import pyarrow as pa
+    from elmo_pipeline.formats.iceberg import IcebergTarget
+    from elmo_pipeline.formats.iceberg.commit import TableFileChanged
+    from elmo_pipeline.formats.iceberg.upsert import live_deletes
+    from elmo_pipeline.pipeline.exits import classify
+    target = IcebergTarget(TABLE, f"sqlite:///{tmp_path}/catalog.db")
+    x = crafted_output(tmp_path / "x", ["d0#0", "d1#0"])
+    target.register(*x)
+    shard = os.path.join(x[0], x[1]["shards"][0]["parquet"])
+    os.remove(shard)
+    if swap == "fifo":
+        os.mkfifo(shard)
+    else:
+        pq.write_table(pa.table({"id": ["e0#0"], "doc_id": ["e0"], "layer_0": [[9.0]]}), shard)
+    got = {}
+
+    def attempt(name, call):
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001
+            got[name] = e
+    table = catalog_of(tmp_path).load_table(TABLE)
+    calls = {"register": lambda: target.register(*crafted_output(tmp_path / "y", ["d0#0", "d2#0"])),
+             "live_deletes": lambda: live_deletes(table, pa.array(["d1"]))}
+    threads = {n: threading.Thread(target=attempt, args=(n, c), daemon=True) for n, c in calls.items()}
+    for t in threads.values():
+        t.start()
+        t.join(60)
+    if swap == "fifo" and any(t.is_alive() for t in threads.values()):
+        with open(shard, "wb"):          # let a blocked reader go
+            pass
+    assert not any(t.is_alive() for t in threads.values()), "a read blocked on the FIFO"
+    for name in calls:
+        assert isinstance(got.get(name), TableFileChanged), (name, got.get(name))
+        assert f"{shard}: " in str(got[name]) and classify(got[name]).status == 65
+    assert len(catalog_of(tmp_path).load_table(TABLE).snapshots()) == 1

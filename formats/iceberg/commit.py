@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from elmo_pipeline.fsio import redact
+from elmo_pipeline.fsio import NotTheRecordedFile, check_recorded, is_local_url, redact, url_fs
 
 OUTPUT_PROPERTY, RUN_KEY_PROPERTY, FILES_PROPERTY = "elmo-pipeline.output", "elmo-pipeline.run-key", "elmo-pipeline.files"
 REGISTERED_PREFIX = "elmo-pipeline.registered."      # + run key + "." + hash of the output URL -> the output URL
@@ -23,6 +23,11 @@ logger = logging.getLogger("elmo-pipeline.iceberg")
 
 class DuplicateIdError(ValueError):
     """A registration that would add ids the table holds already (pipeline/exits.py: DATA, exit 65)."""
+
+
+class TableFileChanged(ValueError):
+    """A data or delete file the table references is not what the table records of it (pipeline/exits.py: DATA, exit
+    65): no regular file, or another size; it is never opened (a FIFO put there would block the read for good)."""
 
 
 @dataclass(frozen=True)
@@ -42,9 +47,10 @@ class Registration:
 
 
 def commit(target, catalog, table, base: str, key: str, files: int, registered, prepare, write,
-           before_commit=None) -> tuple[Registration, object]:
+           before_commit=None, check_files=None) -> tuple[Registration, object]:
     """Register in `target`'s table (an IcebergTarget: its `table` name) run `key`'s output at `base` (`files` Parquet shards) in one commit, retried on a conflict: each
-    attempt returns early when registered(table) finds it there already (a snapshot id), checks the table,
+    attempt returns early when registered(table) finds it there already (a snapshot id), runs check_files() when
+    given (once: the output's files against their records, before any of them is read), checks the table,
     runs prepare(table) (the mode's checks; its value is handed to write), before_commit(), then write(tx,
     prepared) and the registration property, in one transaction. Another commit first: the table is read again
     and the attempt made again, at most COMMIT_ATTEMPTS times (then RuntimeError chained to the conflict: a
@@ -55,6 +61,9 @@ def commit(target, catalog, table, base: str, key: str, files: int, registered, 
         found = registered(table)
         if found is not None:
             return Registration(target.table, found, False, files), None
+        if check_files is not None:
+            check_files()
+            check_files = None
         check_unpartitioned(table)
         prepared = prepare(table)
         if before_commit is not None:
@@ -136,6 +145,27 @@ def find_registration(table, base: str, key: str, files: list[str]) -> int | Non
     return None
 
 
+def check_table_files(table, tasks) -> list:
+    """The scan `tasks` (pyiceberg FileScanTasks), once each data file and delete file they read is a regular file of
+    the size the table records of it (file_size_in_bytes: a stat, or a HEAD on object stores; nothing read);
+    TableFileChanged naming the first that is not (replaced, cut short, a FIFO or a device put there)."""
+    tasks = list(tasks)
+    for task in tasks:
+        for f in (task.file, *task.delete_files):
+            path, size = f.file_path, f.file_size_in_bytes
+            try:
+                if is_local_url(path):
+                    check_recorded(*url_fs(path), {"bytes": size}, digest=False)
+                elif (got := len(table.io.new_input(path))) != size:
+                    raise NotTheRecordedFile(f"{path}: {got} bytes, {size} recorded")
+            except (NotTheRecordedFile, FileNotFoundError) as e:
+                raise TableFileChanged(
+                    f"Iceberg table {'.'.join(table.name())}: a file it references is not the one it recorded "
+                    f"({redact(str(e))}): changed or replaced since it was added; nothing was committed. Put the "
+                    "file back, or remove it from the table") from None
+    return tasks
+
+
 def run_ids(io, files: list[str]) -> pa.Array:
     """The distinct ids of an output's Parquet shards (their `id` column alone is read), as a string array."""
     import pyarrow.compute as pc
@@ -164,6 +194,7 @@ def check_new_ids(table, ids: pa.Array, base: str, replaced: pa.Array | None = N
     low, high = (v.as_py() for v in pc.min_max(ids).values())
     scan = table.scan(row_filter=And(GreaterThanOrEqual(ID_COLUMN, low), LessThanOrEqual(ID_COLUMN, high)),
                       selected_fields=(ID_COLUMN,))
+    check_table_files(table, scan.plan_files())      # before any is opened
     held = [pc.unique(c.filter(pc.is_in(c, value_set=ids))) for c in
             (batch.column(0) for batch in scan.to_arrow_batch_reader())]
     held = pc.unique(pa.chunked_array(held)) if held else pa.array([], pa.string())
@@ -226,11 +257,29 @@ def data_files(tx, files: list[str], io) -> list:
     return list(_parquet_files_to_data_files(tx.table_metadata, files, io))
 
 
+def add_snapshot(tx, io, files: list[str], props: dict, overwrite: bool = False, deletes=()) -> None:
+    """One snapshot in transaction `tx` adding the Parquet `files` as they are (add_files' name mapping and DataFiles)
+    and the position-delete files `deletes`, with summary `props`, by _upsert_producer: never rebased on a head
+    another writer moved meanwhile (append and upsert alike: their checks ran against the head they read)."""
+    from pyiceberg.table import TableProperties
+    from pyiceberg.table.snapshots import Operation
+    if tx.table_metadata.name_mapping() is None:     # as add_files: our shards have no field ids
+        tx.set_properties({TableProperties.DEFAULT_NAME_MAPPING: tx.table_metadata.schema().name_mapping.model_dump_json()})
+    with _upsert_producer()(operation=Operation.OVERWRITE if overwrite else Operation.APPEND, transaction=tx, io=io,
+                            snapshot_properties=props) as producer:
+        for data_file in data_files(tx, files, io):
+            producer.append_data_file(data_file)
+        for d in deletes:
+            producer.append_delete_file(d)
+
+
 def _upsert_producer():
     """pyiceberg's fast-append snapshot producer that also commits position-delete files: they go into a
     manifest of content DELETES (pyiceberg 0.12 writes only data manifests) and into the snapshot summary. It
     is never rebased: pyiceberg retries a conflicting commit on top of the new head, which would apply deletes
-    and rows computed against another state; a moved head is a CommitFailedException instead."""
+    and rows computed against another state, or add ids another writer's commit added meanwhile past the check
+    of held ids (check_new_ids); a moved head is a CommitFailedException instead (commit() rereads and checks
+    again)."""
     from pyiceberg.exceptions import CommitFailedException
     from pyiceberg.manifest import ManifestContent, ManifestEntry, ManifestEntryStatus, ManifestWriterV2
     from pyiceberg.table.update.snapshot import _FastAppendFiles

@@ -33,7 +33,7 @@ from urllib.parse import quote
 import pyarrow as pa
 
 from elmo_pipeline.formats.iceberg.commit import (FILES_PROPERTY, ID_COLUMN, OUTPUT_PROPERTY, RUN_KEY_PROPERTY,
-                                                  Registration, _iceberg_schema, check_new_ids, check_unpartitioned, commit,
+                                                  Registration, _iceberg_schema, add_snapshot, check_new_ids, check_unpartitioned, commit,
                                                   find_registration, registered_outputs, registrations_under, run_ids)
 from elmo_pipeline.fsio import redact
 
@@ -225,11 +225,12 @@ class IcebergTarget:
         return [] if table is None else registered_outputs(table)
 
     def register(self, output: str, manifest: dict, schema: pa.Schema | None = None,
-                 storage_options: dict | None = None, before_commit=None) -> Registration:
+                 storage_options: dict | None = None, before_commit=None, check_files=None) -> Registration:
         """Add the Parquet shards of a finished output (its manifest) to the table in one snapshot, unless the
         table already has them (see the module docstring). Creates the table from `schema` (default: the first
         shard's) when absent. before_commit(), when given, runs once every check has passed, just before the
-        files are added (the output records the table there: recorded_tables)."""
+        files are added (the output records the table there: recorded_tables); check_files(), when given, runs once
+        the table is found not to hold the output, before any of its files is read (commit())."""
         files = data_file_urls(output, manifest)
         if not files:
             return Registration(self.table, None, False, 0)
@@ -247,10 +248,11 @@ class IcebergTarget:
             check_new_ids(table, ids(), base)
 
         def write(tx, _):
-            tx.add_files(files, snapshot_properties={OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key,
-                                                     FILES_PROPERTY: str(len(files))})
+            add_snapshot(tx, table.io, files, {OUTPUT_PROPERTY: redact(base), RUN_KEY_PROPERTY: key,
+                                               FILES_PROPERTY: str(len(files))})
         registration, _ = commit(self, catalog, table, base, key, len(files),
-                                 lambda t: find_registration(t, base, key, files), prepare, write, before_commit)
+                                 lambda t: find_registration(t, base, key, files), prepare, write, before_commit,
+                                 check_files)
         return registration
 
 

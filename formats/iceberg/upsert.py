@@ -26,8 +26,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elmo_pipeline.formats.iceberg.commit import (FILES_PROPERTY, OUTPUT_PROPERTY, REGISTERED_PREFIX, RUN_KEY_PROPERTY,
-                                                  Registration, _marked, _upsert_producer, check_new_ids, commit,
-                                                  data_files, registration_property, run_ids)
+                                                  Registration, _marked, add_snapshot, check_new_ids, check_table_files, commit,
+                                                  registration_property, run_ids)
 from elmo_pipeline.formats.iceberg.table import IcebergTarget, data_file_urls, output_url
 from elmo_pipeline.formats.layout import DOC_HASHES, recorded_files, recorded_kernel_paths, well_formed_kernel
 from elmo_pipeline.fsio import json_lines, json_or_none, redact
@@ -158,7 +158,7 @@ def live_deletes(table, remove: pa.Array) -> list[tuple[str, pa.Array]]:
     if table.current_snapshot() is None or not len(remove):
         return []
     out = []
-    for task in table.scan(row_filter=In(ROW_DOC, set(remove.to_pylist()))).plan_files():
+    for task in check_table_files(table, table.scan(row_filter=In(ROW_DOC, set(remove.to_pylist()))).plan_files()):
         path = task.file.file_path
         with table.io.new_input(path).open() as f:
             ids = pq.ParquetFile(f).read(columns=[ROW_DOC]).column(0).combine_chunks()
@@ -281,12 +281,10 @@ class Upsert:
                 "delete_missing": self.delete_missing, "kernel_path": self.kernel_note}
 
     def register(self, output: str, manifest: dict, schema: pa.Schema, storage_options: dict | None = None,
-                 before_commit=None) -> Registration:
+                 before_commit=None, check_files=None) -> Registration:
         """Commit the finished output's change (see the module docstring) in one snapshot, unless this run key's
         output is registered already. TableMovedError when the table moved since the run compared with it;
         DuplicateIdError when the table would then hold an id twice (formats.iceberg.check_new_ids)."""
-        from pyiceberg.table import TableProperties
-        from pyiceberg.table.snapshots import Operation
         files = data_file_urls(output, manifest)
         base, key = output_url(output), str((manifest.get("run") or {}).get("key"))
         state_url = f"{base}/{manifest['upsert']['doc_hashes']}"
@@ -323,17 +321,9 @@ class Upsert:
                      **({KERNEL_PATH_PROPERTY: json.dumps(kernels[0] if len(kernels) == 1 else kernels,
                                                           sort_keys=True)} if kernels else {}),
                      **({STATE_RECORD_PROPERTY: json.dumps(record, sort_keys=True)} if record else {})}
-            if tx.table_metadata.name_mapping() is None:     # as add_files: our shards have no field ids
-                tx.set_properties({TableProperties.DEFAULT_NAME_MAPPING:
-                                   tx.table_metadata.schema().name_mapping.model_dump_json()})
-            with _upsert_producer()(operation=Operation.OVERWRITE if current else Operation.APPEND,
-                                    transaction=tx, io=table.io, snapshot_properties=props) as producer:
-                for data_file in data_files(tx, files, table.io):
-                    producer.append_data_file(data_file)
-                for d in deletes:
-                    producer.append_delete_file(d)
+            add_snapshot(tx, table.io, files, props, overwrite=current is not None, deletes=deletes)
         done, prepared = commit(self.target, catalog, table, base, key, len(files),
-                                lambda t: _registered(t, base, key), prepare, write, before_commit)
+                                lambda t: _registered(t, base, key), prepare, write, before_commit, check_files)
         if prepared is None:
             return done
         deletes = prepared[1]

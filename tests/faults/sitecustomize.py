@@ -95,9 +95,9 @@ def _install() -> None:
     def plan(module) -> None:
         register = module.Plan.register
 
-        def register_output(self, manifest, fence=None):
+        def register_output(self, manifest, fence=None, **kwargs):
             point("register")
-            register(self, manifest, fence)
+            register(self, manifest, fence, **kwargs)
             point("registered")
         module.Plan.register = register_output
 
