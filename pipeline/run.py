@@ -23,7 +23,8 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions, SetupOptions
 
 from elmo_pipeline.output.names import METRICS
-from elmo_pipeline.fsio import atomic_write, redact, redact_logs, url_fs
+from elmo_pipeline.formats.layout import read_manifest, recorded_files
+from elmo_pipeline.fsio import atomic_write, read_recorded, redact, redact_logs, url_fs
 from elmo_pipeline.pipeline.execute import AlreadyComplete, FinalizeOnly, run_planned
 from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
 from elmo_pipeline.pipeline.validate import check_metrics_file
@@ -132,9 +133,15 @@ def write_metrics_file(path: str, output: str | None, status: int, manifest_metr
 
 
 def _output_metrics(output: str, so: dict | None = None) -> str:
+    """The output's metrics.prom, read back as the file its manifest records (fsio.read_recorded: size and SHA-256,
+    at most its size + 1 read, a local FIFO never opened): NotTheRecordedFile for a file changed or placed since."""
     fs, root = url_fs(output, so)
+    manifest = read_manifest(fs, root)
+    if manifest is None:
+        return ""
     try:
-        return fs.cat_file(root.rstrip("/") + "/" + METRICS).decode("utf-8")
+        return read_recorded(fs, root.rstrip("/") + "/" + METRICS,
+                             (recorded_files(manifest) or {}).get(METRICS)).decode("utf-8")
     except FileNotFoundError:
         return ""
 
@@ -194,6 +201,11 @@ def _try_metrics_file(path: str, output: str | None, status: int, text=lambda: "
     try:
         if output:
             check_metrics_file(path, output)
-        write_metrics_file(path, output, status, text())
+        try:
+            counts = text()
+        except Exception as e:  # noqa: BLE001 - the output's metrics left out, the exit status still written
+            say(redact(f"warning: --metrics-file {path}: the output's metrics are left out: {e}"))
+            counts = ""
+        write_metrics_file(path, output, status, counts)
     except Exception as e:  # noqa: BLE001
         say(redact(f"warning: --metrics-file {path}: {e}"))

@@ -98,3 +98,27 @@ def test_label_values_are_escaped():
     text = render([("x_total", "counter", "h", [({"output": 'a"b\\c\nd'}, 3)])])
     (fam,) = parser.text_string_to_metric_families(text)
     assert fam.samples[0].labels["output"] == 'a"b\\c\nd' and fam.samples[0].value == 3
+
+
+@pytest.mark.parametrize("swap", ["forged", "fifo"])
+def test_a_changed_metrics_prom_is_not_copied_into_the_collector_file(swap, run, tiny_model_files, tmp_path, capsys):
+    """An already complete rerun copies the output's metrics.prom into --metrics-file only as the file its manifest
+    records: one changed since (forged counts, or a FIFO, which would block the read) is left out with a warning
+    line; the exit status is still written, and the run's status stays 0."""
+    import shutil
+    out, _, m = run
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    metrics = copy / "metrics.prom"
+    metrics.unlink()
+    if swap == "fifo":
+        os.mkfifo(metrics)
+    else:
+        metrics.write_text(f'elmo_pipeline_sentences_total{{output="{copy}"}} 999999\n')
+    target = tmp_path / "collector.prom"
+    args = argv(tiny_model_files, run_input(out), str(copy), "--shard-sentences", "7", "--metrics-file", str(target))
+    assert main(args) == 0
+    assert "the output's metrics are left out" in capsys.readouterr().err
+    text = target.read_text()
+    assert "999999" not in text and "elmo_pipeline_sentences_total" not in text
+    assert value(families(target), "elmo_pipeline_exit_status", output=str(copy)) == 0
