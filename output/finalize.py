@@ -131,12 +131,14 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     names is in no selected record, or an input file has no counts."""
     fs, st = url_fs(staging, storage_options)
     fs.invalidate_cache()
-    present = set(fs.find(st))
-    records, _, covered, left_out, damaged = select_records(fs, st, present)
+    listed = fs.find(st, detail=True)       # the same listing, with each file's size
+    present = set(listed)
+    records, _, covered, left_out, damaged = select_records(fs, st, present,
+                                                            lambda rec: _sizes_as_recorded(listed, st, rec))
     if damaged:                 # its sentences are unknown: the next round drops it and embeds them again
         raise Incomplete(f"{damaged[0]}: not a whole commit record ({len(damaged)} such)")
     if left_out:
-        raise Incomplete(f"{len(left_out)} sentence(s) are only in shards whose files are gone or that "
+        raise Incomplete(f"{len(left_out)} sentence(s) are only in shards whose files are gone, changed or that "
                          "overlap others")
     counts_dir = posixpath.join(st, COUNTS) + "/"
     count_files = sorted(p for p in present if p.startswith(counts_dir) and p.endswith(".json"))
@@ -166,6 +168,23 @@ def plan_from_staging(staging: str, files: list[str], storage_options: dict | No
     docs_dir = posixpath.join(st, DOCS) + "/"
     docs = sorted(p for p in present if p.startswith(docs_dir) and p.endswith(".jsonl"))
     return Staged([ShardInfo.from_record(r, st) for r in records], letters, counts, records, stats, docs)
+
+
+def _sizes_as_recorded(listed: dict, st: str, rec: dict) -> bool:
+    """Whether each of a commit record's staged files has the size its worker recorded (`listed`: the staging folder's
+    listing with sizes, so no request more): a file replaced since (another shard's, a foreign one) is never
+    published; False with a warning, and the next round (output/state.py: resume) checks its SHA-256, drops it and
+    embeds its sentences again. A same-size change is found there only when a round resumes, and by readers'
+    validate(). A record without digests (an earlier version's) is taken as it is."""
+    digests = rec.get("digests") if isinstance(rec.get("digests"), dict) else {}
+    for fmt, name in rec.get("files", {}).items():
+        record, path = digests.get(fmt), posixpath.join(st, name)
+        size = (listed.get(path) or {}).get("size")
+        if manifests.is_file_record(record) and size != record["bytes"]:
+            logger.warning("%s: %s bytes, %d recorded by its worker (changed since it was staged); its shard is not "
+                           "published", path, size, record["bytes"])
+            return False
+    return True
 
 
 def _staged_json(path: str, data: bytes, whole) -> dict:

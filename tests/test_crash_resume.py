@@ -453,6 +453,46 @@ def test_plan_from_staging_refuses_an_incomplete_staging(tmp_path):
         plan_from_staging(st, ["d"])
 
 
+def test_plan_from_staging_refuses_a_staged_shard_of_another_size(tmp_path, caplog):
+    """A staged shard file whose size is not the one its commit record's digests give (replaced since its worker
+    wrote it) is never published: Incomplete, naming the file (the next round resumes, checks it whole, drops it
+    and embeds its sentences again)."""
+    from elmo_pipeline.output.finalize import Incomplete, plan_from_staging
+    st = str(tmp_path / "out" / "_staging" / "k")
+    _stage(st, ["d:1#0", "d:1#1"])
+    shard = _stage(st, ["d:2#0"])
+    Staging(st).counts("d", {"input_records": 2, "blank_records": 0})
+    assert sum(s.sentences for s in plan_from_staging(st, ["d"]).shards) == 3
+    with open(shard.files["parquet"], "ab") as f:
+        f.write(b"appended by someone else")
+    with pytest.raises(Incomplete, match="1 sentence"):
+        plan_from_staging(st, ["d"])
+    assert "changed since it was staged" in caplog.text and os.path.basename(shard.files["parquet"]) in caplog.text
+
+
+def test_a_staged_shard_replaced_before_finalize_is_embedded_again(corpus, tiny_model_files, reference, tmp_path,
+                                                                   caplog, monkeypatch):
+    """A staged shard replaced between its commit and Finalize (another shard's file copied over it) is not
+    published under the output's names: the run embeds its sentences again and equals the uninterrupted run."""
+    from elmo_pipeline.output import lifecycle
+    out = str(tmp_path / "out")
+    real, swapped = lifecycle.plan_from_staging, []
+
+    def swap_then_plan(staging, *a, **k):
+        if not swapped:
+            first, second = _records(staging)[:2]
+            with open(os.path.join(staging, second["files"]["parquet"]), "rb") as f:
+                other = f.read()
+            with open(os.path.join(staging, first["files"]["parquet"]), "wb") as f:
+                f.write(other)
+            swapped.append(first["files"]["parquet"])
+        return real(staging, *a, **k)
+    monkeypatch.setattr(lifecycle, "plan_from_staging", swap_then_plan)
+    assert main(argv(tiny_model_files, corpus, out, *SMALL)) == 0
+    assert swapped and "changed since it was staged" in caplog.text
+    assert_same_output(read_output(out), reference)
+
+
 def test_plan_from_staging_refuses_damaged_staged_files(tmp_path):
     """At Finalize a damaged commit record, counts file or dead-letter line is Incomplete (the next round drops
     it and writes it anew), never a crash nor an output without its sentences; a damaged statistics file only
