@@ -15,12 +15,12 @@ import posixpath
 import uuid
 from dataclasses import dataclass
 
-from elmo_pipeline.formats.layout import DOC_HASHES, MANIFEST, SUCCESS, read_manifest
+from elmo_pipeline.formats.layout import DOC_HASHES, MANIFEST, SUCCESS, read_manifest, recorded_files
 from elmo_pipeline.fsio import is_local_fs, remove_temp_files
-from elmo_pipeline.output.finalize import moved_there, read_plan
+from elmo_pipeline.output.finalize import as_recorded, moved_there, read_plan
 from elmo_pipeline.output.names import (FINAL_NAMES, METRICS, PROBE, REPORT, SHARD_FOLDERS, STAGING, TOP_FILES,
                                         is_scratch_name, listed_names)
-from elmo_pipeline.output.sink import Sink, success_marker
+from elmo_pipeline.output.sink import Sink, placed_there, success_marker
 
 
 def staged_plans(fs, root: str) -> dict[str, dict]:
@@ -60,6 +60,19 @@ def owned_final_names(fs, root: str) -> set[str]:
     return names
 
 
+def not_as_recorded(fs, root: str, names: list[str]) -> list[str]:
+    """Of `names` (relative to `root`), those whose file is not the one the output's manifest records (size, then
+    SHA-256: finalize.as_recorded, with a warning): written over by someone else since the pipeline wrote it. A
+    name the manifest records nothing for (a plan's, an earlier version's) is taken as it is. Reads each file once."""
+    manifest = read_manifest(fs, root)
+    try:
+        records = (recorded_files(manifest) if manifest is not None else None) or {}
+    except ValueError:
+        records = {}
+    return [n for n in names if n in records and not as_recorded(
+        fs, posixpath.join(root, n), records[n], "it is not this pipeline's to remove: nothing is removed")]
+
+
 def files_under(fs, root: str, folders: tuple[str, ...]) -> set[str]:
     """Names (relative to `root`) of the files under the given subfolders of `root` (one listing each)."""
     found = set()
@@ -79,6 +92,9 @@ def clear_final(sink: Sink, root: str, keep: set[str] = frozenset()) -> None:
     present = files_under(fs, root, SHARD_FOLDERS) | {n for n in (SUCCESS, MANIFEST, REPORT, METRICS)
                                                        if fs.exists(posixpath.join(root, n))}
     data = sorted((owned & present) - {SUCCESS, MANIFEST})
+    changed = not_as_recorded(fs, root, data)
+    if changed:             # written over since: nobody's to delete, and Finalize would not move a file over it
+        raise placed_there(posixpath.join(root, changed[0]))
     for group in ([SUCCESS], data, [MANIFEST]):
         paths = [posixpath.join(root, n) for n in group if n in owned and n in present]
         if paths:

@@ -100,6 +100,29 @@ def test_unknown_files_where_the_output_goes_refuse_even_with_overwrite(tmp_path
     assert all(left[k] == before[k] for k in ("notes.txt", "docs/readme.md"))
 
 
+@pytest.mark.parametrize("name,change", [("parquet", "a byte"), ("parquet", "another file"), ("hdf5", "a byte"),
+                                         ("report.html", "another file")])
+def test_a_listed_file_written_over_since_is_not_deleted_by_overwrite(tmp_path, name, change):
+    """A file at a name the finished output's manifest lists, written over since (a byte changed at its size, or
+    another file of another size), is no longer the pipeline's: --overwrite exits 2 naming it before it removes
+    anything, every file as it was; once it is moved away, --overwrite clears the rest and starts over."""
+    out = str(tmp_path / "out")
+    m = _finished(out, "k1")
+    rel = m["shards"][0][name] if name in ("parquet", "hdf5") else name
+    path = os.path.join(out, rel)
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[:50] + bytes([data[50] ^ 1]) + data[51:] if change == "a byte" else b"<p>my own page</p>")
+    before = _contents(out)
+    ing, key = _ingredients("top")
+    with pytest.raises(FileExistsError, match=f"{rel}: a file this pipeline did not write is there"):
+        resume.prepare_output(out, key, ing, True)
+    assert _contents(out) == before
+    os.remove(path)
+    assert resume.prepare_output(out, key, ing, True).action == "fresh"
+    assert {k for k in _contents(out) if not k.startswith("_staging/")} == set()
+
+
 @pytest.mark.parametrize("name,content", [("manifest.json", '{"my": "own manifest"}'), ("manifest.json", "not json"),
                                           ("_SUCCESS", ""), ("report.html", "<p>mine</p>"), ("metrics.prom", "x 1\n")])
 def test_a_file_at_a_final_name_that_no_manifest_of_ours_lists_is_in_the_way(tmp_path, name, content):
