@@ -73,7 +73,7 @@ def open_file(url: str, mode: str = "rb", storage_options: dict | None = None, *
 
 def expand(patterns: list[str], storage_options: dict | None = None) -> list[str]:
     """Sorted files matching paths, URLs or globs, each file once however it is spelled (x.txt, ./x.txt,
-    dir//x.txt; /abs/x.txt and file:///abs/x.txt); a pattern matching no file is an error. Remote matches keep
+    dir//x.txt; /abs/x.txt and file:///abs/x.txt; an object store's key as it is: normalise); a pattern matching no file is an error. Remote matches keep
     their scheme (s3://bucket/key); local ones are plain paths. A URL with a query string (a presigned URL:
     ?X-Amz-Signature=...) is one file, never a pattern. Folders a glob matches are passed over; a local match that
     is neither a folder nor a regular file is a FileNotFoundError naming it, but for an editor's lock link (.#name:
@@ -86,8 +86,15 @@ def expand(patterns: list[str], storage_options: dict | None = None) -> list[str
     return sorted(found.values())
 
 
+# protocols whose paths are resolved (by the OS, or by the HTTP client per RFC 3986): the same file however spelled.
+# Any other URL's path is an object's key, a name taken as it is: s3://b/a//x.txt, s3://b/a/x.txt and
+# s3://b/a/y/../x.txt are three objects.
+RESOLVED_PATHS = ("file", "local", "http", "https")
+
+
 def normalise(url: str) -> str:
-    """A path or URL with its path part normalised (no empty, . or .. segments), its query string as it is."""
+    """A path or URL with its path part normalised (no empty, . or .. segments), its query string as it is; an
+    object store's key (a URL of a protocol not in RESOLVED_PATHS) as it is."""
     if "://" not in url:
         return os.path.normpath(url)
     head, rest = url.split("://", 1)
@@ -95,7 +102,7 @@ def normalise(url: str) -> str:
     rest, query = (rest[:query.start()], rest[query.start():]) if query else (rest, "")
     host, slash, path = rest.partition("/")
     if slash:
-        path = posixpath.normpath(re.sub("/+", "/", "/" + path))
+        path = posixpath.normpath(re.sub("/+", "/", "/" + path)) if head in RESOLVED_PATHS else slash + path
     return f"{head}://{host}{path}{query}"
 
 

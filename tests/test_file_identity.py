@@ -183,3 +183,14 @@ def test_names_that_print_alike_have_distinct_ids(tiny_model_files, tmp_path):
     assert len(by_file) == len(names) and all(len(ids) == 1 for ids in by_file.values()), by_file
     assert not any(UNPRINTABLE.search(label) for label in by_file), by_file
     assert {"a\\xffb.txt", "a\\\\xffb.txt", "c\\x01.txt", "c\\\\x01.txt", "plain.txt"} <= set(by_file), by_file
+
+
+def test_an_object_stores_keys_are_names_not_paths():
+    """s3://b/k//a.txt, s3://b/k/a.txt and s3://b/k/x/../a.txt are three objects: each keeps its key and its own
+    label in every mode; local paths and http(s) URLs are still normalised."""
+    keys = ["s3://b/k//a.txt", "s3://b/k/a.txt", "s3://b/k/x/../a.txt", "gs://b/k/./a.txt"]
+    assert [normalise(k) for k in keys] == keys
+    assert normalise("/d//x/../a.txt") == "/d/a.txt" and normalise("https://h/d//x/../a.txt?v=1") == "https://h/d/a.txt?v=1"
+    for labels in (file_labels(keys[:3]), file_labels(keys[:3], full=True), file_labels(keys[:3], "s3://b/k")):
+        assert_distinct(labels)
+    assert file_labels(keys[:3], full=True) == {k: k for k in keys[:3]}

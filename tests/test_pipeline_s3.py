@@ -44,3 +44,38 @@ def test_s3_in_and_out(s3, tiny_model_files):
     from elmo_pipeline.model.embedder import ElmoEmbedder
     alone = ElmoEmbedder(*tiny_model_files).embed_sentence(t.column("tokens")[1].as_py())
     assert np.abs(v - alone).max() <= 1e-5
+
+
+def test_object_keys_are_taken_as_they_are(s3, tiny_model_files):
+    """An object's key is a name, not a path: s3://b/k//a.txt, s3://b/k/a.txt and s3://b/k/x/../b.txt are distinct
+    objects. Named, each is the one read (never its 'normalised' neighbour); matched by one glob, each is read
+    once with an id of its own (no two documents share an id, which jammed the run)."""
+    import boto3
+    import pyarrow.parquet as pq
+    endpoint, fs = s3
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                          region_name="us-east-1")
+    texts = {"keys/a.txt": "plain a here", "keys//a.txt": "double slash object", "keys/b.txt": "plain b here",
+             "keys/x/../b.txt": "dot dot object"}
+    for key, text in texts.items():
+        client.put_object(Bucket="bucket", Key=key, Body=(text + "\n").encode())
+    so = ["--s3_endpoint_url", endpoint, "--s3_access_key_id", "testing", "--s3_secret_access_key", "testing",
+          "--options-file", tiny_model_files[0], "--weight-file", tiny_model_files[1], "--torch-threads", "1",
+          "--progress", "off", "--tokenizer", "whitespace"]
+
+    def rows(out):
+        fs.invalidate_cache()
+        m = json.loads(fs.cat(f"bucket/{out}/manifest.json"))
+        got = {}
+        for s in m["shards"]:
+            with fs.open(f"bucket/{out}/{s['parquet']}", "rb") as f:
+                t = pq.read_table(f, columns=["id", "tokens"])
+            got.update(zip(t.column("id").to_pylist(), (" ".join(x) for x in t.column("tokens").to_pylist())))
+        return got
+    for key in ("keys//a.txt", "keys/x/../b.txt"):
+        out = "one" + str(len(key))
+        run(["--input", f"s3://bucket/{key}", "--output", f"s3://bucket/{out}", *so])
+        assert list(rows(out).values()) == [texts[key]]
+    run(["--input", "s3://bucket/keys/**", "--output", "s3://bucket/all", *so])
+    got = rows("all")
+    assert sorted(got.values()) == sorted(texts.values()) and len(got) == 4

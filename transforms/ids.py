@@ -14,7 +14,7 @@ from typing import Iterator
 
 from elmo_pipeline.formats.layout import EXCERPT_CHARS, DeadLetter
 from elmo_pipeline.fsio import redact
-from elmo_pipeline.fsio.fs import normalise
+from elmo_pipeline.fsio.fs import RESOLVED_PATHS, normalise
 from elmo_pipeline.fsio.redact import redact_url_part, secret_name
 from elmo_pipeline.transforms.records import Document
 
@@ -110,13 +110,15 @@ def _identity(url: str) -> str:
 
 def _place(url: str) -> tuple[str, str]:
     """(scheme, normalized path) of a file or folder: ("", absolute path) for local paths and file:// URLs;
-    for remote URLs the bucket/host and path, without user info, query or fragment."""
+    for remote URLs the bucket/host and path, without user info, query or fragment (an object store's key as it is:
+    fsio.fs.normalise)."""
     scheme, sep, rest = url.partition("://")
     if not sep or scheme == "file":
         return "", posixpath.abspath(rest if sep else url)
     rest = rest.split("?", 1)[0].split("#", 1)[0]
     host, slash, path = rest.partition("/")
-    return scheme, posixpath.normpath(host.rpartition("@")[2] + slash + path)
+    place = host.rpartition("@")[2] + slash + path
+    return scheme, posixpath.normpath(place) if scheme in RESOLVED_PATHS else place     # a key: as it is
 
 
 def public_url(url: str) -> str:
