@@ -50,11 +50,14 @@ NOT_CONTENT = {"output", "overwrite", "progress", "torch_threads", "device", "sh
                "id_root", "dedupe", "reuse", "reuse_table", "reuse_across_kernels", "iceberg_mode", "delete_missing"}   # upsert's: in the key when given (plan.py)
 
 
-def input_fingerprints(files: list[str], storage_options: dict | None = None) -> list[list]:
-    """[url, size, version] per input file; version is the object's ETag/generation or the file's mtime."""
+def input_fingerprints(files: list[str], storage_options: dict | None = None, fresh: bool = False) -> list[list]:
+    """[url, size, version] per input file; version is the object's ETag/generation or the file's mtime. `fresh`: the
+    store asked now (an object store's filesystem otherwise answers from the listing it cached while planning)."""
     out = []
     for url in files:
         fs, path = url_fs(url, storage_options)
+        if fresh:
+            fs.invalidate_cache(path)
         info = fs.info(path)
         version = next((info[k] for k in ("ETag", "etag", "generation", "md5Hash", "mtime", "LastModified",
                                           "last_modified", "created") if info.get(k) is not None), None)

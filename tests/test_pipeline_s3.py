@@ -79,3 +79,24 @@ def test_object_keys_are_taken_as_they_are(s3, tiny_model_files):
     run(["--input", "s3://bucket/keys/**", "--output", "s3://bucket/all", *so])
     got = rows("all")
     assert sorted(got.values()) == sorted(texts.values()) and len(got) == 4
+
+
+def test_an_input_replaced_after_planning_is_input_changed(s3, tmp_path):
+    """The read element's check asks the store, not the listing cached while planning: an object replaced since is
+    InputChanged (exit 65, docs/failure-behaviour.md), not s3fs's FileExpired from the read's If-Match (exit 75)."""
+    import s3fs
+
+    from elmo_pipeline.fsio import expand
+    from elmo_pipeline.output.state import input_fingerprints
+    from elmo_pipeline.pipeline.exits import classify
+    from elmo_pipeline.transforms.read_step import InputChanged, check_unchanged
+    endpoint, fs = s3
+    so = {"s3": {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}}
+    fs.pipe("bucket/changing/a.txt", b"one two three\n")
+    (url,) = expand(["s3://bucket/changing/*.txt"], so)         # the listing, cached by this process's filesystem
+    planned = input_fingerprints([url], so)[0][1:]
+    other = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=endpoint, skip_instance_cache=True)
+    other.pipe("bucket/changing/a.txt", b"FOUR FIVE SIX SEVEN\n")
+    with pytest.raises(InputChanged) as e:
+        check_unchanged(url, planned, so)
+    assert classify(e.value).status == 65

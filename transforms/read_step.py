@@ -28,7 +28,7 @@ class InputChanged(ValueError):
 
 def check_unchanged(url: str, planned: list, storage_options: dict | None) -> None:
     """InputChanged when `url`'s [size, version] now differs from `planned` (output.state.input_fingerprints)."""
-    now = input_fingerprints([url], storage_options)[0][1:]
+    now = input_fingerprints([url], storage_options, fresh=True)[0][1:]
     if list(now) != list(planned):
         raise InputChanged(f"input {redact(url)} changed since the run was planned (size, version {planned} -> "
                            f"{now}): rerun once it no longer changes")
