@@ -18,7 +18,7 @@ import tempfile
 import threading
 
 from elmo_pipeline.downstream.shard_checks import DamagedOutput
-from elmo_pipeline.fsio import file_sha256, replacing, same_digest, url_fs
+from elmo_pipeline.fsio import replacing, same_digest, url_fs
 
 _CHECKED: set[tuple] = set()       # (path, st_ino, st_size, st_mtime_ns) of copies checked against their record
 
@@ -28,10 +28,14 @@ def download(fs, path: str, local: str, record: dict | None = None) -> None:
     DamagedOutput, nothing kept, when its bytes are not the `record` ({"bytes", "sha256"}) the manifest holds."""
     os.makedirs(os.path.dirname(local), exist_ok=True)
     with replacing(local) as tmp:
-        fs.get_file(path, tmp)
-        if record is not None and (os.path.getsize(tmp) != record["bytes"] or file_sha256(tmp) != record["sha256"]):
-            raise DamagedOutput(f"{path}: not the file the manifest records ({record['bytes']} bytes, sha256 "
-                                f"{record['sha256'][:12]}...): replaced since")
+        if record is None:
+            fs.get_file(path, tmp)
+        else:               # copied and checked in one pass, at most its size + 1 read (a huge object never fills
+            with open(tmp, "wb") as f:      # the disk)
+                same = same_digest(fs, path, record, copy_to=f)
+            if not same:
+                raise DamagedOutput(f"{path}: not the file the manifest records ({record['bytes']} bytes, sha256 "
+                                    f"{record['sha256'][:12]}...): replaced since")
         st = os.stat(tmp)
     if record is not None:                  # checked as copied: renamed, the same inode and times
         _CHECKED.add(_identity(local, st))

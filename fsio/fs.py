@@ -325,15 +325,18 @@ def digest_of(fs, path: str) -> dict:
     return {"bytes": size, "sha256": h.hexdigest()}
 
 
-def same_digest(fs, path: str, record: dict) -> bool:
+def same_digest(fs, path: str, record: dict, copy_to=None) -> bool:
     """Whether `path` holds record["bytes"] bytes of SHA-256 record["sha256"], read in 8 MiB blocks: at most that
-    + 1 bytes read (a file grown since, or /dev/zero, is never read whole)."""
+    + 1 bytes read (a file grown since, or /dev/zero, is never read whole). copy_to: a binary stream each block
+    read is written to as well (a copy checked in the same pass)."""
     import hashlib
     h, left = hashlib.sha256(), record["bytes"] + 1
     with fs.open(path, "rb") as f:
         while left > 0 and (block := f.read(min(left, 8 << 20))):
             h.update(block)
             left -= len(block)
+            if copy_to is not None:
+                copy_to.write(block)
     return left == 1 and h.hexdigest() == record["sha256"]
 
 

@@ -2,6 +2,7 @@
 naming the file (never a segmentation fault, never an allocation beyond what the manifest implies)."""
 import json
 import os
+import posixpath
 import shutil
 import subprocess
 import sys
@@ -435,6 +436,33 @@ def test_a_cached_copy_of_a_remote_shard_is_the_file_its_manifest_records(writte
     with pytest.raises(DamagedOutput, match="not the file the manifest records"):
         MappedDataset("memory://cached", cache_dir=str(tmp_path / "other"))[0]
     fs.rm("/cached", recursive=True)
+
+
+def test_a_remote_shard_replaced_by_a_huge_object_is_never_copied_whole(written, tmp_path, monkeypatch):
+    """A remote shard replaced (after the output was opened) by an object far larger than its record is refused as
+    it is copied into the shard cache having read at most its recorded size + 1: it never fills the local disk, and
+    nothing is left in the cache."""
+    from elmo_pipeline.downstream.output import ElmoOutput as Out
+    from elmo_pipeline.downstream.shard_cache import ShardCache
+    url = _in_memory(written["fp32"], "huge")
+    out, cache = Out(url), str(tmp_path / "cache")
+    path = out.shard_path(0, "arrow")
+    record = out.files[posixpath.relpath(path, out.root)]
+    out.fs.pipe(path, b"\0" * (record["bytes"] + (64 << 20)))
+    read, real_open = [], type(out.fs).open
+
+    def counting_open(self, p, mode="rb", **kw):
+        f = real_open(self, p, mode, **kw)
+        real_read = f.read
+        f.read = lambda n=-1: read.append(len(chunk := real_read(n))) or chunk
+        return f
+    monkeypatch.setattr(type(out.fs), "open", counting_open)
+    with pytest.raises(DamagedOutput, match="not the file the manifest records"):
+        ShardCache(cache).local(out, path)
+    assert sum(read) <= record["bytes"] + 1
+    assert not [f for _, _, fs in os.walk(cache) for f in fs]
+    monkeypatch.undo()
+    out.fs.rm("/huge", recursive=True)
 
 
 def test_a_storage_error_reading_a_remote_arrow_shard_is_not_a_damaged_output():
