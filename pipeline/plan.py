@@ -51,14 +51,16 @@ logger = logging.getLogger("elmo-pipeline.run")
 
 
 def storage_options(opts: PipelineOptions) -> dict:
-    """Storage options {protocol: {...}} from Beam's standard --s3_* flags (one config for both),
-    plus botocore's retry policy from --s3-max-attempts."""
+    """Storage options {protocol: {...}} from Beam's standard --s3_* flags (one config for both; --s3_session_token
+    with the key of temporary credentials), plus botocore's retry policy from --s3-max-attempts."""
     s3 = opts.view_as(S3Options)
     so = {}
     if s3.s3_endpoint_url:
         so["endpoint_url"] = s3.s3_endpoint_url
     if s3.s3_access_key_id:
         so["key"], so["secret"] = s3.s3_access_key_id, s3.s3_secret_access_key
+    if s3.s3_session_token:
+        so["token"] = s3.s3_session_token
     if s3.s3_region_name:
         so["client_kwargs"] = {"region_name": s3.s3_region_name}
     attempts = opts.view_as(ElmoOptions).s3_max_attempts

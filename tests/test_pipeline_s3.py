@@ -100,3 +100,4 @@ def test_an_input_replaced_after_planning_is_input_changed(s3, tmp_path):
     with pytest.raises(InputChanged) as e:
         check_unchanged(url, planned, so)
     assert classify(e.value).status == 65
+

@@ -283,3 +283,17 @@ def test_release_written_syncs_local_files_and_skips_object_stores(tmp_path, mon
     mem.pipe_file("/x.parquet", b"abc")
     release_written(mem, "/x.parquet")
     assert calls == ["sync"] and mem.cat_file("/x.parquet") == b"abc"
+
+
+def test_beams_s3_flags_become_the_storage_options():
+    """Beam's --s3_* flags configure s3fs: temporary credentials' --s3_session_token too (it was dropped, so a run
+    with STS credentials sent the key without its token and was refused by S3)."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from elmo_pipeline.pipeline.plan import storage_options
+    so = storage_options(PipelineOptions(["--s3_endpoint_url", "http://127.0.0.1:9", "--s3_access_key_id", "AKID",
+                                          "--s3_secret_access_key", "SECRET", "--s3_session_token", "TOKEN",
+                                          "--s3_region_name", "eu-west-1"]))["s3"]
+    assert (so["endpoint_url"], so["key"], so["secret"], so["token"], so["client_kwargs"]) == (
+        "http://127.0.0.1:9", "AKID", "SECRET", "TOKEN", {"region_name": "eu-west-1"})
+    assert "token" not in storage_options(PipelineOptions([]))["s3"]
