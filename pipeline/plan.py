@@ -52,7 +52,8 @@ logger = logging.getLogger("elmo-pipeline.run")
 
 def storage_options(opts: PipelineOptions) -> dict:
     """Storage options {protocol: {...}} from Beam's standard --s3_* flags (one config for both; --s3_session_token
-    with the key of temporary credentials), plus botocore's retry policy from --s3-max-attempts."""
+    with the key of temporary credentials, --s3_verify, --s3_disable_ssl), plus botocore's retry policy from
+    --s3-max-attempts."""
     s3 = opts.view_as(S3Options)
     so = {}
     if s3.s3_endpoint_url:
@@ -63,6 +64,11 @@ def storage_options(opts: PipelineOptions) -> dict:
         so["token"] = s3.s3_session_token
     if s3.s3_region_name:
         so["client_kwargs"] = {"region_name": s3.s3_region_name}
+    if s3.s3_verify is not None:         # botocore's verify: False, or the CA bundle to verify with
+        verify = str(s3.s3_verify)
+        so.setdefault("client_kwargs", {})["verify"] = False if verify.lower() in ("false", "0", "no") else verify
+    if s3.s3_disable_ssl:
+        so["use_ssl"] = False
     attempts = opts.view_as(ElmoOptions).s3_max_attempts
     so["config_kwargs"] = {"retries": {"total_max_attempts": attempts, "mode": "standard"}}
     return {"s3": so}

@@ -287,7 +287,8 @@ def test_release_written_syncs_local_files_and_skips_object_stores(tmp_path, mon
 
 def test_beams_s3_flags_become_the_storage_options():
     """Beam's --s3_* flags configure s3fs: temporary credentials' --s3_session_token too (it was dropped, so a run
-    with STS credentials sent the key without its token and was refused by S3)."""
+    with STS credentials sent the key without its token and was refused by S3), --s3_verify and --s3_disable_ssl
+    (accepted and ignored before)."""
     from apache_beam.options.pipeline_options import PipelineOptions
 
     from elmo_pipeline.pipeline.plan import storage_options
@@ -297,3 +298,7 @@ def test_beams_s3_flags_become_the_storage_options():
     assert (so["endpoint_url"], so["key"], so["secret"], so["token"], so["client_kwargs"]) == (
         "http://127.0.0.1:9", "AKID", "SECRET", "TOKEN", {"region_name": "eu-west-1"})
     assert "token" not in storage_options(PipelineOptions([]))["s3"]
+    so = storage_options(PipelineOptions(["--s3_verify", "false", "--s3_disable_ssl"]))["s3"]
+    assert so["client_kwargs"] == {"verify": False} and so["use_ssl"] is False
+    assert storage_options(PipelineOptions(["--s3_verify", "/etc/ca.pem"]))["s3"]["client_kwargs"] == {
+        "verify": "/etc/ca.pem"}
