@@ -73,13 +73,19 @@ def not_as_recorded(fs, root: str, names: list[str]) -> list[str]:
         fs, posixpath.join(root, n), records[n], "it is not this pipeline's to remove: nothing is removed")]
 
 
+def folder_marker(name: str) -> bool:
+    """Whether a listed name is an object store's folder marker (an empty object whose key ends in '/', as the S3
+    console's "Create folder" and many tools make them): a folder, no file of anyone's."""
+    return name.endswith("/")
+
+
 def files_under(fs, root: str, folders: tuple[str, ...]) -> set[str]:
     """Names (relative to `root`) of the files under the given subfolders of `root` (one listing each)."""
     found = set()
     for sub in folders:
         path = posixpath.join(root, sub)
         if fs.isdir(path):
-            found.update(posixpath.relpath(p, root) for p in fs.find(path))
+            found.update(posixpath.relpath(p, root) for p in fs.find(path) if not folder_marker(p))
     return found
 
 
@@ -128,11 +134,13 @@ def foreign_files(fs, root: str, writes_state: bool = False) -> Foreign:
     found = Foreign([], [], MANIFEST in owned)
     for entry in top:
         name = posixpath.basename(entry["name"].rstrip("/"))
+        if entry["type"] != "directory" and folder_marker(entry["name"]):
+            continue                # the folder's own marker, or a subfolder's: an empty folder is fine
         if entry["type"] == "directory" and name == STAGING:
             found.ours = True
         elif entry["type"] == "directory" and name in SHARD_FOLDERS:
-            found.in_the_way += sorted(n for n in (posixpath.relpath(p, root) for p in fs.find(entry["name"]))
-                                       if n not in owned)
+            found.in_the_way += sorted(n for n in (posixpath.relpath(p, root) for p in fs.find(entry["name"])
+                                                   if not folder_marker(p)) if n not in owned)
         elif entry["type"] == "directory" and name in (*TOP_FILES, DOC_HASHES):    # where Finalize puts a file
             found.in_the_way.append(name + "/")
         elif entry["type"] == "directory":

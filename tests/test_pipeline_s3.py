@@ -101,3 +101,26 @@ def test_an_input_replaced_after_planning_is_input_changed(s3, tmp_path):
         check_unchanged(url, planned, so)
     assert classify(e.value).status == 65
 
+
+
+def test_folder_markers_are_no_files(s3, tiny_model_files):
+    """An --output made as a folder on the S3 console (a zero-byte 'out/' marker object, 'out/parquet/' too) is an
+    empty folder: the run writes there (it was refused as holding foreign files, --overwrite or not), leaves the
+    markers as they are, and the output reads back."""
+    import boto3
+
+    from elmo_pipeline.downstream import ElmoOutput
+    endpoint, fs = s3
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                          region_name="us-east-1")
+    fs.pipe("bucket/marked-in/docs.txt", (DOC + "\n").encode())
+    for key in ("marked/", "marked/parquet/"):
+        client.put_object(Bucket="bucket", Key=key, Body=b"")
+    run(["--input", "s3://bucket/marked-in/*.txt", "--output", "s3://bucket/marked", "--progress", "off",
+         "--options-file", tiny_model_files[0], "--weight-file", tiny_model_files[1], "--torch-threads", "1",
+         "--s3_endpoint_url", endpoint, "--s3_access_key_id", "testing", "--s3_secret_access_key", "testing"])
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket="bucket", Prefix="marked/")["Contents"]}
+    assert {"marked/", "marked/parquet/", "marked/_SUCCESS"} <= keys
+    out = ElmoOutput("s3://bucket/marked", {"key": "testing", "secret": "testing", "endpoint_url": endpoint})
+    out.validate()
+    assert out.num_sentences == 2
