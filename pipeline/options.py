@@ -207,9 +207,9 @@ class JobOptions(PipelineOptions):
           "layer and dtype, shards, time at this machine's measured biLM rate) and exit 0; --output is not "
           "touched (also: elmo-pipeline plan ...)")
         g("--metrics-file", default=None, metavar="PATH",
-          help="also write the run's metrics (Prometheus text format, as <output>/metrics.prom) to this local file, "
-          "atomically: e.g. into node_exporter's textfile collector folder. Written on failure too, with the exit "
-          "status")
+          help="also write the run's metrics (Prometheus text format, as <output>/metrics.prom) to this local file "
+          "(a URL is refused), atomically: e.g. into node_exporter's textfile collector folder. Written on failure "
+          "too, with the exit status")
         g("--verbose", action="store_true", help="on failure, the traceback too (default: one line `error: ...`)")
 
 

@@ -278,8 +278,14 @@ def check_inputs_outside_output(files: list[str], output: str) -> None:
 
 
 def check_metrics_file(path: str | None, output: str) -> None:
-    """ValueError when --metrics-file lies inside --output: written after Finalize, it would replace the output's
-    own files (its manifest.json, metrics.prom) or add one its manifest does not record."""
+    """ValueError when --metrics-file is no local path (a URL was written without the run's storage options: to
+    another store than the run's, or nowhere, after all the work), or lies inside --output: written after Finalize,
+    it would replace the output's own files (its manifest.json, metrics.prom) or add one its manifest does not
+    record."""
+    if path and "://" in path and not path.startswith("file://"):
+        from elmo_pipeline.fsio import redact
+        raise ValueError(f"--metrics-file {redact(path)}: a local file (node_exporter's textfile collector reads a "
+                         "folder of its own machine), not a URL")
     if path and _inside([path], output):
         raise ValueError(f"--metrics-file {path} lies inside --output {output}: it would replace or add to the "
                          "output's own files; write it elsewhere (e.g. node_exporter's textfile collector folder)")

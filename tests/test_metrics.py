@@ -122,3 +122,18 @@ def test_a_changed_metrics_prom_is_not_copied_into_the_collector_file(swap, run,
     text = target.read_text()
     assert "999999" not in text and "elmo_pipeline_sentences_total" not in text
     assert value(families(target), "elmo_pipeline_exit_status", output=str(copy)) == 0
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/collector/elmo.prom", "https://host/elmo.prom"])
+def test_a_metrics_file_url_is_refused_before_any_work(url, tiny_model_files, tmp_path, capsys):
+    """--metrics-file is a local file: a URL was written after the whole run without the run's storage options (to
+    another store than the run's, with whatever credentials the environment held, or nowhere: a warning, exit 0).
+    Now exit 2, one line naming it, before any work."""
+    out = tmp_path / "out"
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("A line here.\n")
+    args = argv(tiny_model_files, str(tmp_path / "corpus" / "*.txt"), str(out), "--metrics-file", url)
+    assert main(args) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: --metrics-file") and "not a URL" in last
+    assert not out.exists()
