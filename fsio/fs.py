@@ -340,6 +340,18 @@ def same_digest(fs, path: str, record: dict, copy_to=None) -> bool:
     return left == 1 and h.hexdigest() == record["sha256"]
 
 
+def read_whole(f, limit: int, path: str) -> bytes:
+    """At most `limit` bytes (< 0: all) of the open file `f`; ConnectionError when fewer came than its size says (an
+    answer cut short by the store or a proxy that rewrote its length: a storage failure, retried later, never taken
+    for a damaged or missing file)."""
+    data = f.read(limit) if limit >= 0 else f.read()
+    size = getattr(f, "size", None)
+    want = size if limit < 0 or type(size) is not int else min(size, limit)
+    if type(want) is int and len(data) < want:
+        raise ConnectionError(f"{path}: {len(data)} bytes came of the {want} asked (the store cut its answer short)")
+    return data
+
+
 def read_recorded(fs, path: str, record: dict | None) -> bytes:
     """The bytes of `path`, checked against the record its writer kept ({"bytes", "sha256"}: manifest.json
     "files"): at most bytes + 1 read, a local path opened only when it is a regular file (a FIFO never blocks a
@@ -352,7 +364,7 @@ def read_recorded(fs, path: str, record: dict | None) -> bytes:
         if not stat.S_ISREG(st.st_mode):
             raise NotTheRecordedFile(f"{path}: not a regular file")
     with fs.open(path, "rb") as f:
-        data = f.read() if record is None else f.read(int(record["bytes"]) + 1)
+        data = read_whole(f, -1 if record is None else int(record["bytes"]) + 1, path)
     if record is not None and (len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]):
         raise NotTheRecordedFile(f"{path}: not the file its manifest records ({len(data) if len(data) <= record['bytes'] else 'more than ' + str(record['bytes'])} bytes read, {record['bytes']} recorded, or another SHA-256)")
     return data
@@ -385,5 +397,5 @@ def read_json(fs, path: str, max_bytes: int = MAX_JSON_BYTES):
     if is_local_fs(fs) and not stat.S_ISREG(os.stat(path).st_mode):
         return None
     with fs.open(path, "rb") as f:
-        data = f.read(max_bytes + 1)
+        data = read_whole(f, max_bytes + 1, path)
     return json_or_none(data) if len(data) <= max_bytes else None

@@ -795,3 +795,26 @@ def test_a_token_layout_output_of_long_sentences_under_a_small_max_record_bytes_
     o.validate()
     [record] = list(o.sentences())
     assert len(record["tokens"]) == 2000
+
+
+def test_an_answer_cut_short_is_a_storage_failure_not_a_missing_manifest(written, monkeypatch):
+    """A store (or a proxy) that cuts a file's bytes short with its length rewritten: the manifest read back was
+    'no manifest.json (not a finished pipeline output)', which made a run take a finished output for foreign files
+    (exit 2). Now a ConnectionError naming the file (retry later, exit 75); a recorded file read short too."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFile
+
+    from elmo_pipeline.fsio import read_recorded
+    from elmo_pipeline.pipeline.exits import classify
+    url = _in_memory(written["fp32"], "cut")
+    fs = fsspec.filesystem("memory")
+    record = json.loads(fs.cat_file("/cut/manifest.json"))["files"]["metrics.prom"]
+    real = MemoryFile.read
+    monkeypatch.setattr(MemoryFile, "read", lambda self, n=-1: real(self, n)[:10])     # every answer: 10 bytes
+    with pytest.raises(ConnectionError, match="manifest.json: 10 bytes came of the") as e:
+        ElmoOutput(url)
+    assert classify(e.value).status == 75
+    with pytest.raises(ConnectionError, match="metrics.prom: 10 bytes came of the"):
+        read_recorded(fs, "/cut/metrics.prom", record)
+    monkeypatch.undo()
+    fs.rm("/cut", recursive=True)
