@@ -28,8 +28,8 @@ from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
 from elmo_pipeline.pipeline.streams import stderr_is_terminal
 from elmo_pipeline.pipeline.validate import (check_dedupe, check_iceberg, check_input_columns, check_metrics_file,
                                              check_model, check_numbers, check_output_writable, check_reuse,
-                                             check_runner, check_state, check_upsert, inputs_outside_output,
-                                             own_files)
+                                             check_runner, check_state, check_storage_options, check_upsert,
+                                             inputs_outside_output, own_files)
 from elmo_pipeline.pipeline.workers import (BUCKET_BYTES, Where, dask_partitions, embed_threads, layout_of,
                                             spread_by_key, tokenizer_processes)
 from elmo_pipeline.model.resolve import ModelSpec
@@ -174,6 +174,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, o.formats(), o.dtype)
     check_upsert(o, iceberg)
     so = storage_options(opts)
+    check_storage_options(so)
     check_runner(opts)
     where = layout_of(opts, o)
     inputs = plan_inputs(o, so, iceberg)

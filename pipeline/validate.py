@@ -277,6 +277,16 @@ def check_inputs_outside_output(files: list[str], output: str) -> None:
                          "what it reads there. Write to another --output, or move the input out first")
 
 
+def check_storage_options(so: dict) -> None:
+    """ValueError for an --s3_endpoint_url that carries user info (http://user:password@host): S3 clients sign with
+    the keys instead and refuse such a URL on the first request (an HTTP client's error, exit 70, after planning)."""
+    endpoint = str((so.get("s3") or {}).get("endpoint_url") or "")
+    if "@" in endpoint.split("://", 1)[-1].split("/", 1)[0]:
+        from elmo_pipeline.fsio import redact
+        raise ValueError(f"--s3_endpoint_url {redact(endpoint)}: credentials in the URL are not used by S3 clients; "
+                         "give the host alone and pass --s3_access_key_id and --s3_secret_access_key")
+
+
 def check_metrics_file(path: str | None, output: str) -> None:
     """ValueError when --metrics-file is no local path (a URL was written without the run's storage options: to
     another store than the run's, or nowhere, after all the work), or lies inside --output: written after Finalize,

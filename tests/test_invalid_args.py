@@ -48,6 +48,9 @@ def _fails(capsys, argv, out, message, status=2):
     (["--model", "no-such-model"], "no model named 'no-such-model'"),
     (["--state", "stateful", "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"],
      "--state stateful keeps input order"),
+    # user info in the endpoint: S3 clients refuse it at the first request (was exit 70 after planning)
+    (["--s3_endpoint_url", "http://admin:s3cr3t@127.0.0.1:9"],
+     "--s3_endpoint_url http://***@127.0.0.1:9: credentials in the URL are not used by S3 clients"),
 ])
 def test_bad_flags(capsys, tmp_path, corpus, tiny_model_files, flags, message):
     out = str(tmp_path / "out")
