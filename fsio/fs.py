@@ -254,13 +254,40 @@ def replacing(path: str):
         raise
 
 
-def atomic_write(fs, path: str, data: bytes) -> None:
+def atomic_write(fs, path: str, data: bytes, create: bool = False) -> None:
     """Write `path` so that no reader (and no crash) ever leaves a partial file under that name: a local file
-    through replacing(); an object store PUT is atomic by itself."""
+    through replacing(); an object store PUT is atomic by itself. create=True: FileExistsError when something is at
+    `path`, never replaced (locally a hard link of the written file, atomic; on S3 a conditional PUT, If-None-Match:
+    *; elsewhere a check just before the PUT)."""
     if is_local_fs(fs):
+        if create:
+            tmp = temp_name(path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                try:
+                    os.link(tmp, path, follow_symlinks=False)
+                except FileExistsError:
+                    raise FileExistsError(path) from None
+                except OSError:         # no hard links there: check, then rename
+                    if os.path.lexists(path):
+                        raise FileExistsError(path) from None
+                    os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+            return
         with replacing(path) as tmp, open(tmp, "wb") as f:
             f.write(data)
+    elif create and {"s3", "s3a"} & set(fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)):
+        try:
+            fs.pipe_file(path, data, mode="create")     # s3fs: FileExistsError when the object is there
+        except FileExistsError:     # someone else's, or this PUT's own retry (its first try went through)
+            if fs.cat_file(path, start=0, end=len(data) + 1) != data:
+                raise FileExistsError(path) from None
     else:
+        if create and fs.exists(path):
+            raise FileExistsError(path)
         fs.pipe_file(path, data)
 
 

@@ -447,9 +447,10 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
             elif not fs.exists(dst):
                 raise RetryLater(f"finalize: staged file {src} is gone and {dst} was never written; "
                                         "rerun the same command: it re-embeds that shard")
-        if fs.exists(posixpath.join(root, MANIFEST)) and not _manifest_ours(fs, root, plan["manifest"]):
+        there = fs.exists(posixpath.join(root, MANIFEST))
+        if there and not _manifest_ours(fs, root, plan["manifest"]):
             raise placed_there(posixpath.join(root, MANIFEST))      # never replaced
-        manifests.write(sink, root, plan["manifest"])
+        manifests.write(sink, root, plan["manifest"], create=not there)     # nor one placed since
     if fs.exists(st):
         sink.remove(st, recursive=True)
     staging_parent = posixpath.join(root, STAGING)
@@ -463,8 +464,8 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
     marker = success_marker(fs, root)
     if marker is False:
         raise placed_there(posixpath.join(root, SUCCESS))        # never replaced
-    if marker is None:
-        sink.put(posixpath.join(root, SUCCESS), b"")
+    if marker is None:                      # created only: one placed there after this look is no run's either
+        sink.put(posixpath.join(root, SUCCESS), b"", create=True)
     return manifest
 
 

@@ -170,6 +170,7 @@ def to_bytes(manifest: dict) -> bytes:
     return json.dumps(manifest, indent=1, sort_keys=True).encode()
 
 
-def write(sink, root: str, manifest: dict) -> None:
-    """Write <root>/manifest.json through `sink` (output/sink.py: write-then-rename, fenced, inside the root)."""
-    sink.put(posixpath.join(root, MANIFEST), to_bytes(manifest))
+def write(sink, root: str, manifest: dict, create: bool = False) -> None:
+    """Write <root>/manifest.json through `sink` (output/sink.py: write-then-rename, fenced, inside the root);
+    create=True: never over a manifest there (one placed since the caller looked)."""
+    sink.put(posixpath.join(root, MANIFEST), to_bytes(manifest), create=create)

@@ -137,12 +137,16 @@ class Sink:
                 yield stream
         self.written[path] = stream.record()
 
-    def put(self, path: str, data: bytes) -> None:
-        """`data` at `path`, whole or not at all (fsio.atomic_write)."""
+    def put(self, path: str, data: bytes, create: bool = False) -> None:
+        """`data` at `path`, whole or not at all (fsio.atomic_write); create=True: never over a file there (placed
+        while the run went on: placed_there)."""
         self.fence()
         self.check_inside(path)
         makedirs(self.fs, posixpath.dirname(path))
-        atomic_write(self.fs, path, data)
+        try:
+            atomic_write(self.fs, path, data, create=create)
+        except FileExistsError:
+            raise placed_there(path) from None
         self.written[path] = file_record(len(data), hashlib.sha256(data).hexdigest())
 
     def move(self, src: str, dst: str) -> None:

@@ -123,6 +123,27 @@ def test_a_listed_file_written_over_since_is_not_deleted_by_overwrite(tmp_path, 
     assert {k for k in _contents(out) if not k.startswith("_staging/")} == set()
 
 
+@pytest.mark.parametrize("name", ["manifest.json", "_SUCCESS"])
+def test_a_top_file_placed_just_before_finalize_writes_it_is_never_replaced(tmp_path, monkeypatch, name):
+    """manifest.json placed after Finalize looked for one (and before it wrote its own), or _SUCCESS placed while
+    the run registered its output: it was replaced (a user's file lost, exit 0). Now the write never goes over a
+    file there: exit 2 naming it, the file as it was."""
+    from elmo_pipeline.output import manifest as manifests
+    out = str(tmp_path / "out")
+    placed = json.dumps({"my": "own " + name}).encode()
+
+    def place():
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(placed)
+    real = manifests.write
+    if name == "manifest.json":
+        monkeypatch.setattr(manifests, "write", lambda *a, **k: (place(), real(*a, **k)))
+    with pytest.raises(FileExistsError, match=f"{name}: a file this pipeline did not write is there"):
+        _finished(out, "k1", register=(lambda manifest, fence: place()) if name == "_SUCCESS" else None)
+    assert open(os.path.join(out, name), "rb").read() == placed
+    assert not [n for n in os.listdir(out) if ".tmp-" in n]
+
+
 @pytest.mark.parametrize("name,content", [("manifest.json", '{"my": "own manifest"}'), ("manifest.json", "not json"),
                                           ("_SUCCESS", ""), ("report.html", "<p>mine</p>"), ("metrics.prom", "x 1\n")])
 def test_a_file_at_a_final_name_that_no_manifest_of_ours_lists_is_in_the_way(tmp_path, name, content):

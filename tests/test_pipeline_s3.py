@@ -124,3 +124,17 @@ def test_folder_markers_are_no_files(s3, tiny_model_files):
     out = ElmoOutput("s3://bucket/marked", {"key": "testing", "secret": "testing", "endpoint_url": endpoint})
     out.validate()
     assert out.num_sentences == 2
+
+
+def test_a_create_only_put_never_replaces_an_object(s3):
+    """fsio.atomic_write(create=True) on S3 (a conditional PUT, If-None-Match: *), as Finalize writes manifest.json
+    and _SUCCESS: an object placed there first stays; the same bytes there (the PUT's own retry) are no conflict."""
+    from elmo_pipeline.fsio import atomic_write
+    _, fs = s3
+    fs.pipe("bucket/create/placed", b"someone else's")
+    with pytest.raises(FileExistsError):
+        atomic_write(fs, "bucket/create/placed", b"ours", create=True)
+    assert fs.cat("bucket/create/placed") == b"someone else's"
+    atomic_write(fs, "bucket/create/new", b"ours", create=True)
+    atomic_write(fs, "bucket/create/new", b"ours", create=True)          # a retry of a PUT that went through
+    assert fs.cat("bucket/create/new") == b"ours"
