@@ -283,7 +283,7 @@ def atomic_write(fs, path: str, data: bytes, create: bool = False) -> None:
         try:
             fs.pipe_file(path, data, mode="create")     # s3fs: FileExistsError when the object is there
         except FileExistsError:     # someone else's, or this PUT's own retry (its first try went through)
-            if fs.cat_file(path, start=0, end=len(data) + 1) != data:
+            if fs.size(path) != len(data) or (data and fs.cat_file(path) != data):
                 raise FileExistsError(path) from None
     else:
         if create and fs.exists(path):

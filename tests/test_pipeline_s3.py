@@ -138,3 +138,7 @@ def test_a_create_only_put_never_replaces_an_object(s3):
     atomic_write(fs, "bucket/create/new", b"ours", create=True)
     atomic_write(fs, "bucket/create/new", b"ours", create=True)          # a retry of a PUT that went through
     assert fs.cat("bucket/create/new") == b"ours"
+    atomic_write(fs, "bucket/create/_SUCCESS", b"", create=True)
+    atomic_write(fs, "bucket/create/_SUCCESS", b"", create=True)         # empty, as _SUCCESS: the same
+    with pytest.raises(FileExistsError):
+        atomic_write(fs, "bucket/create/placed", b"", create=True)
