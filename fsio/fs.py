@@ -256,9 +256,10 @@ def replacing(path: str):
 
 def atomic_write(fs, path: str, data: bytes, create: bool = False) -> None:
     """Write `path` so that no reader (and no crash) ever leaves a partial file under that name: a local file
-    through replacing(); an object store PUT is atomic by itself. create=True: FileExistsError when something is at
-    `path`, never replaced (locally a hard link of the written file, atomic; on S3 a conditional PUT, If-None-Match:
-    *; elsewhere a check just before the PUT)."""
+    through replacing(); an object store PUT is atomic by itself. create=True: FileExistsError when something other
+    than `data` is at `path`, never replaced (locally a hard link of the written file, atomic; on S3 a conditional
+    PUT, If-None-Match: *; elsewhere a check just before the PUT); the same bytes there (this write done before, or
+    its retried PUT) are no conflict."""
     if is_local_fs(fs):
         if create:
             tmp = temp_name(path)
@@ -268,11 +269,14 @@ def atomic_write(fs, path: str, data: bytes, create: bool = False) -> None:
                 try:
                     os.link(tmp, path, follow_symlinks=False)
                 except FileExistsError:
-                    raise FileExistsError(path) from None
+                    if not _holds(path, data):
+                        raise FileExistsError(path) from None
                 except OSError:         # no hard links there: check, then rename
                     if os.path.lexists(path):
-                        raise FileExistsError(path) from None
-                    os.replace(tmp, path)
+                        if not _holds(path, data):
+                            raise FileExistsError(path) from None
+                    else:
+                        os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
@@ -287,8 +291,20 @@ def atomic_write(fs, path: str, data: bytes, create: bool = False) -> None:
                 raise FileExistsError(path) from None
     else:
         if create and fs.exists(path):
-            raise FileExistsError(path)
+            if fs.size(path) != len(data) or (data and fs.cat_file(path) != data):
+                raise FileExistsError(path)
+            return
         fs.pipe_file(path, data)
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """Whether the local `path` is a regular file (not a link) holding exactly `data` (read at most its length + 1)."""
+    import stat
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != len(data):
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(data) + 1) == data
 
 
 def release_written(fs, path: str) -> None:

@@ -75,8 +75,8 @@ def _install() -> None:
                 if staged_file.fullmatch(posixpath.basename(path)):
                     point("stage_shard")
 
-        def put_file(self, path, data):
-            put(self, path, data)
+        def put_file(self, path, data, **kwargs):
+            put(self, path, data, **kwargs)
             if posixpath.basename(posixpath.dirname(path)) == RECORDS:
                 point("commit")
             elif posixpath.basename(path) == MANIFEST:
