@@ -26,13 +26,26 @@ def cache_dir() -> str:
 
 def open_url(url: str, mode: str = "rb", storage_options: dict | None = None, **kwargs):
     """fsspec.open for a path or URL (kwargs: encoding, newline, ...); remote reads go through the local
-    file cache. storage_options: {protocol: {...}}."""
+    file cache. storage_options: {protocol: {...}}. A local path read must be a regular file (regular_file())."""
     url = str(url)
     check_protocol(url)
+    if is_local(url) and "r" in mode:
+        regular_file(url[len("file://"):] if url.startswith("file://") else url)
     if is_local(url) or "w" in mode:
         return fsspec.open(url, mode, **kwargs, **options_for(url, storage_options))
     return fsspec.open(f"filecache::{url}", mode, filecache={"cache_storage": cache_dir()}, **kwargs,
                        **{protocol(url): options_for(url, storage_options)})
+
+
+def regular_file(path: str) -> None:
+    """FileNotFoundError when the local `path` exists and is no regular file: a FIFO's open blocks until a writer
+    comes, a device's read may never end (/dev/zero), so neither is ever opened (a missing path: open() tells)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise FileNotFoundError(f"{path}: not a regular file (a FIFO, a device or a folder)")
 
 
 def local_path(url: str, sha256: str | None = None, storage_options: dict | None = None) -> str:
@@ -46,8 +59,7 @@ def local_path(url: str, sha256: str | None = None, storage_options: dict | None
         path = url[len("file://"):] if url.startswith("file://") else url
         if not os.path.exists(path):
             raise FileNotFoundError(f"no such file: {path}")
-        if not stat.S_ISREG(os.stat(path).st_mode):     # a FIFO's open blocks, a device's read never ends
-            raise FileNotFoundError(f"{path}: not a regular file (a FIFO, a device or a folder)")
+        regular_file(path)
     else:       # fsspec.open: one file, never a glob (a presigned URL's ?X-Amz-Signature=... is no wildcard)
         try:
             with open_url(url, storage_options=storage_options) as f:

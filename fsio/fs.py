@@ -230,6 +230,23 @@ def move(fs, src: str, dst: str, replace: bool = True) -> None:
         fs.rm_file(src)
 
 
+def place(src: str, dst: str, seen: os.stat_result | None) -> None:
+    """The local file `src` becomes `dst` only over what was seen at `dst` (os.lstat) before it was written: nothing
+    (seen None: move() without replace, atomic), or the very file `seen` (its device, inode, size and mtime, checked
+    just before the rename). FileExistsError otherwise: whatever is at `dst` then is left as it is."""
+    if seen is None:
+        move(fsspec.filesystem("file"), src, dst, replace=False)
+        return
+    try:
+        now = os.lstat(dst)
+    except FileNotFoundError:
+        raise FileExistsError(dst) from None        # removed since: not the file seen, nor for this call to put back
+    if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != (seen.st_dev, seen.st_ino, seen.st_size,
+                                                                  seen.st_mtime_ns):
+        raise FileExistsError(dst)
+    os.replace(src, dst)
+
+
 TEMP_MARK = ".tmp-"
 TEMP_NAME = re.compile(r"\.tmp-[0-9a-f]{32}$")      # what temp_name() appends
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import stat
 import sys
 import time
 
 logger = logging.getLogger("elmo-pipeline.elmo")
+
+WRITTEN_BY = ("written_by", "elmo-pipeline elmo")     # the root attribute that marks OUTPUT_FILE as this command's
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,10 +79,55 @@ def read_lines(url: str) -> list[str]:
     return lines
 
 
-def run(args: argparse.Namespace) -> int:
-    import h5py
-    import numpy as np
+def claim_output(path: str) -> os.stat_result | None:
+    """What is at OUTPUT_FILE before the command writes it: None when nothing is; the file's stat when it is a file
+    this command wrote (its root attribute WRITTEN_BY), replaced once the new one is whole; anything else (a user's
+    file, an HDF5 file of another writer, a symbolic link, a folder, a FIFO, a device) exits with one line, left as
+    it is: the command never writes through a link nor over a file it did not write."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise SystemExit(f"error: OUTPUT_FILE {path}: {folder} is no folder")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    what = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode)
+            else None if stat.S_ISREG(st.st_mode) else "no regular file (a FIFO, a device or a socket)")
+    if what is None and not _ours(path):
+        what = "a file this command did not write"
+    if what:
+        raise SystemExit(f"error: OUTPUT_FILE {path} exists and is {what}: it is left as it is; move it away or "
+                         "name another OUTPUT_FILE")
+    return st
 
+
+def _ours(path: str) -> bool:
+    """Whether the regular file at `path` is an HDF5 file with this command's root attribute (read only when the file
+    starts with HDF5's signature; any failure to read it: not ours)."""
+    import h5py
+    try:
+        with open(path, "rb") as f:
+            if f.read(8) != b"\x89HDF\r\n\x1a\n":
+                return False
+        with h5py.File(path, "r") as f:
+            mark = f.attrs.get(WRITTEN_BY[0]) if WRITTEN_BY[0] in f.attrs else None
+    except Exception:  # noqa: BLE001 - damaged, unreadable, a file of another kind: not ours
+        return False
+    return isinstance(mark, (str, bytes)) and (mark.decode() if isinstance(mark, bytes) else mark) == WRITTEN_BY[1]
+
+
+def place_output(tmp: str, path: str, before: os.stat_result | None) -> None:
+    """The whole file `tmp` becomes OUTPUT_FILE over what claim_output() saw there (fsio.place): anything placed there
+    meanwhile exits with one line, left as it is."""
+    from elmo_pipeline.fsio import place
+    try:
+        place(tmp, path, before)
+    except FileExistsError:
+        raise SystemExit(f"error: OUTPUT_FILE {path}: another file was placed there while the command ran: it is left "
+                         "as it is; move it away and run the command again") from None
+
+
+def run(args: argparse.Namespace) -> int:
     from elmo_pipeline.model.embedder import ElmoEmbedder
     from elmo_pipeline.model.resolve import resolve_model
 
@@ -95,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
             args.window_overlap = check_windows(args.window_tokens, args.window_overlap, args.window_tokens + 2)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    before = claim_output(args.output_file)     # before anything is read or loaded: a refusal costs nothing
     try:
         lines = read_lines(args.input_file)
     except Exception as e:  # noqa: BLE001 - a storage or network failure: one line (cli.main redacts it)
@@ -125,15 +175,40 @@ def run(args: argparse.Namespace) -> int:
     # memory of a batch of --batch-size lines as long as the window); never fewer than one whole window
     window_budget = max(args.window_tokens + 2,
                         args.max_tokens_per_batch or args.batch_size * (args.window_tokens + 2))
-    batched = ([] if i in long else s for i, s in enumerate(sentences))
-    group_of, ready = {}, {}      # long lines by group of windows that fill one sub-batch; their vectors, ahead
+    group_of = {}      # long lines by group of windows that fill one sub-batch
     if long:
-        from elmo_pipeline.model.windows import embed_long_many, window_groups
+        from elmo_pipeline.model.windows import window_groups
         ids = list(long)
         for g in window_groups([len(long[i]) for i in ids], args.window_tokens, args.window_overlap, window_budget):
             members = [ids[k] for k in g]
             group_of.update(dict.fromkeys(members, members))
-    with h5py.File(args.output_file, "w") as fout:
+    from elmo_pipeline.fsio import remove_temp_files, temp_name, url_fs
+    remove_temp_files(url_fs(args.output_file)[0], os.path.dirname(os.path.abspath(args.output_file)),
+                      (os.path.basename(args.output_file),))      # a killed earlier run's, never its output
+    tmp = temp_name(args.output_file)      # written whole beside it, then placed: a kill leaves the old file as it was
+    try:
+        write_hdf5(tmp, args, lines, sentences, embedder, long, group_of, window_budget)
+        place_output(tmp, args.output_file, before)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+    secs = time.perf_counter() - t0
+    n_tokens = sum(map(len, sentences))
+    print(f"wrote {len(lines)} sentences to {args.output_file}: {n_tokens} tokens in {secs:.1f} s "
+          f"({n_tokens / secs if secs else 0:.0f} tokens/s after loading the model)", file=sys.stderr)
+    return 0
+
+
+def write_hdf5(tmp, args, lines, sentences, embedder, long, group_of, window_budget) -> None:
+    """The command's HDF5 file, written at `tmp` (a new name): a dataset per line, in AllenNLP's layout."""
+    import h5py
+    import numpy as np
+    ready = {}
+    batched = ([] if i in long else s for i, s in enumerate(sentences))
+    if long:
+        from elmo_pipeline.model.windows import embed_long_many
+    with h5py.File(tmp, "w-") as fout:
+        fout.attrs[WRITTEN_BY[0]] = WRITTEN_BY[1]
         for i, vectors in enumerate(embedder.embed_sentences(batched, args.batch_size,
                                                                    args.max_tokens_per_batch or None)):
             if i in long:    # its group's windows together, as many as one batch of this command holds
@@ -151,8 +226,3 @@ def run(args: argparse.Namespace) -> int:
         if not args.forget_sentences:
             ds = fout.create_dataset("sentence_to_index", (1,), dtype=h5py.special_dtype(vlen=str))
             ds[0] = json.dumps({line: str(i) for i, line in enumerate(lines)})
-    secs = time.perf_counter() - t0
-    n_tokens = sum(map(len, sentences))
-    print(f"wrote {len(lines)} sentences to {args.output_file}: {n_tokens} tokens in {secs:.1f} s "
-          f"({n_tokens / secs if secs else 0:.0f} tokens/s after loading the model)", file=sys.stderr)
-    return 0

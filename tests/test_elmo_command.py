@@ -90,3 +90,134 @@ def test_console_script_help():
     for flag in ("--all", "--top", "--average", "--options-file", "--weight-file", "--batch-size",
                  "--cuda-device", "--forget-sentences", "--use-sentence-keys", "--state"):
         assert flag in r.stdout
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_an_input_that_is_no_regular_file_is_one_error_line(tiny_model_files, tmp_path, kind):
+    """A FIFO (its open blocks until a writer comes) or a device (/dev/zero: a line that never ends) as INPUT_FILE
+    is one `error:` line, never read (it hung the command)."""
+    import os
+    from tests.test_model_resolve import _fifo_with_a_writer
+    path = {"fifo": str(tmp_path / "in.txt"), "device": "/dev/zero"}[kind]
+    if kind == "fifo":
+        _fifo_with_a_writer(path)
+    out = tmp_path / "out.hdf5"
+    with pytest.raises(SystemExit, match="not a regular file") as e:
+        _run(tiny_model_files, path, out, "--top")
+    assert str(e.value.code).startswith("error: INPUT_FILE ") and not os.path.lexists(out)
+
+
+def _foreign(tmp_path, kind):
+    """Something at OUTPUT_FILE that the command did not write, and what it holds (to check it is left as it was)."""
+    import os
+    user = tmp_path / "user.txt"
+    user.write_bytes(b"the user's own data\n")
+    out = tmp_path / "out.hdf5"
+    if kind == "file":
+        out.write_bytes(b"the user's own data\n")
+    elif kind == "hdf5 of another writer":
+        with h5py.File(out, "w") as f:
+            f["0"] = np.zeros((3, 2, 4), np.float32)
+    elif kind == "link to a user's file":
+        out.symlink_to(user)
+    elif kind == "folder":
+        out.mkdir()
+        (out / "keep.txt").write_text("x")
+    elif kind == "fifo":
+        os.mkfifo(out)
+    return out, user
+
+
+def _state(path):
+    import os
+    st = os.lstat(path)
+    return (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns,
+            path.read_bytes() if path.is_file() and not path.is_symlink() else None)
+
+
+@pytest.mark.parametrize("kind", ["file", "hdf5 of another writer", "link to a user's file", "folder", "fifo"])
+def test_an_output_file_the_command_did_not_write_is_refused_and_left(tiny_model_files, input_file, tmp_path, kind):
+    """OUTPUT_FILE holding a user's file, an HDF5 file without the command's mark, a link (never written through), a
+    folder or a FIFO: one `error:` line naming it before anything is read, and it is left as it was (the command
+    truncated the file, wrote through the link into the user's file)."""
+    out, user = _foreign(tmp_path, kind)
+    before, user_before = _state(out), user.read_bytes()
+    with pytest.raises(SystemExit, match="exists and is") as e:
+        _run(tiny_model_files, input_file, out, "--all")
+    assert str(e.value.code).startswith(f"error: OUTPUT_FILE {out} exists and is ")
+    assert _state(out) == before and user.read_bytes() == user_before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["in.txt", "user.txt", "out.hdf5"])
+
+
+def test_the_commands_own_file_is_replaced_whole_and_a_killed_runs_temp_file_removed(tiny_model_files, input_file,
+                                                                                    tmp_path):
+    """A rerun replaces the command's own earlier file (its root attribute marks it) at once, when the new one is
+    whole; a temporary file a killed run left beside it is removed; the layout is AllenNLP's (the mark is an attribute,
+    no dataset)."""
+    out = tmp_path / "out.hdf5"
+    assert _run(tiny_model_files, input_file, out, "--all") == 0
+    left = tmp_path / ("out.hdf5.tmp-" + "0" * 32)
+    left.write_bytes(b"half an HDF5 file")
+    assert _run(tiny_model_files, input_file, out, "--top") == 0
+    with h5py.File(out, "r") as f:
+        assert sorted(f) == ["0", "1", "2", "3", "sentence_to_index"] and f["0"].ndim == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.hdf5"]
+
+
+def test_a_file_placed_at_the_output_while_the_command_ran_is_left(tmp_path):
+    """pipeline/elmo_command.place_output: a file that appeared at OUTPUT_FILE after the command looked (nothing
+    there), or that replaced its own earlier file, is never replaced: one `error:` line, the file as it was."""
+    from elmo_pipeline.pipeline.elmo_command import claim_output, place_output
+    out = tmp_path / "out.hdf5"
+    assert claim_output(str(out)) is None
+    out.write_bytes(b"placed meanwhile")
+    tmp = tmp_path / "new.tmp"
+    tmp.write_bytes(b"new")
+    with pytest.raises(SystemExit, match="placed there while the command ran"):
+        place_output(str(tmp), str(out), None)
+    assert out.read_bytes() == b"placed meanwhile"
+    import os
+    seen = os.lstat(out)
+    out.unlink()
+    out.write_bytes(b"another one")
+    with pytest.raises(SystemExit, match="placed there while the command ran"):
+        place_output(str(tmp), str(out), seen)
+    assert out.read_bytes() == b"another one"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_command_killed_while_it_writes_leaves_the_earlier_file_whole(tiny_model_files, tmp_path, sig):
+    """A real `elmo-pipeline elmo` killed while it writes its HDF5 file: the earlier output at OUTPUT_FILE is as it
+    was (the command used to truncate it first, leaving a damaged file), and the same command then finishes."""
+    import hashlib
+    import os
+    import signal
+    import time
+    from tests.conftest import REPO
+    small = tmp_path / "small.txt"
+    small.write_text("The cat sat .\nA dog ran .\n")
+    out = tmp_path / "out.hdf5"
+    assert _run(tiny_model_files, small, out, "--all") == 0
+    digest = hashlib.sha256(out.read_bytes()).hexdigest()
+    big = tmp_path / "big.txt"
+    big.write_text("".join(f"the cat {i} sat on the mat and the dog ran far away .\n" for i in range(20000)))
+    cmd = [sys.executable, "-m", "elmo_pipeline", "elmo", str(big), str(out), "--all", "--options-file",
+           tiny_model_files[0], "--weight-file", tiny_model_files[1]]
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and p.poll() is None:    # writing: its file grew, or the output changed
+            temps = [q for q in tmp_path.iterdir() if ".tmp-" in q.name]
+            if (temps and temps[0].stat().st_size > 100_000) or os.stat(out).st_size != len(out.read_bytes()) \
+                    or hashlib.sha256(out.read_bytes()).hexdigest() != digest:
+                break
+            time.sleep(0.05)
+        assert p.poll() is None, "the command ended before it was killed"
+        p.send_signal(getattr(signal, sig))
+    finally:
+        p.wait(timeout=60)
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == digest
+    r = subprocess.run(cmd[:4] + [str(small)] + cmd[5:], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["big.txt", "out.hdf5", "small.txt"]

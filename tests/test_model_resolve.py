@@ -132,3 +132,24 @@ def test_a_vocabulary_line_over_the_limit_is_refused_unread(tmp_path, monkeypatc
         vocab.Vocabulary.load(str(path))
     path.write_text("<S>\n</S>\n<UNK>\n" + "x" * 100 + "\n")
     assert len(vocab.Vocabulary.load(str(path), size=4)) == 4
+
+
+def _fifo_with_a_writer(path, seconds: float = 2.0):
+    """A FIFO at `path` held open for writing for `seconds` (then closed: a reader that opened it sees its end), so a
+    reader that opens it never blocks the test for good, whatever the code under test does."""
+    import threading
+    os.mkfifo(path)
+    fd = os.open(path, os.O_RDWR)
+    threading.Timer(seconds, os.close, (fd,)).start()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_an_options_file_that_is_no_regular_file_is_refused_unopened(tmp_path, kind):
+    """model/options.py load_options reads through fsio.open_url, which refuses a local path that is no regular file
+    (fsio/cache.py regular_file): an --options-file FIFO blocked the command and the pipeline's planning for good."""
+    from elmo_pipeline.model.options import load_options
+    path = str(tmp_path / "options.json") if kind == "fifo" else "/dev/zero"
+    if kind == "fifo":
+        _fifo_with_a_writer(path)
+    with pytest.raises(FileNotFoundError, match="not a regular file"):
+        load_options(path)
