@@ -37,7 +37,7 @@ def bar_chart(rows: list[dict], png_path: str, title: str = "") -> None:
     ax.set_title(title + (f" (mean ± std over {seeds} seeds)" if seeds > 1 else ""))
     ax.legend(loc="upper left")
     ax.grid(True, axis="y", alpha=0.3)
-    fig.savefig(png_path, dpi=100, bbox_inches="tight")
+    fig.savefig(png_path, dpi=100, bbox_inches="tight", format="png")     # the name may be a temporary one
     plt.close(fig)
 
 
@@ -62,4 +62,4 @@ def _bars_pillow(names, acc, f1, png_path, title, size=(900, 480)) -> None:
             d.text((xa, y(v) - 12), f"{v:.1f}", fill="black")
         d.text((x0, H - bottom + 8), n, fill="black")
     d.text((W - 200, 8), "blue: accuracy  orange: macro-F1", fill="black")
-    img.save(png_path)
+    img.save(png_path, format="PNG")

@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from elmo_pipeline.downstream.chart import bar_chart
+from elmo_pipeline.fsio import atomic_write, only_a_file, replacing, url_fs
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -55,11 +56,14 @@ def markdown_table(rows: list[dict], baseline: dict | None = None) -> str:
 def write_report(out_dir: str, rows: list[dict], runs: list[dict], meta: dict, baseline: dict | None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     table = markdown_table(rows, baseline)
-    with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write(table)
+    names = [os.path.join(out_dir, n) for n in ("table.md", "results.json", "chart.png")]
+    for path in names:               # each file whole, only over nothing or a regular file (fsio.replacing files_only)
+        only_a_file(path)            # all three before any is written
+    fs = url_fs(out_dir)[0]
+    atomic_write(fs, os.path.join(out_dir, "table.md"), table.encode("utf-8"), files_only=True)
     result = {"meta": meta, "summary": rows, "runs": runs, "majority_baseline": baseline}
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    atomic_write(fs, os.path.join(out_dir, "results.json"), json.dumps(result, indent=1).encode(), files_only=True)
     title = f"{meta.get('task', '')} probe, {meta.get('classifier', '')}"
-    bar_chart(rows, os.path.join(out_dir, "chart.png"), title)
+    with replacing(os.path.join(out_dir, "chart.png"), files_only=True) as tmp:
+        bar_chart(rows, tmp, title)
     return result

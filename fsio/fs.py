@@ -257,13 +257,20 @@ def temp_name(path: str) -> str:
 
 
 @contextmanager
-def replacing(path: str):
+def replacing(path: str, files_only: bool = False):
     """Write-then-rename, the project's one: yields a temporary local path beside `path`; when the block ends
     without an error the file there becomes `path` at once (os.replace), otherwise it is removed. No reader and
-    no crash ever sees a partial file under `path` (a process killed inside the block leaves temp_name()'s file)."""
+    no crash ever sees a partial file under `path` (a process killed inside the block leaves temp_name()'s file).
+    files_only (a file a user names, as a command's output): only nothing or a regular file at `path` is replaced;
+    a symbolic link (never written through either), a folder, a FIFO or a device there is a FileExistsError naming
+    it, before the block and again just before the rename, and left as it is."""
+    if files_only:
+        only_a_file(path)
     tmp = temp_name(path)
     try:
         yield tmp
+        if files_only:
+            only_a_file(path)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -271,12 +278,26 @@ def replacing(path: str):
         raise
 
 
-def atomic_write(fs, path: str, data: bytes, create: bool = False) -> None:
+def only_a_file(path: str) -> None:
+    """FileExistsError unless nothing or a regular file is at the local `path` (os.lstat: a link is not followed)."""
+    import stat
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        what = ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode)
+                else "no regular file (a FIFO, a device or a socket)")
+        raise FileExistsError(f"{path} is {what}, not a file this command may replace: it is left as it is; move it "
+                              "away or name another output")
+
+
+def atomic_write(fs, path: str, data: bytes, create: bool = False, files_only: bool = False) -> None:
     """Write `path` so that no reader (and no crash) ever leaves a partial file under that name: a local file
-    through replacing(); an object store PUT is atomic by itself. create=True: FileExistsError when something other
-    than `data` is at `path`, never replaced (locally a hard link of the written file, atomic; on S3 a conditional
-    PUT, If-None-Match: *; elsewhere a check just before the PUT); the same bytes there (this write done before, or
-    its retried PUT) are no conflict."""
+    through replacing() (files_only: see there); an object store PUT is atomic by itself. create=True: FileExistsError
+    when something other than `data` is at `path`, never replaced (locally a hard link of the written file, atomic;
+    on S3 a conditional PUT, If-None-Match: *; elsewhere a check just before the PUT); the same bytes there (this
+    write done before, or its retried PUT) are no conflict."""
     if is_local_fs(fs):
         if create:
             tmp = temp_name(path)
@@ -298,7 +319,7 @@ def atomic_write(fs, path: str, data: bytes, create: bool = False) -> None:
                 if os.path.exists(tmp):
                     os.remove(tmp)
             return
-        with replacing(path) as tmp, open(tmp, "wb") as f:
+        with replacing(path, files_only) as tmp, open(tmp, "wb") as f:
             f.write(data)
     elif create and {"s3", "s3a"} & set(fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)):
         try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from elmo_pipeline.fsio import bounded_lines, open_url
+from elmo_pipeline.fsio import atomic_write, bounded_lines, open_url, url_fs
 
 SPECIALS = ("<S>", "</S>", "<UNK>")
 MAX_TOKEN_CHARS = 1 << 16     # a vocabulary line (one token) is at most this long
@@ -38,5 +38,5 @@ class Vocabulary:
         return cls(tokens)
 
     def save(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("".join(t + "\n" for t in self.tokens))
+        """One token a line at the local `path`, whole, only over nothing or a regular file (fsio.atomic_write)."""
+        atomic_write(url_fs(path)[0], path, "".join(t + "\n" for t in self.tokens).encode("utf-8"), files_only=True)

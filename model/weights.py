@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from elmo_pipeline.model.bilm import BiLM
-from elmo_pipeline.fsio import local_path, replacing
+from elmo_pipeline.fsio import atomic_write, local_path, replacing, url_fs
 from elmo_pipeline.model.options import N_CHAR_ROWS, BiLMOptions, load_options
 
 
@@ -282,13 +282,16 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.float32).numpy()
 
 
-def save_weights(model: BiLM, weight_file: str) -> None:
-    """Write `model` as an HDF5 file in the bilm-tf layout (exact inverse of load_weights_into)."""
+def save_weights(model: BiLM, weight_file: str, extra: dict | None = None) -> None:
+    """Write `model` as an HDF5 file in the bilm-tf layout (exact inverse of load_weights_into), with `extra`
+    ({dataset name: array}) in the same file; only over nothing or a regular file (fsio.replacing files_only)."""
     o = model.opts
     enc = model.token_encoder
     if "://" in weight_file:
         raise ValueError("save_weights writes local files (h5py needs a seekable file); upload the result with fsspec")
-    with replacing(weight_file) as tmp, h5py.File(tmp, "w") as f:     # readers never see half a file
+    with replacing(weight_file, files_only=True) as tmp, h5py.File(tmp, "w") as f:  # readers never see half a file
+        for name, array in (extra or {}).items():
+            f[name] = array
         if o.char_cnn is not None:
             f["char_embed"] = _np(enc.char_embed.weight)[1:]         # drop the inference-only zero row
             for i, conv in enumerate(enc.convs):
@@ -314,15 +317,20 @@ def save_weights(model: BiLM, weight_file: str) -> None:
                 f[f"{g}/W_P_0"] = _np(layer.w_proj).T
 
 
-def save_bilm(model: BiLM, options_file: str, weight_file: str) -> None:
-    """Write options.json + weights.hdf5 (local paths) that AllenNLP, bilm-tf and load_bilm read."""
-    save_weights(model, weight_file)
+def save_bilm(model: BiLM, options_file: str, weight_file: str, extra: dict | None = None) -> None:
+    """Write options.json + weights.hdf5 (local paths) that AllenNLP, bilm-tf and load_bilm read (`extra`: more
+    datasets in weights.hdf5), each whole, only over nothing or a regular file (fsio.replacing files_only)."""
+    save_weights(model, weight_file, extra)
     raw = dict(model.opts.raw)
     if raw.get("char_cnn") is not None:
         raw["char_cnn"] = {**raw["char_cnn"], "n_characters": N_CHAR_ROWS}
-    with open(options_file, "w") as f:
-        json.dump(raw, f, indent=2, sort_keys=True)
+    write_json(options_file, raw)
+
+
+def write_json(path: str, obj) -> None:
+    """`obj` as indented JSON with sorted keys at the local `path`, whole, only over nothing or a regular file."""
+    atomic_write(url_fs(path)[0], path, json.dumps(obj, indent=2, sort_keys=True).encode(), files_only=True)
 
 
 __all__ = ["WeightsError", "check_weights_match", "load_bilm", "load_weights_into", "save_bilm", "save_weights",
-           "weight_shapes"]
+           "weight_shapes", "write_json"]

@@ -31,6 +31,9 @@ def run(args: argparse.Namespace) -> int:
     from elmo_pipeline.training.head import evaluate
     from elmo_pipeline.training.train import load_corpus_for
 
+    if args.json:
+        from elmo_pipeline.fsio import only_a_file
+        only_a_file(args.json)          # before the work: a link, a folder or a FIFO there is refused, left as it is
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.checkpoint:
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"perplexity fwd {result['ppl_fwd']:.2f}  bwd {result['ppl_bwd']:.2f}  mean {result['ppl_mean']:.2f}  "
           f"({result['n_tokens']} tokens per direction)", file=sys.stderr)
     print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    if args.json:      # whole, only over nothing or a regular file (never through a link, nor into a FIFO)
+        from elmo_pipeline.fsio import atomic_write, url_fs
+        atomic_write(url_fs(args.json)[0], args.json, json.dumps(result, indent=2).encode(), files_only=True)
     return 0

@@ -87,3 +87,94 @@ def test_a_label_file_line_over_the_limit_is_refused_unread(tmp_path, monkeypatc
         read(str(path))
     path.write_text("# a\tpos\n" + "b\t" + "x" * 998 + "\r\n")          # exactly the limit, CRLF
     assert labels.load_sentence_labels(str(path))["b"] == "x" * 998
+
+
+@pytest.fixture
+def tiny_export(tmp_path):
+    """(head, vocab) of a tiny trained-shape biLM with its softmax, and a user's file beside."""
+    from elmo_pipeline.model.vocab import Vocabulary
+    from elmo_pipeline.training.head import build_model
+    from tests.test_train import tiny_options
+    vocab = Vocabulary(["<S>", "</S>", "<UNK>", "the", "cat", "sat", "."])
+    return build_model(tiny_options(), vocab), vocab
+
+
+def _users_file(tmp_path):
+    user = tmp_path / "user.txt"
+    user.write_bytes(b"the user's own data\n")
+    return user
+
+
+@pytest.mark.parametrize("name", ["weights.hdf5", "options.json", "vocab.txt"])
+@pytest.mark.parametrize("kind", ["link to a user's file", "fifo"])
+def test_export_never_writes_through_a_link_nor_into_a_fifo(tmp_path, tiny_export, name, kind):
+    """training/export.py: a link at one of the exported names (it was written through, into the user's file, or
+    replaced) or a FIFO (its open blocked the command) is a FileExistsError naming it before any file is written;
+    nothing at the other names, the link and the user's file as they were."""
+    from elmo_pipeline.training.export import export_model
+    from tests.test_model_resolve import _fifo_with_a_writer
+    user, folder = _users_file(tmp_path), tmp_path / "exp"
+    folder.mkdir()
+    if kind == "fifo":
+        _fifo_with_a_writer(str(folder / name))
+    else:
+        (folder / name).symlink_to(user)
+    with pytest.raises(FileExistsError, match=re.escape(str(folder / name)) + " is "):
+        export_model(*tiny_export, str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == [name] and user.read_bytes() == b"the user's own data\n"
+    assert (folder / name).is_symlink() == (kind != "fifo")
+
+
+def test_export_writes_each_file_whole_with_its_softmax_and_again_over_its_own(tmp_path, tiny_export):
+    """The softmax is written in weights.hdf5's one write (no second, in-place append a kill could cut), and a second
+    export over the first replaces its files."""
+    from elmo_pipeline.training.export import export_model, load_exported
+    folder = tmp_path / "exp"
+    for _ in range(2):
+        export_model(*tiny_export, str(folder))
+        head, vocab, loaded = load_exported(str(folder))
+        assert loaded and vocab.tokens == tiny_export[1].tokens
+    assert sorted(p.name for p in folder.iterdir()) == ["options.json", "vocab.txt", "weights.hdf5"]
+
+
+@pytest.mark.parametrize("kind", ["link to a user's file", "fifo", "folder"])
+def test_evaluate_json_is_never_written_through_a_link_nor_into_a_fifo(tmp_path, tiny_export, kind):
+    """`evaluate --json F`: a link (written through into the user's file), a FIFO (the command blocked after its
+    work) or a folder at F is one `error:` line before the model is evaluated, and is left as it is."""
+    from elmo_pipeline.training.export import export_model
+    from tests.test_model_resolve import _fifo_with_a_writer
+    export_model(*tiny_export, str(tmp_path / "model"))
+    (tmp_path / "valid.txt").write_text("the cat sat .\n")
+    user, out = _users_file(tmp_path), tmp_path / "ppl.json"
+    if kind == "fifo":
+        _fifo_with_a_writer(str(out))
+    elif kind == "folder":
+        out.mkdir()
+    else:
+        out.symlink_to(user)
+    assert main(["evaluate", str(tmp_path / "valid.txt"), "--model", str(tmp_path / "model"), "--json",
+                 str(out)]) == 1
+    assert user.read_bytes() == b"the user's own data\n" and os.path.lexists(out)
+
+
+def _rows():
+    from elmo_pipeline.downstream.report import summarize
+    return summarize([{"setting": "layer0", "classifier": "mlp", "seconds": 1.0, "best_epoch": 1,
+                       "dev": {"accuracy": 0.5, "macro_f1": 0.4}}])
+
+
+@pytest.mark.parametrize("name", ["table.md", "results.json", "chart.png"])
+def test_probe_report_never_writes_through_a_link(tmp_path, name):
+    """downstream/report.py write_report (probe --out): a link at one of its names is refused (it was written through
+    into the user's file), the user's file as it was; a fresh report is whole, the chart a PNG."""
+    from elmo_pipeline.downstream.report import write_report
+    user, out = _users_file(tmp_path), tmp_path / "probe"
+    out.mkdir()
+    (out / name).symlink_to(user)
+    with pytest.raises(FileExistsError, match=re.escape(str(out / name)) + " is a symbolic link"):
+        write_report(str(out), _rows(), [], {"task": "sentence"}, None)
+    assert user.read_bytes() == b"the user's own data\n" and (out / name).is_symlink()
+    (out / name).unlink()
+    write_report(str(out), _rows(), [], {"task": "sentence"}, None)
+    assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in out.iterdir()) == ["chart.png", "results.json", "table.md"]

@@ -27,7 +27,7 @@ def save_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, meta: dict) -> None:
     """Write atomically (fsio.replacing: a temporary file, then a rename)."""
     opt = optimizer.state_dict()
-    with replacing(path) as tmp, h5py.File(tmp, "w") as f:
+    with replacing(path, files_only=True) as tmp, h5py.File(tmp, "w") as f:
         for prefix, module in (("model", model), ("softmax", softmax)):
             g = f.create_group(prefix)
             for name, t in module.state_dict().items():

@@ -12,6 +12,7 @@ import os
 import h5py
 import torch
 
+from elmo_pipeline.fsio import only_a_file
 from elmo_pipeline.training.checkpoint import load_checkpoint, read_meta
 from elmo_pipeline.training.head import LMHead, build_model
 from elmo_pipeline.model.vocab import Vocabulary
@@ -22,11 +23,10 @@ def export_model(head: LMHead, vocab: Vocabulary, folder: str, include_softmax: 
     inference loaders ignore) + vocab.txt. Returns the three paths."""
     os.makedirs(folder, exist_ok=True)
     opts_path, weights_path, vocab_path = (os.path.join(folder, n) for n in ("options.json", "weights.hdf5", "vocab.txt"))
-    save_bilm(head.bilm, opts_path, weights_path)
-    if include_softmax:
-        with h5py.File(weights_path, "a") as f:
-            for name, t in head.softmax.state_dict().items():
-                f[f"softmax/{name}"] = t.detach().cpu().float().numpy()
+    for path in (opts_path, weights_path, vocab_path):      # all three before any is written
+        only_a_file(path)
+    softmax = {f"softmax/{name}": t.detach().cpu().float().numpy() for name, t in head.softmax.state_dict().items()}
+    save_bilm(head.bilm, opts_path, weights_path, softmax if include_softmax else None)     # in one file, whole
     vocab.save(vocab_path)
     return opts_path, weights_path, vocab_path
 

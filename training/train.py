@@ -36,7 +36,7 @@ from elmo_pipeline.training.data import Corpus, build_vocabulary, encode_corpus,
 from elmo_pipeline.training.export import export_model, head_from_checkpoint, load_exported, load_softmax  # noqa: F401 (API)
 from elmo_pipeline.training.head import LMHead, Perplexity, batch_maker, build_model, evaluate  # noqa: F401 (API)
 from elmo_pipeline.model.vocab import Vocabulary
-from elmo_pipeline.model.weights import load_weights_into
+from elmo_pipeline.model.weights import load_weights_into, write_json
 
 CHAR_CNN = {"activation": "relu", "embedding": {"dim": 16},
             "filters": [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 256]],
@@ -179,8 +179,7 @@ def train(cfg: TrainConfig) -> dict:
     else:
         options, vocab = _prepare_vocab_and_options(cfg, tokenize)
         if rank == 0:
-            with open(os.path.join(cfg.out_dir, "options.json"), "w") as f:
-                json.dump(options, f, indent=2, sort_keys=True)
+            write_json(os.path.join(cfg.out_dir, "options.json"), options)
             vocab.save(os.path.join(cfg.out_dir, "vocab.txt"))
 
     batch_size = int(options.get("batch_size", 32))
