@@ -15,7 +15,7 @@ import numpy as np
 
 from elmo_pipeline.downstream.batching import stack
 from elmo_pipeline.downstream.shard_checks import (DamagedOutput, check_arrow_batch, check_file, check_parquet_counts,
-                                                   check_parquet_pages, check_parquet_schema,
+                                                   check_parquet_pages, check_parquet_schema, checked_shards,
                                                    check_size, checked_files, checked_header, shard_entry)
 from elmo_pipeline.downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
                                       parquet_token_records)
@@ -45,8 +45,9 @@ class ElmoOutput:
             raise FileNotFoundError(f"{self.path}: no manifest.json (not a finished pipeline output)")
         self.manifest = manifest
         where = posixpath.join(self.path, MANIFEST)
-        self.shards: list[dict] = [shard_entry(f"{where}: shard {i}", s, FORMATS)
-                                   for i, s in enumerate(self.manifest.get("shards", []))]
+        self.shards: list[dict] = checked_shards(where, [shard_entry(f"{where}: shard {i}", s, FORMATS)
+                                                         for i, s in enumerate(self.manifest.get("shards", []))],
+                                                 FORMATS, self.manifest.get("counts"))
         self.layer_names, self.layer_dims, self.formats, self.parquet_layout = checked_header(where, manifest)
         self.files: dict[str, dict] | None = checked_files(where, manifest)
         self.dim = max(self.layer_dims.values())
@@ -134,6 +135,10 @@ class ElmoOutput:
         if missing:
             raise DamagedOutput(f"{posixpath.join(self.root, missing[0])}: not recorded in the manifest "
                                 f"({MANIFEST} files)")
+        unlisted = sorted(n for n in self.files if n.split("/")[0] in FORMATS and n not in shards)
+        if unlisted:            # a shard entry gone from the manifest: its sentences would be missing, unsaid
+            raise DamagedOutput(f"{posixpath.join(self.root, unlisted[0])}: recorded in the manifest ({MANIFEST} "
+                                "files) but named by no shard entry")
         for name, record in self.files.items():
             path = posixpath.join(self.root, name)
             if name not in RENDERINGS or (os.path.lexists(path) if is_local_fs(self.fs) else self.fs.exists(path)):

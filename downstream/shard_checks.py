@@ -156,6 +156,23 @@ def shard_entry(where: str, entry, formats) -> dict:
     return {**entry, **{f: inside_path(f"{where} {f}", entry[f]) for f in formats if f in entry}}
 
 
+def checked_shards(where: str, shards: list[dict], formats, counts) -> list[dict]:
+    """shards (shard_entry each), DamagedOutput when two name one file of a format (its sentences would be read twice,
+    another shard's not at all) or when their sentences or tokens add up to other than the manifest's `counts`
+    (sentences_written, tokens_written: their sums, as the pipeline writes them) where it holds them."""
+    for fmt in formats:
+        names = [s[fmt] for s in shards if fmt in s]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:
+            raise DamagedOutput(f"{where}: {twice!r} is named by {names.count(twice)} shard entries")
+    for key, total in (("sentences_written", "sentences"), ("tokens_written", "tokens")):
+        want = counts.get(key) if isinstance(counts, dict) else None
+        if type(want) is int and want != sum(s[total] for s in shards):
+            raise DamagedOutput(f"{where}: its shards hold {sum(s[total] for s in shards)} {total}, its counts say "
+                                f"{key} {want}")
+    return shards
+
+
 def check_arrow_batch(batch: pa.RecordBatch, where: str, tokens: int, sentences: int, dtype: str,
                       layer_dims: Mapping[str, int], full: bool = False) -> None:
     """Raise DamagedOutput unless the Arrow shard's batch is what its manifest entry says: `tokens` rows,

@@ -818,3 +818,50 @@ def test_an_answer_cut_short_is_a_storage_failure_not_a_missing_manifest(written
         read_recorded(fs, "/cut/metrics.prom", record)
     monkeypatch.undo()
     fs.rm("/cut", recursive=True)
+
+
+def _edit_manifest(out: str, edit) -> None:
+    m = _manifest(out)
+    edit(m)
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(m, f)
+
+
+@pytest.mark.parametrize("counts", ["kept", "updated"])
+def test_a_manifest_naming_one_shard_file_twice_is_refused(copy, counts):
+    """A manifest whose shard entries name one file twice (edited, its records consistent: the files are the recorded
+    ones) gave every reader and validate() that shard's sentences twice and the other shard's none; with its counts
+    kept, the sums differ from them too."""
+    out = copy("fp32")
+
+    def edit(m):
+        m["shards"][1] = dict(m["shards"][0])
+        if counts == "updated":
+            m["counts"]["sentences_written"] = 2 * m["shards"][0]["sentences"]
+            m["counts"]["tokens_written"] = 2 * m["shards"][0]["tokens"]
+    _edit_manifest(out, edit)
+    with pytest.raises(DamagedOutput, match="named by 2 shard entries"):
+        ElmoOutput(out)
+    with pytest.raises(DamagedOutput, match="named by 2 shard entries"):
+        MappedDataset(out)
+
+
+def test_shards_adding_up_to_other_than_the_manifests_counts_are_refused(copy):
+    out = copy("fp32")
+    _edit_manifest(out, lambda m: m["counts"].update(sentences_written=m["counts"]["sentences_written"] + 1))
+    with pytest.raises(DamagedOutput, match="its counts say sentences_written"):
+        ElmoOutput(out)
+
+
+def test_a_shard_entry_dropped_from_the_manifest_is_found_by_validate(copy):
+    """A shard entry removed (its counts taken off too): its files are still recorded, so validate() names the first
+    (it passed, the output read short of that shard's sentences)."""
+    out = copy("fp32")
+
+    def edit(m):
+        gone = m["shards"].pop(1)
+        m["counts"]["sentences_written"] -= gone["sentences"]
+        m["counts"]["tokens_written"] -= gone["tokens"]
+    _edit_manifest(out, edit)
+    with pytest.raises(DamagedOutput, match="named by no shard entry"):
+        ElmoOutput(out).validate()
