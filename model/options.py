@@ -271,6 +271,14 @@ def _check_size(opts: BiLMOptions, r: _Reader) -> None:
 
 def load_options(url: str) -> BiLMOptions:
     """Read and validate options.json from a path or fsspec URL (at most OPTIONS_MAX_BYTES)."""
+    return parse_options(read_options_file(url), where=str(url))
+
+
+def read_options_file(url: str) -> dict:
+    """The JSON object of an options file (a model's options.json, training's --options), read as nothing else
+    reads it: at most OPTIONS_MAX_BYTES + 1 bytes, a local path only when it is a regular file (fsio.open_url: a FIFO
+    never blocks, /dev/zero never fills memory); OptionsError otherwise, naming it. Its keys are checked by the
+    caller (parse_options; training takes missing keys from its defaults)."""
     with open_url(url, "rb") as f:
         data = f.read(OPTIONS_MAX_BYTES + 1)
     if len(data) > OPTIONS_MAX_BYTES:
@@ -279,4 +287,6 @@ def load_options(url: str) -> BiLMOptions:
         raw = json.loads(data)
     except (ValueError, RecursionError) as e:      # JSONDecodeError, not UTF-8, an integer too long, nesting
         raise OptionsError(f"{url}: not valid JSON ({' '.join(str(e).split()) or type(e).__name__})") from None
-    return parse_options(raw, where=str(url))
+    if not isinstance(raw, dict):
+        raise OptionsError(f"{url}: not a JSON object")
+    return raw

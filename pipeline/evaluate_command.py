@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
             from elmo_pipeline.model.pretrained import default_model_files
             folder = os.path.dirname(default_model_files()[0])
         head, vocab, _ = load_exported(folder)
-        with open(os.path.join(folder, "options.json")) as f:
-            options = json.load(f)
+        from elmo_pipeline.model.options import read_options_file
+        options = read_options_file(os.path.join(folder, "options.json"))
     corpus = load_corpus_for(args.files, vocab, options, args.tokenizer)
     result = evaluate(head, corpus, batch_size=args.batch_size).as_dict()
     if args.unigram_baseline:

@@ -54,8 +54,8 @@ def build_options(args: argparse.Namespace) -> dict:
     from elmo_pipeline.training.train import default_options
     opts = default_options(args.token_encoder)
     if args.options:
-        with open(args.options) as f:
-            given = json.load(f)
+        from elmo_pipeline.model.options import read_options_file
+        given = read_options_file(args.options)
         opts.update(given)
         if "char_cnn" not in given and args.token_encoder == "word":
             opts.pop("char_cnn", None)

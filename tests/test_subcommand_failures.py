@@ -4,6 +4,7 @@ bounds: a label file that is no regular file or holds no JSON objects, a checkpo
 model's (never allocated)."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -178,3 +179,40 @@ def test_probe_report_never_writes_through_a_link(tmp_path, name):
     write_report(str(out), _rows(), [], {"task": "sentence"}, None)
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.iterdir()) == ["chart.png", "results.json", "table.md"]
+
+
+HOSTILE_READS = {   # what is no regular file -> the command line reading it ({fifo}: a FIFO, {model}: an exported folder)
+    "train --options": (["train", "{text}", "--output", "{tmp}/run", "--options", "{fifo}", "--max-steps", "1"]),
+    "train's text": (["train", "{fifo}", "--output", "{tmp}/run", "--max-steps", "1"]),
+    "evaluate's text": (["evaluate", "{fifo}", "--model", "{model}"]),
+    "evaluate --checkpoint": (["evaluate", "{text}", "--checkpoint", "{fifo}"]),
+    "export's checkpoint": (["export", "{fifo}", "{tmp}/exp"]),
+    "an exported folder's options.json": (["evaluate", "{text}", "--model", "{tmp}/fifo-model"]),
+}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("case", list(HOSTILE_READS))
+def test_a_file_read_that_is_no_regular_file_is_one_error_line_unread(tmp_path, tiny_export, case, kind, capsys):
+    """train, evaluate and export read options files, text, checkpoints and exported folders only as regular files
+    (fsio.regular_file; model.options.read_options_file at most 1 MiB): a FIFO blocked each for good, /dev/zero
+    was read into memory without end (json.load, a line of text)."""
+    from elmo_pipeline.training.export import export_model
+    from tests.test_model_resolve import _fifo_with_a_writer
+    export_model(*tiny_export, str(tmp_path / "model"))
+    (tmp_path / "text.txt").write_text("the cat sat .\n")
+    hostile = str(tmp_path / "fifo-model" / "options.json") if "folder" in case else str(tmp_path / "fifo")
+    if "folder" in case:
+        shutil.copytree(tmp_path / "model", tmp_path / "fifo-model")
+        os.remove(hostile)
+    if kind == "fifo":
+        _fifo_with_a_writer(hostile)
+    elif "folder" in case:
+        os.symlink("/dev/zero", hostile)
+    else:
+        hostile = "/dev/zero"
+    argv = [a.format(tmp=tmp_path, text=tmp_path / "text.txt", fifo=hostile, model=tmp_path / "model")
+            for a in HOSTILE_READS[case]]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "not a regular file" in err[-1] and "Traceback" not in "".join(err), err

@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import torch
 
-from elmo_pipeline.fsio import replacing
+from elmo_pipeline.fsio import regular_file, replacing
 
 
 def _put(group: h5py.Group, name: str, t: torch.Tensor) -> None:
@@ -41,6 +41,7 @@ def save_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
 
 
 def read_meta(path: str) -> dict:
+    regular_file(path)              # a FIFO's open would block, a device's read never end
     with h5py.File(path, "r") as f:
         return json.loads(f.attrs["meta"])
 
@@ -72,6 +73,7 @@ def _shapes(module: torch.nn.Module) -> dict[str, tuple]:
 def load_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> dict:
     """Restore everything saved by save_checkpoint into the given objects; returns the meta dict."""
+    regular_file(path)
     with h5py.File(path, "r") as f:
         meta = json.loads(f.attrs["meta"])
         model.load_state_dict(_tensors(f["model"], _shapes(model)))

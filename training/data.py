@@ -44,13 +44,19 @@ def get_tokenizer(name: str) -> Tokenizer:
 
 
 def expand_urls(urls: str | Sequence[str]) -> list[str]:
-    """Paths, fsspec URLs and globs -> the matching files, sorted per pattern. Raises if one matches nothing."""
+    """Paths, fsspec URLs and globs -> the matching files, sorted per pattern. Raises if one matches nothing, and
+    at a local match that is no regular file (fsio.regular_file: a FIFO's open blocks, /dev/zero never ends)."""
     import fsspec
+
+    from elmo_pipeline.fsio import is_local_url, regular_file
     out: list[str] = []
     for url in [urls] if isinstance(urls, str) else urls:
         files = fsspec.open_files(url, "rb")
         if not files:
             raise FileNotFoundError(f"no file matches {url!r}")
+        for f in files:
+            if is_local_url(url):
+                regular_file(f.path)
         out.extend(f.full_name if "://" in url else f.path for f in files)
     return out
 

@@ -6,13 +6,13 @@ The LM softmax is not part of bilm-tf's inference weights: export_model adds it 
 """
 from __future__ import annotations
 
-import json
 import os
 
 import h5py
 import torch
 
 from elmo_pipeline.fsio import only_a_file
+from elmo_pipeline.model.options import read_options_file
 from elmo_pipeline.training.checkpoint import load_checkpoint, read_meta
 from elmo_pipeline.training.head import LMHead, build_model
 from elmo_pipeline.model.vocab import Vocabulary
@@ -33,8 +33,7 @@ def export_model(head: LMHead, vocab: Vocabulary, folder: str, include_softmax: 
 
 def load_exported(folder: str, require_softmax: bool = True) -> tuple[LMHead, Vocabulary, bool]:
     """(head, vocab, softmax_loaded) from an exported folder (options.json, weights.hdf5, vocab.txt)."""
-    with open(os.path.join(folder, "options.json")) as f:
-        options = json.load(f)
+    options = read_options_file(os.path.join(folder, "options.json"))
     vocab_path = os.path.join(folder, "vocab.txt")
     if not os.path.isfile(vocab_path):
         raise FileNotFoundError(f"{folder}: no vocab.txt (needed for the softmax)")

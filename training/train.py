@@ -36,6 +36,7 @@ from elmo_pipeline.training.data import Corpus, build_vocabulary, encode_corpus,
 from elmo_pipeline.training.export import export_model, head_from_checkpoint, load_exported, load_softmax  # noqa: F401 (API)
 from elmo_pipeline.training.head import LMHead, Perplexity, batch_maker, build_model, evaluate  # noqa: F401 (API)
 from elmo_pipeline.model.vocab import Vocabulary
+from elmo_pipeline.model.options import read_options_file
 from elmo_pipeline.model.weights import load_weights_into, write_json
 
 CHAR_CNN = {"activation": "relu", "embedding": {"dim": 16},
@@ -141,8 +142,7 @@ def _prepare_vocab_and_options(cfg: TrainConfig, tokenize) -> tuple[dict, Vocabu
     options = copy.deepcopy(cfg.options)
     vocab = Vocabulary.load(cfg.vocab_file) if cfg.vocab_file else None
     if cfg.init_from:
-        with open(os.path.join(cfg.init_from, "options.json")) as f:
-            init_opts = json.load(f)
+        init_opts = read_options_file(os.path.join(cfg.init_from, "options.json"))
         for key in ("lstm", "char_cnn", "n_tokens_vocab"):    # the architecture comes from the model
             options.pop(key, None)
             if key in init_opts:
