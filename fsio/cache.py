@@ -129,8 +129,10 @@ def pinned_record(path: str) -> dict | None:
     ValueError naming the record file when it is damaged (it pins the first download: never replaced silently)."""
     record_path = path + RECORD_SUFFIX
     try:
-        with open(record_path, "rb") as f:
-            data = f.read(1 << 16)                 # a record is about 200 bytes
+        data = b""                  # no regular file (a FIFO's open would block): never opened, a damaged record
+        if stat.S_ISREG(os.stat(record_path).st_mode):
+            with open(record_path, "rb") as f:
+                data = f.read(1 << 16)                 # a record is about 200 bytes
     except FileNotFoundError:
         return None
     record = json_or_none(data)

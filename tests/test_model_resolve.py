@@ -153,3 +153,17 @@ def test_an_options_file_that_is_no_regular_file_is_refused_unopened(tmp_path, k
         _fifo_with_a_writer(path)
     with pytest.raises(FileNotFoundError, match="not a regular file"):
         load_options(path)
+
+
+def test_a_download_record_that_is_no_regular_file_is_damaged_never_opened(tmp_path):
+    """fsio/cache.py pinned_record: a FIFO at a published model's download record (the cache the `models` command and
+    --model NAME read) is a damaged record at once; its open blocked `elmo-pipeline models` for good."""
+    import time
+    from elmo_pipeline.fsio.cache import RECORD_SUFFIX, pinned_record
+    weights = tmp_path / "weights.hdf5"
+    weights.write_bytes(b"x")
+    _fifo_with_a_writer(str(weights) + RECORD_SUFFIX, seconds=5.0)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="a damaged download record"):
+        pinned_record(str(weights))
+    assert time.monotonic() - t0 < 2.0
