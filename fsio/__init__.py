@@ -5,12 +5,12 @@ from elmo_pipeline.fsio.cache import (cache_dir, file_sha256, local_path, open_u
                                       regular_file)
 from elmo_pipeline.fsio.fs import (NotTheRecordedFile, atomic_write, bounded_lines, check_recorded, digest_of, expand, json_lines, json_or_none, read_json, same_digest, is_local_fs, is_local_url, keyed, makedirs,
                      move, only_a_file, open_file, place, options_for, protocol, read_recorded, release_written, remove_temp_files,
-                     replacing, temp_name, url_fs, storage_error, exception_chain, http_status,
+                     replacing, temp_name, held_temp, url_fs, storage_error, exception_chain, http_status,
                      transient_http, TRANSIENT_HTTP)
 from elmo_pipeline.fsio.redact import redact, redact_logs
 
 __all__ = ["NotTheRecordedFile", "bounded_lines", "read_recorded", "check_recorded", "digest_of", "json_lines", "json_or_none", "read_json", "same_digest", "atomic_write", "cache_dir", "expand", "file_sha256", "is_local_fs", "is_local_url", "keyed",
            "local_path", "makedirs", "move", "only_a_file", "open_file", "place", "open_url", "options_for", "pinned_download", "pinned_record", "regular_file",
-           "protocol", "redact", "redact_logs", "release_written", "remove_temp_files", "replacing", "temp_name",
+           "protocol", "redact", "redact_logs", "release_written", "remove_temp_files", "replacing", "temp_name", "held_temp",
            "storage_error", "exception_chain", "http_status", "transient_http", "TRANSIENT_HTTP",
            "url_fs"]

@@ -360,14 +360,50 @@ def release_written(fs, path: str) -> None:
         os.close(fd)
 
 
-def remove_temp_files(fs, root: str, names: tuple[str, ...]) -> None:
+def remove_temp_files(fs, root: str, names: tuple[str, ...], unless_held: bool = False) -> None:
     """atomic_write's temporary files of `names` under `root`, left by a process killed between writing
-    and renaming (local only: object stores have none)."""
+    and renaming (local only: object stores have none). unless_held: only those no live process holds (held_temp():
+    a writer with no lease, as the elmo command, may overlap another on one name)."""
+    import fcntl
     if is_local_fs(fs):
         for name in names:
-            for p in fs.glob(posixpath.join(root, name + TEMP_MARK + "*")):
-                if TEMP_NAME.search(p):
-                    fs.rm_file(p)
+            for p in fs.glob(posixpath.join(root, glob_escape(name) + TEMP_MARK + "*")):
+                if not TEMP_NAME.search(p):
+                    continue
+                if unless_held:
+                    try:
+                        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+                    except OSError:
+                        continue
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError:
+                        continue        # a live writer's
+                    finally:
+                        os.close(fd)
+                fs.rm_file(p)
+
+
+def glob_escape(name: str) -> str:
+    """`name` with glob's special characters matched literally."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+@contextmanager
+def held_temp(path: str):
+    """A new temporary file beside `path` (temp_name), created empty and held (an exclusive flock, released when
+    the block ends or the process dies) so that remove_temp_files(..., unless_held=True) of another process leaves
+    it; yields its name, removed when the block ends unless it was moved."""
+    import fcntl
+    tmp = temp_name(path)
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield tmp
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        os.close(fd)
 
 
 class NotTheRecordedFile(ValueError):

@@ -288,5 +288,5 @@ def read_options_file(url: str) -> dict:
     except (ValueError, RecursionError) as e:      # JSONDecodeError, not UTF-8, an integer too long, nesting
         raise OptionsError(f"{url}: not valid JSON ({' '.join(str(e).split()) or type(e).__name__})") from None
     if not isinstance(raw, dict):
-        raise OptionsError(f"{url}: not a JSON object")
+        raise OptionsError(f"{url}: expected a JSON object, found {type(raw).__name__}")
     return raw

@@ -182,16 +182,12 @@ def run(args: argparse.Namespace) -> int:
         for g in window_groups([len(long[i]) for i in ids], args.window_tokens, args.window_overlap, window_budget):
             members = [ids[k] for k in g]
             group_of.update(dict.fromkeys(members, members))
-    from elmo_pipeline.fsio import remove_temp_files, temp_name, url_fs
+    from elmo_pipeline.fsio import held_temp, remove_temp_files, url_fs
     remove_temp_files(url_fs(args.output_file)[0], os.path.dirname(os.path.abspath(args.output_file)),
-                      (os.path.basename(args.output_file),))      # a killed earlier run's, never its output
-    tmp = temp_name(args.output_file)      # written whole beside it, then placed: a kill leaves the old file as it was
-    try:
+                      (os.path.basename(args.output_file),), unless_held=True)   # a killed run's, never a live one's
+    with held_temp(args.output_file) as tmp:      # written whole beside it, then placed: a kill leaves the old file
         write_hdf5(tmp, args, lines, sentences, embedder, long, group_of, window_budget)
         place_output(tmp, args.output_file, before)
-    finally:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
     secs = time.perf_counter() - t0
     n_tokens = sum(map(len, sentences))
     print(f"wrote {len(lines)} sentences to {args.output_file}: {n_tokens} tokens in {secs:.1f} s "
@@ -207,7 +203,7 @@ def write_hdf5(tmp, args, lines, sentences, embedder, long, group_of, window_bud
     batched = ([] if i in long else s for i, s in enumerate(sentences))
     if long:
         from elmo_pipeline.model.windows import embed_long_many
-    with h5py.File(tmp, "w-") as fout:
+    with h5py.File(tmp, "w", locking=False) as fout:     # the empty file held_temp() made (and holds: its flock)
         fout.attrs[WRITTEN_BY[0]] = WRITTEN_BY[1]
         for i, vectors in enumerate(embedder.embed_sentences(batched, args.batch_size,
                                                                    args.max_tokens_per_batch or None)):

@@ -1,5 +1,6 @@
 """`elmo-pipeline elmo`: flags and the AllenNLP HDF5 layout."""
 import json
+import os
 import subprocess
 import sys
 
@@ -158,7 +159,10 @@ def test_the_commands_own_file_is_replaced_whole_and_a_killed_runs_temp_file_rem
     assert _run(tiny_model_files, input_file, out, "--all") == 0
     left = tmp_path / ("out.hdf5.tmp-" + "0" * 32)
     left.write_bytes(b"half an HDF5 file")
-    assert _run(tiny_model_files, input_file, out, "--top") == 0
+    from elmo_pipeline.fsio import held_temp
+    with held_temp(str(out)) as live:       # another command's, writing now (an overlapping run): never removed
+        assert _run(tiny_model_files, input_file, out, "--top") == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["in.txt", "out.hdf5", os.path.basename(live)])
     with h5py.File(out, "r") as f:
         assert sorted(f) == ["0", "1", "2", "3", "sentence_to_index"] and f["0"].ndim == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.hdf5"]
