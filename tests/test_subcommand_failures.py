@@ -216,3 +216,24 @@ def test_a_file_read_that_is_no_regular_file_is_one_error_line_unread(tmp_path, 
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and "not a regular file" in err[-1] and "Traceback" not in "".join(err), err
+
+
+@pytest.mark.parametrize("name", ["curves.csv", "curves.png", "options.json", "vocab.txt"])
+def test_train_never_writes_through_a_link_in_its_run_folder(tmp_path, name):
+    """training/train.py: a link at one of the run folder's names is never written through into the user's file
+    (curves.csv was truncated through it, curves.png drawn over it, options.json and vocab.txt written through):
+    refused with a FileExistsError naming it (the drawing only: logged, training goes on)."""
+    from elmo_pipeline.training.train import TrainConfig, train
+    from tests.test_train import tiny_options
+    user, run = _users_file(tmp_path), tmp_path / "run"
+    run.mkdir()
+    (run / name).symlink_to(user)
+    (tmp_path / "text.txt").write_text("the cat sat on the mat .\nthe dog ran .\n" * 20)
+    cfg = TrainConfig(train_files=[str(tmp_path / "text.txt")], out_dir=str(run), progress=False, threads=1,
+                      options=tiny_options(), max_steps=1, checkpoint_every=1, log_every=1, export=False)
+    if name == "curves.png":
+        train(cfg)
+    else:
+        with pytest.raises(FileExistsError, match=re.escape(str(run / name)) + " is a symbolic link"):
+            train(cfg)
+    assert user.read_bytes() == b"the user's own data\n" and (run / name).is_symlink()

@@ -42,7 +42,7 @@ def plot_curves(csv_path: str, png_path: str) -> None:
     ax.set_ylabel("perplexity")
     ax.legend()
     ax.grid(True, alpha=0.3)
-    fig.savefig(png_path, dpi=100, bbox_inches="tight")
+    fig.savefig(png_path, dpi=100, bbox_inches="tight", format="png")     # the name may be a temporary one
     plt.close(fig)
 
 
@@ -85,4 +85,4 @@ def _plot_pillow(series, png_path: str, size=(800, 500)) -> None:
         for p in pts if not label.startswith("train") else []:
             d.ellipse([p[0] - 3, p[1] - 3, p[0] + 3, p[1] + 3], fill=color)
         d.text((W - right - 150, top + 8 + 14 * i), label, fill=color)
-    img.save(png_path)
+    img.save(png_path, format="PNG")

@@ -36,6 +36,7 @@ from elmo_pipeline.training.data import Corpus, build_vocabulary, encode_corpus,
 from elmo_pipeline.training.export import export_model, head_from_checkpoint, load_exported, load_softmax  # noqa: F401 (API)
 from elmo_pipeline.training.head import LMHead, Perplexity, batch_maker, build_model, evaluate  # noqa: F401 (API)
 from elmo_pipeline.model.vocab import Vocabulary
+from elmo_pipeline.fsio import only_a_file, replacing
 from elmo_pipeline.model.options import read_options_file
 from elmo_pipeline.model.weights import load_weights_into, write_json
 
@@ -326,9 +327,10 @@ class CurveLog:
         self.path, self.enabled = path, enabled
         if not enabled:
             return
+        only_a_file(path)       # a link there is never written through (nor appended to), a FIFO never opened
         rows = read_curves(path) if truncate_after and os.path.exists(path) else []
         rows = [r for r in rows if int(r["step"]) <= truncate_after]
-        with open(path, "w", newline="") as f:
+        with replacing(path, files_only=True) as tmp, open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, self.FIELDS)
             w.writeheader()
             w.writerows(rows)
@@ -345,7 +347,8 @@ class CurveLog:
         if self.enabled:
             from elmo_pipeline.training.curves import plot_curves
             try:
-                plot_curves(self.path, os.path.splitext(self.path)[0] + ".png")
+                with replacing(os.path.splitext(self.path)[0] + ".png", files_only=True) as tmp:
+                    plot_curves(self.path, tmp)
             except Exception as e:   # a plot must never stop training
                 _log(f"could not draw {self.path} as PNG: {e}")
 
