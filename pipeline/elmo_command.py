@@ -109,8 +109,13 @@ def _ours(path: str) -> bool:
         with open(path, "rb") as f:
             if f.read(8) != b"\x89HDF\r\n\x1a\n":
                 return False
-        with h5py.File(path, "r") as f:
-            mark = f.attrs.get(WRITTEN_BY[0]) if WRITTEN_BY[0] in f.attrs else None
+        with h5py.File(path, "r", locking=False) as f:
+            if WRITTEN_BY[0] not in f.attrs:
+                return False
+            attr = f.attrs.get_id(WRITTEN_BY[0])      # one short string, checked before it is read (no allocation)
+            if attr.shape not in ((), None) or attr.get_storage_size() > 1024:
+                return False
+            mark = f.attrs[WRITTEN_BY[0]]
     except Exception:  # noqa: BLE001 - damaged, unreadable, a file of another kind: not ours
         return False
     return isinstance(mark, (str, bytes)) and (mark.decode() if isinstance(mark, bytes) else mark) == WRITTEN_BY[1]

@@ -225,3 +225,14 @@ def test_a_command_killed_while_it_writes_leaves_the_earlier_file_whole(tiny_mod
     r = subprocess.run(cmd[:4] + [str(small)] + cmd[5:], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert sorted(q.name for q in tmp_path.iterdir()) == ["big.txt", "out.hdf5", "small.txt"]
+
+
+def test_the_mark_is_read_only_as_one_short_string(tmp_path):
+    """claim_output's look at a file there reads its `written_by` attribute only when it is one short string (checked
+    from its metadata first: a hostile file's huge attribute is never read)."""
+    from elmo_pipeline.pipeline.elmo_command import _ours
+    for name, value in {"many": np.array([b"elmo-pipeline elmo"] * 100_000), "str": "elmo-pipeline elmo",
+                        "bytes": np.bytes_(b"elmo-pipeline elmo"), "other": "someone else"}.items():
+        with h5py.File(tmp_path / f"{name}.hdf5", "w", libver="latest") as f:
+            f.attrs["written_by"] = value
+        assert _ours(str(tmp_path / f"{name}.hdf5")) == (name in ("str", "bytes")), name
