@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import csv
 import glob
-import json
 import math
 import os
 import sys
