@@ -53,12 +53,22 @@ def markdown_table(rows: list[dict], baseline: dict | None = None) -> str:
     return "\n".join(lines) + "\n" + note + "\n"
 
 
+REPORT_FILES = ("table.md", "results.json", "chart.png")
+
+
+def check_report_folder(out_dir: str) -> None:
+    """FileExistsError unless `out_dir` is a folder or nothing, and each report file in it nothing or a regular file
+    (fsio.only_a_file): what write_report would refuse, found before the probe trains."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"{out_dir} exists and is no folder: it is left as it is; name another --out")
+    for name in REPORT_FILES:
+        only_a_file(os.path.join(out_dir, name))
+
+
 def write_report(out_dir: str, rows: list[dict], runs: list[dict], meta: dict, baseline: dict | None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     table = markdown_table(rows, baseline)
-    names = [os.path.join(out_dir, n) for n in ("table.md", "results.json", "chart.png")]
-    for path in names:               # each file whole, only over nothing or a regular file (fsio.replacing files_only)
-        only_a_file(path)            # all three before any is written
+    check_report_folder(out_dir)     # each file whole, only over nothing or a regular file (fsio.replacing files_only)
     fs = url_fs(out_dir)[0]
     atomic_write(fs, os.path.join(out_dir, "table.md"), table.encode("utf-8"), files_only=True)
     result = {"meta": meta, "summary": rows, "runs": runs, "majority_baseline": baseline}

@@ -152,9 +152,11 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda m: None) if args.quiet else say
     t0 = time.perf_counter()
     try:
+        from elmo_pipeline.downstream.report import check_report_folder
+        check_report_folder(args.out)       # before the work: a report that could not be written is found now
         splits, classes, n_layers, dim = load_splits(args, say)
         settings = expand_settings(args.settings.split(","), [c.strip() for c in args.combine.split(",") if c.strip()], n_layers)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         say("error: " + " ".join(str(e).split("\n")))
         return 2
     load_s = time.perf_counter() - t0

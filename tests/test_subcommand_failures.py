@@ -237,3 +237,19 @@ def test_train_never_writes_through_a_link_in_its_run_folder(tmp_path, name):
         with pytest.raises(FileExistsError, match=re.escape(str(run / name)) + " is a symbolic link"):
             train(cfg)
     assert user.read_bytes() == b"the user's own data\n" and (run / name).is_symlink()
+
+
+@pytest.mark.parametrize("kind", ["a file at --out", "a link at results.json"])
+def test_probe_refuses_an_out_it_could_not_write_before_it_reads_or_trains(tmp_path, capsys, kind):
+    """`probe --out` holding a file, or a link at one of the report's names: one `error:` line (exit 2) before any
+    split is read or any classifier trained (it was found only after all the training)."""
+    user, out = _users_file(tmp_path), tmp_path / "probe"
+    if kind == "a file at --out":
+        out.write_text("mine")
+    else:
+        out.mkdir()
+        (out / "results.json").symlink_to(user)
+    assert main(["probe", "--train", str(tmp_path / "no-such-output"), "--labels", str(tmp_path / "none.jsonl"),
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {out}") and user.read_bytes() == b"the user's own data\n", err
