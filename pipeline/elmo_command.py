@@ -85,6 +85,8 @@ def claim_output(path: str) -> os.stat_result | None:
     file, an HDF5 file of another writer, a symbolic link, a folder, a FIFO, a device) exits with one line, left as
     it is: the command never writes through a link nor over a file it did not write."""
     folder = os.path.dirname(path) or "."
+    if not os.path.basename(path):          # "" or a folder's name ending in "/"
+        raise SystemExit(f"error: OUTPUT_FILE {path!r} names no file")
     if not os.path.isdir(folder):
         raise SystemExit(f"error: OUTPUT_FILE {path}: {folder} is no folder")
     try:

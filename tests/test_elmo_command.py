@@ -227,6 +227,13 @@ def test_a_command_killed_while_it_writes_leaves_the_earlier_file_whole(tiny_mod
     assert sorted(q.name for q in tmp_path.iterdir()) == ["big.txt", "out.hdf5", "small.txt"]
 
 
+@pytest.mark.parametrize("name", ["", "{tmp}/", "{tmp}/new/"])
+def test_an_output_file_name_that_names_no_file_is_one_error_line(tiny_model_files, input_file, tmp_path, name):
+    with pytest.raises(SystemExit, match="names no file"):
+        _run(tiny_model_files, input_file, name.format(tmp=tmp_path), "--all")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
 def test_the_mark_is_read_only_as_one_short_string(tmp_path):
     """claim_output's look at a file there reads its `written_by` attribute only when it is one short string (checked
     from its metadata first: a hostile file's huge attribute is never read)."""
