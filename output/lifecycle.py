@@ -79,7 +79,7 @@ def rounds(job: Job, run_graph: Callable[[OutputState], object], fence: Callable
     first, started = None, time.time()
     for _ in range(MAX_ROUNDS):
         state = prepare_output(job.output, job.key, job.ingredients, job.overwrite, so, resumable=job.resumable,
-                               kernel_path=job.kernel_path, writes_state=job.upsert is not None)
+                               kernel_path=job.kernel_path, writes_state=job.upsert is not None, fence=fence)
         first = first or state
         if state.action == "complete":         # finished by another run meanwhile
             done = Outcome("complete", _manifest(job))

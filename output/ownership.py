@@ -92,7 +92,9 @@ def files_under(fs, root: str, folders: tuple[str, ...]) -> set[str]:
 def clear_final(sink: Sink, root: str, keep: set[str] = frozenset()) -> None:
     """Remove the final-name files the pipeline wrote under `root` (owned_final_names), but those in `keep`:
     _SUCCESS first, manifest.json last (until then it shows whose the rest are), then shard folders left
-    empty and the temporary files of manifest.json and _SUCCESS. Files of unknown origin stay."""
+    empty and the temporary files of manifest.json and _SUCCESS. Files of unknown origin stay. The sink's fence
+    first: a run that lost the output's lease removes none of them (not even another run's temporary files)."""
+    sink.fence()
     fs = sink.fs
     owned = owned_final_names(fs, root) - set(keep)
     present = files_under(fs, root, SHARD_FOLDERS) | {n for n in (SUCCESS, MANIFEST, REPORT, METRICS)

@@ -21,6 +21,7 @@ import json
 import logging
 import posixpath
 from dataclasses import dataclass, field
+from typing import Callable
 
 from elmo_pipeline.formats.layout import (RECORD_KEYS_WITH_DIGESTS, ShardInfo, checked_record, read_manifest,
                                            recorded_files)
@@ -232,9 +233,12 @@ def _listed(manifest: dict) -> list | None:
 
 
 def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, storage_options: dict | None = None,
-                   resumable: bool = True, kernel_path: dict | None = None, writes_state: bool = False) -> OutputState:
+                   resumable: bool = True, kernel_path: dict | None = None, writes_state: bool = False,
+                   fence: Callable[[], None] | None = None) -> OutputState:
     """Decide what a run with run key `key` does with `output`, and make the folder ready for it. The caller
-    holds the output's lease. Nothing is removed before every refusal has been decided; only what the
+    holds the output's lease, and `fence` (its check_held) runs before every removal and write here: a run paused
+    past the stale age after taking the lease (another run took it over and may have finished since) removes
+    nothing. Nothing is removed before every refusal has been decided; only what the
     pipeline wrote is ever removed (check_no_links and check_ownership first, then output/finalize.clear_final).
 
     - _SUCCESS of this key: 'complete' (with `overwrite`: cleared, fresh). Of another key: refused unless
@@ -251,7 +255,7 @@ def prepare_output(output: str, key: str, ingredients: dict, overwrite: bool, st
       `resumable` False (--state stateful: vectors depend on batch history) keeps nothing.
     - otherwise 'fresh'. Outside 'finalize', leftover final-name files of the pipeline are removed first.
     """
-    sink, root = Sink.at(output, storage_options)
+    sink, root = Sink.at(output, storage_options, fence)
     fs = sink.fs
     found = survey(output, key, ingredients, overwrite, storage_options, writes_state, fs, root)
     parent, st = found.parent, found.staging

@@ -223,6 +223,29 @@ def test_finalize_checks_the_fence_before_each_irreversible_step(tmp_path):
         assert os.path.exists(os.path.join(other, "_staging")) == (point <= 12)
 
 
+def test_a_run_that_lost_its_lease_before_preparing_the_output_removes_nothing(tmp_path):
+    """A run paused right after taking the lease, past the stale age, while another run took it over and finished
+    the output: resumed, its preparation (--overwrite's clearing, a resume's removal of staged leftovers) is fenced
+    like Finalize, so it exits 75 (RetryLater) and the finished output stays whole."""
+    from elmo_pipeline.output import lifecycle
+    out, unfinished = str(tmp_path / "out"), str(tmp_path / "unfinished")
+    _finished(out, "k1")
+    ing2 = {"version": 1, "inputs": [], "options": {"key": "k2"}, "model": {}}
+    resume.prepare_output(unfinished, "k2", ing2, False)
+    _stage(os.path.join(unfinished, "_staging", "k2"), ["d:1#0"])
+    _plant(unfinished, ["_staging/k2/0123456789abcdef0123456789abcdef.parquet"])    # a shard without its record
+    ing, key = _ingredients("top")
+
+    def lost():
+        raise RetryLater("lost the lease")
+    for folder, overwrite, k, i in ((out, True, key, ing), (unfinished, False, "k2", ing2)):
+        before = _contents(folder)
+        job = lifecycle.Job(folder, k, i, {}, [], None, overwrite=overwrite)
+        with pytest.raises(RetryLater):
+            lifecycle.rounds(job, lambda state: pytest.fail("the graph ran"), lost)
+        assert _contents(folder) == before
+
+
 def test_an_input_inside_the_output_is_refused(tmp_path):
     from elmo_pipeline.pipeline.validate import check_inputs_outside_output
     out = tmp_path / "out"
