@@ -18,6 +18,7 @@ from elmo_pipeline.output.state import OutputState
 from elmo_pipeline.pipeline.exits import after_plan
 from elmo_pipeline.pipeline.graph import build
 from elmo_pipeline.pipeline.plan import Plan
+from elmo_pipeline.pipeline.workers import lost_workers_end_the_run
 
 logger = logging.getLogger("elmo-pipeline.run")
 
@@ -45,12 +46,13 @@ def run_graph(opts: PipelineOptions, pl: Plan, state: OutputState, lease: Lease)
     p = beam.Pipeline(options=opts)
     build(p, pl, state, lease.fence())
     try:
-        result = p.run()
-        try:
-            result.wait_until_finish()
-        finally:
-            if getattr(result, "client", None) is not None:      # DaskRunner: its connection to the cluster
-                result.client.close()
+        with lost_workers_end_the_run():
+            result = p.run()
+            try:
+                result.wait_until_finish()
+            finally:
+                if getattr(result, "client", None) is not None:      # DaskRunner: its connection to the cluster
+                    result.client.close()
     except Exception:
         lease.check_held()      # a worker fenced off (LeaseLost): the run lost its lease, not a failure
         raise

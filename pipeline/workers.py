@@ -5,6 +5,9 @@ and DaskRunner's partitions. Settled once by plan() (pipeline/plan.py).
 from __future__ import annotations
 
 import os
+import signal
+import threading
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from elmo_pipeline.pipeline.quiet import quiet_beam
@@ -84,3 +87,88 @@ def layout_of(opts: PipelineOptions, o: ElmoOptions) -> Where:
     local = runner in LOCAL_RUNNERS
     workers = local_workers(opts)
     return Where(runner, local, workers, o.torch_threads or (default_torch_threads(workers) if local else 0))
+
+
+class WorkerLost(RuntimeError):
+    """A local worker process of the run (--direct_running_mode multi_processing) exited while the pipeline ran."""
+
+
+WORKER_THREAD = "run_worker"      # Beam's thread that starts a local worker process and waits for it (worker_handlers)
+WORKER_EXITED = "Worker subprocess exited"      # what that thread raises when the process exits with a status
+LOST_SIGNAL = "SIGUSR2"           # sent to the main thread, whose wait for the lost worker's bundle never ends else
+
+
+@contextmanager
+def lost_workers_end_the_run():
+    """Around a local run's graph (pipeline/execute.py): a worker process that dies (SIGKILL, OOM) while the pipeline
+    runs makes the runner raise WorkerLost at once. Beam's FnApiRunner only notices a lost worker when it was talking
+    to it (`Channel closed prematurely`); otherwise it waits for the lost worker's bundle for good, its launcher
+    holding the output's lease alive, so every later run exits 75. Beam's thread that waits for the worker process
+    raises on its exit status (threading.excepthook sees it); the main thread is then interrupted by a signal whose
+    handler raises. Outside the main thread (the pipeline run from a caller's thread): nothing is watched."""
+    sig = getattr(signal, LOST_SIGNAL)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    lost: list[str] = []
+    watching, lock = [True], threading.Lock()
+    main, hook_before = threading.main_thread().ident, threading.excepthook
+
+    def raise_lost(signum, frame):
+        with lock:
+            if not (lost and watching[0]):
+                return
+            watching[0] = False         # once: Beam's cleanup below must not be cut short again
+        end_local_workers()             # else Beam's cleanup waits for the others, idle, for good
+        raise WorkerLost(f"a worker process of the run exited while it ran ({lost[0]}): its bundle is lost; "
+                         "rerun the same command, it resumes from what was committed")
+
+    def on_thread_error(args):
+        if args.thread is not None and args.thread.name == WORKER_THREAD and WORKER_EXITED in str(args.exc_value):
+            with lock:
+                if watching[0] and not lost:
+                    lost.append(str(args.exc_value))
+                    signal.pthread_kill(main, sig)
+            return
+        hook_before(args)
+    handler_before = signal.signal(sig, raise_lost)
+    threading.excepthook = on_thread_error
+    try:
+        yield
+    finally:
+        with lock:
+            watching[0] = False
+        threading.excepthook = hook_before
+        # a signal sent just before may still be pending: never back to the default action (which ends the process)
+        signal.signal(sig, signal.SIG_IGN if handler_before in (signal.SIG_DFL, None) else handler_before)
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux: /proc/<pid>/task/*/children; [] where it cannot be read)."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return found
+
+
+def end_local_workers() -> None:
+    """SIGKILL this process's local worker processes (Beam's sdk_worker_main, started through a shell) and every
+    process under them (their tokenizer children): what is left of a run that lost one of them."""
+    def cmdline(pid: int) -> bytes:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+    todo = [c for c in _children(os.getpid()) if b"sdk_worker_main" in cmdline(c)]
+    while todo:
+        pid = todo.pop()
+        todo += _children(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass

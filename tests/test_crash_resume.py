@@ -181,6 +181,57 @@ def test_worker_process_killed_then_rerun(corpus, tiny_model_files, reference, t
     assert got[0]["run"]["resumed_sentences"] > 0
 
 
+def test_a_worker_process_killed_before_its_first_bundle_ends_the_run_never_a_hang(corpus, tiny_model_files,
+                                                                                   reference, tmp_path):
+    """2 worker processes over the Fn API; one is SIGKILLed as soon as it is started, before any bundle. Beam's
+    runner, which notices a lost worker only when it was sending it data (`Channel closed prematurely`), waited for
+    its bundle for good while the launcher kept the lease alive (every later run: exit 75). Now the run ends at once
+    with exit 70 naming the lost worker, no worker process left behind, and the same command finishes the output."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from tests.resume_helpers import REPO
+    out = str(tmp_path / "out")
+    args = argv(tiny_model_files, corpus, out, *SMALL, "--direct_num_workers", "2",
+                "--direct_running_mode", "multi_processing")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("ELMO_PIPELINE_CRASH_AT", None)
+    run = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def children(pids):
+        found = subprocess.run(["pgrep", "-P", ",".join(map(str, pids))], capture_output=True, text=True)
+        return sorted(int(p) for p in found.stdout.split())
+
+    def workers():      # the runner starts each as `/bin/sh -c python -m ...sdk_worker_main`
+        shells = children([run.pid])
+        return children(shells) if shells else []
+    try:
+        t0 = time.time()
+        while len(workers()) < 2:
+            assert run.poll() is None and time.time() - t0 < 120, "the worker processes never started"
+            time.sleep(0.005)
+        os.kill(workers()[0], signal.SIGKILL)
+        try:
+            _, err = run.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run waited for its lost worker for good")
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.communicate()
+    assert run.returncode == 70, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: a worker process of the run exited while it ran"), err[-2000:]
+    t0 = time.time()
+    while (left := subprocess.run(["pgrep", "-a", "-s", str(run.pid)], capture_output=True, text=True).stdout.strip()):
+        assert time.time() - t0 < 10, f"processes of the run left behind: {left}"
+        time.sleep(0.1)
+    assert not os.path.exists(os.path.join(out, "_lease.json"))
+    assert main(args) == 0
+    assert_same_output(read_output(out), reference)
+
+
 # ---- the resume decisions as plain functions, on real files ------------------------------------------
 
 def _stage(st, ids):

@@ -302,3 +302,39 @@ def test_beams_s3_flags_become_the_storage_options():
     assert so["client_kwargs"] == {"verify": False} and so["use_ssl"] is False
     assert storage_options(PipelineOptions(["--s3_verify", "/etc/ca.pem"]))["s3"]["client_kwargs"] == {
         "verify": "/etc/ca.pem"}
+
+
+def test_a_lost_local_worker_process_interrupts_the_runners_wait():
+    """Beam's thread that waits for a local worker process raises when the process exits with a status; the
+    launcher's main thread, waiting for that worker's bundle with no end (a future never resolved), gets WorkerLost
+    at once. Another thread's error is left to the hook before; nothing is watched after the block."""
+    import concurrent.futures
+    import signal
+    import threading
+    import time
+
+    from elmo_pipeline.pipeline.workers import LOST_SIGNAL, WorkerLost, lost_workers_end_the_run
+
+    def exits(name, message):
+        def run():
+            time.sleep(0.3)
+            raise RuntimeError(message)
+        threading.Thread(target=run, name=name).start()
+    seen, before = [], threading.excepthook
+    threading.excepthook = lambda args: seen.append(str(args.exc_value))
+    try:
+        t0 = time.time()
+        with pytest.raises(WorkerLost, match="return code 137"):
+            with lost_workers_end_the_run():
+                exits("other", "not a worker")
+                exits("run_worker", "Worker subprocess exited with return code 137")
+                concurrent.futures.Future().result()      # what FnApiRunner waits on for the lost bundle
+        assert time.time() - t0 < 5 and seen == ["not a worker"]
+        with lost_workers_end_the_run():
+            pass
+        exits("run_worker", "Worker subprocess exited with return code 0")
+        time.sleep(0.6)
+        assert seen[-1] == "Worker subprocess exited with return code 0"
+        assert signal.getsignal(getattr(signal, LOST_SIGNAL)) is not signal.SIG_DFL
+    finally:
+        threading.excepthook = before
