@@ -76,6 +76,48 @@ def test_an_already_complete_rerun_rewrites_the_collector_file_with_the_same_cou
     assert value(fams, "elmo_pipeline_exit_status", output=out) == 0
 
 
+@pytest.mark.parametrize("change", ["swapped", "grown", "fifo"])
+def test_the_collector_file_takes_the_outputs_metrics_only_as_recorded(change, run, tiny_model_files, tmp_path, capsys):
+    """The output's metrics.prom read back for --metrics-file is the file the run's manifest records: one changed at
+    its size (another run's counts, written over it between this run's end and the read), one grown to 32 MiB, or a
+    FIFO (never opened: no hang) gives a collector file with the exit status and without the counts, and a warning
+    line, never their contents."""
+    import shutil
+    import threading
+    import time
+    src, _, m = run
+    out = str(tmp_path / "out")
+    shutil.copytree(src, out)
+    prom = os.path.join(out, "metrics.prom")
+    text = open(prom).read()
+    os.remove(prom)
+    if change == "swapped":
+        n = str(m["counts"]["sentences"])
+        fake = text.replace(f'elmo_pipeline_sentences_total{{output="{src}"}} {n}', "X")
+        open(prom, "w").write(fake.replace("X", f'elmo_pipeline_sentences_total{{output="{out}"}} 9{n[1:]}'))
+    elif change == "grown":
+        with open(prom, "w") as f:
+            f.write(text)
+            f.truncate(32 << 20)
+    else:
+        os.mkfifo(prom)
+
+        def unblock():          # the code before this test opened the FIFO and waited for a writer
+            time.sleep(15)
+            with open(prom, "w"):
+                pass
+        threading.Thread(target=unblock, daemon=True).start()
+    target = tmp_path / "collector.prom"
+    t0 = time.time()
+    assert main(argv(tiny_model_files, run_input(src), out, "--shard-sentences", "7",
+                     "--metrics-file", str(target))) == 0
+    assert time.time() - t0 < 12
+    assert "already complete" in capsys.readouterr().err
+    fams = families(target)
+    assert value(fams, "elmo_pipeline_exit_status", output=out) == 0
+    assert "elmo_pipeline_sentences" not in fams and os.path.getsize(target) < 4096
+
+
 @pytest.mark.parametrize("name", ["manifest.json", "metrics.prom", "extra.prom"])
 def test_a_metrics_file_inside_the_output_is_refused_before_any_work(name, tiny_model_files, tmp_path, capsys):
     """--metrics-file inside --output (a finished output's manifest.json or metrics.prom, or a file its manifest
