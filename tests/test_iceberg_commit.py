@@ -262,3 +262,33 @@ def test_a_table_file_changed_since_it_was_added_is_never_read(tmp_path, swap):
         assert isinstance(got.get(name), TableFileChanged), (name, got.get(name))
         assert f"{shard}: " in str(got[name]) and classify(got[name]).status == 65
     assert len(catalog_of(tmp_path).load_table(TABLE).snapshots()) == 1
+
+
+@pytest.mark.parametrize("warehouse", ["wh?X-Amz-Signature=SECRET1", "wh#token=SECRET1", "key:SECRET1@wh"])
+def test_a_warehouse_url_with_a_query_fragment_or_user_info_is_refused(warehouse, tiny_model_files, tmp_path, capsys):
+    """pyiceberg's file I/O drops a warehouse URL's query or fragment: the table's metadata files were all written to
+    the one path before it (over each other, and over a file of the user's there: a table that then fails to load),
+    and the URL, credential included, kept in the catalog. Refused before any work, the credential not printed."""
+    corpus, out = write_corpus(str(tmp_path / "c.txt"), n_docs=2), str(tmp_path / "out")
+    (tmp_path / "wh").write_bytes(b"the user's file")
+    url = f"file://{tmp_path}/{warehouse}" if "@" not in warehouse else f"s3://{warehouse}"
+    before = listing(str(tmp_path))
+    capsys.readouterr()
+    assert main(argv(tiny_model_files, corpus, out, *ice(tmp_path), "--iceberg-warehouse", url)) == 2
+    err = capsys.readouterr().err
+    line = one_error_of(err)
+    assert "--iceberg-warehouse" in line and "query, a fragment or user info" in line and "(exit 2" in line
+    assert "SECRET1" not in err
+    assert listing(str(tmp_path)) == before                          # no catalog, no table, the user's file kept
+
+
+def test_a_sqlite_catalog_uri_query_is_not_part_of_the_default_warehouse(tmp_path):
+    from elmo_pipeline.formats.iceberg import IcebergTarget
+    target = IcebergTarget(TABLE, f"sqlite:///{tmp_path}/cat.db?mode=rwc&x=a/b")
+    assert target.properties()["warehouse"] == f"file://{tmp_path}"
+
+
+def one_error_of(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]

@@ -108,6 +108,13 @@ class IcebergTarget:
             raise ValueError("--iceberg-table registers the Parquet shards: --format must include parquet")
         if dtype == "float16":
             raise ValueError("--iceberg-table needs --dtype float32 (Iceberg has no 16-bit float type)")
+        if warehouse and (any(c in warehouse.split("://", 1)[-1] for c in "?#") or redact(warehouse) != warehouse):
+            # pyiceberg's file I/O drops a query or fragment: every metadata file of the table would be written to
+            # the one path before it, over each other (and over a file there), and the URL kept in the catalog
+            raise ValueError(f"--iceberg-warehouse {redact(warehouse)} holds a query, a fragment or user info, which "
+                             "a table's location cannot carry (its files would all be written to one path, and a "
+                             "credential kept in the catalog): name a plain folder URL; credentials go in the "
+                             "storage options or PYICEBERG_CATALOG__DEFAULT__* settings")
         import_pyiceberg()
         return cls(table, catalog, warehouse)
 
@@ -115,8 +122,8 @@ class IcebergTarget:
         """pyiceberg catalog properties: uri, warehouse, and the S3 settings of the output's storage options."""
         props = {"uri": self.catalog}
         warehouse = self.warehouse
-        if warehouse is None and self.catalog.startswith("sqlite:///") and ":memory:" not in self.catalog:
-            warehouse = "file://" + os.path.dirname(os.path.abspath(self.catalog[len("sqlite:///"):]))
+        if warehouse is None and self.sqlite_path():       # the database file's folder (its URI's query left out)
+            warehouse = "file://" + os.path.dirname(self.sqlite_path())
         if warehouse:
             props["warehouse"] = warehouse
         s3 = (storage_options or {}).get("s3", {})
