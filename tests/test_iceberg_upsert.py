@@ -520,3 +520,30 @@ def test_unchanged_rows_of_another_kernel_path_are_refused_unless_asked(tmp_path
                  "--reuse-across-kernels"]) == 0
     m = json.load(open(tmp_path / "day2" / "manifest.json"))
     assert m["upsert"]["kernel_path"].startswith("differs: LSTM loop bmm")
+
+
+def test_delete_missing_removes_nothing_while_an_input_file_cannot_be_read_whole(tiny_model_files, tmp_path, caplog):
+    """--delete-missing on a day whose .gz input is cut short (copied in while the run read it, a partial upload):
+    its records past the cut are one dead letter "unreadable file", their ids unknown. They were removed from the
+    table as documents gone from the corpus (exit 0); now the table's documents not in the input are kept that day
+    (documents_kept), and the next day, the file whole again, finds them all unchanged."""
+    import gzip
+    options, weights = tiny_model_files
+    model = ("--options-file", options, "--weight-file", weights, "--torch-threads", "1", "--progress", "off")
+    docs = [{"id": f"doc{k}", "text": f"The {k} boats came in over the tide ."} for k in range(12)]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs[:3]))
+    whole = gzip.compress("".join(json.dumps(d) + "\n" for d in docs[3:]).encode())
+    (tmp_path / "in" / "b.jsonl.gz").write_bytes(whole)
+    day = lambda name: [*upsert_argv(f"{tmp_path}/in/*", str(tmp_path / name), TABLE, catalog(tmp_path)), *model]
+    assert main(day("day1")) == 0
+    (tmp_path / "in" / "b.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    assert main(day("day2")) == 0
+    assert "kept this run, not removed" in caplog.text
+    counts = json.load(open(tmp_path / "day2" / "manifest.json"))["counts"]
+    assert (counts["documents_removed"], counts["documents_kept"]) == (0, 9)
+    assert sorted({r["doc_id"] for r in rows(table_of(tmp_path))}) == sorted(d["id"] for d in docs)
+    (tmp_path / "in" / "b.jsonl.gz").write_bytes(whole)
+    assert main(day("day3")) == 0
+    counts = json.load(open(tmp_path / "day3" / "manifest.json"))["counts"]
+    assert (counts["documents_unchanged"], counts["documents_removed"], counts["documents_added"]) == (12, 0, 0)

@@ -40,6 +40,10 @@ KERNEL_PATH_PROPERTY = "elmo-pipeline.kernel-path"  # ... and what computed the 
 #                                                   a list when the workers computed on several)
 EMBED_FAILED = "embedding failed:"   # the dead-letter reason of a sentence whose batch failed (transforms/embed_items.py)
 INCOMPLETE = "incomplete"       # the doc_hash of a document one of whose sentences failed to embed: never current
+# the reason of a record dead letter standing for the rest of an input file that could not be read (transforms/read.py,
+# transforms/lines.py: truncated or corrupted compressed data, another encoding, a damaged Parquet file): its records'
+# ids are unknown, so with it --delete-missing removes nothing this run (a file cut short while copied is no deletion)
+UNREADABLE_FILE = "unreadable file:"
 ROW_DOC = "doc_id"                             # the shards' column naming each row's document
 # unchanged/changed/added: documents of the input; removed: gone from the input (--delete-missing);
 # kept: gone from the input, rows kept (without --delete-missing)
@@ -245,12 +249,17 @@ class Upsert:
         sentences failed to embed (`dead`: the run's dead letters; a failure that may not recur) is recorded
         INCOMPLETE, so the next run embeds it again."""
         failed = {d.id.rpartition("#")[0] for d in dead if d.level == "sentence" and d.reason.startswith(EMBED_FAILED)}
+        unread = [d.id for d in dead if d.reason.startswith(UNREADABLE_FILE)]
         seen: dict[str, tuple[str, str]] = {}
         for data in doc_files:
             for line in json_lines(data):
                 d, h, c = json.loads(line)
                 seen[d] = (INCOMPLETE if d in failed else h, c)
-        return new_state(self.state, seen, self.delete_missing)
+        if unread and self.delete_missing:
+            logger.warning("--delete-missing: %d input file(s) could not be read whole (e.g. %s, dead letter "
+                           "'unreadable file'): the table's documents not in the input are kept this run, not "
+                           "removed", len(unread), redact(unread[0]))
+        return new_state(self.state, seen, self.delete_missing and not unread)
 
     @staticmethod
     def state_bytes(state: pa.Table) -> bytes:
