@@ -547,3 +547,30 @@ def test_delete_missing_removes_nothing_while_an_input_file_cannot_be_read_whole
     assert main(day("day3")) == 0
     counts = json.load(open(tmp_path / "day3" / "manifest.json"))["counts"]
     assert (counts["documents_unchanged"], counts["documents_removed"], counts["documents_added"]) == (12, 0, 0)
+
+
+def test_a_document_state_replaced_by_a_fifo_is_refused_not_waited_on(tiny_model_files, tmp_path):
+    """The table's current state file (the last day's doc_hashes.parquet) replaced by a FIFO: the next day's planning
+    opened it and waited for a writer for good (a scheduled job that never ends); now it is no regular file, refused
+    unopened: one line, exit 2, nothing written."""
+    import threading
+    options, weights = tiny_model_files
+    model = ("--options-file", options, "--weight-file", weights, "--torch-threads", "1", "--progress", "off")
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"id": f"d{k}", "text": f"Boat {k} came ."}) + "\n"
+                                              for k in range(3)))
+    day = lambda name: [*upsert_argv(str(tmp_path / "a.jsonl"), str(tmp_path / name), TABLE, catalog(tmp_path)),
+                        *model]
+    assert main(day("day1")) == 0
+    state = tmp_path / "day1" / "doc_hashes.parquet"
+    os.remove(state)
+    os.mkfifo(state)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(code=main(day("day2"))), daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():
+        with open(state, "wb"):          # let the blocked reader go
+            pass
+        t.join(30)
+        pytest.fail("planning blocked on the FIFO")
+    assert got["code"] == 2 and not os.path.exists(tmp_path / "day2")

@@ -145,6 +145,17 @@ def find_registration(table, base: str, key: str, files: list[str]) -> int | Non
     return None
 
 
+def check_table_file(io, path: str, size: int | None) -> None:
+    """NotTheRecordedFile unless the file at `path` (a URL of the table's file I/O `io`) is a regular file of `size`
+    bytes (any size when None), found by a stat (or a HEAD on object stores), nothing read: a FIFO or a device put
+    there is never opened (a read would block for good or never end)."""
+    if is_local_url(path):
+        fs, local = url_fs(path)
+        check_recorded(fs, local, {"bytes": fs.size(local) if size is None else size}, digest=False)
+    elif size is not None and (got := len(io.new_input(path))) != size:
+        raise NotTheRecordedFile(f"{path}: {got} bytes, {size} recorded")
+
+
 def check_table_files(table, tasks) -> list:
     """The scan `tasks` (pyiceberg FileScanTasks), once each data file and delete file they read is a regular file of
     the size the table records of it (file_size_in_bytes: a stat, or a HEAD on object stores; nothing read);
@@ -152,12 +163,8 @@ def check_table_files(table, tasks) -> list:
     tasks = list(tasks)
     for task in tasks:
         for f in (task.file, *task.delete_files):
-            path, size = f.file_path, f.file_size_in_bytes
             try:
-                if is_local_url(path):
-                    check_recorded(*url_fs(path), {"bytes": size}, digest=False)
-                elif (got := len(table.io.new_input(path))) != size:
-                    raise NotTheRecordedFile(f"{path}: {got} bytes, {size} recorded")
+                check_table_file(table.io, f.file_path, f.file_size_in_bytes)
             except (NotTheRecordedFile, FileNotFoundError) as e:
                 raise TableFileChanged(
                     f"Iceberg table {'.'.join(table.name())}: a file it references is not the one it recorded "

@@ -26,11 +26,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elmo_pipeline.formats.iceberg.commit import (FILES_PROPERTY, OUTPUT_PROPERTY, REGISTERED_PREFIX, RUN_KEY_PROPERTY,
-                                                  Registration, _marked, add_snapshot, check_new_ids, check_table_files, commit,
+                                                  Registration, _marked, add_snapshot, check_new_ids, check_table_file,
+                                                  check_table_files, commit,
                                                   registration_property, run_ids)
 from elmo_pipeline.formats.iceberg.table import IcebergTarget, data_file_urls, output_url
 from elmo_pipeline.formats.layout import DOC_HASHES, recorded_files, recorded_kernel_paths, well_formed_kernel
-from elmo_pipeline.fsio import json_lines, json_or_none, redact
+from elmo_pipeline.fsio import NotTheRecordedFile, json_lines, json_or_none, redact
 
 logger = logging.getLogger("elmo-pipeline.iceberg")
 MODES = ("append", "upsert")
@@ -111,7 +112,13 @@ def delete_positions(remove: pa.Array, doc_ids: pa.Array, deleted: pa.Array | No
 def read_state_file(io, url: str, record: dict | None, columns: list[str]) -> pa.Table:
     """A document state file, checked against the record of the output that wrote it ({"bytes", "sha256"}; None
     for a snapshot of a version that recorded none): at most its recorded size read; ValueError when it is not
-    that file (replaced, restored from another day, cut short)."""
+    that file (replaced, restored from another day, cut short; no regular file: a FIFO is never opened)."""
+    try:
+        check_table_file(io, url, None if record is None else int(record["bytes"]))
+    except NotTheRecordedFile as e:
+        raise ValueError(f"--iceberg-mode upsert: the document state {redact(url)} is not the file its snapshot "
+                         f"recorded ({redact(str(e))}): it was replaced since; upsert into a new table, or put the "
+                         "recorded file back") from None
     with io.new_input(url).open() as f:
         data = f.read() if record is None else f.read(int(record["bytes"]) + 1)
     if record is not None and (len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]):
