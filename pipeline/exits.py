@@ -48,6 +48,7 @@ TRANSIENT_TEXT = re.compile(
     r"No space left on device|Disk quota exceeded|\[Errno (28|122|11|16|110|111|104|103|113|101|100)\]|"
     r"is held by a live run|Could not connect to the endpoint|Connection (refused|reset)|"
     r"SlowDown|Service Unavailable|InternalError|Read timeout|Connect timeout|ServiceUnavailable|"
+    r"\b(ServerError|TooManyRequestsError): |"      # pyiceberg's REST catalog answering 500 or 429 (table.py load_catalog)
     r"ClientResponseError: (5\d\d|%s)\b" % "|".join(map(str, TRANSIENT_HTTP)))
 DATA_TEXT = re.compile(r"WeightsError|OptionsError|sha256 mismatch|differs from its first download|"
                        r"download truncated|download failed after|matches no file|not a valid HDF5 file|"

@@ -292,3 +292,40 @@ def one_error_of(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("status,code", [(500, 75), (429, 75), (503, 75), (401, 2)])
+def test_a_rest_catalog_failing_for_now_is_retry_later_and_its_credentials_unprinted(status, code, tiny_model_files,
+                                                                                        tmp_path, capsys):
+    """A REST catalog (--iceberg-catalog http://user:password@host/...?token=...) answering 500 or 429 while the
+    run plans: pyiceberg's ServerError or TooManyRequestsError was exit 2 (fix the command: a scheduler never
+    retried); now exit 75 like the 503 and any storage's 5xx; a 401 stays the command's. No credential printed."""
+    import http.server
+    import threading
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"error": {"message": "not now", "type": "X", "code": status}}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://alice:SECRET1@127.0.0.1:{server.server_address[1]}/cat?token=SECRET2"
+        out = str(tmp_path / "out")
+        capsys.readouterr()
+        assert main(argv(tiny_model_files, write_corpus(str(tmp_path / "c.txt"), 2), out, "--iceberg-table", TABLE,
+                         "--iceberg-catalog", uri)) == code
+        err = capsys.readouterr().err
+        assert f"(exit {code}" in one_error_of(err) and "SECRET" not in err
+        assert not os.path.exists(out)
+    finally:
+        server.shutdown()
+        server.server_close()
