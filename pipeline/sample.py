@@ -101,11 +101,12 @@ class Tally:
     def __init__(self, pl, keys: tuple[str, ...]):
         self.pl, self.keys, self.upsert = pl, keys, pl.upsert
         self.written, self.timing, self.seen = [], [], set()
+        self.unread = False      # a file not read whole (a dead letter "unreadable file"): the run removes nothing
         self.tokenize_s, self.tokenized = 0.0, 0      # tokens of the written sentences of every document tokenized
 
     def __call__(self, c: dict, r, read: bool = True) -> None:
         """Count record `r` into the file's counts `c` (read: it is one of the records read)."""
-        from elmo_pipeline.formats.iceberg.upsert import change_of, doc_hash
+        from elmo_pipeline.formats.iceberg.upsert import UNREADABLE_FILE, change_of, doc_hash
         from elmo_pipeline.tokenization.process import tokenize_or_reason
         from elmo_pipeline.transforms.records import Blank, Document
         c["input_records"] += read
@@ -114,6 +115,7 @@ class Tally:
             return
         if not isinstance(r, Document):
             c["record_dead_letters"] += 1
+            self.unread = self.unread or getattr(r, "reason", "").startswith(UNREADABLE_FILE)
             return
         c["documents"] += 1
         change = None
@@ -186,5 +188,5 @@ def sample_inputs(pl, sizes: dict[str, int], budget: int = SAMPLE_BYTES) -> dict
            "tokenize_seconds": tally.tokenize_s, "sample_bytes": read_bytes, "files_sampled": len(picked)}
     if pl.upsert:      # every input document read: the table's documents the input lacks are known
         whole = len(picked) == len(files) and all(f == 1.0 for f in scales)
-        out["missing"] = sum(d not in tally.seen for d in pl.upsert.state) if whole else None
+        out["missing"] = (0 if tally.unread else sum(d not in tally.seen for d in pl.upsert.state)) if whole else None
     return out

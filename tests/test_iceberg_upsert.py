@@ -538,6 +538,8 @@ def test_delete_missing_removes_nothing_while_an_input_file_cannot_be_read_whole
     day = lambda name: [*upsert_argv(f"{tmp_path}/in/*", str(tmp_path / name), TABLE, catalog(tmp_path)), *model]
     assert main(day("day1")) == 0
     (tmp_path / "in" / "b.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    from elmo_pipeline.pipeline.dry_run import estimate
+    assert estimate(day("day2"))["upsert"]["documents_removed"] == 0        # the plan says what the run does
     assert main(day("day2")) == 0
     assert "kept this run, not removed" in caplog.text
     counts = json.load(open(tmp_path / "day2" / "manifest.json"))["counts"]
