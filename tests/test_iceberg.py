@@ -185,6 +185,7 @@ def test_shard_schema_is_the_schema_written(runs):
     (("--iceberg-table", "vectors", "--iceberg-catalog", "sqlite:///x.db"), "takes NAMESPACE.TABLE"),
     (("--iceberg-table", TABLE, "--iceberg-catalog", "sqlite:///x.db", "--format", "hdf5"), "must include parquet"),
     (("--iceberg-table", TABLE, "--iceberg-catalog", "sqlite:///x.db", "--dtype", "float16"), "--dtype float32"),
+    (("--iceberg-table", TABLE, "--iceberg-catalog", "sqlite:///:memory:"), "a catalog in this process's memory"),
 ])
 def test_bad_flag_combinations_fail_before_any_work(extra, message, tiny_model_files, tmp_path, capsys):
     out = str(tmp_path / "out")

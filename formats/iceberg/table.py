@@ -104,6 +104,9 @@ class IcebergTarget:
             raise ValueError(f"--iceberg-table takes NAMESPACE.TABLE, got {table!r}")
         if not catalog:
             raise ValueError("--iceberg-table needs --iceberg-catalog URI (e.g. sqlite:///path/catalog.db)")
+        if catalog.startswith("sqlite:") and ":memory:" in catalog:
+            raise ValueError("--iceberg-catalog sqlite:///:memory: is a catalog in this process's memory, gone when "
+                             "the run ends with the table it registered: name a database file (sqlite:///path.db)")
         if "parquet" not in formats:
             raise ValueError("--iceberg-table registers the Parquet shards: --format must include parquet")
         if dtype == "float16":
