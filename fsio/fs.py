@@ -363,12 +363,20 @@ def release_written(fs, path: str) -> None:
 def remove_temp_files(fs, root: str, names: tuple[str, ...], unless_held: bool = False) -> None:
     """atomic_write's temporary files of `names` under `root`, left by a process killed between writing
     and renaming (local only: object stores have none). unless_held: only those no live process holds (held_temp():
-    a writer with no lease, as the elmo command, may overlap another on one name)."""
+    a writer with no lease, as the elmo command, may overlap another on one name). `root` and the names are matched
+    literally (a folder named out[1] is not out1, whose files are another run's); only regular files are temporary
+    files (a folder, link or FIFO of that name is no writer's, left as it is)."""
     import fcntl
+    import stat
     if is_local_fs(fs):
         for name in names:
-            for p in fs.glob(posixpath.join(root, glob_escape(name) + TEMP_MARK + "*")):
+            for p in fs.glob(glob_escape(posixpath.join(root, name)) + TEMP_MARK + "*"):
                 if not TEMP_NAME.search(p):
+                    continue
+                try:
+                    if not stat.S_ISREG(os.lstat(p).st_mode):
+                        continue
+                except FileNotFoundError:
                     continue
                 if unless_held:
                     try:

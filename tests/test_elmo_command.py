@@ -243,3 +243,13 @@ def test_the_mark_is_read_only_as_one_short_string(tmp_path):
         with h5py.File(tmp_path / f"{name}.hdf5", "w", libver="latest") as f:
             f.attrs["written_by"] = value
         assert _ours(str(tmp_path / f"{name}.hdf5")) == (name in ("str", "bytes")), name
+
+
+def test_a_folder_named_like_a_temporary_file_is_left_and_no_failure(tiny_model_files, input_file, tmp_path):
+    """A folder beside OUTPUT_FILE named as the command's temporary files are (OUTPUT_FILE.tmp-<32 hex>) is nobody's
+    temporary file: left as it is, and the command writes OUTPUT_FILE (it failed every run with `Is a directory`)."""
+    out = tmp_path / "out.hdf5"
+    folder = tmp_path / ("out.hdf5.tmp-" + "a" * 32)
+    folder.mkdir()
+    assert _run(tiny_model_files, input_file, out, "--top") == 0
+    assert folder.is_dir() and h5py.is_hdf5(out)

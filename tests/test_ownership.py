@@ -531,3 +531,27 @@ def test_a_file_placed_in_the_output_while_a_run_embeds_is_never_overwritten(nam
     again = subprocess.run(cmd, env=plain, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert json.load(open(out / "manifest.json"))["counts"]["sentences_written"] == 40
+
+
+def test_temp_files_are_removed_from_the_named_folder_only(tmp_path):
+    """fsio.remove_temp_files (Finalize, --overwrite, the elmo command) matches its folder literally: an output folder
+    named out[1] removed the temporary manifest.json of out1 beside it (a live run's there: its rename then failed)
+    and never its own; a folder, link or FIFO named like a temporary file is no writer's and stays."""
+    import fsspec
+    from elmo_pipeline.fsio import remove_temp_files
+    from elmo_pipeline.fsio.fs import temp_name
+    fs = fsspec.filesystem("file")
+    mine, other = tmp_path / "out[1]", tmp_path / "out1"
+    mine.mkdir()
+    other.mkdir()
+    theirs, left = temp_name(str(other / "manifest.json")), temp_name(str(mine / "manifest.json"))
+    for p in (theirs, left):
+        open(p, "wb").close()
+    folder, link = temp_name(str(mine / "_SUCCESS")), temp_name(str(mine / "manifest.json"))
+    os.mkdir(folder)
+    os.symlink(theirs, link)
+    remove_temp_files(fs, str(mine), ("manifest.json", "_SUCCESS"))
+    assert os.path.exists(theirs) and not os.path.exists(left)
+    assert os.path.isdir(folder) and os.path.islink(link)
+    remove_temp_files(fs, str(mine), ("manifest.json", "_SUCCESS"), unless_held=True)
+    assert os.path.exists(theirs) and os.path.isdir(folder) and os.path.islink(link)
