@@ -139,8 +139,15 @@ def lost_workers_end_the_run():
         with lock:
             watching[0] = False
         threading.excepthook = hook_before
-        # a signal sent just before may still be pending: never back to the default action (which ends the process)
-        signal.signal(sig, signal.SIG_IGN if handler_before in (signal.SIG_DFL, None) else handler_before)
+        # the handler before, as it was (SIG_IGN left behind was inherited by every process started later): a signal
+        # sent just before, still pending, is taken first, blocked, so that it never meets the default action
+        signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
+        try:
+            while sig in signal.sigpending():
+                signal.sigwait({sig})
+            signal.signal(sig, signal.SIG_DFL if handler_before is None else handler_before)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
 
 
 def _children(pid: int) -> list[int]:

@@ -321,6 +321,7 @@ def test_a_lost_local_worker_process_interrupts_the_runners_wait():
             raise RuntimeError(message)
         threading.Thread(target=run, name=name).start()
     seen, before = [], threading.excepthook
+    usr2_before = signal.getsignal(getattr(signal, LOST_SIGNAL))
     threading.excepthook = lambda args: seen.append(str(args.exc_value))
     try:
         t0 = time.time()
@@ -335,6 +336,37 @@ def test_a_lost_local_worker_process_interrupts_the_runners_wait():
         exits("run_worker", "Worker subprocess exited with return code 0")
         time.sleep(0.6)
         assert seen[-1] == "Worker subprocess exited with return code 0"
-        assert signal.getsignal(getattr(signal, LOST_SIGNAL)) is not signal.SIG_DFL
+        assert signal.getsignal(getattr(signal, LOST_SIGNAL)) is usr2_before
     finally:
         threading.excepthook = before
+
+
+def test_the_lost_worker_watch_leaves_the_signal_as_it_found_it():
+    """pipeline/workers.lost_workers_end_the_run puts back the disposition of its signal it found (it left SIGUSR2
+    ignored for good: the rest of the process and every process started after a run ignored it); a signal sent by a
+    lost worker's thread just as the block ends, still pending, ends nothing."""
+    import signal
+    import subprocess
+    import threading
+
+    from elmo_pipeline.pipeline.workers import LOST_SIGNAL, lost_workers_end_the_run
+    sig = getattr(signal, LOST_SIGNAL)
+    before = signal.signal(sig, signal.SIG_DFL)
+    try:
+        with lost_workers_end_the_run():
+            pass
+        assert signal.getsignal(sig) is signal.SIG_DFL
+        ignored = int(subprocess.run(["sh", "-c", "grep SigIgn /proc/$$/status"], capture_output=True,
+                                     text=True).stdout.split()[1], 16)
+        assert not ignored & (1 << (sig - 1)), "a process started after the run ignores the signal"
+        with lost_workers_end_the_run():      # the worker's thread signals while the signal is blocked: left pending
+            signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
+            t = threading.Thread(target=lambda: (_ for _ in ()).throw(
+                RuntimeError("Worker subprocess exited with return code 9")), name="run_worker")
+            t.start()
+            t.join()
+            assert sig in signal.sigpending()
+        assert signal.getsignal(sig) is signal.SIG_DFL and sig not in signal.sigpending()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        signal.signal(sig, before)
