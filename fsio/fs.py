@@ -251,9 +251,26 @@ TEMP_MARK = ".tmp-"
 TEMP_NAME = re.compile(r"\.tmp-[0-9a-f]{32}$")      # what temp_name() appends
 
 
+NAME_MAX = 255      # bytes in one folder entry's name (Linux, macOS)
+
+
 def temp_name(path: str) -> str:
-    """The one temporary name of a file being written: `path` + ".tmp-<uuid hex>" (renamed to `path` when whole)."""
-    return f"{path}{TEMP_MARK}{uuid.uuid4().hex}"
+    """The one temporary name of a file being written: temp_stem(path) + ".tmp-<uuid hex>" (renamed to `path` when
+    whole)."""
+    return f"{temp_stem(path)}{TEMP_MARK}{uuid.uuid4().hex}"
+
+
+def temp_stem(path: str) -> str:
+    """What the temporary names of `path` start with: `path` itself, or, when its name is too long to take the
+    ".tmp-<hex>" suffix within NAME_MAX bytes (a name as long as the folder allows is still written), the name's
+    first bytes and a digest of the whole name."""
+    import hashlib
+    folder, name = posixpath.split(path)
+    raw = os.fsencode(name)
+    if len(raw) + len(TEMP_MARK) + 32 <= NAME_MAX:
+        return path
+    return posixpath.join(folder, os.fsdecode(raw[:NAME_MAX - len(TEMP_MARK) - 32 - 17]) + "~"
+                          + hashlib.sha256(raw).hexdigest()[:16])
 
 
 @contextmanager
@@ -370,7 +387,7 @@ def remove_temp_files(fs, root: str, names: tuple[str, ...], unless_held: bool =
     import stat
     if is_local_fs(fs):
         for name in names:
-            for p in fs.glob(glob_escape(posixpath.join(root, name)) + TEMP_MARK + "*"):
+            for p in fs.glob(glob_escape(temp_stem(posixpath.join(root, name))) + TEMP_MARK + "*"):
                 if not TEMP_NAME.search(p):
                     continue
                 try:

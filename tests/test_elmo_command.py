@@ -253,3 +253,20 @@ def test_a_folder_named_like_a_temporary_file_is_left_and_no_failure(tiny_model_
     folder.mkdir()
     assert _run(tiny_model_files, input_file, out, "--top") == 0
     assert folder.is_dir() and h5py.is_hdf5(out)
+
+
+def test_an_output_file_name_as_long_as_the_folder_allows_is_written(tiny_model_files, input_file, tmp_path):
+    """OUTPUT_FILE with a 250-byte name: written (its temporary name, OUTPUT_FILE + ".tmp-<32 hex>", was over the
+    255 bytes a name may have, so every run failed with `File name too long` where AllenNLP's command wrote it), and a
+    killed run's temporary file of that name is removed by the next run."""
+    from elmo_pipeline.fsio.fs import temp_name
+    out = tmp_path / ("é" * 10 + "x" * 226 + ".hdf5")
+    assert len(os.fsencode(out.name)) == 251
+    assert _run(tiny_model_files, input_file, out, "--top") == 0
+    left = temp_name(str(out))
+    assert len(os.fsencode(os.path.basename(left))) <= 255
+    open(left, "wb").close()
+    assert _run(tiny_model_files, input_file, out, "--all") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["in.txt", out.name])
+    with h5py.File(out, "r") as f:
+        assert f["0"].ndim == 3
