@@ -95,7 +95,7 @@ def claim_output(path: str) -> os.stat_result | None:
         return None
     what = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode)
             else None if stat.S_ISREG(st.st_mode) else "no regular file (a FIFO, a device or a socket)")
-    if what is None and not _ours(path):
+    if what is None and not _ours(path, st):
         what = "a file this command did not write"
     if what:
         raise SystemExit(f"error: OUTPUT_FILE {path} exists and is {what}: it is left as it is; move it away or "
@@ -103,21 +103,30 @@ def claim_output(path: str) -> os.stat_result | None:
     return st
 
 
-def _ours(path: str) -> bool:
-    """Whether the regular file at `path` is an HDF5 file with this command's root attribute (read only when the file
-    starts with HDF5's signature; any failure to read it: not ours)."""
+def _ours(path: str, st: os.stat_result | None = None) -> bool:
+    """Whether the regular file at `path`, the very file `st` (its os.lstat; None: the file there now) describes, is
+    an HDF5 file with this command's root attribute: read through one descriptor whose file is checked to be that one
+    (a file swapped in between, e.g. the command's own, never vouches for the one place_output() would replace), and
+    only when it starts with HDF5's signature; any failure to read it: not ours."""
     import h5py
     try:
-        with open(path, "rb") as f:
-            if f.read(8) != b"\x89HDF\r\n\x1a\n":
+        st = st or os.lstat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "rb") as f:
+            now = os.fstat(f.fileno())
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or f.read(8) != b"\x89HDF\r\n\x1a\n":
                 return False
-        with h5py.File(path, "r", locking=False) as f:
-            if WRITTEN_BY[0] not in f.attrs:
-                return False
-            attr = f.attrs.get_id(WRITTEN_BY[0])      # one short string, checked before it is read (no allocation)
-            if attr.shape not in ((), None) or attr.get_storage_size() > 1024:
-                return False
-            mark = f.attrs[WRITTEN_BY[0]]
+            f.seek(0)
+            with h5py.File(f, "r") as h:         # that descriptor's file (no HDF5 file lock is taken)
+                if WRITTEN_BY[0] not in h.attrs:
+                    return False
+                attr = h.attrs.get_id(WRITTEN_BY[0])      # one short string, checked before it is read
+                if attr.shape not in ((), None) or attr.get_storage_size() > 1024:
+                    return False
+                mark = h.attrs[WRITTEN_BY[0]]
     except Exception:  # noqa: BLE001 - damaged, unreadable, a file of another kind: not ours
         return False
     return isinstance(mark, (str, bytes)) and (mark.decode() if isinstance(mark, bytes) else mark) == WRITTEN_BY[1]

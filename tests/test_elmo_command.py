@@ -270,3 +270,40 @@ def test_an_output_file_name_as_long_as_the_folder_allows_is_written(tiny_model_
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["in.txt", out.name])
     with h5py.File(out, "r") as f:
         assert f["0"].ndim == 3
+
+
+def test_the_mark_vouches_only_for_the_file_claim_output_saw(tiny_model_files, input_file, tmp_path, monkeypatch):
+    """claim_output() took the stat of the file at OUTPUT_FILE by name, then read the mark by name again: a file of
+    the command's swapped in between (and the user's put back after) vouched for the user's file, which place_output
+    then replaced (lost). The mark is read from the file the stat describes: the user's file is refused, left."""
+    from elmo_pipeline.pipeline import elmo_command
+    out, ours, kept = tmp_path / "out.hdf5", tmp_path / "ours.hdf5", tmp_path / "kept"
+    assert _run(tiny_model_files, input_file, ours, "--top") == 0
+    out.write_bytes(b"the user's results")
+    real_lstat, real_ours = os.lstat, elmo_command._ours
+
+    def lstat_then_swap(p, *a, **k):
+        st = real_lstat(p, *a, **k)
+        if str(p) == str(out) and not kept.exists():
+            os.rename(out, kept)                    # the user's file out of the way, the command's own in its place
+            os.link(ours, out)
+        return st
+
+    def ours_then_swap_back(*a):
+        found = real_ours(*a)
+        if kept.exists():
+            os.replace(kept, out)
+        return found
+    monkeypatch.setattr(elmo_command.os, "lstat", lstat_then_swap)
+    monkeypatch.setattr(elmo_command, "_ours", ours_then_swap_back)
+    try:
+        before = elmo_command.claim_output(str(out))
+    except SystemExit as e:
+        assert "a file this command did not write" in str(e.code)
+    else:
+        monkeypatch.undo()
+        tmp = tmp_path / "new.tmp"
+        tmp.write_bytes(b"new")
+        elmo_command.place_output(str(tmp), str(out), before)
+    monkeypatch.undo()
+    assert out.read_bytes() == b"the user's results"
