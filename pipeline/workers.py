@@ -111,7 +111,7 @@ def lost_workers_end_the_run():
         yield
         return
     lost: list[str] = []
-    watching, lock = [True], threading.Lock()
+    watching, lock = [True], threading.RLock()   # re-entrant: the handler may run in the main thread while it holds it
     main, hook_before = threading.main_thread().ident, threading.excepthook
 
     def raise_lost(signum, frame):
