@@ -461,12 +461,13 @@ def complete_finalize(output: str, staging: str, storage_options: dict | None = 
         sink.fence()
         register(manifest, fence)
     remove_temp_files(fs, root, (MANIFEST, SUCCESS))
-    sink.fence()                            # a run that lost its lease ends here, even with nothing left to write
     marker = success_marker(fs, root)
     if marker is False:
         raise placed_there(posixpath.join(root, SUCCESS))        # never replaced
     if marker is None:                      # created only: one placed there after this look is no run's either
         sink.put(posixpath.join(root, SUCCESS), b"", create=True)
+    else:
+        sink.fence()                        # nothing left to write: a run that lost its lease still ends here (75)
     return manifest
 
 
