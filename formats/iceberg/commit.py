@@ -302,7 +302,7 @@ def _upsert_producer():
     class UpsertFiles(_FastAppendFiles):
         def _validate_concurrency(self) -> None:
             if self._commit_window is not None and not self._commit_window.is_empty():
-                raise CommitFailedException("the table moved since this upsert read it")
+                raise CommitFailedException("the table moved since this commit read it")
 
         def append_delete_file(self, delete_file) -> None:
             self.__dict__.setdefault("added_deletes", []).append(delete_file)
