@@ -133,11 +133,6 @@ def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, c
         rules = [row_rule_of(op, k, n, x.dtype) for op, k, n in
                  (("bmm", D, N4), ("addmm", P, N4), ("bmm", H, P))]
 
-        def recurrent(rows):                       # the recurrent GEMM as a pure function, for its row check
-            acc = rows[..., :1].expand(-1, -1, N4).contiguous()
-            for g in range(G):
-                acc[g].addmm_(rows[g], w_rec[g])
-            return acc
     h, c = h0, c0
     done_h, done_c = [], []
     y = x.new_empty(G, sum(step_rows), first.proj_dim)   # every step's h written in place: no cat
@@ -176,7 +171,7 @@ def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, c
             if rules is None:
                 gates.baddbmm_(h, w_rec)
             else:
-                cuts = rules[1].cuts(n, recurrent, h, dim=1)         # decides the rule's threads first
+                cuts = rules[1].cuts(n, h, dim=1)         # decides the rule's threads first
                 with threads_set(rules[1].threads):
                     for a, b in cuts:              # each direction a 2-D addmm_, whatever the chunk's layout
                         for g in range(G):

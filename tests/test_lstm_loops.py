@@ -148,7 +148,7 @@ def test_onednn_step_gemms_in_checked_pieces_give_a_row_its_row_tile_bits(dtype)
                 torch.set_num_threads(1)
                 ref = torch.cat([gemm(x[i: i + ROW_TILE]) for i in range(0, rows, ROW_TILE)])
                 torch.set_num_threads(n_threads)
-                rule = row_rule_of("onednn-test", k, n, dtype, attr, *scalars, bias)
+                rule = row_rule_of("onednn", k, n, dtype, attr, *scalars, *(("bias",) if bias else ()))
                 for m in (ROW_TILE, 36, 132, 184, MAX_ROWS + 4 * ROW_TILE, rows):
                     assert torch.equal(in_pieces(gemm, x[:m], rule), ref[:m]), (n_threads, k, n, m, rule.kept)
     finally:

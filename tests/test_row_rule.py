@@ -4,12 +4,18 @@ import pytest
 import torch
 
 from elmo_pipeline.model import row_tile
-from elmo_pipeline.model.row_tile import MAX_ROWS, ROW_TILE, RowRule, forget_row_rules, in_pieces, row_rule, row_rule_of
+from elmo_pipeline.model.row_tile import (MAX_ROWS, PROBES, ROW_TILE, RowRule, check_pair, forget_row_rules, in_pieces,
+                                          row_rule, row_rule_of)
 from tests.test_batch_invariant import assert_bits_equal, sentences
 
 
 def _x(rows=32, k=64):
     return torch.randn(rows, k, generator=torch.Generator().manual_seed(0))
+
+
+def _rule(name, threads, gemm):
+    """A RowRule whose check runs `gemm` (a stand-in for a library op) on check_pair's rows."""
+    return RowRule(name, threads, lambda like, dim: (gemm, check_pair(like.shape[-1], 1, like, dim)[1]))
 
 
 def _sizes(cuts):
@@ -23,9 +29,9 @@ def _check_cuts(cuts, n):
 
 def test_a_row_independent_gemm_is_called_whole_up_to_max_rows():
     w = _x(16, 64)
-    rule = RowRule("x @ w.T", 1)
+    rule = _rule("x @ w.T", 1, lambda r: r @ w.T)
     for n in (4, 36, 184, MAX_ROWS, MAX_ROWS + 4, 3 * MAX_ROWS + 40):
-        cuts = rule.cuts(n, lambda r: r @ w.T, _x(8))
+        cuts = rule.cuts(n, _x(8))
         _check_cuts(cuts, n)
         assert _sizes(cuts) == [MAX_ROWS] * (n // MAX_ROWS) + ([n % MAX_ROWS] if n % MAX_ROWS else [])
     assert all(rule.kept.values())
@@ -49,14 +55,14 @@ def test_a_gemm_whose_bits_depend_on_the_row_count_is_cut_below_the_break():
     def probe(x):
         calls.append(x.shape[0])
         return gemm(x)
-    rule = RowRule("breaks past 32", 1)
+    rule = _rule("breaks past 32", 1, probe)
     for n in (184, 184, 600):
-        cuts = rule.cuts(n, probe, _x(8))
+        cuts = rule.cuts(n, _x(8))
         _check_cuts(cuts, n)
         assert max(_sizes(cuts)) == 32
     assert not rule.kept[36] and rule.kept[32] and all(rule.kept[m] == (m <= 32) for m in rule.kept)
     checked = [m for m in calls if m != ROW_TILE]         # besides the 4-row calls of each check's reference
-    assert len(checked) == len(set(checked)) == len(rule.kept) - 1
+    assert len(checked) == len(set(checked)) == len(rule.kept) - 1     # the reference made once
 
 
 def test_a_row_moved_at_any_position_is_caught():
@@ -69,7 +75,7 @@ def test_a_row_moved_at_any_position_is_caught():
         if x.shape[0] >= 64:
             y[36:] = (x[36:, 32:] @ w[:, 32:].T) + (x[36:, :32] @ w[:, :32].T)
         return y
-    cuts = RowRule("moves rows past 36", 1).cuts(200, gemm, _x(8))
+    cuts = _rule("moves rows past 36", 1, gemm).cuts(200, _x(8))
     _check_cuts(cuts, 200)
     assert max(_sizes(cuts)) == 60
 
@@ -85,28 +91,43 @@ def test_a_gemm_whose_bits_depend_on_the_thread_count_runs_at_one_thread():
         return (x[:, 32:] @ w[:, 32:].T) + (x[:, :32] @ w[:, :32].T)
     x = _x(40)
     for first in (4, 40):                  # the first call of 4 rows (a lane step) is decided as well as a longer one
-        rule = RowRule("by threads", 2)
+        rule = _rule("by threads", 2, by_threads)
         assert torch.equal(in_pieces(by_threads, x[:first], rule), x[:first] @ w.T) and rule.threads == 1
         assert torch.equal(in_pieces(by_threads, x, rule), x @ w.T)
-    steady = RowRule("steady", 2)
+    steady = _rule("steady", 2, lambda r: r @ w.T)
     in_pieces(lambda r: r @ w.T, x[:4], steady)
     assert steady.threads == 2 and steady.kept == {ROW_TILE: True}
 
 
-def test_one_rule_serves_gemms_of_other_weights():
-    """The forward and backward directions, and the layers of one width, share a rule: each count is checked against
-    the probe's own 4-row bits, so other weights never look like a kernel break."""
-    rule = RowRule("shared", 1)
-    for seed in range(4):
-        w = torch.randn(16, 64, generator=torch.Generator().manual_seed(seed))
-        for n in (8, 16, 24, 100):
-            rule.cuts(n, lambda r: r @ w.T, _x(8))
-    assert all(rule.kept.values()) and len(rule.kept) > 4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_checks_rows_catch_any_change_of_the_summation_order(dtype):
+    """check_pair: the products cancel (0 in real numbers: within float64's rounding), and summing K in four blocks, last first, instead
+    of one pass moves most outputs' bits, where random rows and weights move a bf16 output only now and then (why a check on
+    random rows kept 36-row calls of the AMX projection that move a row's bits)."""
+    like = torch.zeros(8, 4096, dtype=dtype)
+    w, x = check_pair(4096, 64, like)
+    assert x.shape == (16, 4096) and w.shape == (64, 4096) and x.dtype == w.dtype == dtype
+    assert (x.double() @ w.double().T).abs().max() < 1e-6          # partial sums of about 2**15
+
+    def moved(x, w):                    # fp32 sums of bf16 or fp32 products, in one pass or in blocks
+        x, w = x.float(), w.float()
+        whole = (x @ w.T).to(dtype)
+        blocks = sum((x[:, i: i + 1024] @ w[:, i: i + 1024].T) for i in (3072, 2048, 1024, 0)).to(dtype)
+        return (whole != blocks).float().mean().item()
+    assert moved(x, w) > 0.5
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bfloat16:
+        assert moved(torch.randn(16, 4096, generator=g).to(dtype), torch.randn(64, 4096, generator=g).to(dtype)) < 0.05
+
+
+def test_a_rule_of_an_op_not_known_is_refused():
+    with pytest.raises(ValueError, match="no row check for the GEMM op 'conv'"):
+        row_rule_of("conv", 64, 16, torch.float32)
 
 
 def test_counts_off_the_tile_are_refused():
     with pytest.raises(ValueError, match="multiple of"):
-        RowRule("x", 1).cuts(6, lambda r: r, _x(8))
+        _rule("x", 1, lambda r: r).cuts(6, _x(8))
 
 
 def test_in_pieces_gives_the_gemm_of_the_whole_in_order(monkeypatch):
@@ -114,12 +135,12 @@ def test_in_pieces_gives_the_gemm_of_the_whole_in_order(monkeypatch):
     w = _x(16, 64)
     x = _x(300, 64)[:296]
     gemm = lambda rows: rows @ w.T                                       # noqa: E731
-    rule = RowRule("x @ w.T", torch.get_num_threads())
+    rule = _rule("x @ w.T", torch.get_num_threads(), gemm)
     assert torch.allclose(in_pieces(gemm, x, rule), x @ w.T)
     out = torch.empty(296, 16)
     assert in_pieces(gemm, x, rule, out=out) is out and torch.allclose(out, x @ w.T)
     both = torch.stack([x, 2 * x])                                       # rows along dim 1, as the bmm loop's
-    assert torch.allclose(in_pieces(lambda r: r @ w.T, both, RowRule("bmm", 1), dim=1), both @ w.T)
+    assert torch.allclose(in_pieces(lambda r: r @ w.T, both, _rule("bmm", 1, lambda r: r @ w.T), dim=1), both @ w.T)
 
 
 def test_one_rule_per_gemm_and_thread_count():
@@ -134,28 +155,23 @@ def test_one_rule_per_gemm_and_thread_count():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_check_runs_each_kind_of_gemm_here(dtype):
-    """The check runs each library op the invariant path calls (oneDNN's linear with a post-op where this torch has it
-    for the dtype, torch.mm, F.linear, bmm, addmm_ per direction) and cuts 600 rows into valid calls; whether the
-    path's own calls go through it: test_the_invariant_path_in_small_pieces_gives_the_same_bits."""
-    g = torch.Generator().manual_seed(1)
-    w = (torch.randn(40, 96, generator=g) / 10).to(dtype)
-    b = torch.randn(40, generator=g).to(dtype)
-    both = torch.stack([w.t(), w.t().flip(0)])
-    gemms = {"linear": (lambda r: torch.nn.functional.linear(r, w, b), 0),
-             "mm": (lambda r: torch.mm(r, w.t().contiguous()), 0),
-             "bmm": (lambda r: torch.bmm(r, both), 1),
-             "addmm_": (lambda r: torch.stack([r[g, :, :1].expand(-1, 40).contiguous().addmm_(r[g], both[g])
-                                               for g in range(2)]), 1)}
+    """The check runs each library op the invariant path calls (PROBES: oneDNN's linear with a post-op where this
+    torch has it for the dtype, torch.mm, F.linear, bmm, addmm_ per direction), on weights and rows of its own, and
+    cuts 600 rows into valid calls; whether the path's own calls go through it:
+    test_the_invariant_path_in_small_pieces_gives_the_same_bits."""
+    ops = {"linear": (), "mm": (), "bmm": (), "addmm": ()}
     if torch.backends.mkldnn.is_available() and (dtype == torch.float32
                                                  or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        gemms["onednn"] = (lambda r: torch.ops.mkldnn._linear_pointwise(r, packed, b, "sigmoid", [], ""), 0)
-    for name, (gemm, dim) in gemms.items():
+        ops.update({"onednn": ("sigmoid", "bias")})
+    assert set(ops) <= set(PROBES)
+    forget_row_rules()
+    for op, post in ops.items():
+        dim = 1 if op in ("bmm", "addmm") else 0
         like = torch.zeros(2, 8, 96, dtype=dtype) if dim else torch.zeros(8, 96, dtype=dtype)
         for threads in (1, 2):
-            rule = RowRule(name, threads)
-            _check_cuts(rule.cuts(600, gemm, like, dim), 600)
-            assert rule.threads in (1, threads)
+            rule = row_rule_of(op, 96, 40, dtype, *post, threads=threads)
+            _check_cuts(rule.cuts(600, like, dim), 600)
+            assert rule.threads in (1, threads) and rule.kept[ROW_TILE]
 
 
 def test_row_rule_record():
