@@ -14,7 +14,8 @@ In text (a URL, a DSN, an exception message holding URLs):
   one only where its closing quote ends it (?sig="a"b is masked whole).
 A text that is one URL with a space in it (it starts with its scheme, on one line: an input or a folder as the user
 gave it), or such a URL quoted whole in a message (error: input 'scheme://...' matches no file), has its user info,
-query values and fragment masked to their ends (the closing quote's), spaces included: a password or a token may
+query values and fragment masked to their ends (the URL's closing quote's, not a value's quoted inside it with the
+same quote: 'https://h/x?sig='a& b'' -> 'https://h/x?sig=***'), spaces included: a password or a token may
 hold one. An unquoted value (a password, a query value, a fragment, a header's) holding a quote or an angle
 bracket is masked past it: one ends the value only where it closes it (an end, a space or punctuation follows).
 In a dict (storage options, flags): the string values of credential-like keys (key, secret, token, password,
@@ -189,9 +190,11 @@ def _one_query(query: str, depth: int = 0) -> str:
 
 
 # a quote opening a URL ('scheme://..., as repr() quotes an argument); the next such quote closes it when an end
-# follows it (_ENDS)
+# follows it (_ENDS), unless it closes a value quoted inside (the last quote before it opens one: ?sig='a& b''),
+# then the next on the line does
 _QUOTED_URL_START = re.compile(r"(?P<q>['\"])(?=[a-zA-Z][\w+.-]*://)")
 _QUOTE = {q: re.compile(rf"(?<!\\){q}(?={_ENDS})") for q in "'\""}    # unescaped, then an end
+_ANY_QUOTE = {q: re.compile(q) for q in "'\""}
 _NEWLINE = re.compile("\n")
 
 
@@ -203,12 +206,17 @@ def _mask_quoted_urls(text: str) -> str:
     QUOTED_URLS_A_QUOTE opening quotes before one closing quote, the others are left to the other rules."""
     out, done, newlines, tried = [], 0, _Positions(_NEWLINE, text), {}
     quotes = {q: _Positions(pattern, text) for q, pattern in _QUOTE.items()}
+    any_quotes = {q: _Positions(pattern, text) for q, pattern in _ANY_QUOTE.items()}
     for m in _QUOTED_URL_START.finditer(text):
         if m.start() < done:
             continue
-        end = quotes[m["q"]].first(m.end())
+        q, line_end = m["q"], newlines.first(m.end())
+        end = quotes[q].first(m.end())
+        opened = any_quotes[q].last(m.end(), end)       # a value quoted inside: end is its closing quote
+        if opened > 0 and text[opened - 1] == "=" and (after := quotes[q].first(end + 1)) < line_end:
+            end = after
         tried[end] = tried.get(end, 0) + 1
-        if end < len(text) and end < newlines.first(m.end()) and tried[end] <= QUOTED_URLS_A_QUOTE:
+        if end < len(text) and end < line_end and tried[end] <= QUOTED_URLS_A_QUOTE:
             inner = text[m.end():end]
             masked = _one_url(inner)
             if masked != inner:
