@@ -26,12 +26,15 @@ def main() -> int:
     ap.add_argument("--weight-file")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--max-tokens-per-batch", type=int, default=4096)
+    ap.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the model's compute dtype, alone and in the pipeline (--compute-dtype)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/pipeline_throughput_<N>docs.json)")
     args = ap.parse_args()
 
     import torch
 
     sys.path.insert(0, os.path.dirname(HERE))        # the repository root, when run as a script
-    from benchmarks.common import machine
+    from benchmarks.common import flops_per_token, gemm_ceiling_gflops, machine
     from elmo_pipeline.model.embedder import ElmoEmbedder
     from elmo_pipeline.model.synthetic import write_random_bilm
     from elmo_pipeline.pipeline.run import counters, run
@@ -47,7 +50,7 @@ def main() -> int:
     sentences = [list(s.tokens) for x in lines for s in tokenize_document(x)]
     n_tokens = sum(map(len, sentences))
 
-    emb = ElmoEmbedder(*files)
+    emb = ElmoEmbedder(*files, dtype=args.compute_dtype)
     t_tok = time.perf_counter()
     _ = [tokenize_document(x) for x in lines]
     t_tok = time.perf_counter() - t_tok
@@ -59,12 +62,14 @@ def main() -> int:
     t0 = time.perf_counter()
     result = run(["--input", inp, "--output", os.path.join(tmp, "out"), "--options-file", files[0],
                   "--weight-file", files[1], "--torch-threads", str(args.threads), "--progress", "off",
-                  "--max-tokens-per-batch", str(args.max_tokens_per_batch)])
+                  "--max-tokens-per-batch", str(args.max_tokens_per_batch), "--compute-dtype", args.compute_dtype])
     wall = time.perf_counter() - t0
     c = counters(result)
     assert c["tokens"] == n_tokens, (c["tokens"], n_tokens)
     embed_s = c["embed_milliseconds"] / 1000
     pad = 1 - c["batch_tokens"] / c["batch_token_slots"]
+    ceiling = gemm_ceiling_gflops(args.threads, dtype=getattr(torch, args.compute_dtype))
+    fpt = flops_per_token(emb.model.opts)
     rows = [
         (f"model alone: embed_sentences(max_tokens={args.max_tokens_per_batch})", alone),
         ("pipeline end to end (wall, incl. Beam start-up)", wall),
@@ -73,15 +78,21 @@ def main() -> int:
     ]
     print(f"{len(lines)} documents, {len(sentences)} sentences, {n_tokens} tokens; model {args.size if not args.options_file else files[1]}; "
           f"{args.threads} torch thread(s); pipeline padding {pad:.1%} in {c['batches']} batches")
-    print(f"{'what':52s} {'seconds':>8s} {'tokens/s':>9s}")
+    print(f"{args.compute_dtype}; GEMM ceiling {ceiling:.0f} GFLOP/s at {args.threads} thread(s) in the same run; "
+          "share: tokens/s x FLOPs per token (char CNN counted for every token) / the ceiling")
+    print(f"{'what':52s} {'seconds':>8s} {'tokens/s':>9s} {'share':>7s}")
     for name, secs in rows:
-        print(f"{name:52s} {secs:8.1f} {n_tokens / secs:9.0f}")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", f"pipeline_throughput_{len(lines)}docs.json"), "w") as f:
-        json.dump({"machine": machine() + ", no GPU", "model": args.size,
+        print(f"{name:52s} {secs:8.1f} {n_tokens / secs:9.0f} {n_tokens / secs * fpt / 1e9 / ceiling:7.1%}")
+    out = args.out or os.path.join(HERE, "results", f"pipeline_throughput_{len(lines)}docs.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"machine": machine() + ", no GPU", "model": args.size, "compute_dtype": args.compute_dtype,
+                   "command": " ".join(["python -m benchmarks.pipeline_throughput", *sys.argv[1:]]),
                    "threads": args.threads, "documents": len(lines), "sentences": len(sentences), "tokens": n_tokens,
-                   "padding": round(pad, 4), "batches": c["batches"],
-                   "rows": [{"what": n, "seconds": round(s, 2), "tokens_per_s": round(n_tokens / s)} for n, s in rows]},
+                   "padding": round(pad, 4), "batches": c["batches"], "gemm_ceiling_gflops": round(ceiling),
+                   "flops_per_token": fpt,
+                   "rows": [{"what": n, "seconds": round(s, 2), "tokens_per_s": round(n_tokens / s),
+                             "share_of_ceiling": round(n_tokens / s * fpt / 1e9 / ceiling, 4)} for n, s in rows]},
                   f, indent=1)
     return 0
 
