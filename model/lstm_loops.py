@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from elmo_pipeline.model import hardware
 from elmo_pipeline.model.direction_threads import run_side_by_side, threads_each
 from elmo_pipeline.model.row_tile import RowRule, in_pieces, row_rule_of, threads_set
 
@@ -66,6 +67,25 @@ def _onednn_rules(layer, dtype: torch.dtype, threads: int) -> tuple[RowRule, Row
                  for _, k, n, attr, scalars, bias in onednn_step_gemms(layer))
 
 
+# Rows of one call of the gate GEMMs where a CPU with AMX-BF16 tiles runs them in bfloat16 (gate_rows): there a
+# step of 587 rows took 24.7 ms for the sigmoid gates (1 thread, the original shape) in one call and 17.9 ms in
+# pieces of 256 (1,024 rows: 44.5 vs 31.2 ms; pieces of 64, 128, 192: slower); the projection stays whole (2.8 vs
+# 3.2 ms). Measured with oneDNN's bf16 brgemm kernels of torch 2.13.0 on an Intel Xeon (family 6, model 167).
+AMX_GATE_ROWS = 256
+
+
+def gate_rows(dtype: torch.dtype) -> int | None:
+    """Rows of one call of the oneDNN loop's gate GEMMs outside batch invariance: AMX_GATE_ROWS for bfloat16 on a
+    CPU with AMX-BF16 tiles, else None (each step's rows in one call: the other kinds' measured choice, their bits
+    as before)."""
+    return AMX_GATE_ROWS if dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags() else None
+
+
+@functools.cache
+def _cpu_flags() -> frozenset:
+    return frozenset(hardware.cpu_info().get("flags") or ())
+
+
 def _onednn_direction(layer, weights, x, batch_sizes, step_rows, h0, c0, live, resets, y, rules=None):
     """One direction's time loop, written into y (N, P). Per step, gates = act([x_t, h] @ W.T + b) by oneDNN with
     the activations fused (sigmoid for i, f, o; tanh for j), the cell update in place, then the projection with
@@ -89,7 +109,11 @@ def _onednn_direction(layer, weights, x, batch_sizes, step_rows, h0, c0, live, r
         return linear(rows, w_proj, None, *clip, "")              # (m, P)
     xh = x.new_empty(step_rows[0], D + P)                # [x_t, h_{t-1}] of the step's rows
     out = x.new_empty(step_rows[0], H)                   # sigmoid(o) * tanh(c) of the step's rows
-    tmp = x.new_empty(step_rows[0], H) if x.dtype == torch.float32 else None
+    tmp = x.new_empty(step_rows[0], H, dtype=torch.float32)   # _tanh_times' float32 work rows
+    piece = gate_rows(x.dtype) if rules is None else None
+
+    def pieces(m):
+        return [(a, min(a + piece, m)) for a in range(0, m, piece)] if piece else [(0, m)]
     c = c0.clone()                                       # (rows, H), each step updates its first rows
     h, done_h, done_c, offset = h0, [], [], 0
     for step, (n, m) in enumerate(zip(batch_sizes, step_rows)):
@@ -101,15 +125,17 @@ def _onednn_direction(layer, weights, x, batch_sizes, step_rows, h0, c0, live, r
         xh[:m, D:] = h[:m]
         if step in resets:
             _reset(xh[:, D:], c, h0, c0, resets.at(step))
-        if rules is None:
-            sig, j = gates(xh[:m]), gate_j(xh[:m])
-        else:
-            sig, j = in_pieces(gates, xh[:m], rules[0]), in_pieces(gate_j, xh[:m], rules[1])
-        i, f, o = sig.split(H, dim=1)
-        cg = c[:m].mul_(f).addcmul_(i, j)
-        if cell_clip is not None:
-            cg.clamp_(-cell_clip, cell_clip)
-        hidden = _tanh_times(cg, o, out[:m], tmp)
+        for a, b in pieces(m):                 # rows [a, b): their gates, then their cell (gates still in cache)
+            if rules is None:
+                sig, j = gates(xh[a:b]), gate_j(xh[a:b])
+            else:
+                sig, j = in_pieces(gates, xh[a:b], rules[0]), in_pieces(gate_j, xh[a:b], rules[1])
+            i, f, o = sig.split(H, dim=1)
+            cg = c[a:b].mul_(f).addcmul_(i, j)
+            if cell_clip is not None:
+                cg.clamp_(-cell_clip, cell_clip)
+            _tanh_times(cg, o, out[a:b], tmp[a:b])
+        hidden = out[:m]
         if rules is None:
             y[offset: offset + m] = project(hidden)
         else:
@@ -187,14 +213,18 @@ def bmm_loop(layers, weights, x, batch_sizes, step_rows, h0, c0, live, resets, c
     return y, *_final_state(h, c, live, done_h, done_c)
 
 
-def _tanh_times(c: Tensor, o: Tensor, out: Tensor, tmp: Tensor | None) -> Tensor:
-    """o * tanh(c) into out, (m, H). In float32 (tmp: an (>= m, H) buffer) as o - 2 o / (exp(2c) + 1): torch's float32
-    tanh ran 2 ns an element on the CPU, this 5 ops 1 ns (AMD EPYC Zen 5), within 1.8e-7 of tanh (1 ulp of 1; the
-    fixture parity holds); exp, add, reciprocal and addcmul give an element the same bits wherever it falls in the
-    tensor (docs/exactness.md), so batch invariance holds too. Other dtypes: tanh, then the product."""
-    if tmp is None:
-        return torch.tanh(c, out=out).mul_(o)
-    e = torch.mul(c, 2.0, out=tmp[: c.shape[0]]).exp_().add_(1.0).reciprocal_()
+def _tanh_times(c: Tensor, o: Tensor, out: Tensor, tmp: Tensor) -> Tensor:
+    """o * tanh(c) into out, (m, H); tmp: an (>= m, H) float32 buffer. In float32 as o - 2 o / (exp(2c) + 1): torch's
+    float32 tanh ran 2 ns an element on the CPU, this 5 ops 1 ns (AMD EPYC Zen 5), within 1.8e-7 of tanh (1 ulp of 1;
+    the fixture parity holds); exp, add, reciprocal and addcmul give an element the same bits wherever it falls in
+    the tensor (docs/exactness.md), so batch invariance holds too. Other dtypes: tanh of c converted to float32 in
+    tmp, rounded back, times o: the bits of torch's tanh in that dtype (which computes in float32 and rounds); the
+    bfloat16 cell took 1.78 instead of 2.31 ms for 183 x 4096 (an Intel Xeon with AMX, 1 thread)."""
+    tmp = tmp[: c.shape[0]]
+    if c.dtype != torch.float32:
+        torch.tanh(tmp.copy_(c), out=tmp)
+        return out.copy_(tmp).mul_(o)
+    e = torch.mul(c, 2.0, out=tmp).exp_().add_(1.0).reciprocal_()
     return torch.addcmul(o, o, e, value=-2.0, out=out)
 
 

@@ -40,6 +40,32 @@ def test_each_loop_equals_the_oracle(gemm):
     assert (h - rh).abs().max() <= 1e-5 and (c - rc).abs().max() <= 1e-5
 
 
+def test_the_gate_gemms_in_row_pieces_give_the_oracles_vectors(monkeypatch):
+    """Where the gate GEMMs run in row pieces (gate_rows: bf16 on a CPU with AMX), each piece's cell follows its
+    gates: the vectors and final states are the oracle's (pieces of 4 rows here, in float32, so that every step is
+    cut); elsewhere a step's rows are one call, as before."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    assert lstm_loops.gate_rows(torch.float32) is None
+    monkeypatch.setattr(lstm_loops, "gate_rows", lambda dtype: 4)
+    model = random_bilm("tiny", seed=4)
+    model.lstm_loop = "onednn"
+    ids, lengths = _batch()
+    ref, (rh, rc) = oracle_forward(model, ids, lengths, None)
+    with torch.inference_mode():
+        got, (h, c) = model(ids, lengths)
+    assert (got - ref).abs().max() <= 1e-5
+    assert (h - rh).abs().max() <= 1e-5 and (c - rc).abs().max() <= 1e-5
+
+
+def test_gate_rows_by_the_cpus_flags(monkeypatch):
+    monkeypatch.setattr(lstm_loops, "_cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    assert lstm_loops.gate_rows(torch.bfloat16) == lstm_loops.AMX_GATE_ROWS
+    assert lstm_loops.gate_rows(torch.float32) is None
+    monkeypatch.setattr(lstm_loops, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert lstm_loops.gate_rows(torch.bfloat16) is None
+
+
 def test_auto_choice():
     """auto: oneDNN on a CPU whose torch has it (for the dtype) for layers wide enough (gate width 4H >=
     ONEDNN_MIN_GATE_WIDTH, GEMM input width D_in + P >= ONEDNN_MIN_INPUT_WIDTH), the bmm loop for narrower layers
@@ -117,6 +143,19 @@ def test_fused_cell_compiles_to_one_graph_and_equals_the_eager_cell():
         got_c, got_out = fused(gates, c, 3.0, torch.empty(2, n, 16))
         assert (got_c - want_c).abs().max() <= 1e-6 and (got_out - want_out).abs().max() <= 1e-6
         assert got_c.abs().max() <= 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tanh_times_in_a_half_dtype_has_the_bits_of_torchs_tanh(dtype):
+    """The oneDNN loop's o * tanh(c) for bf16/fp16 goes through float32 work rows (faster): the bits of torch's own
+    tanh in that dtype times o, for every value, extremes and the cell clip's range included."""
+    g = torch.Generator().manual_seed(0)
+    c = torch.cat([torch.randn(40, 64, generator=g) * 3, torch.linspace(-20, 20, 64)[None],
+                   torch.tensor([[0.0, -0.0, 1e-8, -1e-8] * 16])]).to(dtype)
+    o = torch.rand(c.shape, generator=g).to(dtype)
+    out = torch.empty_like(c)
+    got = lstm_loops._tanh_times(c, o, out, torch.empty(64, 64))
+    assert got is out and torch.equal(got, torch.tanh(c).mul_(o))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
