@@ -1,14 +1,15 @@
 """Which oneDNN kernel runs each LSTM step GEMM here, does it reorder anything per call, and how fast is it?
 
 `python -m benchmarks.onednn_kernels [--shape original] [--rows 4 40 184 512] [--threads 1] [--dtypes float32 bfloat16]
-[--pack-for-rows] [--out F]`: the oneDNN loop's step GEMMs of a published shape (model/lstm_loops.py
+[--pack-for-rows] [--pieces P ...] [--out F]`: the oneDNN loop's step GEMMs of a published shape (model/lstm_loops.py
 onednn_step_gemms: the sigmoid gates, gate j, the projection), with weights prepacked as the loop packs them
 (model/onednn.py pack: for oneDNN's default of 128 rows; with --pack-for-rows also for each call's row count, in case
 the layout oneDNN wants depends on it), called as the loop calls them, at each row count and `--threads` torch threads (1: what each direction gets on a 2-core machine).
 Per GEMM and row count: the implementation oneDNN ran and its weights' layout (from oneDNN's verbose output of one
 call), the primitives besides the GEMM it executed in that call (a `reorder` there means weights or activations
 converted on every call), and GFLOP/s over calls of at least 0.2 s against the dtype's square-GEMM ceiling measured in
-the same run at the same threads (benchmarks.common). Prints a table; the JSON (default
+the same run at the same threads (benchmarks.common). With --pieces, each row count is also called in row pieces of
+at most P rows (as model/lstm_loops.py gate_rows cuts the gate GEMMs on a CPU with AMX), its rate over all the rows. Prints a table; the JSON (default
 results/onednn_kernels_<kind>.json) names the machine. bfloat16 only where oneDNN runs it natively.
 """
 from __future__ import annotations
@@ -62,7 +63,8 @@ def gflops(call, flops: float, seconds: float = 0.2) -> float:
     return flops * n / elapsed / 1e9
 
 
-def measure(shape: str, dtype: torch.dtype, rows: list[int], threads: int, pack_for_rows: bool = False) -> dict:
+def measure(shape: str, dtype: torch.dtype, rows: list[int], threads: int, pack_for_rows: bool = False,
+            pieces: tuple[int, ...] = ()) -> dict:
     """The step GEMMs of `shape` in `dtype` at each row count: weights packed as the loop packs them (packed_for
     None: oneDNN's default batch of 128 rows) and, with pack_for_rows, also packed for the call's row count."""
     from elmo_pipeline.model import onednn
@@ -89,8 +91,16 @@ def measure(shape: str, dtype: torch.dtype, rows: list[int], threads: int, pack_
                         return torch.ops.mkldnn._linear_pointwise(x, weights, b, attr, scalars, "")
                     call()                                                 # the primitive made and cached
                     rate = gflops(call, 2.0 * m * k * n)
-                    out.append({"gemm": name, "k": k, "n": n, "rows": m, "packed_for": packed_for,
+                    out.append({"gemm": name, "k": k, "n": n, "rows": m, "packed_for": packed_for, "pieces": None,
                                 **kernel_of(verbose_lines(call)), "gflops": rate, "share_of_ceiling": rate / ceiling})
+                for p in (p for p in pieces if p < m):
+                    def in_pieces(p=p):
+                        return [torch.ops.mkldnn._linear_pointwise(x[a: a + p], w, b, attr, scalars, "")
+                                for a in range(0, m, p)]
+                    in_pieces()
+                    rate = gflops(in_pieces, 2.0 * m * k * n)
+                    out.append({"gemm": name, "k": k, "n": n, "rows": m, "packed_for": None, "pieces": p,
+                                **kernel_of(verbose_lines(in_pieces)), "gflops": rate, "share_of_ceiling": rate / ceiling})
     return {"dtype": str(dtype).removeprefix("torch."), "ceiling_gflops": ceiling, "gemms": out}
 
 
@@ -103,21 +113,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pack-for-rows", action="store_true",
                     help="also call each GEMM with its weights packed for the call's row count (oneDNN's weights "
                     "layout may depend on it; the loop packs for oneDNN's default of 128 rows)")
+    ap.add_argument("--pieces", type=int, nargs="*", default=[],
+                    help="also call each row count in pieces of at most P rows (model/lstm_loops.py gate_rows)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     from elmo_pipeline.model import onednn
     dtypes = [getattr(torch, d) for d in args.dtypes]
     skipped = [d for d in dtypes if not onednn.runs(torch.device("cpu"), d)]
-    runs = [measure(args.shape, d, args.rows, args.threads, args.pack_for_rows) for d in dtypes if d not in skipped]
+    runs = [measure(args.shape, d, args.rows, args.threads, args.pack_for_rows, tuple(args.pieces)) for d in dtypes if d not in skipped]
     report = {"machine": machine(), "command": "python -m benchmarks.onednn_kernels " + " ".join(sys.argv[1:] if argv is None else argv),
               "shape": args.shape, "threads": args.threads, "runs": runs,
               "not_native": [str(d).removeprefix("torch.") for d in skipped]}
     print(f"{machine()}; {args.shape} shape's step GEMMs, {args.threads} torch thread(s)")
-    print(f"{'dtype':<9}{'gemm':<11}{'K x N':>12}{'rows':>6}{'packed for':>11}  {'implementation':<30}{'weights':<30}"
+    print(f"{'dtype':<9}{'gemm':<11}{'K x N':>12}{'rows':>6}{'pieces':>7}{'packed for':>11}  {'implementation':<30}{'weights':<30}"
           f"{'per call':<12}{'GFLOP/s':>9}{'share':>8}")
     for r in runs:
         for x in r["gemms"]:
-            print(f"{r['dtype']:<9}{x['gemm']:<11}{x['k']:>6}x{x['n']:<5}{x['rows']:>6}{x['packed_for'] or 128:>11}  "
+            print(f"{r['dtype']:<9}{x['gemm']:<11}{x['k']:>6}x{x['n']:<5}{x['rows']:>6}{x['pieces'] or '-':>7}{x['packed_for'] or 128:>11}  "
                   f"{x['implementation'] or '?':<30}"
                   f"{x['weights'] or '?':<30}{','.join(x['other_primitives']) or '-':<12}{x['gflops']:>9.1f}"
                   f"{100 * x['share_of_ceiling']:>7.1f}%")

@@ -30,8 +30,10 @@ def test_one_call_is_captured_here(capfd):
 @pytest.mark.slow
 def test_the_benchmark_names_each_step_gemm(tmp_path):
     out = tmp_path / "k.json"
-    main(["--shape", "small", "--rows", "4", "40", "--dtypes", "float32", "--pack-for-rows", "--out", str(out)])
+    main(["--shape", "small", "--rows", "4", "40", "--dtypes", "float32", "--pack-for-rows", "--pieces", "16",
+          "--out", str(out)])
     (run,) = json.loads(out.read_text())["runs"]
-    assert [(g["gemm"], g["rows"], g["packed_for"]) for g in run["gemms"]] == [
-        (n, r, p) for n in ("gates", "gate j", "projection") for r in (4, 40) for p in (None, r)]
+    per_gemm = [(4, None, None), (4, 4, None), (40, None, None), (40, 40, None), (40, None, 16)]   # 4 rows: no pieces
+    assert [(g["gemm"], g["rows"], g["packed_for"], g["pieces"]) for g in run["gemms"]] == [
+        (n, *x) for n in ("gates", "gate j", "projection") for x in per_gemm]
     assert all(g["implementation"] and g["gflops"] > 0 for g in run["gemms"])
