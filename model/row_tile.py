@@ -151,9 +151,10 @@ def check_pair(k: int, n: int, like: Tensor, dim: int = 0) -> tuple[Tensor, Tens
 
 
 def _onednn(k, n, like, dim, act="none", *rest):
-    """oneDNN's linear (model/onednn.py) with a post-op (act, its scalars) and a zero bias where rest ends in 'bias'."""
+    """oneDNN's linear (model/onednn.py) with a post-op (act, its scalars) and a bias where rest ends in 'bias': -8
+    before a sigmoid (its outputs near 0.5 round the sums' last bits away in bf16, near e**-8 they keep them), else 0."""
     w, x = check_pair(k, n, like, dim)
-    bias = torch.zeros(n, dtype=w.dtype) if rest[-1:] == ("bias",) else None
+    bias = torch.full((n,), -8.0 if act == "sigmoid" else 0.0, dtype=w.dtype) if rest[-1:] == ("bias",) else None
     scalars = [r for r in rest if r != "bias"]
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
     return (lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, act, scalars, "")), x

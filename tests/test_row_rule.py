@@ -205,3 +205,18 @@ def test_the_invariant_path_in_small_pieces_gives_the_same_bits(loop, monkeypatc
     monkeypatch.setattr(RowRule, "cuts", lambda self, *a, **k: seen.append(real(self, *a, **k)) or seen[-1])
     assert_bits_equal(ref, run(), f"{loop} loop, calls of at most 8 rows vs the process's own")
     assert seen and max(b - a for cuts in seen for a, b in cuts) == 8
+
+
+def test_the_sigmoid_probe_catches_a_change_of_the_summation_order_in_bfloat16(monkeypatch):
+    """The gates' probe (oneDNN with a sigmoid and a bias) in bf16: with a zero bias its outputs all round to about
+    0.5 whatever the order of the sums, so a kernel that sums K in blocks past 4 rows was kept."""
+    def linear(x, w, b, act, scalars, algo):        # a stand-in whose k-sum order changes past 4 rows
+        xf, wf = x.float(), w.float()
+        y = xf @ wf.T if x.shape[0] <= ROW_TILE else sum(xf[:, i: i + 4] @ wf[:, i: i + 4].T for i in (12, 8, 4, 0))
+        return torch.sigmoid(y + b.float()).to(x.dtype)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w: w)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", linear)
+    forget_row_rules()
+    rule = row_rule_of("onednn", 16, 256, torch.bfloat16, "sigmoid", "bias", threads=1)
+    assert rule.cuts(16, torch.zeros(16, 16, dtype=torch.bfloat16)) == [(i, i + ROW_TILE) for i in range(0, 16, 4)]
+    forget_row_rules()
