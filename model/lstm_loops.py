@@ -67,10 +67,11 @@ def _onednn_rules(layer, dtype: torch.dtype, threads: int) -> tuple[RowRule, Row
                  for _, k, n, attr, scalars, bias in onednn_step_gemms(layer))
 
 
-# Rows of one call of the gate GEMMs where a CPU with AMX-BF16 tiles runs them in bfloat16 (gate_rows): there a
-# step of 587 rows took 24.7 ms for the sigmoid gates (1 thread, the original shape) in one call and 17.9 ms in
-# pieces of 256 (1,024 rows: 44.5 vs 31.2 ms; pieces of 64, 128, 192: slower); the projection stays whole (2.8 vs
-# 3.2 ms). Measured with oneDNN's bf16 brgemm kernels of torch 2.13.0 on an Intel Xeon (family 6, model 167).
+# Rows of one call of the gate GEMMs where a CPU with AMX-BF16 tiles runs them in bfloat16 (gate_rows): there oneDNN's
+# AMX kernel of one call ran the sigmoid gates (1024 -> 12288) at 631 GFLOP/s on 587 rows and 623 on 1,024, in pieces
+# of 256 rows at 783 and 713 (gate j: 624 and 624 whole, 708 and 816 in pieces); a step of up to 256 rows stays one
+# call. The projection stays whole (839 vs 691 on 587 rows). `python -m benchmarks.onednn_kernels --rows 42 183 587
+# 1024 --pieces 128 256` on an Intel Xeon (family 6, model 167), 1 thread, torch 2.13.0 (onednn_kernels_intel_amx.json).
 AMX_GATE_ROWS = 256
 
 
@@ -218,8 +219,8 @@ def _tanh_times(c: Tensor, o: Tensor, out: Tensor, tmp: Tensor) -> Tensor:
     float32 tanh ran 2 ns an element on the CPU, this 5 ops 1 ns (AMD EPYC Zen 5), within 1.8e-7 of tanh (1 ulp of 1;
     the fixture parity holds); exp, add, reciprocal and addcmul give an element the same bits wherever it falls in
     the tensor (docs/exactness.md), so batch invariance holds too. Other dtypes: tanh of c converted to float32 in
-    tmp, rounded back, times o: the bits of torch's tanh in that dtype (which computes in float32 and rounds); the
-    bfloat16 cell took 1.78 instead of 2.31 ms for 183 x 4096 (an Intel Xeon with AMX, 1 thread)."""
+    tmp, rounded back, times o: the bits of torch's tanh in that dtype (which computes in float32 and rounds), in
+    less time than that tanh took on the Intel Xeon with AMX (tests/test_lstm_loops.py checks the bits)."""
     tmp = tmp[: c.shape[0]]
     if c.dtype != torch.float32:
         torch.tanh(tmp.copy_(c), out=tmp)
