@@ -136,7 +136,7 @@ def check_pair(k: int, n: int, like: Tensor, dim: int = 0) -> tuple[Tensor, Tens
     exactly: W = [U, -U[:, p]] and x = [a, a[..., p]] for a permutation p of the first half, so every x @ W.T is 0
     in real numbers and its computed bits are the rounding of partial sums of about 2**15 (a zero column where k is
     odd). Any change of the order or blocking of the k-sum moves a good share of them (through a tanh, inside a
-    hardtanh's clip, and through a sigmoid with _onednn's bias: in bf16 at K=1024, 8.5 % of them behind a sigmoid)."""
+    hardtanh's clip, and through a sigmoid with _onednn's bias: tests/test_row_rule.py)."""
     g = torch.Generator().manual_seed(0)
     half = k // 2
     p = torch.randperm(half, generator=g)
