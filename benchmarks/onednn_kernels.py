@@ -94,13 +94,13 @@ def measure(shape: str, dtype: torch.dtype, rows: list[int], threads: int, pack_
                     out.append({"gemm": name, "k": k, "n": n, "rows": m, "packed_for": packed_for, "pieces": None,
                                 **kernel_of(verbose_lines(call)), "gflops": rate, "share_of_ceiling": rate / ceiling})
                 for p in (p for p in pieces if p < m):
-                    def in_pieces(p=p):
+                    def pieces_call(p=p):
                         return [torch.ops.mkldnn._linear_pointwise(x[a: a + p], w, b, attr, scalars, "")
                                 for a in range(0, m, p)]
-                    in_pieces()
-                    rate = gflops(in_pieces, 2.0 * m * k * n)
+                    pieces_call()
+                    rate = gflops(pieces_call, 2.0 * m * k * n)
                     out.append({"gemm": name, "k": k, "n": n, "rows": m, "packed_for": None, "pieces": p,
-                                **kernel_of(verbose_lines(in_pieces)), "gflops": rate, "share_of_ceiling": rate / ceiling})
+                                **kernel_of(verbose_lines(pieces_call)), "gflops": rate, "share_of_ceiling": rate / ceiling})
     return {"dtype": str(dtype).removeprefix("torch."), "ceiling_gflops": ceiling, "gemms": out}
 
 

@@ -7,6 +7,7 @@ options of one URL's filesystem convert them once with keyed().
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 import re
@@ -264,7 +265,6 @@ def temp_stem(path: str) -> str:
     """What the temporary names of `path` start with: `path` itself, or, when its name is too long to take the
     ".tmp-<hex>" suffix within NAME_MAX bytes (a name as long as the folder allows is still written), the name's
     first bytes and a digest of the whole name."""
-    import hashlib
     folder, name = posixpath.split(path)
     raw = os.fsencode(name)
     if len(raw) + len(TEMP_MARK) + 32 <= NAME_MAX:

@@ -10,6 +10,7 @@ key) and the embedder (warn_if_emulated(): one logging.warning per process for a
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -51,6 +52,12 @@ def cpu_info(text: str | None = None) -> dict:
             "family": _int(fields.get("cpu family")), "model": _int(fields.get("model", fields.get("cpu part"))),
             "name": fields.get("model name") or None, "flags": [f for f in checked if f in have] if checked else None,
             "flags_checked": list(checked)}
+
+
+@functools.cache
+def cpu_flags() -> frozenset:
+    """This CPU's flags of X86_FLAGS / ARM_FLAGS (cpu_info()), read once per process; empty where unknown."""
+    return frozenset(cpu_info().get("flags") or ())
 
 
 def _int(s: str | None) -> int | None:

@@ -79,12 +79,7 @@ def gate_rows(dtype: torch.dtype) -> int | None:
     """Rows of one call of the oneDNN loop's gate GEMMs outside batch invariance: AMX_GATE_ROWS for bfloat16 on a
     CPU with AMX-BF16 tiles, else None (each step's rows in one call: the other kinds' measured choice, their bits
     as before)."""
-    return AMX_GATE_ROWS if dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags() else None
-
-
-@functools.cache
-def _cpu_flags() -> frozenset:
-    return frozenset(hardware.cpu_info().get("flags") or ())
+    return AMX_GATE_ROWS if dtype == torch.bfloat16 and "amx_bf16" in hardware.cpu_flags() else None
 
 
 def _onednn_direction(layer, weights, x, batch_sizes, step_rows, h0, c0, live, resets, y, rules=None):

@@ -58,6 +58,10 @@ def threads_set(threads: int):
             torch.set_num_threads(before)
 
 
+# A rule's check: (like, dim) -> (the check's GEMM as a pure function of its rows, the rows it is checked on)
+Probe = Callable[[Tensor, int], tuple[Callable[[Tensor], Tensor], Tensor]]
+
+
 class RowRule:
     """One GEMM's row rule in this process (row_rule_of): which row counts give every row the bits a ROW_TILE-row
     call at 1 thread gives it, each count checked the first time it is used, and the threads the GEMM runs at (those
@@ -65,7 +69,7 @@ class RowRule:
     check's GEMM as a pure function of its rows and the rows it is checked on, shaped like `like` with CHECK_BLOCK
     rows along dim (check_pair for the ops the path calls)."""
 
-    def __init__(self, name: str, threads: int, probe: Callable[[Tensor, int], tuple[Callable[[Tensor], Tensor], Tensor]]):
+    def __init__(self, name: str, threads: int, probe: Probe):
         self.name, self.asked, self.threads = name, threads, threads
         self.kept: dict[int, bool] = {}
         self._probe = probe
@@ -154,7 +158,9 @@ def _onednn(k, n, like, dim, act="none", *rest):
     """oneDNN's linear (model/onednn.py) with a post-op (act, its scalars) and a bias where rest ends in 'bias': -8
     before a sigmoid (its outputs near 0.5 round the sums' last bits away in bf16, near e**-8 they keep them), else 0."""
     w, x = check_pair(k, n, like, dim)
-    bias = torch.full((n,), -8.0 if act == "sigmoid" else 0.0, dtype=w.dtype) if rest[-1:] == ("bias",) else None
+    bias = None
+    if rest[-1:] == ("bias",):
+        bias = torch.full((n,), -8.0 if act == "sigmoid" else 0.0, dtype=w.dtype)
     scalars = [r for r in rest if r != "bias"]
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
     return (lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, act, scalars, "")), x

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import elmo_pipeline.model.lstm_loops as lstm_loops
+from elmo_pipeline.model import hardware
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.char_ids import batch_char_ids
 from elmo_pipeline.model.embedder import ElmoEmbedder
@@ -24,45 +25,32 @@ def _batch(n=9, seed=2):
     return (torch.from_numpy(a) for a in batch_char_ids(sentences(n, seed=seed, max_len=18)))
 
 
-@pytest.mark.parametrize("gemm", ["onednn", "bmm"])
-def test_each_loop_equals_the_oracle(gemm):
-    """Both loops, chosen, give the oracle's vectors and final states (lengths vary: sequences end mid-batch)."""
-    if gemm == "onednn" and not torch.backends.mkldnn.is_available():
+@pytest.mark.parametrize("gemm", ["onednn", "onednn in gate pieces", "bmm"])
+def test_each_loop_equals_the_oracle(gemm, monkeypatch):
+    """Both loops, chosen, give the oracle's vectors and final states (lengths vary: sequences end mid-batch); so does
+    the oneDNN loop with its gate GEMMs in row pieces, each piece's cell after its gates (gate_rows: bf16 on a CPU
+    with AMX; pieces of 4 rows here, in float32, so that every step is cut)."""
+    if gemm.startswith("onednn") and not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
+    assert lstm_loops.gate_rows(torch.float32) is None           # elsewhere a step's rows are one call, as before
+    if gemm == "onednn in gate pieces":
+        monkeypatch.setattr(lstm_loops, "gate_rows", lambda dtype: 4)
     model = random_bilm("tiny", seed=4)
-    model.lstm_loop = gemm
+    model.lstm_loop = gemm.split()[0]
     ids, lengths = _batch()
     ref, (rh, rc) = oracle_forward(model, ids, lengths, None)
     with torch.inference_mode():
         got, (h, c) = model(ids, lengths)
-    assert model._pair_weights(0)[0].name == gemm
-    assert (got - ref).abs().max() <= 1e-5
-    assert (h - rh).abs().max() <= 1e-5 and (c - rc).abs().max() <= 1e-5
-
-
-def test_the_gate_gemms_in_row_pieces_give_the_oracles_vectors(monkeypatch):
-    """Where the gate GEMMs run in row pieces (gate_rows: bf16 on a CPU with AMX), each piece's cell follows its
-    gates: the vectors and final states are the oracle's (pieces of 4 rows here, in float32, so that every step is
-    cut); elsewhere a step's rows are one call, as before."""
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch build has no oneDNN")
-    assert lstm_loops.gate_rows(torch.float32) is None
-    monkeypatch.setattr(lstm_loops, "gate_rows", lambda dtype: 4)
-    model = random_bilm("tiny", seed=4)
-    model.lstm_loop = "onednn"
-    ids, lengths = _batch()
-    ref, (rh, rc) = oracle_forward(model, ids, lengths, None)
-    with torch.inference_mode():
-        got, (h, c) = model(ids, lengths)
+    assert model._pair_weights(0)[0].name == model.lstm_loop
     assert (got - ref).abs().max() <= 1e-5
     assert (h - rh).abs().max() <= 1e-5 and (c - rc).abs().max() <= 1e-5
 
 
 def test_gate_rows_by_the_cpus_flags(monkeypatch):
-    monkeypatch.setattr(lstm_loops, "_cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
     assert lstm_loops.gate_rows(torch.bfloat16) == lstm_loops.AMX_GATE_ROWS
     assert lstm_loops.gate_rows(torch.float32) is None
-    monkeypatch.setattr(lstm_loops, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     assert lstm_loops.gate_rows(torch.bfloat16) is None
 
 

@@ -101,9 +101,9 @@ def test_a_gemm_whose_bits_depend_on_the_thread_count_runs_at_one_thread():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_checks_rows_catch_any_change_of_the_summation_order(dtype):
-    """check_pair: the products cancel (0 in real numbers: within float64's rounding), and summing K in four blocks, last first, instead
-    of one pass moves most outputs' bits, where random rows and weights move a bf16 output only now and then (why a check on
-    random rows kept 36-row calls of the AMX projection that move a row's bits)."""
+    """check_pair: the products cancel (0 in real numbers: within float64's rounding), and summing K in four blocks,
+    last first, instead of one pass moves most outputs' bits, where random rows and weights move a bf16 output only
+    now and then (why a check on random rows kept 36-row calls of the AMX projection that move a row's bits)."""
     like = torch.zeros(8, 4096, dtype=dtype)
     w, x = check_pair(4096, 64, like)
     assert x.shape == (16, 4096) and w.shape == (64, 4096) and x.dtype == w.dtype == dtype
