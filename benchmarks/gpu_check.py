@@ -148,6 +148,7 @@ def step_levers(device: str, quick: bool) -> dict:
 
 
 PIPELINE_BUDGET = 4096          # pipeline.run's --max-tokens-per-batch default
+PIPELINE_TIMEOUT_S = 240        # one pipeline run's default limit (--pipeline-timeout): a hung run is recorded
 
 
 def model_alone(device: str, sentences: list[list[str]], budget: int) -> dict:
@@ -166,7 +167,7 @@ def model_alone(device: str, sentences: list[list[str]], budget: int) -> dict:
             "wall_s": wall, "tokens_per_s": tokens / wall, "gpu_busy_share": busy.share}
 
 
-def step_pipeline(device: str, lines: int, workers: list[int]) -> dict:
+def step_pipeline(device: str, lines: int, workers: list[int], timeout: float = PIPELINE_TIMEOUT_S) -> dict:
     """The pipeline (shipped model, default budget) on `lines` WikiText-2 lines with each worker count: tokens/s
     from its manifest and the GPU's busy share; then the model alone on the sentences the first run wrote."""
     import pyarrow.dataset as ds
@@ -182,8 +183,12 @@ def step_pipeline(device: str, lines: int, workers: list[int]) -> dict:
                    "--direct_running_mode", "multi_processing", f"--direct_num_workers={n}"]
             t = time.perf_counter()
             with BusyShare(device) as busy:
-                p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": _pythonpath()}, capture_output=True,
-                                   text=True)
+                try:
+                    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": _pythonpath()},
+                                       capture_output=True, text=True, timeout=timeout)
+                except subprocess.TimeoutExpired as e:      # recorded as a failed run; the other runs still go
+                    p = subprocess.CompletedProcess(cmd, 124, "", f"timed out after {timeout} s; stderr: "
+                                                    + (e.stderr or b"").decode(errors="replace")[-1500:])
             wall = time.perf_counter() - t
             tokens = None
             if p.returncode == 0:
@@ -203,7 +208,8 @@ def step_pipeline(device: str, lines: int, workers: list[int]) -> dict:
 
 
 def run(device: str, quick: bool, out: str | None, steps: list[str] | None = None,
-        budgets: list[int] | None = None) -> dict:
+        budgets: list[int] | None = None, lines: int | None = None, pipeline_timeout: float = PIPELINE_TIMEOUT_S
+        ) -> dict:
     sentences = wikitext_sentences(40 if quick else 2000)
     config = "tiny" if quick else "original"
     budgets = budgets or ([4096] if quick else [16384, 65536])
@@ -216,7 +222,8 @@ def run(device: str, quick: bool, out: str | None, steps: list[str] | None = Non
                                                 wikitext_sentences(200 if quick else 2000, split="train")),
         "quality": lambda: step_quality(device, quick),
         "levers": lambda: step_levers(device, quick),
-        "pipeline": lambda: step_pipeline(device, 20 if quick else 1000, [1, 2] if quick else [1, 4]),
+        "pipeline": lambda: step_pipeline(device, lines or (20 if quick else 1000), [1, 2] if quick else [1, 4],
+                                          pipeline_timeout),
     }
     for name, fn in ((n, calls[n]) for n in (steps or STEPS)):
         t = time.perf_counter()
@@ -244,8 +251,11 @@ def main() -> None:
     ap.add_argument("--steps", nargs="+", choices=STEPS, default=None, help="these steps only (default: all)")
     ap.add_argument("--budgets", type=int, nargs="+", default=None,
                     help="model_speed token budgets (default 16384 65536; --quick 4096)")
+    ap.add_argument("--lines", type=int, default=None, help="pipeline step: WikiText-2 lines (default 1000; --quick 20)")
+    ap.add_argument("--pipeline-timeout", type=float, default=PIPELINE_TIMEOUT_S,
+                    help=f"pipeline step: seconds one run may take (default {PIPELINE_TIMEOUT_S})")
     args = ap.parse_args()
-    run(args.device, args.quick, args.out, args.steps, args.budgets)
+    run(args.device, args.quick, args.out, args.steps, args.budgets, args.lines, args.pipeline_timeout)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """What the GPU path could still gain, by measurement (issue: the GPU path measured): CUDA graphs for the LSTM
 step, and pinned host buffers for a batch's results.
 
-  step   one step of model/bilm.py's bmm loop for both directions of a layer (the recurrent baddbmm_, the cell as
-         the model runs it on this device, the projection bmm, its clip), at R rows, S steps in a row: issued eagerly
-         (a kernel launch per op) against the same S steps captured once in a CUDA graph and replayed (one launch);
-         ms per step and the share that launches cost, fp32 (TF32 off) and bf16.
+  step   one step of model/bilm.py's bmm loop for both directions of a layer (the recurrent baddbmm_, the cell,
+         the projection bmm, its clip), at R rows, S steps in a row: issued eagerly (a kernel launch per op) against
+         the same S steps captured once in a CUDA graph and replayed (one launch); ms per step and the share that
+         launches cost, fp32 (TF32 off) and bf16; on a GPU with each cell (model.lstm_loops: the compiled kernel,
+         whose every call passes torch.compile's guards on the host, and the eager cell's 7 in-place ops).
   copy   a batch's results (budget x 3 layers x 2P fp32) device -> host: into pageable memory, into pinned
          memory, and pinned with non_blocking on a side stream while S steps run on the main one (how much of
-         the copy the compute hides).
+         the copy the compute hides); and as a result is delivered, its host array made by each copy: a new
+         pageable array (`.cpu()`, fresh pages faulted in as the copy lands) against model.device.to_host (page-
+         locked memory from torch's caching host allocator, reused).
 
     python -m benchmarks.gpu_levers [--device cuda] [--config original] [--rows 16 64 256] [--steps 64]
         [--budget 16384] [--tag NAME] [--out PATH]
@@ -25,6 +28,7 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, machine
+from elmo_pipeline.model.device import to_host
 from elmo_pipeline.model.lstm import options_from_env
 from elmo_pipeline.model.lstm_loops import cell_for
 from elmo_pipeline.model.options import parse_options
@@ -36,11 +40,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def make_steps(H: int, P: int, rows: int, steps: int, dtype: torch.dtype, device: str, clip: float = 3.0):
+def make_steps(H: int, P: int, rows: int, steps: int, dtype: torch.dtype, device: str, clip: float = 3.0,
+               compile_cell: bool | None = None):
     """A function running `steps` LSTM steps of both directions at `rows` rows in place on static buffers (so a
-    CUDA graph can capture it): per step gates = xw + h @ W_rec, the cell, h = clip(out @ W_proj)."""
+    CUDA graph can capture it): per step gates = xw + h @ W_rec, the cell, h = clip(out @ W_proj). compile_cell:
+    the cell cell_for gives (None: as a model built here runs it)."""
     g = torch.Generator().manual_seed(0)
-    cell = cell_for(torch.device(device), options_from_env()[1])     # the cell as a model built here runs it
+    compile_cell = options_from_env()[1] if compile_cell is None else compile_cell
+    cell = cell_for(torch.device(device), compile_cell)
 
     def rand(*shape, scale=1.0):
         return ((torch.rand(*shape, generator=g) * 2 - 1) * scale).to(device=device, dtype=dtype)
@@ -76,26 +83,27 @@ def time_ms(fn, device: str, repeats: int = 5) -> float:
 
 def step_rows(device: str, H: int, P: int, rows: list[int], steps: int) -> list[dict]:
     out = []
-    for dt in ("float32", "bfloat16"):
+    cells = (True, False) if device.startswith("cuda") else (False,)
+    for dt, r, compiled in ((dt, r, c) for dt in ("float32", "bfloat16") for r in rows for c in cells):
         dtype = getattr(torch, dt)
-        for r in rows:
-            run = make_steps(H, P, r, steps, dtype, device)
-            eager = time_ms(run, device)
-            row = {"dtype": dt, "rows": r, "steps": steps, "eager_ms_per_step": eager / steps}
-            if device.startswith("cuda"):
-                try:
-                    for _ in range(3):               # compile and warm up outside the capture
-                        run()
-                    _sync(device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        run()
-                    replay = time_ms(graph.replay, device)
-                    row.update(graph_ms_per_step=replay / steps, launch_share=1 - replay / eager)
-                except Exception as e:  # noqa: BLE001 - recorded; the other rows still run
-                    row["graph_error"] = f"{type(e).__name__}: {e}"[:500]
-            out.append(row)
-            print(row, flush=True)
+        run = make_steps(H, P, r, steps, dtype, device, compile_cell=compiled)
+        eager = time_ms(run, device)
+        row = {"dtype": dt, "rows": r, "steps": steps, "cell": "compiled" if compiled else "eager",
+               "eager_ms_per_step": eager / steps}
+        if device.startswith("cuda"):
+            try:
+                for _ in range(3):               # compile and warm up outside the capture
+                    run()
+                _sync(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                replay = time_ms(graph.replay, device)
+                row.update(graph_ms_per_step=replay / steps, launch_share=1 - replay / eager)
+            except Exception as e:  # noqa: BLE001 - recorded; the other rows still run
+                row["graph_error"] = f"{type(e).__name__}: {e}"[:500]
+        out.append(row)
+        print(row, flush=True)
     return out
 
 
@@ -107,7 +115,9 @@ def copy_rows(device: str, H: int, P: int, budget: int, steps: int) -> dict:
     gb = n * 4 / 1e9
     res = {"bytes": n * 4,
            "pageable_gb_s": gb / (time_ms(lambda: pageable.copy_(src), device) / 1e3),
-           "pinned_gb_s": gb / (time_ms(lambda: pinned.copy_(src, non_blocking=True), device) / 1e3)}
+           "pinned_gb_s": gb / (time_ms(lambda: pinned.copy_(src, non_blocking=True), device) / 1e3),
+           "new_pageable_array_gb_s": gb / (time_ms(lambda: src.cpu().numpy(), device) / 1e3),
+           "to_host_gb_s": gb / (time_ms(lambda: to_host(src), device) / 1e3)}
     run = make_steps(H, P, 64, steps, torch.bfloat16, device)
     side = torch.cuda.Stream()
 

@@ -24,7 +24,7 @@ import torch
 from elmo_pipeline.model.batching import embed_in_batches, plan_batches
 from elmo_pipeline.model.bilm import BiLM
 from elmo_pipeline.model.char_ids import BOS_TOKEN, EOS_TOKEN, distinct_char_ids
-from elmo_pipeline.model.device import check_batch_invariant, host_side, resolve_device
+from elmo_pipeline.model.device import check_batch_invariant, host_side, resolve_device, to_host
 from elmo_pipeline.model.hardware import warn_if_emulated
 from elmo_pipeline.model.options import COMPUTE_DTYPES, STATE_MODES, sentences_independent
 
@@ -221,7 +221,8 @@ class ElmoEmbedder:
         """One batch, as given, packed: float32 (n_layers+1, N, 2P) for its N tokens, sentence after sentence
         (each layer one contiguous (N, 2P) block; no padding, no copy per sentence), and offsets (B+1,) int64:
         sentence b is [:, offsets[b]:offsets[b+1]]. layers (ascending): only these, (len(layers), N, 2P), the
-        same values; the others are computed but not copied out. prepared: prepare_packed(sentences)."""
+        same values; the others are computed but not copied out. prepared: prepare_packed(sentences). On a GPU the
+        array lives in page-locked host memory, back in torch's cache once freed (model.device.to_host)."""
         sentences = [list(s) for s in sentences]
         offsets = np.zeros(len(sentences) + 1, dtype=np.int64)
         np.cumsum([len(s) for s in sentences], out=offsets[1:])
@@ -231,7 +232,7 @@ class ElmoEmbedder:
         out, state = self._forward(sentences, self._initial_state(len(sentences)), layers, prepared)
         if self.state_mode == "stateful":
             self._keep_state(state)
-        return out.float().cpu().numpy(), offsets
+        return to_host(out), offsets
 
     def embed_batch(self, sentences: Sequence[Sequence[str]]) -> list[np.ndarray]:
         """One batch, as given. Returns one float32 array (n_layers+1, T_i, 2P) per sentence."""

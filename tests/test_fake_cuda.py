@@ -148,3 +148,13 @@ def test_char_id_step_runs_no_torch_op():
         uniq, index, lengths = distinct_char_ids(SENTS)
     assert n.launches == 0 and n.views == 0
     assert uniq.dtype == np.int64 and index.shape == (4, max(len(s) for s in SENTS) + 2)
+
+
+def test_to_host_on_a_cpu():
+    """model.device.to_host on the CPU: float32 results are the tensor's own memory (no copy), others float32."""
+    from elmo_pipeline.model.device import to_host
+    t = torch.arange(6, dtype=torch.float32).view(2, 3)
+    a = to_host(t)
+    assert a.dtype == np.float32 and np.shares_memory(a, t.numpy())
+    b = to_host(t.to(torch.bfloat16)[:, 1:])
+    assert b.dtype == np.float32 and b.shape == (2, 2) and b.tolist() == [[1, 2], [4, 5]]

@@ -42,3 +42,30 @@ def test_gpu_check_cpu_report(tmp_path):
     assert [(r["workers"], r["returncode"]) for r in pipe["runs"]] == [(1, 0), (2, 0)]
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["gpu_busy_share"] is None for r in pipe["runs"])
     assert pipe["model_alone"]["tokens"] == pipe["runs"][0]["tokens"] and pipe["model_alone"]["tokens_per_s"] > 0
+
+
+def test_union_of_device_intervals():
+    """gpu_profile's device busy time: overlapping and nested intervals count once, gaps not at all."""
+    from benchmarks.gpu_profile import _union_s
+    assert _union_s([]) == 0
+    assert _union_s([(0, 10), (5, 15), (6, 7), (20, 30)]) == pytest.approx(25e-6)
+    assert _union_s([(20, 30), (0, 10)]) == pytest.approx(20e-6)
+
+
+@pytest.mark.slow
+def test_gpu_profile_cpu_report(tmp_path):
+    """benchmarks.gpu_profile --device cpu: each run's wall, the pageable side by side, the host's top functions."""
+    from tests.conftest import shared_path
+    shared_path("data", "wikitext-2", "valid.txt")
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_profile", "--device", "cpu", "--config", "tiny",
+                           "--sentences", "60", "--budget", "1024", "--lanes", "on", "off", "--pageable", "--top", "5",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["dtype"], r["lanes"]) for r in runs] == [(dt, lanes) for dt in ("float32", "bfloat16")
+                                                        for lanes in (True, False)]
+    for r in runs:
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["pageable_tokens_per_s"] > 0
+        assert r["device"]["device_busy_s"] == 0 and r["device"]["top_host_ops"]       # no device on a CPU
+        assert len(r["host"]["top_functions"]) == 5 and all(f["own_s"] >= 0 for f in r["host"]["top_functions"])
