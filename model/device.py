@@ -117,10 +117,13 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     page-locked memory from torch's caching host allocator, reused once the array is freed, at the link's speed; a
     new pageable array (`.cpu()`) faults its fresh pages in as the copy lands (NVIDIA H200: 1.35 GB/s against 51.9,
     benchmarks/results/gpu_levers_NVIDIA_H200.json; the embedder 1.37-1.91x faster, gpu_profile_NVIDIA_H200.json).
-    The array keeps its block of page-locked memory until it is freed."""
+    The array keeps its block of page-locked memory until it is freed; where none is given, a new pageable array."""
     t = t.float()
     if t.device.type == "cpu":
         return t.numpy()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    try:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    except RuntimeError:            # page-locked memory refused (the host's or a container's limit): a pageable copy
+        return t.cpu().numpy()
     host.copy_(t)                                   # synchronous: the array is complete when returned
     return host.numpy()

@@ -158,3 +158,21 @@ def test_to_host_on_a_cpu():
     assert a.dtype == np.float32 and np.shares_memory(a, t.numpy())
     b = to_host(t.to(torch.bfloat16)[:, 1:])
     assert b.dtype == np.float32 and b.shape == (2, 2) and b.tolist() == [[1, 2], [4, 5]]
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_to_host_one_copy_pinned_or_not(dev, pinned):
+    """model.device.to_host on a GPU: one device-to-host copy, into page-locked memory, or, where that is refused,
+    into a new pageable array; the same shape and dtype either way."""
+    from elmo_pipeline.model.device import to_host
+    t = torch.zeros(3, 4, 8, device=dev, dtype=torch.bfloat16)
+    empty = torch.empty
+
+    def refusing(*a, **k):
+        if k.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory")
+        return empty(*a, **k)
+    with mock.patch("torch.empty", empty if pinned else refusing), OpCounter() as n:
+        a = to_host(t)
+    assert (n.h2d, n.d2h) == (0, 1), n.report()
+    assert a.shape == (3, 4, 8) and a.dtype == np.float32
