@@ -16,8 +16,8 @@ each call fits a time limit, and --out names each call's JSON):
   levers       benchmarks.gpu_levers: CUDA graphs for the LSTM step against eager launches, pinned and overlapped
                result copies (its JSON beside this report's)
   pipeline     the Beam pipeline end to end on WikiText-2 lines with 1 and 4 worker processes sharing the device
-               (--quick: 1 and 2): tokens/s and the GPU's busy share (nvidia-smi), beside the model alone on the
-               same sentences
+               (--quick: 1 and 2): tokens/s, the GPU's busy share (nvidia-smi) and the run's stage seconds (its
+               metrics.prom), beside the model alone on the same sentences
 Writes benchmarks/results/gpu_check_<device name>.json (or --out) naming the device and the machine.
 """
 from __future__ import annotations
@@ -167,6 +167,18 @@ def model_alone(device: str, sentences: list[list[str]], budget: int) -> dict:
             "wall_s": wall, "tokens_per_s": tokens / wall, "gpu_busy_share": busy.share}
 
 
+def stage_seconds(metrics_file: str) -> dict[str, float]:
+    """The run's own seconds from its metrics.prom: each stage's (read, tokenize, batch, embed, write) and the run's
+    (the rest of a process's wall is its start-up: imports, the runner, the workers)."""
+    out = {}
+    with open(metrics_file, encoding="utf-8") as f:
+        for line in f:
+            m = re.match(r'elmo_pipeline_(?:stage_seconds\{.*stage="(\w+)"\}|(run)_seconds\{.*\}) (\S+)$', line.strip())
+            if m:
+                out[m.group(1) or m.group(2)] = float(m.group(3))
+    return out
+
+
 def step_pipeline(device: str, lines: int, workers: list[int], timeout: float = PIPELINE_TIMEOUT_S) -> dict:
     """The pipeline (shipped model, default budget) on `lines` WikiText-2 lines with each worker count: tokens/s
     from its manifest and the GPU's busy share; then the model alone on the sentences the first run wrote."""
@@ -190,12 +202,14 @@ def step_pipeline(device: str, lines: int, workers: list[int], timeout: float = 
                     p = subprocess.CompletedProcess(cmd, 124, "", f"timed out after {timeout} s; stderr: "
                                                     + (e.stderr or b"").decode(errors="replace")[-1500:])
             wall = time.perf_counter() - t
-            tokens = None
+            tokens, stages = None, None
             if p.returncode == 0:
                 with open(os.path.join(out, "manifest.json")) as f:
                     tokens = json.load(f)["counts"]["tokens_written"]
+                stages = stage_seconds(os.path.join(out, "metrics.prom"))
             rows.append({"workers": n, "returncode": p.returncode, "wall_s": wall, "lines": lines, "tokens": tokens,
                          "tokens_per_s": tokens / wall if tokens else None, "gpu_busy_share": busy.share,
+                         "stage_seconds": stages,
                          "stderr_tail": p.stderr[-2000:] if p.returncode else ""})
         alone = None
         if rows and rows[0]["returncode"] == 0:

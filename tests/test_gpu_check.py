@@ -42,6 +42,7 @@ def test_gpu_check_cpu_report(tmp_path):
     assert [(r["workers"], r["returncode"]) for r in pipe["runs"]] == [(1, 0), (2, 0)]
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["gpu_busy_share"] is None for r in pipe["runs"])
     assert pipe["model_alone"]["tokens"] == pipe["runs"][0]["tokens"] and pipe["model_alone"]["tokens_per_s"] > 0
+    assert all({"tokenize", "embed", "write", "run"} <= set(r["stage_seconds"]) for r in pipe["runs"])
 
 
 def test_union_of_device_intervals():
@@ -69,3 +70,14 @@ def test_gpu_profile_cpu_report(tmp_path):
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["pageable_tokens_per_s"] > 0
         assert r["device"]["device_busy_s"] == 0 and r["device"]["top_host_ops"]       # no device on a CPU
         assert len(r["host"]["top_functions"]) == 5 and all(f["own_s"] >= 0 for f in r["host"]["top_functions"])
+
+
+def test_stage_seconds_from_metrics(tmp_path):
+    """gpu_check's pipeline rows: each stage's seconds and the run's, read from the run's metrics.prom."""
+    from benchmarks.gpu_check import stage_seconds
+    prom = tmp_path / "metrics.prom"
+    prom.write_text('# HELP x\nelmo_pipeline_tokens_written_total{output="o"} 9\n'
+                    'elmo_pipeline_stage_seconds{output="o",stage="embed"} 1.5\n'
+                    'elmo_pipeline_stage_seconds{output="o",stage="write"} 0.25\n'
+                    'elmo_pipeline_run_seconds{output="o"} 2\n')
+    assert stage_seconds(str(prom)) == {"embed": 1.5, "write": 0.25, "run": 2.0}
