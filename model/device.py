@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import tempfile
 
 import numpy as np
 import torch
 
+logger = logging.getLogger("elmo-pipeline.device")
 _GPU_LOCKS: list = []   # flock'd files held for the life of the process
 
 # Where the batch-invariant path's bits are not independent of the batching, it is refused, never run with a
@@ -112,18 +114,29 @@ def upload(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, tor
     return out
 
 
+_PINNED = {"refused": False}     # page-locked memory refused once in this process: not asked for again
+
+
 def to_host(t: torch.Tensor) -> np.ndarray:
-    """A result as a float32 numpy array on the host. On the CPU: t itself (a view, no copy). On a GPU: copied into
-    page-locked memory from torch's caching host allocator, reused once the array is freed, at the link's speed; a
-    new pageable array (`.cpu()`) faults its fresh pages in as the copy lands (NVIDIA H200: 1.35 GB/s against 51.9,
-    benchmarks/results/gpu_levers_NVIDIA_H200.json; the embedder 1.37-1.91x faster, gpu_profile_NVIDIA_H200.json).
-    The array keeps its block of page-locked memory until it is freed; where none is given, a new pageable array."""
+    """A result as a float32 numpy array on the host. On the CPU: t itself when float32 (a view, no copy), else its
+    float32 copy. On a GPU: copied into page-locked memory from torch's caching host allocator, reused once the array
+    is freed, at the link's speed; a new pageable array (`.cpu()`) faults its fresh pages in as the copy lands (NVIDIA
+    H200: 1.35 GB/s against 51.9, benchmarks/results/gpu_levers_NVIDIA_H200.json; the embedder 1.37-1.91x faster,
+    gpu_profile_NVIDIA_H200.json). The array keeps its block until it is freed; the allocator sizes blocks in powers
+    of two and keeps freed ones for reuse (never back to the OS while the process runs), so hold such arrays only
+    as long as they are being used (ElmoEmbedder.embed_batch hands out copies). Where page-locked memory is refused,
+    one warning, and new pageable arrays from then on."""
     t = t.float()
     if t.device.type == "cpu":
         return t.numpy()
-    try:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    except RuntimeError:            # page-locked memory refused (the host's or a container's limit): a pageable copy
-        return t.cpu().numpy()
-    host.copy_(t)                                   # synchronous: the array is complete when returned
-    return host.numpy()
+    if not _PINNED["refused"]:
+        try:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        except RuntimeError as e:   # the host's or a container's limit on locked memory
+            _PINNED["refused"] = True
+            logger.warning("page-locked host memory refused (%s): results are copied into pageable memory, slower",
+                           str(e).splitlines()[0][:200])
+        else:
+            host.copy_(t)                           # synchronous: the array is complete when returned
+            return host.numpy()
+    return t.cpu().numpy()

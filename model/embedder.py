@@ -237,7 +237,8 @@ class ElmoEmbedder:
     def embed_batch(self, sentences: Sequence[Sequence[str]]) -> list[np.ndarray]:
         """One batch, as given. Returns one float32 array (n_layers+1, T_i, 2P) per sentence."""
         out, offsets = self.embed_packed(sentences)
-        return [np.ascontiguousarray(out[:, a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+        # copies, never the batch's block (on a GPU page-locked memory, to be reused): also for a one-sentence batch
+        return [np.array(out[:, a:b], order="C") for a, b in zip(offsets[:-1], offsets[1:])]
 
     def embed_sentence(self, tokens: Sequence[str]) -> np.ndarray:
         """(n_layers+1, T, 2P) for one sentence; T = 0 for an empty one."""

@@ -161,18 +161,48 @@ def test_to_host_on_a_cpu():
 
 
 @pytest.mark.parametrize("pinned", [True, False])
-def test_to_host_one_copy_pinned_or_not(dev, pinned):
+def test_to_host_one_copy_pinned_or_not(dev, pinned, caplog):
     """model.device.to_host on a GPU: one device-to-host copy, into page-locked memory, or, where that is refused,
-    into a new pageable array; the same shape and dtype either way."""
-    from elmo_pipeline.model.device import to_host
+    into a new pageable array, with one warning, and page-locked memory not asked for again in the process."""
+    from elmo_pipeline.model import device
     t = torch.zeros(3, 4, 8, device=dev, dtype=torch.bfloat16)
-    empty = torch.empty
+    empty, asked = torch.empty, []
 
     def refusing(*a, **k):
         if k.get("pin_memory"):
-            raise RuntimeError("CUDA error: out of memory")
+            asked.append(1)
+            raise RuntimeError("CUDA error: out of memory\nmore")
         return empty(*a, **k)
-    with mock.patch("torch.empty", empty if pinned else refusing), OpCounter() as n:
-        a = to_host(t)
-    assert (n.h2d, n.d2h) == (0, 1), n.report()
-    assert a.shape == (3, 4, 8) and a.dtype == np.float32
+    with mock.patch.dict(device._PINNED, refused=False), mock.patch("torch.empty", empty if pinned else refusing), \
+            caplog.at_level("WARNING", logger="elmo-pipeline.device"):
+        for _ in range(2):
+            with OpCounter() as n:
+                a = device.to_host(t)
+            assert (n.h2d, n.d2h) == (0, 1), n.report()
+            assert a.shape == (3, 4, 8) and a.dtype == np.float32
+    warned = [r.getMessage() for r in caplog.records]
+    if pinned:
+        assert not warned
+    else:
+        assert len(asked) == 1 and len(warned) == 1 and "page-locked host memory refused (CUDA error: out of memory)" \
+            in warned[0]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_embed_batch_hands_out_copies(n):
+    """ElmoEmbedder.embed_batch's arrays are copies, never the batch's block (on a GPU page-locked memory that torch
+    reuses), for a one-sentence batch too."""
+    from elmo_pipeline.model import embedder as embedder_module
+    from elmo_pipeline.model.synthetic import random_bilm
+    e = ElmoEmbedder(model=random_bilm("tiny"))
+    blocks = []
+    real = embedder_module.to_host
+
+    def keeping(t):                 # a contiguous block of the batch's results, as to_host gives on a GPU
+        blocks.append(np.ascontiguousarray(real(t)))
+        return blocks[-1]
+    with mock.patch.object(embedder_module, "to_host", keeping):
+        out = e.embed_batch(SENTS[:n])
+    assert len(blocks) == 1 and len(out) == n
+    assert not any(np.shares_memory(o, blocks[0]) for o in out)
+    assert all(o.flags.c_contiguous and o.flags.owndata for o in out)
