@@ -1,7 +1,7 @@
 """Where a GPU run's time goes: the embedder (what a user calls) under torch.profiler, then under cProfile.
 
     python -m benchmarks.gpu_profile [--device cuda] [--config original] [--sentences 2000] [--budget 16384]
-        [--dtypes float32 bfloat16] [--lanes on off] [--pageable] [--top 25] [--out PATH]
+        [--dtypes float32 bfloat16] [--lanes on off] [--pageable] [--eager-cell] [--top 25] [--out PATH]
 
 Per dtype and lanes setting, random weights of the shape, the token cache warm, after a warm-up run of the same
 sentences (compilation and caches out of the timing):
@@ -12,6 +12,8 @@ sentences (compilation and caches out of the timing):
   host     a run under cProfile: the top functions by their own time (where the host's wall goes)
 --pageable adds, beside each, the wall of the same run with each batch's results copied into a new
 pageable array (`.cpu()`), as the embedder did before model.device.to_host: the lever side by side (wall only).
+--eager-cell adds the wall of the same run with the bmm loop's eager cell (7 in-place ops a step) instead of the
+compiled one (one kernel, but every call through torch.compile's wrapper and guards on the host).
 fp32 runs with TF32 off (fp32 as fp32). Writes benchmarks/results/gpu_profile_<device name>.json (or --out). On a CPU
 (--device cpu) the device rows are empty: a check that the script works, not a result.
 """
@@ -100,7 +102,7 @@ def _pageable(t: torch.Tensor):
 
 
 def profile_one(config: str, sentences, budget: int, device: str, dtype: torch.dtype, lanes: bool,
-                warm: list[list[str]], top: int, pageable: bool = False) -> dict:
+                warm: list[list[str]], top: int, pageable: bool = False, eager_cell: bool = False) -> dict:
     model = random_bilm(config).to(device=device, dtype=dtype)
     embedder = ElmoEmbedder(model=model, device=device, lanes=lanes)
     list(embedder.embed_sentences(warm, max_tokens=budget))          # token cache, compilation, allocator
@@ -112,6 +114,12 @@ def profile_one(config: str, sentences, budget: int, device: str, dtype: torch.d
         with mock.patch.object(embedder_module, "to_host", _pageable):
             _run(embedder, sentences, budget, device)
             pageable_wall = _run(embedder, sentences, budget, device)
+    eager_wall = None
+    if eager_cell:
+        was, model.compile_cell = model.compile_cell, False      # part of the loop's key: the eager cell from now on
+        _run(embedder, sentences, budget, device)
+        eager_wall = _run(embedder, sentences, budget, device)
+        model.compile_cell = was
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -125,8 +133,10 @@ def profile_one(config: str, sentences, budget: int, device: str, dtype: torch.d
     row = {"dtype": str(dtype).removeprefix("torch."), "lanes": lanes, "budget": budget, "tokens": tokens,
            "sentences": len(sentences), "wall_s": wall, "tokens_per_s": tokens / wall,
            "pageable_wall_s": pageable_wall, "pageable_tokens_per_s": tokens / pageable_wall if pageable else None,
+           "eager_cell_wall_s": eager_wall, "eager_cell_tokens_per_s": tokens / eager_wall if eager_cell else None,
            "device": dev, "host": {"wall_s": cprof_wall, "top_functions": host_view(profiler, top)}}
     before = f" (new pageable arrays: {tokens / pageable_wall:,.0f})" if pageable else ""
+    before += f" (eager cell: {tokens / eager_wall:,.0f})" if eager_cell else ""
     print(f"{row['dtype']:<9} lanes {'on ' if lanes else 'off'} {tokens / wall:10,.0f} tokens/s{before}; device busy "
           f"{dev['device_busy_share'] or 0:.1%} of the profiled run ({dev['kernel_launches']} launches)", flush=True)
     return row
@@ -142,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lanes", nargs="+", choices=("on", "off"), default=["on", "off"])
     ap.add_argument("--pageable", action="store_true",
                     help="also time each run with its results copied into new pageable arrays (the lever's before)")
+    ap.add_argument("--eager-cell", action="store_true",
+                    help="also time each run with the bmm loop's eager cell instead of the compiled one")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu_profile_<device>.json)")
     args = ap.parse_args(argv)
@@ -152,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     warm = wikitext_sentences(args.sentences, split="train")
     name = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "cpu"
     rows = [profile_one(args.config, sentences, args.budget, args.device, getattr(torch, dt), lanes == "on", warm,
-                        args.top, args.pageable)
+                        args.top, args.pageable, args.eager_cell)
             for dt in args.dtypes for lanes in args.lanes]
     report = {"device": args.device, "device_name": name, "machine": machine(), "torch": torch.__version__,
               "config": args.config, "runs": rows}

@@ -60,7 +60,8 @@ def test_gpu_profile_cpu_report(tmp_path):
     shared_path("data", "wikitext-2", "valid.txt")
     out = tmp_path / "profile.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_profile", "--device", "cpu", "--config", "tiny",
-                           "--sentences", "60", "--budget", "1024", "--lanes", "on", "off", "--pageable", "--top", "5",
+                           "--sentences", "60", "--budget", "1024", "--lanes", "on", "off", "--pageable", "--eager-cell",
+                           "--top", "5",
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
@@ -68,6 +69,7 @@ def test_gpu_profile_cpu_report(tmp_path):
                                                         for lanes in (True, False)]
     for r in runs:
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["pageable_tokens_per_s"] > 0
+        assert r["eager_cell_tokens_per_s"] > 0
         assert r["device"]["device_busy_s"] == 0 and r["device"]["top_host_ops"]       # no device on a CPU
         assert len(r["host"]["top_functions"]) == 5 and all(f["own_s"] >= 0 for f in r["host"]["top_functions"])
 
