@@ -37,3 +37,17 @@ def test_the_benchmark_names_each_step_gemm(tmp_path):
     assert [(g["gemm"], g["rows"], g["packed_for"], g["pieces"]) for g in run["gemms"]] == [
         (n, *x) for n in ("gates", "gate j", "projection") for x in per_gemm]
     assert all(g["implementation"] and g["gflops"] > 0 for g in run["gemms"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_cell_ops_times_each_op_beside_the_gemms(tmp_path):
+    """benchmarks/cell_ops.py: every op of the oneDNN loop's cell, the whole cell and the three step GEMMs, timed."""
+    from benchmarks import cell_ops
+    out = tmp_path / "c.json"
+    cell_ops.main(["--shape", "small", "--rows", "8", "--dtypes", "float32", "--out", str(out)])
+    (run,) = json.loads(out.read_text())["runs"]
+    assert list(run["cell_us"]) == ["c * f", "+ i * j", "cell clip", "o * tanh(c) (_tanh_times)",
+                                    "o * tanh(c) (torch.tanh in the dtype)", "the whole cell"]
+    assert list(run["gemm_us"]) == ["gates", "gate j", "projection"] and all(v > 0 for v in run["gemm_us"].values())
+    assert run["cell_us"]["the whole cell"] > 0 and 0 < run["cell_share_of_step"] < 1
