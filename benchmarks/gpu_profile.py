@@ -5,15 +5,15 @@
 
 Per dtype and lanes setting, random weights of the shape, the token cache warm, after a warm-up run of the same
 sentences (compilation and caches out of the timing):
-  wall     one plain run: seconds, tokens/s
+  wall     plain runs: seconds (the median of 3), tokens/s
   device   a run under torch.profiler: the device's busy seconds (the union of its kernels' and copies' intervals)
            and their share of that run's wall, kernel launches, the top kernels by device time, the top ops by
            their own host time
   host     a run under cProfile: the top functions by their own time (where the host's wall goes)
 --pageable adds, beside each, the wall of the same run with each batch's results copied into a new
 pageable array (`.cpu()`), as the embedder did before model.device.to_host: the lever side by side (wall only).
---eager-cell adds the wall of the same run with the bmm loop's eager cell (7 in-place ops a step) instead of the
-compiled one (one kernel, but every call through torch.compile's wrapper and guards on the host).
+--eager-cell adds, after the profiled runs, the wall of the same runs with the bmm loop's eager cell (7 ops a step)
+instead of the compiled one (one kernel, but every call through torch.compile's wrapper and guards on the host).
 fp32 runs with TF32 off (fp32 as fp32). Writes benchmarks/results/gpu_profile_<device name>.json (or --out). On a CPU
 (--device cpu) the device rows are empty: a check that the script works, not a result.
 """
@@ -51,6 +51,11 @@ def _run(embedder: ElmoEmbedder, sentences, budget: int, device: str) -> float:
         total += float(a[-1, -1, 0])          # touch each delivered array (its copy is part of the path)
     _sync(device)
     return time.perf_counter() - t
+
+
+def _median_wall(embedder: ElmoEmbedder, sentences, budget: int, device: str, runs: int = 3) -> float:
+    """The median of `runs` passes' seconds (_run)."""
+    return sorted(_run(embedder, sentences, budget, device) for _ in range(runs))[runs // 2]
 
 
 def _union_s(intervals: list[tuple[float, float]]) -> float:
@@ -107,19 +112,13 @@ def profile_one(config: str, sentences, budget: int, device: str, dtype: torch.d
     embedder = ElmoEmbedder(model=model, device=device, lanes=lanes)
     list(embedder.embed_sentences(warm, max_tokens=budget))          # token cache, compilation, allocator
     _run(embedder, sentences, budget, device)                        # warm-up: the same sentences
-    wall = _run(embedder, sentences, budget, device)
+    wall = _median_wall(embedder, sentences, budget, device)
     tokens = sum(len(s) for s in sentences)
     pageable_wall = None
     if pageable:
         with mock.patch.object(embedder_module, "to_host", _pageable):
             _run(embedder, sentences, budget, device)
-            pageable_wall = _run(embedder, sentences, budget, device)
-    eager_wall = None
-    if eager_cell:
-        was, model.compile_cell = model.compile_cell, False      # part of the loop's key: the eager cell from now on
-        _run(embedder, sentences, budget, device)
-        eager_wall = _run(embedder, sentences, budget, device)
-        model.compile_cell = was
+            pageable_wall = _median_wall(embedder, sentences, budget, device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -130,6 +129,14 @@ def profile_one(config: str, sentences, budget: int, device: str, dtype: torch.d
     profiler.enable()
     cprof_wall = _run(embedder, sentences, budget, device)
     profiler.disable()
+    eager_wall = None
+    if eager_cell:          # last: switching the cell re-makes the loop's weights (the cell is part of their key)
+        was, model.compile_cell = model.compile_cell, False
+        try:
+            _run(embedder, sentences, budget, device)
+            eager_wall = _median_wall(embedder, sentences, budget, device)
+        finally:
+            model.compile_cell = was
     row = {"dtype": str(dtype).removeprefix("torch."), "lanes": lanes, "budget": budget, "tokens": tokens,
            "sentences": len(sentences), "wall_s": wall, "tokens_per_s": tokens / wall,
            "pageable_wall_s": pageable_wall, "pageable_tokens_per_s": tokens / pageable_wall if pageable else None,
