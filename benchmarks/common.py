@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -195,3 +196,15 @@ def kind_tag() -> str:
     if zen or "Intel" not in (cpu.get("name") or ""):
         return zen or "cpu"
     return "intel_amx" if "amx_bf16" in (cpu.get("flags") or []) else "intel"
+
+
+def stage_seconds(metrics_file: str) -> dict[str, float]:
+    """The run's own seconds from its metrics.prom: each stage's (read, tokenize, batch, embed, write) and the run's
+    (the rest of a process's wall is its start-up: imports, the runner, the workers)."""
+    out = {}
+    with open(metrics_file, encoding="utf-8") as f:
+        for line in f:
+            m = re.match(r'elmo_pipeline_(?:stage_seconds\{.*stage="(\w+)"\}|(run)_seconds\{.*\}) (\S+)$', line.strip())
+            if m:
+                out[m.group(1) or m.group(2)] = float(m.group(3))
+    return out

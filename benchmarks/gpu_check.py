@@ -35,7 +35,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import RESULTS, gemm_ceiling_gflops, machine, wikitext_sentences
+from benchmarks.common import RESULTS, gemm_ceiling_gflops, machine, stage_seconds, wikitext_sentences
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_FILES = ["tests/test_fixture_parity.py", "tests/test_oracle.py", "tests/test_state_modes.py",
@@ -165,18 +165,6 @@ def model_alone(device: str, sentences: list[list[str]], budget: int) -> dict:
     tokens = sum(len(s) for s in sentences)
     return {"path": "model alone (ElmoEmbedder.embed_sentences)", "budget": budget, "tokens": tokens,
             "wall_s": wall, "tokens_per_s": tokens / wall, "gpu_busy_share": busy.share}
-
-
-def stage_seconds(metrics_file: str) -> dict[str, float]:
-    """The run's own seconds from its metrics.prom: each stage's (read, tokenize, batch, embed, write) and the run's
-    (the rest of a process's wall is its start-up: imports, the runner, the workers)."""
-    out = {}
-    with open(metrics_file, encoding="utf-8") as f:
-        for line in f:
-            m = re.match(r'elmo_pipeline_(?:stage_seconds\{.*stage="(\w+)"\}|(run)_seconds\{.*\}) (\S+)$', line.strip())
-            if m:
-                out[m.group(1) or m.group(2)] = float(m.group(3))
-    return out
 
 
 def step_pipeline(device: str, lines: int, workers: list[int], timeout: float = PIPELINE_TIMEOUT_S) -> dict:

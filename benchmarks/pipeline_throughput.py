@@ -34,7 +34,7 @@ def main() -> int:
     import torch
 
     sys.path.insert(0, os.path.dirname(HERE))        # the repository root, when run as a script
-    from benchmarks.common import flops_per_token, gemm_ceiling_gflops, machine
+    from benchmarks.common import flops_per_token, gemm_ceiling_gflops, machine, stage_seconds
     from elmo_pipeline.model.embedder import ElmoEmbedder
     from elmo_pipeline.model.synthetic import write_random_bilm
     from elmo_pipeline.pipeline.run import counters, run
@@ -64,6 +64,7 @@ def main() -> int:
                   "--weight-file", files[1], "--torch-threads", str(args.threads), "--progress", "off",
                   "--max-tokens-per-batch", str(args.max_tokens_per_batch), "--compute-dtype", args.compute_dtype])
     wall = time.perf_counter() - t0
+    stages = stage_seconds(os.path.join(tmp, "out", "metrics.prom"))
     c = counters(result)
     assert c["tokens"] == n_tokens, (c["tokens"], n_tokens)
     embed_s = c["embed_milliseconds"] / 1000
@@ -83,6 +84,8 @@ def main() -> int:
     print(f"{'what':52s} {'seconds':>8s} {'tokens/s':>9s} {'share':>7s}")
     for name, secs in rows:
         print(f"{name:52s} {secs:8.1f} {n_tokens / secs:9.0f} {n_tokens / secs * fpt / 1e9 / ceiling:7.1%}")
+    print("the run's own seconds by stage (its metrics.prom; stages of different bundles overlap): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
     out = args.out or os.path.join(HERE, "results", f"pipeline_throughput_{len(lines)}docs.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
@@ -90,7 +93,7 @@ def main() -> int:
                    "command": " ".join(["python -m benchmarks.pipeline_throughput", *sys.argv[1:]]),
                    "threads": args.threads, "documents": len(lines), "sentences": len(sentences), "tokens": n_tokens,
                    "padding": round(pad, 4), "batches": c["batches"], "gemm_ceiling_gflops": round(ceiling),
-                   "flops_per_token": fpt,
+                   "flops_per_token": fpt, "stage_seconds": stages,
                    "rows": [{"what": n, "seconds": round(s, 2), "tokens_per_s": round(n_tokens / s),
                              "share_of_ceiling": round(n_tokens / s * fpt / 1e9 / ceiling, 4)} for n, s in rows]},
                   f, indent=1)

@@ -75,8 +75,8 @@ def test_gpu_profile_cpu_report(tmp_path):
 
 
 def test_stage_seconds_from_metrics(tmp_path):
-    """gpu_check's pipeline rows: each stage's seconds and the run's, read from the run's metrics.prom."""
-    from benchmarks.gpu_check import stage_seconds
+    """gpu_check's and pipeline_throughput's rows: each stage's seconds and the run's, from the run's metrics.prom."""
+    from benchmarks.common import stage_seconds
     prom = tmp_path / "metrics.prom"
     prom.write_text('# HELP x\nelmo_pipeline_tokens_written_total{output="o"} 9\n'
                     'elmo_pipeline_stage_seconds{output="o",stage="embed"} 1.5\n'
