@@ -14,12 +14,11 @@ JSON (default results/cell_ops_<kind>.json) names the machine. bfloat16 only whe
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
 
-from benchmarks.common import machine, write_result
+from benchmarks.common import cpu_report, machine, native_dtypes, write_cpu_report
 
 
 def median_us(call, seconds: float = 0.1, timings: int = 5) -> float:
@@ -93,24 +92,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    from elmo_pipeline.model import onednn
-    dtypes = [getattr(torch, d) for d in args.dtypes]
-    skipped = [d for d in dtypes if not onednn.runs(torch.device("cpu"), d)]
-    runs = [measure(args.shape, d, m, args.threads) for d in dtypes if d not in skipped for m in args.rows]
-    report = {"machine": machine(), "command": "python -m benchmarks.cell_ops " + " ".join(sys.argv[1:] if argv is None
-                                                                                          else argv),
-              "shape": args.shape, "threads": args.threads, "runs": runs,
-              "not_native": [str(d).removeprefix("torch.") for d in skipped]}
+    dtypes, skipped = native_dtypes(args.dtypes)
+    runs = [measure(args.shape, d, m, args.threads) for d in dtypes for m in args.rows]
+    report = cpu_report("cell_ops", argv, args.shape, args.threads, runs, skipped)
     print(f"{machine()}; {args.shape} shape, one step and direction, {args.threads} torch thread(s), microseconds")
     for r in runs:
         print(f"{r['dtype']} at {r['rows']} rows ({r['elements']:,} cell elements): the cell "
               f"{100 * r['cell_share_of_step']:.1f} % of the step")
         for name, us in [*r["cell_us"].items(), *(("GEMM " + k, v) for k, v in r["gemm_us"].items())]:
             print(f"  {name:<40}{us:>10.1f}")
-    for d in report["not_native"]:
-        print(f"{d}: not native on this CPU, skipped")
-    write_result(report, args.out, "cell_ops")
-    return report
+    return write_cpu_report(report, args.out, "cell_ops")
 
 
 if __name__ == "__main__":

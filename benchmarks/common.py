@@ -208,3 +208,27 @@ def stage_seconds(metrics_file: str) -> dict[str, float]:
             if m:
                 out[m.group(1) or m.group(2)] = float(m.group(3))
     return out
+
+
+def native_dtypes(names: list[str]) -> tuple[list[torch.dtype], list[str]]:
+    """Of these dtype names, the dtypes oneDNN runs natively on this CPU, and the names of the others."""
+    from elmo_pipeline.model import onednn
+    dtypes = [getattr(torch, d) for d in names]
+    native = [d for d in dtypes if onednn.runs(torch.device("cpu"), d)]
+    return native, [str(d).removeprefix("torch.") for d in dtypes if d not in native]
+
+
+def cpu_report(tool: str, argv: list[str] | None, shape: str, threads: int, runs: list, not_native: list[str]) -> dict:
+    """A CPU benchmark's report: the machine, the command that made it, its shape, threads and runs, the dtypes
+    skipped as not native."""
+    return {"machine": machine(), "command": f"python -m benchmarks.{tool} " + " ".join(sys.argv[1:] if argv is None
+                                                                                     else argv),
+            "shape": shape, "threads": threads, "runs": runs, "not_native": not_native}
+
+
+def write_cpu_report(report: dict, out: str | None, tool: str) -> dict:
+    """cpu_report's dtypes not measured printed, then the report written (write_result); returns it."""
+    for d in report["not_native"]:
+        print(f"{d}: oneDNN does not run it natively here: not measured")
+    write_result(report, out, tool)
+    return report

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks.common import gemm_ceiling_gflops, machine, write_result
+from benchmarks.common import cpu_report, gemm_ceiling_gflops, machine, native_dtypes, write_cpu_report
 
 
 def verbose_lines(call) -> list[list[str]]:
@@ -117,13 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also call each row count in pieces of at most P rows (model/lstm_loops.py gate_rows)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    from elmo_pipeline.model import onednn
-    dtypes = [getattr(torch, d) for d in args.dtypes]
-    skipped = [d for d in dtypes if not onednn.runs(torch.device("cpu"), d)]
-    runs = [measure(args.shape, d, args.rows, args.threads, args.pack_for_rows, tuple(args.pieces)) for d in dtypes if d not in skipped]
-    report = {"machine": machine(), "command": "python -m benchmarks.onednn_kernels " + " ".join(sys.argv[1:] if argv is None else argv),
-              "shape": args.shape, "threads": args.threads, "runs": runs,
-              "not_native": [str(d).removeprefix("torch.") for d in skipped]}
+    dtypes, skipped = native_dtypes(args.dtypes)
+    runs = [measure(args.shape, d, args.rows, args.threads, args.pack_for_rows, tuple(args.pieces)) for d in dtypes]
+    report = cpu_report("onednn_kernels", argv, args.shape, args.threads, runs, skipped)
     print(f"{machine()}; {args.shape} shape's step GEMMs, {args.threads} torch thread(s)")
     print(f"{'dtype':<9}{'gemm':<11}{'K x N':>12}{'rows':>6}{'pieces':>7}{'packed for':>11}  {'implementation':<30}{'weights':<30}"
           f"{'per call':<12}{'GFLOP/s':>9}{'share':>8}")
@@ -134,10 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{x['weights'] or '?':<30}{','.join(x['other_primitives']) or '-':<12}{x['gflops']:>9.1f}"
                   f"{100 * x['share_of_ceiling']:>7.1f}%")
         print(f"{r['dtype']:<9}ceiling {r['ceiling_gflops']:.1f} GFLOP/s (square 2048 GEMM, same threads)")
-    for d in report["not_native"]:
-        print(f"{d}: oneDNN does not run it natively here: not measured")
-    write_result(report, args.out, "onednn_kernels")
-    return report
+    return write_cpu_report(report, args.out, "onednn_kernels")
 
 
 if __name__ == "__main__":
