@@ -198,6 +198,11 @@ def kind_tag() -> str:
     return "intel_amx" if "amx_bf16" in (cpu.get("flags") or []) else "intel"
 
 
+def device_tag(name: str) -> str:
+    """A device's name as result files carry it ('NVIDIA H200' -> 'NVIDIA_H200')."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+
+
 def stage_seconds(metrics_file: str) -> dict[str, float]:
     """The run's own seconds from its metrics.prom: each stage's (read, tokenize, batch, embed, write) and the run's
     (the rest of a process's wall is its start-up: imports, the runner, the workers)."""

@@ -35,7 +35,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import RESULTS, gemm_ceiling_gflops, machine, stage_seconds, wikitext_sentences
+from benchmarks.common import RESULTS, device_tag, gemm_ceiling_gflops, machine, stage_seconds, wikitext_sentences
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_FILES = ["tests/test_fixture_parity.py", "tests/test_oracle.py", "tests/test_state_modes.py",
@@ -102,7 +102,7 @@ def step_quality(device: str, quick: bool) -> dict:
     """benchmarks.bf16_quality on the device (its JSON beside this report's); quick: a few sentences, one seed,
     its intermediate outputs in a temporary folder."""
     from benchmarks import bf16_quality
-    tag = "gpu_" + re.sub(r"[^A-Za-z0-9]+", "_", device_name(device)).strip("_") + ("_quick" if quick else "")
+    tag = "gpu_" + device_tag(device_name(device)) + ("_quick" if quick else "")
     # the issue asks for SST-2; the next-word probe's training (about 4 CPU minutes a dtype) runs in --quick only
     argv = ["--device", device, "--tag", tag] + (["--seeds", "1", "--limit", "100"] if quick else
                                                  ["--seeds", "2", "--tasks", "sst2"])
@@ -236,7 +236,7 @@ def run(device: str, quick: bool, out: str | None, steps: list[str] | None = Non
         report["steps"][name] = {"status": status, "seconds": time.perf_counter() - t, "result": result}
         print(f"{name:<14} {status:<6} {time.perf_counter() - t:7.1f} s", flush=True)
     os.makedirs(RESULTS, exist_ok=True)
-    path = out or os.path.join(RESULTS, "gpu_check_" + re.sub(r"[^A-Za-z0-9]+", "_", report["device_name"]).strip("_")
+    path = out or os.path.join(RESULTS, "gpu_check_" + device_tag(report["device_name"])
                                + ("_quick" if quick else "") + ".json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)

@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import time
 
 import torch
 
-from benchmarks.common import RESULTS, machine
+from benchmarks.common import RESULTS, device_tag, machine
 from elmo_pipeline.model.device import to_host
 from elmo_pipeline.model.lstm import options_from_env
 from elmo_pipeline.model.lstm_loops import cell_for
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as e:  # noqa: BLE001 - recorded beside the step rows
             report["copy_error"] = f"{type(e).__name__}: {e}"[:500]
     os.makedirs(RESULTS, exist_ok=True)
-    path = args.out or os.path.join(RESULTS, "gpu_levers_" + re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+    path = args.out or os.path.join(RESULTS, "gpu_levers_" + device_tag(name)
                                     + (f"_{args.tag}" if args.tag else "") + ".json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)

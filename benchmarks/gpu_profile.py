@@ -25,14 +25,13 @@ import io
 import json
 import os
 import pstats
-import re
 import time
 from collections import defaultdict
 from unittest import mock
 
 import torch
 
-from benchmarks.common import RESULTS, machine, wikitext_sentences
+from benchmarks.common import RESULTS, device_tag, machine, wikitext_sentences
 from benchmarks.model_speed import random_bilm
 from elmo_pipeline.model import embedder as embedder_module
 from elmo_pipeline.model.embedder import ElmoEmbedder
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"device": args.device, "device_name": name, "machine": machine(), "torch": torch.__version__,
               "config": args.config, "runs": rows}
     os.makedirs(RESULTS, exist_ok=True)
-    path = args.out or os.path.join(RESULTS, "gpu_profile_" + re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".json")
+    path = args.out or os.path.join(RESULTS, "gpu_profile_" + device_tag(name) + ".json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {path}")
