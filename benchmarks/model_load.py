@@ -136,14 +136,14 @@ def fresh(tree: str, options: str, weights: str, dtype: str, sentences: str, tmp
     c = subprocess.run([sys.executable, "-c", COMMAND, "elmo", sentences, out, "--all", "--options-file", options,
                         "--weight-file", weights, "--compute-dtype", dtype], cwd=tree, env=env, check=True,
                        capture_output=True, text=True)
-    command, ended = time.perf_counter() - t, time.time()
+    command, command_ended = time.perf_counter() - t, time.time()
     os.remove(out)
     exit_s = ended - r["end"]
     return {"wall_s": wall, "python_and_torch_s": wall - r["inside_s"] - exit_s + r["torch_s"], "exit_s": exit_s,
             "imports_s": r["imports_s"],
             "load_s": r["load_s"], "first_batch_extra_s": first - second, "batch_s": second,
             "fixed_s": wall - 2 * second, "elmo_command_s": command,
-            "command_exit_s": ended - float(c.stderr.strip().splitlines()[-1]), "sum": r["sums"][0]}
+            "command_exit_s": command_ended - float(c.stderr.strip().splitlines()[-1]), "sum": r["sums"][0]}
 
 
 FRESH_COLUMNS = ("python_and_torch_s", "exit_s", "imports_s", "load_s", "first_batch_extra_s", "fixed_s", "batch_s",

@@ -20,9 +20,7 @@ import hashlib
 import io
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Callable
 
 import h5py
 import numpy as np
@@ -184,25 +182,11 @@ def _load(model: BiLM, f: h5py.File, where: str) -> None:
     """Copy the datasets into `model` (check_weights_match has accepted the file for model.opts): every parameter,
     so that a model built without initialising them (_unfilled) holds nothing else."""
     filled: set[int] = set()
-    with ThreadPoolExecutor(max_workers=1) as copier:     # a dataset's copy beside the next one's read
-        copies = []
 
-        def copy(param: torch.Tensor, array: np.ndarray) -> None:
-            if copies:
-                copies.pop().result()          # one copy in flight: what is read ahead stays bounded
-            copies.append(copier.submit(_copy, param, array))
-            filled.add(id(param))
+    def copy(param: torch.Tensor, array: np.ndarray) -> None:
+        _copy(param, array)
+        filled.add(id(param))
 
-        _load_datasets(model, f, where, copy)
-        for c in copies:
-            c.result()
-    missed = [name for name, p in model.named_parameters() if id(p) not in filled]
-    if missed:
-        raise LayoutGap(f"{where}: the layout leaves parameters unloaded: {', '.join(missed)}")
-
-
-def _load_datasets(model: BiLM, f: h5py.File, where: str, copy: Callable[[torch.Tensor, np.ndarray], None]) -> None:
-    """Every dataset _load needs, read (_read) and handed to copy(param, array) in the model's layout."""
     o = model.opts
     enc = model.token_encoder
     if o.char_cnn is not None:
@@ -236,6 +220,9 @@ def _load_datasets(model: BiLM, f: h5py.File, where: str, copy: Callable[[torch.
             copy(layer.w_rec, w0[d_in:].T)
             copy(layer.bias, _read(f, f"{g}/B", where))
             copy(layer.w_proj, _read(f, f"{g}/W_P_0", where).T)
+    missed = [name for name, p in model.named_parameters() if id(p) not in filled]
+    if missed:
+        raise LayoutGap(f"{where}: the layout leaves parameters unloaded: {', '.join(missed)}")
 
 
 def check_bilm(options_file: str, weight_file: str, sha256: str | None = None) -> BiLMOptions:
