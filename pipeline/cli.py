@@ -92,11 +92,11 @@ def process(main_: Callable[[], int]) -> NoReturn:
 def exit_with(status: int) -> NoReturn:
     """End a command's process (`elmo-pipeline`, `python -m elmo_pipeline.pipeline.run`) with `status` once its work
     has returned (its files closed): what the interpreter's exit does first (threads joined, atexit handlers run,
-    the standard streams flushed), then os._exit, without the interpreter's teardown of every module and object.
-    That teardown took about 0.2 s in a process that had imported torch, with the collector frozen, and 0.46-0.54 s
-    more without freezing it (its collections walk torch's millions of objects; benchmarks.model_load's exit column,
-    AMD EPYC Zen 4, family 25, and Intel Xeon, family 6 model 167). Nothing of a command's own output waits for
-    it: every file it writes is closed before its main returns."""
+    the standard streams flushed), then os._exit, without its teardown of every module and object. The collector is
+    frozen first: its collections walk torch's millions of objects (0.46-0.54 s in a process that does not freeze,
+    AMD EPYC Zen 4, family 25); the teardown after the atexit handlers took 0.13-0.15 s more, now 0.01-0.03 s
+    (Intel Xeon, family 6 model 167: benchmarks.model_load's exit and command exit columns, benchmarks/README.md).
+    Nothing of a command's output waits for the teardown: every file it writes is closed before its main returns."""
     gc.freeze()
     shutdown = getattr(threading, "_shutdown", None)     # the interpreter's first step at exit (CPython 3.x)
     if shutdown is None or not isinstance(status, int):
@@ -109,6 +109,7 @@ def exit_with(status: int) -> NoReturn:
         except (OSError, ValueError):    # a reader gone or a closed stream: the status stands
             pass
     os._exit(status)
+
 
 if __name__ == "__main__":
     console()
