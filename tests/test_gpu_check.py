@@ -1,4 +1,5 @@
 """benchmarks.gpu_check --device cpu --quick: every step runs and the report has its shape."""
+import itertools
 import json
 import os
 import subprocess
@@ -83,3 +84,29 @@ def test_stage_seconds_from_metrics(tmp_path):
                     'elmo_pipeline_stage_seconds{output="o",stage="write"} 0.25\n'
                     'elmo_pipeline_run_seconds{output="o"} 2\n')
     assert stage_seconds(str(prom)) == {"embed": 1.5, "write": 0.25, "run": 2.0}
+
+
+@pytest.mark.slow
+def test_the_lease_script_calls_each_benchmark_with_flags_it_takes_and_its_default_steps_fit_one_call():
+    """benchmarks/gpu_lease.sh (the GPU lease in one device call) runs under a time limit per step: every step's
+    command names a benchmark module and only flags (and --steps values) that module's --help lists, and the default
+    steps' limits together leave the wheels' install room in a device call's 600 s."""
+    r = subprocess.run(["bash", "benchmarks/gpu_lease.sh", "commands"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    steps = {line.split()[0]: (int(line.split()[1]), line.split()[2:]) for line in r.stdout.splitlines()}
+    assert {"profile", "levers", "pipeline", "quality", "tests", "speed"} <= set(steps)
+    assert sum(steps[s][0] for s in ("profile", "levers", "pipeline", "quality")) <= 540
+    helps: dict[str, str] = {}
+    for step, (_, cmd) in steps.items():
+        assert cmd[:2] == ["python3", "-m"] and cmd[2].startswith("benchmarks."), (step, cmd)
+        if cmd[2] not in helps:
+            h = subprocess.run([sys.executable, "-m", cmd[2], "--help"], cwd=REPO, capture_output=True, text=True,
+                               timeout=300)
+            assert h.returncode == 0, h.stderr
+            helps[cmd[2]] = " ".join(h.stdout.split())
+        flags = [w for w in cmd[3:] if w.startswith("--")]
+        assert all(f"{f} " in helps[cmd[2]] + " " for f in flags), (step, flags)
+        if "--steps" in cmd:
+            values = list(itertools.takewhile(lambda v: not v.startswith("--"), cmd[cmd.index("--steps") + 1:]))
+            assert values and all(v in helps[cmd[2]] for v in values), (step, values)
