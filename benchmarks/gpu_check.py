@@ -168,15 +168,17 @@ def model_alone(device: str, sentences: list[list[str]], budget: int) -> dict:
 
 
 def step_pipeline(device: str, lines: int, workers: list[int], timeout: float = PIPELINE_TIMEOUT_S) -> dict:
-    """The pipeline (shipped model, default budget) on `lines` WikiText-2 lines with each worker count: tokens/s
-    from its manifest and the GPU's busy share; then the model alone on the sentences the first run wrote."""
+    """The pipeline (shipped model, default budget) on the first `lines` non-blank WikiText-2 lines (each row records
+    how many the file gave) with each worker count: tokens/s from its manifest and the GPU's busy share; then the
+    model alone on the sentences the first run wrote."""
     import pyarrow.dataset as ds
     src = os.path.join(REPO, "..", "shared", "data", "wikitext-2", "valid.txt")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         inp = os.path.join(tmp, "in.txt")
         with open(src, encoding="utf-8") as f, open(inp, "w", encoding="utf-8") as g:
-            g.writelines([ln for ln in f if ln.strip()][:lines])
+            taken = [ln for ln in f if ln.strip()][:lines]      # the file may hold fewer than asked for
+            g.writelines(taken)
         for n in workers:
             out = os.path.join(tmp, f"out{n}")
             cmd = [sys.executable, "-m", "elmo_pipeline.pipeline.run", "--input", inp, "--output", out, "--device", device,
@@ -195,7 +197,7 @@ def step_pipeline(device: str, lines: int, workers: list[int], timeout: float = 
                 with open(os.path.join(out, "manifest.json")) as f:
                     tokens = json.load(f)["counts"]["tokens_written"]
                 stages = stage_seconds(os.path.join(out, "metrics.prom"))
-            rows.append({"workers": n, "returncode": p.returncode, "wall_s": wall, "lines": lines, "tokens": tokens,
+            rows.append({"workers": n, "returncode": p.returncode, "wall_s": wall, "lines": len(taken), "tokens": tokens,
                          "tokens_per_s": tokens / wall if tokens else None, "gpu_busy_share": busy.share,
                          "stage_seconds": stages,
                          "stderr_tail": p.stderr[-2000:] if p.returncode else ""})
