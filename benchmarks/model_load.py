@@ -25,8 +25,8 @@ vectors, phase by phase, in processes started for it:
                       packing and oneDNN's first calls
   fixed cost          the process's wall time less two batches at the second batch's time
   elmo command        the whole `elmo --all` command on the same 8 sentences (what a user waits for)
-  command exit        that command's process from the end of its atexit handlers to its end (the interpreter's
-                      teardown of modules and objects, where the command leaves it that: cli.exit_with)
+  command exit        that command's process from its closing line ("wrote ...", on stderr) to its end: its
+                      return, and the process's exit (cli.exit_with)
 The table gives medians; the JSON (default results/model_load_<kind>.json) each repeat's, and names the machine.
 """
 from __future__ import annotations
@@ -110,14 +110,6 @@ def measure(shape: str, repeats: int, sentences: list[list[str]]) -> dict:
     return {"shape": shape, "built_then_loaded_s": old, "loaded_s": new, "load_and_first_batch_s": first,
             "invariant_first_batch_checking_s": checked, "invariant_first_batch_checked_s": unchecked}
 
-# The command as its console script runs it (python -m elmo_pipeline), its last atexit handler (registered first)
-# printing when it ran: the process's teardown after it is the command's exit.
-COMMAND = ("import atexit, sys, time\n"
-           "atexit.register(lambda: print(time.time(), file=sys.stderr, flush=True))\n"
-           "sys.argv[0] = 'elmo-pipeline'\n"
-           "import runpy; runpy.run_module('elmo_pipeline', run_name='__main__')\n")
-
-
 def fresh(tree: str, options: str, weights: str, dtype: str, sentences: str, tmp: str) -> dict:
     """One fresh process's phases (FRESH) and the `elmo` command's whole wall time, both run from `tree`."""
     env = dict(os.environ, PYTHONPATH=tree)
@@ -133,17 +125,23 @@ def fresh(tree: str, options: str, weights: str, dtype: str, sentences: str, tmp
         raise SystemExit("error: the same batch gave other vectors the second time")
     out = os.path.join(tmp, "out.hdf5")
     t = time.perf_counter()
-    c = subprocess.run([sys.executable, "-c", COMMAND, "elmo", sentences, out, "--all", "--options-file", options,
-                        "--weight-file", weights, "--compute-dtype", dtype], cwd=tree, env=env, check=True,
-                       capture_output=True, text=True)
-    command, command_ended = time.perf_counter() - t, time.time()
+    c = subprocess.Popen([sys.executable, "-m", "elmo_pipeline", "elmo", sentences, out, "--all", "--options-file",
+                          options, "--weight-file", weights, "--compute-dtype", dtype], cwd=tree, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    said = None
+    for line in c.stderr:                       # its closing line ("wrote N sentences ...") comes as it is said
+        if line.startswith("wrote "):
+            said = time.perf_counter()
+    if c.wait() or said is None:
+        raise SystemExit(f"error: the elmo command failed (status {c.returncode})")
+    command = time.perf_counter() - t
     os.remove(out)
     exit_s = ended - r["end"]
     return {"wall_s": wall, "python_and_torch_s": wall - r["inside_s"] - exit_s + r["torch_s"], "exit_s": exit_s,
             "imports_s": r["imports_s"],
             "load_s": r["load_s"], "first_batch_extra_s": first - second, "batch_s": second,
             "fixed_s": wall - 2 * second, "elmo_command_s": command,
-            "command_exit_s": command_ended - float(c.stderr.strip().splitlines()[-1]), "sum": r["sums"][0]}
+            "command_exit_s": t + command - said, "sum": r["sums"][0]}
 
 
 FRESH_COLUMNS = ("python_and_torch_s", "exit_s", "imports_s", "load_s", "first_batch_extra_s", "fixed_s", "batch_s",

@@ -91,25 +91,57 @@ def process(main_: Callable[[], int]) -> NoReturn:
 
 def exit_with(status: int) -> NoReturn:
     """End a command's process (`elmo-pipeline`, `python -m elmo_pipeline.pipeline.run`) with `status` once its work
-    has returned (its files closed): what the interpreter's exit does first (threads joined, atexit handlers run,
-    the standard streams flushed), then os._exit, without its teardown of every module and object. The collector is
-    frozen first: its collections walk torch's millions of objects (0.46-0.54 s in a process that does not freeze,
-    AMD EPYC Zen 4, family 25); the teardown after the atexit handlers took 0.13-0.15 s more, now 0.01-0.03 s
-    (Intel Xeon, family 6 model 167: benchmarks.model_load's exit and command exit columns, benchmarks/README.md).
-    Nothing of a command's output waits for the teardown: every file it writes is closed before its main returns."""
+    has returned (its files closed). The collector is frozen first: its collections at exit walk torch's millions of
+    objects (0.46-0.54 s in a process that does not freeze, AMD EPYC Zen 4, family 25). Where the process is the
+    command's own (_process_is_the_command), what the interpreter's exit does first (threads joined, atexit handlers
+    run), then the product's last flush (stdout: a failure there is the command's, its `error:` line and status, 75
+    for a full disk), then os._exit: without the teardown of every module and object, which took 0.13-0.15 s after
+    the atexit handlers, now 0.01-0.03 s (Intel Xeon, family 6 model 167: benchmarks.model_load's command exit
+    column, benchmarks/README.md). Elsewhere (a host that runs the command in its own process, a profiler or a
+    tracer attached) SystemExit, as any exit."""
     gc.freeze()
     shutdown = getattr(threading, "_shutdown", None)     # the interpreter's first step at exit (CPython 3.x)
-    if shutdown is None or not isinstance(status, int):
+    if shutdown is None or not isinstance(status, int) or not _process_is_the_command():
         sys.exit(status)
     shutdown()                    # non-daemon threads joined, executors' idle workers released
     atexit._run_exitfuncs()       # logging's flush, multiprocessing's and tempfile's clean-ups, ...
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):    # a reader gone or a closed stream: the status stands
-            pass
+    try:
+        sys.stdout.flush()        # guarded (pipeline/streams.py): a reader gone is no failure; a full disk is
+    except (OSError, ValueError) as e:
+        from elmo_pipeline.pipeline.exits import classify
+        from elmo_pipeline.pipeline.streams import say
+        failure = classify(e)
+        say(failure.line())
+        status = status or failure.status
+    try:
+        sys.stderr.flush()        # logs: nothing of the status depends on them
+    except (OSError, ValueError, AttributeError):
+        pass
     os._exit(status)
 
+
+# What runs a process's __main__ module: its code (`elmo-pipeline`'s console script), or runpy under `python -m`.
+_MAIN_CALLERS = ([], [("_run_code", "runpy"), ("_run_module_as_main", "runpy")])
+
+
+def _process_is_the_command() -> bool:
+    """Whether nothing in this process runs after the command: its __main__ module's own code called process()
+    (the console script, `python -m elmo_pipeline`, `python -m elmo_pipeline.pipeline.run`), under no profiler or
+    tracer. Not so for a host that ran the command's module itself (runpy.run_module in a try, cProfile, a
+    notebook's %run): it gets SystemExit and carries on."""
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "<module>":
+        frame = frame.f_back
+    if frame is None or frame.f_globals.get("__name__") != "__main__":
+        return False
+    callers = []
+    frame = frame.f_back
+    while frame is not None:
+        callers.append((frame.f_code.co_name, frame.f_globals.get("__name__")))
+        frame = frame.f_back
+    return callers in _MAIN_CALLERS
 
 if __name__ == "__main__":
     console()

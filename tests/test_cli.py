@@ -97,6 +97,35 @@ def test_a_command_process_ends_as_the_interpreter_would_without_its_teardown(tm
     assert r.stdout == "pooled\nbuffered, no newlineatexit done\n" and r.stderr == "to stderr", (r.stdout, r.stderr)
 
 
+def test_a_host_running_the_command_in_its_own_process_keeps_it_and_a_full_disk_under_stdout_is_the_commands_failure(
+        tmp_path):
+    """exit_with ends the process itself only where the process is the command's: a host that runs the command's
+    module in its own process (runpy in a try, cProfile) gets SystemExit and goes on (cProfile writes its file); and
+    where it does end it, the product's last flush failing (a full disk under stdout, the text still buffered) is one
+    `error:` line and 75, as docs/scheduling.md says, never 0 with the output lost."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    host = ("import runpy, sys\n"
+            "sys.argv = ['elmo-pipeline', 'models']\n"
+            "try:\n"
+            "    runpy.run_module('elmo_pipeline', run_name='__main__')\n"
+            "except SystemExit as e:\n"
+            "    print('host caught', e.code)\n"
+            "print('host goes on')\n")
+    r = subprocess.run([sys.executable, "-c", host], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.splitlines()[-2:] == ["host caught 0", "host goes on"], (r.stdout, r.stderr)
+    prof = tmp_path / "prof.out"
+    r = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "elmo_pipeline", "models"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
+    assert r.returncode == 0 and prof.stat().st_size > 0, r.stderr
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "elmo_pipeline", "models"], stdout=full, stderr=subprocess.PIPE,
+                           text=True, cwd=REPO, timeout=120, env=env)
+    assert r.returncode == 75 and r.stderr.strip().splitlines() == [
+        "error: [Errno 28] No space left on device (exit 75: retry later)"], r.stderr
+
+
 @pytest.mark.slow
 def test_run_prints_only_its_summary(tmp_path, tiny_model_files):
     """No Beam notices (apitools, BigQuery, type hints) on stderr: the summary line is all a run prints."""
