@@ -95,9 +95,9 @@ def exit_with(status: int) -> NoReturn:
     objects (0.46-0.54 s in a process that does not freeze, AMD EPYC Zen 4, family 25). Where the process is the
     command's own (_process_is_the_command), what the interpreter's exit does first (threads joined, atexit handlers
     run), then the product's last flush (stdout: a failure there is the command's, its `error:` line and status, 75
-    for a full disk), then os._exit: without the teardown of every module and object, which took 0.13-0.15 s after
-    the atexit handlers, now 0.01-0.03 s (Intel Xeon, family 6 model 167: benchmarks.model_load's command exit
-    column, benchmarks/README.md). Elsewhere (a host that runs the command in its own process, a profiler or a
+    for a full disk), then os._exit: without the teardown of every module and object (the command's closing line
+    to its end: 0.15-0.16 s before, 0.04-0.06 s so; Intel Xeon, family 6 model 167: benchmarks.model_load's command
+    exit column, benchmarks/README.md). Elsewhere (a host that runs the command in its own process, a profiler or a
     tracer attached) SystemExit, as any exit."""
     gc.freeze()
     shutdown = getattr(threading, "_shutdown", None)     # the interpreter's first step at exit (CPython 3.x)
