@@ -13,6 +13,11 @@ import threading
 import traceback
 from typing import Callable, NoReturn
 
+# numpy before anything imports torch: torch's extension imports numpy from its C init and drops whatever that import
+# raised, a Ctrl-C (SIGINT) landing there too, and the command ran on to exit 0 (tests/test_cli.py, the interrupt
+# raised inside numpy's import). Here such an interrupt ends the process as interrupted, before the command starts.
+importlib.import_module("numpy")
+
 # subcommand -> (module, help). Modules are imported only when their subcommand runs, except that
 # building the parser imports each one for its add_arguments (no Beam import there).
 SUBCOMMANDS = {

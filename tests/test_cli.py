@@ -1,6 +1,7 @@
 """The `elmo-pipeline` command line: only `run` imports Apache Beam, and a run's terminal output is ours."""
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -124,6 +125,30 @@ def test_a_host_running_the_command_in_its_own_process_keeps_it_and_a_full_disk_
                            text=True, cwd=REPO, timeout=120, env=env)
     assert r.returncode == 75 and r.stderr.strip().splitlines() == [
         "error: [Errno 28] No space left on device (exit 75: retry later)"], r.stderr
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_landing_in_numpys_import_is_never_swallowed(tmp_path, tiny_model_files):
+    """torch's extension imports numpy from its C init and drops what that import raised: a Ctrl-C landing there (the
+    first second of a command) was lost, and the command ran on to exit 0. The command's process imports numpy before
+    torch (pipeline/cli.py), so the interrupt, raised here inside numpy's import, ends it as interrupted."""
+    (tmp_path / "in.txt").write_text("The cat sat .\n")
+    code = ("import runpy, sys\n"
+            "class Interrupt:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'numpy':\n"
+            "            sys.meta_path.remove(self)\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "sys.argv[0] = 'elmo-pipeline'\n"
+            "runpy.run_module('elmo_pipeline', run_name='__main__')\n")
+    out = tmp_path / "out.hdf5"
+    r = subprocess.run([sys.executable, "-c", code, "elmo", str(tmp_path / "in.txt"), str(out), "--all",
+                        "--options-file", tiny_model_files[0], "--weight-file", tiny_model_files[1]],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode in (-signal.SIGINT, 130) and r.stderr.strip().endswith("KeyboardInterrupt"), (r.returncode,
+                                                                                                      r.stderr)
+    assert not out.exists()
 
 
 @pytest.mark.slow
