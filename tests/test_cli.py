@@ -72,6 +72,7 @@ def test_the_command_process_exits_with_its_status_its_file_whole_and_the_collec
     assert os.path.exists(tmp_path / "run" / "_SUCCESS")
 
 
+@pytest.mark.slow
 def test_a_command_process_ends_as_the_interpreter_would_without_its_teardown(tmp_path):
     """cli.exit_with skips the interpreter's teardown of every module (about 0.2 s once torch is imported) but keeps
     what a command's exit owes: a non-daemon thread still working is joined, a pool's idle workers are released, the
@@ -98,6 +99,7 @@ def test_a_command_process_ends_as_the_interpreter_would_without_its_teardown(tm
     assert r.stdout == "pooled\nbuffered, no newlineatexit done\n" and r.stderr == "to stderr", (r.stdout, r.stderr)
 
 
+@pytest.mark.slow
 def test_a_host_running_the_command_in_its_own_process_keeps_it_and_a_full_disk_under_stdout_is_the_commands_failure(
         tmp_path):
     """exit_with ends the process itself only where the process is the command's: a host that runs the command's
