@@ -197,7 +197,8 @@ def step_pipeline(device: str, lines: int, workers: list[int], timeout: float = 
                 with open(os.path.join(out, "manifest.json")) as f:
                     tokens = json.load(f)["counts"]["tokens_written"]
                 stages = stage_seconds(os.path.join(out, "metrics.prom"))
-            rows.append({"workers": n, "returncode": p.returncode, "wall_s": wall, "lines": len(taken), "tokens": tokens,
+            rows.append({"workers": n, "returncode": p.returncode, "wall_s": wall, "lines": len(taken),
+                         "tokens": tokens,
                          "tokens_per_s": tokens / wall if tokens else None, "gpu_busy_share": busy.share,
                          "stage_seconds": stages,
                          "stderr_tail": p.stderr[-2000:] if p.returncode else ""})

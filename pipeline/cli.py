@@ -132,10 +132,12 @@ _MAIN_CALLERS = ([], [("_run_code", "runpy"), ("_run_module_as_main", "runpy")])
 def _process_is_the_command() -> bool:
     """Whether nothing in this process runs after the command: its __main__ module's own code called process()
     (the console script, `python -m elmo_pipeline`, `python -m elmo_pipeline.pipeline.run`), under no profiler or
-    tracer. Not so for a host that ran the command's module itself (runpy.run_module in a try, cProfile, a
-    notebook's %run): it gets SystemExit and carries on."""
+    tracer, and no interactive prompt to follow (`python -i`). Not so for a host that ran the command's module
+    itself (runpy.run_module in a try, cProfile, a notebook's %run): it gets SystemExit and carries on."""
     if sys.getprofile() is not None or sys.gettrace() is not None:
-        return False
+        return False              # a profiler or a tracer (coverage) writes its data at SystemExit or at exit
+    if sys.flags.inspect or os.environ.get("PYTHONINSPECT"):
+        return False              # `python -i`: its prompt follows the command
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_name != "<module>":
         frame = frame.f_back

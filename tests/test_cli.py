@@ -103,7 +103,8 @@ def test_a_command_process_ends_as_the_interpreter_would_without_its_teardown(tm
 def test_a_host_running_the_command_in_its_own_process_keeps_it_and_a_full_disk_under_stdout_is_the_commands_failure(
         tmp_path):
     """exit_with ends the process itself only where the process is the command's: a host that runs the command's
-    module in its own process (runpy in a try, cProfile) gets SystemExit and goes on (cProfile writes its file); and
+    module in its own process (runpy in a try, cProfile) gets SystemExit and goes on (cProfile writes its file),
+    `python -i` gets its prompt; and
     where it does end it, the product's last flush failing (a full disk under stdout, the text still buffered) is one
     `error:` line and 75, as docs/scheduling.md says, never 0 with the output lost."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
@@ -120,6 +121,9 @@ def test_a_host_running_the_command_in_its_own_process_keeps_it_and_a_full_disk_
     r = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "elmo_pipeline", "models"],
                        capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
     assert r.returncode == 0 and prof.stat().st_size > 0, r.stderr
+    r = subprocess.run([sys.executable, "-i", "-m", "elmo_pipeline", "models"], input="print('prompt after it')\n",
+                       capture_output=True, text=True, cwd=REPO, timeout=120, env=env)     # python -i: its prompt
+    assert r.returncode == 0 and "prompt after it" in r.stdout, (r.stdout, r.stderr)
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
     with open("/dev/full", "w") as full:
