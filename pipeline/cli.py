@@ -125,23 +125,34 @@ def exit_with(status: int) -> NoReturn:
     os._exit(status)
 
 
-# What runs a process's __main__ module: its code (`elmo-pipeline`'s console script), or runpy under `python -m`.
+# The command's entry points: its console script (as pip writes it, named CONSOLE_SCRIPT) and the modules
+# `python -m` runs (ENTRY_MODULES); what runs such a __main__: the interpreter itself (the script), or runpy (-m).
+CONSOLE_SCRIPT = "elmo-pipeline"
+ENTRY_MODULES = ("elmo_pipeline.__main__", "elmo_pipeline.pipeline.cli", "elmo_pipeline.pipeline.run",
+                 "pipeline.cli", "pipeline.run")
 _MAIN_CALLERS = ([], [("_run_code", "runpy"), ("_run_module_as_main", "runpy")])
 
 
 def _process_is_the_command() -> bool:
-    """Whether nothing in this process runs after the command: its __main__ module's own code called process()
-    (the console script, `python -m elmo_pipeline`, `python -m elmo_pipeline.pipeline.run`), under no profiler or
-    tracer, and no interactive prompt to follow (`python -i`). Not so for a host that ran the command's module
-    itself (runpy.run_module in a try, cProfile, a notebook's %run): it gets SystemExit and carries on."""
+    """Whether nothing in this process runs after the command: one of its entry points, as the process's __main__,
+    called process() (directly or through console()), under no profiler or tracer, and no interactive prompt
+    follows (`python -i`). Not so for a host that runs the command in its own process (a test runner, a wrapper
+    script, runpy.run_module in a try, cProfile, a notebook's %run): it gets SystemExit and carries on."""
     if sys.getprofile() is not None or sys.gettrace() is not None:
         return False              # a profiler or a tracer (coverage) writes its data at SystemExit or at exit
     if sys.flags.inspect or os.environ.get("PYTHONINSPECT"):
         return False              # `python -i`: its prompt follows the command
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_name != "<module>":
+    frame = sys._getframe(2)      # exit_with's caller
+    if frame is None or frame.f_code is not process.__code__:
+        return False
+    frame = frame.f_back
+    if frame is not None and frame.f_code is console.__code__:
         frame = frame.f_back
-    if frame is None or frame.f_globals.get("__name__") != "__main__":
+    if frame is None or frame.f_code.co_name != "<module>" or frame.f_globals.get("__name__") != "__main__":
+        return False
+    spec = frame.f_globals.get("__spec__")
+    if not (spec.name in ENTRY_MODULES if spec is not None
+            else os.path.basename(frame.f_code.co_filename) == CONSOLE_SCRIPT):
         return False
     callers = []
     frame = frame.f_back
@@ -149,6 +160,7 @@ def _process_is_the_command() -> bool:
         callers.append((frame.f_code.co_name, frame.f_globals.get("__name__")))
         frame = frame.f_back
     return callers in _MAIN_CALLERS
+
 
 if __name__ == "__main__":
     console()

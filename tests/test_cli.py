@@ -79,6 +79,7 @@ def test_a_command_process_ends_as_the_interpreter_would_without_its_teardown(tm
     atexit handlers run (after the threads, as the interpreter orders them), text still buffered in stdout and
     stderr is written, and the status is the process's."""
     done = tmp_path / "thread.txt"
+    script = tmp_path / "elmo-pipeline"          # run as the console script is (cli.CONSOLE_SCRIPT)
     code = ("import atexit, sys, threading, time\n"
             "from concurrent.futures import ThreadPoolExecutor\n"
             "from pipeline.cli import process\n"
@@ -93,8 +94,10 @@ def test_a_command_process_ends_as_the_interpreter_would_without_its_teardown(tm
             "    sys.stderr.write('to stderr')\n"
             "    return 3\n"
             "process(main)\n")
+    script.write_text(code)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}     # the streams buffer, as usual
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60, env=env)
+    env["PYTHONPATH"] = REPO
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO, timeout=60, env=env)
     assert r.returncode == 3, (r.stdout, r.stderr)
     assert r.stdout == "pooled\nbuffered, no newlineatexit done\n" and r.stderr == "to stderr", (r.stdout, r.stderr)
 
@@ -103,7 +106,8 @@ def test_a_command_process_ends_as_the_interpreter_would_without_its_teardown(tm
 def test_a_host_running_the_command_in_its_own_process_keeps_it_and_a_full_disk_under_stdout_is_the_commands_failure(
         tmp_path):
     """exit_with ends the process itself only where the process is the command's: a host that runs the command's
-    module in its own process (runpy in a try, cProfile) gets SystemExit and goes on (cProfile writes its file),
+    module in its own process (runpy in a try, a test runner, cProfile) gets SystemExit and goes on (cProfile writes
+    its file, the runner reports its failures),
     `python -i` gets its prompt; and
     where it does end it, the product's last flush failing (a full disk under stdout, the text still buffered) is one
     `error:` line and 75, as docs/scheduling.md says, never 0 with the output lost."""
@@ -117,6 +121,18 @@ def test_a_host_running_the_command_in_its_own_process_keeps_it_and_a_full_disk_
             "print('host goes on')\n")
     r = subprocess.run([sys.executable, "-c", host], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.splitlines()[-2:] == ["host caught 0", "host goes on"], (r.stdout, r.stderr)
+    (tmp_path / "test_host.py").write_text(            # a test runner calling the command's entry in its process
+        "import unittest\n"
+        "from elmo_pipeline.pipeline.cli import console\n"
+        "class T(unittest.TestCase):\n"
+        "    def test_a_console(self):\n"
+        "        with self.assertRaises(SystemExit):\n"
+        "            console(['models'])\n"
+        "    def test_b_fails(self):\n"
+        "        self.fail('the runner must see this')\n")
+    r = subprocess.run([sys.executable, "-m", "unittest", "test_host"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120, env={**env, "PYTHONPATH": REPO})
+    assert r.returncode == 1 and "FAILED (failures=1)" in r.stderr, (r.stdout, r.stderr)
     prof = tmp_path / "prof.out"
     r = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "elmo_pipeline", "models"],
                        capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
