@@ -110,6 +110,7 @@ def measure(shape: str, repeats: int, sentences: list[list[str]]) -> dict:
     return {"shape": shape, "built_then_loaded_s": old, "loaded_s": new, "load_and_first_batch_s": first,
             "invariant_first_batch_checking_s": checked, "invariant_first_batch_checked_s": unchecked}
 
+
 def fresh(tree: str, options: str, weights: str, dtype: str, sentences: str, tmp: str) -> dict:
     """One fresh process's phases (FRESH) and the `elmo` command's whole wall time, both run from `tree`."""
     env = dict(os.environ, PYTHONPATH=tree)
