@@ -81,9 +81,11 @@ def process(main_: Callable[[], int]) -> NoReturn:
     """A command's process: its standard streams guarded first (pipeline/streams.py: what it prints is dropped
     when nobody reads it, its status unchanged), then main_(), then exit with its status (exit_with). Ctrl-C
     before main_ handles it (while the command's modules are still imported, seconds) is one line `error: ...`
-    and 130, as once it runs (pipeline/exits.py)."""
+    and 130, as once it runs; SIGTERM the same with 143, and an interrupt Python dropped is raised again
+    (_unwind_on_signals, pipeline/exits.py)."""
     from elmo_pipeline.pipeline.streams import guard, say
     guard()
+    restore = _unwind_on_signals()
     try:
         status = main_()
     except KeyboardInterrupt as e:
@@ -91,7 +93,53 @@ def process(main_: Callable[[], int]) -> NoReturn:
         failure = classify(e)
         say(failure.line())
         status = failure.status
+    finally:
+        restore()
     exit_with(status)
+
+
+AGAIN_SECONDS = 0.01   # a dropped interrupt's signal is sent again this late: the collector's callback has returned
+
+
+def _unwind_on_signals() -> Callable[[], None]:
+    """SIGTERM (a scheduler's cancel, a pod's stop) raises exits.Terminated in the main thread, a KeyboardInterrupt:
+    the command unwinds as from a Ctrl-C (its lease given back, its temporary files removed, --metrics-file and one
+    `error:` line with status 143) instead of dying where it stands; a second SIGTERM while it unwinds ends the
+    process at once (the default action). Only where SIGTERM has its default action (a host's own handler, or an
+    inherited SIG_IGN, stays). An interrupt raised where Python drops exceptions (a weakref callback or __del__ that
+    the collector ran: "Exception ignored in ...", and the command ran on to exit 0) is sent again from a thread, to
+    land outside it. Returns what puts the handlers before back."""
+    import signal
+    from elmo_pipeline.pipeline.exits import Terminated
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    main_thread, hook_before, raised = threading.main_thread().ident, sys.unraisablehook, [False]
+
+    def terminate(signum, frame):
+        if raised[0]:                           # a second SIGTERM: the default action, now
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raised[0] = True
+        raise Terminated("SIGTERM")
+
+    def unraisable(u):
+        if isinstance(u.exc_value, KeyboardInterrupt):    # dropped: its signal again, from a thread, once this is done
+            raised[0] = False
+            again = signal.SIGTERM if isinstance(u.exc_value, Terminated) else signal.SIGINT
+            threading.Timer(AGAIN_SECONDS, signal.pthread_kill, (main_thread, again)).start()
+            return
+        hook_before(u)
+    ours = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if ours:
+        signal.signal(signal.SIGTERM, terminate)
+    sys.unraisablehook = unraisable
+
+    def restore():
+        sys.unraisablehook = hook_before
+        if ours:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return restore
 
 
 def exit_with(status: int) -> NoReturn:

@@ -21,6 +21,12 @@ SOFTWARE = 70     # EX_SOFTWARE: anything else (a bug, a worker lost): look at t
 TEMPFAIL = 75     # EX_TEMPFAIL: retry later: lease held by a live run, storage unreachable or failing after
 #                   its retries, out of space; a rerun of the same command resumes
 INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell's 128 + 2
+TERMINATED = 143   # SIGTERM (a scheduler's cancel, a pod's stop), the shell's 128 + 15: ended as a Ctrl-C is
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the command's main thread by its handler (pipeline/cli.py: process): it unwinds the run as
+    a Ctrl-C does (the lease given back, --metrics-file written, its workers ended), then exit TERMINATED."""
 
 TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNREFUSED,
                     errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
@@ -55,7 +61,7 @@ DATA_TEXT = re.compile(r"WeightsError|OptionsError|sha256 mismatch|differs from 
                        r"changed since the run was planned|\bFileNotFoundError\b|ClientResponseError: 4\d\d\b")
 REUSE_TEXT = re.compile(r"\b(%s): " % "|".join(REUSE_TYPES))
 MEANINGS = {OK: "done", USAGE: "fix the command", DATA: "fix the data", SOFTWARE: "failed",
-            TEMPFAIL: "retry later", INTERRUPTED: "interrupted"}
+            TEMPFAIL: "retry later", INTERRUPTED: "interrupted", TERMINATED: "terminated; a rerun resumes"}
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,8 @@ def _one_line(exc: BaseException) -> str:
 def _status(exc: BaseException) -> int | None:
     """The status one exception (not its chain) says by its type or errno; None when it says nothing."""
     names = _names(exc)
+    if isinstance(exc, Terminated):
+        return TERMINATED
     if isinstance(exc, KeyboardInterrupt):
         return INTERRUPTED
     status = http_status(exc) if "ClientResponseError" in names else None     # an HTTP store's answer
@@ -108,8 +116,8 @@ def _status(exc: BaseException) -> int | None:
 def classify(exc: BaseException) -> Failure:
     """The exit status and one-line message of a failure (see the module docstring).
 
-    Order: a transient cause anywhere in the chain wins (a full disk under Beam's wrapping is still a full
-    disk), then a --reuse source's failure (ReuseError in the chain, planning or not: TEMPFAIL when its causes'
+    Order: a signal that ended it (SIGTERM, then Ctrl-C) anywhere in the chain, then a transient cause anywhere in
+    the chain (a full disk under Beam's wrapping is still a full disk), then a --reuse source's failure (ReuseError in the chain, planning or not: TEMPFAIL when its causes'
     text says storage failed, else USAGE; a source's file gone too), then a data cause, a missing optional package
     (USAGE; for a URL's storage the message names what to install: fsio.fs.check_protocol), then the messages
     (text from other processes), then the outermost type: a ValueError or RuntimeError raised while planning (not marked
@@ -117,7 +125,7 @@ def classify(exc: BaseException) -> Failure:
     else SOFTWARE."""
     excs = exception_chain(exc)
     text = " ".join(str(e) for e in excs)
-    for want in (INTERRUPTED, TEMPFAIL, DATA):
+    for want in (TERMINATED, INTERRUPTED, TEMPFAIL, DATA):
         for e in excs:
             if _status(e) == want:
                 return Failure(want, _one_line(e) + _step(excs, e))

@@ -174,6 +174,36 @@ def test_a_ctrl_c_landing_in_numpys_import_is_never_swallowed(tmp_path, tiny_mod
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sig, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_an_interrupt_that_lands_in_a_collectors_callback_is_raised_again(sig, status):
+    """A signal whose handler runs inside a weakref callback (or a __del__) that the collector called: Python prints
+    "Exception ignored" and drops the KeyboardInterrupt / Terminated, and the command ran on to exit 0 (seen with
+    SIGTERM in the `elmo` command as it wrote). process() sends the signal again, from a thread, so the command ends
+    as interrupted."""
+    code = ("import os, signal, sys, time, weakref\n"
+            "from elmo_pipeline.pipeline.cli import process\n"
+            "class Obj:\n"
+            "    pass\n"
+            "def main():\n"
+            "    obj = Obj()\n"
+            "    def callback(ref):\n"
+            f"        os.kill(os.getpid(), signal.{sig})\n"
+            "        for _ in range(1000):\n"
+            "            pass\n"
+            "    ref = weakref.ref(obj, callback)\n"
+            "    del obj\n"
+            "    for _ in range(500):\n"
+            "        time.sleep(0.01)\n"
+            "    print('ran on', file=sys.stderr)\n"
+            "    return 0\n"
+            "process(main)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == status and "ran on" not in r.stderr and "Exception ignored" not in r.stderr, (r.returncode,
+                                                                                                          r.stderr)
+    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [r.stderr.strip()], r.stderr
+
+
+@pytest.mark.slow
 def test_run_prints_only_its_summary(tmp_path, tiny_model_files):
     """No Beam notices (apitools, BigQuery, type hints) on stderr: the summary line is all a run prints."""
     corpus = tmp_path / "in.txt"

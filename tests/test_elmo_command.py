@@ -193,7 +193,8 @@ def test_a_file_placed_at_the_output_while_the_command_ran_is_left(tmp_path):
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
 def test_a_command_killed_while_it_writes_leaves_the_earlier_file_whole(tiny_model_files, tmp_path, sig):
     """A real `elmo-pipeline elmo` killed while it writes its HDF5 file: the earlier output at OUTPUT_FILE is as it
-    was (the command used to truncate it first, leaving a damaged file), and the same command then finishes."""
+    was (the command used to truncate it first, leaving a damaged file), and the same command then finishes. SIGTERM
+    ends it with 143 and its temporary file gone; after SIGKILL the rerun removes it."""
     import hashlib
     import os
     import signal
@@ -222,6 +223,10 @@ def test_a_command_killed_while_it_writes_leaves_the_earlier_file_whole(tiny_mod
     finally:
         p.wait(timeout=60)
     assert hashlib.sha256(out.read_bytes()).hexdigest() == digest
+    if sig == "SIGTERM":        # unwound as from a Ctrl-C (pipeline/cli.py): 143, its temporary file removed by itself
+        assert p.returncode == 143 and not [q for q in tmp_path.iterdir() if ".tmp-" in q.name], p.returncode
+    else:
+        assert p.returncode == -signal.SIGKILL
     r = subprocess.run(cmd[:4] + [str(small)] + cmd[5:], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert sorted(q.name for q in tmp_path.iterdir()) == ["big.txt", "out.hdf5", "small.txt"]

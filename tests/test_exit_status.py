@@ -63,6 +63,7 @@ def test_a_full_disk_under_beams_wrapping_is_retry_later():
     (RuntimeError("Traceback (most recent call last):\n  File x\nelmo_pipeline.transforms.reuse.ReuseError: --reuse s: "
                   "p.parquet: not the file its manifest records [while running 'Reuse']"), exits.USAGE),
     (KeyboardInterrupt(), exits.INTERRUPTED),
+    (exits.Terminated("SIGTERM"), exits.TERMINATED),
 ])
 def test_classify(exc, status):
     assert exits.classify(exc).status == status
@@ -164,6 +165,82 @@ def test_a_live_runs_lease_exits_75_and_the_metrics_file_says_so(corpus, tiny_mo
     (sample,) = fams["elmo_pipeline_exit_status"].samples
     assert sample.value == exits.TEMPFAIL and sample.labels == {"output": str(out)}
     assert os.listdir(metrics.parent) == ["elmo.prom"]    # written by rename: no temporary file left
+
+
+def _children(pid: int) -> list[int]:
+    """Every process under `pid` (Linux /proc), deepest last."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except OSError:
+                kids = []
+            found += kids
+            todo += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie left to a container's init that reaps nothing does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_exits_143_gives_the_lease_back_and_the_rerun_resumes(tiny_model_files, tmp_path):
+    """A real run sent SIGTERM (a scheduler's cancel, a pod's stop) once it has committed a shard: one `error:` line
+    and 143 (it died by the signal before), --metrics-file says 143, the output's lease is given back (a rerun on
+    another machine need not wait for it to go stale), no process of it is left; the same command then finishes,
+    equal to an uninterrupted run."""
+    import glob
+    import signal
+    import time
+    from prometheus_client.parser import text_string_to_metric_families
+    big = write_corpus(str(tmp_path / "big.txt"), n_docs=4000, seed=5)
+    out, metrics = tmp_path / "out", tmp_path / "elmo.prom"
+    extra = ("--shard-sentences", "50", "--max-tokens-per-batch", "512")
+    args = argv(tiny_model_files, big, str(out), *extra, "--metrics-file", str(metrics))
+    p = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while p.poll() is None and not glob.glob(str(out / "_staging" / "*" / "committed" / "*.json")):
+            assert time.monotonic() < deadline, "no shard committed in 180 s"
+            time.sleep(0.05)
+        assert p.poll() is None, "the run ended before it was sent SIGTERM"
+        children = _children(p.pid)
+        p.send_signal(signal.SIGTERM)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    p.stderr = stderr
+    _one_line(p, exits.TERMINATED, "Terminated: SIGTERM", "a rerun resumes")
+    assert children and not os.path.exists(out / "_lease.json") and os.path.isdir(out / "_staging")
+    (sample,) = {f.name: f for f in text_string_to_metric_families(metrics.read_text())}[
+        "elmo_pipeline_exit_status"].samples
+    assert sample.value == exits.TERMINATED
+    deadline = time.monotonic() + 30
+    while any(map(_alive, children)):                 # its tokenizer children end with their pipes
+        assert time.monotonic() < deadline, [c for c in children if _alive(c)]
+        time.sleep(0.1)
+    again = run_subprocess(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    ref = str(tmp_path / "ref")
+    assert run_subprocess(argv(tiny_model_files, big, ref, *extra)).returncode == 0
+    assert_same_output(read_output(str(out)), read_output(ref))
 
 
 def _mount_tmpfs(path, size: str) -> None:
