@@ -86,59 +86,77 @@ def process(main_: Callable[[], int]) -> NoReturn:
     from elmo_pipeline.pipeline.streams import guard, say
     guard()
     restore = _unwind_on_signals()
+    interrupt = None
     try:
         status = main_()
     except KeyboardInterrupt as e:
+        interrupt = e
+    finally:
+        dropped = restore()          # an interrupt Python dropped and that was not raised again before main_ ended
+    if interrupt is not None or dropped is not None:
         from elmo_pipeline.pipeline.exits import classify
-        failure = classify(e)
+        failure = classify(interrupt or dropped)
         say(failure.line())
         status = failure.status
-    finally:
-        restore()
     exit_with(status)
 
 
 AGAIN_SECONDS = 0.01   # a dropped interrupt's signal is sent again this late: the collector's callback has returned
 
 
-def _unwind_on_signals() -> Callable[[], None]:
+def _unwind_on_signals() -> Callable[[], BaseException | None]:
     """SIGTERM (a scheduler's cancel, a pod's stop) raises exits.Terminated in the main thread, a KeyboardInterrupt:
     the command unwinds as from a Ctrl-C (its lease given back, its temporary files removed, --metrics-file and one
     `error:` line with status 143) instead of dying where it stands; a second SIGTERM while it unwinds ends the
     process at once (the default action). Only where SIGTERM has its default action (a host's own handler, or an
     inherited SIG_IGN, stays). An interrupt raised where Python drops exceptions (a weakref callback or __del__ that
     the collector ran: "Exception ignored in ...", and the command ran on to exit 0) is sent again from a thread, to
-    land outside it. Returns what puts the handlers before back."""
+    land outside it; one still pending when the command's work ends is its status (process). Returns what puts the
+    handlers before back and gives that interrupt."""
     import signal
     from elmo_pipeline.pipeline.exits import Terminated
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    main_thread, hook_before, raised = threading.main_thread().ident, sys.unraisablehook, [False]
+    main_thread, hook_before = threading.main_thread().ident, sys.unraisablehook
+    state = {"raised": False, "dropped": None, "timer": None}
 
     def terminate(signum, frame):
-        if raised[0]:                           # a second SIGTERM: the default action, now
+        if state["raised"]:                     # a second SIGTERM: the default action, now
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        raised[0] = True
+        state.update(raised=True, dropped=None)
         raise Terminated("SIGTERM")
+
+    def interrupt(signum, frame):
+        state["dropped"] = None
+        raise KeyboardInterrupt
 
     def unraisable(u):
         if isinstance(u.exc_value, KeyboardInterrupt):    # dropped: its signal again, from a thread, once this is done
-            raised[0] = False
             again = signal.SIGTERM if isinstance(u.exc_value, Terminated) else signal.SIGINT
-            threading.Timer(AGAIN_SECONDS, signal.pthread_kill, (main_thread, again)).start()
+            state.update(raised=False, dropped=u.exc_value,
+                         timer=threading.Timer(AGAIN_SECONDS, signal.pthread_kill, (main_thread, again)))
+            state["timer"].start()
             return
         hook_before(u)
-    ours = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    if ours:
-        signal.signal(signal.SIGTERM, terminate)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ours = {signal.SIGTERM: terminate if before[signal.SIGTERM] is signal.SIG_DFL else None,
+            signal.SIGINT: interrupt if before[signal.SIGINT] is signal.default_int_handler else None}
+    for sig, handler in ours.items():
+        if handler is not None:
+            signal.signal(sig, handler)
     sys.unraisablehook = unraisable
 
-    def restore():
+    def restore() -> BaseException | None:
+        """The handlers before put back; the interrupt dropped and not raised again since, if any."""
+        if state["timer"] is not None:
+            state["timer"].cancel()
         sys.unraisablehook = hook_before
-        if ours:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig, handler in ours.items():
+            if handler is not None:
+                signal.signal(sig, before[sig])
+        return state["dropped"]
     return restore
 
 

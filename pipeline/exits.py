@@ -61,7 +61,7 @@ DATA_TEXT = re.compile(r"WeightsError|OptionsError|sha256 mismatch|differs from 
                        r"changed since the run was planned|\bFileNotFoundError\b|ClientResponseError: 4\d\d\b")
 REUSE_TEXT = re.compile(r"\b(%s): " % "|".join(REUSE_TYPES))
 MEANINGS = {OK: "done", USAGE: "fix the command", DATA: "fix the data", SOFTWARE: "failed",
-            TEMPFAIL: "retry later", INTERRUPTED: "interrupted", TERMINATED: "terminated; a rerun resumes"}
+            TEMPFAIL: "retry later", INTERRUPTED: "interrupted", TERMINATED: "terminated"}
 
 
 @dataclass(frozen=True)

@@ -227,7 +227,7 @@ def test_sigterm_mid_run_exits_143_gives_the_lease_back_and_the_rerun_resumes(ti
             p.kill()
             p.wait()
     p.stderr = stderr
-    _one_line(p, exits.TERMINATED, "Terminated: SIGTERM", "a rerun resumes")
+    _one_line(p, exits.TERMINATED, "Terminated: SIGTERM", "terminated")
     assert children and not os.path.exists(out / "_lease.json") and os.path.isdir(out / "_staging")
     (sample,) = {f.name: f for f in text_string_to_metric_families(metrics.read_text())}[
         "elmo_pipeline_exit_status"].samples
