@@ -28,6 +28,7 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the command's main thread by its handler (pipeline/cli.py: process): it unwinds the run as
     a Ctrl-C does (the lease given back, --metrics-file written, its workers ended), then exit TERMINATED."""
 
+
 TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNREFUSED,
                     errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
                     errno.EPIPE}
@@ -117,8 +118,9 @@ def classify(exc: BaseException) -> Failure:
     """The exit status and one-line message of a failure (see the module docstring).
 
     Order: a signal that ended it (SIGTERM, then Ctrl-C) anywhere in the chain, then a transient cause anywhere in
-    the chain (a full disk under Beam's wrapping is still a full disk), then a --reuse source's failure (ReuseError in the chain, planning or not: TEMPFAIL when its causes'
-    text says storage failed, else USAGE; a source's file gone too), then a data cause, a missing optional package
+    the chain (a full disk under Beam's wrapping is still a full disk), then a --reuse source's failure (ReuseError
+    in the chain, planning or not: TEMPFAIL when its causes' text says storage failed, else USAGE; a source's file
+    gone too), then a data cause, a missing optional package
     (USAGE; for a URL's storage the message names what to install: fsio.fs.check_protocol), then the messages
     (text from other processes), then the outermost type: a ValueError or RuntimeError raised while planning (not marked
     after_plan()), a permission or an output holding another command's run are the command's fault, anything

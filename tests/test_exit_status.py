@@ -167,23 +167,14 @@ def test_a_live_runs_lease_exits_75_and_the_metrics_file_says_so(corpus, tiny_mo
     assert os.listdir(metrics.parent) == ["elmo.prom"]    # written by rename: no temporary file left
 
 
-def _children(pid: int) -> list[int]:
-    """Every process under `pid` (Linux /proc), deepest last."""
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid` (pipeline/workers.py's _children, level by level)."""
+    from elmo_pipeline.pipeline.workers import _children
     found, todo = [], [pid]
     while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    kids = [int(c) for c in f.read().split()]
-            except OSError:
-                kids = []
-            found += kids
-            todo += kids
+        kids = _children(todo.pop())
+        found += kids
+        todo += kids
     return found
 
 
@@ -219,15 +210,15 @@ def test_sigterm_mid_run_exits_143_gives_the_lease_back_and_the_rerun_resumes(ti
             assert time.monotonic() < deadline, "no shard committed in 180 s"
             time.sleep(0.05)
         assert p.poll() is None, "the run ended before it was sent SIGTERM"
-        children = _children(p.pid)
+        children = _descendants(p.pid)
         p.send_signal(signal.SIGTERM)
         stdout, stderr = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    p.stderr = stderr
-    _one_line(p, exits.TERMINATED, "Terminated: SIGTERM", "terminated")
+    _one_line(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr), exits.TERMINATED,
+              "Terminated: SIGTERM", "terminated")
     assert children and not os.path.exists(out / "_lease.json") and os.path.isdir(out / "_staging")
     (sample,) = {f.name: f for f in text_string_to_metric_families(metrics.read_text())}[
         "elmo_pipeline_exit_status"].samples
