@@ -214,10 +214,10 @@ def _tanh_times(c: Tensor, o: Tensor, out: Tensor, tmp: Tensor) -> Tensor:
     float32 tanh ran 2 ns an element on the CPU, this 5 ops 1 ns (AMD EPYC Zen 5), within 1.8e-7 of tanh (1 ulp of 1;
     the fixture parity holds); exp, add, reciprocal and addcmul give an element the same bits wherever it falls in
     the tensor (docs/exactness.md), so batch invariance holds too. On the Intel Xeon with AMX it is the slower route
-    (1,085 us against 625 at 183 rows, about 2 % of a float32 step: benchmarks/results/cell_ops_intel_amx.json),
+    (1,122 us against 691 at 183 rows, about 2 % of a float32 step: benchmarks/results/cell_ops_intel_amx.json),
     kept there: the float32 vectors keep their bits. Other dtypes: tanh of c converted to float32 in tmp, rounded back,
     times o: the bits of torch's tanh in that dtype (which computes in float32 and rounds), faster than that tanh
-    (bfloat16 on the Intel Xeon with AMX: 963 us against 1,487, cell_ops_intel_amx.json; tests/test_lstm_loops.py
+    (bfloat16 on the Intel Xeon with AMX: 1,033 us against 1,503, cell_ops_intel_amx.json; tests/test_lstm_loops.py
     checks the bits)."""
     tmp = tmp[: c.shape[0]]
     if c.dtype != torch.float32:

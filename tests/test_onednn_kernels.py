@@ -42,7 +42,8 @@ def test_the_benchmark_names_each_step_gemm(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 def test_cell_ops_times_each_op_beside_the_gemms(tmp_path):
-    """benchmarks/cell_ops.py: every op of the oneDNN loop's cell, the whole cell and the three step GEMMs, timed."""
+    """benchmarks/cell_ops.py: every op of the oneDNN loop's cell, the whole cell and the three step GEMMs with and
+    without their fused activations, timed; the step's share of the ceiling measured in the same run."""
     from benchmarks import cell_ops
     out = tmp_path / "c.json"
     cell_ops.main(["--shape", "small", "--rows", "8", "--dtypes", "float32", "--out", str(out)])
@@ -51,3 +52,7 @@ def test_cell_ops_times_each_op_beside_the_gemms(tmp_path):
                                     "o * tanh(c) (torch.tanh in the dtype)", "the whole cell"]
     assert list(run["gemm_us"]) == ["gates", "gate j", "projection"] and all(v > 0 for v in run["gemm_us"].values())
     assert run["cell_us"]["the whole cell"] > 0 and 0 < run["cell_share_of_step"] < 1
+    assert list(run["gemm_without_activation_us"]) == list(run["gemm_us"])
+    assert all(v > 0 for v in run["gemm_without_activation_us"].values()) and run["ceiling_gflops"] > 0
+    assert 0 < run["cell_share_of_step"] <= run["pointwise_share_of_step"] + 0.05 < 1.05
+    assert 0 < run["step_fraction_of_ceiling"] < run["pointwise_free_fraction_of_ceiling"]
