@@ -93,16 +93,16 @@ class MappedDataset(_TorchDataset):
         self.outputs = open_outputs(sources, storage_options)
         for out in self.outputs:
             if "arrow" not in out.formats:
-                raise ValueError(f"{out.path}: no arrow shards (formats: {out.formats}); write it with --format "
+                raise ValueError(f"{out.shown}: no arrow shards (formats: {out.formats}); write it with --format "
                                  f"...,arrow")
         first = self.outputs[0]
         self.layers = list(layers) if layers else list(first.layer_names)
         for out in self.outputs:
             out.check("arrow", self.layers)
             if out.dim != first.dim or [out.layer_dims[n] for n in self.layers] != [first.layer_dims[n] for n in self.layers]:
-                raise ValueError(f"{out.path}: layer widths differ from {first.path}'s")
+                raise ValueError(f"{out.shown}: layer widths differ from {first.shown}'s")
             if out.dtype != first.dtype:
-                raise ValueError(f"{out.path}: stored dtype {out.dtype} differs from {first.path}'s {first.dtype} "
+                raise ValueError(f"{out.shown}: stored dtype {out.dtype} differs from {first.shown}'s {first.dtype} "
                                  f"(read them as separate datasets, or with ElmoDataset, which converts to float32)")
         self.dim, self.widths = first.dim, [first.layer_dims[n] for n in self.layers]
         self.label_key, self.with_tokens, self.transform = label_key, tokens, transform
@@ -122,9 +122,13 @@ class MappedDataset(_TorchDataset):
         its sentences indexed (MappedIndex); the first _MAPS maps kept for the batches to copy from."""
         def units():
             for u, (k, i) in enumerate(self.units):
-                where = self.outputs[k].shard_path(i, "arrow", check=True)     # its recorded size: before a copy or map
+                out = self.outputs[k]
+                local = is_local_fs(out.fs)     # a remote shard's digest: checked as the cache copies it
+                where = out.shard_path(i, "arrow", check=True, digest=None if local else False)   # before a copy or map
                 b, base, size, st = _map(self.local_path(u), where, read_around=False)  # pages read as the index touches
-                self.outputs[k].check_arrow(i, b, where, size=size)
+                if local:                       # the file mapped is the one checked (a stat where it is unchanged)
+                    out.shard_path(i, "arrow", check=True)
+                out.check_arrow(i, b, where, size=size)
                 self.files.found(u, layer_offsets(b, base, size, self.layers, where), size, (st.st_dev, st.st_ino))
                 yield sentence_index(b)
                 set_read_around(base, size, True)                           # the vectors' first reads: read ahead

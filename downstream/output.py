@@ -14,16 +14,18 @@ from typing import Any
 import numpy as np
 
 from elmo_pipeline.downstream.batching import stack
-from elmo_pipeline.downstream.shard_checks import (DamagedOutput, check_arrow_batch, check_file, check_parquet_counts,
-                                                   check_parquet_pages, check_parquet_schema, checked_shards,
-                                                   check_size, checked_files, checked_header, shard_entry)
+from elmo_pipeline.downstream.shard_checks import (DamagedOutput, check_arrow_batch, check_file, check_folders,
+                                                   check_parquet_counts, check_parquet_pages, check_parquet_schema,
+                                                   checked_shards, check_size, checked_files, checked_header,
+                                                   shard_entry)
 from elmo_pipeline.downstream.shard_readers import (arrow_records, hdf5_records, parquet_meta, parquet_records,
                                       parquet_token_records)
 from elmo_pipeline.formats.layout import FORMATS, MANIFEST, read_manifest
-from elmo_pipeline.fsio import is_local_fs, keyed, url_fs
+from elmo_pipeline.fsio import is_local_fs, keyed, redact, url_fs
 from elmo_pipeline.output.names import METRICS, REPORT
 
 RENDERINGS = (REPORT, METRICS)     # recorded files that are renderings of the run, not its data
+VERIFY = ("digest", "size")        # ElmoOutput's checks of a shard file before it is read
 
 
 class ElmoOutput:
@@ -34,15 +36,21 @@ class ElmoOutput:
     ['average']), layer_dims ({name: stored width}), dim (2P, the width of a record's layers),
     formats, parquet_layout, dtype (of the stored vectors). Formats: parquet, hdf5, arrow (--format arrow;
     downstream/mapped.py reads it without loading it). File names leaving the folder are refused.
+    verify: how a shard file is checked against the manifest's record before it is read: "digest" (its size, then
+    its SHA-256, read once per process while the file is unchanged: a shard swapped in with the same size is
+    refused) or "size" (its size only: for an output validate() has checked and nothing since may have changed).
     """
 
-    def __init__(self, path: str, storage_options: Mapping[str, Any] | None = None):
-        self.path = path.rstrip("/")
+    def __init__(self, path: str, storage_options: Mapping[str, Any] | None = None, verify: str = "digest"):
+        if verify not in VERIFY:
+            raise ValueError(f"verify must be one of {VERIFY}, got {verify!r}")
+        self.path, self.verify = path.rstrip("/"), verify
+        self.shown = redact(self.path)          # the path as messages and repr show it: no password, token or signature
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = url_fs(self.path, keyed(self.path, self.storage_options))
         manifest = read_manifest(self.fs, self.root)
         if manifest is None:
-            raise FileNotFoundError(f"{self.path}: no manifest.json (not a finished pipeline output)")
+            raise FileNotFoundError(f"{self.shown}: no manifest.json (not a finished pipeline output)")
         self.manifest = manifest
         where = posixpath.join(self.path, MANIFEST)
         self.shards: list[dict] = checked_shards(where, [shard_entry(f"{where}: shard {i}", s, FORMATS)
@@ -56,22 +64,30 @@ class ElmoOutput:
             raise DamagedOutput(f"{where}: dtype {self.dtype!r} is neither float16 nor float32")
 
     def __repr__(self) -> str:
-        return (f"ElmoOutput({self.path!r}: {len(self.shards)} shards, {self.num_sentences} sentences, "
+        return (f"ElmoOutput({self.shown!r}: {len(self.shards)} shards, {self.num_sentences} sentences, "
                 f"layers {self.layer_names}, dim {self.dim}, formats {self.formats})")
 
     @property
     def num_sentences(self) -> int:
         return sum(int(s["sentences"]) for s in self.shards)
 
-    def shard_path(self, i: int, fmt: str, check: bool = False) -> str:
-        """Filesystem path (for self.fs) of shard i in format fmt; `check`: checked before it is opened (check_file:
-        a local path a regular file, of the size the manifest's `files` records where it records it)."""
+    def shard_path(self, i: int, fmt: str, check: bool = False, digest: bool | None = None) -> str:
+        """Filesystem path (for self.fs) of shard i in format fmt; `check`: checked before it is opened (_check_file:
+        a local path a regular file in no linked folder, of the size the manifest's `files` records where it records
+        it, and with `digest` (None: self.verify's) of its SHA-256, once per process while unchanged)."""
         if fmt not in self.shards[i]:
-            raise ValueError(f"{self.path}: shard {i} has no {fmt} file (formats: {self.formats})")
+            raise ValueError(f"{self.shown}: shard {i} has no {fmt} file (formats: {self.formats})")
         path = posixpath.join(self.root, self.shards[i][fmt])
         if check:
-            check_file(self.fs, path, self._record(i, fmt))
+            self._check_file(self.shards[i][fmt], self._record(i, fmt),
+                             self.verify == "digest" if digest is None else digest, once=True)
         return path
+
+    def _check_file(self, name: str, record: dict | None, digest: bool, once: bool = False) -> None:
+        """check_file of the output's file `name` (relative), its folders first where local (check_folders)."""
+        if is_local_fs(self.fs):
+            check_folders(self.root, name)
+        check_file(self.fs, posixpath.join(self.root, name), record, digest=digest, once=once)
 
     def _record(self, i: int, fmt: str) -> dict | None:
         """The manifest's record ({"bytes", "sha256"}) of shard i's fmt file; None where it records none."""
@@ -142,7 +158,7 @@ class ElmoOutput:
         for name, record in self.files.items():
             path = posixpath.join(self.root, name)
             if name not in RENDERINGS or (os.path.lexists(path) if is_local_fs(self.fs) else self.fs.exists(path)):
-                check_file(self.fs, path, record, digest=True)
+                self._check_file(name, record, digest=True)
 
     def default_format(self) -> str:
         return next((f for f in ("parquet", "hdf5") if f in self.formats), "arrow")
@@ -152,11 +168,11 @@ class ElmoOutput:
         not in this output."""
         fmt = fmt or self.default_format()
         if fmt not in FORMATS or fmt not in self.formats:
-            raise ValueError(f"{self.path}: format {fmt!r} not written (formats: {self.formats})")
+            raise ValueError(f"{self.shown}: format {fmt!r} not written (formats: {self.formats})")
         names = list(layers) if layers else list(self.layer_names)
         missing = [n for n in names if n not in self.layer_names]
         if missing:
-            raise ValueError(f"{self.path}: no layer(s) {missing} (has {self.layer_names})")
+            raise ValueError(f"{self.shown}: no layer(s) {missing} (has {self.layer_names})")
         return fmt, names
 
     def iter_shard(self, i: int, fmt: str | None = None, layers: Sequence[str] | None = None,

@@ -18,12 +18,16 @@ import pyarrow as pa
 
 from elmo_pipeline.formats.layout import recorded_files
 from elmo_pipeline.formats.parquet import META_COLUMNS, TOKEN_META_COLUMNS
-from elmo_pipeline.fsio import is_local_fs, same_digest
+from elmo_pipeline.fsio import is_local_fs, redact, same_digest
 from elmo_pipeline.output.manifest import is_file_record
 
 
 class DamagedOutput(ValueError):
-    """A file of an output that does not match its manifest (or a manifest naming a file outside the output)."""
+    """A file of an output that does not match its manifest (or a manifest naming a file outside the output). Its
+    message is redacted (fsio.redact: a URL's password, token or signature never in it)."""
+
+    def __init__(self, message: str):
+        super().__init__(redact(message))
 
 
 def inside_path(where: str, rel) -> str:
@@ -263,17 +267,55 @@ def checked_files(where: str, manifest: dict) -> dict[str, dict] | None:
     return files
 
 
-def check_file(fs, path: str, record: dict | None, digest: bool = False) -> None:
-    """DamagedOutput unless `path` is a regular file (local paths: a FIFO, a device, a folder or a link to one is
-    never opened, no hang) of the recorded size, and with `digest` of the recorded SHA-256, read in 8 MiB blocks, at
+# Files whose SHA-256 this process has checked, by what identifies their content here (_identity): a file replaced,
+# rewritten or touched since is checked again; fork()ed workers (a DataLoader's) inherit it.
+_VERIFIED: dict[tuple, tuple] = {}
+
+
+def check_file(fs, path: str, record: dict | None, digest: bool = False, once: bool = False) -> None:
+    """DamagedOutput unless `path` is a regular file (local paths: a link, a FIFO, a device or a folder is never
+    opened, no hang) of the recorded size, and with `digest` of the recorded SHA-256, read in 8 MiB blocks, at
     most its size + 1 bytes (a file grown since, or linked to /dev/zero, is refused without reading it all).
+    `once` (the readers): not read again where this process has checked it and it is unchanged since (_identity).
     record None (a file the manifest does not record): a local path checked to be a regular file only."""
-    size = _regular_size(path, record) if is_local_fs(fs) else None
+    local = is_local_fs(fs)
+    st = _regular_stat(path, record) if local else None
     if record is None:
         return
-    check_size(path, fs.size(path) if size is None else size, record)
-    if digest and not same_digest(fs, path, record):
+    check_size(path, fs.size(path) if st is None else st.st_size, record)
+    if not digest:
+        return
+    key, ident = (local, path), _identity(fs, path, st)
+    if once and ident is not None and _VERIFIED.get(key) == (ident, record["sha256"]):
+        return
+    if not same_digest(fs, path, record):
         raise DamagedOutput(f"{path}: not the file the manifest records (its SHA-256 differs)")
+    if ident is not None:
+        _VERIFIED[key] = (ident, record["sha256"])
+
+
+def _identity(fs, path: str, st: os.stat_result | None) -> tuple | None:
+    """What identifies a file's content without reading it: a local file's device, inode, size and modification
+    time (ns); a stored object's size and ETag (or modification time) where its store gives one; else None."""
+    if st is not None:
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    try:
+        info = fs.info(path) if hasattr(fs, "info") else {}
+    except OSError:
+        return None
+    tag = next((info[k] for k in ("ETag", "etag", "mtime", "LastModified", "last_modified", "created")
+                if info.get(k) is not None), None)
+    return None if tag is None else (info.get("size"), str(tag))
+
+
+def check_folders(root: str, rel: str) -> None:
+    """DamagedOutput when a folder between a local output's root and its file `rel` is a link (a reader follows
+    none out of the output; the pipeline writes none)."""
+    folder = root
+    for part in rel.split("/")[:-1]:
+        folder = os.path.join(folder, part)
+        if os.path.islink(folder):
+            raise DamagedOutput(f"{folder}: a link, not a folder of the output")
 
 
 def check_size(where: str, size: int, record: dict | None) -> None:
@@ -282,21 +324,23 @@ def check_size(where: str, size: int, record: dict | None) -> None:
         raise DamagedOutput(f"{where}: {size} bytes, the manifest records {record['bytes']}")
 
 
-def _regular_size(path: str, record: dict | None) -> int:
-    """The size of the local file `path`, DamagedOutput unless a regular file (os.stat: nothing opened)."""
+def _regular_stat(path: str, record: dict | None) -> os.stat_result:
+    """The os.lstat of the local file `path`, DamagedOutput unless a regular file (a link is not: nothing opened)."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError as e:
         if record is None:
             raise                                   # as a reader opening it would (FileNotFoundError)
         raise DamagedOutput(f"{path}: cannot be read ({e.strerror}), the manifest records {record['bytes']} "
                             "bytes") from None
-    return regular(st, path).st_size
+    return regular(st, path)
 
 
 def regular(st: os.stat_result, where: str) -> os.stat_result:
-    """st (an os.stat of `where`), DamagedOutput unless of a regular file (a FIFO's open would block, a device's
-    read may never end)."""
+    """st (an os.stat or os.lstat of `where`), DamagedOutput unless of a regular file (a FIFO's open would block, a
+    device's read may never end; a link, lstat's, may lead out of the output)."""
+    if stat.S_ISLNK(st.st_mode):
+        raise DamagedOutput(f"{where}: not a regular file (a link)")
     if not stat.S_ISREG(st.st_mode):
         raise DamagedOutput(f"{where}: not a regular file")
     return st

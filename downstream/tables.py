@@ -31,10 +31,10 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
                 pf = open_checked(f)
                 unknown = [c for c in columns or () if c not in pf.schema_arrow.names]
                 if unknown:
-                    raise ValueError(f"{out.path}: no column(s) {unknown} (has {pf.schema_arrow.names})")
+                    raise ValueError(f"{out.shown}: no column(s) {unknown} (has {pf.schema_arrow.names})")
                 tables.append(_read_checked(pf, f, path, out, i, list(columns) if columns else None))
         if not tables:
-            raise ValueError(f"{out.path}: no shards")
+            raise ValueError(f"{out.shown}: no shards")
         return pa.concat_tables(tables)
     recs = list(out.sentences("hdf5"))
     data = {"id": pa.array([r["id"] for r in recs], pa.string()),

@@ -417,3 +417,91 @@ def test_validate_allows_only_the_renderings_to_be_gone(two_models, tmp_path):
     os.remove(os.path.join(out, "keys", "part-00000-of-00002.parquet"))
     with pytest.raises(DamagedOutput, match=r"keys/part-00000-of-00002\.parquet"):
         ElmoOutput(out).validate()
+
+
+def _readers(out):
+    """Every way to read an output's vectors back: each format's records, the table, the mapped dataset."""
+    from elmo_pipeline.downstream import ElmoOutput, to_arrow_table
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    return {"parquet": lambda: list(ElmoOutput(out).sentences("parquet")),
+            "hdf5": lambda: list(ElmoOutput(out).sentences("hdf5")),
+            "arrow": lambda: list(ElmoOutput(out).sentences("arrow")),
+            "table": lambda: to_arrow_table(out), "mapped": lambda: MappedDataset(out)[19]}
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "hdf5", "arrow"])
+def test_a_shard_changed_at_its_size_is_refused_by_every_reader(two_models, tmp_path, fmt):
+    """A shard rewritten at its recorded size (one byte changed mid-file: a vector's value; or another model's shard
+    of the same size): every reader that opens it refuses it by its SHA-256 (before: read as if whole, the
+    changed vector served); ElmoOutput(verify="size") reads it (the documented opt-out)."""
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    out = _copy(two_models["a"], tmp_path / "o")
+    rel = _manifest(out)["shards"][1][fmt]
+    raw = bytearray(open(os.path.join(out, rel), "rb").read())
+    raw[len(raw) // 2] ^= 0x01
+    open(os.path.join(out, rel), "wb").write(bytes(raw))
+    opened = {"parquet": ["parquet", "hdf5", "table"], "hdf5": ["hdf5"], "arrow": ["arrow", "mapped"]}[fmt]
+    for name, read in _readers(out).items():
+        if name in opened:
+            with pytest.raises(DamagedOutput, match=re.escape(f"{rel}: not the file the manifest records (its "
+                                                              "SHA-256 differs)")):
+                read()
+    try:                                       # what the size-only opt-out does is the file's business: no crash
+        list(ElmoOutput(out, verify="size").sentences(fmt))
+    except DamagedOutput:
+        pass
+    other = os.path.join(two_models["b"], rel)
+    if os.path.getsize(other) == len(raw):
+        shutil.copy(other, os.path.join(out, rel))
+        with pytest.raises(DamagedOutput, match="SHA-256 differs"):
+            list(ElmoOutput(out).sentences(fmt))
+        assert len(list(ElmoOutput(out, verify="size").sentences(fmt))) == 20
+
+
+def test_a_link_in_an_output_is_never_followed(two_models, tmp_path):
+    """A shard replaced by a link (even to a copy of the very file recorded) and a shard folder replaced by a link
+    to a copy of it: refused by every reader and validate(), as not the output's own (before: followed, so a link to
+    another output's shard of the same size served its vectors)."""
+    from elmo_pipeline.downstream import ElmoOutput
+    from elmo_pipeline.downstream.shard_checks import DamagedOutput
+    elsewhere = _copy(two_models["a"], tmp_path / "elsewhere")
+    for fmt in ("parquet", "hdf5", "arrow"):
+        out = _copy(two_models["a"], tmp_path / f"file-{fmt}")
+        rel = _manifest(out)["shards"][0][fmt]
+        os.remove(os.path.join(out, rel))
+        os.symlink(os.path.join(elsewhere, rel), os.path.join(out, rel))
+        with pytest.raises(DamagedOutput, match=re.escape(f"{rel}: not a regular file (a link)")):
+            ElmoOutput(out).validate()
+        for name, read in _readers(out).items():
+            if name == fmt or (fmt, name) in {("parquet", "table"), ("parquet", "hdf5"), ("arrow", "mapped")}:
+                with pytest.raises(DamagedOutput, match="not a regular file"):
+                    read()
+        out = _copy(two_models["a"], tmp_path / f"folder-{fmt}")
+        shutil.rmtree(os.path.join(out, fmt))
+        os.symlink(os.path.join(elsewhere, fmt), os.path.join(out, fmt))
+        with pytest.raises(DamagedOutput, match=re.escape(f"{fmt}: a link, not a folder of the output")):
+            ElmoOutput(out).validate()
+        with pytest.raises(DamagedOutput, match="a link, not a folder of the output"):
+            list(ElmoOutput(out).sentences(fmt))
+
+
+def test_readers_hash_a_shard_once_per_process_and_again_when_it_changes(two_models, tmp_path, monkeypatch):
+    """Opened again and again, a shard is hashed once; rewritten since (same size, new contents), it is hashed
+    again and refused."""
+    from collections import Counter
+    from elmo_pipeline.downstream import ElmoOutput, shard_checks
+    out = _copy(two_models["a"], tmp_path / "o")
+    seen, real = Counter(), shard_checks.same_digest
+    monkeypatch.setattr(shard_checks, "same_digest", lambda fs, path, rec: seen.update([path]) or real(fs, path, rec))
+    for _ in range(3):
+        assert len(list(ElmoOutput(out).sentences("parquet"))) == 20
+    shards = [os.path.join(out, s["parquet"]) for s in _manifest(out)["shards"]]
+    assert seen == Counter(dict.fromkeys(shards, 1))
+    raw = bytearray(open(shards[0], "rb").read())
+    raw[len(raw) // 2] ^= 0x01
+    time.sleep(0.01)
+    open(shards[0], "wb").write(bytes(raw))
+    with pytest.raises(shard_checks.DamagedOutput, match="SHA-256 differs"):
+        list(ElmoOutput(out).sentences("parquet"))
+    assert seen[shards[0]] == 2
