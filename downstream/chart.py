@@ -9,8 +9,9 @@ import math
 import numpy as np
 
 
-def bar_chart(rows: list[dict], png_path: str, title: str = "") -> None:
-    """Accuracy and macro-F1 per setting (test split if any, else dev, else train) as a PNG bar chart."""
+def bar_chart(rows: list[dict], png_path: str, title: str = "", software: str | None = None) -> None:
+    """Accuracy and macro-F1 per setting (test split if any, else dev, else train) as a PNG bar chart; `software`:
+    its "Software" text chunk (matplotlib's name otherwise)."""
     split = next(s for s in ("test", "dev", "train") if f"{s}_accuracy" in rows[0])
     names = [r["setting"] for r in rows]
     acc = [100 * r[f"{split}_accuracy"] for r in rows]
@@ -37,7 +38,8 @@ def bar_chart(rows: list[dict], png_path: str, title: str = "") -> None:
     ax.set_title(title + (f" (mean ± std over {seeds} seeds)" if seeds > 1 else ""))
     ax.legend(loc="upper left")
     ax.grid(True, axis="y", alpha=0.3)
-    fig.savefig(png_path, dpi=100, bbox_inches="tight", format="png")     # the name may be a temporary one
+    fig.savefig(png_path, dpi=100, bbox_inches="tight", format="png",    # the name may be a temporary one
+                metadata={"Software": software} if software else None)
     plt.close(fig)
 
 

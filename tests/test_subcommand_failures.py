@@ -181,6 +181,38 @@ def test_probe_report_never_writes_through_a_link(tmp_path, name):
     assert sorted(p.name for p in out.iterdir()) == ["chart.png", "results.json", "table.md"]
 
 
+def _png() -> bytes:
+    """A user's own small PNG."""
+    import io
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), (200, 10, 10)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name", ["table.md", "results.json", "chart.png"])
+def test_probe_report_never_replaces_a_users_file(tmp_path, name):
+    """probe --out naming a folder that holds a user's table.md, results.json or chart.png (a regular file the probe
+    did not write): refused before the probe trains (check_report_folder) and by write_report, every file as it
+    was (before: replaced, exit 0); the probe's own report there is replaced by a rerun."""
+    from elmo_pipeline.downstream.report import check_report_folder, write_report
+    out = tmp_path / "probe"
+    write_report(str(out), _rows(), [], {"task": "sentence"}, None)
+    check_report_folder(str(out))
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    write_report(str(out), _rows(), [], {"task": "sentence"}, None)          # its own files: replaced
+    assert sorted(p.name for p in out.iterdir()) == sorted(first)
+    users = {"table.md": b"| my | notes |\n", "results.json": b'{"mine": 1}\n',
+             "chart.png": _png()}[name]
+    (out / name).write_bytes(users)
+    for call in (lambda: check_report_folder(str(out)),
+                 lambda: write_report(str(out), _rows(), [], {"task": "sentence"}, None)):
+        with pytest.raises(FileExistsError, match=re.escape(f"{out / name} exists and is not a file the probe wrote")):
+            call()
+    assert (out / name).read_bytes() == users
+    assert all((out / n).read_bytes() == first[n] for n in first if n != name)
+
+
 HOSTILE_READS = {   # what is no regular file -> the command line reading it ({fifo}: a FIFO, {model}: an exported folder)
     "train --options": (["train", "{text}", "--output", "{tmp}/run", "--options", "{fifo}", "--max-steps", "1"]),
     "train's text": (["train", "{fifo}", "--output", "{tmp}/run", "--max-steps", "1"]),
