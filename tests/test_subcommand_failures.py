@@ -135,7 +135,46 @@ def test_export_writes_each_file_whole_with_its_softmax_and_again_over_its_own(t
         export_model(*tiny_export, str(folder))
         head, vocab, loaded = load_exported(str(folder))
         assert loaded and vocab.tokens == tiny_export[1].tokens
-    assert sorted(p.name for p in folder.iterdir()) == ["options.json", "vocab.txt", "weights.hdf5"]
+    assert sorted(p.name for p in folder.iterdir()) == ["options.json", "sha256sums.txt", "vocab.txt", "weights.hdf5"]
+
+
+@pytest.mark.parametrize("name", ["options.json", "weights.hdf5", "vocab.txt", "sha256sums.txt"])
+def test_export_never_replaces_a_users_file(tmp_path, tiny_export, name):
+    """export into a folder holding a user's file of an exported name (a regular file no export wrote: its
+    sha256sums.txt does not name it): refused before anything is written, every file as it was (before: replaced,
+    exit 0)."""
+    from elmo_pipeline.training.export import export_model
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / name).write_bytes(b"the user's own data\n")
+    with pytest.raises(FileExistsError, match=re.escape(f"{folder / name} exists and is not a file an export wrote")):
+        export_model(*tiny_export, str(folder))
+    assert [p.name for p in folder.iterdir()] == [name] and (folder / name).read_bytes() == b"the user's own data\n"
+
+
+def test_an_interrupted_or_changed_export_is_refused_and_a_rerun_finishes_it(tmp_path, tiny_export, monkeypatch):
+    """An export killed once its weights are written (before: options.json and vocab.txt of the earlier export
+    beside the new weights, loaded as a whole model, exit 0): every load refuses the folder; the same export again
+    finishes it. A file changed since (a vocab.txt reordered at its size) is refused by its recorded SHA-256."""
+    from elmo_pipeline.model import vocab as vocab_module
+    from elmo_pipeline.training import export
+    folder = tmp_path / "exp"
+    export.export_model(*tiny_export, str(folder))
+
+    def killed(self, path):
+        raise KeyboardInterrupt("killed after the weights")
+    monkeypatch.setattr(vocab_module.Vocabulary, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        export.export_model(*tiny_export, str(folder))
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="an export that did not finish"):
+        export.load_exported(str(folder))
+    export.export_model(*tiny_export, str(folder))
+    assert export.load_exported(str(folder))[2]
+    lines = (folder / "vocab.txt").read_bytes().splitlines(keepends=True)
+    (folder / "vocab.txt").write_bytes(b"".join(lines[:3] + lines[3:][::-1]))
+    with pytest.raises(ValueError, match="sha256 mismatch"):
+        export.load_exported(str(folder))
 
 
 @pytest.mark.parametrize("kind", ["link to a user's file", "fifo", "folder"])

@@ -32,7 +32,8 @@ from torch import nn
 
 from elmo_pipeline.training.checkpoint import load_checkpoint, read_meta, save_checkpoint
 from elmo_pipeline.training.data import Corpus, build_vocabulary, encode_corpus, epoch_batches, get_tokenizer, read_lines
-from elmo_pipeline.training.export import export_model, head_from_checkpoint, load_exported, load_softmax  # noqa: F401 (API)
+from elmo_pipeline.training.export import (check_export_targets, check_exported, export_model,  # noqa: F401 (API)
+                                           head_from_checkpoint, load_exported, load_softmax)
 from elmo_pipeline.training.head import LMHead, Perplexity, batch_maker, build_model, evaluate  # noqa: F401 (API)
 from elmo_pipeline.model.vocab import Vocabulary
 from elmo_pipeline.fsio import only_a_file, replacing
@@ -142,6 +143,7 @@ def _prepare_vocab_and_options(cfg: TrainConfig, tokenize) -> tuple[dict, Vocabu
     options = copy.deepcopy(cfg.options)
     vocab = Vocabulary.load(cfg.vocab_file) if cfg.vocab_file else None
     if cfg.init_from:
+        check_exported(cfg.init_from)           # whole, its files as its sha256sums.txt records them
         init_opts = read_options_file(os.path.join(cfg.init_from, "options.json"))
         for key in ("lstm", "char_cnn", "n_tokens_vocab"):    # the architecture comes from the model
             options.pop(key, None)
@@ -194,6 +196,8 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError(f"the corpus has {corpus.n_windows} windows, fewer than batch_size {batch_size}")
     total_steps = cfg.max_steps if cfg.max_steps is not None else n_epochs * per_epoch
 
+    if rank == 0 and os.path.isdir(os.path.join(cfg.out_dir, "model")):   # what the final export would refuse, now
+        check_export_targets(os.path.join(cfg.out_dir, "model"))
     torch.manual_seed(cfg.seed)
     head = build_model(options, vocab)
     opt_spec = options.get("optimizer") or {}
