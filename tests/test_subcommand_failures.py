@@ -302,12 +302,40 @@ def test_train_never_writes_through_a_link_in_its_run_folder(tmp_path, name):
     (tmp_path / "text.txt").write_text("the cat sat on the mat .\nthe dog ran .\n" * 20)
     cfg = TrainConfig(train_files=[str(tmp_path / "text.txt")], out_dir=str(run), progress=False, threads=1,
                       options=tiny_options(), max_steps=1, checkpoint_every=1, log_every=1, export=False)
+    with pytest.raises(ValueError, match=re.escape(f"holds a training run's files ({name}): pass --resume")):
+        train(cfg)                                # a fresh run: the folder must hold no run's files
+    cfg.resume = True                             # the folder declared a run's: its names written only when files
     if name == "curves.png":
         train(cfg)
     else:
         with pytest.raises(FileExistsError, match=re.escape(str(run / name)) + " is a symbolic link"):
             train(cfg)
     assert user.read_bytes() == b"the user's own data\n" and (run / name).is_symlink()
+
+
+def test_a_second_run_into_a_run_folder_is_refused_and_user_checkpoints_are_never_rotated(tmp_path):
+    """train without --resume into a folder holding a run: refused, every file as it was (before: the second run's
+    checkpoints rotated in among the first's, its options and vocabulary over the first's, exit 0); with --resume, a
+    user's ckpt-best.h5 in checkpoints/ is neither rotated away nor taken for the latest."""
+    from elmo_pipeline.training.train import TrainConfig, latest_checkpoint, train
+    from tests.test_train import tiny_options
+    run = tmp_path / "run"
+    (tmp_path / "text.txt").write_text("the cat sat on the mat .\nthe dog ran .\n" * 20)
+
+    def cfg(**kw):
+        return TrainConfig(train_files=[str(tmp_path / "text.txt")], out_dir=str(run), progress=False, threads=1,
+                           options=tiny_options(), checkpoint_every=1, log_every=1, export=False, **kw)
+    train(cfg(max_steps=2))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="holds a training run's files"):
+        train(cfg(max_steps=4))
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    (run / "checkpoints" / "ckpt-best.h5").write_bytes(b"the user's own checkpoint\n")
+    (run / "checkpoints" / "ckpt-0-mine.h5").write_bytes(b"the user's own checkpoint\n")
+    train(cfg(max_steps=6, resume=True, keep_checkpoints=1))
+    assert latest_checkpoint(str(run)).endswith("ckpt-00000006.h5")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt-0-mine.h5", "ckpt-00000006.h5",
+                                                                       "ckpt-best.h5"]
 
 
 @pytest.mark.parametrize("kind", ["a file at --out", "a link at results.json"])

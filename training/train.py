@@ -9,18 +9,18 @@ optimizer, vocab). The forward and backward LMs share the token encoder and the 
 loss is the mean of both directions' per-token negative log-likelihoods (nats).
 
 Output folder of a run:
-  options.json, vocab.txt             written at the start
+  options.json, vocab.txt             written at the start (a folder holding a run's files: only with --resume)
   checkpoints/ckpt-<step>.h5          every `checkpoint_every` steps and at the end (training/checkpoint.py)
   curves.csv, curves.png              train loss every `log_every` steps, held-out perplexity per checkpoint
-  model/options.json, weights.hdf5, vocab.txt   the export: what load_bilm, AllenNLP and bilm-tf read
+  model/options.json, weights.hdf5, vocab.txt, sha256sums.txt   the export: what load_bilm, AllenNLP and bilm-tf read
 """
 from __future__ import annotations
 
 import copy
 import csv
-import glob
 import math
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -130,8 +130,27 @@ def _log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+CHECKPOINT = re.compile(r"ckpt-\d{8}\.h5")     # a run's own checkpoint names (checkpoint(): ckpt-<step:08d>.h5)
+RUN_FILES = ("options.json", "vocab.txt", "curves.csv", "curves.png", "model")   # a run's other names in its folder
+
+
 def _checkpoints(out_dir: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(out_dir, "checkpoints", "ckpt-*.h5")))
+    """The run's own checkpoints in `out_dir`, oldest first: only names checkpoint() writes (a user's ckpt-best.h5
+    is never rotated away nor taken for the latest)."""
+    folder = os.path.join(out_dir, "checkpoints")
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return [os.path.join(folder, n) for n in sorted(n for n in names if CHECKPOINT.fullmatch(n))]
+
+
+def check_fresh_output(out_dir: str) -> None:
+    """ValueError unless `out_dir` holds none of a run's files (a run starting without --resume): a folder holding a
+    run, or a user's files of those names, is left as it is (before, a second run rotated the first's checkpoints
+    in among its own and replaced its options and vocabulary)."""
+    held = [n for n in RUN_FILES if os.path.lexists(os.path.join(out_dir, n))] + [
+        os.path.join("checkpoints", os.path.basename(p)) for p in _checkpoints(out_dir)]
+    if held:
+        raise ValueError(f"--output {out_dir} holds a training run's files ({held[0]}): pass --resume to continue "
+                         "that run, or name another folder; nothing there is changed")
 
 
 def latest_checkpoint(out_dir: str) -> str | None:
@@ -170,6 +189,8 @@ def train(cfg: TrainConfig) -> dict:
     init_distributed()
     rank, world = dist_info()
     tokenize = get_tokenizer(cfg.tokenizer)
+    if not cfg.resume:
+        check_fresh_output(cfg.out_dir)
     os.makedirs(os.path.join(cfg.out_dir, "checkpoints"), exist_ok=True)
     ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
     if cfg.resume and ckpt is None:
