@@ -37,7 +37,8 @@ FORWARDED = {"run": [], "plan": ["--dry-run"]}    # subcommand -> flags it adds
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elmo-pipeline", description="ELMo contextual word vectors")
+    from elmo_pipeline.pipeline.validate import OneLineParser     # a bad command line: one line `error: ...`, exit 2
+    parser = OneLineParser(prog="elmo-pipeline", description="ELMo contextual word vectors")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

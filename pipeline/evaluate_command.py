@@ -11,15 +11,16 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from elmo_pipeline.pipeline.validate import at_least, local_path
     p.add_argument("files", nargs="+", help="held-out text: paths, fsspec URLs or globs")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--model", help="exported folder (default: the shipped model)")
     what.add_argument("--checkpoint", help="a training checkpoint (.h5)")
     p.add_argument("--tokenizer", choices=("whitespace", "raw"), default="whitespace")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--batch-size", type=at_least(1), default=64)
+    p.add_argument("--threads", type=at_least(1), help="torch CPU threads")
     p.add_argument("--unigram-baseline", help="also report the add-one unigram perplexity estimated on this training text")
-    p.add_argument("--json", help="also write the result as JSON to this file")
+    p.add_argument("--json", type=local_path("file"), help="also write the result as JSON to this local file")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         from elmo_pipeline.model.options import read_options_file
         options = read_options_file(os.path.join(folder, "options.json"))
     corpus = load_corpus_for(args.files, vocab, options, args.tokenizer)
+    if corpus.n_windows == 0:     # was perplexity 1.00 over 0 tokens, exit 0
+        raise SystemExit(f"error: {' '.join(args.files)}: no tokens to evaluate (empty or only blank lines)")
     result = evaluate(head, corpus, batch_size=args.batch_size).as_dict()
     if args.unigram_baseline:
         from elmo_pipeline.training.data import unigram_perplexity

@@ -10,8 +10,9 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from elmo_pipeline.pipeline.validate import local_path
     p.add_argument("checkpoint", help="a training checkpoint (RUN/checkpoints/ckpt-*.h5), or a run folder (its latest)")
-    p.add_argument("folder", help="output folder")
+    p.add_argument("folder", type=local_path("folder"), help="output folder, a local path")
     p.add_argument("--no-softmax", action="store_true", help="inference weights only")
 
 

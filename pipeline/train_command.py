@@ -14,38 +14,40 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags; a count or size below its minimum, or an --output URL, is refused as they are parsed."""
+    from elmo_pipeline.pipeline.validate import at_least, finite, local_path
     p.add_argument("train_files", nargs="+", help="training text: paths, fsspec URLs or globs; one sentence/paragraph per line")
-    p.add_argument("--output", required=True, help="run folder: checkpoints, curves, vocab, export in OUTPUT/model")
+    p.add_argument("--output", required=True, type=local_path("folder"), help="run folder, a local path: checkpoints, curves, vocab, export in OUTPUT/model")
     p.add_argument("--valid", nargs="+", help="held-out text, evaluated at every checkpoint")
     p.add_argument("--options", help="options.json with architecture and training keys (missing keys: defaults)")
     p.add_argument("--token-encoder", choices=("char", "word"), default="char", help="char CNN (default) or word embeddings")
     p.add_argument("--tokenizer", choices=("whitespace", "raw"), default="whitespace",
                    help="whitespace: pre-tokenized text (default); raw: the project's tokenizer")
     p.add_argument("--vocab-file", help="use this vocabulary (one token per line) instead of building one")
-    p.add_argument("--vocab-size", type=int, help="keep the most frequent words (specials included)")
-    p.add_argument("--min-count", type=int, help="drop words seen fewer times")
-    p.add_argument("--n-layers", type=int)
-    p.add_argument("--lstm-dim", type=int, help="LSTM cell size H")
-    p.add_argument("--projection-dim", type=int, help="LSTM output and token-vector size P")
+    p.add_argument("--vocab-size", type=at_least(1), help="keep the most frequent words (specials included)")
+    p.add_argument("--min-count", type=at_least(1), help="drop words seen fewer times")
+    p.add_argument("--n-layers", type=at_least(1))
+    p.add_argument("--lstm-dim", type=at_least(1), help="LSTM cell size H")
+    p.add_argument("--projection-dim", type=at_least(1), help="LSTM output and token-vector size P")
     p.add_argument("--softmax", choices=("adaptive", "full"))
-    p.add_argument("--batch-size", type=int, help="windows per optimizer step (over all processes)")
-    p.add_argument("--unroll-steps", type=int, help="longest window in tokens; longer lines are cut")
-    p.add_argument("--n-epochs", type=int)
-    p.add_argument("--max-steps", type=int, help="stop after this many steps (the learning-rate schedule ends there)")
-    p.add_argument("--lr", type=float, help="learning rate")
+    p.add_argument("--batch-size", type=at_least(1), help="windows per optimizer step (over all processes)")
+    p.add_argument("--unroll-steps", type=at_least(1), help="longest window in tokens; longer lines are cut")
+    p.add_argument("--n-epochs", type=at_least(1))
+    p.add_argument("--max-steps", type=at_least(1), help="stop after this many steps (the learning-rate schedule ends there)")
+    p.add_argument("--lr", type=finite(0, low_open=True), help="learning rate")
     p.add_argument("--optimizer", choices=("adam", "adagrad"))
     p.add_argument("--lr-decay", choices=("linear", "none"))
-    p.add_argument("--dropout", type=float)
-    p.add_argument("--clip-norm", type=float, help="clip the global gradient norm (0: off)")
+    p.add_argument("--dropout", type=finite(0, 1))
+    p.add_argument("--clip-norm", type=finite(0, meaning="0: off"), help="clip the global gradient norm (0: off)")
     p.add_argument("--init-from", help="fine-tune: folder with options.json + weights.hdf5 [+ vocab.txt]")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
-    p.add_argument("--stop-after", type=int, help="end this session at this step (checkpointed; continue with --resume)")
-    p.add_argument("--checkpoint-every", type=int, default=1000, help="steps between checkpoints (default 1000)")
-    p.add_argument("--checkpoint-minutes", type=float, help="also checkpoint after this many minutes")
-    p.add_argument("--log-every", type=int, default=50, help="steps per train row in curves.csv (default 50)")
-    p.add_argument("--valid-max-windows", type=int, help="evaluate only the first N held-out windows")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, help="torch CPU threads per process")
+    p.add_argument("--stop-after", type=at_least(1), help="end this session at this step (checkpointed; continue with --resume)")
+    p.add_argument("--checkpoint-every", type=at_least(1), default=1000, help="steps between checkpoints (default 1000)")
+    p.add_argument("--checkpoint-minutes", type=finite(0, low_open=True), help="also checkpoint after this many minutes")
+    p.add_argument("--log-every", type=at_least(1), default=50, help="steps per train row in curves.csv (default 50)")
+    p.add_argument("--valid-max-windows", type=at_least(1), help="evaluate only the first N held-out windows")
+    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--threads", type=at_least(1), help="torch CPU threads per process")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-export", action="store_true", help="do not export OUTPUT/model at the end")
 
@@ -106,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point without the other subcommands' imports: python -m elmo_pipeline.pipeline.train_command ... (torchrun)."""
-    parser = argparse.ArgumentParser(prog="elmo-pipeline train")
+    from elmo_pipeline.pipeline.validate import OneLineParser
+    parser = OneLineParser(prog="elmo-pipeline train")
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

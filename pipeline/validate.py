@@ -1,10 +1,15 @@
 """Checks run before the pipeline is built: a bad command line fails in a second with one line naming the
-problem (pipeline.run.main prints it and exits 2, or 65 for bad model files: pipeline/exits.py), before Beam starts and before --output is touched."""
+problem (pipeline.run.main prints it and exits 2, or 65 for bad model files: pipeline/exits.py), before Beam starts and before --output is touched.
+
+The other subcommands' parser (OneLineParser) and the argparse types of train, evaluate and export (at_least, finite,
+local_path) refuse a bad flag the same way, as their command line is parsed."""
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import posixpath
+import re
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
@@ -338,3 +343,61 @@ def check_iceberg(iceberg: IcebergTarget, schema, output: str, key: str, overwri
         raise ValueError(f"--iceberg-table {iceberg.table} already references Parquet files under {output} "
                          f"(snapshot {held[-1]}), and {why}: the table would point at replaced files. Write to a "
                          "new --output, or remove those files from the table first")
+
+
+# --- the other subcommands' flags (train, evaluate, export): argparse types, checked as the command line is parsed
+
+def at_least(minimum: int, meaning: str = "") -> Callable[[str], int]:
+    """An argparse type: an int >= minimum (`meaning`: what the minimum means, e.g. '0: off'), else one line."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{f' ({meaning})' if meaning else ''}, got {value}")
+        return value
+    return parse
+
+
+def finite(low: float, high: float | None = None, low_open: bool = False, high_open: bool = True,
+           meaning: str = "") -> Callable[[str], float]:
+    """An argparse type: a finite float in [low, high] (low_open / high_open: that end excluded), else one line."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
+        if value < low or (low_open and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if low_open else '>='} {low:g}"
+                                             f"{f' ({meaning})' if meaning else ''}, got {value:g}")
+        if high is not None and (value > high or (high_open and value == high)):
+            raise argparse.ArgumentTypeError(f"must be {'<' if high_open else '<='} {high:g}, got {value:g}")
+        return value
+    return parse
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*(::[A-Za-z][A-Za-z0-9+.-]*)*://")
+
+
+def local_path(what: str) -> Callable[[str], str]:
+    """An argparse type for an output these commands write locally only (`what`: 'folder' or 'file'): a URL
+    (`scheme://`, file:// too) is one line, redacted, before anything is created (os.makedirs made folders
+    named after it: `s3:`, its key and signature)."""
+    def parse(text: str) -> str:
+        if _SCHEME.match(text):
+            from elmo_pipeline.fsio import redact
+            raise argparse.ArgumentTypeError(f"a local {what} path, not a URL (this command writes local files "
+                                             f"only): {redact(text)}")
+        return text
+    return parse
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A subcommand's parser: a bad command line is one line `error: ...` (redacted), exit 2, without the usage."""
+
+    def error(self, message):
+        from elmo_pipeline.fsio import redact
+        self.exit(2, f"error: {redact(' '.join(message.split()))}\n")

@@ -352,3 +352,105 @@ def test_probe_refuses_an_out_it_could_not_write_before_it_reads_or_trains(tmp_p
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: {out}") and user.read_bytes() == b"the user's own data\n", err
+
+
+TINY_RUN = ["--n-layers", "1", "--lstm-dim", "32", "--projection-dim", "16", "--batch-size", "4", "--unroll-steps",
+            "20", "--vocab-size", "500", "--softmax", "full", "--threads", "1", "--no-progress", "--max-steps", "2",
+            "--checkpoint-every", "1"]
+
+
+def _text(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text("the cat sat on the mat .\nthe dog ran .\n" * 20)
+    return str(path)
+
+
+def _one_usage_line(capsys, argv) -> str:
+    """`argv` refused as it is parsed: exit 2 and one line `error: ...` (no usage)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: argument "), err
+    return err[0]
+
+
+URL_OUTPUTS = {   # an output these commands write locally only, given as a URL -> (command line, the flag named)
+    "train --output s3://": (["train", "{text}", "--output",
+                              "s3://AKIAEXAMPLE:wJalrSECRET@bucket/run?X-Amz-Signature=abc123", *TINY_RUN], "--output"),
+    "train --output file://": (["train", "{text}", "--output", "file://{tmp}/run", *TINY_RUN], "--output"),
+    "export FOLDER https://": (["export", "{tmp}/run", "https://user:hunter2@host/x?token=tok"], "folder"),
+    "evaluate --json s3://": (["evaluate", "{text}", "--checkpoint", "{ckpt}", "--json",
+                               "s3://AKIAEXAMPLE:wJalrSECRET@bucket/ppl.json?X-Amz-Signature=abc123"], "--json"),
+}
+
+
+@pytest.mark.parametrize("case", list(URL_OUTPUTS))
+def test_a_url_for_what_train_export_or_evaluate_writes_is_one_redacted_line_before_anything_is_created(
+        tmp_path, monkeypatch, capsys, case):
+    """train's --output, export's FOLDER and evaluate --json are local (os.makedirs on a URL made folders named after
+    its key and signature, `file:` for file://, then failed): a URL is one `error:` line, redacted, exit 2, before
+    anything is written or trained; the run folder an export would read is unchanged."""
+    from elmo_pipeline.training.train import TrainConfig, latest_checkpoint, train
+    from tests.test_train import tiny_options
+    text = _text(tmp_path)
+    train(TrainConfig(train_files=[text], out_dir=str(tmp_path / "run"), progress=False, threads=1,
+                      options=tiny_options(), max_steps=1, checkpoint_every=1, log_every=1, export=False))
+    if "file://" in case:
+        shutil.rmtree(tmp_path / "run")
+    before = {str(p) for p in tmp_path.rglob("*")}
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    argv, flag = URL_OUTPUTS[case]
+    line = _one_usage_line(capsys, [a.format(tmp=tmp_path, text=text, ckpt=latest_checkpoint(str(tmp_path / "run")))
+                                    for a in argv])
+    assert line.startswith(f"error: argument {flag}: a local ") and "not a URL" in line, line
+    assert not re.search(r"AKIA|wJalr|abc123|hunter2|tok\b", line), line
+    assert list(cwd.iterdir()) == [] and {str(p) for p in tmp_path.rglob("*")} == before | {str(cwd)}
+
+
+BELOW_MINIMUM = {   # flag value -> the line's text (a count of 0 divided by zero, a negative one exported an untrained model)
+    ("train", "--checkpoint-every", "0"): "must be >= 1, got 0",
+    ("train", "--log-every", "0"): "must be >= 1, got 0",
+    ("train", "--batch-size", "0"): "must be >= 1, got 0",
+    ("train", "--unroll-steps", "0"): "must be >= 1, got 0",
+    ("train", "--max-steps", "-5"): "must be >= 1, got -5",
+    ("train", "--stop-after", "-1"): "must be >= 1, got -1",
+    ("train", "--n-epochs", "0"): "must be >= 1, got 0",
+    ("train", "--seed", "-1"): "must be >= 0, got -1",
+    ("train", "--checkpoint-minutes", "-1"): "must be > 0, got -1",
+    ("train", "--clip-norm", "-1"): "must be >= 0 (0: off), got -1",
+    ("train", "--dropout", "inf"): "must be a finite number, got inf",
+    ("evaluate", "--batch-size", "0"): "must be >= 1, got 0",
+}
+
+
+@pytest.mark.parametrize("command,flag,value", list(BELOW_MINIMUM))
+def test_a_count_below_its_minimum_is_refused_as_the_command_line_is_parsed(tmp_path, tiny_export, capsys,
+                                                                             command, flag, value):
+    """Zero or negative counts passed the parser and failed after training had started (ZeroDivisionError, range()
+    with step 0), or ran to exit 0 (--max-steps -5: an untrained model exported; --stop-after -1): one `error:` line,
+    exit 2, before the run folder is created."""
+    from elmo_pipeline.training.export import export_model
+    text, out = _text(tmp_path), tmp_path / "run"
+    if command == "train":
+        argv = ["train", text, "--output", str(out), *TINY_RUN, flag, value]
+    else:
+        export_model(*tiny_export, str(tmp_path / "model"))
+        argv = ["evaluate", text, "--model", str(tmp_path / "model"), "--json", str(out), flag, value]
+    line = _one_usage_line(capsys, argv)
+    assert line == f"error: argument {flag}: {BELOW_MINIMUM[command, flag, value]}" and not out.exists(), line
+
+
+@pytest.mark.parametrize("content", ["", "  \n\n\t\n"])
+def test_evaluate_on_held_out_text_without_tokens_is_an_error_line(tmp_path, tiny_export, capsys, content):
+    """An empty or blank held-out file printed `perplexity 1.00 (0 tokens)` and exited 0: one `error:` line naming
+    it, exit 1 (as the command's other data errors), nothing printed on stdout, no --json written."""
+    from elmo_pipeline.training.export import export_model
+    export_model(*tiny_export, str(tmp_path / "model"))
+    empty, out = tmp_path / "held-out.txt", tmp_path / "ppl.json"
+    empty.write_text(content)
+    with pytest.raises(SystemExit) as e:     # its text is the line the interpreter prints, with exit status 1
+        main(["evaluate", str(empty), "--model", str(tmp_path / "model"), "--json", str(out)])
+    assert e.value.code == f"error: {empty}: no tokens to evaluate (empty or only blank lines)"
+    assert capsys.readouterr().out == "" and not out.exists()
