@@ -30,9 +30,9 @@ def test_an_unexpected_failure_is_one_line_and_its_traceback_only_with_verbose(t
 
 
 def test_checkpoint_datasets_not_the_models_are_refused_before_they_are_read(tmp_path):
-    """training/checkpoint.py _tensors: a dataset of another shape or name than the module's state_dict, or over
+    """training/checkpoint.py read_tensors: a dataset of another shape or name than the module's state_dict, or over
     the optimizer state's bound, is refused by its declared shape (a 2 GB one is never allocated)."""
-    from elmo_pipeline.training.checkpoint import _tensors
+    from elmo_pipeline.training.checkpoint import read_tensors
     path = str(tmp_path / "c.h5")
     with h5py.File(path, "w") as f:
         f["model/w"] = np.ones((2, 3), np.float32)
@@ -41,11 +41,52 @@ def test_checkpoint_datasets_not_the_models_are_refused_before_they_are_read(tmp
         f.create_dataset("opt/0/huge", shape=(500_000_000,), dtype="float32", chunks=(1024,))
     with h5py.File(path, "r") as f:
         with pytest.raises(ValueError, match=r"model/junk: a dataset of shape \(500000000,\), not the model's None"):
-            _tensors(f["model"], {"w": (2, 3)})
+            read_tensors(f["model"], {"w": (2, 3)})
         with pytest.raises(ValueError, match=r"model/w: a dataset of shape \(2, 3\), not the model's \(3, 2\)"):
-            _tensors(f["model"], {"w": (3, 2), "junk": (500_000_000,)})
+            read_tensors(f["model"], {"w": (3, 2), "junk": (500_000_000,)})
         with pytest.raises(ValueError, match=r"opt/0/huge: .*at most 6 values"):
-            _tensors(f["opt"], limit=6)
+            read_tensors(f["opt"], limit=6)
+
+
+def test_a_checkpoints_generator_state_and_an_exports_softmax_are_read_only_at_their_shapes(tmp_path, tiny_export):
+    """A checkpoint whose rng/torch, or an export whose softmax/... dataset, declares billions of values in a small
+    file: refused (the checkpoint) or not loaded (the softmax: an export without one) by the declared shape, never
+    allocated (before: read whole, 3.4 GB for a 15 MB file)."""
+    import torch
+    from elmo_pipeline.training.checkpoint import load_checkpoint, save_checkpoint
+    from elmo_pipeline.training.export import export_model, load_softmax
+    head, vocab = tiny_export
+    opt = torch.optim.Adam(head.parameters())
+    path = str(tmp_path / "c.h5")
+    save_checkpoint(path, head.bilm, head.softmax, opt, {"step": 1})
+    with h5py.File(path, "a") as f:
+        del f["rng/torch"]
+        f.create_dataset("rng/torch", shape=(3 << 30,), dtype="uint8", chunks=(1 << 20,))
+    with pytest.raises(ValueError, match=r"rng/torch: a dataset of shape \(3221225472,\)"):
+        load_checkpoint(path, head.bilm, head.softmax, opt)
+    export_model(head, vocab, str(tmp_path / "exp"))
+    weights = str(tmp_path / "exp" / "weights.hdf5")
+    assert load_softmax(head, weights)
+    with h5py.File(weights, "a") as f:
+        name = next(n for n in f["softmax"])
+        shape = f["softmax"][name].shape
+        del f["softmax"][name]
+        f["softmax"].create_dataset(name, shape=(800_000_000, *shape[1:]), dtype="float32", chunks=True)
+    assert not load_softmax(head, weights)
+
+
+def test_a_training_text_line_over_the_limit_is_one_error_naming_it(tmp_path, monkeypatch):
+    """training/data.py read_lines: a line longer than MAX_LINE_CHARS (a small .gz can hold gigabytes without a
+    newline) is a ValueError naming the file and line, read no further than the limit (before: read whole)."""
+    import gzip
+    from elmo_pipeline.training import data
+    monkeypatch.setattr(data, "MAX_LINE_CHARS", 1000)
+    path = tmp_path / "big.txt.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("the cat sat .\n" + "x " * 600 + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}: line 2 is longer than 1,000 characters")):
+        list(data.read_lines(str(path)))
+    assert next(data.read_lines(str(path))) == ["the", "cat", "sat", "."]
 
 
 @pytest.mark.parametrize("content", ["fifo", "5\n", "[" * 100_000 + "\n", "folder"])

@@ -46,7 +46,7 @@ def read_meta(path: str) -> dict:
         return json.loads(f.attrs["meta"])
 
 
-def _tensors(group: h5py.Group, expected: dict[str, tuple] | None = None, limit: int = 0) -> dict[str, torch.Tensor]:
+def read_tensors(group: h5py.Group, expected: dict[str, tuple] | None = None, limit: int = 0) -> dict[str, torch.Tensor]:
     """Each dataset of `group` as a tensor, read only once it is what the caller expects: its name and shape in
     `expected` (a module's state_dict), else (None) at most `limit` elements; ValueError naming it otherwise, and
     for data kept outside the file. A damaged or foreign checkpoint never allocates beyond the model's size."""
@@ -66,7 +66,7 @@ def _tensors(group: h5py.Group, expected: dict[str, tuple] | None = None, limit:
     return out
 
 
-def _shapes(module: torch.nn.Module) -> dict[str, tuple]:
+def shapes_of(module: torch.nn.Module) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in module.state_dict().items()}
 
 
@@ -76,16 +76,16 @@ def load_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
     regular_file(path)
     with h5py.File(path, "r") as f:
         meta = json.loads(f.attrs["meta"])
-        model.load_state_dict(_tensors(f["model"], _shapes(model)))
-        softmax.load_state_dict(_tensors(f["softmax"], _shapes(softmax)))
+        model.load_state_dict(read_tensors(f["model"], shapes_of(model)))
+        softmax.load_state_dict(read_tensors(f["softmax"], shapes_of(softmax)))
         if optimizer is not None:
             state: dict[int, dict] = {}
             if "optimizer/state" in f:           # each a parameter's moments (or a step count): no larger
                 largest = max((p.numel() for m in (model, softmax) for p in m.parameters()), default=1)
-                for name, t in _tensors(f["optimizer/state"], limit=largest).items():
+                for name, t in read_tensors(f["optimizer/state"], limit=largest).items():
                     idx, key = name.split("/")
                     state.setdefault(int(idx), {})[key] = t
             optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        if restore_rng:
-            torch.set_rng_state(torch.from_numpy(np.asarray(f["rng/torch"][()])))
+        if restore_rng:               # the generator's state: its shape checked before it is read
+            torch.set_rng_state(read_tensors(f["rng"], {"torch": tuple(torch.get_rng_state().shape)})["torch"])
     return meta

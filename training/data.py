@@ -61,13 +61,20 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     return out
 
 
+MAX_LINE_CHARS = 1 << 24      # a line (a sentence or paragraph) longer than this is refused, never read whole
+
+
 def read_lines(urls: str | Sequence[str], tokenizer: Tokenizer = _whitespace) -> Iterator[list[str]]:
     """Token lists of every non-blank line (or sentence, per tokenizer) of every file
-    (fsspec URLs and globs; .gz/.bz2/... decompressed by extension)."""
+    (fsspec URLs and globs; .gz/.bz2/... decompressed by extension). ValueError naming the file and line for a
+    line over MAX_LINE_CHARS (a few compressed bytes can hold gigabytes without a newline)."""
     import fsspec
     for url in expand_urls(urls):
         with fsspec.open(url, "rt", encoding="utf-8", newline="\n", compression="infer") as f:
-            for line in f:
+            for n, line in enumerate(iter(lambda: f.readline(MAX_LINE_CHARS + 1), ""), start=1):
+                if len(line) > MAX_LINE_CHARS:
+                    raise ValueError(f"{url}: line {n} is longer than {MAX_LINE_CHARS:,} characters: one sentence or "
+                                     "paragraph a line")
                 for tokens in tokenizer(line):
                     if tokens:
                         yield tokens

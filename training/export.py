@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import h5py
-import torch
 
 from elmo_pipeline.fsio import atomic_write, only_a_file, url_fs
 from elmo_pipeline.model.options import read_options_file
@@ -21,7 +20,7 @@ from elmo_pipeline.model.vocab import Vocabulary
 from elmo_pipeline.model.weights import load_weights_into, save_bilm
 
 EXPORT_FILES = ("options.json", "weights.hdf5", "vocab.txt")
-WRITING = ".elmo-export-writing"   # an export under way: the files it may replace, one a line (gone once SUMS is written)
+WRITING = ".elmo-export-writing"   # an export under way: the names it may replace, one a line (gone once SUMS is)
 
 
 def export_model(head: LMHead, vocab: Vocabulary, folder: str, include_softmax: bool = True) -> tuple[str, str, str]:
@@ -123,20 +122,24 @@ def load_exported(folder: str, require_softmax: bool = True) -> tuple[LMHead, Vo
     load_weights_into(head.bilm, weights)
     loaded = load_softmax(head, weights)
     if require_softmax and not loaded:
-        raise ValueError(f"{weights} holds no softmax (an inference-only export): perplexity needs it")
+        raise ValueError(f"{weights} holds no softmax of the model's shapes (an inference-only export, or a damaged "
+                         "one): perplexity needs it")
     return head, vocab, loaded
 
 
 def load_softmax(head: LMHead, weights_path: str) -> bool:
     """Fill head.softmax from a weights.hdf5's 'softmax/...' datasets when present and of the right shapes."""
-    want = head.softmax.state_dict()
+    from elmo_pipeline.training.checkpoint import shapes_of, read_tensors
+    want = shapes_of(head.softmax)
     with h5py.File(weights_path, "r") as f:
         if "softmax" not in f:
             return False
-        got = {}
-        f["softmax"].visititems(lambda n, o: got.__setitem__(n, torch.from_numpy(o[()])) if isinstance(o, h5py.Dataset) else None)
-    if set(got) != set(want) or any(got[k].shape != want[k].shape for k in want):
-        return False
+        found = {}                      # name -> shape, from the file's metadata: nothing read yet
+        f["softmax"].visititems(lambda n, o: found.__setitem__(n, tuple(o.shape or ())) if isinstance(o, h5py.Dataset)
+                                else None)
+        if found != want:
+            return False
+        got = read_tensors(f["softmax"], want)
     head.softmax.load_state_dict(got)
     return True
 
