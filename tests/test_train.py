@@ -276,3 +276,40 @@ def test_read_lines_globs_urls_and_gzip(tmp_path):
     assert list(read_lines(f"file://{tmp_path}/a.txt")) == [["one", "two"], ["three"]]
     with pytest.raises(FileNotFoundError):
         list(read_lines(str(tmp_path / "nothing-*.txt")))
+
+
+def test_a_run_resumes_only_on_its_own_text_vocabulary_and_arrays_and_keeps_its_schedule(texts, tmp_path):
+    """A run stopped at step 2 of 6: --resume without --max-steps finishes the 6 steps its checkpoint records
+    (before: a schedule recomputed from the options); resuming on other text, with its vocab.txt reordered at its
+    size, or from a checkpoint whose arrays changed at their size is refused naming the cause (before: exit 0,
+    trained on; evaluate and export read the damaged checkpoint)."""
+    import shutil
+    from elmo_pipeline.training.train import head_from_checkpoint, latest_checkpoint
+    run = tmp_path / "run"
+    train(_cfg(texts, run, train=texts["small"], max_steps=6, stop_after_steps=2, checkpoint_every=2, log_every=1))
+    assert latest_checkpoint(str(run)).endswith("ckpt-00000002.h5")
+    for name, change in (("text", None), ("vocab", "vocab.txt"), ("arrays", "checkpoint")):
+        copy = tmp_path / name
+        shutil.copytree(run, copy)
+        ckpt = latest_checkpoint(str(copy))
+        if change == "vocab.txt":
+            lines = (copy / "vocab.txt").read_bytes().splitlines(keepends=True)
+            (copy / "vocab.txt").write_bytes(b"".join(lines[:3] + lines[3:][::-1]))
+            match = "not the vocabulary"
+        elif change == "checkpoint":
+            with h5py.File(ckpt, "a") as f:
+                name0 = sorted(f["model"])[0]
+                while isinstance(f["model"][name0], h5py.Group):
+                    name0 = f"{name0}/{sorted(f['model'][name0])[0]}"
+                f["model"][name0][...] = f["model"][name0][...] + 1.0
+            match = "model arrays are not the ones it recorded"
+        else:
+            match = "the training text is not the one"
+        kw = dict(train=texts["train"]) if name == "text" else dict(train=texts["small"])
+        with pytest.raises(ValueError, match=match):
+            train(_cfg(texts, copy, resume=True, checkpoint_every=2, log_every=1, **kw))
+        if change:
+            with pytest.raises(ValueError, match=match):
+                head_from_checkpoint(ckpt)
+    summary = train(_cfg(texts, run, train=texts["small"], resume=True, checkpoint_every=2, log_every=1))
+    assert latest_checkpoint(str(run)).endswith("ckpt-00000006.h5"), summary

@@ -5,7 +5,8 @@ Layout of a checkpoint file:
   softmax/<parameter name>               the shared LM softmax
   optimizer/state/<param index>/<key>    optimizer state tensors (Adam: step, exp_avg, exp_avg_sq)
   rng/torch                              torch's CPU generator state (uint8) for dropout
-  attrs["meta"]                          JSON: step, epoch, batch position, optimizer param_groups, options, ...
+  attrs["meta"]                          JSON: step, epoch, batch position, optimizer param_groups, options, ...,
+                                         and "sha256": each group's digest (group_digest), checked as it is loaded
 Loading reads arrays and JSON only: nothing is unpickled.
 """
 from __future__ import annotations
@@ -27,17 +28,54 @@ def save_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, meta: dict) -> None:
     """Write atomically (fsio.replacing: a temporary file, then a rename)."""
     opt = optimizer.state_dict()
+    groups = {prefix: {name: t.detach().cpu() for name, t in module.state_dict().items()}
+              for prefix, module in (("model", model), ("softmax", softmax))}
+    groups["optimizer/state"] = {f"{idx}/{key}": value.detach().cpu() if torch.is_tensor(value) else torch.tensor(value)
+                                 for idx, state in opt["state"].items() for key, value in state.items()}
+    groups["rng"] = {"torch": torch.get_rng_state()}
     with replacing(path, files_only=True) as tmp, h5py.File(tmp, "w") as f:
-        for prefix, module in (("model", model), ("softmax", softmax)):
+        for prefix, tensors in groups.items():
             g = f.create_group(prefix)
-            for name, t in module.state_dict().items():
+            for name, t in tensors.items():
                 _put(g, name, t)
-        g = f.create_group("optimizer/state")
-        for idx, state in opt["state"].items():
-            for key, value in state.items():
-                _put(g, f"{idx}/{key}", value if torch.is_tensor(value) else torch.tensor(value))
-        f["rng/torch"] = torch.get_rng_state().numpy()
-        f.attrs["meta"] = json.dumps({**meta, "param_groups": opt["param_groups"]})
+        f.attrs["meta"] = json.dumps({**meta, "param_groups": opt["param_groups"],
+                                      "sha256": {prefix: group_digest(t) for prefix, t in groups.items()}})
+
+
+def group_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over a group's tensors in name order: each name, dtype, shape and bytes (what loading checks)."""
+    import hashlib
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name].numpy())
+        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def tokens_digest(tokens: list[str]) -> str:
+    """SHA-256 of a vocabulary's tokens in order: the run's vocab.txt, recorded in its checkpoints ("vocab_sha256")."""
+    import hashlib
+    return hashlib.sha256("\n".join(tokens).encode("utf-8")).hexdigest()
+
+
+def check_vocab(path: str, meta: dict, tokens: list[str], where: str) -> None:
+    """ValueError unless the vocabulary read from `where` is the one checkpoint `path` recorded (where it records
+    one: a checkpoint of an earlier version does not)."""
+    recorded = meta.get("vocab_sha256")
+    if recorded is not None and tokens_digest(tokens) != recorded:
+        raise ValueError(f"{where}: not the vocabulary {path} was trained with (its SHA-256 differs): a vocab.txt "
+                         "changed or swapped since")
+
+
+def _checked(path: str, meta: dict, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """tensors (group `prefix` as read) when they are what the checkpoint recorded (meta["sha256"], where it has
+    one: a checkpoint of an earlier version has none); ValueError naming the file otherwise."""
+    recorded = meta.get("sha256")
+    if isinstance(recorded, dict) and prefix in recorded and group_digest(tensors) != recorded[prefix]:
+        raise ValueError(f"{path}: its {prefix} arrays are not the ones it recorded (SHA-256 differs): a damaged "
+                         "checkpoint")
+    return tensors
 
 
 def read_meta(path: str) -> dict:
@@ -76,16 +114,18 @@ def load_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
     regular_file(path)
     with h5py.File(path, "r") as f:
         meta = json.loads(f.attrs["meta"])
-        model.load_state_dict(read_tensors(f["model"], shapes_of(model)))
-        softmax.load_state_dict(read_tensors(f["softmax"], shapes_of(softmax)))
+        model.load_state_dict(_checked(path, meta, "model", read_tensors(f["model"], shapes_of(model))))
+        softmax.load_state_dict(_checked(path, meta, "softmax", read_tensors(f["softmax"], shapes_of(softmax))))
         if optimizer is not None:
             state: dict[int, dict] = {}
             if "optimizer/state" in f:           # each a parameter's moments (or a step count): no larger
                 largest = max((p.numel() for m in (model, softmax) for p in m.parameters()), default=1)
-                for name, t in read_tensors(f["optimizer/state"], limit=largest).items():
+                tensors = _checked(path, meta, "optimizer/state", read_tensors(f["optimizer/state"], limit=largest))
+                for name, t in tensors.items():
                     idx, key = name.split("/")
                     state.setdefault(int(idx), {})[key] = t
             optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
         if restore_rng:               # the generator's state: its shape checked before it is read
-            torch.set_rng_state(read_tensors(f["rng"], {"torch": tuple(torch.get_rng_state().shape)})["torch"])
+            rng = _checked(path, meta, "rng", read_tensors(f["rng"], {"torch": tuple(torch.get_rng_state().shape)}))
+            torch.set_rng_state(rng["torch"])
     return meta

@@ -104,6 +104,15 @@ class Corpus:
     def n_windows(self) -> int:
         return len(self.offsets) - 1
 
+    def digest(self) -> str:
+        """SHA-256 of the windows as the model sees them (types, ids, targets, offsets): a run's training text,
+        recorded in its checkpoints so that --resume continues on that text only."""
+        import hashlib
+        h = hashlib.sha256("\n".join(self.types).encode("utf-8"))
+        for a in (self.type_ids, self.targets, self.offsets):
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()
+
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)

@@ -14,7 +14,7 @@ import h5py
 from elmo_pipeline.fsio import atomic_write, only_a_file, url_fs
 from elmo_pipeline.model.options import read_options_file
 from elmo_pipeline.model.pretrained import SUMS, verify_model_folder
-from elmo_pipeline.training.checkpoint import load_checkpoint, read_meta
+from elmo_pipeline.training.checkpoint import check_vocab, load_checkpoint, read_meta, read_tensors, shapes_of
 from elmo_pipeline.training.head import LMHead, build_model
 from elmo_pipeline.model.vocab import Vocabulary
 from elmo_pipeline.model.weights import load_weights_into, save_bilm
@@ -129,7 +129,6 @@ def load_exported(folder: str, require_softmax: bool = True) -> tuple[LMHead, Vo
 
 def load_softmax(head: LMHead, weights_path: str) -> bool:
     """Fill head.softmax from a weights.hdf5's 'softmax/...' datasets when present and of the right shapes."""
-    from elmo_pipeline.training.checkpoint import shapes_of, read_tensors
     want = shapes_of(head.softmax)
     with h5py.File(weights_path, "r") as f:
         if "softmax" not in f:
@@ -147,8 +146,12 @@ def load_softmax(head: LMHead, weights_path: str) -> bool:
 def head_from_checkpoint(path: str) -> tuple[LMHead, Vocabulary, dict]:
     """(head, vocab, meta) from a checkpoint file; its vocab.txt is the run folder's (one level up)."""
     meta = read_meta(path)
-    vocab = Vocabulary(meta["vocab"]) if "vocab" in meta else Vocabulary.load(
-        os.path.join(os.path.dirname(os.path.dirname(path)), "vocab.txt"))
+    if "vocab" in meta:
+        vocab = Vocabulary(meta["vocab"])
+    else:
+        where = os.path.join(os.path.dirname(os.path.dirname(path)), "vocab.txt")
+        vocab = Vocabulary.load(where)
+        check_vocab(path, meta, vocab.tokens, where)
     head = build_model(meta["options"], vocab)
     load_checkpoint(path, head.bilm, head.softmax, restore_rng=False)
     return head.eval(), vocab, meta

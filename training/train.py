@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from elmo_pipeline.training.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from elmo_pipeline.training.checkpoint import check_vocab, load_checkpoint, read_meta, save_checkpoint, tokens_digest
 from elmo_pipeline.training.data import Corpus, build_vocabulary, encode_corpus, epoch_batches, get_tokenizer, read_lines
 from elmo_pipeline.training.export import (check_export_targets, check_exported, export_model,  # noqa: F401 (API)
                                            head_from_checkpoint, load_exported, load_softmax)
@@ -189,7 +189,7 @@ def train(cfg: TrainConfig) -> dict:
     init_distributed()
     rank, world = dist_info()
     tokenize = get_tokenizer(cfg.tokenizer)
-    if not cfg.resume:
+    if not cfg.resume and rank == 0:         # the rank that writes the run's files (the others wait for its batches)
         check_fresh_output(cfg.out_dir)
     os.makedirs(os.path.join(cfg.out_dir, "checkpoints"), exist_ok=True)
     ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
@@ -199,6 +199,7 @@ def train(cfg: TrainConfig) -> dict:
         meta = read_meta(ckpt)
         options = meta["options"]
         vocab = Vocabulary.load(os.path.join(cfg.out_dir, "vocab.txt"))
+        check_vocab(ckpt, meta, vocab.tokens, os.path.join(cfg.out_dir, "vocab.txt"))
     else:
         options, vocab = _prepare_vocab_and_options(cfg, tokenize)
         if rank == 0:
@@ -210,12 +211,17 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError(f"batch_size {batch_size} must be divisible by the number of processes ({world})")
     max_tokens = int(options.get("unroll_steps", 60))
     corpus = encode_corpus(read_lines(cfg.train_files, tokenize), vocab, max_tokens)
+    corpus_sha256 = corpus.digest()
+    if ckpt and meta.get("corpus_sha256") not in (None, corpus_sha256):
+        raise ValueError(f"--resume: the training text is not the one {ckpt} was trained on (its windows' SHA-256 "
+                         "differs): resume with the same files, or start a new run in another folder")
     valid = encode_corpus(read_lines(cfg.valid_files, tokenize), vocab, max_tokens) if cfg.valid_files else None
     n_epochs = int(options.get("n_epochs", 1))
     per_epoch = len(corpus.lengths) // batch_size
     if per_epoch == 0:
         raise ValueError(f"the corpus has {corpus.n_windows} windows, fewer than batch_size {batch_size}")
-    total_steps = cfg.max_steps if cfg.max_steps is not None else n_epochs * per_epoch
+    total_steps = (cfg.max_steps if cfg.max_steps is not None else   # a resumed run keeps its schedule
+                   int(meta["total_steps"]) if ckpt and "total_steps" in meta else n_epochs * per_epoch)
 
     if rank == 0 and os.path.isdir(os.path.join(cfg.out_dir, "model")):   # what the final export would refuse, now
         check_export_targets(os.path.join(cfg.out_dir, "model"))
@@ -260,7 +266,8 @@ def train(cfg: TrainConfig) -> dict:
         nonlocal last_ckpt_time
         meta = {"step": step, "epoch": step // per_epoch, "batch_in_epoch": step % per_epoch,
                 "tokens": tokens_seen, "elapsed_s": time.monotonic() - t0, "options": options,
-                "seed": cfg.seed, "world_size": world, "total_steps": total_steps}
+                "seed": cfg.seed, "world_size": world, "total_steps": total_steps,
+                "vocab_sha256": tokens_digest(vocab.tokens), "corpus_sha256": corpus_sha256}
         if valid is not None:
             ppl = evaluate(head, valid, max_windows=cfg.valid_max_windows)
             meta["valid"] = ppl.as_dict()
