@@ -114,6 +114,7 @@ class MappedDataset(_TorchDataset):
         self.threads, self.reuse, self.packed = threads, reuse, packed
         self.pool = BatcherPool(self.dim, (self.dtype or np.dtype(first.dtype)).name, threads)
         self._pid = os.getpid()
+        self._checked, self._checked_pid = set(), os.getpid()    # units local_path has checked in this process
         self._build_index(labels)
 
     # -- the index
@@ -202,11 +203,19 @@ class MappedDataset(_TorchDataset):
             pool.close(_getpid)
 
     def local_path(self, u: int) -> str:
-        """A local path of unit u's Arrow shard: the shard itself, or its copy in the cache."""
+        """A local path of unit u's Arrow shard: the shard itself, checked against its record the first time this
+        process reads it (an unpickled or forked copy too: ElmoOutput.shard_path), or its copy in the cache."""
         k, i = self.units[u]
         out = self.outputs[k]
-        path = out.shard_path(i, "arrow")
-        return path if is_local_fs(out.fs) else self.cache.local(out, path)
+        if not is_local_fs(out.fs):
+            return self.cache.local(out, out.shard_path(i, "arrow"))
+        if self._checked_pid != os.getpid():
+            self._checked, self._checked_pid = set(), os.getpid()
+        if u in self._checked:
+            return out.shard_path(i, "arrow")
+        path = out.shard_path(i, "arrow", check=True)
+        self._checked.add(u)
+        return path
 
     def prefetch_after(self, u: int) -> None:
         """Start copying unit u + 1's shard when unit u's is remote (read-ahead)."""

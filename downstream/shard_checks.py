@@ -295,15 +295,17 @@ def check_file(fs, path: str, record: dict | None, digest: bool = False, once: b
 
 
 def _identity(fs, path: str, st: os.stat_result | None) -> tuple | None:
-    """What identifies a file's content without reading it: a local file's device, inode, size and modification
-    time (ns); a stored object's size and ETag (or modification time) where its store gives one; else None."""
+    """What identifies a file's content without reading it: a local file's device, inode, size, modification and
+    change times (ns: a write changes ctime, which no one can set back as utime sets mtime); a stored object's size
+    and ETag (or modification time) where its store gives one; else None."""
     if st is not None:
-        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
     try:
         info = fs.info(path) if hasattr(fs, "info") else {}
     except OSError:
         return None
-    tag = next((info[k] for k in ("ETag", "etag", "mtime", "LastModified", "last_modified", "created")
+    tag = next((info[k] for k in ("ETag", "etag", "mtime", "LastModified", "last_modified", "Last-Modified",
+                                  "last-modified", "created")
                 if info.get(k) is not None), None)
     return None if tag is None else (info.get("size"), str(tag))
 

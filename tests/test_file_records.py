@@ -500,8 +500,33 @@ def test_readers_hash_a_shard_once_per_process_and_again_when_it_changes(two_mod
     assert seen == Counter(dict.fromkeys(shards, 1))
     raw = bytearray(open(shards[0], "rb").read())
     raw[len(raw) // 2] ^= 0x01
-    time.sleep(0.01)
-    open(shards[0], "wb").write(bytes(raw))
+    st = os.stat(shards[0])
+    with open(shards[0], "r+b") as f:          # in place, at its size, its times put back (as cp -p, rsync -t)
+        f.write(bytes(raw))
+    os.utime(shards[0], ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(shard_checks.DamagedOutput, match="SHA-256 differs"):
         list(ElmoOutput(out).sentences("parquet"))
     assert seen[shards[0]] == 2
+
+
+@pytest.mark.slow
+def test_a_mapped_dataset_unpickled_in_another_process_checks_its_shards_there(two_models, tmp_path):
+    """A MappedDataset pickled (as a spawn DataLoader hands it to its workers), its shard then changed in place at
+    its size: the copy in the new process refuses it by its SHA-256 (before: served the changed vectors)."""
+    import pickle
+    import subprocess
+    import sys
+    from elmo_pipeline.downstream.mapped import MappedDataset
+    out = _copy(two_models["a"], tmp_path / "o")
+    ds = MappedDataset(out)
+    (tmp_path / "ds.pkl").write_bytes(pickle.dumps(ds))
+    shard = os.path.join(out, _manifest(out)["shards"][0]["arrow"])
+    raw = bytearray(open(shard, "rb").read())
+    raw[len(raw) // 2] ^= 0x01
+    with open(shard, "r+b") as f:
+        f.write(bytes(raw))
+    code = ("import pickle, sys; ds = pickle.load(open(sys.argv[1], 'rb'))\n"
+            "try:\n    ds[0]\nexcept ValueError as e:\n    print(e)\nelse:\n    print('served')")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ds.pkl")], capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "not the file the manifest records (its SHA-256 differs)" in r.stdout, r.stdout + r.stderr
