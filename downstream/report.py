@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from elmo_pipeline.downstream.chart import bar_chart
-from elmo_pipeline.fsio import atomic_write, only_a_file, replacing, url_fs
+from elmo_pipeline.fsio import atomic_write, only_a_file, redact, replacing, url_fs
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -65,7 +65,10 @@ RESULTS_BYTES = 64 << 20
 def check_report_folder(out_dir: str) -> None:
     """FileExistsError unless `out_dir` is a folder or nothing, and each report file in it nothing or a regular file
     (fsio.only_a_file) that the probe wrote (its mark: written_by): what write_report would refuse, found before
-    the probe trains. A user's table.md, results.json or chart.png is left as it is."""
+    the probe trains. A user's table.md, results.json or chart.png is left as it is. A URL is refused: the report
+    is written locally only."""
+    if "://" in out_dir:
+        raise FileExistsError(f"{redact(out_dir)}: a URL, not a local folder: the report is written locally only")
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"{out_dir} exists and is no folder: it is left as it is; name another --out")
     for name in REPORT_FILES:
@@ -96,9 +99,9 @@ def written_by_probe(path: str) -> bool:
 
 
 def write_report(out_dir: str, rows: list[dict], runs: list[dict], meta: dict, baseline: dict | None) -> dict:
+    check_report_folder(out_dir)     # each file whole, only over nothing or the probe's own (fsio.replacing files_only)
     os.makedirs(out_dir, exist_ok=True)
     table = markdown_table(rows, baseline) + "\n" + TABLE_MARK + "\n"
-    check_report_folder(out_dir)     # each file whole, only over nothing or the probe's own (fsio.replacing files_only)
     fs = url_fs(out_dir)[0]
     atomic_write(fs, os.path.join(out_dir, "table.md"), table.encode("utf-8"), files_only=True)
     result = {"meta": meta, "summary": rows, "runs": runs, "majority_baseline": baseline, "written_by": WRITTEN_BY}

@@ -52,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="feed the layers as stored (default: z-score each layer's features with training-token statistics)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=1, help="repeat each setting with seeds seed..seed+N-1; report mean and std")
-    p.add_argument("--out", required=True, help="folder for table.md, results.json, chart.png")
+    from elmo_pipeline.pipeline.validate import local_path
+    p.add_argument("--out", required=True, type=local_path("folder"),
+                   help="folder for table.md, results.json, chart.png (a local path)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--storage-options", help="JSON fsspec options for object-store outputs, e.g. '{\"endpoint_url\": ...}'")
     p.add_argument("--quiet", action="store_true", help="no per-epoch log")

@@ -400,4 +400,4 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         from elmo_pipeline.fsio import redact
-        self.exit(2, f"error: {redact(' '.join(message.split()))}\n")
+        self.exit(2, f"error: {redact(' '.join(message.split()))} (see `{self.prog} --help`)\n")

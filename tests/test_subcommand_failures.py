@@ -176,14 +176,16 @@ def test_export_writes_each_file_whole_with_its_softmax_and_again_over_its_own(t
         export_model(*tiny_export, str(folder))
         head, vocab, loaded = load_exported(str(folder))
         assert loaded and vocab.tokens == tiny_export[1].tokens
-    assert sorted(p.name for p in folder.iterdir()) == ["options.json", "sha256sums.txt", "vocab.txt", "weights.hdf5"]
+    assert sorted(p.name for p in folder.iterdir()) == [".elmo-export", "options.json", "sha256sums.txt", "vocab.txt",
+                                                        "weights.hdf5"]
 
 
-@pytest.mark.parametrize("name", ["options.json", "weights.hdf5", "vocab.txt", "sha256sums.txt"])
+@pytest.mark.parametrize("name", ["options.json", "weights.hdf5", "vocab.txt", "sha256sums.txt", ".elmo-export"])
 def test_export_never_replaces_a_users_file(tmp_path, tiny_export, name):
-    """export into a folder holding a user's file of an exported name (a regular file no export wrote: its
-    sha256sums.txt does not name it): refused before anything is written, every file as it was (before: replaced,
-    exit 0)."""
+    """export into a folder holding a user's file of an exported name (a regular file, in a folder without an
+    export's .elmo-export record): refused before anything is written, every file as it was (before: replaced,
+    exit 0); so is a user's folder whose own sha256sums.txt (as `sha256sum` writes it) lists their files."""
+    import hashlib
     from elmo_pipeline.training.export import export_model
     folder = tmp_path / "exp"
     folder.mkdir()
@@ -191,6 +193,14 @@ def test_export_never_replaces_a_users_file(tmp_path, tiny_export, name):
     with pytest.raises(FileExistsError, match=re.escape(f"{folder / name} exists and is not a file an export wrote")):
         export_model(*tiny_export, str(folder))
     assert [p.name for p in folder.iterdir()] == [name] and (folder / name).read_bytes() == b"the user's own data\n"
+    if name == "options.json":
+        (folder / "vocab.txt").write_bytes(b"my\nvocab\n")
+        (folder / "sha256sums.txt").write_text("".join(f"{hashlib.sha256((folder / n).read_bytes()).hexdigest()}  {n}\n"
+                                                       for n in ("options.json", "vocab.txt")))
+        before = {p.name: p.read_bytes() for p in folder.iterdir()}
+        with pytest.raises(FileExistsError, match="exists and is not a file an export wrote"):
+            export_model(*tiny_export, str(folder))
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 def test_an_interrupted_or_changed_export_is_refused_and_a_rerun_finishes_it(tmp_path, tiny_export, monkeypatch):
@@ -480,7 +490,8 @@ def test_a_count_below_its_minimum_is_refused_as_the_command_line_is_parsed(tmp_
         export_model(*tiny_export, str(tmp_path / "model"))
         argv = ["evaluate", text, "--model", str(tmp_path / "model"), "--json", str(out), flag, value]
     line = _one_usage_line(capsys, argv)
-    assert line == f"error: argument {flag}: {BELOW_MINIMUM[command, flag, value]}" and not out.exists(), line
+    assert line == (f"error: argument {flag}: {BELOW_MINIMUM[command, flag, value]} (see `elmo-pipeline {command} "
+                    "--help`)") and not out.exists(), line
 
 
 @pytest.mark.parametrize("content", ["", "  \n\n\t\n"])
@@ -495,3 +506,36 @@ def test_evaluate_on_held_out_text_without_tokens_is_an_error_line(tmp_path, tin
         main(["evaluate", str(empty), "--model", str(tmp_path / "model"), "--json", str(out)])
     assert e.value.code == f"error: {empty}: no tokens to evaluate (empty or only blank lines)"
     assert capsys.readouterr().out == "" and not out.exists()
+
+
+def test_an_exports_record_of_another_form_is_one_clear_error(tmp_path, tiny_export):
+    """sha256sums.txt as `sha256sum -b` writes it (`HASH *name`) is checked as the text form; a line of no such form,
+    or a record emptied (an export's files no longer recorded), is a ValueError naming it (before: a bare unpack or
+    file-not-found error, or the folder loaded unchecked)."""
+    from elmo_pipeline.training.export import export_model, load_exported
+    folder = tmp_path / "exp"
+    export_model(*tiny_export, str(folder))
+    sums = folder / "sha256sums.txt"
+    text = sums.read_text()
+    sums.write_text(text.replace("  ", " *"))
+    assert load_exported(str(folder))[2]
+    for bad, match in ((text.split()[0] + "\n", "line 1 is not '<sha256>  <file name>'"),
+                       ("", "does not record its options.json and weights.hdf5")):
+        sums.write_text(bad)
+        with pytest.raises(ValueError, match=re.escape(match)):
+            load_exported(str(folder))
+
+
+@pytest.mark.parametrize("out", ["file:///tmp/elmo-probe-report", "memory://proj/report"])
+def test_a_probe_report_at_a_url_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, out):
+    """probe --out a URL: one `error:` line as the command line is parsed, and write_report refuses it, no folder
+    made (before: written into a local folder named 'file:' or 'memory:', the user's report there unchecked)."""
+    from elmo_pipeline.downstream.report import write_report
+    from elmo_pipeline.pipeline.cli import main
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "--train", str(tmp_path / "none"), "--labels", str(tmp_path / "l.txt"), "--out", out])
+    assert e.value.code == 2 and "not a URL" in capsys.readouterr().err
+    with pytest.raises(FileExistsError, match="a URL, not a local folder"):
+        write_report(out, _rows(), [], {"task": "sentence"}, None)
+    assert os.listdir(tmp_path) == []

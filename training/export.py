@@ -7,6 +7,7 @@ bilm-tf ignore; evaluation and --init-from read them when present.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import h5py
@@ -20,20 +21,21 @@ from elmo_pipeline.model.vocab import Vocabulary
 from elmo_pipeline.model.weights import load_weights_into, save_bilm
 
 EXPORT_FILES = ("options.json", "weights.hdf5", "vocab.txt")
-WRITING = ".elmo-export-writing"   # an export under way: the names it may replace, one a line (gone once SUMS is)
+# The record that a folder's exported names are an export's own, and whether it finished: {"written_by": WRITTEN_BY,
+# "state": "writing" | "whole"}, written before any other file and rewritten "whole" once SUMS is.
+OWNER, WRITTEN_BY = ".elmo-export", "elmo-pipeline export"
 
 
 def export_model(head: LMHead, vocab: Vocabulary, folder: str, include_softmax: bool = True) -> tuple[str, str, str]:
     """options.json + weights.hdf5 (bilm-tf layout; the softmax as extra 'softmax/...' datasets that
-    inference loaders ignore) + vocab.txt, then sha256sums.txt (SUMS, as a shipped model's: the record of a whole
-    export, checked by every load). Only over nothing or an export's own files (check_export_targets); an export
-    killed midway leaves WRITING (no SUMS): loads refuse the folder, a rerun replaces it. Returns the three paths."""
+    inference loaders ignore) + vocab.txt, then sha256sums.txt (SUMS, as a shipped model's: the record every load
+    checks). Only over nothing or an export's own files (check_export_targets); an export killed midway leaves OWNER
+    "writing": loads refuse the folder, a rerun replaces it. Returns the three paths."""
     os.makedirs(folder, exist_ok=True)
     check_export_targets(folder)
     paths = [os.path.join(folder, n) for n in EXPORT_FILES]
     fs = url_fs(folder)[0]
-    atomic_write(fs, os.path.join(folder, WRITING), "".join(n + "\n" for n in (*EXPORT_FILES, SUMS)).encode(),
-                 files_only=True)
+    _mark(fs, folder, "writing")
     if os.path.lexists(os.path.join(folder, SUMS)):
         os.remove(os.path.join(folder, SUMS))        # unfinished from here until the new record is written
     softmax = {f"softmax/{name}": t.detach().cpu().float().numpy() for name, t in head.softmax.state_dict().items()}
@@ -42,51 +44,44 @@ def export_model(head: LMHead, vocab: Vocabulary, folder: str, include_softmax: 
     vocab.save(vocab_path)
     atomic_write(fs, os.path.join(folder, SUMS), "".join(f"{_sha256(p)}  {os.path.basename(p)}\n"
                                                          for p in paths).encode(), files_only=True)
-    os.remove(os.path.join(folder, WRITING))
+    _mark(fs, folder, "whole")
     return opts_path, weights_path, vocab_path
 
 
+def _mark(fs, folder: str, state: str) -> None:
+    atomic_write(fs, os.path.join(folder, OWNER), json.dumps({"written_by": WRITTEN_BY, "state": state}).encode(),
+                 files_only=True)
+
+
+def _owner_state(folder: str) -> str | None:
+    """OWNER's state ("writing" | "whole") where the folder holds an export's OWNER record; None where it holds
+    none; "foreign" for a file of that name that is no such record (read at most 4 KiB)."""
+    path = os.path.join(folder, OWNER)
+    if not os.path.lexists(path):
+        return None
+    only_a_file(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4097)
+        record = json.loads(data) if len(data) <= 4096 else None
+    except (OSError, ValueError):
+        return "foreign"
+    ok = isinstance(record, dict) and record.get("written_by") == WRITTEN_BY and record.get("state") in (
+        "writing", "whole")
+    return record["state"] if ok else "foreign"
+
+
 def check_export_targets(folder: str) -> None:
-    """FileExistsError unless each of the export's names in `folder` is nothing or a regular file (fsio.only_a_file)
-    that an export wrote: named by the folder's sha256sums.txt or by an unfinished export's WRITING. A user's files
-    of those names, or a sha256sums.txt not an export's, are left as they are."""
-    own = set()
-    for name in (SUMS, WRITING):
+    """FileExistsError unless each of the export's names in `folder` (its files, SUMS, OWNER) is nothing or a
+    regular file (fsio.only_a_file) that an export wrote: a folder with an export's OWNER record. A user's files of
+    those names (a sha256sums.txt of theirs too) are left as they are."""
+    state = _owner_state(folder)
+    for name in (OWNER, *EXPORT_FILES, SUMS):
         path = os.path.join(folder, name)
         only_a_file(path)
-        if os.path.lexists(path):
-            names = _listed(path, name == SUMS)
-            if names is None:
-                raise FileExistsError(f"{path} exists and is not a file an export wrote: it is left as it is; move it "
-                                      "away or name another folder")
-            own.update(names)
-    for name in EXPORT_FILES:
-        path = os.path.join(folder, name)
-        only_a_file(path)
-        if os.path.lexists(path) and name not in own:
+        if os.path.lexists(path) and state in (None, "foreign"):
             raise FileExistsError(f"{path} exists and is not a file an export wrote: it is left as it is; move it "
                                   "away or name another folder")
-
-
-def _listed(path: str, sums: bool) -> set[str] | None:
-    """The export's names a SUMS (sums) or WRITING file lists; None when it is not one an export writes (a line of
-    another form, another name, or more than such a file holds)."""
-    with open(path, "rb") as f:
-        data = f.read(4097)
-    if len(data) > 4096:
-        return None
-    try:
-        lines = data.decode("utf-8").splitlines()
-    except UnicodeDecodeError:
-        return None
-    allowed = set(EXPORT_FILES) | ({SUMS} if not sums else set())
-    names = set()
-    for line in lines:
-        parts = line.split("  ") if sums else ["0" * 64, line]
-        if len(parts) != 2 or len(parts[0]) != 64 or set(parts[0]) - set("0123456789abcdef") or parts[1] not in allowed:
-            return None
-        names.add(parts[1])
-    return names
 
 
 def _sha256(path: str) -> str:
@@ -100,12 +95,16 @@ def _sha256(path: str) -> str:
 
 
 def check_exported(folder: str) -> None:
-    """ValueError, one phrase, unless the exported `folder` is whole: no unfinished export (WRITING), and where it
-    records its files (sha256sums.txt, as every export and shipped model does) each of them of its recorded digest.
-    A folder without either (an earlier version's export, or files put together by hand) is read as it is."""
-    if os.path.lexists(os.path.join(folder, WRITING)):
+    """ValueError, one phrase, unless the exported `folder` is whole: not an unfinished export (OWNER "writing"),
+    and where it records its files (sha256sums.txt, as every export and shipped model does) each of them of its
+    recorded digest, an export's every file recorded. A folder without either (an earlier version's export, or files
+    put together by hand) is read as it is."""
+    state = _owner_state(folder)
+    if state == "writing":
         raise ValueError(f"{folder}: an export that did not finish (it was interrupted): export it again")
-    verify_model_folder(folder)
+    recorded = verify_model_folder(folder)
+    if state == "whole" and not {"options.json", "weights.hdf5"} <= set(recorded):
+        raise ValueError(f"{folder}: its {SUMS} does not record its options.json and weights.hdf5: edited or damaged")
 
 
 def load_exported(folder: str, require_softmax: bool = True) -> tuple[LMHead, Vocabulary, bool]:

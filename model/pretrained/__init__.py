@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -133,23 +134,40 @@ def _parameters(options_json: str) -> int:
 SUMS = "sha256sums.txt"   # "<sha256>  <file name>" per line, recorded when the model was shipped
 
 
-def verify_model_folder(folder: str) -> None:
-    """Check the files of a shipped model against its recorded sha256sums.txt (if any): a damaged or
-    replaced file raises ValueError "sha256 mismatch" naming it, before anything loads it."""
+SUMS_BYTES = 1 << 16     # the largest sha256sums.txt read
+
+
+def verify_model_folder(folder: str) -> list[str]:
+    """Check the files of a model folder (shipped or exported) against its recorded sha256sums.txt (if any; lines
+    as sha256sum writes them, text or binary mode): a damaged or replaced file raises ValueError "sha256 mismatch"
+    naming it, before anything loads it; a line of another form, or naming no file of the folder, ValueError naming
+    the line. Returns the names it records ([] without one)."""
     sums = os.path.join(folder, SUMS)
     if not os.path.isfile(sums):
-        return
-    with open(sums, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                digest, name = line.split(None, 1)
-                path = os.path.join(folder, name.strip())
-                st = os.stat(path)
-                _verified(path, st.st_size, st.st_mtime_ns, digest.lower())
+        return []
+    with open(sums, "rb") as f:
+        data = f.read(SUMS_BYTES + 1)
+    if len(data) > SUMS_BYTES:
+        raise ValueError(f"{sums}: over {SUMS_BYTES} bytes, not a model folder's record")
+    names = []
+    for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        m = re.fullmatch(r"([0-9a-fA-F]{64}) [ *]([^/\\]+)", line.rstrip("\r"))
+        if m is None or m.group(2) in (".", ".."):
+            raise ValueError(f"{sums}: line {n} is not '<sha256>  <file name>' of a file in the folder")
+        path = os.path.join(folder, m.group(2))
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise ValueError(f"{sums}: line {n}: {path} cannot be read ({e.strerror})") from None
+        _verified(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, m.group(1).lower())
+        names.append(m.group(2))
+    return names
 
 
 @lru_cache(maxsize=64)
-def _verified(path: str, size: int, mtime_ns: int, digest: str) -> None:
+def _verified(path: str, size: int, mtime_ns: int, ctime_ns: int, digest: str) -> None:
     from elmo_pipeline.fsio import local_path
     local_path(path, sha256=digest)     # ValueError "<path>: sha256 mismatch (expected ..., found ...)"
 
