@@ -84,7 +84,7 @@ def test_a_training_text_line_over_the_limit_is_one_error_naming_it(tmp_path, mo
     path = tmp_path / "big.txt.gz"
     with gzip.open(path, "wt") as f:
         f.write("the cat sat .\n" + "x " * 600 + "\n")
-    with pytest.raises(ValueError, match=re.escape(f"{path}: line 2 is longer than 1,000 characters")):
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: a line over 1000 characters")):
         list(data.read_lines(str(path)))
     assert next(data.read_lines(str(path))) == ["the", "cat", "sat", "."]
 
@@ -539,3 +539,54 @@ def test_a_probe_report_at_a_url_is_refused_before_anything_is_written(tmp_path,
     with pytest.raises(FileExistsError, match="a URL, not a local folder"):
         write_report(out, _rows(), [], {"task": "sentence"}, None)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_damaged_checkpoint_or_text_is_one_error_naming_it_and_a_killed_writes_temp_is_removed(tmp_path):
+    """A checkpoint cut short, one without its meta or with meta of another form, and training text that is not
+    UTF-8: a ValueError naming the file (before: h5py's or a KeyError's text, or a codec error, without it); a
+    checkpoint's temporary file a killed run left is removed by the next run (before: left for good); a short run
+    draws no curves.png warning."""
+    import shutil
+    from elmo_pipeline.training import train as train_module
+    from elmo_pipeline.training.checkpoint import read_meta
+    from elmo_pipeline.training.data import read_lines
+    from elmo_pipeline.training.train import TrainConfig, latest_checkpoint, train
+    from tests.test_train import tiny_options
+    run = tmp_path / "run"
+    (tmp_path / "text.txt").write_text("the cat sat on the mat .\nthe dog ran .\n" * 20)
+
+    def cfg(**kw):
+        kw.setdefault("log_every", 1)
+        return TrainConfig(train_files=[str(tmp_path / "text.txt")], out_dir=str(run), progress=False, threads=1,
+                           options=tiny_options(), checkpoint_every=1, export=False, **kw)
+    logged = []
+    original = train_module._log
+    train_module._log = lambda text: logged.append(text) or original(text)
+    try:
+        train(cfg(max_steps=2, log_every=1000))           # a checkpoint before any point of curves.csv
+    finally:
+        train_module._log = original
+    assert not [line for line in logged if "could not draw" in line], logged
+    ckpt = latest_checkpoint(str(run))
+    def meta(path, value):
+        with h5py.File(path, "a") as f:
+            if value is None:
+                del f.attrs["meta"]
+            else:
+                f.attrs["meta"] = value
+    for name in ("cut", "no meta", "other meta"):
+        bad = str(tmp_path / f"{name}.h5")
+        shutil.copy(ckpt, bad)
+        if name == "cut":
+            os.truncate(bad, os.path.getsize(bad) // 2)
+        else:
+            meta(bad, None if name == "no meta" else "[1, 2]")
+        with pytest.raises(ValueError, match=re.escape(f"{bad}: not a readable checkpoint")):
+            read_meta(bad)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'latin1.txt'}: not UTF-8 text")):
+        list(read_lines(str(tmp_path / "latin1.txt")))
+    temp = run / "checkpoints" / ("ckpt-00000009.h5.tmp-" + "ab" * 16)
+    temp.write_bytes(b"a killed run's half checkpoint")
+    train(cfg(max_steps=2, resume=True))
+    assert not temp.exists()

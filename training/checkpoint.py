@@ -12,6 +12,7 @@ Loading reads arrays and JSON only: nothing is unpickled.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import h5py
 import numpy as np
@@ -79,9 +80,28 @@ def _checked(path: str, meta: dict, prefix: str, tensors: dict[str, torch.Tensor
 
 
 def read_meta(path: str) -> dict:
+    """The checkpoint's meta (a JSON object); ValueError naming the file when it is no readable checkpoint."""
     regular_file(path)              # a FIFO's open would block, a device's read never end
-    with h5py.File(path, "r") as f:
-        return json.loads(f.attrs["meta"])
+    with _readable(path), h5py.File(path, "r") as f:
+        return _meta(f, ("step", "options"))
+
+
+@contextmanager
+def _readable(path: str):
+    """h5py's and the JSON parser's failures on a damaged or foreign file as one ValueError naming it."""
+    try:
+        yield
+    except (OSError, KeyError, json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+        raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
+
+
+def _meta(f: h5py.File, keys: tuple[str, ...] = ()) -> dict:
+    """The file's meta attribute, a JSON object holding `keys`; KeyError otherwise."""
+    meta = json.loads(f.attrs["meta"])
+    if not isinstance(meta, dict) or not all(k in meta for k in keys):
+        raise KeyError(f"its meta is no object holding {', '.join(keys) or 'anything'}")
+    return meta
 
 
 def read_tensors(group: h5py.Group, expected: dict[str, tuple] | None = None, limit: int = 0) -> dict[str, torch.Tensor]:
@@ -112,8 +132,8 @@ def load_checkpoint(path: str, model: torch.nn.Module, softmax: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> dict:
     """Restore everything saved by save_checkpoint into the given objects; returns the meta dict."""
     regular_file(path)
-    with h5py.File(path, "r") as f:
-        meta = json.loads(f.attrs["meta"])
+    with _readable(path), h5py.File(path, "r") as f:
+        meta = _meta(f)
         model.load_state_dict(_checked(path, meta, "model", read_tensors(f["model"], shapes_of(model))))
         softmax.load_state_dict(_checked(path, meta, "softmax", read_tensors(f["softmax"], shapes_of(softmax))))
         if optimizer is not None:

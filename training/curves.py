@@ -23,6 +23,11 @@ def _series(csv_path: str) -> dict[str, tuple[list[float], list[float]]]:
     return out
 
 
+def has_curves(csv_path: str) -> bool:
+    """Whether curves.csv holds a point to draw."""
+    return bool(_series(csv_path))
+
+
 def plot_curves(csv_path: str, png_path: str) -> None:
     series = _series(csv_path)
     if not series:

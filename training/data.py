@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from elmo_pipeline.fsio import bounded_lines
 from elmo_pipeline.model.char_ids import BOS_TOKEN, EOS_TOKEN, MAX_CHARS, token_char_ids
 from elmo_pipeline.model.vocab import SPECIALS, Vocabulary
 
@@ -67,17 +68,18 @@ MAX_LINE_CHARS = 1 << 24      # a line (a sentence or paragraph) longer than thi
 def read_lines(urls: str | Sequence[str], tokenizer: Tokenizer = _whitespace) -> Iterator[list[str]]:
     """Token lists of every non-blank line (or sentence, per tokenizer) of every file
     (fsspec URLs and globs; .gz/.bz2/... decompressed by extension). ValueError naming the file and line for a
-    line over MAX_LINE_CHARS (a few compressed bytes can hold gigabytes without a newline)."""
+    line over MAX_LINE_CHARS (a few compressed bytes can hold gigabytes without a newline: fsio.bounded_lines) or
+    text that is not UTF-8."""
     import fsspec
     for url in expand_urls(urls):
         with fsspec.open(url, "rt", encoding="utf-8", newline="\n", compression="infer") as f:
-            for n, line in enumerate(iter(lambda: f.readline(MAX_LINE_CHARS + 1), ""), start=1):
-                if len(line) > MAX_LINE_CHARS:
-                    raise ValueError(f"{url}: line {n} is longer than {MAX_LINE_CHARS:,} characters: one sentence or "
-                                     "paragraph a line")
-                for tokens in tokenizer(line):
-                    if tokens:
-                        yield tokens
+            try:
+                for line in bounded_lines(f, MAX_LINE_CHARS, url):
+                    for tokens in tokenizer(line):
+                        if tokens:
+                            yield tokens
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{url}: not UTF-8 text ({e.reason} at byte {e.start} of a block)") from None
 
 
 def build_vocabulary(counts: Counter, max_size: int | None = None, min_count: int = 1) -> Vocabulary:

@@ -131,6 +131,7 @@ def _log(msg: str) -> None:
 
 
 CHECKPOINT = re.compile(r"ckpt-\d{8}\.h5")     # a run's own checkpoint names (checkpoint(): ckpt-<step:08d>.h5)
+CHECKPOINT_TEMP = re.compile(r"ckpt-\d{8}\.h5\.tmp-[0-9a-f]{32}")   # fsio.temp_name of one being written
 RUN_FILES = ("options.json", "vocab.txt", "curves.csv", "curves.png", "model")   # a run's other names in its folder
 
 
@@ -140,6 +141,15 @@ def _checkpoints(out_dir: str) -> list[str]:
     folder = os.path.join(out_dir, "checkpoints")
     names = os.listdir(folder) if os.path.isdir(folder) else []
     return [os.path.join(folder, n) for n in sorted(n for n in names if CHECKPOINT.fullmatch(n))]
+
+
+def _remove_checkpoint_temps(out_dir: str) -> None:
+    """The temporary files of checkpoints a killed run was writing (ckpt-<step>.h5.tmp-<hex>, regular files only)."""
+    folder = os.path.join(out_dir, "checkpoints")
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if CHECKPOINT_TEMP.fullmatch(name) and os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)
 
 
 def check_fresh_output(out_dir: str) -> None:
@@ -192,6 +202,8 @@ def train(cfg: TrainConfig) -> dict:
     if not cfg.resume and rank == 0:         # the rank that writes the run's files (the others wait for its batches)
         check_fresh_output(cfg.out_dir)
     os.makedirs(os.path.join(cfg.out_dir, "checkpoints"), exist_ok=True)
+    if rank == 0:
+        _remove_checkpoint_temps(cfg.out_dir)
     ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
     if cfg.resume and ckpt is None:
         _log(f"--resume: no checkpoint in {cfg.out_dir}/checkpoints, starting from scratch")
@@ -376,7 +388,9 @@ class CurveLog:
 
     def plot(self) -> None:
         if self.enabled:
-            from elmo_pipeline.training.curves import plot_curves
+            from elmo_pipeline.training.curves import has_curves, plot_curves
+            if not has_curves(self.path):           # nothing to draw yet: no file written, nothing to rename
+                return
             try:
                 with replacing(os.path.splitext(self.path)[0] + ".png", files_only=True) as tmp:
                     plot_curves(self.path, tmp)
