@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                       log_every=args.log_every, seed=args.seed, threads=args.threads,
                       progress=not args.no_progress, valid_max_windows=args.valid_max_windows,
                       export=not args.no_export)
-    summary = train(cfg)
+    summary = _under_lease(cfg, train)
     from elmo_pipeline.training.train import dist_info
     if dist_info()[0] == 0:
         print(json.dumps(summary, indent=2), file=sys.stderr)
@@ -104,6 +105,26 @@ def run(args: argparse.Namespace) -> int:
         dist.barrier()     # rank 0 exports and prints first: no rank tears gloo down under a peer still using it
         dist.destroy_process_group()
     return 0
+
+
+def _under_lease(cfg, train) -> dict:
+    """train(cfg) with the run folder's lease (output/lease.py: its _lease.json, the pipeline's) held by the
+    process that writes the run's files (rank 0; the other ranks follow its batches): a second run into the same
+    folder while this one lives is one `error:` line (its checkpoints and curves were mixed into this one's). A
+    killed run's lease is taken over (its process gone, or its heartbeat older than 60 s)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return train(cfg)
+    from elmo_pipeline.output.lease import Lease, LeaseHeld
+    from elmo_pipeline.output.names import LEASE
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    try:
+        lease = Lease(os.path.join(cfg.out_dir, LEASE)).acquire()
+    except LeaseHeld as e:
+        raise SystemExit(f"error: --output {e}") from None
+    try:
+        return train(cfg)
+    finally:
+        lease.release()
 
 
 def main(argv: list[str] | None = None) -> int:

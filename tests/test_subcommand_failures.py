@@ -590,3 +590,25 @@ def test_a_damaged_checkpoint_or_text_is_one_error_naming_it_and_a_killed_writes
     temp.write_bytes(b"a killed run's half checkpoint")
     train(cfg(max_steps=2, resume=True))
     assert not temp.exists()
+
+
+def test_train_into_a_folder_a_live_run_holds_is_one_error_line(tmp_path, capsys):
+    """A run folder whose lease a live run holds (its _lease.json, the pipeline's lease): `train` (with --resume
+    too) is one `error:` line, nothing written (before: both ran, their checkpoints and curves mixed); once the
+    holder gives it back, the run trains and gives it back in turn."""
+    from elmo_pipeline.output.lease import Lease
+    from elmo_pipeline.pipeline.cli import main
+    run = tmp_path / "run"
+    run.mkdir()
+    argv = ["train", _text(tmp_path), "--output", str(run), *TINY_RUN, "--max-steps", "2", "--checkpoint-every", "2"]
+    holder = Lease(str(run / "_lease.json")).acquire()
+    try:
+        for extra in ([], ["--resume"]):
+            with pytest.raises(SystemExit) as e:
+                main(argv + extra)
+            assert "is held by a live run" in str(e.value.code) and str(e.value.code).startswith("error: --output")
+            assert sorted(p.name for p in run.iterdir()) == ["_lease.json"]
+    finally:
+        holder.release()
+    assert main(argv) == 0
+    assert not (run / "_lease.json").exists() and (run / "checkpoints" / "ckpt-00000002.h5").exists()
