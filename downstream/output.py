@@ -50,7 +50,11 @@ class ElmoOutput:
         self.fs, self.root = url_fs(self.path, keyed(self.path, self.storage_options))
         manifest = read_manifest(self.fs, self.root)
         if manifest is None:
-            raise FileNotFoundError(f"{self.shown}: no manifest.json (not a finished pipeline output)")
+            path = posixpath.join(self.root, MANIFEST)
+            there = os.path.lexists(path) if is_local_fs(self.fs) else False
+            raise FileNotFoundError(f"{self.shown}: " + ("its manifest.json is no pipeline manifest (not a regular file, "
+                                                         "or not one this pipeline wrote)" if there else
+                                                         "no manifest.json (not a finished pipeline output)"))
         self.manifest = manifest
         where = posixpath.join(self.path, MANIFEST)
         self.shards: list[dict] = checked_shards(where, [shard_entry(f"{where}: shard {i}", s, FORMATS)

@@ -12,7 +12,8 @@ import posixpath
 import zlib
 from dataclasses import dataclass, field
 
-from elmo_pipeline.fsio.fs import read_json
+from elmo_pipeline.fsio.fs import read_json, store_failing
+from elmo_pipeline.fsio.redact import redact
 
 SCHEMA_VERSION = 1
 FORMATS = ("parquet", "hdf5", "arrow")        # output file formats (--format; arrow: formats/arrow.py)
@@ -164,7 +165,10 @@ def read_manifest(fs, root: str) -> dict | None:
     there is no manifest of this pipeline (see is_manifest)."""
     try:
         m = read_json(fs, posixpath.join(root, MANIFEST))
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if store_failing(e):        # an HTTP store unreachable or failing (5xx): no answer, not "no manifest"
+            raise ConnectionError(f"{redact(posixpath.join(root, MANIFEST))}: the store did not answer (a refused "
+                                  "connection, a timeout or a 5xx): retry later") from e
         return None
     return m if is_manifest(m) else None
 

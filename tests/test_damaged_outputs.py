@@ -873,12 +873,25 @@ def test_a_shard_entry_dropped_from_the_manifest_is_found_by_validate(copy):
         ElmoOutput(out).validate()
 
 
-@pytest.mark.parametrize("url", ["http://user:s3cr3t-pw@127.0.0.1:9/out", "memory://nothere?token=s3cr3t-pw",
+@pytest.mark.parametrize("url", ["http://user:s3cr3t-pw@127.0.0.1/out", "memory://nothere?token=s3cr3t-pw",
                                  "file:///nothere?X-Amz-Signature=s3cr3t-pw"])
 def test_reader_errors_never_hold_a_urls_secret(url):
     """An output URL with a password, token or signature: the readers' exceptions show it redacted (before: the URL
     as given, in FileNotFoundError, ValueError and DamagedOutput messages a caller logs)."""
-    with pytest.raises(FileNotFoundError) as e:
+    with pytest.raises(OSError) as e:              # FileNotFoundError; ConnectionError where nothing answers
         ElmoOutput(url)
-    assert "s3cr3t-pw" not in str(e.value) and "***" in str(e.value) and "no manifest.json" in str(e.value)
+    assert "s3cr3t-pw" not in str(e.value) and "***" in str(e.value) and "manifest.json" in str(e.value)
     assert "s3cr3t-pw" not in str(DamagedOutput(f"{url}/arrow/part-0.arrow: not a regular file"))
+
+
+def test_a_manifest_that_is_no_file_or_an_unreachable_store_is_said_as_such(tmp_path):
+    """A FIFO at manifest.json: refused as no pipeline manifest, never opened (before: "no manifest.json", as if the
+    folder held no output); an HTTP store refusing the connection: ConnectionError, retry later, its password
+    masked (before: "no manifest.json", a missing output)."""
+    os.mkfifo(tmp_path / "manifest.json")
+    with pytest.raises(FileNotFoundError, match="its manifest.json is no pipeline manifest"):
+        ElmoOutput(str(tmp_path))
+    with pytest.raises(ConnectionError, match=re.escape("http://***@127.0.0.1:9/out/manifest.json: the store did "
+                                                        "not answer")) as e:
+        ElmoOutput("http://user:s3cr3t-pw@127.0.0.1:9/out")
+    assert "s3cr3t-pw" not in str(e.value)
