@@ -612,3 +612,26 @@ def test_train_into_a_folder_a_live_run_holds_is_one_error_line(tmp_path, capsys
         holder.release()
     assert main(argv) == 0
     assert not (run / "_lease.json").exists() and (run / "checkpoints" / "ckpt-00000002.h5").exists()
+
+
+@pytest.mark.parametrize("case", ["batch_size 0", "unroll_steps -1", "n_epochs 1.5", "empty --valid"])
+def test_a_count_in_an_options_file_or_held_out_text_without_tokens_is_one_error(tmp_path, case):
+    """A count in --options below 1 (or no integer), or --valid text without a token: a ValueError naming it before
+    the run folder's files are written (before: ZeroDivisionError once training ran; perplexity 1.00 over 0 tokens
+    recorded at each checkpoint)."""
+    from elmo_pipeline.training.train import TrainConfig, train
+    from tests.test_train import tiny_options
+    (tmp_path / "text.txt").write_text("the cat sat on the mat .\nthe dog ran .\n" * 20)
+    (tmp_path / "valid.txt").write_text("\n  \n")
+    options, valid = tiny_options(), None
+    if case == "empty --valid":
+        valid, match = [str(tmp_path / "valid.txt")], "no tokens to evaluate"
+    else:
+        key, value = case.split()
+        options[key] = float(value) if "." in value else int(value)
+        match = f"options: {key} must be an integer >= 1"
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match=match):
+        train(TrainConfig(train_files=[str(tmp_path / "text.txt")], valid_files=valid, out_dir=str(run),
+                          progress=False, threads=1, options=options, max_steps=2, export=False))
+    assert case == "empty --valid" or not (run / "options.json").exists()

@@ -152,6 +152,18 @@ def _remove_checkpoint_temps(out_dir: str) -> None:
             os.remove(path)
 
 
+COUNTS = ("batch_size", "unroll_steps", "n_epochs")    # training options that must be integers >= 1
+
+
+def check_counts(options: dict) -> None:
+    """ValueError naming the key when a count of the options (COUNTS: from --options or a flag) is no integer >= 1
+    (0 divided by zero once training had started)."""
+    for key in COUNTS:
+        value = options.get(key, 1)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"options: {key} must be an integer >= 1, got {value!r}")
+
+
 def check_fresh_output(out_dir: str) -> None:
     """ValueError unless `out_dir` holds none of a run's files (a run starting without --resume): a folder holding a
     run, or a user's files of those names, is left as it is (before, a second run rotated the first's checkpoints
@@ -214,6 +226,7 @@ def train(cfg: TrainConfig) -> dict:
         check_vocab(ckpt, meta, vocab.tokens, os.path.join(cfg.out_dir, "vocab.txt"))
     else:
         options, vocab = _prepare_vocab_and_options(cfg, tokenize)
+        check_counts(options)
         if rank == 0:
             write_json(os.path.join(cfg.out_dir, "options.json"), options)
             vocab.save(os.path.join(cfg.out_dir, "vocab.txt"))
@@ -228,6 +241,8 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError(f"--resume: the training text is not the one {ckpt} was trained on (its windows' SHA-256 "
                          "differs): resume with the same files, or start a new run in another folder")
     valid = encode_corpus(read_lines(cfg.valid_files, tokenize), vocab, max_tokens) if cfg.valid_files else None
+    if valid is not None and valid.n_windows == 0:
+        raise ValueError(f"--valid {' '.join(cfg.valid_files)}: no tokens to evaluate (empty or only blank lines)")
     n_epochs = int(options.get("n_epochs", 1))
     per_epoch = len(corpus.lengths) // batch_size
     if per_epoch == 0:
