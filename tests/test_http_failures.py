@@ -92,8 +92,9 @@ def test_an_unreachable_store_is_retry_later_when_listing_inputs_or_fetching_the
 @pytest.mark.slow
 def test_worker_processes_print_no_secret(tiny_model_files, tmp_path):
     """--direct_running_mode multi_processing: the workers' own log lines and what Beam's SDK worker prints on stderr
-    (a failing bundle's traceback) are redacted (transforms/logs.py); the launcher prints one line, the status of
-    the cause (before: 70, from the worker's text)."""
+    are redacted, and the failing bundle's traceback it prints is dropped (transforms/logs.py; before: printed by
+    each worker whose bundle failed); the launcher prints one line, the status of the cause (before: 70, from the
+    worker's text)."""
     with ModelServer() as server:
         server.files["/in/docs.txt"] = TEXT
         server.get_status["/in/docs.txt"] = 404
@@ -102,6 +103,7 @@ def test_worker_processes_print_no_secret(tiny_model_files, tmp_path):
     assert p.returncode == 65, p.stderr[-3000:]
     assert SECRET not in p.stderr and "sig=***" in p.stderr, p.stderr[-3000:]
     assert len([line for line in p.stderr.splitlines() if line.startswith("error:")]) == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -191,6 +193,14 @@ def test_the_stderr_of_a_worker_is_redacted_whatever_writes_to_it(monkeypatch):
     sys.stderr.write(f"http://alice:{SECRET}@h/f\n")
     sys.stderr.writelines([f"x?sig={SECRET}\n"])
     assert SECRET not in buf.getvalue() and buf.getvalue().count("***") == 2
+    buf.seek(0)
+    buf.truncate(0)
+    beam = {"sys": sys}                                 # Beam's SDK worker printing a failed instruction's traceback
+    exec(compile("def _execute():\n    print('Traceback (most recent call last):\\n  ...\\nValueError: x', "
+                 "file=sys.stderr)\n", "/v/site-packages/apache_beam/runners/worker/sdk_worker.py", "exec"), beam)
+    beam["_execute"]()
+    print("Traceback (most recent call last): printed by anything else", file=sys.stderr)
+    assert buf.getvalue() == "Traceback (most recent call last): printed by anything else\n", buf.getvalue()
     monkeypatch.setattr(sys, "stderr", None)
     logs.worker_logs()
     assert sys.stderr is None

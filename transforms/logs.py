@@ -32,12 +32,22 @@ def quiet_failures() -> None:
 
 
 class _RedactingStream:
-    """A text stream that writes what it is given redacted (fsio.redact) to the stream it wraps."""
+    """A text stream that writes what it is given redacted (fsio.redact) to the stream it wraps, less the failing
+    bundle's traceback Beam's SDK worker prints (the record it logs beside is dropped too, quiet_failures; the
+    launcher reports the failure in one line, the whole chain under --verbose)."""
 
     def __init__(self, stream):
         self.stream = stream
+        self._drop_end = False            # print()'s line end after a dropped traceback, written next
 
     def write(self, text: str) -> int:
+        if self._drop_end and text == "\n":
+            self._drop_end = False
+            return 1
+        self._drop_end = False
+        if isinstance(text, str) and text.startswith("Traceback (most recent call last):") and _printed_by_beam():
+            self._drop_end = True
+            return len(text)
         self.stream.write(redact(text) if isinstance(text, str) else text)
         return len(text)
 
@@ -55,10 +65,18 @@ class _RedactingStream:
         return getattr(self.stream, name)
 
 
+def _printed_by_beam() -> bool:
+    """Whether the write being made comes from Beam's SDK worker printing a failed instruction's traceback
+    (SdkHarness._execute: print(traceback_string, file=sys.stderr), print being no Python frame)."""
+    caller = sys._getframe(2).f_code
+    return caller.co_name == "_execute" and caller.co_filename.replace("\\", "/").endswith(
+        "apache_beam/runners/worker/sdk_worker.py")
+
+
 def worker_logs() -> None:
     """Idempotent: this process's log lines redacted and without Beam's failure tracebacks, and what it prints on
-    stderr redacted (Beam's SDK worker prints a failing bundle's traceback there, the exception's text quoting a
-    URL with its secret) (a worker's setup)."""
+    stderr redacted, less the failing bundle's traceback Beam's SDK worker prints there (_RedactingStream) (a
+    worker's setup)."""
     redact_logs()
     quiet_failures()
     if sys.stderr is not None and not isinstance(sys.stderr, _RedactingStream):     # None: stderr closed
