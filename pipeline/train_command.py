@@ -120,7 +120,8 @@ def _under_lease(cfg, train) -> dict:
     try:
         lease = Lease(os.path.join(cfg.out_dir, LEASE)).acquire()
     except LeaseHeld as e:
-        raise SystemExit(f"error: --output {e}") from None
+        raise SystemExit(f"error: --output {str(e).split('; it is taken over')[0]}; rerun once it has ended (a killed "
+                         "run's lease is taken over: at once on its machine, else after 60 s)") from None
     try:
         return train(cfg)
     finally:
@@ -135,5 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":     # torchrun's entry: each rank ends a failure with one `error:` line, as `elmo-pipeline`
+    from elmo_pipeline.pipeline.cli import console
+    console(["train", *sys.argv[1:]])

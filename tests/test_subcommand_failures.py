@@ -520,7 +520,7 @@ def test_an_exports_record_of_another_form_is_one_clear_error(tmp_path, tiny_exp
     sums.write_text(text.replace("  ", " *"))
     assert load_exported(str(folder))[2]
     for bad, match in ((text.split()[0] + "\n", "line 1 is not '<sha256>  <file name>'"),
-                       ("", "does not record its options.json and weights.hdf5")):
+                       ("", "does not record each of its files")):
         sums.write_text(bad)
         with pytest.raises(ValueError, match=re.escape(match)):
             load_exported(str(folder))
@@ -635,3 +635,77 @@ def test_a_count_in_an_options_file_or_held_out_text_without_tokens_is_one_error
         train(TrainConfig(train_files=[str(tmp_path / "text.txt")], valid_files=valid, out_dir=str(run),
                           progress=False, threads=1, options=options, max_steps=2, export=False))
     assert case == "empty --valid" or not (run / "options.json").exists()
+
+
+def test_resume_without_a_checkpoint_restarts_only_the_same_run_and_a_failed_start_leaves_no_files(tmp_path):
+    """--resume finding no checkpoint: a folder holding a finished run's export, or the start files of a run of
+    other options, is refused, left as it is (before: a run from scratch with default options replaced them, exit
+    0); the start files of the same run (killed before its first checkpoint) are a run started again. A start that
+    fails on its data (fewer windows than a batch) writes none of the run's files, so the corrected command runs
+    (before: its options.json and vocab.txt made the folder a run's)."""
+    import shutil
+    from elmo_pipeline.training.train import TrainConfig, train
+    from tests.test_train import tiny_options
+    (tmp_path / "text.txt").write_text("the cat sat on the mat .\nthe dog ran .\n" * 20)
+
+    def cfg(out, **kw):
+        return TrainConfig(train_files=[str(tmp_path / "text.txt")], out_dir=str(out), progress=False, threads=1,
+                           log_every=1, **{"options": tiny_options(), "checkpoint_every": 1000, **kw})
+    with pytest.raises(ValueError, match="fewer than batch_size"):
+        train(cfg(tmp_path / "u", options=tiny_options(batch_size=4096)))
+    assert sorted(p.name for p in (tmp_path / "u").iterdir()) == ["checkpoints"]
+    train(cfg(tmp_path / "u", max_steps=1, export=False))
+    done = tmp_path / "done"
+    train(cfg(done, max_steps=2, checkpoint_every=2))
+    shutil.rmtree(done / "checkpoints")
+    before = {p: p.read_bytes() for p in done.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=re.escape("holds no checkpoint to resume from but a finished run's export")):
+        train(cfg(done, max_steps=2, resume=True))
+    assert {p: p.read_bytes() for p in done.rglob("*") if p.is_file()} == before
+    early = tmp_path / "early"             # what a run killed before its first checkpoint leaves
+    train(cfg(early, max_steps=1, export=False))
+    shutil.rmtree(early / "checkpoints")
+    with pytest.raises(ValueError, match="its files are not this command's run"):
+        train(cfg(early, max_steps=1, resume=True, options=tiny_options(batch_size=8)))
+    train(cfg(early, max_steps=1, resume=True, export=False))
+    assert (early / "checkpoints" / "ckpt-00000001.h5").exists()
+
+
+def test_resume_keeps_the_runs_seed_and_init_from_keeps_a_softmax_only_over_its_own_vocabulary(tmp_path):
+    """A run resumed without its --seed continues with the seed its checkpoint records (before: the default seed's
+    batch order, another model); --init-from with another --vocab-file: a new softmax for a char model (before: the
+    model's softmax rows reused under other words), refused for a word-encoder model; an export whose sha256sums.txt
+    leaves its vocab.txt out is refused."""
+    from elmo_pipeline.training.export import export_model, load_exported
+    from elmo_pipeline.training.train import TrainConfig, build_model, train
+    from tests.test_train import tiny_options
+    (tmp_path / "text.txt").write_text("the cat sat on the mat .\nthe dog ran .\n" * 20)
+
+    def cfg(out, **kw):
+        return TrainConfig(train_files=[str(tmp_path / "text.txt")], out_dir=str(out), progress=False, threads=1,
+                           checkpoint_every=2, log_every=1, **{"options": tiny_options(), **kw})
+    train(cfg(tmp_path / "whole", max_steps=4, seed=7))
+    train(cfg(tmp_path / "resumed", max_steps=4, seed=7, stop_after_steps=2))
+    train(cfg(tmp_path / "resumed", resume=True))
+    digest = [(tmp_path / d / "model" / "sha256sums.txt").read_text() for d in ("whole", "resumed")]
+    assert digest[0] == digest[1]
+    head, vocab, _ = load_exported(str(tmp_path / "whole" / "model"))
+    (tmp_path / "other.txt").write_text("".join(t + "\n" for t in [*vocab.tokens[:3], *vocab.tokens[3:][::-1]]))
+    logged = []
+    from elmo_pipeline.training import train as train_module
+    original, train_module._log = train_module._log, lambda text: logged.append(text)
+    try:
+        train(cfg(tmp_path / "ft", max_steps=1, init_from=str(tmp_path / "whole" / "model"),
+                  vocab_file=str(tmp_path / "other.txt"), export=False))
+    finally:
+        train_module._log = original
+    assert any("(softmax new)" in line for line in logged), logged
+    word = tmp_path / "word"
+    export_model(build_model(tiny_options("word"), vocab), vocab, str(word))
+    with pytest.raises(ValueError, match="a word-encoder model's embedding rows are the words of its vocab.txt"):
+        train(cfg(tmp_path / "wft", max_steps=1, options=tiny_options("word"), init_from=str(word),
+                  vocab_file=str(tmp_path / "other.txt")))
+    sums = word / "sha256sums.txt"
+    sums.write_text("".join(line + "\n" for line in sums.read_text().splitlines() if "vocab.txt" not in line))
+    with pytest.raises(ValueError, match="does not record each of its files"):
+        load_exported(str(word))

@@ -12,7 +12,7 @@ import os
 
 import h5py
 
-from elmo_pipeline.fsio import atomic_write, only_a_file, url_fs
+from elmo_pipeline.fsio import atomic_write, only_a_file, remove_temp_files, url_fs
 from elmo_pipeline.model.options import read_options_file
 from elmo_pipeline.model.pretrained import SUMS, verify_model_folder
 from elmo_pipeline.training.checkpoint import check_vocab, load_checkpoint, read_meta, read_tensors, shapes_of
@@ -35,6 +35,7 @@ def export_model(head: LMHead, vocab: Vocabulary, folder: str, include_softmax: 
     check_export_targets(folder)
     paths = [os.path.join(folder, n) for n in EXPORT_FILES]
     fs = url_fs(folder)[0]
+    remove_temp_files(fs, folder, (OWNER, *EXPORT_FILES, SUMS))     # a killed export's, in a folder that is an export's
     _mark(fs, folder, "writing")
     if os.path.lexists(os.path.join(folder, SUMS)):
         os.remove(os.path.join(folder, SUMS))        # unfinished from here until the new record is written
@@ -103,8 +104,10 @@ def check_exported(folder: str) -> None:
     if state == "writing":
         raise ValueError(f"{folder}: an export that did not finish (it was interrupted): export it again")
     recorded = verify_model_folder(folder)
-    if state == "whole" and not {"options.json", "weights.hdf5"} <= set(recorded):
-        raise ValueError(f"{folder}: its {SUMS} does not record its options.json and weights.hdf5: edited or damaged")
+    held = {n for n in EXPORT_FILES if os.path.lexists(os.path.join(folder, n))}
+    if state == "whole" and not held | {"options.json", "weights.hdf5"} <= set(recorded):
+        raise ValueError(f"{folder}: its {SUMS} does not record each of its files ({', '.join(EXPORT_FILES)}): edited "
+                         "or damaged")
 
 
 def load_exported(folder: str, require_softmax: bool = True) -> tuple[LMHead, Vocabulary, bool]:

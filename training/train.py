@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import json
 import math
 import os
 import re
@@ -164,6 +165,27 @@ def check_counts(options: dict) -> None:
             raise ValueError(f"options: {key} must be an integer >= 1, got {value!r}")
 
 
+def check_restart(out_dir: str, options: dict) -> None:
+    """ValueError unless a --resume that finds no checkpoint may start the run again in `out_dir`: the folder holds
+    at most the files a run writes before its first checkpoint (options.json, vocab.txt, curves), its options.json,
+    where there is one, being the options this command builds (the same run, killed early). A folder holding an
+    export, or the files of a run of other options, is left as it is (it was replaced by a run from scratch)."""
+    held = [n for n in RUN_FILES if os.path.lexists(os.path.join(out_dir, n))]
+    if not held:
+        return
+    for name in held:                   # a link, a FIFO or a folder at a file's name: as a write would refuse it
+        if name not in ("model", "curves.png"):       # (a link at curves.png only leaves the drawing out)
+            only_a_file(os.path.join(out_dir, name))
+    if "model" in held:
+        raise ValueError(f"--resume: {out_dir} holds no checkpoint to resume from but a finished run's export "
+                         "(model/): it is left as it is; train into another folder")
+    recorded = os.path.join(out_dir, "options.json")
+    if os.path.lexists(recorded) and read_options_file(recorded) != json.loads(json.dumps(options)):
+        raise ValueError(f"--resume: {out_dir} holds no checkpoint to resume from, and its files are not this "
+                         "command's run (its options.json differs from the options these flags give): give the flags "
+                         "that started it, or train into another folder")
+
+
 def check_fresh_output(out_dir: str) -> None:
     """ValueError unless `out_dir` holds none of a run's files (a run starting without --resume): a folder holding a
     run, or a user's files of those names, is left as it is (before, a second run rotated the first's checkpoints
@@ -180,8 +202,9 @@ def latest_checkpoint(out_dir: str) -> str | None:
     return found[-1] if found else None
 
 
-def _prepare_vocab_and_options(cfg: TrainConfig, tokenize) -> tuple[dict, Vocabulary]:
-    options = copy.deepcopy(cfg.options)
+def _prepare_vocab_and_options(cfg: TrainConfig, tokenize) -> tuple[dict, Vocabulary, bool]:
+    """(options, vocabulary, whether --init-from's softmax may be reused: not over another vocabulary)."""
+    options, reuse_softmax = copy.deepcopy(cfg.options), True
     vocab = Vocabulary.load(cfg.vocab_file) if cfg.vocab_file else None
     if cfg.init_from:
         check_exported(cfg.init_from)           # whole, its files as its sha256sums.txt records them
@@ -192,8 +215,14 @@ def _prepare_vocab_and_options(cfg: TrainConfig, tokenize) -> tuple[dict, Vocabu
                 options[key] = init_opts[key]
         if init_opts.get("softmax"):      # so that the model's trained softmax can be reused
             options["softmax"] = init_opts["softmax"]
-        if vocab is None and os.path.isfile(os.path.join(cfg.init_from, "vocab.txt")):
-            vocab = Vocabulary.load(os.path.join(cfg.init_from, "vocab.txt"))
+        own = os.path.join(cfg.init_from, "vocab.txt")
+        if vocab is not None and os.path.isfile(own) and Vocabulary.load(own).tokens != vocab.tokens:
+            if "char_cnn" not in options:     # its embedding has a row per word of its own vocabulary
+                raise ValueError(f"--init-from {cfg.init_from}: a word-encoder model's embedding rows are the words "
+                                 f"of its vocab.txt; --vocab-file {cfg.vocab_file} is another vocabulary")
+            reuse_softmax = False      # the model's softmax rows are its words': a new softmax
+        if vocab is None and os.path.isfile(own):
+            vocab = Vocabulary.load(own)
         if vocab is None and "char_cnn" not in options:
             raise ValueError(f"--init-from {cfg.init_from}: a word-encoder model needs its vocab.txt")
     if vocab is None:
@@ -201,7 +230,7 @@ def _prepare_vocab_and_options(cfg: TrainConfig, tokenize) -> tuple[dict, Vocabu
         counts = Counter(t for line in read_lines(cfg.train_files, tokenize) for t in line)
         vocab = build_vocabulary(counts, spec.get("max_size"), int(spec.get("min_count", 1)))
     options["n_tokens_vocab"] = len(vocab)
-    return options, vocab
+    return options, vocab, reuse_softmax
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -217,19 +246,20 @@ def train(cfg: TrainConfig) -> dict:
     if rank == 0:
         _remove_checkpoint_temps(cfg.out_dir)
     ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
-    if cfg.resume and ckpt is None:
-        _log(f"--resume: no checkpoint in {cfg.out_dir}/checkpoints, starting from scratch")
+    seed = cfg.seed
     if ckpt:
         meta = read_meta(ckpt)
         options = meta["options"]
         vocab = Vocabulary.load(os.path.join(cfg.out_dir, "vocab.txt"))
         check_vocab(ckpt, meta, vocab.tokens, os.path.join(cfg.out_dir, "vocab.txt"))
+        if type(meta.get("seed")) is int:   # the run's data order and dropout masks, whatever --seed says now
+            seed = meta["seed"]
     else:
-        options, vocab = _prepare_vocab_and_options(cfg, tokenize)
+        options, vocab, reuse_softmax = _prepare_vocab_and_options(cfg, tokenize)
         check_counts(options)
-        if rank == 0:
-            write_json(os.path.join(cfg.out_dir, "options.json"), options)
-            vocab.save(os.path.join(cfg.out_dir, "vocab.txt"))
+        if cfg.resume and rank == 0:
+            check_restart(cfg.out_dir, options)
+            _log(f"--resume: no checkpoint in {cfg.out_dir}/checkpoints, starting the run from scratch")
 
     batch_size = int(options.get("batch_size", 32))
     if batch_size % world:
@@ -252,7 +282,10 @@ def train(cfg: TrainConfig) -> dict:
 
     if rank == 0 and os.path.isdir(os.path.join(cfg.out_dir, "model")):   # what the final export would refuse, now
         check_export_targets(os.path.join(cfg.out_dir, "model"))
-    torch.manual_seed(cfg.seed)
+    if rank == 0 and not ckpt:      # the run's files once its data is checked: a failed start leaves none
+        write_json(os.path.join(cfg.out_dir, "options.json"), options)
+        vocab.save(os.path.join(cfg.out_dir, "vocab.txt"))
+    torch.manual_seed(seed)
     head = build_model(options, vocab)
     opt_spec = options.get("optimizer") or {}
     lr = float(opt_spec.get("learning_rate", 0.002))
@@ -270,12 +303,12 @@ def train(cfg: TrainConfig) -> dict:
         _log(f"resumed from {ckpt} at step {step}")
     elif cfg.init_from:
         load_weights_into(head.bilm, os.path.join(cfg.init_from, "weights.hdf5"))
-        got = load_softmax(head, os.path.join(cfg.init_from, "weights.hdf5"))
+        got = reuse_softmax and load_softmax(head, os.path.join(cfg.init_from, "weights.hdf5"))
         _log(f"initialised from {cfg.init_from} (softmax {'reused' if got else 'new'})")
-        torch.manual_seed(cfg.seed + 1)
+        torch.manual_seed(seed + 1)
 
     if world > 1:   # the same initial weights everywhere, but each process its own dropout masks
-        torch.manual_seed(cfg.seed * 1_000_003 + step * 101 + rank)
+        torch.manual_seed(seed * 1_000_003 + step * 101 + rank)
     clip = options.get("all_clip_norm_val")
     decay = opt_spec.get("lr_decay", "none")
     params = [p for p in head.parameters()]
@@ -293,7 +326,7 @@ def train(cfg: TrainConfig) -> dict:
         nonlocal last_ckpt_time
         meta = {"step": step, "epoch": step // per_epoch, "batch_in_epoch": step % per_epoch,
                 "tokens": tokens_seen, "elapsed_s": time.monotonic() - t0, "options": options,
-                "seed": cfg.seed, "world_size": world, "total_steps": total_steps,
+                "seed": seed, "world_size": world, "total_steps": total_steps,
                 "vocab_sha256": tokens_digest(vocab.tokens), "corpus_sha256": corpus_sha256}
         if valid is not None:
             ppl = evaluate(head, valid, max_windows=cfg.valid_max_windows)
@@ -313,7 +346,7 @@ def train(cfg: TrainConfig) -> dict:
     end = min(total_steps, cfg.stop_after_steps) if cfg.stop_after_steps is not None else total_steps
     while step < end:
         epoch, pos = divmod(step, per_epoch)
-        batches = epoch_batches(corpus.lengths, batch_size, cfg.seed, epoch)
+        batches = epoch_batches(corpus.lengths, batch_size, seed, epoch)
         for ids in batches[pos:]:
             if step >= end:
                 break
