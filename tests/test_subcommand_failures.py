@@ -709,3 +709,21 @@ def test_resume_keeps_the_runs_seed_and_init_from_keeps_a_softmax_only_over_its_
     sums.write_text("".join(line + "\n" for line in sums.read_text().splitlines() if "vocab.txt" not in line))
     with pytest.raises(ValueError, match="does not record each of its files"):
         load_exported(str(word))
+
+
+@pytest.mark.parametrize("edit", [{"step": "2"}, {"options": [1]}, {"total_steps": "x"}, {"seed": -1}])
+def test_a_checkpoint_meta_of_another_form_is_one_error_naming_the_file(tmp_path, edit):
+    """A checkpoint whose meta holds a step, a schedule or a seed that is no count, or options that are no object:
+    a ValueError naming the file (before: a TypeError or AttributeError from wherever the value was used)."""
+    import json as json_module
+    from elmo_pipeline.training.checkpoint import read_meta
+    from elmo_pipeline.training.train import TrainConfig, latest_checkpoint, train
+    from tests.test_train import tiny_options
+    (tmp_path / "text.txt").write_text("the cat sat on the mat .\nthe dog ran .\n" * 20)
+    train(TrainConfig(train_files=[str(tmp_path / "text.txt")], out_dir=str(tmp_path / "run"), progress=False,
+                      threads=1, options=tiny_options(), max_steps=1, export=False))
+    ckpt = latest_checkpoint(str(tmp_path / "run"))
+    with h5py.File(ckpt, "a") as f:
+        f.attrs["meta"] = json_module.dumps({**json_module.loads(f.attrs["meta"]), **edit})
+    with pytest.raises(ValueError, match=re.escape(f"{ckpt}: not a readable checkpoint")):
+        read_meta(ckpt)

@@ -101,6 +101,9 @@ def _meta(f: h5py.File, keys: tuple[str, ...] = ()) -> dict:
     meta = json.loads(f.attrs["meta"])
     if not isinstance(meta, dict) or not all(k in meta for k in keys):
         raise KeyError(f"its meta is no object holding {', '.join(keys) or 'anything'}")
+    counts = [k for k in ("step", "total_steps", "epoch", "tokens", "seed") if k in meta]
+    if any(type(meta[k]) is not int or meta[k] < 0 for k in counts) or not isinstance(meta.get("options", {}), dict):
+        raise TypeError("its meta's step, total_steps, epoch, tokens or seed is no count, or its options no object")
     return meta
 
 
