@@ -167,8 +167,9 @@ def read_manifest(fs, root: str) -> dict | None:
         m = read_json(fs, posixpath.join(root, MANIFEST))
     except FileNotFoundError as e:
         if store_failing(e):        # an HTTP store unreachable or failing (5xx): no answer, not "no manifest"
-            raise ConnectionError(f"{redact(posixpath.join(root, MANIFEST))}: the store did not answer (a refused "
-                                  "connection, a timeout or a 5xx): retry later") from e
+            raise ConnectionError("the store did not answer (a refused connection, a timeout or a 5xx), retry later: "
+                                  + redact(posixpath.join(root, MANIFEST))) from e     # the URL last: its redaction
+                                                                                        # may mask to the line's end
         return None
     return m if is_manifest(m) else None
 

@@ -891,7 +891,7 @@ def test_a_manifest_that_is_no_file_or_an_unreachable_store_is_said_as_such(tmp_
     os.mkfifo(tmp_path / "manifest.json")
     with pytest.raises(FileNotFoundError, match="its manifest.json is no pipeline manifest"):
         ElmoOutput(str(tmp_path))
-    with pytest.raises(ConnectionError, match=re.escape("http://***@127.0.0.1:9/out/manifest.json: the store did "
-                                                        "not answer")) as e:
+    with pytest.raises(ConnectionError, match=re.escape("the store did not answer (a refused connection, a timeout "
+                                                        "or a 5xx), retry later: http://***@127.0.0.1:9/out/manifest.json")) as e:
         ElmoOutput("http://user:s3cr3t-pw@127.0.0.1:9/out")
     assert "s3cr3t-pw" not in str(e.value)

@@ -529,7 +529,7 @@ def test_debug_logs_of_s3_requests_hold_no_credential():
 @pytest.mark.slow
 def test_probe_over_http_with_a_password_records_and_prints_it_nowhere(tiny_model_files, tmp_path, capfd):
     """`probe --train/--dev` URLs with a password: its progress lines and results.json do not hold it; when the
-    store is gone, its error line holds neither it nor a signature."""
+    store is gone (a failure, exit 1, not a missing output), its error line holds neither it nor a signature."""
     from elmo_pipeline.pipeline.cli import main as cli
     from tests.pipeline_helpers import run_pipeline
     (tmp_path / "s.txt").write_text("good fine\nbad poor\ngreat nice\nawful dull\n")
@@ -547,7 +547,8 @@ def test_probe_over_http_with_a_password_records_and_prints_it_nowhere(tiny_mode
     gone = cli(["probe", "--train", url + "?sig=ZSIGZ", "--labels", str(tmp_path / "labels.tsv"), "--out", str(tmp_path / "p2")])
     printed = capfd.readouterr()
     results = (tmp_path / "probe" / "results.json").read_text()
-    assert gone == 2 and printed.err.strip().splitlines()[-1].startswith("error: ")
+    assert gone == 1 and printed.err.strip().splitlines()[-1].startswith("error: ")     # the store does not answer
+    assert "the store did not answer" in printed.err.strip().splitlines()[-1]
     assert "http://***@" in results and "labelled sentences from http://***@" in printed.err
     for text in (printed.out, printed.err, results):
         assert "ZPASSWORDZ" not in text and "ZSIGZ" not in text
