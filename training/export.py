@@ -12,7 +12,7 @@ import os
 
 import h5py
 
-from elmo_pipeline.fsio import atomic_write, only_a_file, remove_temp_files, url_fs
+from elmo_pipeline.fsio import atomic_write, file_sha256, only_a_file, read_json, remove_temp_files, url_fs
 from elmo_pipeline.model.options import read_options_file
 from elmo_pipeline.model.pretrained import SUMS, verify_model_folder
 from elmo_pipeline.training.checkpoint import check_vocab, load_checkpoint, read_meta, read_tensors, shapes_of
@@ -43,7 +43,7 @@ def export_model(head: LMHead, vocab: Vocabulary, folder: str, include_softmax: 
     opts_path, weights_path, vocab_path = paths
     save_bilm(head.bilm, opts_path, weights_path, softmax if include_softmax else None)     # in one file, whole
     vocab.save(vocab_path)
-    atomic_write(fs, os.path.join(folder, SUMS), "".join(f"{_sha256(p)}  {os.path.basename(p)}\n"
+    atomic_write(fs, os.path.join(folder, SUMS), "".join(f"{file_sha256(p)}  {os.path.basename(p)}\n"
                                                          for p in paths).encode(), files_only=True)
     _mark(fs, folder, "whole")
     return opts_path, weights_path, vocab_path
@@ -61,12 +61,7 @@ def _owner_state(folder: str) -> str | None:
     if not os.path.lexists(path):
         return None
     only_a_file(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(4097)
-        record = json.loads(data) if len(data) <= 4096 else None
-    except (OSError, ValueError):
-        return "foreign"
+    record = read_json(url_fs(path)[0], path, max_bytes=4096)     # None: not JSON, too large
     ok = isinstance(record, dict) and record.get("written_by") == WRITTEN_BY and record.get("state") in (
         "writing", "whole")
     return record["state"] if ok else "foreign"
@@ -83,16 +78,6 @@ def check_export_targets(folder: str) -> None:
         if os.path.lexists(path) and state in (None, "foreign"):
             raise FileExistsError(f"{path} exists and is not a file an export wrote: it is left as it is; move it "
                                   "away or name another folder")
-
-
-def _sha256(path: str) -> str:
-    """The SHA-256 of a local file, read in 8 MiB blocks."""
-    import hashlib
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_exported(folder: str) -> None:
