@@ -122,7 +122,8 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple] | None, 
     must name one of its sentences, its T their tokens' count), else (None: no twin) from the id and None. expect
     (ElmoOutput.hdf5_expect): each dataset's declared shape and dtype is checked before it is read, so no read
     allocates more than the manifest's tokens (nor a chunk larger than its dataset: a read inflates whole chunks;
-    nor a filter's output: a dataset with filters, which the writer never uses, is refused unread);
+    nor a filter's output: a dataset with filters, which the writer never uses, is refused unread; nor more bytes
+    than the dataset stores, all of them within the file);
     a dataset is read only when it is the file's own (no link, no external or virtual storage). A shard HDF5
     cannot read (damaged metadata: its signature, groups, names, datatypes) is refused with DamagedOutput naming
     it."""
@@ -134,7 +135,7 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple] | None, 
         keys.sort(key=hdf5_unkey)
         if len(keys) != expect["sentences"]:
             raise DamagedOutput(f"{path}: {len(keys)} datasets, the manifest says {expect['sentences']} sentences")
-        left = expect["tokens"]
+        left, stored, size = expect["tokens"], 0, fs.size(path)
         for key in keys:
             sid = hdf5_unkey(key)
             if not isinstance(h.get(key, getlink=True), h5py.HardLink):     # a link may name another file
@@ -150,6 +151,10 @@ def hdf5_records(fs, path: str, pick: list[int], meta: dict[str, tuple] | None, 
                 raise DamagedOutput(f"{path}: {key!r} is stored in chunks {d.chunks}, larger than its shape {d.shape}")
             if d.id.get_create_plist().get_nfilters():      # deflate may inflate a chunk past its shape, unbounded
                 raise DamagedOutput(f"{path}: {key!r} is stored through filters (compression), the writer uses none")
+            stored += d.id.get_storage_size()
+            if d.id.get_storage_size() < d.nbytes or stored > size:    # unwritten storage reads as fill values
+                raise DamagedOutput(f"{path}: {key!r} stores {d.id.get_storage_size()} of the {d.nbytes} bytes its "
+                                    f"shape declares" + ("" if stored <= size else f", beyond the file's {size}"))
             if meta is not None and sid not in meta:
                 raise DamagedOutput(f"{path}: dataset {key!r} names a sentence its Parquet twin does not hold")
             did, k, toks = (meta or {}).get(sid) or (sid.rsplit("#", 1)[0], _sentence_index(sid), None)

@@ -895,3 +895,32 @@ def test_a_manifest_that_is_no_file_or_an_unreachable_store_is_said_as_such(tmp_
                                                         "or a 5xx), retry later: http://***@127.0.0.1:9/out/manifest.json")) as e:
         ElmoOutput("http://user:s3cr3t-pw@127.0.0.1:9/out")
     assert "s3cr3t-pw" not in str(e.value)
+
+
+def test_an_hdf5_dataset_declaring_more_than_its_file_stores_is_refused_unread(copy):
+    """An HDF5-only output whose manifest (of a version that recorded no files) declares many tokens, and a dataset
+    of that many rows with no storage behind it (HDF5 reads unwritten storage as its fill value): the read allocated
+    the declared shape, 1.9 GB from a file of kilobytes. Refused before the read: a dataset's stored bytes must cover
+    its shape, and all of them fit in the file."""
+    out = copy("fp32")
+    _as_earlier_version(out)
+    m = _manifest(out)
+    m["formats"] = ["hdf5"]
+    for s in m["shards"]:
+        s.pop("parquet"), s.pop("arrow")
+    m["counts"]["tokens_written"] += 10 ** 7 - m["shards"][0]["tokens"]
+    m["shards"][0]["tokens"] = 10 ** 7
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(m, f)
+    shard = os.path.join(out, m["shards"][0]["hdf5"])
+    assert len(list(ElmoOutput(out).sentences("hdf5"))) > 0
+
+    def swap(h):
+        k = sorted(h.keys())[0]
+        shape, dtype = h[k].shape, h[k].dtype
+        del h[k]
+        h.create_dataset(k, (shape[0], 10 ** 7 - 100, shape[2]), dtype)      # no data written: no storage
+    _rewrite_hdf5(shard, swap)
+    assert os.path.getsize(shard) < 1 << 20
+    with pytest.raises(DamagedOutput, match=r"stores \d+ of the \d+ bytes its shape declares"):
+        list(ElmoOutput(out).sentences("hdf5"))
