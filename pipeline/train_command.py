@@ -47,10 +47,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-minutes", type=finite(0, low_open=True), help="also checkpoint after this many minutes")
     p.add_argument("--log-every", type=at_least(1), default=50, help="steps per train row in curves.csv (default 50)")
     p.add_argument("--valid-max-windows", type=at_least(1), help="evaluate only the first N held-out windows")
-    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--seed", type=at_least(0), help="random seed (default 0; a resumed run keeps its own)")
     p.add_argument("--threads", type=at_least(1), help="torch CPU threads per process")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-export", action="store_true", help="do not export OUTPUT/model at the end")
+
+
+# The flags that set an option, and its place in options.json (one list: build_options and resume_pins read it).
+OPTION_FLAGS = (("n_layers", ("lstm", "n_layers")), ("lstm_dim", ("lstm", "dim")),
+                ("projection_dim", ("lstm", "projection_dim")), ("softmax", ("softmax", "type")),
+                ("batch_size", ("batch_size",)), ("unroll_steps", ("unroll_steps",)), ("n_epochs", ("n_epochs",)),
+                ("dropout", ("dropout",)), ("clip_norm", ("all_clip_norm_val",)),
+                ("lr", ("optimizer", "learning_rate")), ("optimizer", ("optimizer", "name")),
+                ("lr_decay", ("optimizer", "lr_decay")),
+                ("vocab_size", ("vocab", "max_size")), ("min_count", ("vocab", "min_count")))
+# Where --init-from gives the options (the model's architecture): these flags are not the run's.
+FROM_THE_MODEL = ("lstm", "softmax")
 
 
 def build_options(args: argparse.Namespace) -> dict:
@@ -64,26 +76,25 @@ def build_options(args: argparse.Namespace) -> dict:
             opts.pop("char_cnn", None)
     if args.token_encoder == "word":
         opts.pop("char_cnn", None)
-    lstm = opts.setdefault("lstm", {})
-    for flag, key in (("n_layers", "n_layers"), ("lstm_dim", "dim"), ("projection_dim", "projection_dim")):
+    for flag, (*parents, key) in OPTION_FLAGS:
         if getattr(args, flag) is not None:
-            lstm[key] = getattr(args, flag)
-    for flag, key in (("batch_size", "batch_size"), ("unroll_steps", "unroll_steps"), ("n_epochs", "n_epochs"),
-                      ("dropout", "dropout"), ("clip_norm", "all_clip_norm_val")):
-        if getattr(args, flag) is not None:
-            opts[key] = getattr(args, flag)
-    if args.softmax:
-        opts["softmax"] = {**(opts.get("softmax") or {}), "type": args.softmax}
-    opt = opts.setdefault("optimizer", {})
-    for flag, key in (("lr", "learning_rate"), ("optimizer", "name"), ("lr_decay", "lr_decay")):
-        if getattr(args, flag) is not None:
-            opt[key] = getattr(args, flag)
-    voc = opts.setdefault("vocab", {})
-    if args.vocab_size is not None:
-        voc["max_size"] = args.vocab_size
-    if args.min_count is not None:
-        voc["min_count"] = args.min_count
+            node = opts
+            for name in parents:
+                node[name] = node = dict(node.get(name) or {})
+            node[key] = getattr(args, flag)
     return opts
+
+
+def resume_pins(args: argparse.Namespace) -> dict[str, tuple[tuple[str, ...], object]]:
+    """What this command line sets explicitly, which a --resume must find in the checkpoint it continues (a
+    resumed run keeps its options, seed and tokenizer: a changed flag would be ignored): {flag: (its place in the
+    checkpoint's meta, value)}; the architecture flags not with --init-from (the model gives it)."""
+    pins = {f"--{flag.replace('_', '-')}": (("options", *path), getattr(args, flag)) for flag, path in OPTION_FLAGS
+            if getattr(args, flag) is not None and not (args.init_from and path[0] in FROM_THE_MODEL)}
+    if args.seed is not None:
+        pins["--seed"] = (("seed",), args.seed)
+    pins["--tokenizer"] = (("tokenizer",), args.tokenizer)
+    return pins
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
                       valid_files=args.valid, tokenizer=args.tokenizer, vocab_file=args.vocab_file,
                       init_from=args.init_from, resume=args.resume, max_steps=args.max_steps, stop_after_steps=args.stop_after,
                       checkpoint_every=args.checkpoint_every, checkpoint_minutes=args.checkpoint_minutes,
-                      log_every=args.log_every, seed=args.seed, threads=args.threads,
+                      log_every=args.log_every, seed=args.seed or 0, threads=args.threads,
                       progress=not args.no_progress, valid_max_windows=args.valid_max_windows,
-                      export=not args.no_export)
+                      export=not args.no_export, resume_pins=resume_pins(args) if args.resume else {})
     summary = _under_lease(cfg, train)
     from elmo_pipeline.training.train import dist_info
     if dist_info()[0] == 0:

@@ -313,3 +313,28 @@ def test_a_run_resumes_only_on_its_own_text_vocabulary_and_arrays_and_keeps_its_
                 head_from_checkpoint(ckpt)
     summary = train(_cfg(texts, run, train=texts["small"], resume=True, checkpoint_every=2, log_every=1))
     assert latest_checkpoint(str(run)).endswith("ckpt-00000006.h5"), summary
+
+
+def test_a_resume_whose_flags_differ_from_the_run_is_refused_not_ignored(texts, tmp_path):
+    """`train --resume` keeps the run's options, seed and tokenizer: a flag given with another value (--lr, --seed,
+    --tokenizer, --batch-size) was ignored without a word (trained on at the recorded values, exit 0); now one error
+    naming the flag and the recorded value. The run's own command line again resumes it; flags it did not give pass."""
+    import argparse
+    from elmo_pipeline.pipeline.train_command import add_arguments, run
+    from elmo_pipeline.training.train import latest_checkpoint
+    (tmp_path / "opts.json").write_text(json.dumps(tiny_options()))
+    base = [texts["small"], "--output", str(tmp_path / "run"), "--options", str(tmp_path / "opts.json"),
+            "--max-steps", "4", "--checkpoint-every", "2", "--threads", "1", "--no-progress", "--no-export"]
+
+    def train_with(*flags):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return run(p.parse_args([*base, *flags]))
+    train_with("--lr", "0.004", "--seed", "3", "--stop-after", "2")
+    for flag, value, recorded in (("--lr", "0.01", "0.004"), ("--seed", "4", "3"), ("--tokenizer", "raw", "whitespace"),
+                                  ("--batch-size", "8", "16")):
+        with pytest.raises(ValueError, match=f"--resume: {flag} {value} but the run in .* was trained with {recorded}:"):
+            train_with("--resume", flag, value)
+    assert latest_checkpoint(str(tmp_path / "run")).endswith("ckpt-00000002.h5")
+    train_with("--resume", "--lr", "0.004", "--n-layers", "2")        # the recorded values (n_layers 2: tiny's)
+    assert latest_checkpoint(str(tmp_path / "run")).endswith("ckpt-00000004.h5")

@@ -124,6 +124,8 @@ class TrainConfig:
     progress: bool = True
     valid_max_windows: int | None = None
     export: bool = True
+    resume_pins: dict = field(default_factory=dict)   # {flag: (place in a checkpoint's meta, value)} a --resume must
+                                                      # find there (pipeline/train_command.resume_pins)
 
 
 def _log(msg: str) -> None:
@@ -233,6 +235,22 @@ def _prepare_vocab_and_options(cfg: TrainConfig, tokenize) -> tuple[dict, Vocabu
     return options, vocab, reuse_softmax
 
 
+_UNRECORDED = object()
+
+
+def check_pins(ckpt: str, meta: dict, pins: dict) -> None:
+    """ValueError, one line, unless every flag of a --resume command line (TrainConfig.resume_pins) is what the
+    run recorded in its checkpoint (a value it does not record, an earlier version's, passes): a resumed run keeps
+    its options, seed and tokenizer, so a changed one would be ignored without a word."""
+    for flag, (place, value) in pins.items():
+        recorded = meta
+        for name in place:
+            recorded = recorded.get(name, _UNRECORDED) if isinstance(recorded, dict) else _UNRECORDED
+        if recorded is not _UNRECORDED and recorded != value:
+            raise ValueError(f"--resume: {flag} {value} but the run in {ckpt} was trained with {recorded}: a resumed "
+                             "run keeps its options; give its value, or start a new run in another folder")
+
+
 def train(cfg: TrainConfig) -> dict:
     """Train (or resume, or fine-tune) a biLM. Returns a summary dict (steps, losses, held-out perplexity)."""
     if cfg.threads:
@@ -252,6 +270,7 @@ def train(cfg: TrainConfig) -> dict:
         options = meta["options"]
         vocab = Vocabulary.load(os.path.join(cfg.out_dir, "vocab.txt"))
         check_vocab(ckpt, meta, vocab.tokens, os.path.join(cfg.out_dir, "vocab.txt"))
+        check_pins(ckpt, meta, cfg.resume_pins)
         if type(meta.get("seed")) is int:   # the run's data order and dropout masks, whatever --seed says now
             seed = meta["seed"]
     else:
@@ -326,7 +345,7 @@ def train(cfg: TrainConfig) -> dict:
         nonlocal last_ckpt_time
         meta = {"step": step, "epoch": step // per_epoch, "batch_in_epoch": step % per_epoch,
                 "tokens": tokens_seen, "elapsed_s": time.monotonic() - t0, "options": options,
-                "seed": seed, "world_size": world, "total_steps": total_steps,
+                "seed": seed, "tokenizer": cfg.tokenizer, "world_size": world, "total_steps": total_steps,
                 "vocab_sha256": tokens_digest(vocab.tokens), "corpus_sha256": corpus_sha256}
         if valid is not None:
             ppl = evaluate(head, valid, max_windows=cfg.valid_max_windows)
