@@ -61,7 +61,7 @@ OPTION_FLAGS = (("n_layers", ("lstm", "n_layers")), ("lstm_dim", ("lstm", "dim")
                 ("lr", ("optimizer", "learning_rate")), ("optimizer", ("optimizer", "name")),
                 ("lr_decay", ("optimizer", "lr_decay")),
                 ("vocab_size", ("vocab", "max_size")), ("min_count", ("vocab", "min_count")))
-# Where --init-from gives the options (the model's architecture): these flags are not the run's.
+# Where --init-from gives the options: the model's LSTM shape (a flag for it is refused) and softmax (when it has one).
 FROM_THE_MODEL = ("lstm", "softmax")
 
 
@@ -100,6 +100,10 @@ def resume_pins(args: argparse.Namespace) -> dict[str, tuple[tuple[str, ...], ob
 def run(args: argparse.Namespace) -> int:
     from elmo_pipeline.training.train import TrainConfig, train
 
+    shape = [f"--{flag.replace('_', '-')}" for flag, path in OPTION_FLAGS if path[0] == "lstm" and getattr(args, flag)]
+    if args.init_from and shape:
+        raise ValueError(f"--init-from {args.init_from}: its model gives the LSTM's shape; {shape[0]} cannot change it "
+                         "(drop the flag)")
     cfg = TrainConfig(train_files=args.train_files, out_dir=args.output, options=build_options(args),
                       valid_files=args.valid, tokenizer=args.tokenizer, vocab_file=args.vocab_file,
                       init_from=args.init_from, resume=args.resume, max_steps=args.max_steps, stop_after_steps=args.stop_after,

@@ -338,3 +338,18 @@ def test_a_resume_whose_flags_differ_from_the_run_is_refused_not_ignored(texts, 
     assert latest_checkpoint(str(tmp_path / "run")).endswith("ckpt-00000002.h5")
     train_with("--resume", "--lr", "0.004", "--n-layers", "2")        # the recorded values (n_layers 2: tiny's)
     assert latest_checkpoint(str(tmp_path / "run")).endswith("ckpt-00000004.h5")
+
+
+def test_init_from_with_a_flag_for_the_lstm_shape_is_refused_not_ignored(trained, texts, tmp_path):
+    """`train --init-from MODEL --lstm-dim 128`: the model's shape was taken, the flag dropped without a word; now one
+    error naming the flag, before anything is written."""
+    import argparse
+    from elmo_pipeline.pipeline.train_command import add_arguments, run
+    out, _ = trained
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args([texts["small"], "--output", str(tmp_path / "ft"), "--init-from", str(out / "model"),
+                         "--lstm-dim", "128", "--max-steps", "1", "--threads", "1", "--no-progress", "--no-export"])
+    with pytest.raises(ValueError, match=r"--init-from .*: its model gives the LSTM's shape; --lstm-dim cannot"):
+        run(args)
+    assert not (tmp_path / "ft").exists()
