@@ -33,8 +33,13 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
                 if unknown:
                     raise ValueError(f"{out.shown}: no column(s) {unknown} (has {pf.schema_arrow.names})")
                 tables.append(_read_checked(pf, f, path, out, i, list(columns) if columns else None))
-        if not tables:
-            raise ValueError(f"{out.shown}: no shards")
+        if not tables:          # no sentence: the empty table of its shards' schema
+            from elmo_pipeline.formats.parquet import shard_schema
+            empty = shard_schema(out.parquet_layout, list(out.layer_dims.items()), out.dtype).empty_table()
+            unknown = [c for c in columns or () if c not in empty.schema.names]
+            if unknown:
+                raise ValueError(f"{out.shown}: no column(s) {unknown} (has {empty.schema.names})")
+            return empty.select(list(columns)) if columns else empty
         return pa.concat_tables(tables)
     recs = list(out.sentences("hdf5"))
     data = {"id": pa.array([r["id"] for r in recs], pa.string()),

@@ -130,6 +130,26 @@ def test_arrow_table_and_hf_dataset(outputs):
     assert row["id"] == first["id"] and np.array_equal(np.stack(row["layer_2"]), first["layers"][2])
 
 
+@pytest.mark.parametrize("layout", ["sentence", "token"])
+def test_an_output_of_no_sentences_is_an_empty_table_of_its_schema(outputs, tiny_model_files, tmp_path, layout):
+    """A run whose input held only blank lines writes no shard: to_arrow_table raised "no shards" for Parquet (an
+    empty table for HDF5); now the empty table of the schema its shards would have, columns selected as given."""
+    out, tok, _ = outputs
+    inp = tmp_path / "blank.jsonl"
+    inp.write_text(json.dumps({"id": "a", "text": " "}) + "\n")
+    flags = ("--parquet-layout", "token", "--duplicate-layer0", "--format", "parquet") if layout == "token" else ()
+    empty = str(tmp_path / "empty")
+    run_pipeline(tiny_model_files, str(inp), empty, "--input-format", "jsonl", "--id-field", "id",
+                 "--tokenizer", "whitespace", *flags)
+    assert ElmoOutput(empty).shards == []
+    full = to_arrow_table(out if layout == "sentence" else tok)
+    t = to_arrow_table(empty)
+    assert t.num_rows == 0 and t.schema.remove_metadata() == full.schema.remove_metadata()
+    assert to_arrow_table(empty, columns=["id", "layer_2"]).schema.names == ["id", "layer_2"]
+    with pytest.raises(ValueError, match="no column"):
+        to_arrow_table(empty, columns=["id", "nope"])
+
+
 def test_combiners_frozen_stay_trainable_move():
     torch.manual_seed(0)
     x, mask = torch.randn(4, 3, 5, 8), torch.ones(4, 5, dtype=torch.bool)
