@@ -176,6 +176,9 @@ def exit_with(status: int) -> NoReturn:
     if shutdown is None or not isinstance(status, int) or not _process_is_the_command():
         sys.exit(status)
     shutdown()                    # non-daemon threads joined, executors' idle workers released
+    worker_exit = sys.modules.get("elmo_pipeline.transforms.worker_exit")
+    if worker_exit is not None:   # no teardown follows to wait for (a worker's exit does: its steps registered it)
+        atexit.unregister(worker_exit.settle)
     atexit._run_exitfuncs()       # logging's flush, multiprocessing's and tempfile's clean-ups, ...
     try:
         sys.stdout.flush()        # guarded (pipeline/streams.py): a reader gone is no failure; a full disk is

@@ -12,6 +12,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 from elmo_pipeline.output.stats import merge_stats
 from elmo_pipeline.output.staging import Staging
 from elmo_pipeline.transforms.logs import worker_logs
+from elmo_pipeline.transforms import worker_exit
 
 NS = "elmo"         # the Beam metrics namespace of every step
 DEAD = "dead"       # the tag of a rejected element's DeadLetter
@@ -39,6 +40,7 @@ class Chain(beam.DoFn):
 
     def setup(self):
         worker_logs()           # a worker process's log lines redacted, as the launcher's
+        worker_exit.settle_at_exit()    # its exit waits for its threads' native work
         for d in self.dofns:
             d.setup()
 
@@ -69,9 +71,11 @@ class Chain(beam.DoFn):
                 yield from self._run(self.dofns[k].process(out), k + 1)
 
     def process(self, element):
+        worker_exit.check()
         yield from self._run((element,), 0)
 
     def finish_bundle(self):
+        worker_exit.check()
         tail = []
         for k, d in enumerate(self.dofns):
             tail.extend(self._run(d.finish_bundle(), k + 1))
