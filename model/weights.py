@@ -75,7 +75,8 @@ def check_weights_match(f: h5py.File, opts: BiLMOptions, where: str) -> None:
     (_check_floats), and no other model dataset (MODEL_PREFIXES). Reads the HDF5 metadata only, so it runs before
     any tensor is built: options that do not match the weights never allocate what they ask for. Only the file's
     own datasets are read: one named through a link (a soft or an external link, which opens another file: a FIFO
-    would block for ever) or keeping its data outside the file (external or virtual storage) is refused unopened."""
+    would block for ever) or keeping its data outside the file (external or virtual storage) is refused unopened, and
+    one stored in chunks larger than its shape (a read inflates whole chunks: up to 4 GiB each) unread."""
     used = weight_shapes(opts)
     for name, (shape, keys) in used.items():
         if _linked(f, name):
@@ -91,6 +92,9 @@ def check_weights_match(f: h5py.File, opts: BiLMOptions, where: str) -> None:
         if found != shape and not (name == "char_embed" and found == (N_CHAR_ROWS, shape[1])):
             raise WeightsError(f"{where}: dataset '{name}' has shape {found}, expected {shape} "
                                f"(options.json: {keys})")
+        if ds.chunks and any(c > max(n, 1) for c, n in zip(ds.chunks, found)):    # a read inflates whole chunks
+            raise WeightsError(f"{where}: dataset '{name}' is stored in chunks {ds.chunks}, larger than its shape "
+                               f"{found}")
         _check_floats(ds, name, where)
     names: list[str] = []
     f.visit(names.append)

@@ -167,6 +167,20 @@ def test_a_dataset_kept_outside_the_file_or_named_by_a_link_is_refused_unopened(
     assert "\n" not in str(e.value)
 
 
+def test_a_dataset_stored_in_chunks_larger_than_its_shape_is_refused_unread(tiny_model_files, tmp_path):
+    """A 4-float dataset stored (gzip) in one chunk of many floats: with 2**29, a 2 MB weights file made the load
+    inflate 2 GiB (HDF5 reads whole chunks, up to 4 GiB a chunk, one dataset after another). Refused unread."""
+    options, weights = tiny_model_files
+    broken = str(tmp_path / "w.hdf5")
+    shutil.copy(weights, broken)
+    with h5py.File(broken, "a") as f:
+        data = f["CNN/b_cnn_0"][...]
+        del f["CNN/b_cnn_0"]
+        f.create_dataset("CNN/b_cnn_0", data=data, maxshape=(None,), chunks=(2 ** 24,), compression="gzip")
+    with pytest.raises(WeightsError, match=r"'CNN/b_cnn_0' is stored in chunks \(16777216,\), larger than its shape"):
+        load_bilm(options, broken)
+
+
 def test_options_not_an_object(tiny_model_files, tmp_path):
     (tmp_path / "o.json").write_text("[1, 2]")
     with pytest.raises(OptionsError, match="expected a JSON object"):
