@@ -29,12 +29,21 @@ def open_url(url: str, mode: str = "rb", storage_options: dict | None = None, **
     file cache. storage_options: {protocol: {...}}. A local path read must be a regular file (regular_file())."""
     url = str(url)
     check_protocol(url)
-    if is_local(url) and "r" in mode:
-        regular_file(url[len("file://"):] if url.startswith("file://") else url)
+    if "r" in mode and local_target(url) is not None:
+        regular_file(local_target(url))
     if is_local(url) or "w" in mode:
         return fsspec.open(url, mode, **kwargs, **options_for(url, storage_options))
     return fsspec.open(f"filecache::{url}", mode, filecache={"cache_storage": cache_dir()}, **kwargs,
                        **{protocol(url): options_for(url, storage_options)})
+
+
+def local_target(url: str) -> str | None:
+    """The local path fsspec reads for `url`, however it is spelled (a path; file://, file:, local://, local:; the
+    last URL of a chained one, as `blockcache::/path`), or None when it reads no local file."""
+    from fsspec.core import split_protocol
+    from fsspec.implementations.local import LocalFileSystem
+    last = url.split("::")[-1]
+    return LocalFileSystem._strip_protocol(last) if split_protocol(last)[0] in (None, "file", "local") else None
 
 
 def regular_file(path: str) -> None:
