@@ -14,8 +14,8 @@ from pathlib import Path
 
 import fsspec
 
-from elmo_pipeline.fsio.fs import (check_protocol, digest_of, json_or_none, options_for, protocol, replacing, store_failing,
-                                  url_fs)
+from elmo_pipeline.fsio.fs import (check_protocol, digest_of, held_temp, json_or_none, options_for, protocol,
+                                  remove_temp_files, replacing, store_failing, url_fs)
 from elmo_pipeline.fsio.fs import is_local_url as is_local
 from elmo_pipeline.fsio.redact import redact
 
@@ -104,7 +104,8 @@ RECORD_SUFFIX = ".sha256.json"   # beside a pinned download: {"url", "sha256", "
 
 
 def pinned_download(url: str, path: str, progress: bool | None = None, storage_options: dict | None = None) -> str:
-    """`url`'s bytes at local `path`, downloaded once (fsspec, streamed to a temporary name, then renamed).
+    """`url`'s bytes at local `path`, downloaded once (fsspec, streamed to a temporary name, then renamed; a killed
+    download's temporary file is removed by the next one, fsio.held_temp).
 
     The first download records its sha256 and size in `path` + RECORD_SUFFIX; every later use checks the
     file against that record, and a new download (the file was deleted) must match it too: a changed or
@@ -121,12 +122,15 @@ def pinned_download(url: str, path: str, progress: bool | None = None, storage_o
             _check_pinned(path, st.st_size, st.st_mtime_ns, record["size"], record["sha256"])
             return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with replacing(path) as part:
+    remove_temp_files(fsspec.filesystem("file"), os.path.dirname(os.path.abspath(path)), (os.path.basename(path),),
+                      unless_held=True)       # a killed download's part (up to the weights' size), never a live one's
+    with held_temp(path) as part:
         digest, size = _stream_to(url, part, progress, storage_options)
         if record is not None and (size, digest) != (record["size"], record["sha256"]):
             raise ValueError(f"{url}: the download differs from the one first recorded in {record_path} "
                              f"(recorded {record['size']} bytes, sha256 {record['sha256']}; got {size} bytes, "
                              f"sha256 {digest}); the remote file changed: delete the record to accept it")
+        os.replace(part, path)
     if record is None:
         with replacing(record_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump({"url": redact(url), "sha256": digest, "size": size}, f)

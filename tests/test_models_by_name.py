@@ -203,3 +203,21 @@ def test_a_damaged_download_record_is_refused_naming_it(tmp_path):
         with pytest.raises(ValueError, match=r"weights\.hdf5\.sha256\.json: a damaged download record"):
             pinned_download(str(src), dst, progress=False)
         assert open(dst + ".sha256.json").read() == text and os.path.getsize(dst) == 700
+
+
+def test_a_killed_downloads_part_is_removed_by_the_next_download_and_a_live_ones_left(tmp_path):
+    """A download SIGKILLed mid-stream (`models --download`, --model NAME) left its part, `weights.hdf5.tmp-<hex>`,
+    in the cache for good: each kill up to the weights' size more. The next download removes such parts, never one a
+    live download holds (fsio.held_temp's flock: two commands may fetch one model at once)."""
+    from elmo_pipeline.fsio import held_temp, pinned_download, temp_name
+    src = tmp_path / "weights.hdf5"
+    src.write_bytes(b"weights" * 100)
+    dst = str(tmp_path / "cache" / "weights.hdf5")
+    os.makedirs(os.path.dirname(dst))
+    killed = temp_name(dst)
+    with open(killed, "wb") as f:
+        f.write(b"w" * 300)                     # what a killed download leaves: no process holds it
+    with held_temp(dst) as live:
+        assert pinned_download(str(src), dst, progress=False) == dst and os.path.getsize(dst) == 700
+        assert not os.path.exists(killed) and os.path.exists(live)
+    assert sorted(os.listdir(os.path.dirname(dst))) == ["weights.hdf5", "weights.hdf5.sha256.json"]
