@@ -24,14 +24,16 @@ def cache_dir() -> str:
     return os.environ.get("ELMO_PIPELINE_CACHE", str(Path.home() / ".cache" / "elmo-pipeline"))
 
 
-def open_url(url: str, mode: str = "rb", storage_options: dict | None = None, **kwargs):
+def open_url(url: str, mode: str = "rb", storage_options: dict | None = None, cached: bool = True, **kwargs):
     """fsspec.open for a path or URL (kwargs: encoding, newline, ...); remote reads go through the local
-    file cache. storage_options: {protocol: {...}}. A local path read must be a regular file (regular_file())."""
+    file cache (cached=False: read from the store as they come, for a read of a bounded prefix: the cache fetches
+    the whole file first). storage_options: {protocol: {...}}. A local path read must be a regular file
+    (regular_file())."""
     url = str(url)
     check_protocol(url)
     if "r" in mode and local_target(url) is not None:
         regular_file(local_target(url))
-    if is_local(url) or "w" in mode:
+    if is_local(url) or "w" in mode or not cached:
         return fsspec.open(url, mode, **kwargs, **options_for(url, storage_options))
     return fsspec.open(f"filecache::{url}", mode, filecache={"cache_storage": cache_dir()}, **kwargs,
                        **{protocol(url): options_for(url, storage_options)})
@@ -103,15 +105,16 @@ def file_sha256(path: str) -> str:
 RECORD_SUFFIX = ".sha256.json"   # beside a pinned download: {"url", "sha256", "size"} of its first download
 
 
-def pinned_download(url: str, path: str, progress: bool | None = None, storage_options: dict | None = None) -> str:
+def pinned_download(url: str, path: str, progress: bool | None = None, storage_options: dict | None = None,
+                    max_bytes: int | None = None) -> str:
     """`url`'s bytes at local `path`, downloaded once (fsspec, streamed to a temporary name, then renamed; a killed
     download's temporary file is removed by the next one, fsio.held_temp).
 
     The first download records its sha256 and size in `path` + RECORD_SUFFIX; every later use checks the
     file against that record, and a new download (the file was deleted) must match it too: a changed or
     truncated file raises ValueError naming the file and what differs. A download shorter than the size
-    the server announced raises OSError and leaves nothing under `path`. progress: a tqdm bar on stderr
-    (None: only on a terminal)."""
+    the server announced, or (max_bytes) one larger than max_bytes, raises OSError and leaves nothing under `path`.
+    progress: a tqdm bar on stderr (None: only on a terminal)."""
     record_path = path + RECORD_SUFFIX
     record = pinned_record(path)
     if os.path.exists(path):
@@ -125,7 +128,7 @@ def pinned_download(url: str, path: str, progress: bool | None = None, storage_o
     remove_temp_files(fsspec.filesystem("file"), os.path.dirname(os.path.abspath(path)), (os.path.basename(path),),
                       unless_held=True)       # a killed download's part (up to the weights' size), never a live one's
     with held_temp(path) as part:
-        digest, size = _stream_to(url, part, progress, storage_options)
+        digest, size = _stream_to(url, part, progress, storage_options, max_bytes)
         if record is not None and (size, digest) != (record["size"], record["sha256"]):
             raise ValueError(f"{url}: the download differs from the one first recorded in {record_path} "
                              f"(recorded {record['size']} bytes, sha256 {record['sha256']}; got {size} bytes, "
@@ -169,9 +172,14 @@ def _check_pinned(path: str, size: int, mtime_ns: int, want_size: int, want_sha2
                          "the cached file changed; delete it to download it again")
 
 
-def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict | None) -> tuple[str, int]:
+class _TooLarge(Exception):
+    """A download past its max_bytes (_stream_to)."""
+
+
+def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict | None,
+               max_bytes: int | None = None) -> tuple[str, int]:
     """Copy `url` to `dest` in 1 MiB blocks with a progress bar; (sha256, size). OSError if the stream ends
-    before the size the server announced (or breaks)."""
+    before the size the server announced (or breaks), or runs past max_bytes (announced so: nothing is fetched)."""
     from tqdm import tqdm
     check_protocol(url)
     fs, fs_path = fsspec.core.url_to_fs(url, **options_for(url, storage_options))
@@ -179,6 +187,8 @@ def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict
         expected = fs.size(fs_path)
     except (OSError, NotImplementedError):
         expected = None
+    if max_bytes is not None and expected is not None and expected > max_bytes:
+        raise OSError(f"{url}: {expected} bytes, larger than the {max_bytes} such a file may have: not fetched")
     kwargs = {"block_size": 0} if protocol(url) in ("http", "https") else {}   # http: stream, no range requests
     h, n = hashlib.sha256(), 0
     name = url.rsplit("/", 1)[-1]
@@ -191,6 +201,10 @@ def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict
                 out.write(block)
                 n += len(block)
                 bar.update(len(block))
+                if max_bytes is not None and n > max_bytes:
+                    raise _TooLarge(f"{url}: larger than the {max_bytes} bytes such a file may have: not fetched")
+    except _TooLarge as e:
+        raise OSError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - aiohttp, botocore, ... : one clear error naming the file
         raise OSError(f"{url}: download failed after {n} bytes"
                       + (f" of {expected}" if expected else "") + f": {type(e).__name__}: {e}") from e

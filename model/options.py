@@ -279,7 +279,7 @@ def read_options_file(url: str) -> dict:
     reads it: at most OPTIONS_MAX_BYTES + 1 bytes, a local path only when it is a regular file (fsio.open_url: a FIFO
     never blocks, /dev/zero never fills memory); OptionsError otherwise, naming it. Its keys are checked by the
     caller (parse_options; training takes missing keys from its defaults)."""
-    with open_url(url, "rb") as f:
+    with open_url(url, "rb", cached=False) as f:       # a remote file too: never fetched whole first
         data = f.read(OPTIONS_MAX_BYTES + 1)
     if len(data) > OPTIONS_MAX_BYTES:
         raise OptionsError(f"{url}: larger than {OPTIONS_MAX_BYTES} bytes, not an options.json")

@@ -221,3 +221,24 @@ def test_a_killed_downloads_part_is_removed_by_the_next_download_and_a_live_ones
         assert pinned_download(str(src), dst, progress=False) == dst and os.path.getsize(dst) == 700
         assert not os.path.exists(killed) and os.path.exists(live)
     assert sorted(os.listdir(os.path.dirname(dst))) == ["weights.hdf5", "weights.hdf5.sha256.json"]
+
+
+def _cached_bytes(folder) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def test_an_options_file_larger_than_options_may_be_is_never_fetched_whole(server, tmp_path):
+    """A mirror answering a published model's options.json, or an --options-file URL, with a large body (a wrong
+    file, an endless stream): it was fetched whole into the cache (100 MB by a slow server: until the disk filled)
+    before the options' bounded read (OPTIONS_MAX_BYTES) refused it. The download stops at the bound (here: at the
+    size the server announces, before the body), and a remote options file is read as it comes, never cached."""
+    from elmo_pipeline.model.options import OPTIONS_MAX_BYTES, OptionsError, load_options
+    big = b" " * (2 * OPTIONS_MAX_BYTES)
+    server.files[model_urls("small")["options"][len(server.url):]] = big
+    with pytest.raises(OSError, match=r"_options\.json: \d+ bytes, larger than the 1048576 such a file may have"):
+        model_files("small")
+    assert _cached_bytes(tmp_path / "cache") == 0
+    server.files["/options.json"] = big
+    with pytest.raises(OptionsError, match="larger than 1048576 bytes"):
+        load_options(server.url + "/options.json")
+    assert _cached_bytes(tmp_path / "cache") == 0

@@ -85,7 +85,9 @@ def model_files(name: str = DEFAULT_MODEL, progress: bool | None = None) -> tupl
     if e.stem is not None:
         from elmo_pipeline.fsio import pinned_download
         folder, urls = cache_folder(name), model_urls(name)
-        return (pinned_download(urls["options"], os.path.join(folder, "options.json"), progress),
+        from elmo_pipeline.model.options import OPTIONS_MAX_BYTES
+        return (pinned_download(urls["options"], os.path.join(folder, "options.json"), progress,
+                                max_bytes=OPTIONS_MAX_BYTES),
                 pinned_download(urls["weights"], os.path.join(folder, "weights.hdf5"), progress), None)
     folder = os.path.join(HERE, name)
     options, weights = os.path.join(folder, "options.json"), os.path.join(folder, "weights.hdf5")
