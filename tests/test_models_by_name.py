@@ -242,3 +242,15 @@ def test_an_options_file_larger_than_options_may_be_is_never_fetched_whole(serve
     with pytest.raises(OptionsError, match="larger than 1048576 bytes"):
         load_options(server.url + "/options.json")
     assert _cached_bytes(tmp_path / "cache") == 0
+
+
+def test_a_published_weights_file_larger_than_its_parameters_is_never_fetched_whole(server, tmp_path, monkeypatch):
+    """A published model's weights download stops at what its parameters can take (float64, and slack:
+    weights_max_bytes, 168 MiB for `small`): a mirror's endless answer filled the disk. Here the bound is made
+    smaller than the served file; the options, within theirs, are kept."""
+    import elmo_pipeline.model.pretrained as pretrained
+    assert 60 << 20 < pretrained.weights_max_bytes("small") < 200 << 20
+    monkeypatch.setattr(pretrained, "weights_max_bytes", lambda name: 1000)
+    with pytest.raises(OSError, match=r"_weights\.hdf5: \d+ bytes, larger than the 1000 such a file may have"):
+        model_files("small")
+    assert sorted(os.listdir(cache_folder("small"))) == ["options.json", "options.json.sha256.json"]
