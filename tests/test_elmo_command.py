@@ -75,6 +75,14 @@ def test_token_budget_refused_when_stateful(tiny_model_files, input_file, tmp_pa
              "--max-tokens-per-batch", "100")
 
 
+def test_a_window_overlap_without_windows_is_refused(tiny_model_files, input_file, tmp_path):
+    """--window-overlap alone (the command's --window-tokens defaults to 0: whole sentences) was dropped without a
+    word, exit 0 (`run`'s windows are on by default, so there it applies)."""
+    with pytest.raises(SystemExit, match="error: --window-overlap needs --window-tokens"):
+        _run(tiny_model_files, input_file, tmp_path / "x.hdf5", "--all", "--window-overlap", "50")
+    assert not (tmp_path / "x.hdf5").exists()
+
+
 def test_stateful_matches_consecutive_batches(tiny_model_files, input_file, tmp_path):
     out = tmp_path / "s.hdf5"
     assert _run(tiny_model_files, input_file, out, "--all", "--state", "stateful", "--batch-size", "2") == 0
