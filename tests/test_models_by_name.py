@@ -230,8 +230,9 @@ def _cached_bytes(folder) -> int:
 def test_an_options_file_larger_than_options_may_be_is_never_fetched_whole(server, tmp_path):
     """A mirror answering a published model's options.json, or an --options-file URL, with a large body (a wrong
     file, an endless stream): it was fetched whole into the cache (100 MB by a slow server: until the disk filled)
-    before the options' bounded read (OPTIONS_MAX_BYTES) refused it. The download stops at the bound (here: at the
-    size the server announces, before the body), and a remote options file is read as it comes, never cached."""
+    before the options' bounded read (OPTIONS_MAX_BYTES) refused it (`elmo`, `plan`, `run`). The download stops at
+    the bound (here: at the size the server announces, before the body), and a remote options file is read as it
+    comes, within the bound, before any copy is cached."""
     from elmo_pipeline.model.options import OPTIONS_MAX_BYTES, OptionsError, load_options
     big = b" " * (2 * OPTIONS_MAX_BYTES)
     server.files[model_urls("small")["options"][len(server.url):]] = big
@@ -241,6 +242,10 @@ def test_an_options_file_larger_than_options_may_be_is_never_fetched_whole(serve
     server.files["/options.json"] = big
     with pytest.raises(OptionsError, match="larger than 1048576 bytes"):
         load_options(server.url + "/options.json")
+    assert _cached_bytes(tmp_path / "cache") == 0
+    from elmo_pipeline.model.resolve import fetch_model_files      # `run` and `plan`: the model's local copies
+    with pytest.raises(OptionsError, match="larger than 1048576 bytes"):
+        fetch_model_files(server.url + "/options.json", server.url + "/weights.hdf5")
     assert _cached_bytes(tmp_path / "cache") == 0
 
 
