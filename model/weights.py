@@ -79,7 +79,7 @@ def check_weights_match(f: h5py.File, opts: BiLMOptions, where: str) -> None:
     one stored in chunks larger than its shape (a read inflates whole chunks: up to 4 GiB each) unread."""
     used = weight_shapes(opts)
     for name, (shape, keys) in used.items():
-        if _linked(f, name):
+        if through_link(f, name):
             raise WeightsError(f"{where}: '{name}' is a link, not a dataset of the file")
         if name not in f:
             raise WeightsError(f"{where}: missing dataset '{name}' (options.json: {keys})")
@@ -105,7 +105,7 @@ def check_weights_match(f: h5py.File, opts: BiLMOptions, where: str) -> None:
                            f"(options.json does not match the weights: lstm.n_layers, char_cnn or filters?)")
 
 
-def _linked(f: h5py.File, name: str) -> bool:
+def through_link(f: h5py.File, name: str) -> bool:
     """Whether `name` (a path in `f`) or a folder above it is a soft or an external link: each read as a link, from
     the root down, so that none is followed."""
     parts = name.split("/")
@@ -355,5 +355,5 @@ def write_json(path: str, obj) -> None:
     atomic_write(url_fs(path)[0], path, json.dumps(obj, indent=2, sort_keys=True).encode(), files_only=True)
 
 
-__all__ = ["WeightsError", "check_weights_match", "load_bilm", "load_weights_into", "save_bilm", "save_weights",
+__all__ = ["WeightsError", "check_weights_match", "through_link", "load_bilm", "load_weights_into", "save_bilm", "save_weights",
            "weight_shapes", "write_json"]
