@@ -35,8 +35,31 @@ def open_url(url: str, mode: str = "rb", storage_options: dict | None = None, ca
         regular_file(local_target(url))
     if is_local(url) or "w" in mode or not cached:
         return fsspec.open(url, mode, **kwargs, **options_for(url, storage_options))
+    if redact(url) != url:      # fsspec's file cache would write the URL, its secret too, into its metadata file
+        return fsspec.open(_private_copy(url, storage_options), mode, **kwargs)
     return fsspec.open(f"filecache::{url}", mode, filecache={"cache_storage": cache_dir()}, **kwargs,
                        **{protocol(url): options_for(url, storage_options)})
+
+
+def _private_copy(url: str, storage_options: dict | None) -> str:
+    """A local copy of the remote `url`, which carries a secret (a password, a query's signature, a fragment):
+    fetched whole once (held_temp, renamed when whole; a killed fetch's part removed by the next) into
+    <cache>/files/<sha256 of the URL>/file, and nothing else recorded: no file holds the URL."""
+    folder = os.path.join(cache_dir(), "files", hashlib.sha256(url.encode("utf-8")).hexdigest())
+    path = os.path.join(folder, "file")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    remove_temp_files(fsspec.filesystem("file"), folder, ("file",), unless_held=True)
+    with held_temp(path) as part:
+        try:
+            _stream_to(url, part, False, storage_options)
+        except OSError as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                raise FileNotFoundError(url) from e.__cause__
+            raise
+        os.replace(part, path)
+    return path
 
 
 def local_target(url: str) -> str | None:

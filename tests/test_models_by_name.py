@@ -259,3 +259,27 @@ def test_a_published_weights_file_larger_than_its_parameters_is_never_fetched_wh
     with pytest.raises(OSError, match=r"_weights\.hdf5: \d+ bytes, larger than the 1000 such a file may have"):
         model_files("small")
     assert sorted(os.listdir(cache_folder("small"))) == ["options.json", "options.json.sha256.json"]
+
+
+def test_a_remote_files_secret_is_written_to_no_file_of_the_cache(tmp_path, monkeypatch, tiny_model_files):
+    """A presigned or password-carrying URL (--weight-file, INPUT_FILE): fsspec's file cache wrote the whole URL,
+    password, signature and fragment, into its metadata file (<cache>/cache) for good. Such a URL is now fetched
+    into a folder named by its digest, and no file under the cache holds the secret; a second read is a cache hit."""
+    from elmo_pipeline.fsio import local_path, open_url
+    monkeypatch.setenv("ELMO_PIPELINE_CACHE", str(tmp_path / "cache"))
+    secret = "?X-Amz-Signature=SIGSECRET&X-Amz-Credential=CREDSECRET#FRAGSECRET"
+    with ModelServer() as srv:
+        srv.files["/w.hdf5"] = open(tiny_model_files[1], "rb").read()
+        srv.files["/in.txt"] = b"the cat sat\n"
+        base = srv.url.replace("http://", "http://alice:PWSECRET@")
+        weights = local_path(base + "/w.hdf5" + secret)
+        assert open(weights, "rb").read() == srv.files["/w.hdf5"]
+        with open_url(base + "/in.txt" + secret) as f:
+            assert f.read() == b"the cat sat\n"
+        gets = srv.gets()
+        assert local_path(base + "/w.hdf5" + secret) == weights and srv.gets() == gets
+    for folder, _, names in os.walk(tmp_path / "cache"):
+        for name in names:
+            data = open(os.path.join(folder, name), "rb").read()
+            assert not any(s in data or s in name.encode() for s in (b"PWSECRET", b"SIGSECRET", b"CREDSECRET",
+                                                                        b"FRAGSECRET")), name
