@@ -195,10 +195,6 @@ def _check_pinned(path: str, size: int, mtime_ns: int, want_size: int, want_sha2
                          "the cached file changed; delete it to download it again")
 
 
-class _TooLarge(Exception):
-    """A download past its max_bytes (_stream_to)."""
-
-
 def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict | None,
                max_bytes: int | None = None) -> tuple[str, int]:
     """Copy `url` to `dest` in 1 MiB blocks with a progress bar; (sha256, size). OSError if the stream ends
@@ -225,12 +221,12 @@ def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict
                 n += len(block)
                 bar.update(len(block))
                 if max_bytes is not None and n > max_bytes:
-                    raise _TooLarge(f"{url}: larger than the {max_bytes} bytes such a file may have: not fetched")
-    except _TooLarge as e:
-        raise OSError(str(e)) from None
+                    break
     except Exception as e:  # noqa: BLE001 - aiohttp, botocore, ... : one clear error naming the file
         raise OSError(f"{url}: download failed after {n} bytes"
                       + (f" of {expected}" if expected else "") + f": {type(e).__name__}: {e}") from e
+    if max_bytes is not None and n > max_bytes:
+        raise OSError(f"{url}: larger than the {max_bytes} bytes such a file may have: not fetched")
     if expected is not None and n != expected:
         raise OSError(f"{url}: download truncated: got {n} of {expected} bytes")
     return h.hexdigest(), n

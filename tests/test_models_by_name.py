@@ -283,3 +283,20 @@ def test_a_remote_files_secret_is_written_to_no_file_of_the_cache(tmp_path, monk
             data = open(os.path.join(folder, name), "rb").read()
             assert not any(s in data or s in name.encode() for s in (b"PWSECRET", b"SIGSECRET", b"CREDSECRET",
                                                                         b"FRAGSECRET")), name
+
+
+def test_a_download_of_no_announced_size_stops_at_its_bound(tmp_path, monkeypatch):
+    """pinned_download's max_bytes where the store announces no size (a chunked answer): the stream stops one block
+    past the bound, an OSError, and nothing is left in the cache."""
+    from fsspec.implementations.local import LocalFileSystem
+    from elmo_pipeline.fsio import pinned_download
+
+    def no_size(self, path):
+        raise NotImplementedError
+    monkeypatch.setattr(LocalFileSystem, "size", no_size)
+    src = tmp_path / "weights.hdf5"
+    src.write_bytes(b"w" * (3 << 20))
+    dst = str(tmp_path / "cache" / "weights.hdf5")
+    with pytest.raises(OSError, match=r"larger than the 1000 bytes such a file may have: not fetched"):
+        pinned_download(str(src), dst, progress=False, max_bytes=1000)
+    assert os.listdir(tmp_path / "cache") == []
