@@ -14,8 +14,8 @@ from pathlib import Path
 
 import fsspec
 
-from elmo_pipeline.fsio.fs import (check_protocol, digest_of, json_or_none, options_for, protocol, replacing, store_failing,
-                                  url_fs)
+from elmo_pipeline.fsio.fs import (check_protocol, digest_of, held_temp, json_or_none, options_for, protocol,
+                                  remove_temp_files, replacing, store_failing, url_fs)
 from elmo_pipeline.fsio.fs import is_local_url as is_local
 from elmo_pipeline.fsio.redact import redact
 
@@ -24,17 +24,51 @@ def cache_dir() -> str:
     return os.environ.get("ELMO_PIPELINE_CACHE", str(Path.home() / ".cache" / "elmo-pipeline"))
 
 
-def open_url(url: str, mode: str = "rb", storage_options: dict | None = None, **kwargs):
+def open_url(url: str, mode: str = "rb", storage_options: dict | None = None, cached: bool = True, **kwargs):
     """fsspec.open for a path or URL (kwargs: encoding, newline, ...); remote reads go through the local
-    file cache. storage_options: {protocol: {...}}. A local path read must be a regular file (regular_file())."""
+    file cache (cached=False: read from the store as they come, for a read of a bounded prefix: the cache fetches
+    the whole file first). storage_options: {protocol: {...}}. A local path read must be a regular file
+    (regular_file())."""
     url = str(url)
     check_protocol(url)
-    if is_local(url) and "r" in mode:
-        regular_file(url[len("file://"):] if url.startswith("file://") else url)
-    if is_local(url) or "w" in mode:
+    if "r" in mode and local_target(url) is not None:
+        regular_file(local_target(url))
+    if is_local(url) or "w" in mode or not cached:
         return fsspec.open(url, mode, **kwargs, **options_for(url, storage_options))
+    if redact(url) != url:      # fsspec's file cache would write the URL, its secret too, into its metadata file
+        return fsspec.open(_private_copy(url, storage_options), mode, **kwargs)
     return fsspec.open(f"filecache::{url}", mode, filecache={"cache_storage": cache_dir()}, **kwargs,
                        **{protocol(url): options_for(url, storage_options)})
+
+
+def _private_copy(url: str, storage_options: dict | None) -> str:
+    """A local copy of the remote `url`, which carries a secret (a password, a query's signature, a fragment):
+    fetched whole once (held_temp, renamed when whole; a killed fetch's part removed by the next) into
+    <cache>/files/<sha256 of the URL>/file, and nothing else recorded: no file holds the URL."""
+    folder = os.path.join(cache_dir(), "files", hashlib.sha256(url.encode("utf-8")).hexdigest())
+    path = os.path.join(folder, "file")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    remove_temp_files(fsspec.filesystem("file"), folder, ("file",), unless_held=True)
+    with held_temp(path) as part:
+        try:
+            _stream_to(url, part, False, storage_options)
+        except OSError as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                raise FileNotFoundError(url) from e.__cause__
+            raise
+        os.replace(part, path)
+    return path
+
+
+def local_target(url: str) -> str | None:
+    """The local path fsspec reads for `url`, however it is spelled (a path; file://, file:, local://, local:; the
+    last URL of a chained one, as `blockcache::/path`), or None when it reads no local file."""
+    from fsspec.core import split_protocol
+    from fsspec.implementations.local import LocalFileSystem
+    last = url.split("::")[-1]
+    return LocalFileSystem._strip_protocol(last) if split_protocol(last)[0] in (None, "file", "local") else None
 
 
 def regular_file(path: str) -> None:
@@ -94,14 +128,16 @@ def file_sha256(path: str) -> str:
 RECORD_SUFFIX = ".sha256.json"   # beside a pinned download: {"url", "sha256", "size"} of its first download
 
 
-def pinned_download(url: str, path: str, progress: bool | None = None, storage_options: dict | None = None) -> str:
-    """`url`'s bytes at local `path`, downloaded once (fsspec, streamed to a temporary name, then renamed).
+def pinned_download(url: str, path: str, progress: bool | None = None, storage_options: dict | None = None,
+                    max_bytes: int | None = None) -> str:
+    """`url`'s bytes at local `path`, downloaded once (fsspec, streamed to a temporary name, then renamed; a killed
+    download's temporary file is removed by the next one, fsio.held_temp).
 
     The first download records its sha256 and size in `path` + RECORD_SUFFIX; every later use checks the
     file against that record, and a new download (the file was deleted) must match it too: a changed or
     truncated file raises ValueError naming the file and what differs. A download shorter than the size
-    the server announced raises OSError and leaves nothing under `path`. progress: a tqdm bar on stderr
-    (None: only on a terminal)."""
+    the server announced, or (max_bytes) one larger than max_bytes, raises OSError and leaves nothing under `path`.
+    progress: a tqdm bar on stderr (None: only on a terminal)."""
     record_path = path + RECORD_SUFFIX
     record = pinned_record(path)
     if os.path.exists(path):
@@ -112,12 +148,15 @@ def pinned_download(url: str, path: str, progress: bool | None = None, storage_o
             _check_pinned(path, st.st_size, st.st_mtime_ns, record["size"], record["sha256"])
             return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with replacing(path) as part:
-        digest, size = _stream_to(url, part, progress, storage_options)
+    remove_temp_files(fsspec.filesystem("file"), os.path.dirname(os.path.abspath(path)), (os.path.basename(path),),
+                      unless_held=True)       # a killed download's part (up to the weights' size), never a live one's
+    with held_temp(path) as part:
+        digest, size = _stream_to(url, part, progress, storage_options, max_bytes)
         if record is not None and (size, digest) != (record["size"], record["sha256"]):
             raise ValueError(f"{url}: the download differs from the one first recorded in {record_path} "
                              f"(recorded {record['size']} bytes, sha256 {record['sha256']}; got {size} bytes, "
                              f"sha256 {digest}); the remote file changed: delete the record to accept it")
+        os.replace(part, path)
     if record is None:
         with replacing(record_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump({"url": redact(url), "sha256": digest, "size": size}, f)
@@ -156,9 +195,10 @@ def _check_pinned(path: str, size: int, mtime_ns: int, want_size: int, want_sha2
                          "the cached file changed; delete it to download it again")
 
 
-def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict | None) -> tuple[str, int]:
+def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict | None,
+               max_bytes: int | None = None) -> tuple[str, int]:
     """Copy `url` to `dest` in 1 MiB blocks with a progress bar; (sha256, size). OSError if the stream ends
-    before the size the server announced (or breaks)."""
+    before the size the server announced (or breaks), or runs past max_bytes (announced so: nothing is fetched)."""
     from tqdm import tqdm
     check_protocol(url)
     fs, fs_path = fsspec.core.url_to_fs(url, **options_for(url, storage_options))
@@ -166,6 +206,8 @@ def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict
         expected = fs.size(fs_path)
     except (OSError, NotImplementedError):
         expected = None
+    if max_bytes is not None and expected is not None and expected > max_bytes:
+        raise OSError(f"{url}: {expected} bytes, larger than the {max_bytes} such a file may have: not fetched")
     kwargs = {"block_size": 0} if protocol(url) in ("http", "https") else {}   # http: stream, no range requests
     h, n = hashlib.sha256(), 0
     name = url.rsplit("/", 1)[-1]
@@ -178,9 +220,13 @@ def _stream_to(url: str, dest: str, progress: bool | None, storage_options: dict
                 out.write(block)
                 n += len(block)
                 bar.update(len(block))
+                if max_bytes is not None and n > max_bytes:
+                    break
     except Exception as e:  # noqa: BLE001 - aiohttp, botocore, ... : one clear error naming the file
         raise OSError(f"{url}: download failed after {n} bytes"
                       + (f" of {expected}" if expected else "") + f": {type(e).__name__}: {e}") from e
+    if max_bytes is not None and n > max_bytes:
+        raise OSError(f"{url}: larger than the {max_bytes} bytes such a file may have: not fetched")
     if expected is not None and n != expected:
         raise OSError(f"{url}: download truncated: got {n} of {expected} bytes")
     return h.hexdigest(), n

@@ -274,12 +274,12 @@ def load_options(url: str) -> BiLMOptions:
     return parse_options(read_options_file(url), where=str(url))
 
 
-def read_options_file(url: str) -> dict:
+def read_options_file(url: str, storage_options: dict | None = None) -> dict:
     """The JSON object of an options file (a model's options.json, training's --options), read as nothing else
     reads it: at most OPTIONS_MAX_BYTES + 1 bytes, a local path only when it is a regular file (fsio.open_url: a FIFO
     never blocks, /dev/zero never fills memory); OptionsError otherwise, naming it. Its keys are checked by the
     caller (parse_options; training takes missing keys from its defaults)."""
-    with open_url(url, "rb") as f:
+    with open_url(url, "rb", storage_options, cached=False) as f:     # a remote file too: never fetched whole first
         data = f.read(OPTIONS_MAX_BYTES + 1)
     if len(data) > OPTIONS_MAX_BYTES:
         raise OptionsError(f"{url}: larger than {OPTIONS_MAX_BYTES} bytes, not an options.json")

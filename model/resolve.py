@@ -160,8 +160,12 @@ def resolve_model(name: str | None = None, options_file: str | None = None, weig
 
 def fetch_model_files(options_file: str, weight_file: str, vocab_file: str | None = None,
                       storage_options: dict | None = None) -> tuple[str, str, str | None]:
-    """Local paths of model files given as paths or URLs (remote ones downloaded once into the cache)."""
-    from elmo_pipeline.fsio import local_path
+    """Local paths of model files given as paths or URLs (remote ones downloaded once into the cache; remote options
+    read first within their bound, OPTIONS_MAX_BYTES: a larger file is never fetched whole)."""
+    from elmo_pipeline.fsio import is_local_url, local_path
+    from elmo_pipeline.model.options import read_options_file
+    if not is_local_url(options_file):
+        read_options_file(options_file, storage_options)
     return (local_path(options_file, storage_options=storage_options),
             local_path(weight_file, storage_options=storage_options),
             local_path(vocab_file, storage_options=storage_options) if vocab_file else None)

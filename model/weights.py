@@ -73,18 +73,28 @@ def weight_shapes(opts: BiLMOptions) -> dict[str, tuple[tuple[int, ...], str]]:
 def check_weights_match(f: h5py.File, opts: BiLMOptions, where: str) -> None:
     """WeightsError unless the file holds every dataset the options use, in the shape they imply, of plain floats
     (_check_floats), and no other model dataset (MODEL_PREFIXES). Reads the HDF5 metadata only, so it runs before
-    any tensor is built: options that do not match the weights never allocate what they ask for."""
+    any tensor is built: options that do not match the weights never allocate what they ask for. Only the file's
+    own datasets are read: one named through a link (a soft or an external link, which opens another file: a FIFO
+    would block for ever) or keeping its data outside the file (external or virtual storage) is refused unopened, and
+    one stored in chunks larger than its shape (a read inflates whole chunks: up to 4 GiB each) unread."""
     used = weight_shapes(opts)
     for name, (shape, keys) in used.items():
+        if through_link(f, name):
+            raise WeightsError(f"{where}: '{name}' is a link, not a dataset of the file")
         if name not in f:
             raise WeightsError(f"{where}: missing dataset '{name}' (options.json: {keys})")
         ds = f[name]
         if not isinstance(ds, h5py.Dataset):
             raise WeightsError(f"{where}: '{name}' is a group, expected a dataset")
+        if ds.external or ds.is_virtual:     # another file's bytes (a FIFO would block, /dev/zero never ends)
+            raise WeightsError(f"{where}: dataset '{name}' keeps its data outside the file")
         found = tuple(ds.shape) if ds.shape is not None else ()
         if found != shape and not (name == "char_embed" and found == (N_CHAR_ROWS, shape[1])):
             raise WeightsError(f"{where}: dataset '{name}' has shape {found}, expected {shape} "
                                f"(options.json: {keys})")
+        if ds.chunks and any(c > max(n, 1) for c, n in zip(ds.chunks, found)):    # a read inflates whole chunks
+            raise WeightsError(f"{where}: dataset '{name}' is stored in chunks {ds.chunks}, larger than its shape "
+                               f"{found}")
         _check_floats(ds, name, where)
     names: list[str] = []
     f.visit(names.append)
@@ -93,6 +103,19 @@ def check_weights_match(f: h5py.File, opts: BiLMOptions, where: str) -> None:
     if unused:
         raise WeightsError(f"{where}: {len(unused)} dataset(s) the options do not use, e.g. '{unused[0]}' "
                            f"(options.json does not match the weights: lstm.n_layers, char_cnn or filters?)")
+
+
+def through_link(f: h5py.File, name: str) -> bool:
+    """Whether `name` (a path in `f`) or a folder above it is a soft or an external link: each read as a link, from
+    the root down, so that none is followed."""
+    parts = name.split("/")
+    for i in range(1, len(parts) + 1):
+        link = f.get("/".join(parts[:i]), getlink=True)
+        if link is None:
+            return False
+        if not isinstance(link, h5py.HardLink):
+            return True
+    return False
 
 
 def _check_floats(ds: h5py.Dataset, name: str, where: str) -> None:
@@ -332,5 +355,5 @@ def write_json(path: str, obj) -> None:
     atomic_write(url_fs(path)[0], path, json.dumps(obj, indent=2, sort_keys=True).encode(), files_only=True)
 
 
-__all__ = ["WeightsError", "check_weights_match", "load_bilm", "load_weights_into", "save_bilm", "save_weights",
+__all__ = ["WeightsError", "check_weights_match", "through_link", "load_bilm", "load_weights_into", "save_bilm", "save_weights",
            "weight_shapes", "write_json"]

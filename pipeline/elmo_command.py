@@ -158,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
                                            windows=args.window_tokens > 0, batch_invariant=args.batch_invariant)
         if args.window_tokens:
             args.window_overlap = check_windows(args.window_tokens, args.window_overlap, args.window_tokens + 2)
+        elif args.window_overlap is not None:     # else dropped: whole sentences, where windows were asked for
+            raise ValueError("--window-overlap needs --window-tokens (the command embeds whole sentences by default)")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     before = claim_output(args.output_file)     # before anything is read or loaded: a refusal costs nothing

@@ -134,6 +134,10 @@ def test_a_vocabulary_line_over_the_limit_is_refused_unread(tmp_path, monkeypatc
     assert len(vocab.Vocabulary.load(str(path), size=4)) == 4
 
 
+# a local path as fsspec reads it: plain, file://, file:, local://, local:, the last of a chained URL
+LOCAL_SPELLINGS = ["{}", "file://{}", "file:{}", "local://{}", "local:{}", "blockcache::{}", "simplecache::file:{}"]
+
+
 def _fifo_with_a_writer(path, seconds: float = 2.0):
     """A FIFO at `path` held open for writing for `seconds` (then closed: a reader that opened it sees its end), so a
     reader that opens it never blocks the test for good, whatever the code under test does."""
@@ -143,16 +147,18 @@ def _fifo_with_a_writer(path, seconds: float = 2.0):
     threading.Timer(seconds, os.close, (fd,)).start()
 
 
+@pytest.mark.parametrize("spelling", LOCAL_SPELLINGS)
 @pytest.mark.parametrize("kind", ["fifo", "device"])
-def test_an_options_file_that_is_no_regular_file_is_refused_unopened(tmp_path, kind):
+def test_an_options_file_that_is_no_regular_file_is_refused_unopened(tmp_path, kind, spelling):
     """model/options.py load_options reads through fsio.open_url, which refuses a local path that is no regular file
-    (fsio/cache.py regular_file): an --options-file FIFO blocked the command and the pipeline's planning for good."""
+    (fsio/cache.py regular_file): an --options-file FIFO blocked the command and the pipeline's planning for good;
+    so it did spelled as fsspec also reads a local path (`file:/p`, `blockcache::/p`: fsio.local_target)."""
     from elmo_pipeline.model.options import load_options
     path = str(tmp_path / "options.json") if kind == "fifo" else "/dev/zero"
     if kind == "fifo":
         _fifo_with_a_writer(path)
     with pytest.raises(FileNotFoundError, match="not a regular file"):
-        load_options(path)
+        load_options(spelling.format(path))
 
 
 def test_a_download_record_that_is_no_regular_file_is_damaged_never_opened(tmp_path):

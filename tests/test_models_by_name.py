@@ -203,3 +203,100 @@ def test_a_damaged_download_record_is_refused_naming_it(tmp_path):
         with pytest.raises(ValueError, match=r"weights\.hdf5\.sha256\.json: a damaged download record"):
             pinned_download(str(src), dst, progress=False)
         assert open(dst + ".sha256.json").read() == text and os.path.getsize(dst) == 700
+
+
+def test_a_killed_downloads_part_is_removed_by_the_next_download_and_a_live_ones_left(tmp_path):
+    """A download SIGKILLed mid-stream (`models --download`, --model NAME) left its part, `weights.hdf5.tmp-<hex>`,
+    in the cache for good: each kill up to the weights' size more. The next download removes such parts, never one a
+    live download holds (fsio.held_temp's flock: two commands may fetch one model at once)."""
+    from elmo_pipeline.fsio import held_temp, pinned_download, temp_name
+    src = tmp_path / "weights.hdf5"
+    src.write_bytes(b"weights" * 100)
+    dst = str(tmp_path / "cache" / "weights.hdf5")
+    os.makedirs(os.path.dirname(dst))
+    killed = temp_name(dst)
+    with open(killed, "wb") as f:
+        f.write(b"w" * 300)                     # what a killed download leaves: no process holds it
+    with held_temp(dst) as live:
+        assert pinned_download(str(src), dst, progress=False) == dst and os.path.getsize(dst) == 700
+        assert not os.path.exists(killed) and os.path.exists(live)
+    assert sorted(os.listdir(os.path.dirname(dst))) == ["weights.hdf5", "weights.hdf5.sha256.json"]
+
+
+def _cached_bytes(folder) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def test_an_options_file_larger_than_options_may_be_is_never_fetched_whole(server, tmp_path):
+    """A mirror answering a published model's options.json, or an --options-file URL, with a large body (a wrong
+    file, an endless stream): it was fetched whole into the cache (100 MB by a slow server: until the disk filled)
+    before the options' bounded read (OPTIONS_MAX_BYTES) refused it (`elmo`, `plan`, `run`). The download stops at
+    the bound (here: at the size the server announces, before the body), and a remote options file is read as it
+    comes, within the bound, before any copy is cached."""
+    from elmo_pipeline.model.options import OPTIONS_MAX_BYTES, OptionsError, load_options
+    big = b" " * (2 * OPTIONS_MAX_BYTES)
+    server.files[model_urls("small")["options"][len(server.url):]] = big
+    with pytest.raises(OSError, match=r"_options\.json: \d+ bytes, larger than the 1048576 such a file may have"):
+        model_files("small")
+    assert _cached_bytes(tmp_path / "cache") == 0
+    server.files["/options.json"] = big
+    with pytest.raises(OptionsError, match="larger than 1048576 bytes"):
+        load_options(server.url + "/options.json")
+    assert _cached_bytes(tmp_path / "cache") == 0
+    from elmo_pipeline.model.resolve import fetch_model_files      # `run` and `plan`: the model's local copies
+    with pytest.raises(OptionsError, match="larger than 1048576 bytes"):
+        fetch_model_files(server.url + "/options.json", server.url + "/weights.hdf5")
+    assert _cached_bytes(tmp_path / "cache") == 0
+
+
+def test_a_published_weights_file_larger_than_its_parameters_is_never_fetched_whole(server, tmp_path, monkeypatch):
+    """A published model's weights download stops at what its parameters can take (float64, and slack:
+    weights_max_bytes, 168 MiB for `small`): a mirror's endless answer filled the disk. Here the bound is made
+    smaller than the served file; the options, within theirs, are kept."""
+    import elmo_pipeline.model.pretrained as pretrained
+    assert 60 << 20 < pretrained.weights_max_bytes("small") < 200 << 20
+    monkeypatch.setattr(pretrained, "weights_max_bytes", lambda name: 1000)
+    with pytest.raises(OSError, match=r"_weights\.hdf5: \d+ bytes, larger than the 1000 such a file may have"):
+        model_files("small")
+    assert sorted(os.listdir(cache_folder("small"))) == ["options.json", "options.json.sha256.json"]
+
+
+def test_a_remote_files_secret_is_written_to_no_file_of_the_cache(tmp_path, monkeypatch, tiny_model_files):
+    """A presigned or password-carrying URL (--weight-file, INPUT_FILE): fsspec's file cache wrote the whole URL,
+    password, signature and fragment, into its metadata file (<cache>/cache) for good. Such a URL is now fetched
+    into a folder named by its digest, and no file under the cache holds the secret; a second read is a cache hit."""
+    from elmo_pipeline.fsio import local_path, open_url
+    monkeypatch.setenv("ELMO_PIPELINE_CACHE", str(tmp_path / "cache"))
+    secret = "?X-Amz-Signature=SIGSECRET&X-Amz-Credential=CREDSECRET#FRAGSECRET"
+    with ModelServer() as srv:
+        srv.files["/w.hdf5"] = open(tiny_model_files[1], "rb").read()
+        srv.files["/in.txt"] = b"the cat sat\n"
+        base = srv.url.replace("http://", "http://alice:PWSECRET@")
+        weights = local_path(base + "/w.hdf5" + secret)
+        assert open(weights, "rb").read() == srv.files["/w.hdf5"]
+        with open_url(base + "/in.txt" + secret) as f:
+            assert f.read() == b"the cat sat\n"
+        gets = srv.gets()
+        assert local_path(base + "/w.hdf5" + secret) == weights and srv.gets() == gets
+    for folder, _, names in os.walk(tmp_path / "cache"):
+        for name in names:
+            data = open(os.path.join(folder, name), "rb").read()
+            assert not any(s in data or s in name.encode() for s in (b"PWSECRET", b"SIGSECRET", b"CREDSECRET",
+                                                                        b"FRAGSECRET")), name
+
+
+def test_a_download_of_no_announced_size_stops_at_its_bound(tmp_path, monkeypatch):
+    """pinned_download's max_bytes where the store announces no size (a chunked answer): the stream stops one block
+    past the bound, an OSError, and nothing is left in the cache."""
+    from fsspec.implementations.local import LocalFileSystem
+    from elmo_pipeline.fsio import pinned_download
+
+    def no_size(self, path):
+        raise NotImplementedError
+    monkeypatch.setattr(LocalFileSystem, "size", no_size)
+    src = tmp_path / "weights.hdf5"
+    src.write_bytes(b"w" * (3 << 20))
+    dst = str(tmp_path / "cache" / "weights.hdf5")
+    with pytest.raises(OSError, match=r"larger than the 1000 bytes such a file may have: not fetched"):
+        pinned_download(str(src), dst, progress=False, max_bytes=1000)
+    assert os.listdir(tmp_path / "cache") == []

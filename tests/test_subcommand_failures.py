@@ -75,6 +75,29 @@ def test_a_checkpoints_generator_state_and_an_exports_softmax_are_read_only_at_t
     assert not load_softmax(head, weights)
 
 
+@pytest.mark.parametrize("link", ["external", "soft"])
+def test_an_exports_softmax_that_is_a_link_is_refused_never_followed(tmp_path, tiny_export, link):
+    """An export's weights.hdf5 whose 'softmax' is an external link (to a FIFO: evaluate and train --init-from hung
+    for good; to another file: its softmax loaded as this one's) or a soft link: one WeightsError naming it."""
+    import shutil
+    from elmo_pipeline.model.weights import WeightsError
+    from elmo_pipeline.training.export import export_model, load_softmax
+    head, vocab = tiny_export
+    export_model(head, vocab, str(tmp_path / "exp"))
+    weights = str(tmp_path / "exp" / "weights.hdf5")
+    other = str(tmp_path / "other.hdf5")
+    shutil.copy(weights, other)
+    with h5py.File(weights, "a") as f:
+        if link == "external":
+            del f["softmax"]
+            f["softmax"] = h5py.ExternalLink(other, "/softmax")
+        else:
+            f.move("softmax", "kept")
+            f["softmax"] = h5py.SoftLink("/kept")
+    with pytest.raises(WeightsError, match=r"weights\.hdf5: 'softmax' is a link, not a group of the file"):
+        load_softmax(head, weights)
+
+
 def test_a_training_text_line_over_the_limit_is_one_error_naming_it(tmp_path, monkeypatch):
     """training/data.py read_lines: a line longer than MAX_LINE_CHARS (a small .gz can hold gigabytes without a
     newline) is a ValueError naming the file and line, read no further than the limit (before: read whole)."""

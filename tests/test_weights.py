@@ -129,6 +129,58 @@ def test_non_finite_weights_name_the_dataset(tiny_model_files, tmp_path):
         load_bilm(options, broken)
 
 
+@pytest.mark.parametrize("how", ["external storage", "virtual", "external link", "soft link", "external group"])
+def test_a_dataset_kept_outside_the_file_or_named_by_a_link_is_refused_unopened(tiny_model_files, tmp_path, how):
+    """A weights file whose dataset is another file's bytes: its external storage or an external link (a group's
+    too) opened that file when read (a FIFO there hung `elmo` for ever); a virtual dataset or a soft link likewise
+    read what the file does not hold as its own. Refused with one WeightsError naming the dataset, before any read
+    (the other file here is a whole copy of the weights, so that reading it would succeed)."""
+    options, weights = tiny_model_files
+    other = str(tmp_path / "other.hdf5")
+    shutil.copy(weights, other)
+    broken = str(tmp_path / "w.hdf5")
+    shutil.copy(weights, broken)
+    name = "CNN/b_cnn_0"
+    with h5py.File(broken, "a") as f, h5py.File(other, "r") as o:
+        ds = o[name]
+        if how == "external group":
+            del f["CNN"]
+            f["CNN"] = h5py.ExternalLink(other, "/CNN")
+            name = "CNN/W_cnn_0"
+        else:
+            del f[name]
+        if how == "external storage":
+            raw = str(tmp_path / "raw")
+            ds[...].tofile(raw)
+            f.create_dataset(name, ds.shape, ds.dtype, external=[(raw, 0, h5py.h5f.UNLIMITED)])
+        elif how == "virtual":
+            layout = h5py.VirtualLayout(ds.shape, ds.dtype)
+            layout[...] = h5py.VirtualSource(other, name, ds.shape)
+            f.create_virtual_dataset(name, layout)
+        elif how == "external link":
+            f[name] = h5py.ExternalLink(other, "/" + name)
+        elif how == "soft link":
+            f["elsewhere"] = ds[...]
+            f[name] = h5py.SoftLink("/elsewhere")
+    with pytest.raises(WeightsError, match=f"'{name}' (is a link|keeps its data outside the file)") as e:
+        load_bilm(options, broken)
+    assert "\n" not in str(e.value)
+
+
+def test_a_dataset_stored_in_chunks_larger_than_its_shape_is_refused_unread(tiny_model_files, tmp_path):
+    """A 4-float dataset stored (gzip) in one chunk of many floats: with 2**29, a 2 MB weights file made the load
+    inflate 2 GiB (HDF5 reads whole chunks, up to 4 GiB a chunk, one dataset after another). Refused unread."""
+    options, weights = tiny_model_files
+    broken = str(tmp_path / "w.hdf5")
+    shutil.copy(weights, broken)
+    with h5py.File(broken, "a") as f:
+        data = f["CNN/b_cnn_0"][...]
+        del f["CNN/b_cnn_0"]
+        f.create_dataset("CNN/b_cnn_0", data=data, maxshape=(None,), chunks=(2 ** 24,), compression="gzip")
+    with pytest.raises(WeightsError, match=r"'CNN/b_cnn_0' is stored in chunks \(16777216,\), larger than its shape"):
+        load_bilm(options, broken)
+
+
 def test_options_not_an_object(tiny_model_files, tmp_path):
     (tmp_path / "o.json").write_text("[1, 2]")
     with pytest.raises(OptionsError, match="expected a JSON object"):

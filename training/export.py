@@ -115,11 +115,15 @@ def load_exported(folder: str, require_softmax: bool = True) -> tuple[LMHead, Vo
 
 
 def load_softmax(head: LMHead, weights_path: str) -> bool:
-    """Fill head.softmax from a weights.hdf5's 'softmax/...' datasets when present and of the right shapes."""
+    """Fill head.softmax from a weights.hdf5's 'softmax/...' datasets when present and of the right shapes; a
+    'softmax' that is a soft or external link is WeightsError, never followed."""
     want = shapes_of(head.softmax)
+    from elmo_pipeline.model.weights import WeightsError, through_link
     with h5py.File(weights_path, "r") as f:
         if "softmax" not in f:
             return False
+        if through_link(f, "softmax"):          # another file's (an external link to a FIFO blocked for good)
+            raise WeightsError(f"{weights_path}: 'softmax' is a link, not a group of the file")
         found = {}                      # name -> shape, from the file's metadata: nothing read yet
         f["softmax"].visititems(lambda n, o: found.__setitem__(n, tuple(o.shape or ())) if isinstance(o, h5py.Dataset)
                                 else None)

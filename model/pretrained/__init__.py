@@ -85,8 +85,11 @@ def model_files(name: str = DEFAULT_MODEL, progress: bool | None = None) -> tupl
     if e.stem is not None:
         from elmo_pipeline.fsio import pinned_download
         folder, urls = cache_folder(name), model_urls(name)
-        return (pinned_download(urls["options"], os.path.join(folder, "options.json"), progress),
-                pinned_download(urls["weights"], os.path.join(folder, "weights.hdf5"), progress), None)
+        from elmo_pipeline.model.options import OPTIONS_MAX_BYTES
+        return (pinned_download(urls["options"], os.path.join(folder, "options.json"), progress,
+                                max_bytes=OPTIONS_MAX_BYTES),
+                pinned_download(urls["weights"], os.path.join(folder, "weights.hdf5"), progress,
+                                max_bytes=weights_max_bytes(name)), None)
     folder = os.path.join(HERE, name)
     options, weights = os.path.join(folder, "options.json"), os.path.join(folder, "weights.hdf5")
     if not (os.path.isfile(options) and os.path.isfile(weights)):
@@ -96,6 +99,18 @@ def model_files(name: str = DEFAULT_MODEL, progress: bool | None = None) -> tupl
     verify_model_folder(folder)
     vocab = os.path.join(folder, "vocab.txt")
     return options, weights, vocab if os.path.isfile(vocab) else None
+
+
+WEIGHTS_SLACK_BYTES = 64 << 20    # HDF5 metadata and datasets beyond the biLM's in a published weights file
+
+
+def weights_max_bytes(name: str) -> int:
+    """The most bytes a published model's weights file may have: its parameters as float64, and WEIGHTS_SLACK_BYTES
+    (its download stops there: a mirror's endless answer never fills the disk)."""
+    from elmo_pipeline.model.synthetic import PUBLISHED_OPTIONS
+    opts = PUBLISHED_OPTIONS[entry(name).shape]
+    return 8 * _parameters(json.dumps({"lstm": opts["lstm"], "char_cnn": opts["char_cnn"]}, sort_keys=True)) \
+        + WEIGHTS_SLACK_BYTES
 
 
 def model_tokenization(name: str | None) -> str | None:
