@@ -105,7 +105,10 @@ def lost_workers_end_the_run():
     to it (`Channel closed prematurely`); otherwise it waits for the lost worker's bundle for good, its launcher
     holding the output's lease alive, so every later run exits 75. Beam's thread that waits for the worker process
     raises on its exit status (threading.excepthook sees it); the main thread is then interrupted by a signal whose
-    handler raises. Outside the main thread (the pipeline run from a caller's thread): nothing is watched."""
+    handler raises. And a SIGTERM or SIGINT that the command unwinds from (pipeline/cli.py: a handler that raises)
+    ends the local workers first, the watch stopped: Beam's cleanup waits for each worker process to end, and one
+    still starting (not yet connected to the runner) is never told to, so the launcher waited for good, its lease
+    alive. Outside the main thread (the pipeline run from a caller's thread): nothing is watched."""
     sig = getattr(signal, LOST_SIGNAL)
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -131,11 +134,24 @@ def lost_workers_end_the_run():
                     signal.pthread_kill(main, sig)
             return
         hook_before(args)
+    def ending(handler):
+        def end_then_unwind(signum, frame):
+            with lock:
+                watching[0] = False     # the workers ended below are no lost worker: the signal's own status
+            end_local_workers()
+            return handler(signum, frame)
+        return end_then_unwind
+    unwinding = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    unwinding = {s: h for s, h in unwinding.items() if callable(h)}     # the command's handlers (pipeline/cli.py)
     handler_before = signal.signal(sig, raise_lost)
+    for s, h in unwinding.items():
+        signal.signal(s, ending(h))
     threading.excepthook = on_thread_error
     try:
         yield
     finally:
+        for s, h in unwinding.items():
+            signal.signal(s, h)
         with lock:
             watching[0] = False
         threading.excepthook = hook_before

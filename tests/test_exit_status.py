@@ -234,6 +234,47 @@ def test_sigterm_mid_run_exits_143_gives_the_lease_back_and_the_rerun_resumes(ti
     assert_same_output(read_output(str(out)), read_output(ref))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, status", [("SIGTERM", exits.TERMINATED), ("SIGINT", 130)])
+def test_a_signal_as_local_workers_start_ends_the_run_and_its_workers(sig, status, tiny_model_files, corpus,
+                                                                      tmp_path):
+    """A multi-process run (--direct_running_mode multi_processing) sent SIGTERM or SIGINT (to the launcher alone: a
+    scheduler's `kill PID`) as its worker processes start: one `error:` line and its status, the lease given back,
+    no worker left (red team: Beam's cleanup waited for good for a worker not yet connected to the runner, the
+    launcher alive and its lease beating, so every later run exited 75)."""
+    import signal
+    import time
+    from elmo_pipeline.pipeline.workers import _children
+    out = tmp_path / "out"
+    args = argv(tiny_model_files, corpus, str(out), "--direct_num_workers", "2", "--direct_running_mode",
+                "multi_processing")
+    p = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    children = []
+    try:
+        deadline = time.monotonic() + 120
+        while p.poll() is None and not children:      # the workers' shells, just started
+            assert time.monotonic() < deadline, "no worker process started in 120 s"
+            children = _children(p.pid)
+            time.sleep(0.01)
+        assert p.poll() is None, "the run ended before it was sent the signal"
+        p.send_signal(getattr(signal, sig))
+        stdout, stderr = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            for c in _descendants(p.pid):
+                os.kill(c, signal.SIGKILL)
+            p.kill()
+            p.wait()
+    _one_line(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr), status)
+    assert not os.path.exists(out / "_lease.json")
+    deadline = time.monotonic() + 30
+    while any(map(_alive, children)):
+        assert time.monotonic() < deadline, [c for c in children if _alive(c)]
+        time.sleep(0.1)
+
+
 def _mount_tmpfs(path, size: str) -> None:
     os.makedirs(path, exist_ok=True)
     if not shutil.which("mount"):

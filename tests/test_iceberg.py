@@ -224,6 +224,29 @@ def test_register_is_idempotent_and_refuses_a_partial_table(runs, tmp_path):
     assert target.register(out, {"shards": [], "run": {"key": "k"}}).snapshot_id is None
 
 
+@pytest.mark.parametrize("registered_by", ["link", "folder"])
+def test_overwrite_of_an_output_registered_under_another_spelling_is_refused(registered_by, tiny_model_files,
+                                                                            tmp_path, capsys):
+    """An output registered through a symbolic link to its folder, then --overwrite naming the folder itself (or the
+    other way round): the table references files under it, so it is refused (2), every file as it was (red team:
+    the table's paths were compared as spelled, so the run replaced the files the table references)."""
+    corpus = write_corpus(str(tmp_path / "docs.txt"), n_docs=4, seed=3)
+    real, link, wh = tmp_path / "real", tmp_path / "link", tmp_path / "wh"
+    real.mkdir()
+    wh.mkdir()
+    link.symlink_to(real)
+    first, again = (link, real) if registered_by == "link" else (real, link)
+    base = (*SMALL, *ice(wh), "--id-root", str(tmp_path))
+    assert main(argv(tiny_model_files, corpus, str(first), *base)) == 0
+    before = {f: sha(f) for f in sorted(glob.glob(str(real / "parquet" / "*.parquet")))}
+    capsys.readouterr()
+    assert main(argv(tiny_model_files, corpus, str(again), *base, "--window-tokens", "100", "--overwrite")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--overwrite would replace them" in err, err
+    assert {f: sha(f) for f in sorted(glob.glob(str(real / "parquet" / "*.parquet")))} == before
+    assert len(table_of(wh).snapshots()) == 1
+
+
 def test_catalog_password_is_not_recorded():
     assert redact("postgresql+psycopg2://user:secret@db:5432/cat") == "postgresql+psycopg2://***@db:5432/cat"
     assert redact("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"

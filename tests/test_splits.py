@@ -205,3 +205,35 @@ def test_an_input_replaced_between_planning_and_reading_fails_at_once(tmp_path, 
     failure = classify(e.value)
     assert failure.status == DATA and "changed since the run was planned" in failure.line(), failure.line()
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_an_input_that_changes_while_it_is_read_is_refused_not_mixed(tmp_path, tiny_model_files, monkeypatch):
+    """A file appended to (or rewritten in place) while a read element reads it: InputChanged, one line, exit 65,
+    no manifest; never an output of exit 0 holding lines of a version of the file the run was not planned with
+    (red team: 100 lines appended as the run read the file were embedded, exit 0, the run key the old file's)."""
+    from elmo_pipeline.pipeline.execute import run_planned
+    from elmo_pipeline.pipeline.exits import DATA, classify
+    from elmo_pipeline.pipeline.plan import pipeline_options, plan
+    from elmo_pipeline.transforms import read_step
+    inp = tmp_path / "in.txt"
+    inp.write_text("".join(f"line {i} of the corpus is here .\n" for i in range(200)), encoding="utf-8")
+    options, weights = tiny_model_files
+    args = ["--input", str(inp), "--output", str(tmp_path / "out"), "--options-file", options, "--weight-file",
+            weights, "--torch-threads", "1", "--progress", "off", "--tokenizer", "whitespace"]
+    opts = pipeline_options(args)
+    pl = plan(opts)
+    read = read_step.read_documents
+
+    def appended_while_read(*a, **k):       # the writer appends once the reader has taken the first record
+        for n, rec in enumerate(read(*a, **k)):
+            if n == 0 and not getattr(appended_while_read, "done", False):
+                appended_while_read.done = True
+                with open(inp, "a", encoding="utf-8") as f:
+                    f.write("".join(f"zebra appended line {i} .\n" for i in range(50)))
+            yield rec
+    monkeypatch.setattr(read_step, "read_documents", appended_while_read)
+    with pytest.raises(Exception) as e:
+        run_planned(opts, pl)
+    failure = classify(e.value)
+    assert failure.status == DATA and "changed since the run was planned" in failure.line(), failure.line()
+    assert not (tmp_path / "out" / "manifest.json").exists()

@@ -27,7 +27,8 @@ class InputChanged(ValueError):
 
 
 def check_unchanged(url: str, planned: list, storage_options: dict | None) -> None:
-    """InputChanged when `url`'s [size, version] now differs from `planned` (output.state.input_fingerprints)."""
+    """InputChanged when `url`'s [size, version] now differs from `planned` (output.state.input_fingerprints):
+    checked before a read element is opened and again once it is read whole."""
     now = input_fingerprints([url], storage_options, fresh=True)[0][1:]
     if list(now) != list(planned):
         raise InputChanged(f"input {redact(url)} changed since the run was planned (size, version {planned} -> "
@@ -76,6 +77,8 @@ class ReadFiles(beam.DoFn):
                 yield rec
             t = time.perf_counter()
         busy += time.perf_counter() - t
+        if url in self.fingerprints:    # changed while it was read (appended to, rewritten in place): its records
+            check_unchanged(url, self.fingerprints[url], so)    # mix two files; never counted as the planned one
         self.run_stats.time("read", busy)
         self.blank.inc(blank)
         self.staging.counts(url, {"input_records": records, "blank_records": blank},

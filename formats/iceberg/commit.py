@@ -6,8 +6,11 @@ held already), and every use of pyiceberg's private names, beside the version pi
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import os
+import posixpath
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -219,11 +222,21 @@ def check_new_ids(table, ids: pa.Array, base: str, replaced: pa.Array | None = N
 
 def registrations_under(table, base: str) -> list[int]:
     """Ids of snapshots that registered files under the output at `base` (history markers, or the current
-    snapshot when it references files there)."""
-    ids = [s.snapshot_id for s in _marked(table, base)]
-    if not ids and _current_files(table, lambda p: p.startswith(base + "/")):
+    snapshot when it references files there). A local folder is matched by its resolved path: registered through
+    a symbolic link to it (or through it, as a link), it is the same folder."""
+    resolved = functools.lru_cache(maxsize=None)(_resolved)     # a folder's files: one resolution
+    real = resolved(base)
+    ids = [s.snapshot_id for s in table.snapshots()
+           if resolved((s.summary.additional_properties if s.summary else {}).get(OUTPUT_PROPERTY) or "") == real]
+    if not ids and _current_files(table, lambda p: p.startswith(base + "/") or
+                                  resolved(posixpath.dirname(p)).startswith(real + "/")):
         ids = [table.current_snapshot().snapshot_id]
     return ids
+
+
+def _resolved(url: str) -> str:
+    """A file:// URL with the symbolic links of its path resolved; any other URL as it is."""
+    return "file://" + os.path.realpath(url[len("file://"):]) if url.startswith("file://") else url
 
 
 def registered_outputs(table) -> list[str]:
