@@ -40,7 +40,7 @@ CHILD = textwrap.dedent("""
 def test_a_worker_exiting_while_a_step_runs_native_code_exits_cleanly():
     """The interpreter's teardown ended a daemon thread inside torch as it took the GIL back: "terminate called
     without an active exception", SIGABRT (and a core file where the host keeps them) at the end of an interrupted
-    multi-process run. Now the exit waits for the step's native work, and the step takes no more."""
+    multi-process run. Now the exit waits for the step's work under way, and the step takes no more."""
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     for _ in range(3):
         r = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True,

@@ -71,18 +71,18 @@ class Chain(beam.DoFn):
                 yield from self._run(self.dofns[k].process(out), k + 1)
 
     def process(self, element):
-        worker_exit.check()
-        yield from self._run((element,), 0)
+        with worker_exit.working():
+            yield from self._run((element,), 0)
 
     def finish_bundle(self):
-        worker_exit.check()
         tail = []
-        for k, d in enumerate(self.dofns):
-            tail.extend(self._run(d.finish_bundle(), k + 1))
-        self._flush_letters()
-        parts = [p for p in (d.run_stats.take() for d in self.dofns if hasattr(d, "run_stats")) if p]
-        if parts:           # for the run report (output/stats.py)
-            self.staging.stats(merge_stats(parts))
+        with worker_exit.working():
+            for k, d in enumerate(self.dofns):
+                tail.extend(self._run(d.finish_bundle(), k + 1))
+            self._flush_letters()
+            parts = [p for p in (d.run_stats.take() for d in self.dofns if hasattr(d, "run_stats")) if p]
+            if parts:           # for the run report (output/stats.py)
+                self.staging.stats(merge_stats(parts))
         for out in tail:
             yield in_global_window(out)
 

@@ -10,7 +10,6 @@ from apache_beam.metrics import Metrics
 
 from elmo_pipeline.transforms.chain import NS, in_global_window
 from elmo_pipeline.transforms.logs import worker_logs
-from elmo_pipeline.transforms.worker_exit import settle_at_exit
 from elmo_pipeline.transforms.progress import ProgressSpec, advance
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
 from elmo_pipeline.output.staging import ShardSpec, Staging
@@ -93,7 +92,6 @@ class SkipCommitted(beam.DoFn):
 
     def setup(self):
         worker_logs()
-        settle_at_exit()
         self.done = load_done_ids(self.record_paths, self.so)
 
     def process(self, item: Item):
