@@ -9,6 +9,7 @@ waits there for the steps under way (working()) and lets no new one start.
 from __future__ import annotations
 
 import atexit
+import gc
 import threading
 from contextlib import contextmanager
 
@@ -38,7 +39,9 @@ def working():
 
 
 def settle(limit_s: float = SETTLE_S) -> None:
-    """No step starts from now on; wait (up to limit_s) for those under way to end."""
+    """No step starts from now on; wait (up to limit_s) for those under way to end. A step a failed bundle left
+    suspended (its generator held by the failure's traceback, in a reference cycle) is closed by a collection first."""
+    gc.collect()
     with _CHANGED:
         _STATE["exiting"] = True
         _CHANGED.wait_for(lambda: _STATE["active"] == 0, timeout=limit_s)
