@@ -14,7 +14,7 @@ from pathlib import Path
 
 import fsspec
 
-from elmo_pipeline.fsio.fs import (check_protocol, digest_of, held_temp, json_or_none, options_for, protocol,
+from elmo_pipeline.fsio.fs import (check_protocol, digest_of, json_or_none, options_for, protocol,
                                   remove_temp_files, replacing, store_failing, url_fs)
 from elmo_pipeline.fsio.fs import is_local_url as is_local
 from elmo_pipeline.fsio.redact import redact
@@ -43,7 +43,7 @@ def open_url(url: str, mode: str = "rb", storage_options: dict | None = None, ca
 
 def _private_copy(url: str, storage_options: dict | None) -> str:
     """A local copy of the remote `url`, which carries a secret (a password, a query's signature, a fragment):
-    fetched whole once (held_temp, renamed when whole; a killed fetch's part removed by the next) into
+    fetched whole once (replacing(held=True), renamed when whole; a killed fetch's part removed by the next) into
     <cache>/files/<sha256 of the URL>/file, and nothing else recorded: no file holds the URL."""
     folder = os.path.join(cache_dir(), "files", hashlib.sha256(url.encode("utf-8")).hexdigest())
     path = os.path.join(folder, "file")
@@ -51,14 +51,13 @@ def _private_copy(url: str, storage_options: dict | None) -> str:
         return path
     os.makedirs(folder, exist_ok=True)
     remove_temp_files(fsspec.filesystem("file"), folder, ("file",), unless_held=True)
-    with held_temp(path) as part:
+    with replacing(path, held=True) as part:
         try:
             _stream_to(url, part, False, storage_options)
         except OSError as e:
             if isinstance(e.__cause__, FileNotFoundError):
                 raise FileNotFoundError(url) from e.__cause__
             raise
-        os.replace(part, path)
     return path
 
 
@@ -150,13 +149,12 @@ def pinned_download(url: str, path: str, progress: bool | None = None, storage_o
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     remove_temp_files(fsspec.filesystem("file"), os.path.dirname(os.path.abspath(path)), (os.path.basename(path),),
                       unless_held=True)       # a killed download's part (up to the weights' size), never a live one's
-    with held_temp(path) as part:
+    with replacing(path, held=True) as part:
         digest, size = _stream_to(url, part, progress, storage_options, max_bytes)
         if record is not None and (size, digest) != (record["size"], record["sha256"]):
             raise ValueError(f"{url}: the download differs from the one first recorded in {record_path} "
                              f"(recorded {record['size']} bytes, sha256 {record['sha256']}; got {size} bytes, "
                              f"sha256 {digest}); the remote file changed: delete the record to accept it")
-        os.replace(part, path)
     if record is None:
         with replacing(record_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump({"url": redact(url), "sha256": digest, "size": size}, f)

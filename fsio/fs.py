@@ -274,15 +274,23 @@ def temp_stem(path: str) -> str:
 
 
 @contextmanager
-def replacing(path: str, files_only: bool = False):
+def replacing(path: str, files_only: bool = False, held: bool = False):
     """Write-then-rename, the project's one: yields a temporary local path beside `path`; when the block ends
     without an error the file there becomes `path` at once (os.replace), otherwise it is removed. No reader and
     no crash ever sees a partial file under `path` (a process killed inside the block leaves temp_name()'s file).
     files_only (a file a user names, as a command's output): only nothing or a regular file at `path` is replaced;
     a symbolic link (never written through either), a folder, a FIFO or a device there is a FileExistsError naming
-    it, before the block and again just before the rename, and left as it is."""
+    it, before the block and again just before the rename, and left as it is. held: the temporary file is held
+    while it is written (held_temp), so that remove_temp_files(..., unless_held=True) removes a killed writer's only."""
     if files_only:
         only_a_file(path)
+    if held:
+        with held_temp(path) as tmp:
+            yield tmp
+            if files_only:
+                only_a_file(path)
+            os.replace(tmp, path)
+        return
     tmp = temp_name(path)
     try:
         yield tmp
