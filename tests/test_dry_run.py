@@ -58,6 +58,19 @@ def test_estimates_within_10_percent_of_the_run(wikitext, tiny_model_files, tmp_
 
 
 @pytest.mark.slow
+def test_arrow_output_estimated(wikitext, tiny_model_files, tmp_path):
+    """--format arrow has its bytes and its layers in the plan (it had none: 'output (arrow; ...): ; at least 1
+    shard(s)' and an empty table of layers), within 10 % of the run's."""
+    out = str(tmp_path / "out")
+    args = argv(tiny_model_files, wikitext, out, "--shard-sentences", "2000", "--format", "arrow")
+    plan = estimate(args, sample_bytes=os.path.getsize(wikitext) // 5)
+    assert [r["layer"] for r in plan["layer_bytes"] if r["format"] == "arrow"] == plan["layers"]
+    assert main(args) == 0
+    got = folder_bytes(os.path.join(out, "arrow"))
+    assert abs(plan["output_bytes"].get("arrow", 0) - got) <= 0.1 * got, (plan["output_bytes"], got)
+
+
+@pytest.mark.slow
 def test_plan_exits_0_and_touches_no_output(wikitext, tiny_model_files, tmp_path):
     out = tmp_path / "out"
     args = argv(tiny_model_files, wikitext, str(out))
