@@ -179,3 +179,22 @@ def test_a_metrics_file_url_is_refused_before_any_work(url, tiny_model_files, tm
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: --metrics-file") and "not a URL" in last
     assert not out.exists()
+
+
+def test_the_summary_and_its_lines_stay_one_line_each(tiny_model_files, tmp_path, capsys):
+    """A folder name holding a newline and a terminal escape (--output, --metrics-file): the summary, the
+    --metrics-file warning and an error line are one line each, the characters written escaped (the summary of a
+    run that finished printed a second line `error: fake`, and raw escapes)."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("A line here.\n")
+    out = str(tmp_path / "out\nerror: fake\x1b[31m")
+    collector = str(tmp_path / "gone\nerror: fake\x1b[31m" / "elmo.prom")
+    assert main(argv(tiny_model_files, run_input(str(tmp_path / "out")), out, "--metrics-file", collector)) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert [line[:22] for line in lines] == ["warning: --metrics-fil", "elmo-pipeline: 1 docum"], lines
+    assert "\x1b" not in "".join(lines) and lines[-1].endswith("-> " + out.replace("\n", "\\n").replace("\x1b", "\\x1b"))
+    assert main(argv(tiny_model_files, run_input(str(tmp_path / "out")), out, "--metrics-file",
+                     os.path.join(out, "m.prom"))) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [line[:22] for line in lines] == ["warning: --metrics-fil", "error: --metrics-file "], lines
+    assert "\x1b" not in "".join(lines) and "\\x1b[31m" in lines[-1]
