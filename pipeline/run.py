@@ -197,10 +197,9 @@ def main(argv: list[str] | None = None) -> int:
 def _try_metrics_file(path: str, output: str | None, status: int, text=lambda: "") -> None:
     """--metrics-file with the exit status (and text(): the output's metrics, read back); a failure here is one
     warning line: the run's result and exit status stand, the collector file is an extra. Never inside the output
-    (check_metrics_file: the run was refused)."""
+    (check_metrics_file: the run was refused), nor over a file it did not write."""
     try:
-        if output:
-            check_metrics_file(path, output)
+        check_metrics_file(path, output)
         try:
             counts = text()
         except Exception as e:  # noqa: BLE001 - the output's metrics left out, the exit status still written
