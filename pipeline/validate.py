@@ -295,6 +295,16 @@ def check_storage_options(so: dict) -> None:
 METRICS_MARK = b"# HELP elmo_pipeline_"     # how every --metrics-file this command writes begins (formats/metrics.py)
 
 
+def check_utf8_name(flag: str, value: str) -> None:
+    """ValueError when a path flag's value is not UTF-8 (bytes Python holds as lone surrogates): the manifest, the
+    commit records and the metrics name --output in UTF-8, so such a run failed after all its work (exit 70)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{flag} {value!r}: the name is not UTF-8 (the output's records name it in UTF-8); "
+                         "rename it") from None
+
+
 def check_metrics_file(path: str | None, output: str | None) -> None:
     """ValueError when --metrics-file is no local path (a URL was written without the run's storage options: to
     another store than the run's, or nowhere, after all the work), lies inside --output (written after Finalize,

@@ -228,3 +228,19 @@ def test_an_empty_metrics_file_is_written(tiny_model_files, tmp_path):
     assert main(argv(tiny_model_files, str(tmp_path / "corpus" / "a.txt"), str(tmp_path / "out"), "--metrics-file",
                      str(collector))) == 0
     assert value(families(collector), "elmo_pipeline_exit_status", output=str(tmp_path / "out")) == 0
+
+
+def test_an_output_named_in_bytes_that_are_not_utf8_is_refused_and_the_metrics_file_written(tiny_model_files,
+                                                                                             tmp_path, capsys):
+    """--output whose name is not UTF-8 (a byte 0xFF, held by Python as a lone surrogate): exit 2 before any work,
+    --metrics-file written with it (the run failed after all its work, exit 70 at EmbedShards, and the collector
+    file was not written at all: a warning that the label could not be encoded)."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("A line here.\n")
+    out = os.path.join(str(tmp_path), os.fsdecode(b"out\xff"))
+    collector = tmp_path / "elmo.prom"
+    assert main(argv(tiny_model_files, run_input(str(tmp_path / "out")), out, "--metrics-file", str(collector))) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: --output ")
+    assert not os.path.lexists(out)
+    (sample,) = families(collector)["elmo_pipeline_exit_status"].samples
+    assert sample.value == 2 and sample.labels["output"].endswith("out?")
