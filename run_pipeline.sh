@@ -3,7 +3,12 @@
 # With no arguments: the shipped default model on samples/sample.txt, output in out/sample/.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-scripts/bootstrap.sh
+# a failed set-up is one error line and 70 (docs/failure-behaviour.md#exit-statuses), never pip's own status (2 reads
+# as a bad command line)
+if ! scripts/bootstrap.sh; then
+  echo "error: could not set up .venv (scripts/bootstrap.sh failed: its output is above) (exit 70: failed)" >&2
+  exit 70
+fi
 if [[ $# -gt 0 ]]; then
   exec .venv/bin/python -m elmo_pipeline.pipeline.run "$@"
 fi

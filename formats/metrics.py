@@ -42,7 +42,10 @@ UPSERT_COUNTS = {
 
 
 def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    """A label value as the text format writes it; a name's bytes that are not UTF-8 (lone surrogates) as '?', so
+    the file is always written (a failed run's exit status included)."""
+    value = str(value).encode("utf-8", "replace").decode("utf-8")
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def _value(v: float) -> str:

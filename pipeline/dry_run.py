@@ -152,7 +152,8 @@ def estimate(argv: list[str], sample_bytes: int = SAMPLE_BYTES) -> dict:
         "formats": pl.formats, "dtype": pl.options.dtype, "layers": [c for c, _ in spec.columns],
         "output_bytes": out_bytes,
         "layer_bytes": layer_bytes(list(spec.columns) if "parquet" in spec.formats else [],
-                                   h5_layers if "hdf5" in spec.formats else 0, spec.dim, tokens),
+                                   h5_layers if "hdf5" in spec.formats else 0, spec.dim, tokens,
+                                   list(spec.columns) if "arrow" in spec.formats else []),
         "shards_at_least": max(1, math.ceil(est["sentences_written"] / pl.options.shard_sentences),
                                math.ceil(tokens * spec.bytes_per_token / pl.options.shard_bytes)),
         "rate": {"tokens_per_s": rate, "timed_tokens": m["timed_tokens"], "timed_batches": m["timed_batches"],
@@ -238,10 +239,12 @@ def _dur(s: float | None) -> str:
 def render(p: dict) -> str:
     """The plan as text, one fact a line."""
     e, r, sec, smp = p["estimated"], p["rate"], p["seconds"], p["sample"]
-    lines = [f"elmo-pipeline plan (--dry-run): nothing was written; --output {p['output']} {p['output_state']}",
+    from elmo_pipeline.pipeline.streams import one_line    # names as written, one line each (no \n, no escapes)
+    lines = [one_line(f"elmo-pipeline plan (--dry-run): nothing was written; --output {p['output']} "
+                      f"{p['output_state']}"),
              f"run key {p['run_key']}",
              f"inputs: {len(p['inputs'])} file(s), {_size(p['input_bytes'])}"]
-    lines += [f"  {i['url']}  {_size(i['bytes'])}" for i in p["inputs"][:20]]
+    lines += [one_line(f"  {i['url']}  {_size(i['bytes'])}") for i in p["inputs"][:20]]
     if len(p["inputs"]) > 20:
         lines.append(f"  ... and {len(p['inputs']) - 20} more")
     lines.append(f"sample: the lines starting in {_size(smp['bytes'])} of windows spread over {smp['files']} "
@@ -289,8 +292,8 @@ def render(p: dict) -> str:
         f"; {w['dask_partitions']} Dask partition(s)" if "dask_partitions" in w else "")
         + f"; documents {w['spread']}")
     if w["read_whole_compressed"]:
-        lines.append(f"  read whole (compressed, cannot be split): {len(w['read_whole_compressed'])} file(s), e.g. "
-                     f"{w['read_whole_compressed'][0]}")
+        lines.append(one_line(f"  read whole (compressed, cannot be split): {len(w['read_whole_compressed'])} file(s), "
+                              f"e.g. {w['read_whole_compressed'][0]}"))
     return "\n".join(lines)
 
 

@@ -72,7 +72,8 @@ class Failure:
 
     def line(self) -> str:
         """The one line a failure prints: `error: <message> (exit N: <what to do>)`."""
-        return f"error: {redact(self.message)} (exit {self.status}: {MEANINGS[self.status]})"
+        from elmo_pipeline.pipeline.streams import one_line
+        return one_line(f"error: {redact(self.message)} (exit {self.status}: {MEANINGS[self.status]})")
 
 
 def after_plan(exc: BaseException) -> None:

@@ -29,7 +29,7 @@ from elmo_pipeline.pipeline.streams import stderr_is_terminal
 from elmo_pipeline.pipeline.validate import (check_dedupe, check_iceberg, check_input_columns, check_metrics_file,
                                              check_model, check_numbers, check_output_writable, check_reuse,
                                              check_runner, check_state, check_storage_options, check_upsert,
-                                             inputs_outside_output, own_files)
+                                             check_utf8_name, inputs_outside_output, own_files)
 from elmo_pipeline.pipeline.workers import (BUCKET_BYTES, Where, dask_partitions, embed_threads, layout_of,
                                             spread_by_key, tokenizer_processes)
 from elmo_pipeline.model.resolve import ModelSpec
@@ -169,6 +169,7 @@ def plan(opts: PipelineOptions, probe_output: bool = True) -> Plan:
     o = opts.view_as(ElmoOptions)
     if not o.input or not o.output:
         raise ValueError("--input and --output are required")
+    check_utf8_name("--output", o.output)
     check_numbers(o)
     check_metrics_file(opts.view_as(JobOptions).metrics_file, o.output)
     iceberg = IcebergTarget.from_flags(o.iceberg_table, o.iceberg_catalog, o.iceberg_warehouse, o.formats(), o.dtype)

@@ -29,7 +29,7 @@ from elmo_pipeline.pipeline.execute import AlreadyComplete, FinalizeOnly, run_pl
 from elmo_pipeline.pipeline.options import ElmoOptions, JobOptions
 from elmo_pipeline.pipeline.validate import check_metrics_file
 from elmo_pipeline.pipeline.plan import pipeline_options, plan, storage_options
-from elmo_pipeline.pipeline.streams import say, stderr_is_terminal
+from elmo_pipeline.pipeline.streams import one_line, say, stderr_is_terminal
 from elmo_pipeline.transforms.logs import quiet_failures
 from elmo_pipeline.transforms import progress
 
@@ -190,22 +190,21 @@ def main(argv: list[str] | None = None) -> int:
     if job.metrics_file:
         _try_metrics_file(job.metrics_file, job.output, exits.OK,
                           lambda: _output_metrics(job.output, storage_options(PipelineOptions(argv))))
-    say(("\n" if stderr_is_terminal() else "") + redact(summary(result, job.output)))
+    say(("\n" if stderr_is_terminal() else "") + one_line(redact(summary(result, job.output))))
     return exits.OK
 
 
 def _try_metrics_file(path: str, output: str | None, status: int, text=lambda: "") -> None:
     """--metrics-file with the exit status (and text(): the output's metrics, read back); a failure here is one
     warning line: the run's result and exit status stand, the collector file is an extra. Never inside the output
-    (check_metrics_file: the run was refused)."""
+    (check_metrics_file: the run was refused), nor over a file it did not write."""
     try:
-        if output:
-            check_metrics_file(path, output)
+        check_metrics_file(path, output)
         try:
             counts = text()
         except Exception as e:  # noqa: BLE001 - the output's metrics left out, the exit status still written
-            say(redact(f"warning: --metrics-file {path}: the output's metrics are left out: {e}"))
+            say(one_line(redact(f"warning: --metrics-file {path}: the output's metrics are left out: {e}")))
             counts = ""
         write_metrics_file(path, output, status, counts)
     except Exception as e:  # noqa: BLE001
-        say(redact(f"warning: --metrics-file {path}: {e}"))
+        say(one_line(redact(f"warning: --metrics-file {path}: {e}")))

@@ -21,6 +21,7 @@ process of someone else's, a test's).
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from elmo_pipeline.fsio.streams import Unread, reader_gone, to_devnull
@@ -54,6 +55,16 @@ def say(text: str, file=None) -> None:
     except OSError as e:
         if not (logs or reader_gone(e)):
             raise
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """`text` as one line of plain text: its control characters (a newline, a terminal's escape, ...) written as
+    Python writes them in a string's repr (\\n, \\x1b), so a path or name holding them cannot start another line
+    (one that reads `error: ...`) nor drive the terminal."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def stderr_is_terminal() -> bool:

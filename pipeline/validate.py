@@ -292,18 +292,52 @@ def check_storage_options(so: dict) -> None:
                          "give the host alone and pass --s3_access_key_id and --s3_secret_access_key")
 
 
-def check_metrics_file(path: str | None, output: str) -> None:
+METRICS_MARK = b"# HELP elmo_pipeline_"     # how every --metrics-file this command writes begins (formats/metrics.py)
+
+
+def check_utf8_name(flag: str, value: str) -> None:
+    """ValueError when a path flag's value is not UTF-8 (bytes Python holds as lone surrogates): the manifest, the
+    commit records and the metrics name --output in UTF-8, so such a run failed after all its work (exit 70)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{flag} {value!r}: the name is not UTF-8 (the output's records name it in UTF-8); "
+                         "rename it") from None
+
+
+def check_metrics_file(path: str | None, output: str | None) -> None:
     """ValueError when --metrics-file is no local path (a URL was written without the run's storage options: to
-    another store than the run's, or nowhere, after all the work), or lies inside --output: written after Finalize,
-    it would replace the output's own files (its manifest.json, metrics.prom) or add one its manifest does not
-    record."""
+    another store than the run's, or nowhere, after all the work), lies inside --output (written after Finalize,
+    it would replace the output's own files, its manifest.json, metrics.prom, or add one its manifest does not
+    record), or names a file this command did not write (another exporter's .prom, the run's input, ...: not empty
+    and not beginning as ours do), which it would replace."""
     if path and "://" in path and not path.startswith("file://"):
         from elmo_pipeline.fsio import redact
         raise ValueError(f"--metrics-file {redact(path)}: a local file (node_exporter's textfile collector reads a "
                          "folder of its own machine), not a URL")
-    if path and _inside([path], output):
+    if path and output and _inside([path], output):
         raise ValueError(f"--metrics-file {path} lies inside --output {output}: it would replace or add to the "
                          "output's own files; write it elsewhere (e.g. node_exporter's textfile collector folder)")
+    if path and not _ours_or_absent(path[len("file://"):] if path.startswith("file://") else path):
+        raise ValueError(f"--metrics-file {path}: a file this command did not write is there (it would be replaced); "
+                         "name a file of its own (e.g. elmo_pipeline.prom in the collector's folder)")
+
+
+def _ours_or_absent(path: str) -> bool:
+    """Whether `path` holds no regular file, an empty one, or one beginning as a --metrics-file does (its first
+    bytes read, a FIFO never opened)."""
+    import stat
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return True
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return True         # nothing there (or unreadable: the write says what fails)
+    try:
+        head = os.read(fd, len(METRICS_MARK))
+    finally:
+        os.close(fd)
+    return not head or head == METRICS_MARK
 
 
 def check_upsert(o: ElmoOptions, iceberg: IcebergTarget | None) -> None:

@@ -58,6 +58,19 @@ def test_estimates_within_10_percent_of_the_run(wikitext, tiny_model_files, tmp_
 
 
 @pytest.mark.slow
+def test_arrow_output_estimated(wikitext, tiny_model_files, tmp_path):
+    """--format arrow has its bytes and its layers in the plan (it had none: 'output (arrow; ...): ; at least 1
+    shard(s)' and an empty table of layers), within 10 % of the run's."""
+    out = str(tmp_path / "out")
+    args = argv(tiny_model_files, wikitext, out, "--shard-sentences", "2000", "--format", "arrow")
+    plan = estimate(args, sample_bytes=os.path.getsize(wikitext) // 5)
+    assert [r["layer"] for r in plan["layer_bytes"] if r["format"] == "arrow"] == plan["layers"]
+    assert main(args) == 0
+    got = folder_bytes(os.path.join(out, "arrow"))
+    assert abs(plan["output_bytes"].get("arrow", 0) - got) <= 0.1 * got, (plan["output_bytes"], got)
+
+
+@pytest.mark.slow
 def test_plan_exits_0_and_touches_no_output(wikitext, tiny_model_files, tmp_path):
     out = tmp_path / "out"
     args = argv(tiny_model_files, wikitext, str(out))
@@ -110,3 +123,15 @@ def test_plan_refuses_what_the_run_refuses_in_its_words_and_writes_nothing(tiny_
             assert planned == 0 and "`run` would exit 75" in plan_out.out and "is held by a live run" in plan_out.out
         else:
             assert (planned, _error_line(plan_out.err)) == (ran, run_err), name
+
+
+def test_plan_lines_name_files_on_one_line_each(tiny_model_files, tmp_path):
+    """An input named with a newline and an --output with a terminal escape: the plan's lines name them escaped,
+    one line each (a file 'a\\nestimated (sample scaled by bytes): 0 records.txt' printed a forged estimate line)."""
+    from elmo_pipeline.pipeline.dry_run import dry_run
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a\nestimated (sample scaled by bytes): 0 records.txt").write_text("A line here.\n")
+    text = dry_run(argv(tiny_model_files, str(tmp_path / "in" / "*.txt"), str(tmp_path / "out\x1b[2J")))
+    assert [line for line in text.splitlines() if line.startswith("estimated")] == \
+        ["estimated (sample scaled by bytes): 1 records, 1 documents, 1 sentences, 4 tokens written, 0 dead letters"]
+    assert "\x1b" not in text and "out\\x1b[2J" in text.splitlines()[0] and "a\\nestimated" in text

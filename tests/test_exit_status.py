@@ -316,3 +316,19 @@ def test_an_unreachable_s3_endpoint_exits_75(corpus, tiny_model_files):
                             "--s3-max-attempts", "2", "--s3_endpoint_url", endpoint, "--s3_access_key_id", "testing",
                             "--s3_secret_access_key", "testing"))
     _one_line(p, exits.TEMPFAIL, "Could not connect to the endpoint URL", "retry later")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pip_status", [1, 2])
+def test_run_pipeline_sh_whose_setup_fails_exits_70_with_one_line(pip_status, tmp_path):
+    """./run_pipeline.sh whose scripts/bootstrap.sh fails (pip could not install: no network, a conflict) exits 70
+    with one error line; it exited with pip's own status (1, undocumented; 2, read as a bad command line). A copy of
+    the script beside a failing stand-in for bootstrap.sh: the real one is not run."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(os.path.join(REPO, "run_pipeline.sh"), tmp_path / "run_pipeline.sh")
+    stub = tmp_path / "scripts" / "bootstrap.sh"
+    stub.write_text(f"#!/usr/bin/env bash\necho 'ERROR: No matching distribution found for torch' >&2\nexit {pip_status}\n")
+    stub.chmod(0o755)
+    p = subprocess.run([str(tmp_path / "run_pipeline.sh"), "--input", "x", "--output", "y"], capture_output=True,
+                       text=True, timeout=60)
+    _one_line(p, exits.SOFTWARE, "scripts/bootstrap.sh")

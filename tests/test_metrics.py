@@ -179,3 +179,68 @@ def test_a_metrics_file_url_is_refused_before_any_work(url, tiny_model_files, tm
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: --metrics-file") and "not a URL" in last
     assert not out.exists()
+
+
+def test_the_summary_and_its_lines_stay_one_line_each(tiny_model_files, tmp_path, capsys):
+    """A folder name holding a newline and a terminal escape (--output, --metrics-file): the summary, the
+    --metrics-file warning and an error line are one line each, the characters written escaped (the summary of a
+    run that finished printed a second line `error: fake`, and raw escapes)."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("A line here.\n")
+    out = str(tmp_path / "out\nerror: fake\x1b[31m")
+    collector = str(tmp_path / "gone\nerror: fake\x1b[31m" / "elmo.prom")
+    assert main(argv(tiny_model_files, run_input(str(tmp_path / "out")), out, "--metrics-file", collector)) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert [line[:22] for line in lines] == ["warning: --metrics-fil", "elmo-pipeline: 1 docum"], lines
+    assert "\x1b" not in "".join(lines) and lines[-1].endswith("-> " + out.replace("\n", "\\n").replace("\x1b", "\\x1b"))
+    assert main(argv(tiny_model_files, run_input(str(tmp_path / "out")), out, "--metrics-file",
+                     os.path.join(out, "m.prom"))) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [line[:22] for line in lines] == ["warning: --metrics-fil", "error: --metrics-file "], lines
+    assert "\x1b" not in "".join(lines) and "\\x1b[31m" in lines[-1]
+
+
+@pytest.mark.parametrize("case", ["another exporter's", "the input", "no --output"])
+def test_a_metrics_file_over_a_file_it_did_not_write_is_refused(case, tiny_model_files, tmp_path, capsys):
+    """--metrics-file naming a file this command did not write (another exporter's .prom in the collector's
+    folder, the run's own input; a command line without --output too): exit 2 before any work, the file as it was
+    (it was replaced by Prometheus text, exit 0 or 2)."""
+    (tmp_path / "corpus").mkdir()
+    corpus = tmp_path / "corpus" / "a.txt"
+    corpus.write_text("A line here.\n")
+    target = corpus if case != "another exporter's" else tmp_path / "node.prom"
+    target.write_text(target.read_text() if target.exists() else "# HELP node_x x\n# TYPE node_x gauge\nnode_x 1\n")
+    before = target.read_bytes()
+    out = tmp_path / "out"
+    args = argv(tiny_model_files, str(corpus), str(out), "--metrics-file", str(target))
+    if case == "no --output":
+        args = [a for a in args if a != str(out) and a != "--output"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: ")
+    assert target.read_bytes() == before and not out.exists()
+
+
+def test_an_empty_metrics_file_is_written(tiny_model_files, tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("A line here.\n")
+    collector = tmp_path / "elmo.prom"
+    collector.write_bytes(b"")
+    assert main(argv(tiny_model_files, str(tmp_path / "corpus" / "a.txt"), str(tmp_path / "out"), "--metrics-file",
+                     str(collector))) == 0
+    assert value(families(collector), "elmo_pipeline_exit_status", output=str(tmp_path / "out")) == 0
+
+
+def test_an_output_named_in_bytes_that_are_not_utf8_is_refused_and_the_metrics_file_written(tiny_model_files,
+                                                                                             tmp_path, capsys):
+    """--output whose name is not UTF-8 (a byte 0xFF, held by Python as a lone surrogate): exit 2 before any work,
+    --metrics-file written with it (the run failed after all its work, exit 70 at EmbedShards, and the collector
+    file was not written at all: a warning that the label could not be encoded)."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("A line here.\n")
+    out = os.path.join(str(tmp_path), os.fsdecode(b"out\xff"))
+    collector = tmp_path / "elmo.prom"
+    assert main(argv(tiny_model_files, run_input(str(tmp_path / "out")), out, "--metrics-file", str(collector))) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: --output ")
+    assert not os.path.lexists(out)
+    (sample,) = families(collector)["elmo_pipeline_exit_status"].samples
+    assert sample.value == 2 and sample.labels["output"].endswith("out?")
