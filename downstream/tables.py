@@ -29,13 +29,17 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
             path = out.shard_path(i, "parquet", check=True)
             with out.fs.open(path, "rb") as f, unreadable(path, "Parquet", PARQUET_ERRORS):
                 pf = open_checked(f)
-                unknown = [c for c in columns or () if c not in pf.schema_arrow.names]
-                if unknown:
-                    raise ValueError(f"{out.shown}: no column(s) {unknown} (has {pf.schema_arrow.names})")
-                tables.append(_read_checked(pf, f, path, out, i, list(columns) if columns else None))
-        if not tables:          # no sentence: the empty table of its shards' schema
-            from elmo_pipeline.formats.parquet import shard_schema
-            empty = shard_schema(out.parquet_layout, list(out.layer_dims.items()), out.dtype).empty_table()
+                names = pf.schema_arrow.names
+                unknown = [c for c in columns or () if c not in names]
+                if not unknown:
+                    tables.append(_read_checked(pf, f, path, out, i, list(columns) if columns else None))
+            if unknown:         # the caller's mistake, not a damaged shard (unreadable's ValueError)
+                raise ValueError(f"{out.shown}: no column(s) {unknown} (has {names})")
+        if not tables:          # no sentence: the empty table of its shards' schema, as a shard reads back
+            import pyarrow.parquet as pq
+            from elmo_pipeline.formats.parquet import parquet_bytes, shard_schema
+            schema = shard_schema(out.parquet_layout, list(out.layer_dims.items()), out.dtype)
+            empty = pq.read_table(pa.BufferReader(parquet_bytes(schema.empty_table(), 1 << 20)))
             unknown = [c for c in columns or () if c not in empty.schema.names]
             if unknown:
                 raise ValueError(f"{out.shown}: no column(s) {unknown} (has {empty.schema.names})")
