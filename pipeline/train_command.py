@@ -88,12 +88,20 @@ def build_options(args: argparse.Namespace) -> dict:
 def resume_pins(args: argparse.Namespace) -> dict[str, tuple[tuple[str, ...], object]]:
     """What this command line sets explicitly, which a --resume must find in the checkpoint it continues (a
     resumed run keeps its options, seed and tokenizer: a changed flag would be ignored): {flag: (its place in the
-    checkpoint's meta, value)}; the architecture flags not with --init-from (the model gives it)."""
+    checkpoint's meta, value)}; the architecture flags not with --init-from (the model gives it). An --options
+    file pins each key it gives, as these flags make it (its n_tokens_vocab is the vocabulary's; with --init-from
+    its architecture is the model's)."""
     pins = {f"--{flag.replace('_', '-')}": (("options", *path), getattr(args, flag)) for flag, path in OPTION_FLAGS
             if getattr(args, flag) is not None and not (args.init_from and path[0] in FROM_THE_MODEL)}
     if args.seed is not None:
         pins["--seed"] = (("seed",), args.seed)
     pins["--tokenizer"] = (("tokenizer",), args.tokenizer)
+    if args.options:            # last: a changed flag is named as such, not as the file's key it sets
+        from elmo_pipeline.model.options import read_options_file
+        given, made = read_options_file(args.options), build_options(args)
+        skip = ("n_tokens_vocab", "char_cnn", *FROM_THE_MODEL) if args.init_from else ("n_tokens_vocab",)
+        pins.update({f"--options {args.options} ({key!r})": (("options", key), made.get(key)) for key in given
+                     if key not in skip})
     return pins
 
 

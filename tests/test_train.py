@@ -353,3 +353,31 @@ def test_init_from_with_a_flag_for_the_lstm_shape_is_refused_not_ignored(trained
     with pytest.raises(ValueError, match=r"--init-from .*: its model gives the LSTM's shape; --lstm-dim cannot"):
         run(args)
     assert not (tmp_path / "ft").exists()
+
+
+def test_a_resume_whose_options_file_differs_from_the_run_is_refused_not_ignored(texts, tmp_path):
+    """`train --resume --options F`: the resumed run keeps the options its checkpoint records, so an options file
+    changed since (a learning rate, a batch size) was ignored without a word, as a changed flag was; now one error
+    naming the file, the key and the recorded value. The run's own file again resumes it (its n_tokens_vocab, which
+    the vocabulary sets, is not compared)."""
+    import argparse
+    from elmo_pipeline.pipeline.train_command import add_arguments, run
+    from elmo_pipeline.training.train import latest_checkpoint
+    opts = {**tiny_options(), "n_tokens_vocab": 7}
+    (tmp_path / "opts.json").write_text(json.dumps(opts))
+    base = [texts["small"], "--output", str(tmp_path / "run"), "--options", str(tmp_path / "opts.json"),
+            "--max-steps", "4", "--checkpoint-every", "2", "--threads", "1", "--no-progress", "--no-export"]
+
+    def train_with(*flags):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return run(p.parse_args([*base, *flags]))
+    train_with("--stop-after", "2")
+    (tmp_path / "opts.json").write_text(json.dumps({**opts, "batch_size": opts.get("batch_size", 32) + 1}))
+    with pytest.raises(ValueError, match=r"^--resume: --options \S+opts.json \('batch_size'\) \d+ but the run in .* "
+                                         r"was trained with \d+:"):
+        train_with("--resume")
+    assert latest_checkpoint(str(tmp_path / "run")).endswith("ckpt-00000002.h5")
+    (tmp_path / "opts.json").write_text(json.dumps(opts))
+    train_with("--resume")
+    assert latest_checkpoint(str(tmp_path / "run")).endswith("ckpt-00000004.h5")
