@@ -84,3 +84,61 @@ def test_a_step_a_failed_bundle_left_suspended_holds_no_exit():
     finally:
         gc.enable()
         worker_exit._STATE["exiting"] = False
+
+
+EMBEDDING = textwrap.dedent("""
+    import atexit, sys, threading, time
+    import concurrent.futures.thread as cft
+    import torch
+    from elmo_pipeline.model.resolve import ModelSpec
+    from elmo_pipeline.model.synthetic import write_random_bilm
+    from elmo_pipeline.transforms import embed_step
+    from elmo_pipeline.transforms.chain import Chain
+    from elmo_pipeline.transforms.records import Item
+
+    torch.set_num_threads(1)
+    calls, ended = [], []
+    real = embed_step.embed_alone
+    def counted(*a, **k):
+        calls.append(time.monotonic())
+        return real(*a, **k)
+    embed_step.embed_alone = counted
+    # registered before the step's settle, so run after it (atexit: last in, first out)
+    atexit.register(lambda: print("alone after the exit began:", sum(t > ended[0] for t in calls), flush=True))
+    step = embed_step.EmbedBatches(ModelSpec(*write_random_bilm("tiny", sys.argv[1], seed=1), device="cpu"), threads=2)
+    chain = Chain(None, step)
+    chain.setup()
+    words = "the cat sat on a mat while dogs ran far away".split()
+    batch = [Item(f"d#{s}", "d", s, tuple(words[(s + i) % 11] for i in range(40)), tuple((i, i + 1) for i in range(40)))
+             for s in range(400)]
+    started = threading.Event()
+    def bundle():
+        chain.start_bundle()
+        list(chain.process(batch))                  # a batch on the step's pool
+        started.set()
+        while not cft._shutdown:                    # the exit's thread shutdown has shut the pool down: the next
+            time.sleep(0.001)                       # batch's submit fails (the race this waits for)
+        try:
+            while True:
+                list(chain.process(batch))
+        except RuntimeError as e:
+            print("stopped:", e, flush=True)
+    threading.Thread(target=bundle, daemon=True).start()
+    started.wait()
+    ended.append(time.monotonic())
+    print("main returns", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_an_exit_while_batches_run_on_embed_threads_does_not_embed_them_one_by_one(tmp_path):
+    """--embed-threads 2: the exit's teardown shuts the step's thread pool down, the next batch's submit fails, and
+    the step retried that batch sentence by sentence (its failure path) on the Beam thread: 400 embeddings after the
+    exit began, holding the exit's wait (and past its bound, the abort it prevents). Now the retries stop once the
+    process exits."""
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", EMBEDDING, str(tmp_path / "model")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "terminate called" not in r.stderr, (r.returncode, r.stderr[-2000:])
+    counts = [int(line.rsplit(":", 1)[1]) for line in r.stdout.splitlines() if line.startswith("alone after")]
+    assert counts and counts[0] <= 2, r.stdout             # (the thread's "stopped" print may be cut by the exit)

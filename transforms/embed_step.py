@@ -18,6 +18,7 @@ from elmo_pipeline.transforms.embed_items import embed_alone, embed_windowed, em
 from elmo_pipeline.transforms.progress import ProgressSpec, advance
 from elmo_pipeline.transforms.records import EmbeddedBatch, Item
 from elmo_pipeline.output.stats import RunStats
+from elmo_pipeline.transforms import worker_exit
 
 
 class SortAndBatch(beam.DoFn):
@@ -140,9 +141,12 @@ class EmbedBatches(beam.DoFn):
                 yield in_global_window(out)
 
     def _one_by_one(self, items: list[Item], outs: list[EmbeddedBatch]):
-        """Each item embedded alone into outs; those that fail go to DEAD (yielded), with their copies."""
+        """Each item embedded alone into outs; those that fail go to DEAD (yielded), with their copies. Not in a
+        process that is exiting (worker_exit.check: its teardown shut the pool down, a batch's submit failed, and
+        a whole batch one by one kept the exit waiting, past its bound into the abort it prevents)."""
         limit = window_limit(self.window, self.max_tokens)
         for item in items:
+            worker_exit.check()
             if limit is not None and len(item.tokens) > limit:
                 self.windowed.inc()
             try:

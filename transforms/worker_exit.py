@@ -38,6 +38,14 @@ def working():
             _CHANGED.notify_all()
 
 
+def check() -> None:
+    """ProcessExiting once the process is exiting: a step's own loop of work (as EmbedBatches' sentence-by-sentence
+    retries) starts no more of it."""
+    with _CHANGED:
+        if _STATE["exiting"]:
+            raise ProcessExiting("the worker process is exiting")
+
+
 def settle(limit_s: float = SETTLE_S) -> None:
     """No step starts from now on; wait (up to limit_s) for those under way to end. A step a failed bundle left
     suspended (its generator held by the failure's traceback, in a reference cycle) is closed by a collection first."""
