@@ -62,7 +62,9 @@ class ElmoOutput:
                                                  FORMATS, self.manifest.get("counts"))
         self.layer_names, self.layer_dims, self.formats, self.parquet_layout = checked_header(where, manifest)
         self.files: dict[str, dict] | None = checked_files(where, manifest)
-        self.dim = max(self.layer_dims.values())
+        # 2P: a layer 0 stored P wide (not --duplicate-layer0) is 2P in a record, and in HDF5 as AllenNLP lays it out
+        single = self.manifest.get("duplicate_layer0") is False
+        self.dim = max(w * (2 if name == "layer_0" and single else 1) for name, w in self.layer_dims.items())
         self.dtype: str = self.manifest.get("dtype", "float32")
         if self.dtype not in ("float16", "float32"):
             raise DamagedOutput(f"{where}: dtype {self.dtype!r} is neither float16 nor float32")

@@ -11,6 +11,7 @@ from elmo_pipeline.downstream.labels import load_sentence_labels, read_conllu
 from elmo_pipeline.downstream.metrics import macro_f1
 from elmo_pipeline.formats.hdf5 import hdf5_unkey
 from elmo_pipeline.downstream import ElmoDataset, ElmoIterableDataset, ElmoOutput, collate, to_arrow_table, to_hf_dataset
+from elmo_pipeline.downstream.mapped import MappedDataset
 from elmo_pipeline.downstream.shard_checks import DamagedOutput
 from elmo_pipeline.model.embedder import ElmoEmbedder
 from elmo_pipeline.pipeline.cli import main as cli_main
@@ -153,6 +154,24 @@ def test_an_output_of_no_sentences_is_an_empty_table_of_its_schema(outputs, tiny
         with pytest.raises(ValueError, match=r"^[^ ]+: no column\(s\) \['nope'\] \(has ") as e:
             to_arrow_table(source, columns=["id", "nope"])
         assert not isinstance(e.value, DamagedOutput), e.value     # was: "...parquet: not a readable Parquet shard"
+
+
+def test_an_output_of_layer_0_alone_reads_2p_wide_from_every_format(tiny_model_files, tmp_path):
+    """--layers 0 (not duplicated): Parquet stores layer 0 P wide, HDF5 2P wide (AllenNLP's layout); the HDF5 reader
+    refused every dataset ("the manifest says (T, P)") and records were P wide where ElmoOutput.dim promises 2P. Now
+    both formats give the same 2P-wide records, and MappedDataset too."""
+    inp = tmp_path / "a.txt"
+    inp.write_text("a b c\nd e\n")
+    out = str(tmp_path / "out")
+    run_pipeline(tiny_model_files, str(inp), out, "--input-format", "lines", "--tokenizer", "whitespace",
+                 "--format", "parquet,hdf5,arrow", "--layers", "0")
+    o = ElmoOutput(out)
+    assert o.layer_dims == {"layer_0": o.dim // 2}
+    by_format = {fmt: {r["id"]: r["layers"] for r in o.sentences(fmt)} for fmt in ("parquet", "hdf5")}
+    assert sorted(by_format["parquet"]) == sorted(by_format["hdf5"]) and len(by_format["hdf5"]) == 2
+    for sid, layers in by_format["parquet"].items():
+        assert layers.shape[-1] == o.dim and np.array_equal(layers, by_format["hdf5"][sid])
+    assert MappedDataset(out)[0]["layers"].shape[-1] == o.dim
 
 
 def test_combiners_frozen_stay_trainable_move():
