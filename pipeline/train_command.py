@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, type=local_path("folder"), help="run folder, a local path: checkpoints, curves, vocab, export in OUTPUT/model")
     p.add_argument("--valid", nargs="+", help="held-out text, evaluated at every checkpoint")
     p.add_argument("--options", help="options.json with architecture and training keys (missing keys: defaults)")
-    p.add_argument("--token-encoder", choices=("char", "word"), default="char", help="char CNN (default) or word embeddings")
+    p.add_argument("--token-encoder", choices=("char", "word"), help="char CNN (default) or word embeddings")
     p.add_argument("--tokenizer", choices=("whitespace", "raw"), default="whitespace",
                    help="whitespace: pre-tokenized text (default); raw: the project's tokenizer")
     p.add_argument("--vocab-file", help="use this vocabulary (one token per line) instead of building one")
@@ -67,7 +67,7 @@ FROM_THE_MODEL = ("lstm", "softmax")
 
 def build_options(args: argparse.Namespace) -> dict:
     from elmo_pipeline.training.train import default_options
-    opts = default_options(args.token_encoder)
+    opts = default_options(args.token_encoder or "char")
     if args.options:
         from elmo_pipeline.model.options import read_options_file
         given = read_options_file(args.options)
@@ -96,6 +96,8 @@ def resume_pins(args: argparse.Namespace) -> dict[str, tuple[tuple[str, ...], ob
     if args.seed is not None:
         pins["--seed"] = (("seed",), args.seed)
     pins["--tokenizer"] = (("tokenizer",), args.tokenizer)
+    if args.token_encoder is not None:
+        pins["--token-encoder"] = (("token_encoder",), args.token_encoder)
     if args.options:            # last: a changed flag is named as such, not as the file's key it sets
         from elmo_pipeline.model.options import read_options_file
         given, made = read_options_file(args.options), build_options(args)

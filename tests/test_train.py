@@ -332,11 +332,11 @@ def test_a_resume_whose_flags_differ_from_the_run_is_refused_not_ignored(texts, 
         return run(p.parse_args([*base, *flags]))
     train_with("--lr", "0.004", "--seed", "3", "--stop-after", "2")
     for flag, value, recorded in (("--lr", "0.01", "0.004"), ("--seed", "4", "3"), ("--tokenizer", "raw", "whitespace"),
-                                  ("--batch-size", "8", "16")):
+                                  ("--batch-size", "8", "16"), ("--token-encoder", "word", "char")):
         with pytest.raises(ValueError, match=f"--resume: {flag} {value} but the run in .* was trained with {recorded}:"):
             train_with("--resume", flag, value)
     assert latest_checkpoint(str(tmp_path / "run")).endswith("ckpt-00000002.h5")
-    train_with("--resume", "--lr", "0.004", "--n-layers", "2")        # the recorded values (n_layers 2: tiny's)
+    train_with("--resume", "--lr", "0.004", "--n-layers", "2", "--token-encoder", "char")   # the recorded values
     assert latest_checkpoint(str(tmp_path / "run")).endswith("ckpt-00000004.h5")
 
 

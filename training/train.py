@@ -270,7 +270,8 @@ def train(cfg: TrainConfig) -> dict:
         options = meta["options"]
         vocab = Vocabulary.load(os.path.join(cfg.out_dir, "vocab.txt"))
         check_vocab(ckpt, meta, vocab.tokens, os.path.join(cfg.out_dir, "vocab.txt"))
-        check_pins(ckpt, meta, cfg.resume_pins)
+        check_pins(ckpt, {**meta, "token_encoder": "char" if "char_cnn" in meta["options"] else "word"},
+                   cfg.resume_pins)
         if type(meta.get("seed")) is int:   # the run's data order and dropout masks, whatever --seed says now
             seed = meta["seed"]
     else:
