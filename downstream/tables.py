@@ -17,8 +17,9 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
     """The output as one pyarrow.Table (the manifest's shards, in order), for analysis.
 
     Parquet: the stored columns as written (layer 0 P wide unless --duplicate-layer0), `columns`
-    selects. HDF5-only outputs: id, doc_id, sentence_index, tokens (null without a Parquet twin) and
-    one list<fixed_size_list<float32, 2P>> column per layer (layer 0 duplicated, as stored in HDF5).
+    selects. HDF5 (fmt "hdf5", or an output without Parquet) and Arrow (fmt "arrow", or an output of Arrow only): id,
+    doc_id, sentence_index, tokens (null from HDF5 without a Parquet twin) and one
+    list<fixed_size_list<float32, 2P>> column per layer (layer 0 duplicated, as stored in HDF5), a row a sentence.
     """
     import pyarrow as pa
     out = open_output(source, storage_options)
@@ -45,7 +46,7 @@ def to_arrow_table(source: "str | ElmoOutput", columns: Sequence[str] | None = N
                 raise ValueError(f"{out.shown}: no column(s) {unknown} (has {empty.schema.names})")
             return empty.select(list(columns)) if columns else empty
         return pa.concat_tables(tables)
-    recs = list(out.sentences("hdf5"))
+    recs = list(out.sentences(fmt))
     data = {"id": pa.array([r["id"] for r in recs], pa.string()),
             "doc_id": pa.array([r["doc_id"] for r in recs], pa.string()),
             "sentence_index": pa.array([r["sentence_index"] for r in recs], pa.int32()),

@@ -174,6 +174,22 @@ def test_an_output_of_layer_0_alone_reads_2p_wide_from_every_format(tiny_model_f
     assert MappedDataset(out)[0]["layers"].shape[-1] == o.dim
 
 
+def test_to_arrow_table_of_an_arrow_only_output(outputs, tiny_model_files, tmp_path):
+    """An output written with --format arrow alone: to_arrow_table fell through to the HDF5 reader ("format 'hdf5'
+    not written"); now the sentence rows of its Arrow shards, as HDF5's are given."""
+    out, _, _ = outputs
+    arrow = str(tmp_path / "arrow")
+    inp = tmp_path / "docs.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in SENTENCES))
+    run_pipeline(tiny_model_files, str(inp), arrow, "--input-format", "jsonl", "--id-field", "id", "--tokenizer",
+                 "whitespace", "--format", "arrow", "--shard-sentences", "2")
+    t, h = to_arrow_table(arrow), to_arrow_table(out, fmt="hdf5")
+    assert t.num_rows == len(SENTENCES) and t.schema == h.schema
+    assert t.column("tokens").to_pylist() == [r["tokens"] for r in ElmoOutput(out).sentences()]
+    for name in ElmoOutput(out).layer_names:
+        assert t.column(name).to_pylist() == h.column(name).to_pylist()
+
+
 def test_combiners_frozen_stay_trainable_move():
     torch.manual_seed(0)
     x, mask = torch.randn(4, 3, 5, 8), torch.ones(4, 5, dtype=torch.bool)
