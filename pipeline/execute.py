@@ -18,7 +18,7 @@ from elmo_pipeline.output.state import OutputState
 from elmo_pipeline.pipeline.exits import after_plan
 from elmo_pipeline.pipeline.graph import build
 from elmo_pipeline.pipeline.plan import Plan
-from elmo_pipeline.pipeline.workers import lost_workers_end_the_run
+from elmo_pipeline.pipeline.workers import dask_tasks_finished, lost_workers_end_the_run
 
 logger = logging.getLogger("elmo-pipeline.run")
 
@@ -50,6 +50,7 @@ def run_graph(opts: PipelineOptions, pl: Plan, state: OutputState, lease: Lease)
             result = p.run()
             try:
                 result.wait_until_finish()
+                dask_tasks_finished(result)
             finally:
                 if getattr(result, "client", None) is not None:      # DaskRunner: its connection to the cluster
                     result.client.close()

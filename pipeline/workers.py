@@ -93,6 +93,26 @@ class WorkerLost(RuntimeError):
     """A local worker process of the run (--direct_running_mode multi_processing) exited while the pipeline ran."""
 
 
+class TasksLost(RuntimeError):
+    """DaskRunner: the run's tasks ended without their results (cancelled: the scheduler gone, the cluster restarted)."""
+
+
+def dask_tasks_finished(result) -> None:
+    """After DaskRunner's wait_until_finish(), which ends as DONE when its tasks were cancelled (distributed's
+    as_completed yields a cancelled future's CancelledError as its result, unraised: the scheduler gone mid-run, a
+    client.restart() or cancel()), so Finalize would publish what was staged so far as the whole output: TasksLost
+    unless every task finished. Other runners' results: nothing to check."""
+    futures = getattr(result, "futures", None)
+    if futures is None:
+        return
+    futures = list(futures) if isinstance(futures, (list, tuple)) else [futures]
+    lost = [f for f in futures if getattr(f, "status", "finished") != "finished"]
+    if lost:
+        raise TasksLost(f"{len(lost)} of the Dask run's {len(futures)} task(s) ended {lost[0].status} (the scheduler "
+                        "gone, or the cluster restarted): their work is lost; rerun the same command, it resumes "
+                        "from what was committed")
+
+
 WORKER_THREAD = "run_worker"      # Beam's thread that starts a local worker process and waits for it (worker_handlers)
 WORKER_EXITED = "Worker subprocess exited"      # what that thread raises when the process exits with a status
 LOST_SIGNAL = "SIGUSR2"           # sent to the main thread, whose wait for the lost worker's bundle never ends else
