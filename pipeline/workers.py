@@ -97,6 +97,43 @@ class TasksLost(RuntimeError):
     """DaskRunner: the run's tasks ended without their results (cancelled: the scheduler gone, the cluster restarted)."""
 
 
+def dask_scheduler_answers(opts: PipelineOptions) -> None:
+    """DaskRunner with --dask_client_address (or --dask_scheduler_file): TimeoutError (exit 75) unless the scheduler completes
+    distributed's handshake within the connection timeout (--dask_connection_timeout, else distributed's
+    `comm.timeouts.connect`). distributed's Client bounds the TCP connect but not the handshake's read: a scheduler
+    that accepts connections and never answers (stopped, frozen, or another service on its port) held Beam's
+    Client(), so the run, and its lease alive, for good. Called before each round's graph starts."""
+    from apache_beam.runners.dask.dask_runner import DaskOptions
+    d = opts.view_as(DaskOptions)
+    address = d.address
+    if not address and d.scheduler_file:
+        import json
+        try:
+            with open(d.scheduler_file) as f:
+                address = json.load(f).get("address")
+        except (OSError, ValueError, AttributeError):
+            return          # Client() says what is wrong with it
+    if not address:
+        return              # Beam starts a LocalCluster of its own
+    import asyncio
+
+    import dask
+    from dask.utils import parse_timedelta
+    from distributed.comm import connect
+    from distributed.security import Security
+    timeout = d.timeout if isinstance(d.timeout, (int, float)) else \
+        parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+
+    async def handshake():
+        comm = await connect(address, timeout=timeout, **Security().get_connection_args("client"))
+        await comm.close()
+    try:
+        asyncio.run(asyncio.wait_for(handshake(), timeout))
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"the Dask scheduler at {address} did not answer within {timeout:g} s (it accepts "
+                         "connections: stopped, frozen or another service on its port); retry later") from None
+
+
 def dask_tasks_finished(result) -> None:
     """After DaskRunner's wait_until_finish(), which ends as DONE when its tasks were cancelled (distributed's
     as_completed yields a cancelled future's CancelledError as its result, unraised: the scheduler gone mid-run, a

@@ -201,6 +201,43 @@ def test_dask_scheduler_killed_mid_run_publishes_nothing_and_a_rerun_finishes(co
     assert_same_output(read_output(out), reference)
 
 
+def test_dask_scheduler_that_never_answers_is_retry_later(tiny_model_files, tmp_path):
+    """A --dask_client_address that accepts connections and never answers (a scheduler stopped or frozen, another
+    service on its port): distributed's Client bounds the connect, not the handshake, and the run waited for good,
+    its lease alive (every later run 75). Now: exit 75 after --dask_connection_timeout, one line, the lease given
+    back."""
+    import socket
+    import threading
+    path = write_corpus(str(tmp_path / "in.txt"), n_docs=4)
+    out = str(tmp_path / "out")
+    silent, held, stop = socket.socket(), [], threading.Event()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    silent.settimeout(0.2)
+
+    def accept():
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(silent.accept()[0])
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        p = run_subprocess(argv(tiny_model_files, path, out, "--runner", DASK, "--dask_client_address",
+                                f"tcp://127.0.0.1:{silent.getsockname()[1]}", "--dask_connection_timeout", "3"),
+                           timeout=90)
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        silent.close()
+    assert held, "the run never connected"
+    assert p.returncode == 75, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "did not answer within 3 s" in errors[0], p.stderr[-3000:]
+    assert not os.path.exists(os.path.join(out, "_lease.json"))
+
+
 def test_dask_workers_on_two_kernel_paths_are_both_recorded_and_not_claimed_exact(tiny_model_files, tmp_path):
     """Two `dask worker` processes, one with ELMO_LSTM_GEMM=onednn (another LSTM loop: other bits), a
     --batch-invariant run (--dedupe on, planned exact): a run that embedded on both records no one `kernel_path` but
