@@ -18,7 +18,7 @@ from elmo_pipeline.output.state import OutputState
 from elmo_pipeline.pipeline.exits import after_plan
 from elmo_pipeline.pipeline.graph import build
 from elmo_pipeline.pipeline.plan import Plan
-from elmo_pipeline.pipeline.workers import dask_scheduler_answers, dask_tasks_finished, lost_workers_end_the_run
+from elmo_pipeline.pipeline.workers import dask_scheduler_answers, dask_wait, lost_workers_end_the_run
 
 logger = logging.getLogger("elmo-pipeline.run")
 
@@ -47,12 +47,15 @@ def run_graph(opts: PipelineOptions, pl: Plan, state: OutputState, lease: Lease)
     build(p, pl, state, lease.fence())
     try:
         with lost_workers_end_the_run():
-            if "DaskRunner" in str(opts.view_as(StandardOptions).runner):
+            dask = "DaskRunner" in str(opts.view_as(StandardOptions).runner)
+            if dask:
                 dask_scheduler_answers(opts)
             result = p.run()
             try:
-                result.wait_until_finish()
-                dask_tasks_finished(result)
+                if dask:
+                    dask_wait(result, opts)
+                else:
+                    result.wait_until_finish()
             finally:
                 if getattr(result, "client", None) is not None:      # DaskRunner: its connection to the cluster
                     result.client.close()

@@ -134,6 +134,26 @@ def dask_scheduler_answers(opts: PipelineOptions) -> None:
                          "connections: stopped, frozen or another service on its port); retry later") from None
 
 
+def dask_wait(result, opts: PipelineOptions) -> None:
+    """DaskRunner's wait_until_finish(), with the scheduler asked to complete a handshake (dask_scheduler_answers)
+    every connection timeout while it waits: the client sees a scheduler that died, not one stopped or frozen (its
+    connection stays open), and the run waited for good, its lease alive (every later run 75). TimeoutError (exit 75)
+    when it does not answer; then dask_tasks_finished."""
+    from apache_beam.runners.dask.dask_runner import DaskOptions
+    import dask
+    from dask.utils import parse_timedelta
+    d = opts.view_as(DaskOptions)
+    every = d.timeout if isinstance(d.timeout, (int, float)) else \
+        parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+    while True:
+        try:
+            result.wait_until_finish(duration=max(every, 1) * 1000)
+            break
+        except TimeoutError:        # distributed's as_completed: its tasks still running
+            dask_scheduler_answers(opts)
+    dask_tasks_finished(result)
+
+
 def dask_tasks_finished(result) -> None:
     """After DaskRunner's wait_until_finish(), which ends as DONE when its tasks were cancelled (distributed's
     as_completed yields a cancelled future's CancelledError as its result, unraised: the scheduler gone mid-run, a

@@ -238,6 +238,43 @@ def test_dask_scheduler_that_never_answers_is_retry_later(tiny_model_files, tmp_
     assert not os.path.exists(os.path.join(out, "_lease.json"))
 
 
+def test_dask_scheduler_stopped_mid_run_is_retry_later_and_a_rerun_finishes(corpus, tiny_model_files, reference,
+                                                                             tmp_path):
+    """The scheduler SIGSTOPped while the run embeds (frozen: its connections stay open): the run waited for good,
+    its lease alive. Now the scheduler is asked to answer every --dask_connection_timeout: exit 75, one line, the
+    lease given back; once it runs again (SIGCONT) the same command finishes the output."""
+    from distributed import Client
+    out = str(tmp_path / "out")
+    (tmp_path / "c").mkdir()
+    with cli_cluster(tmp_path / "c", {"ELMO_PIPELINE_DELAY_AT": "embed:0.5"}) as address:
+        args = argv(tiny_model_files, corpus, out, *EXTRA, "--runner", DASK, "--dask_client_address", address,
+                    "--dask_npartitions", "4", "--dask_connection_timeout", "3")
+        with Client(address) as client:
+            scheduler = client.run_on_scheduler(os.getpid)
+        run = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        try:
+            t0 = time.time()
+            while not glob.glob(os.path.join(out, "_staging", "*", "committed", "*.json")):
+                assert run.poll() is None and time.time() - t0 < 60, "no shard was committed"
+                time.sleep(0.05)
+            os.kill(scheduler, signal.SIGSTOP)
+            try:
+                _, err = run.communicate(timeout=60)
+            finally:
+                os.kill(scheduler, signal.SIGCONT)
+        finally:
+            run.kill()
+        assert run.returncode == 75, err[-3000:]
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "did not answer within 3 s" in errors[0], err[-3000:]
+        assert not os.path.exists(os.path.join(out, "_lease.json"))
+        rerun = run_subprocess(args, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert_same_output(read_output(out), reference)
+
+
 def test_dask_workers_on_two_kernel_paths_are_both_recorded_and_not_claimed_exact(tiny_model_files, tmp_path):
     """Two `dask worker` processes, one with ELMO_LSTM_GEMM=onednn (another LSTM loop: other bits), a
     --batch-invariant run (--dedupe on, planned exact): a run that embedded on both records no one `kernel_path` but
