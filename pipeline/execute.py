@@ -10,7 +10,7 @@ from elmo_pipeline.pipeline.quiet import quiet_beam
 
 quiet_beam()   # before Beam's first import, which logs notices about optional GCP libraries
 import apache_beam as beam
-from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
 from elmo_pipeline.output.lease import Lease, RetryLater
 from elmo_pipeline.output import lifecycle
@@ -18,7 +18,7 @@ from elmo_pipeline.output.state import OutputState
 from elmo_pipeline.pipeline.exits import after_plan
 from elmo_pipeline.pipeline.graph import build
 from elmo_pipeline.pipeline.plan import Plan
-from elmo_pipeline.pipeline.workers import lost_workers_end_the_run
+from elmo_pipeline.pipeline.workers import dask_scheduler_answers, dask_wait, lost_workers_end_the_run
 
 logger = logging.getLogger("elmo-pipeline.run")
 
@@ -47,9 +47,15 @@ def run_graph(opts: PipelineOptions, pl: Plan, state: OutputState, lease: Lease)
     build(p, pl, state, lease.fence())
     try:
         with lost_workers_end_the_run():
+            dask = "DaskRunner" in str(opts.view_as(StandardOptions).runner)
+            if dask:
+                dask_scheduler_answers(opts)
             result = p.run()
             try:
-                result.wait_until_finish()
+                if dask:
+                    dask_wait(result, opts)
+                else:
+                    result.wait_until_finish()
             finally:
                 if getattr(result, "client", None) is not None:      # DaskRunner: its connection to the cluster
                     result.client.close()

@@ -93,6 +93,83 @@ class WorkerLost(RuntimeError):
     """A local worker process of the run (--direct_running_mode multi_processing) exited while the pipeline ran."""
 
 
+class TasksLost(RuntimeError):
+    """DaskRunner: the run's tasks ended without their results (cancelled: the scheduler gone, the cluster restarted)."""
+
+
+def dask_scheduler_answers(opts: PipelineOptions) -> None:
+    """DaskRunner with --dask_client_address (or --dask_scheduler_file): TimeoutError (exit 75) unless the scheduler completes
+    distributed's handshake within the connection timeout (--dask_connection_timeout, else distributed's
+    `comm.timeouts.connect`). distributed's Client bounds the TCP connect but not the handshake's read: a scheduler
+    that accepts connections and never answers (stopped, frozen, or another service on its port) held Beam's
+    Client(), so the run, and its lease alive, for good. Called before each round's graph starts."""
+    from apache_beam.runners.dask.dask_runner import DaskOptions
+    d = opts.view_as(DaskOptions)
+    address = d.address
+    if not address and d.scheduler_file:
+        import json
+        try:
+            with open(d.scheduler_file) as f:
+                address = json.load(f).get("address")
+        except (OSError, ValueError, AttributeError):
+            return          # Client() says what is wrong with it
+    if not address:
+        return              # Beam starts a LocalCluster of its own
+    import asyncio
+
+    import dask
+    from dask.utils import parse_timedelta
+    from distributed.comm import connect
+    from distributed.security import Security
+    timeout = d.timeout if isinstance(d.timeout, (int, float)) else \
+        parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+
+    async def handshake():
+        comm = await connect(address, timeout=timeout, **Security().get_connection_args("client"))
+        await comm.close()
+    try:
+        asyncio.run(asyncio.wait_for(handshake(), timeout))
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"the Dask scheduler at {address} did not answer within {timeout:g} s (it accepts "
+                         "connections: stopped, frozen or another service on its port); retry later") from None
+
+
+def dask_wait(result, opts: PipelineOptions) -> None:
+    """DaskRunner's wait_until_finish(), with the scheduler asked to complete a handshake (dask_scheduler_answers)
+    every connection timeout while it waits: the client sees a scheduler that died, not one stopped or frozen (its
+    connection stays open), and the run waited for good, its lease alive (every later run 75). TimeoutError (exit 75)
+    when it does not answer; then dask_tasks_finished."""
+    from apache_beam.runners.dask.dask_runner import DaskOptions
+    import dask
+    from dask.utils import parse_timedelta
+    d = opts.view_as(DaskOptions)
+    every = d.timeout if isinstance(d.timeout, (int, float)) else \
+        parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+    while True:
+        try:
+            result.wait_until_finish(duration=max(every, 1) * 1000)
+            break
+        except TimeoutError:        # distributed's as_completed: its tasks still running
+            dask_scheduler_answers(opts)
+    dask_tasks_finished(result)
+
+
+def dask_tasks_finished(result) -> None:
+    """After DaskRunner's wait_until_finish(), which ends as DONE when its tasks were cancelled (distributed's
+    as_completed yields a cancelled future's CancelledError as its result, unraised: the scheduler gone mid-run, a
+    client.restart() or cancel()), so Finalize would publish what was staged so far as the whole output: TasksLost
+    unless every task finished. Other runners' results: nothing to check."""
+    futures = getattr(result, "futures", None)
+    if futures is None:
+        return
+    futures = list(futures) if isinstance(futures, (list, tuple)) else [futures]
+    lost = [f for f in futures if getattr(f, "status", "finished") != "finished"]
+    if lost:
+        raise TasksLost(f"{len(lost)} of the Dask run's {len(futures)} task(s) ended {lost[0].status} (the scheduler "
+                        "gone, or the cluster restarted): their work is lost; rerun the same command, it resumes "
+                        "from what was committed")
+
+
 WORKER_THREAD = "run_worker"      # Beam's thread that starts a local worker process and waits for it (worker_handlers)
 WORKER_EXITED = "Worker subprocess exited"      # what that thread raises when the process exits with a status
 LOST_SIGNAL = "SIGUSR2"           # sent to the main thread, whose wait for the lost worker's bundle never ends else

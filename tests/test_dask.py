@@ -142,7 +142,8 @@ def cli_cluster(tmp_path, *worker_envs: dict, nworkers: int = 1):
         yield address
     finally:
         for proc in reversed(procs):
-            os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):   # a process the test killed itself
+                os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -159,6 +160,119 @@ def test_dask_cli_cluster_commands(corpus, tiny_model_files, reference, tmp_path
                                 address, "--dask_npartitions", "4"), timeout=120)
         assert p.returncode == 0, p.stderr[-3000:]
         assert_same_output(read_output(out), reference)
+
+
+def test_dask_scheduler_killed_mid_run_publishes_nothing_and_a_rerun_finishes(corpus, tiny_model_files, reference,
+                                                                             tmp_path):
+    """The scheduler SIGKILLed while the run embeds: Beam's DaskRunner ended its wait as DONE (its tasks' futures
+    cancelled, whose CancelledError distributed's as_completed yields unraised), and Finalize published what was
+    staged so far, a manifest short of most sentences that a rerun then finished as complete. Now: exit 70, one
+    error line, no manifest; the same command on a new cluster gives what an uninterrupted run gives."""
+    from distributed import Client
+    out = str(tmp_path / "out")
+    (tmp_path / "c1").mkdir()
+    (tmp_path / "c2").mkdir()
+    with cli_cluster(tmp_path / "c1", {"ELMO_PIPELINE_DELAY_AT": "embed:0.5"}) as address:
+        args = argv(tiny_model_files, corpus, out, *EXTRA, "--runner", DASK, "--dask_client_address", address,
+                    "--dask_npartitions", "4")
+        with Client(address) as client:
+            scheduler = client.run_on_scheduler(os.getpid)
+        run = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        try:
+            t0 = time.time()
+            while not glob.glob(os.path.join(out, "_staging", "*", "committed", "*.json")):
+                assert run.poll() is None and time.time() - t0 < 60, "no shard was committed"
+                time.sleep(0.05)
+            os.kill(scheduler, signal.SIGKILL)
+            _, err = run.communicate(timeout=120)
+        finally:
+            run.kill()
+    assert run.returncode == 70, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rerun the same command" in errors[0], err[-3000:]
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
+    assert not os.path.exists(os.path.join(out, "_SUCCESS"))
+    with cli_cluster(tmp_path / "c2", {}) as address:
+        rerun = run_subprocess(argv(tiny_model_files, corpus, out, *EXTRA, "--runner", DASK, "--dask_client_address",
+                                    address, "--dask_npartitions", "4"), timeout=120)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert_same_output(read_output(out), reference)
+
+
+def test_dask_scheduler_that_never_answers_is_retry_later(tiny_model_files, tmp_path):
+    """A --dask_client_address that accepts connections and never answers (a scheduler stopped or frozen, another
+    service on its port): distributed's Client bounds the connect, not the handshake, and the run waited for good,
+    its lease alive (every later run 75). Now: exit 75 after --dask_connection_timeout, one line, the lease given
+    back."""
+    import socket
+    import threading
+    path = write_corpus(str(tmp_path / "in.txt"), n_docs=4)
+    out = str(tmp_path / "out")
+    silent, held, stop = socket.socket(), [], threading.Event()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    silent.settimeout(0.2)
+
+    def accept():
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(silent.accept()[0])
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        p = run_subprocess(argv(tiny_model_files, path, out, "--runner", DASK, "--dask_client_address",
+                                f"tcp://127.0.0.1:{silent.getsockname()[1]}", "--dask_connection_timeout", "3"),
+                           timeout=90)
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        silent.close()
+    assert held, "the run never connected"
+    assert p.returncode == 75, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "did not answer within 3 s" in errors[0], p.stderr[-3000:]
+    assert not os.path.exists(os.path.join(out, "_lease.json"))
+
+
+def test_dask_scheduler_stopped_mid_run_is_retry_later_and_a_rerun_finishes(corpus, tiny_model_files, reference,
+                                                                             tmp_path):
+    """The scheduler SIGSTOPped while the run embeds (frozen: its connections stay open): the run waited for good,
+    its lease alive. Now the scheduler is asked to answer every --dask_connection_timeout: exit 75, one line, the
+    lease given back; once it runs again (SIGCONT) the same command finishes the output."""
+    from distributed import Client
+    out = str(tmp_path / "out")
+    (tmp_path / "c").mkdir()
+    with cli_cluster(tmp_path / "c", {"ELMO_PIPELINE_DELAY_AT": "embed:0.5"}) as address:
+        args = argv(tiny_model_files, corpus, out, *EXTRA, "--runner", DASK, "--dask_client_address", address,
+                    "--dask_npartitions", "4", "--dask_connection_timeout", "3")
+        with Client(address) as client:
+            scheduler = client.run_on_scheduler(os.getpid)
+        run = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        try:
+            t0 = time.time()
+            while not glob.glob(os.path.join(out, "_staging", "*", "committed", "*.json")):
+                assert run.poll() is None and time.time() - t0 < 60, "no shard was committed"
+                time.sleep(0.05)
+            os.kill(scheduler, signal.SIGSTOP)
+            try:
+                _, err = run.communicate(timeout=60)
+            finally:
+                os.kill(scheduler, signal.SIGCONT)
+        finally:
+            run.kill()
+        assert run.returncode == 75, err[-3000:]
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "did not answer within 3 s" in errors[0], err[-3000:]
+        assert not os.path.exists(os.path.join(out, "_lease.json"))
+        rerun = run_subprocess(args, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert_same_output(read_output(out), reference)
 
 
 def test_dask_workers_on_two_kernel_paths_are_both_recorded_and_not_claimed_exact(tiny_model_files, tmp_path):
