@@ -162,29 +162,38 @@ def test_dask_cli_cluster_commands(corpus, tiny_model_files, reference, tmp_path
         assert_same_output(read_output(out), reference)
 
 
+def _run_to_a_commit(args: list[str], out: str, address: str):
+    """(the run's process, its scheduler's pid) once the run, started on the cluster at `address`, has committed a
+    shard of `out`."""
+    from distributed import Client
+    with Client(address) as client:
+        scheduler = client.run_on_scheduler(os.getpid)
+    run = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    t0 = time.time()
+    while not glob.glob(os.path.join(out, "_staging", "*", "committed", "*.json")):
+        if run.poll() is not None or time.time() - t0 > 60:
+            run.kill()
+            raise AssertionError("no shard was committed")
+        time.sleep(0.05)
+    return run, scheduler
+
+
 def test_dask_scheduler_killed_mid_run_publishes_nothing_and_a_rerun_finishes(corpus, tiny_model_files, reference,
                                                                              tmp_path):
     """The scheduler SIGKILLed while the run embeds: Beam's DaskRunner ended its wait as DONE (its tasks' futures
     cancelled, whose CancelledError distributed's as_completed yields unraised), and Finalize published what was
     staged so far, a manifest short of most sentences that a rerun then finished as complete. Now: exit 70, one
     error line, no manifest; the same command on a new cluster gives what an uninterrupted run gives."""
-    from distributed import Client
     out = str(tmp_path / "out")
     (tmp_path / "c1").mkdir()
     (tmp_path / "c2").mkdir()
     with cli_cluster(tmp_path / "c1", {"ELMO_PIPELINE_DELAY_AT": "embed:0.5"}) as address:
         args = argv(tiny_model_files, corpus, out, *EXTRA, "--runner", DASK, "--dask_client_address", address,
                     "--dask_npartitions", "4")
-        with Client(address) as client:
-            scheduler = client.run_on_scheduler(os.getpid)
-        run = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+        run, scheduler = _run_to_a_commit(args, out, address)
         try:
-            t0 = time.time()
-            while not glob.glob(os.path.join(out, "_staging", "*", "committed", "*.json")):
-                assert run.poll() is None and time.time() - t0 < 60, "no shard was committed"
-                time.sleep(0.05)
             os.kill(scheduler, signal.SIGKILL)
             _, err = run.communicate(timeout=120)
         finally:
@@ -243,22 +252,13 @@ def test_dask_scheduler_stopped_mid_run_is_retry_later_and_a_rerun_finishes(corp
     """The scheduler SIGSTOPped while the run embeds (frozen: its connections stay open): the run waited for good,
     its lease alive. Now the scheduler is asked to answer every --dask_connection_timeout: exit 75, one line, the
     lease given back; once it runs again (SIGCONT) the same command finishes the output."""
-    from distributed import Client
     out = str(tmp_path / "out")
     (tmp_path / "c").mkdir()
     with cli_cluster(tmp_path / "c", {"ELMO_PIPELINE_DELAY_AT": "embed:0.5"}) as address:
         args = argv(tiny_model_files, corpus, out, *EXTRA, "--runner", DASK, "--dask_client_address", address,
                     "--dask_npartitions", "4", "--dask_connection_timeout", "3")
-        with Client(address) as client:
-            scheduler = client.run_on_scheduler(os.getpid)
-        run = subprocess.Popen([sys.executable, "-m", "elmo_pipeline.pipeline.run", *args], cwd=REPO,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+        run, scheduler = _run_to_a_commit(args, out, address)
         try:
-            t0 = time.time()
-            while not glob.glob(os.path.join(out, "_staging", "*", "committed", "*.json")):
-                assert run.poll() is None and time.time() - t0 < 60, "no shard was committed"
-                time.sleep(0.05)
             os.kill(scheduler, signal.SIGSTOP)
             try:
                 _, err = run.communicate(timeout=60)

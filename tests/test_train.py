@@ -315,21 +315,29 @@ def test_a_run_resumes_only_on_its_own_text_vocabulary_and_arrays_and_keeps_its_
     assert latest_checkpoint(str(run)).endswith("ckpt-00000006.h5"), summary
 
 
+# A short run of the tiny options that checkpoints at steps 2 and 4, on one thread, quietly, not exported.
+RESUMABLE = ("--max-steps", "4", "--checkpoint-every", "2", "--threads", "1", "--no-progress", "--no-export")
+
+
+def _train_command(*argv):
+    """The `train` subcommand's run() on this command line, parsed by its own arguments."""
+    import argparse
+    from elmo_pipeline.pipeline.train_command import add_arguments, run
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return run(p.parse_args(list(argv)))
+
+
 def test_a_resume_whose_flags_differ_from_the_run_is_refused_not_ignored(texts, tmp_path):
     """`train --resume` keeps the run's options, seed and tokenizer: a flag given with another value (--lr, --seed,
     --tokenizer, --batch-size) was ignored without a word (trained on at the recorded values, exit 0); now one error
     naming the flag and the recorded value. The run's own command line again resumes it; flags it did not give pass."""
-    import argparse
-    from elmo_pipeline.pipeline.train_command import add_arguments, run
     from elmo_pipeline.training.train import latest_checkpoint
     (tmp_path / "opts.json").write_text(json.dumps(tiny_options()))
-    base = [texts["small"], "--output", str(tmp_path / "run"), "--options", str(tmp_path / "opts.json"),
-            "--max-steps", "4", "--checkpoint-every", "2", "--threads", "1", "--no-progress", "--no-export"]
 
     def train_with(*flags):
-        p = argparse.ArgumentParser()
-        add_arguments(p)
-        return run(p.parse_args([*base, *flags]))
+        return _train_command(texts["small"], "--output", str(tmp_path / "run"), "--options",
+                              str(tmp_path / "opts.json"), *RESUMABLE, *flags)
     train_with("--lr", "0.004", "--seed", "3", "--stop-after", "2")
     for flag, value, recorded in (("--lr", "0.01", "0.004"), ("--seed", "4", "3"), ("--tokenizer", "raw", "whitespace"),
                                   ("--batch-size", "8", "16"), ("--token-encoder", "word", "char")):
@@ -343,15 +351,10 @@ def test_a_resume_whose_flags_differ_from_the_run_is_refused_not_ignored(texts, 
 def test_init_from_with_a_flag_for_the_lstm_shape_is_refused_not_ignored(trained, texts, tmp_path):
     """`train --init-from MODEL --lstm-dim 128`: the model's shape was taken, the flag dropped without a word; now one
     error naming the flag, before anything is written."""
-    import argparse
-    from elmo_pipeline.pipeline.train_command import add_arguments, run
     out, _ = trained
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    args = p.parse_args([texts["small"], "--output", str(tmp_path / "ft"), "--init-from", str(out / "model"),
-                         "--lstm-dim", "128", "--max-steps", "1", "--threads", "1", "--no-progress", "--no-export"])
     with pytest.raises(ValueError, match=r"--init-from .*: its model gives the LSTM's shape; --lstm-dim cannot"):
-        run(args)
+        _train_command(texts["small"], "--output", str(tmp_path / "ft"), "--init-from", str(out / "model"),
+                       "--lstm-dim", "128", *RESUMABLE)
     assert not (tmp_path / "ft").exists()
 
 
@@ -360,18 +363,13 @@ def test_a_resume_whose_options_file_differs_from_the_run_is_refused_not_ignored
     changed since (a learning rate, a batch size) was ignored without a word, as a changed flag was; now one error
     naming the file, the key and the recorded value. The run's own file again resumes it (its n_tokens_vocab, which
     the vocabulary sets, is not compared)."""
-    import argparse
-    from elmo_pipeline.pipeline.train_command import add_arguments, run
     from elmo_pipeline.training.train import latest_checkpoint
     opts = {**tiny_options(), "n_tokens_vocab": 7}
     (tmp_path / "opts.json").write_text(json.dumps(opts))
-    base = [texts["small"], "--output", str(tmp_path / "run"), "--options", str(tmp_path / "opts.json"),
-            "--max-steps", "4", "--checkpoint-every", "2", "--threads", "1", "--no-progress", "--no-export"]
 
     def train_with(*flags):
-        p = argparse.ArgumentParser()
-        add_arguments(p)
-        return run(p.parse_args([*base, *flags]))
+        return _train_command(texts["small"], "--output", str(tmp_path / "run"), "--options",
+                              str(tmp_path / "opts.json"), *RESUMABLE, *flags)
     train_with("--stop-after", "2")
     (tmp_path / "opts.json").write_text(json.dumps({**opts, "batch_size": opts.get("batch_size", 32) + 1}))
     with pytest.raises(ValueError, match=r"^--resume: --options \S+opts.json \('batch_size'\) \d+ but the run in .* "
