@@ -80,8 +80,8 @@ def test_a_step_a_failed_bundle_left_suspended_holds_no_exit():
         del kept
         assert worker_exit._STATE["active"] == 1
         t = time.monotonic()
-        worker_exit.settle(limit_s=5)
-        assert time.monotonic() - t < 1 and worker_exit._STATE["active"] == 0
+        worker_exit.settle(limit_s=30)
+        assert time.monotonic() - t < 10 and worker_exit._STATE["active"] == 0     # a collection, not the bound
     finally:
         gc.enable()
         worker_exit._STATE["exiting"] = False

@@ -49,7 +49,8 @@ def check() -> None:
 def settle(limit_s: float = SETTLE_S) -> None:
     """No step starts from now on; wait (up to limit_s) for those under way to end. A step a failed bundle left
     suspended (its generator held by the failure's traceback, in a reference cycle) is closed by a collection first."""
-    gc.collect()
+    if _STATE["active"]:
+        gc.collect()            # only then: a collection walks every object (torch's: about half a second)
     with _CHANGED:
         _STATE["exiting"] = True
         _CHANGED.wait_for(lambda: _STATE["active"] == 0, timeout=limit_s)
