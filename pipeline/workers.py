@@ -117,12 +117,9 @@ def dask_scheduler_answers(opts: PipelineOptions) -> None:
         return              # Beam starts a LocalCluster of its own
     import asyncio
 
-    import dask
-    from dask.utils import parse_timedelta
     from distributed.comm import connect
     from distributed.security import Security
-    timeout = d.timeout if isinstance(d.timeout, (int, float)) else \
-        parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+    timeout = _connect_timeout(opts)
 
     async def handshake():
         comm = await connect(address, timeout=timeout, **Security().get_connection_args("client"))
@@ -134,17 +131,22 @@ def dask_scheduler_answers(opts: PipelineOptions) -> None:
                          "connections: stopped, frozen or another service on its port); retry later") from None
 
 
+def _connect_timeout(opts: PipelineOptions) -> float:
+    """Seconds: --dask_connection_timeout, else distributed's `comm.timeouts.connect`."""
+    from apache_beam.runners.dask.dask_runner import DaskOptions
+    import dask
+    from dask.utils import parse_timedelta
+    timeout = opts.view_as(DaskOptions).timeout
+    return timeout if isinstance(timeout, (int, float)) else \
+        parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+
+
 def dask_wait(result, opts: PipelineOptions) -> None:
     """DaskRunner's wait_until_finish(), with the scheduler asked to complete a handshake (dask_scheduler_answers)
     every connection timeout while it waits: the client sees a scheduler that died, not one stopped or frozen (its
     connection stays open), and the run waited for good, its lease alive (every later run 75). TimeoutError (exit 75)
     when it does not answer; then dask_tasks_finished."""
-    from apache_beam.runners.dask.dask_runner import DaskOptions
-    import dask
-    from dask.utils import parse_timedelta
-    d = opts.view_as(DaskOptions)
-    every = d.timeout if isinstance(d.timeout, (int, float)) else \
-        parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+    every = _connect_timeout(opts)
     while True:
         try:
             result.wait_until_finish(duration=max(every, 1) * 1000)
